@@ -1,0 +1,123 @@
+"""The `pipecc` command line (CONTRACT §4).
+
+Every command exits 0 on success, 2 on a usage error and 1 on any other error, printing one
+`pipecc: error: ...` line on stderr; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+from pipecc.errors import PipeccError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one `pipecc: error:` line and exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="a .py model file (CONTRACT §2) or an .onnx file")
+    p.add_argument("--batch-size", "-b", type=_positive_int, default=1, metavar="B",
+                   help="example batch size (the value of the symbol B; default 1)")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                   help="keyword argument for build_model (repeatable)")
+    p.add_argument("--symbol", action="append", metavar="NAME=INPUT:DIM",
+                   help="mark another symbolic dimension, e.g. S=0:1 (dim 1 of input 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipecc", description="pipecc: a pipeline-parallel compiler for "
+                     "deep-learning models (cost, plan, compile, run, inspect).")
+    parser.add_argument("--version", action="version", version="pipecc " + _version())
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks and verify the IR after each pass")
+    common.add_argument("-v", "--verbose", action="store_true", help="explain decisions")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("cost", parents=[common], help="symbolic per-node cost of a model",
+                       description="Per-node FLOPs (forward/backward), parameter and activation "
+                       "bytes as expressions in the batch symbol B.")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document (CONTRACT §5)")
+    p.add_argument("--by-module", type=int, default=0, metavar="DEPTH",
+                   help="group rows by the first DEPTH components of the module path")
+    p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("devices", parents=[common], help="list the device and link catalog",
+                       description="The device and link catalog with every figure's source.")
+    p.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    p.set_defaults(func=cmd_devices)
+    return parser
+
+
+def _version() -> str:
+    from pipecc import __version__
+    return __version__
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from pipecc import driver
+    from pipecc.cost_report import cost_json, cost_table
+    from pipecc.modelfile import parse_model_args
+
+    analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
+                              batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
+                              debug=args.debug)
+    if args.json:
+        print(json.dumps(cost_json(analysis.graph), indent=1))
+    else:
+        print(cost_table(analysis.graph, by_module=args.by_module))
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from pipecc import devices
+    if args.json:
+        print(json.dumps(devices.catalog_json(), indent=1))
+    else:
+        print(devices.format_catalog())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return 2
+        func: Callable[[argparse.Namespace], Any] = args.func
+        return int(func(args) or 0)
+    except PipeccError as exc:
+        if debug:
+            traceback.print_exc()
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"pipecc: error: {message}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("pipecc: error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""The symbolic cost model: FLOPs forward and backward, parameter bytes, activation bytes and
+bytes moved for every node, as sympy expressions in the graph's symbols (B, ...) plus their
+values at the example point. Sympy lives here and nowhere else in the compiler.
+
+Conventions (CONTRACT §5):
+  * a multiply-add counts 2 FLOPs;
+  * *matmul-class* FLOPs (linear, matmul/bmm, convolution and transposed convolution,
+    attention products, recurrent gate products) follow `torch.utils.flop_counter.
+    FlopCounterMode`: 2·(output elements)·(reduction length) forward; backward counts one
+    such product per operand that needs a gradient (so the first layer, whose input needs
+    none, costs only its weight gradient). Attention is counted as the math path does
+    (QKᵀ and AV, and their gradients, without flash attention's recomputation). Where the
+    reference is wrong we count correctly: torch 2.13 ignores `groups` in convolution
+    backward (pytorch PR #183405), we do not;
+  * other work (norms, softmax, activations, elementwise, reductions) has a per-element
+    constant below; its backward costs the same again when any input needs a gradient;
+  * views and reshapes cost no FLOPs and hold no memory; cat/copies move bytes;
+  * ops the table does not know cost one FLOP per output element, move all their bytes, and
+    are listed in a warning, never silently zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from pipecc.ir import (META_COST, META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE,
+                       AnnotatedGraph, Dim, TensorInfo, tensors_in, value_bytes)
+from pipecc.ops import VIEW_OPS
+
+# FLOPs per output element of non-matmul work (forward). Sources: the usual counting
+# conventions of fvcore/ptflops (1 per elementwise op; norms ~5: mean, var, normalise, scale,
+# shift; softmax ~5: max, sub, exp, sum, div; GELU's tanh approximation ~8).
+_PER_ELEMENT = {"norm": 5, "softmax": 5, "activation": 1, "elementwise": 1, "reduction": 1,
+                "pool": 1, "loss": 5, "embedding": 0, "shape": 0, "param": 0, "input": 0}
+_ACTIVATION_COST = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "mish": 6, "softplus": 4,
+                    "elu": 3, "hardswish": 3, "erf": 4}
+_BYTES_ONLY_SHAPE_OPS = frozenset({"cat", "concat", "stack", "repeat", "tile", "contiguous",
+                                   "pad", "constant_pad_nd", "roll", "flip", "index_select",
+                                   "gather", "index", "scatter", "index_put", "masked_select",
+                                   "take_along_dim"})
+
+
+@dataclass
+class NodeCost:
+    """Costs of one node. Expressions are sympy; the `*_v` twins are values at the point."""
+
+    forward_flops: Any = 0
+    backward_flops: Any = 0
+    forward_flops_matmul: Any = 0
+    backward_flops_matmul: Any = 0
+    param_bytes: int = 0
+    output_bytes: Any = 0      # size of what the node produces (what crosses a cut)
+    stash_bytes: Any = 0       # memory it holds for backward (0 for views)
+    bytes_moved: Any = 0       # memory traffic of the forward (inputs + params + outputs)
+    values: dict[str, int] | None = None
+
+    FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul",
+              "backward_flops_matmul", "param_bytes", "output_bytes", "stash_bytes", "bytes_moved")
+
+    def value(self, field: str) -> int:
+        assert self.values is not None, "cost not evaluated"
+        return self.values[field]
+
+
+@dataclass
+class _Operands:
+    op: str
+    kind: str
+    inputs: list[TensorInfo]        # tensor args in order (params of a module appended)
+    params: list[TensorInfo]        # the node's own parameters (call_module)
+    output: list[TensorInfo]
+    module: Any                     # the nn.Module for call_module, else None
+    node: fx.Node
+
+
+def _prod(xs) -> Dim:
+    out: Dim = 1
+    for x in xs:
+        out = out * x
+    return out
+
+
+def _numel(t: TensorInfo | None) -> Dim:
+    return t.numel if t is not None else 0
+
+
+def _mm(fwd_mm: Dim, operands_need_grad: int, other_fwd: Dim = 0, other_bwd: Dim = 0):
+    return fwd_mm + other_fwd, fwd_mm * operands_need_grad + other_bwd, fwd_mm, fwd_mm * operands_need_grad
+
+
+# Each rule returns (forward, backward, forward_matmul, backward_matmul) FLOPs.
+def _linear(o: _Operands):
+    x = o.inputs[0]
+    w = o.params[0] if o.params else (o.inputs[1] if len(o.inputs) > 1 else None)
+    bias = (o.params[1] if len(o.params) > 1 else None) if o.params else \
+        (o.inputs[2] if len(o.inputs) > 2 else None)
+    if o.op == "addmm":  # addmm(bias, a, b)
+        bias, x, w = o.inputs[0], o.inputs[1], o.inputs[2]
+        k = x.shape[-1]
+    elif o.op == "gemm":  # onnx Gemm(A, B, C, transA, transB)
+        trans_a = o.node.kwargs.get("transA", 0)
+        x, w = o.inputs[0], o.inputs[1]
+        bias = o.inputs[2] if len(o.inputs) > 2 else None
+        k = x.shape[0] if trans_a else x.shape[-1]
+    else:
+        k = x.shape[-1]
+    out = o.output[0]
+    fwd_mm = 2 * out.numel * k
+    grads = int(x.requires_grad) + int(w is not None and w.requires_grad)
+    bias_fwd = out.numel if bias is not None else 0
+    bias_bwd = out.numel if bias is not None and bias.requires_grad else 0
+    return _mm(fwd_mm, grads, bias_fwd, bias_bwd)
+
+
+def _matmul(o: _Operands):
+    a, b = o.inputs[-2], o.inputs[-1]
+    out = o.output[0]
+    k = a.shape[-1] if a.shape else 1
+    fwd_mm = 2 * out.numel * k
+    extra = out.numel if o.op == "baddbmm" else 0
+    if len(a.shape) == 1 or len(b.shape) == 1:
+        # matrix-vector: the matrix operand's gradient is an outer product (one multiply per
+        # element, not a matmul); only the vector's gradient is a matrix-vector product.
+        mat, vec = (b, a) if len(a.shape) == 1 else (a, b)
+        bwd_mm = fwd_mm if vec.requires_grad else 0
+        outer = mat.numel if mat.requires_grad else 0
+        return fwd_mm, bwd_mm + outer, fwd_mm, bwd_mm
+    grads = int(a.requires_grad) + int(b.requires_grad)
+    return _mm(fwd_mm, grads, extra, extra)
+
+
+def _conv(o: _Operands):
+    x = o.inputs[0]
+    w = o.params[0] if o.params else o.inputs[1]
+    bias = o.params[1] if len(o.params) > 1 else (o.inputs[2] if not o.params and len(o.inputs) > 2 else None)
+    out = o.output[0]
+    if o.kind == "conv_transpose":
+        fwd_mm = 2 * x.numel * _prod(w.shape[1:])
+    else:
+        fwd_mm = 2 * out.numel * _prod(w.shape[1:])
+    grads = int(x.requires_grad) + int(w.requires_grad)
+    bias_fwd = out.numel if bias is not None else 0
+    bias_bwd = out.numel if bias is not None and bias.requires_grad else 0
+    return _mm(fwd_mm, grads, bias_fwd, bias_bwd)
+
+
+def _attention(o: _Operands):
+    q, k, v = o.inputs[0], o.inputs[1], o.inputs[2]
+    length, e = q.shape[-2], q.shape[-1]
+    s, ev = k.shape[-2], v.shape[-1]
+    batch = q.numel / (length * e) if not isinstance(q.numel, int) else q.numel // (length * e)
+    qk = 2 * batch * length * s * e
+    av = 2 * batch * length * s * ev
+    scores = batch * length * s
+    bwd = qk * (int(q.requires_grad) + int(k.requires_grad)) \
+        + av * (int(q.requires_grad or k.requires_grad) + int(v.requires_grad))
+    other = 6 * scores  # scale, mask, softmax (5 per score)
+    any_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    return qk + av + other, bwd + (other if any_grad else 0), qk + av, bwd
+
+
+def _rnn(o: _Operands):
+    """nn.LSTM/GRU/RNN: gate products per layer and direction, as the unrolled cells count."""
+    m = o.module
+    x = o.inputs[0]
+    gates = {"lstm": 4, "gru": 3}.get(o.op, 1)
+    hidden = m.hidden_size
+    dirs = 2 if m.bidirectional else 1
+    if m.batch_first:
+        batch, steps = x.shape[0], x.shape[1]
+    else:
+        steps, batch = x.shape[0], x.shape[1]
+    fwd = bwd = 0
+    x_grad = x.requires_grad
+    for layer in range(m.num_layers):
+        in_size = m.input_size if layer == 0 else hidden * dirs
+        w_ih = 2 * batch * steps * gates * hidden * in_size
+        w_hh = 2 * batch * steps * gates * hidden * hidden
+        for _ in range(dirs):
+            fwd = fwd + w_ih + w_hh
+            # weight gradients, hidden-state gradients (h0 needs none: T-1 steps), input grads
+            bwd = bwd + w_ih + w_hh + 2 * batch * (steps - 1) * gates * hidden * hidden
+            if x_grad:
+                bwd = bwd + w_ih
+        x_grad = True
+    cell = batch * steps * gates * hidden * dirs * m.num_layers * 3
+    return fwd + cell, bwd + cell, fwd, bwd
+
+
+def _mha(o: _Operands):
+    """nn.MultiheadAttention: input/output projections plus the attention products."""
+    m = o.module
+    q, k = o.inputs[0], o.inputs[1]
+    e = m.embed_dim
+    if m.batch_first:
+        b, length, s = q.shape[0], q.shape[1], k.shape[1]
+    else:
+        length, b, s = q.shape[0], q.shape[1], k.shape[0]
+    proj = 2 * b * e * e * (length + 2 * s) + 2 * b * length * e * e
+    attn = 2 * 2 * b * length * s * e
+    any_grad = any(t.requires_grad for t in o.inputs[:3])
+    bwd = proj * (2 if any_grad else 1) + attn * 2
+    return proj + attn + 6 * b * m.num_heads * length * s, bwd, proj + attn, bwd
+
+
+def _elementwise(o: _Operands):
+    kind = o.kind
+    per = _ACTIVATION_COST.get(o.op, _PER_ELEMENT.get(kind, 1))
+    if kind in ("reduction", "pool", "loss"):
+        n = _numel(o.inputs[0]) if o.inputs else _numel(o.output[0] if o.output else None)
+    else:
+        n = sum((t.numel for t in o.output), 0)
+    fwd = per * n
+    any_grad = any(t.requires_grad for t in o.inputs) or any(p.requires_grad for p in o.params)
+    bwd = fwd * (2 if kind == "norm" else 1) if any_grad else 0
+    if kind == "embedding":
+        out = o.output[0]
+        bwd = out.numel if any_grad else 0  # scatter-add of the output gradient
+    return fwd, bwd, 0, 0
+
+
+def _unknown(o: _Operands):
+    n = sum((t.numel for t in o.output), 0)
+    any_grad = any(t.requires_grad for t in o.inputs)
+    return n, (n if any_grad else 0), 0, 0
+
+
+_RULES: dict[str, Callable[[_Operands], tuple]] = {
+    "linear": _linear, "matmul": _matmul, "conv": _conv, "conv_transpose": _conv,
+    "attention": _attention, "rnn": _rnn, "mha": _mha,
+}
+
+
+def _operands(node: fx.Node, gm: fx.GraphModule) -> _Operands:
+    inputs = [t for a in node.all_input_nodes for t in tensors_in(a.meta.get(META_VALUE))]
+    # keep argument order (all_input_nodes dedups; positional order matters for matmul)
+    ordered = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        for leaf in _flatten(a):
+            if isinstance(leaf, fx.Node):
+                ordered.extend(tensors_in(leaf.meta.get(META_VALUE)))
+    inputs = ordered or inputs
+    module = gm.get_submodule(node.target) if node.op == "call_module" else None
+    params = [info for _, info in node.meta.get(META_PARAMS, [])] if module is not None else []
+    if module is not None and not params:  # shared module already counted: shapes still matter
+        params = [TensorInfo(tuple(p.shape), p.dtype, p.requires_grad)
+                  for p in module.parameters(recurse=False)]
+    output = list(tensors_in(node.meta.get(META_VALUE)))
+    return _Operands(node.meta[META_OP], node.meta[META_KIND], inputs, params, output, module, node)
+
+
+def _flatten(a: Any):
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _flatten(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from _flatten(x)
+    else:
+        yield a
+
+
+def node_cost(node: fx.Node, gm: fx.GraphModule) -> tuple[NodeCost, bool]:
+    """Cost of one node; the flag says whether the op was unknown to the table."""
+    kind = node.meta[META_KIND]
+    value = node.meta.get(META_VALUE)
+    param_bytes = sum(int(info.nbytes) for _, info in node.meta.get(META_PARAMS, []))
+    out_bytes = value_bytes(value) if kind not in ("param",) else 0
+    if node.op in ("placeholder", "get_attr", "output"):
+        return NodeCost(param_bytes=param_bytes,
+                        output_bytes=out_bytes if node.op == "placeholder" else 0), False
+    o = _operands(node, gm)
+    unknown = kind == "unknown"
+    try:
+        if kind in _RULES:
+            fwd, bwd, fwd_mm, bwd_mm = _RULES[kind](o)
+        elif unknown:
+            fwd, bwd, fwd_mm, bwd_mm = _unknown(o)
+        else:
+            fwd, bwd, fwd_mm, bwd_mm = _elementwise(o)
+    except (IndexError, AttributeError, TypeError, ZeroDivisionError):
+        fwd, bwd, fwd_mm, bwd_mm = _unknown(o)
+        unknown = True
+    is_view = o.op in VIEW_OPS or (kind == "shape" and o.op not in _BYTES_ONLY_SHAPE_OPS)
+    in_bytes = sum((t.nbytes for t in o.inputs), 0)
+    moved = 0 if is_view else in_bytes + out_bytes + param_bytes
+    stash = 0 if is_view or not any(t.requires_grad for t in tensors_in(value)) else out_bytes
+    return NodeCost(forward_flops=fwd, backward_flops=bwd, forward_flops_matmul=fwd_mm,
+                    backward_flops_matmul=bwd_mm, param_bytes=param_bytes,
+                    output_bytes=out_bytes, stash_bytes=stash, bytes_moved=moved), unknown
+
+
+def _reaches_output(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes with a path to the output node (the others get no gradient in backward)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    live, stack = {out}, [out]
+    while stack:
+        for src in stack.pop().all_input_nodes:
+            if src not in live:
+                live.add(src)
+                stack.append(src)
+    return live
+
+
+def _simplify(x: Any) -> Any:
+    if isinstance(x, sympy.Expr):
+        return sympy.expand(x)
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    return x
+
+
+def _evaluate(x: Any, point: dict) -> int:
+    if isinstance(x, sympy.Expr):
+        return int(math.ceil(float(x.subs(point)) - 1e-9))
+    return int(math.ceil(x - 1e-9)) if isinstance(x, float) else int(x)
+
+
+def annotate(graph: AnnotatedGraph) -> list[str]:
+    """Write META_COST on every node. Returns the warnings (unknown ops, listed once)."""
+    unknown: dict[str, int] = {}
+    live = _reaches_output(graph.gm.graph)
+    for node in graph.gm.graph.nodes:
+        cost, is_unknown = node_cost(node, graph.gm)
+        if node not in live:  # its result never reaches the loss: autograd skips it
+            cost.backward_flops = cost.backward_flops_matmul = 0
+        for f in NodeCost.FIELDS:
+            setattr(cost, f, _simplify(getattr(cost, f)))
+        cost.values = {f: _evaluate(getattr(cost, f), graph.point) for f in NodeCost.FIELDS}
+        node.meta[META_COST] = cost
+        if is_unknown:
+            unknown[node.meta[META_OP]] = unknown.get(node.meta[META_OP], 0) + 1
+    notes = []
+    if unknown:
+        listed = ", ".join(f"{op} (x{n})" for op, n in sorted(unknown.items()))
+        notes.append(f"no cost formula for {listed}: costed conservatively as one FLOP per "
+                     "output element plus all bytes moved")
+    graph.warnings.extend(notes)
+    return notes
+
+
+TOTAL_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul",
+                "backward_flops_matmul", "param_bytes", "activation_bytes")
+
+
+def totals(graph: AnnotatedGraph, symbolic: bool = False) -> dict[str, Any]:
+    """Graph totals; activation bytes are what the nodes stash for backward plus views' 0."""
+    out: dict[str, Any] = {f: 0 for f in TOTAL_FIELDS}
+    for node in graph.gm.graph.nodes:
+        cost: NodeCost = node.meta[META_COST]
+        for f in TOTAL_FIELDS:
+            src = "output_bytes" if f == "activation_bytes" else f
+            if f == "activation_bytes" and (node.op in ("placeholder", "get_attr", "output")
+                                            or cost.stash_bytes == 0):
+                continue
+            out[f] = out[f] + (getattr(cost, src) if symbolic else cost.value(src))
+    if symbolic:
+        out = {k: sympy.expand(v) if isinstance(v, sympy.Expr) else v for k, v in out.items()}
+    return out
+
+
+def expr_str(x: Any) -> str:
+    return str(x)
+
+
+__all__ = ["NodeCost", "annotate", "totals", "node_cost", "TOTAL_FIELDS"]

@@ -1,0 +1,95 @@
+"""`pipecc cost` output: the contract's JSON (CONTRACT §5) and a readable table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipecc.cost import TOTAL_FIELDS, NodeCost, totals
+from pipecc.ir import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, tensors_in
+
+NODE_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
+               "param_bytes", "output_bytes", "bytes_moved")
+
+
+def cost_json(graph: AnnotatedGraph) -> dict[str, Any]:
+    nodes = []
+    for node in graph.gm.graph.nodes:
+        if node.op == "output":
+            continue
+        c: NodeCost = node.meta[META_COST]
+        entry: dict[str, Any] = {"name": node.meta[META_NAME], "op": node.meta[META_OP],
+                                 "kind": node.meta[META_KIND]}
+        for f in NODE_FIELDS:
+            entry[f] = c.value(f)
+        for f in ("forward_flops", "backward_flops", "output_bytes"):
+            entry[f + "_expr"] = str(getattr(c, f))
+        entry["shapes"] = [t.describe() for t in tensors_in(node.meta.get(META_VALUE))]
+        nodes.append(entry)
+    sym = totals(graph, symbolic=True)
+    total = totals(graph)
+    total.update({f + "_expr": str(sym[f]) for f in TOTAL_FIELDS})
+    return {"model": graph.model_name, "source": graph.source, "batch_size": graph.batch_size,
+            "symbols": {name: int(graph.point[s]) for name, s in graph.symbols.items()},
+            "total": total, "warnings": list(graph.warnings), "nodes": nodes}
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (SI prefixes; bytes use the same decimal prefixes)."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.3g}{prefix}{unit}"
+    return f"{n:.3g}{unit}" if isinstance(n, float) else f"{n}{unit}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def cost_table(graph: AnnotatedGraph, by_module: int = 0, max_formula: int = 40) -> str:
+    """Per node (or per module prefix of `by_module` path components) table plus totals."""
+    data = cost_json(graph)
+    headers = ["node" if not by_module else "module", "op", "fwd FLOPs", "formula (fwd)",
+               "bwd FLOPs", "params", "output"]
+    rows: list[list[str]] = []
+    if by_module:
+        groups: dict[str, dict[str, Any]] = {}
+        for n in data["nodes"]:
+            key = ".".join(n["name"].split(".")[:by_module])
+            g = groups.setdefault(key, {"ops": 0, "forward_flops": 0, "backward_flops": 0,
+                                        "param_bytes": 0, "output_bytes": 0})
+            g["ops"] += 1
+            for f in ("forward_flops", "backward_flops", "param_bytes", "output_bytes"):
+                g[f] += n[f]
+        for key, g in groups.items():
+            rows.append([key, f"{g['ops']} ops", human(g["forward_flops"]), "",
+                         human(g["backward_flops"]), human(g["param_bytes"], "B"),
+                         human(g["output_bytes"], "B")])
+    else:
+        for n in data["nodes"]:
+            formula = n["forward_flops_expr"]
+            if len(formula) > max_formula:
+                formula = formula[: max_formula - 1] + "…"
+            rows.append([n["name"], n["op"], human(n["forward_flops"]), formula,
+                         human(n["backward_flops"]), human(n["param_bytes"], "B"),
+                         human(n["output_bytes"], "B")])
+    t = data["total"]
+    symbols = ", ".join(f"{k}={v}" for k, v in data["symbols"].items()) or "none"
+    lines = [
+        f"{graph.model_name}: {len(data['nodes'])} nodes, captured with {graph.source}; "
+        f"symbols {symbols}",
+        "",
+        _table(headers, rows),
+        "",
+        f"forward FLOPs   {human(t['forward_flops']):>9}   = {t['forward_flops_expr']}",
+        f"  matmul-class  {human(t['forward_flops_matmul']):>9}   = {t['forward_flops_matmul_expr']}",
+        f"backward FLOPs  {human(t['backward_flops']):>9}   = {t['backward_flops_expr']}",
+        f"  matmul-class  {human(t['backward_flops_matmul']):>9}   = {t['backward_flops_matmul_expr']}",
+        f"parameters      {human(t['param_bytes'], 'B'):>9}",
+        f"activations     {human(t['activation_bytes'], 'B'):>9}   = {t['activation_bytes_expr']} bytes",
+    ]
+    lines += [f"warning: {w}" for w in data["warnings"]]
+    return "\n".join(lines)

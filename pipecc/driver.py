@@ -1,0 +1,84 @@
+"""The driver: the passes pipecc runs, top to bottom.
+
+    load model file ─► capture (fx → export fallback, or ONNX import) ─► shapes ─► ops/names
+                    ─► costs ─► [plan: balance ─► schedule] ─► [codegen]
+
+Each step is a plain function in its own module; this file only sequences them and runs the
+IR verifier between them when `debug` is set (tests always set it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from pipecc import cost, frontend
+from pipecc.errors import PipeccError, UsageError
+from pipecc.ir import AnnotatedGraph, verify
+from pipecc.modelfile import ModelSpec, load_model_file
+
+
+@dataclass
+class Analysis:
+    """A costed graph and, for .py models, the model it came from."""
+
+    graph: AnnotatedGraph
+    spec: ModelSpec | None  # None for ONNX files
+
+
+def parse_symbols(items: Sequence[str] | None) -> list[frontend.SymbolSpec]:
+    """`--symbol S=0:1` marks dim 1 of input 0 as the symbol S (inputs may be a+b lists)."""
+    out = []
+    for item in items or []:
+        name, sep, where = item.partition("=")
+        inputs, sep2, dim = where.partition(":")
+        try:
+            assert sep and sep2 and name.isidentifier()
+            spec = frontend.SymbolSpec(name, tuple(int(i) for i in inputs.split("+")), int(dim))
+        except (AssertionError, ValueError):
+            raise UsageError(f"--symbol {item!r} is not NAME=INPUT:DIM (example: --symbol S=0:1)") from None
+        out.append(spec)
+    return out
+
+
+def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name: str = "model",
+                   symbols: Sequence[frontend.SymbolSpec] = (), debug: bool = False) -> AnnotatedGraph:
+    """Capture, annotate and cost an in-memory module."""
+    first = next((x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    batch = int(first.shape[0]) if first is not None else 1
+    syms = frontend.default_symbols(tuple(example_inputs), batch) + list(symbols)
+    graph = frontend.from_module(model, tuple(example_inputs), symbols=syms, model_name=model_name)
+    if debug:
+        verify(graph)
+    cost.annotate(graph)
+    if debug:
+        verify(graph, costed=True)
+    return graph
+
+
+def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch_size: int = 1,
+            symbols: Sequence[frontend.SymbolSpec] = (), debug: bool = False) -> Analysis:
+    """Load a model file (.py or .onnx) and return its costed graph."""
+    path = Path(path)
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
+    if path.suffix == ".onnx":
+        if model_args:
+            raise UsageError("--model-arg applies to .py model files, not ONNX files")
+        from pipecc import onnx_frontend
+        graph = onnx_frontend.from_onnx(path, batch_size=batch_size)
+        if debug:
+            verify(graph)
+        cost.annotate(graph)
+        if debug:
+            verify(graph, costed=True)
+        return Analysis(graph, None)
+    spec = load_model_file(path, model_args, batch_size=batch_size)
+    graph = analyze_module(spec.model, spec.example_inputs, model_name=path.stem,
+                           symbols=symbols, debug=debug)
+    if graph.batch_size != batch_size and "B" in graph.symbols:
+        raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
+    return Analysis(graph, spec)

@@ -1,0 +1,347 @@
+"""PyTorch frontend: capture an nn.Module as an fx graph and annotate shapes symbolically.
+
+Capture: `torch.fx.symbolic_trace` first (fast, keeps leaf modules such as nn.Linear and
+nn.LSTM as single nodes with their module path); when it fails (Python control flow on
+shapes, Hugging Face models) fall back to `torch.export` and say so in a warning.
+
+Symbolic shapes by fitting, not by symbolic tracing: shapes are propagated with fake tensors
+(no memory, no FLOPs) at a few values of each symbol, and every dimension is fitted as a
+multilinear polynomial in the symbols (d = a + b·B, or a + b·B + c·S + e·B·S with two
+symbols), then checked at one more point. This works for every op that has a fake kernel
+(nn.LSTM has none under symbolic shapes, which rules torch's own ShapeEnv out) and is exact
+for the shapes deep-learning models produce; a dimension that fails the check is kept at its
+example value and reported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings as pywarnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pipecc.errors import CaptureError, PipeccError
+from pipecc.ir import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
+                       ScalarInfo, TensorInfo)
+from pipecc.ops import node_op, op_kind
+
+
+@dataclass(frozen=True)
+class SymbolSpec:
+    """A symbolic dimension: `name` stands for dim `dim` of every input listed in `inputs`."""
+
+    name: str
+    inputs: tuple[int, ...]
+    dim: int
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple,
+            symbols: Sequence[SymbolSpec] = ()) -> tuple[fx.GraphModule, str, list[str]]:
+    """Trace with fx, falling back to torch.export. Returns (graph module, source, warnings).
+
+    torch.export is asked to keep the symbols' dims dynamic (`Dim.AUTO`), so the exported
+    graph does not bake the example batch size into its reshapes.
+    """
+    notes: list[str] = []
+    try:
+        gm = fx.symbolic_trace(model)
+        return gm, "fx", notes
+    except Exception as fx_exc:  # fx raises many types (TraceError, TypeError, ...)
+        fx_error = f"{type(fx_exc).__name__}: {_first_line(fx_exc)}"
+    try:
+        with pywarnings.catch_warnings():
+            pywarnings.simplefilter("ignore")
+            dynamic: list[dict[int, Any] | None] = [None] * len(example_inputs)
+            for spec in symbols:
+                for i in spec.inputs:
+                    dynamic[i] = {**(dynamic[i] or {}), spec.dim: torch.export.Dim.AUTO}
+            exported = torch.export.export(model, tuple(example_inputs), strict=False,
+                                           dynamic_shapes=tuple(dynamic))
+            gm = exported.module()
+    except Exception as exp_exc:
+        raise CaptureError(
+            f"could not capture the model: torch.fx failed ({fx_error}) and torch.export failed "
+            f"({type(exp_exc).__name__}: {_first_line(exp_exc)}); remove data-dependent Python "
+            "control flow from forward"
+        ) from exp_exc
+    for node in list(gm.graph.nodes):  # export's input guards are checks, not model work
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")
+    return gm, "export", notes
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- shapes
+class _Recorder(fx.Interpreter):
+    """Runs the graph under a FakeTensorMode and records every node's output."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n] = _describe(out)
+        return out
+
+
+def _describe(x: Any) -> Any:
+    """Concrete structure of a runtime value: ('T', shape, dtype, rg) / tuples / ('S', v)."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(int(d) for d in x.shape), x.dtype, bool(x.requires_grad))
+    if isinstance(x, torch.Size):
+        return ("S", tuple(int(d) for d in x))
+    if isinstance(x, (tuple, list)):
+        return tuple(_describe(v) for v in x)
+    if isinstance(x, (int, float, bool, str)) or x is None:
+        return ("S", x)
+    return ("S", None)
+
+
+def _fake_inputs(mode: FakeTensorMode, inputs: tuple, sizes: dict[tuple[int, int], int]) -> tuple:
+    """Fake copies of the inputs with some dims resized; `sizes[(input, dim)] = n`."""
+    out = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor):
+            shape = [sizes.get((i, d), s) for d, s in enumerate(x.shape)]
+            with mode:
+                fake = torch.empty(shape, dtype=x.dtype, device="cpu")
+            out.append(fake.requires_grad_(x.requires_grad))
+        else:
+            out.append(x)
+    return tuple(out)
+
+
+def _run_fake(gm: fx.GraphModule, inputs: tuple, sizes: dict[tuple[int, int], int]) -> dict:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _fake_inputs(mode, inputs, sizes)
+    rec = _Recorder(gm)
+    with mode, pywarnings.catch_warnings():
+        pywarnings.simplefilter("ignore")
+        rec.run(*fake)
+    return rec.values
+
+
+def default_symbols(inputs: tuple, batch_size: int) -> list[SymbolSpec]:
+    """`B` is dim 0 of every tensor input whose first dim equals the batch size."""
+    batched = tuple(i for i, x in enumerate(inputs)
+                    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size)
+    return [SymbolSpec("B", batched, 0)] if batched else []
+
+
+def propagate_shapes(gm: fx.GraphModule, inputs: tuple, symbols: Sequence[SymbolSpec],
+                     ) -> tuple[dict[str, sympy.Symbol], dict[sympy.Symbol, int], list[str]]:
+    """Annotate META_VALUE on every node with shapes multilinear in the symbols.
+
+    Runs the graph 2^k + 1 times under fake tensors (k = number of symbols).
+    """
+    syms = {s.name: sympy.Symbol(s.name, positive=True, integer=True) for s in symbols}
+    base = {}
+    for s in symbols:
+        x = inputs[s.inputs[0]]
+        base[s.name] = int(x.shape[s.dim])
+    point = {syms[s.name]: base[s.name] for s in symbols}
+
+    def sizes_for(values: dict[str, int]) -> dict[tuple[int, int], int]:
+        return {(i, s.dim): values[s.name] for s in symbols for i in s.inputs}
+
+    corners = list(itertools.product((0, 1), repeat=len(symbols)))
+    runs = []
+    for corner in corners:
+        values = {s.name: base[s.name] + c for s, c in zip(symbols, corner)}
+        runs.append(_run_fake(gm, inputs, sizes_for(values)))
+    check_values = {s.name: base[s.name] + 3 for s in symbols}
+    check = _run_fake(gm, inputs, sizes_for(check_values)) if symbols else runs[0]
+    notes: list[str] = []
+    us = [syms[s.name] - base[s.name] for s in symbols]  # u_s in {0, 1} at the corners
+    for node in gm.graph.nodes:
+        observed = [r.get(node) for r in runs]
+        value, ok = _fit_value(observed, check.get(node), corners, us, syms, check_values)
+        if not ok:
+            notes.append(f"shape of {node.name} is not multilinear in "
+                         f"{', '.join(syms)}; kept at its example value")
+        node.meta[META_VALUE] = value
+    return syms, point, notes
+
+
+def _fit_value(observed: list, check: Any, corners, us, syms, check_values) -> tuple[Any, bool]:
+    first = observed[0]
+    if first is None:
+        return None, True
+    if isinstance(first, tuple) and first and first[0] == "T":
+        if any(o is None or o[0] != "T" or len(o[1]) != len(first[1]) for o in observed):
+            return _const(first), False
+        dims, ok = [], True
+        for d in range(len(first[1])):
+            expr, good = _fit_dim([o[1][d] for o in observed], check, d, corners, us, syms,
+                                  check_values)
+            dims.append(expr)
+            ok &= good
+        return TensorInfo(tuple(dims), first[2], first[3]), ok
+    if isinstance(first, tuple) and first and first[0] == "S":
+        return ScalarInfo(first[1]), True
+    if isinstance(first, tuple):
+        parts, ok = [], True
+        for idx in range(len(first)):
+            sub = [o[idx] if isinstance(o, tuple) and len(o) == len(first) else None for o in observed]
+            chk = check[idx] if isinstance(check, tuple) and len(check) == len(first) else None
+            v, good = _fit_value(sub, chk, corners, us, syms, check_values)
+            parts.append(v)
+            ok &= good
+        return tuple(parts), ok
+    return None, True
+
+
+def _fit_dim(vals: list[int], check: Any, d: int, corners, us, syms, check_values):
+    """Möbius inversion over the corners, then verify at the check point."""
+    if all(v == vals[0] for v in vals):
+        expr: Any = vals[0]
+    else:
+        expr = sympy.Integer(0)
+        for mask_i, mask in enumerate(corners):
+            coeff = 0
+            for sub_i, sub in enumerate(corners):
+                if all(s <= m for s, m in zip(sub, mask)):
+                    coeff += (-1) ** (sum(mask) - sum(sub)) * vals[sub_i]
+            if coeff:
+                term = sympy.Integer(coeff)
+                for u, bit in zip(us, mask):
+                    if bit:
+                        term = term * u
+                expr += term
+        expr = sympy.expand(expr)
+    if check is None or not (isinstance(check, tuple) and check[0] == "T") or d >= len(check[1]):
+        return expr, True
+    at = int(expr.subs({syms[k]: v for k, v in check_values.items()})) if isinstance(expr, sympy.Expr) else expr
+    if at != check[1][d]:
+        return vals[0], False
+    return expr, True
+
+
+def _const(desc: Any) -> Any:
+    return TensorInfo(desc[1], desc[2], desc[3])
+
+
+# ----------------------------------------------------------------------------- names
+def annotate_ops_and_names(gm: fx.GraphModule) -> None:
+    """META_OP, META_KIND, META_NAME and META_PARAMS for every node."""
+    taken: set[str] = set()
+    seen_params: set[int] = set()
+    for node in gm.graph.nodes:
+        op = node_op(node, gm)
+        node.meta[META_OP] = op
+        node.meta[META_KIND] = op_kind(op)
+        node.meta[META_NAME] = _unique(_human_name(node, op), taken)
+        params = []
+        if node.op == "call_module":
+            for pname, p in gm.get_submodule(node.target).named_parameters():
+                if id(p) not in seen_params:
+                    seen_params.add(id(p))
+                    params.append((f"{node.target}.{pname}", _info(p)))
+        elif node.op == "get_attr":
+            obj = _get_attr(gm, str(node.target))
+            if isinstance(obj, torch.nn.Parameter) and id(obj) not in seen_params:
+                seen_params.add(id(obj))
+                params.append((str(node.target), _info(obj)))
+        node.meta[META_PARAMS] = params
+
+
+def _info(p: torch.Tensor) -> TensorInfo:
+    return TensorInfo(tuple(int(d) for d in p.shape), p.dtype, bool(p.requires_grad))
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _human_name(node: fx.Node, op: str) -> str:
+    if node.op in ("call_module", "get_attr"):
+        return str(node.target)
+    if node.op == "placeholder":
+        return f"input.{node.target}"
+    if node.op == "output":
+        return "output"
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = path.replace("L['self'].", "").replace("L__self___", "")
+    op_part = op.split(":")[-1].split(".")[-1]
+    return f"{path}.{op_part}" if path else op_part
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, k = name, 1
+    while candidate in taken:
+        candidate = f"{name}_{k}"
+        k += 1
+    taken.add(candidate)
+    return candidate
+
+
+def from_module(model: torch.nn.Module, example_inputs: tuple, *,
+                symbols: Sequence[SymbolSpec] | None = None, model_name: str = "model",
+                batch_size: int | None = None) -> AnnotatedGraph:
+    """Capture and annotate (shapes, ops, names). Costs are added by `pipecc.cost.annotate`."""
+    example_inputs = tuple(example_inputs)
+    _check_forward(model, example_inputs)
+    if symbols is None:
+        b = batch_size
+        if b is None:
+            first = next((x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+            b = int(first.shape[0]) if first is not None else 1
+        symbols = default_symbols(example_inputs, b)
+    gm, source, notes = capture(model, example_inputs, symbols)
+    try:
+        syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
+    except Exception as exc:
+        if not symbols:
+            raise PipeccError(f"shape propagation failed on the captured graph: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        # the graph only runs at the example sizes (e.g. export specialised them)
+        syms, point, shape_notes = propagate_shapes(gm, example_inputs, [])
+        shape_notes.append(f"the captured graph only runs at the example sizes "
+                           f"({type(exc).__name__}); costs are numbers, not expressions in "
+                           f"{', '.join(s.name for s in symbols)}")
+    annotate_ops_and_names(gm)
+    return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source,
+                          model_name=model_name, warnings=notes + shape_notes)
+
+
+def _check_forward(model: torch.nn.Module, inputs: tuple) -> None:
+    """Run forward once under fake tensors so a broken model fails with its own error."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _fake_inputs(mode, inputs, {})
+    try:
+        with mode, pywarnings.catch_warnings():
+            pywarnings.simplefilter("ignore")
+            model(*fake)
+        return
+    except Exception as exc:
+        fake_exc = exc
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    if not isinstance(fake_exc, (DataDependentOutputException, DynamicOutputShapeException,
+                                 GuardOnDataDependentSymNode, NotImplementedError, RuntimeError)):
+        raise PipeccError(f"the model's forward raised {type(fake_exc).__name__}: "
+                          f"{_first_line(fake_exc)}") from fake_exc
+    try:  # data-dependent code needs real values: check for real
+        with torch.no_grad():
+            model(*inputs)
+    except Exception as exc:
+        raise PipeccError(f"the model's forward raised {type(exc).__name__}: {_first_line(exc)}") from exc

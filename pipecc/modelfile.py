@@ -1,0 +1,114 @@
+"""Loading model files: the contract's `.py` convention (CONTRACT §2) and `.onnx` files.
+
+A `.py` model file defines `build_model(**kwargs)` and `example_inputs(batch_size=1)`, and
+optionally `loss_fn(outputs, target)` and `example_target(batch_size=1)`. Size keyword
+arguments given with `--model-arg KEY=VALUE` go to `build_model`; they are also offered to
+`example_inputs`/`example_target` when those accept them (so inputs can follow the sizes).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pipecc.errors import PipeccError, UsageError
+
+REQUIRED = ("build_model", "example_inputs")
+
+
+@dataclass
+class ModelSpec:
+    """What a model file provides, built and ready to trace."""
+
+    path: Path
+    model: torch.nn.Module
+    example_inputs: tuple
+    make_inputs: Callable[[int], tuple]
+    loss_fn: Callable | None = None
+    make_target: Callable[[int], Any] | None = None
+    model_args: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_model_args(items: list[str] | None) -> dict[str, Any]:
+    """Turn `KEY=VALUE` strings into keyword arguments; values are Python literals or strings."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--model-arg {item!r} is not KEY=VALUE (example: --model-arg n_layer=2)")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def _call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call fn with the keyword arguments it accepts (all of them if it takes **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def import_model_file(path: Path) -> Any:
+    """Import a model file as a fresh module (not cached in sys.modules)."""
+    if not path.exists():
+        raise PipeccError(f"model file {str(path)!r} does not exist")
+    if path.suffix != ".py":
+        raise PipeccError(f"model file {str(path)!r} is neither .py nor .onnx")
+    name = f"pipecc_model_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: report, don't crash
+        raise PipeccError(f"importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
+    missing = [n for n in REQUIRED if not callable(getattr(module, n, None))]
+    if missing:
+        raise PipeccError(
+            f"{path.name} does not define {', '.join(missing)}; a model file needs "
+            "build_model(**kwargs) and example_inputs(batch_size=1) (see CONTRACT §2)"
+        )
+    return module
+
+
+def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
+                    batch_size: int = 1) -> ModelSpec:
+    """Import, build and make example inputs. Errors from user code become PipeccError."""
+    path = Path(path)
+    model_args = dict(model_args or {})
+    module = import_model_file(path)
+    try:
+        model = module.build_model(**model_args)
+    except TypeError as exc:
+        raise PipeccError(f"build_model in {path.name} rejected the model arguments: {exc}") from exc
+    except Exception as exc:
+        raise PipeccError(f"build_model in {path.name} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise PipeccError(f"build_model in {path.name} returned {type(model).__name__}, not an nn.Module")
+
+    def make_inputs(b: int) -> tuple:
+        inputs = _call_with_accepted(module.example_inputs, b, **model_args)
+        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+    try:
+        inputs = make_inputs(batch_size)
+    except Exception as exc:
+        raise PipeccError(f"example_inputs in {path.name} failed: {type(exc).__name__}: {exc}") from exc
+    make_target = None
+    if callable(getattr(module, "example_target", None)):
+        def make_target(b: int) -> Any:
+            return _call_with_accepted(module.example_target, b, **model_args)
+    return ModelSpec(path=path, model=model, example_inputs=inputs, make_inputs=make_inputs,
+                     loss_fn=getattr(module, "loss_fn", None), make_target=make_target,
+                     model_args=model_args)

@@ -167,19 +167,17 @@ def _attention(o: _Operands):
 
 def _rnn(o: _Operands):
     """nn.LSTM/GRU/RNN: gate products per layer and direction, as the unrolled cells count."""
-    m = o.module
     x = o.inputs[0]
     gates = {"lstm": 4, "gru": 3}.get(o.op, 1)
-    hidden = m.hidden_size
-    dirs = 2 if m.bidirectional else 1
-    if m.batch_first:
+    hidden, dirs, layers, batch_first, input_size = _rnn_config(o)
+    if batch_first:
         batch, steps = x.shape[0], x.shape[1]
     else:
         steps, batch = x.shape[0], x.shape[1]
     fwd = bwd = 0
     x_grad = x.requires_grad
-    for layer in range(m.num_layers):
-        in_size = m.input_size if layer == 0 else hidden * dirs
+    for layer in range(layers):
+        in_size = input_size if layer == 0 else hidden * dirs
         w_ih = 2 * batch * steps * gates * hidden * in_size
         w_hh = 2 * batch * steps * gates * hidden * hidden
         for _ in range(dirs):
@@ -189,8 +187,26 @@ def _rnn(o: _Operands):
             if x_grad:
                 bwd = bwd + w_ih
         x_grad = True
-    cell = batch * steps * gates * hidden * dirs * m.num_layers * 3
+    cell = batch * steps * gates * hidden * dirs * layers * 3
     return fwd + cell, bwd + cell, fwd, bwd
+
+
+def _rnn_config(o: _Operands) -> tuple:
+    """(hidden, directions, layers, batch_first, input size) of nn.LSTM/GRU/RNN, of
+    aten.lstm/gru (torch.export) and of ONNX LSTM/GRU/RNN."""
+    m = o.module
+    if m is not None:
+        return (m.hidden_size, 2 if m.bidirectional else 1, m.num_layers, m.batch_first,
+                m.input_size)
+    if o.node.op == "call_function" and not hasattr(o.node.target, "__pipecc_onnx_op__"):
+        # aten.lstm.input(x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+        # batch_first); aten.gru.input(x, hx, params, ...) has the same tail
+        args = o.node.args
+        params = args[2]
+        w_ih, w_hh = params[0].meta["pipecc.value"], params[1].meta["pipecc.value"]
+        return (w_hh.shape[1], 2 if args[7] else 1, int(args[4]), bool(args[8]), w_ih.shape[1])
+    w, r = o.inputs[1], o.inputs[2]  # ONNX: W [dirs, gates*H, I], R [dirs, gates*H, H]
+    return r.shape[-1], w.shape[0], 1, bool(o.node.kwargs.get("layout", 0)), w.shape[-1]
 
 
 def _mha(o: _Operands):
@@ -308,6 +324,15 @@ def _reaches_output(graph: fx.Graph) -> set[fx.Node]:
     return live
 
 
+def _depends_on_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed (transitively) from a graph input, i.e. real activations."""
+    data: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(a in data for a in node.all_input_nodes):
+            data.add(node)
+    return data
+
+
 def _simplify(x: Any) -> Any:
     if isinstance(x, sympy.Expr):
         return sympy.expand(x)
@@ -326,10 +351,13 @@ def annotate(graph: AnnotatedGraph) -> list[str]:
     """Write META_COST on every node. Returns the warnings (unknown ops, listed once)."""
     unknown: dict[str, int] = {}
     live = _reaches_output(graph.gm.graph)
+    data = _depends_on_inputs(graph.gm.graph)
     for node in graph.gm.graph.nodes:
         cost, is_unknown = node_cost(node, graph.gm)
         if node not in live:  # its result never reaches the loss: autograd skips it
             cost.backward_flops = cost.backward_flops_matmul = 0
+        if node not in data:  # computed from weights alone (weight norm, exporter's concats)
+            cost.stash_bytes = 0
         for f in NodeCost.FIELDS:
             setattr(cost, f, _simplify(getattr(cost, f)))
         cost.values = {f: _evaluate(getattr(cost, f), graph.point) for f in NodeCost.FIELDS}

@@ -60,8 +60,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
             for spec in symbols:
                 for i in spec.inputs:
                     dynamic[i] = {**(dynamic[i] or {}), spec.dim: torch.export.Dim.AUTO}
-            exported = torch.export.export(model, tuple(example_inputs), strict=False,
-                                           dynamic_shapes=tuple(dynamic))
+            try:
+                exported = torch.export.export(model, tuple(example_inputs), strict=False,
+                                               dynamic_shapes=tuple(dynamic))
+            except Exception:  # e.g. forward(*args) wants nested specs: export static
+                exported = torch.export.export(model, tuple(example_inputs), strict=False)
             gm = exported.module()
     except Exception as exp_exc:
         raise CaptureError(

@@ -54,9 +54,9 @@ _register("elementwise", "add sub mul truediv div floordiv neg pow sqrt rsqrt ex
                          "half bfloat16 double long int bool scaled_mul onnx_cast native_dropout "
                          "alias clone contiguous copy mod remainder logical_not bitwise_not "
                          "fill_ zeros_like ones_like full_like rand_like randn_like new_zeros "
-                         "new_ones detach")
+                         "new_ones detach trilu castlike")
 _register("reduction", "sum mean amax amin max min var std norm argmax argmin prod all any "
-                       "logsumexp reducemean reducesum reducemax reducemin count_nonzero")
+                       "logsumexp reducemean reducesum reducemax reducemin count_nonzero reducel2")
 _register("shape", "view reshape flatten unflatten permute transpose t squeeze unsqueeze "
                    "expand expand_as cat concat stack split chunk getitem getattr size dim "
                    "narrow select slice unbind repeat tile contiguous_view _unsafe_view "
@@ -65,7 +65,7 @@ _register("shape", "view reshape flatten unflatten permute transpose t squeeze u
                    "sym_constrain_range_for_size _assert_tensor_metadata movedim roll flip "
                    "onnx_shape onnx_constant unsafe_view slice_scatter index_select pad "
                    "constant_pad_nd lift_fresh_copy as_strided gather index scatter index_put "
-                   "masked_select take_along_dim")
+                   "masked_select take_along_dim sequenceat splittosequence gathernd")
 _register("loss", "cross_entropy nll_loss mse_loss binary_cross_entropy_with_logits l1_loss")
 
 # Views alias their input: they hold no memory of their own.

@@ -1,0 +1,492 @@
+"""Pipeline schedules as data: a tiny IR with a text form, generators and a validator.
+
+A schedule says, for every rank, the ordered list of actions it executes in one training
+(or inference) iteration. An action is ``Action(kind, stage, microbatch)``; ``stage`` is
+always the *local* (virtual) stage doing the work, as in torch.distributed.pipelining:
+
+    F        forward of ``stage`` on ``microbatch``
+    B        backward (input and weight gradients together)
+    SEND_F   ``stage`` sends its activation to ``stage + 1``
+    RECV_F   ``stage`` receives its input activation from ``stage - 1``
+    SEND_B   ``stage`` sends the gradient of its input to ``stage - 1``
+    RECV_B   ``stage`` receives the gradient of its output from ``stage + 1``
+
+Text form: an action is ``{stage}{kind}{microbatch}`` (``0F3``, ``2RECV_B1``); a schedule
+is one line per rank, ``rank 0: 0F0 0SEND_F0 0F1 ...``. ``parse(format(s)) == s`` and
+``format(parse(t)) == t`` for canonical text.
+
+Communication semantics (what ``validate`` and the simulator assume): sends are
+asynchronous and buffered (NCCL ``isend``), receives block until the matching send was
+executed. Stages ``s`` and ``s + 1`` on the same rank exchange data locally, without
+SEND/RECV actions.
+
+This module must stay free of torch and of ``pipecc.passes``: both the planner's
+simulator and the distributed runtime import it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import NoReturn
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleError",
+    "format",
+    "format_grid",
+    "gpipe",
+    "inference",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "parse",
+    "parse_action",
+    "validate",
+]
+
+
+class ActionKind(str, Enum):
+    """What an action does. The value is the text form."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.F, ActionKind.B)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one rank: ``kind`` applied by ``stage`` to ``microbatch``."""
+
+    kind: ActionKind
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def message(self) -> tuple[str, int, int] | None:
+        """Key of the message a SEND produces or a RECV consumes, else ``None``.
+
+        The key names the *receiving* stage, so ``0SEND_F3`` and ``1RECV_F3`` share
+        ``("F", 1, 3)`` and ``1SEND_B3`` and ``0RECV_B3`` share ``("B", 0, 3)``.
+        """
+        if self.kind is ActionKind.SEND_F:
+            return ("F", self.stage + 1, self.microbatch)
+        if self.kind is ActionKind.SEND_B:
+            return ("B", self.stage - 1, self.microbatch)
+        if self.kind is ActionKind.RECV_F:
+            return ("F", self.stage, self.microbatch)
+        if self.kind is ActionKind.RECV_B:
+            return ("B", self.stage, self.microbatch)
+        return None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank action lists plus the stage placement they assume.
+
+    ``stage_to_rank[s]`` is the rank holding (virtual) stage ``s``; ``-1`` only in a
+    parsed schedule that never mentions ``s`` (``validate`` rejects it).
+    """
+
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.actions) != self.num_ranks:
+            raise ValueError(f"{len(self.actions)} action rows for {self.num_ranks} ranks")
+        if len(self.stage_to_rank) != self.num_stages:
+            raise ValueError(f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages")
+
+    @classmethod
+    def from_actions(cls, actions: list[list[Action]] | tuple[tuple[Action, ...], ...]) -> Schedule:
+        """Build a schedule, inferring stages, microbatches and placement from the actions.
+
+        A stage belongs to the first rank (in rank order) whose row mentions it.
+        """
+        rows = tuple(tuple(row) for row in actions)
+        flat = [a for row in rows for a in row]
+        num_stages = 1 + max((a.stage for a in flat), default=-1)
+        num_microbatches = 1 + max((a.microbatch for a in flat), default=-1)
+        owner = [-1] * num_stages
+        for rank, row in enumerate(rows):
+            for a in row:
+                if owner[a.stage] == -1:
+                    owner[a.stage] = rank
+        return cls(len(rows), num_stages, num_microbatches, tuple(owner), rows)
+
+    @property
+    def is_training(self) -> bool:
+        """True when the schedule has backward actions."""
+        return any(a.kind is ActionKind.B for row in self.actions for a in row)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages held by ``rank``, ascending."""
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def stash_profile(self) -> list[int]:
+        """Per stage, the most microbatches whose activations are held at once.
+
+        A microbatch is held on stage ``s`` from its F until its B on that stage. Ranks
+        run their actions in order, so counting along the row is exact in time too.
+        Forward-only schedules stash nothing (0 everywhere). 1F1B gives
+        ``min(p - s, m)``, GPipe ``m``. O(total actions).
+        """
+        if not self.is_training:
+            return [0] * self.num_stages
+        held, peak = [0] * self.num_stages, [0] * self.num_stages
+        for row in self.actions:
+            for a in row:
+                if a.kind is ActionKind.F:
+                    held[a.stage] += 1
+                    peak[a.stage] = max(peak[a.stage], held[a.stage])
+                elif a.kind is ActionKind.B:
+                    held[a.stage] -= 1
+        return peak
+
+    def rank_stash_profile(self) -> list[int]:
+        """Per rank, the most (stage, microbatch) activation sets held at once.
+
+        With interleaving this is at most (usually below) the sum of ``stash_profile()``
+        over the rank's stages, because their peaks need not coincide. O(total actions).
+        """
+        if not self.is_training:
+            return [0] * self.num_ranks
+        peaks = []
+        for row in self.actions:
+            held = peak = 0
+            for a in row:
+                if a.kind is ActionKind.F:
+                    held += 1
+                    peak = max(peak, held)
+                elif a.kind is ActionKind.B:
+                    held -= 1
+            peaks.append(peak)
+        return peaks
+
+    def __str__(self) -> str:
+        return format(self)
+
+
+class ScheduleError(ValueError):
+    """A schedule broke a rule. The message is a one-line summary, then the grid.
+
+    ``marks`` lists the offending ``(rank, step)`` cells, marked ``>..<`` in the grid.
+    """
+
+    def __init__(self, summary: str, schedule: Schedule, marks: list[tuple[int, int]]):
+        self.summary = summary
+        self.marks = marks
+        super().__init__(f"{summary}\n{format_grid(schedule, marks)}")
+
+
+# ---------------------------------------------------------------------------- text form
+
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)")
+_ROW_RE = re.compile(r"rank (\d+):(.*)")
+
+
+def parse_action(text: str) -> Action:
+    """``"2RECV_B1"`` -> ``Action(RECV_B, 2, 1)``; ``ValueError`` on anything else."""
+    match = _ACTION_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not an action: {text!r} (expected e.g. '0F3' or '1SEND_B2')")
+    return Action(ActionKind(match.group(2)), int(match.group(1)), int(match.group(3)))
+
+
+def parse(text: str) -> Schedule:
+    """Parse the text form: one ``rank N: a a a`` line per rank, ranks 0, 1, ... in order.
+
+    Blank lines are ignored. Placement and sizes are inferred (``Schedule.from_actions``).
+    """
+    rows: list[list[Action]] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        match = _ROW_RE.fullmatch(line.strip())
+        if match is None:
+            raise ValueError(f"not a schedule row: {line!r} (expected 'rank N: ...')")
+        if int(match.group(1)) != len(rows):
+            raise ValueError(f"expected 'rank {len(rows)}:', got {line!r}")
+        rows.append([parse_action(tok) for tok in match.group(2).split()])
+    return Schedule.from_actions(rows)
+
+
+def format(schedule: Schedule) -> str:  # noqa: A001 - the IR's name for it; shadows only here
+    """The canonical text form, ``parse``'s inverse. No trailing newline."""
+    return "\n".join(
+        f"rank {r}:" + "".join(f" {a}" for a in row) for r, row in enumerate(schedule.actions)
+    )
+
+
+def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = ()) -> str:
+    """The schedule as an aligned grid, one row per rank, marked cells as ``>0B1<``."""
+    marked = set(marks)
+    width = max((len(row) for row in schedule.actions), default=0)
+    cells = [
+        [(f">{a}<" if (r, i) in marked else f" {a} ") for i, a in enumerate(row)] + [""] * (width - len(row))
+        for r, row in enumerate(schedule.actions)
+    ]
+    col = [max([len(str(i)) + 2] + [len(row[i]) for row in cells]) for i in range(width)]
+    label = max(len(f"rank {schedule.num_ranks - 1}:"), len("step"))
+    label += 1
+    lines = ["step".ljust(label) + "".join(f" {i} ".ljust(col[i]) for i in range(width)).rstrip()]
+    for r, row in enumerate(cells):
+        lines.append(f"rank {r}:".ljust(label) + "".join(c.ljust(col[i]) for i, c in enumerate(row)).rstrip())
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- generators
+
+
+def _place_comms(compute: list[list[Action]], stage_to_rank: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
+    """Insert SEND/RECV around compute actions wherever neighbouring stages sit on different ranks.
+
+    Receives go just before the compute that needs them and sends just after the compute
+    that produces them, which waits least under async sends. O(actions).
+    """
+    last = len(stage_to_rank) - 1
+    rows = []
+    for rank, row in enumerate(compute):
+        out: list[Action] = []
+        for a in row:
+            s, mb = a.stage, a.microbatch
+            if a.kind is ActionKind.F:
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    out.append(Action(ActionKind.RECV_F, s, mb))
+                out.append(a)
+                if s < last and stage_to_rank[s + 1] != rank:
+                    out.append(Action(ActionKind.SEND_F, s, mb))
+            else:
+                if s < last and stage_to_rank[s + 1] != rank:
+                    out.append(Action(ActionKind.RECV_B, s, mb))
+                out.append(a)
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    out.append(Action(ActionKind.SEND_B, s, mb))
+        rows.append(tuple(out))
+    return tuple(rows)
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(f"need at least one stage and one microbatch, got p={num_stages}, m={num_microbatches}")
+
+
+def _build(num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...], compute: list[list[Action]]) -> Schedule:
+    return Schedule(num_ranks, len(stage_to_rank), num_microbatches, stage_to_rank, _place_comms(compute, stage_to_rank))
+
+
+def _F(stage: int, mb: int) -> Action:
+    return Action(ActionKind.F, stage, mb)
+
+
+def _B(stage: int, mb: int) -> Action:
+    return Action(ActionKind.B, stage, mb)
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every rank runs all m forwards, then all m backwards in microbatch order.
+
+    Backwards go in order 0..m-1, like torch's ScheduleGPipe (with equal costs the
+    makespan is the same either way). Stage s on rank s. Every stage stashes m.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    compute = [[_F(s, i) for i in range(m)] + [_B(s, i) for i in range(m)] for s in range(num_stages)]
+    return _build(num_stages, m, tuple(range(num_stages)), compute)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush): rank r runs w = min(p-r-1, m) warm-up forwards, then
+    alternates F(w+i), B(i), then drains the remaining backwards. Stage r stashes
+    min(p-r, m)."""
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    compute = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        row = [_F(r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            row += [_F(r, warmup + i), _B(r, i)]
+        row += [_B(r, i) for i in range(m - warmup, m)]
+        compute.append(row)
+    return _build(p, m, tuple(range(p)), compute)
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages_per_rank: int) -> Schedule:
+    """Megatron-style interleaved 1F1B: rank r holds stages r, r+p, ..., r+(v-1)p.
+
+    Microbatches go round in groups of p: forward step k on a rank runs chunk
+    ``(k // p) % v`` on microbatch ``(k // (p*v)) * p + k % p``; backward step k runs
+    chunk ``v - 1 - (k // p) % v`` on the same microbatch formula. Rank r warms up with
+    ``min(m*v, (v-1)*p + 2*(p-r-1))`` forwards (as in Megatron and torch's
+    ScheduleInterleaved1F1B), then alternates F and B, then drains. Requires
+    ``m % p == 0``. With v == 1 this is plain ``one_f_one_b``.
+    """
+    p, m, v = num_ranks, num_microbatches, virtual_stages_per_rank
+    _check_sizes(p, m)
+    if v < 1:
+        raise ValueError(f"virtual_stages_per_rank must be >= 1, got {v}")
+    if v == 1:
+        return one_f_one_b(p, m)
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved 1F1B needs num_microbatches divisible by num_ranks: m={m}, p={p} "
+            f"(use m={((m + p - 1) // p) * p} or plain 1F1B)"
+        )
+
+    def microbatch(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def forward(r: int, k: int) -> Action:
+        return _F(((k // p) % v) * p + r, microbatch(k))
+
+    def backward(r: int, k: int) -> Action:
+        return _B((v - 1 - (k // p) % v) * p + r, microbatch(k))
+
+    total = m * v
+    compute = []
+    for r in range(p):
+        warmup = min(total, (v - 1) * p + 2 * (p - r - 1))
+        row = [forward(r, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            row += [forward(r, warmup + k), backward(r, k)]
+        row += [backward(r, k) for k in range(total - warmup, total)]
+        compute.append(row)
+    return _build(p, m, tuple(s % p for s in range(p * v)), compute)
+
+
+def inference(num_stages: int, num_microbatches: int) -> Schedule:
+    """Forwards only: rank s runs F(s, 0..m-1)."""
+    _check_sizes(num_stages, num_microbatches)
+    compute = [[_F(s, i) for i in range(num_microbatches)] for s in range(num_stages)]
+    return _build(num_stages, num_microbatches, tuple(range(num_stages)), compute)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _remote(schedule: Schedule, neighbour: int, rank: int) -> bool:
+    """True when stage ``neighbour`` exists and sits on a rank other than ``rank``."""
+    return 0 <= neighbour < schedule.num_stages and schedule.stage_to_rank[neighbour] != rank
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ``ScheduleError`` unless the schedule is complete, ordered, matched and deadlock-free.
+
+    Checks, in order: (1) every action is in range, on the rank owning its stage, and
+    appears once; SEND/RECV only cross ranks; every (stage, mb) has one F and, if the
+    schedule trains, one B; (2) every SEND has its RECV and vice versa; (3) along each
+    row, local inputs come first: F after its RECV_F (or the local F of stage-1), B after
+    its own F and its RECV_B (or the local B of stage+1), a SEND after the compute it
+    sends; (4) running all rows with async sends and blocking receives finishes.
+    The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice).
+    """
+    S, m = schedule.num_stages, schedule.num_microbatches
+    owner = schedule.stage_to_rank
+    training = schedule.is_training
+
+    def fail(summary: str, *marks: tuple[int, int]) -> NoReturn:
+        raise ScheduleError(summary, schedule, list(marks))
+
+    # (1) ownership, range, uniqueness, completeness
+    where: dict[Action, tuple[int, int]] = {}
+    for r, row in enumerate(schedule.actions):
+        for i, a in enumerate(row):
+            if not (0 <= a.stage < S and 0 <= a.microbatch < m):
+                fail(f"rank {r} step {i}: {a} is out of range (stages 0..{S - 1}, microbatches 0..{m - 1})", (r, i))
+            if owner[a.stage] != r:
+                fail(f"rank {r} step {i}: {a} runs on rank {r} but stage {a.stage} is on rank {owner[a.stage]}", (r, i))
+            if a in where:
+                fail(f"rank {r} step {i}: {a} appears twice", where[a], (r, i))
+            if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) and not _remote(schedule, a.stage + 1, r):
+                fail(f"rank {r} step {i}: {a} but stage {a.stage + 1} is not on another rank", (r, i))
+            if a.kind in (ActionKind.SEND_B, ActionKind.RECV_F) and not _remote(schedule, a.stage - 1, r):
+                fail(f"rank {r} step {i}: {a} but stage {a.stage - 1} is not on another rank", (r, i))
+            if a.kind is ActionKind.RECV_B and not training:
+                fail(f"rank {r} step {i}: {a} in a forward-only schedule", (r, i))
+            where[a] = (r, i)
+    for s in range(S):
+        if owner[s] == -1:
+            fail(f"stage {s} has no actions")
+        for mb in range(m):
+            if _F(s, mb) not in where:
+                fail(f"missing {_F(s, mb)}: forward of stage {s} microbatch {mb} never runs")
+            if training and _B(s, mb) not in where:
+                fail(f"missing {_B(s, mb)}: backward of stage {s} microbatch {mb} never runs", where[_F(s, mb)])
+
+    # (2) matching
+    sends = {a.message(): where[a] for a in where if a.kind.is_send}
+    recvs = {a.message(): where[a] for a in where if a.kind.is_recv}
+    for key, (r, i) in sends.items():
+        if key not in recvs:
+            fail(f"rank {r} step {i}: {schedule.actions[r][i]} has no matching receive on rank {owner[key[1]]}", (r, i))
+    for key, (r, i) in recvs.items():
+        if key not in sends:
+            src = key[1] - 1 if key[0] == "F" else key[1] + 1
+            fail(f"rank {r} step {i}: {schedule.actions[r][i]} has no matching send on rank {owner[src]}", (r, i))
+
+    # (3) per-row order of local dependencies
+    def before(need: Action, r: int, i: int, a: Action, why: str) -> None:
+        got = where.get(need)
+        if got is None or got[0] != r or got[1] > i:
+            fail(f"rank {r} step {i}: {a} runs before {need} ({why})", (r, i))
+
+    for r, row in enumerate(schedule.actions):
+        for i, a in enumerate(row):
+            s, mb, k = a.stage, a.microbatch, a.kind
+            prev_remote, next_remote = _remote(schedule, s - 1, r), _remote(schedule, s + 1, r)
+            if k is ActionKind.F and s > 0:
+                need = Action(ActionKind.RECV_F, s, mb) if prev_remote else _F(s - 1, mb)
+                before(need, r, i, a, "its input")
+            elif k is ActionKind.B:
+                before(_F(s, mb), r, i, a, "backward needs its forward")
+                if s < S - 1:
+                    need = Action(ActionKind.RECV_B, s, mb) if next_remote else _B(s + 1, mb)
+                    before(need, r, i, a, "its output gradient")
+            elif k is ActionKind.SEND_F:
+                before(_F(s, mb), r, i, a, "sends the forward's output")
+            elif k is ActionKind.SEND_B:
+                before(_B(s, mb), r, i, a, "sends the backward's input gradient")
+
+    # (4) deadlock: advance every row until it blocks on a receive whose send has not run
+    pc = [0] * schedule.num_ranks
+    sent: set[tuple[str, int, int]] = set()
+    progress = True
+    while progress:
+        progress = False
+        for r, row in enumerate(schedule.actions):
+            while pc[r] < len(row):
+                a = row[pc[r]]
+                if a.kind.is_recv and a.message() not in sent:
+                    break
+                if a.kind.is_send:
+                    sent.add(a.message())
+                pc[r] += 1
+                progress = True
+    stuck = [(r, pc[r]) for r in range(schedule.num_ranks) if pc[r] < len(schedule.actions[r])]
+    if stuck:
+        waits = ", ".join(f"rank {r} at step {i} ({schedule.actions[r][i]})" for r, i in stuck)
+        fail(f"deadlock: every unfinished rank waits on a receive: {waits}", *stuck)

@@ -1,0 +1,55 @@
+"""Shared test helpers: the zoo at tiny size and the reference FLOP counter."""
+from __future__ import annotations
+
+import copy
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+ZOO = ["bert", "gnmt", "gpt", "mlp", "resnet50", "tiny_cnn", "vgg16"]
+
+
+def zoo_module(name: str) -> Any:
+    return importlib.import_module(f"pipecc.models.{name}")
+
+
+def zoo_path(name: str) -> Path:
+    return ROOT / "models" / f"{name}.py"
+
+
+def _mv_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1]
+
+
+def _dot_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0]
+
+
+# FlopCounterMode does not count matrix-vector products (aten.mv, aten.dot); we do.
+REFERENCE_EXTRAS = {torch.ops.aten.mv: _mv_flop, torch.ops.aten.dot: _dot_flop}
+
+
+def reference_flops(model: torch.nn.Module, inputs: tuple, loss=None, target=None) -> tuple[int, int]:
+    """FlopCounterMode forward and backward totals, run on the meta device.
+
+    On CPU, torch's fused LSTM and flash-attention kernels are invisible to FlopCounterMode;
+    on meta they decompose into the mm/bmm calls it counts, which is the convention we follow.
+    """
+    model = copy.deepcopy(model).to("meta")
+    meta = tuple(x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
+                 else x for x in inputs)
+    with FlopCounterMode(display=False, custom_mapping=REFERENCE_EXTRAS) as fc:
+        model(*meta)
+    forward = fc.get_total_flops()
+    with FlopCounterMode(display=False, custom_mapping=REFERENCE_EXTRAS) as fc:
+        out = model(*meta)
+        if loss is not None:
+            t = target.to("meta") if isinstance(target, torch.Tensor) else target
+            loss(out, t).backward()
+        else:
+            out.float().sum().backward()
+    return forward, fc.get_total_flops() - forward

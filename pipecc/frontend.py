@@ -15,10 +15,13 @@ example value and reported.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import sys
 import warnings as pywarnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import sympy
 import torch
@@ -54,7 +57,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     except Exception as fx_exc:  # fx raises many types (TraceError, TypeError, ...)
         fx_error = f"{type(fx_exc).__name__}: {_first_line(fx_exc)}"
     try:
-        with pywarnings.catch_warnings():
+        with pywarnings.catch_warnings(), _quiet_torch_logs():
             pywarnings.simplefilter("ignore")
             dynamic: list[dict[int, Any] | None] = [None] * len(example_inputs)
             for spec in symbols:
@@ -79,6 +82,22 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     gm.recompile()
     notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")
     return gm, "export", notes
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export prints guard failures and graphs on stderr (through handlers that ignore
+    logger levels); we report failures ourselves, so stderr is muted at the fd level."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -251,7 +251,8 @@ def _slice(x, starts, ends, axes=None, steps=None):
     steps = steps.tolist() if steps is not None else [1] * len(starts)
     index = [slice(None)] * x.dim()
     for s, e, a, st in zip(starts, ends, axes, steps):
-        index[a] = slice(s, e, st)
+        n = x.shape[a]  # ONNX uses INT64_MAX/MIN for "to the end"; clamp like numpy would
+        index[a] = slice(max(min(s, n), -n - 1), max(min(e, n), -n - 1), st)
     return x[tuple(index)]
 
 

@@ -1,0 +1,83 @@
+"""A pipeline plan: which nodes each stage holds, on which device, under which schedule.
+
+The plan is data with a stable JSON form (CONTRACT §5); `Plan.from_json(plan.to_json())`
+round-trips. Backends read a plan together with the (possibly rewritten) annotated graph
+whose human node names (`META_NAME`) the plan lists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class StagePlan:
+    index: int
+    device: int
+    nodes: list[str]
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    send_bytes: int = 0           # bytes this stage sends forward per micro-batch
+    recv_bytes: int = 0           # bytes it receives per micro-batch
+    comm_s: float = 0.0           # its communication time per micro-batch (fwd + bwd)
+    peak_memory_bytes: int = 0
+    forward_flops: int = 0
+    param_bytes: int = 0
+
+
+@dataclass
+class SplitLayer:
+    node: str        # the original node's name
+    parts: int
+    dim: int         # 0: output features/channels; 1: input features (partial sums); table rows
+    sizes: list[int] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)  # names of the shard nodes
+
+
+@dataclass
+class Plan:
+    model: str
+    batch_size: int
+    microbatches: int
+    schedule: str
+    devices: list[dict[str, Any]]
+    stages: list[StagePlan]
+    split_layers: list[SplitLayer]
+    bottleneck_s: float
+    lower_bound_s: float
+    predicted_iteration_s: float
+    bubble_fraction: float
+    dtype: str = "fp32"
+    virtual_stages: int = 1
+    decisions: list[str] = field(default_factory=list)      # why this schedule/m/order
+    alternatives: list[dict[str, Any]] = field(default_factory=list)  # schedules that lost
+    baselines: list[dict[str, Any]] = field(default_factory=list)
+    model_args: dict[str, Any] = field(default_factory=dict)
+    model_path: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def balance_ratio(self) -> float:
+        return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else float("inf")
+
+    def stage_of(self) -> dict[str, int]:
+        """Node name -> stage index."""
+        return {name: s.index for s in self.stages for name in s.nodes}
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["balance_ratio"] = self.balance_ratio
+        return data
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        data = dict(data)
+        data.pop("balance_ratio", None)
+        data["stages"] = [StagePlan(**s) for s in data["stages"]]
+        data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
+        return cls(**data)

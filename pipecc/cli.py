@@ -42,6 +42,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="mark another symbolic dimension, e.g. S=0:1 (dim 1 of input 0)")
 
 
+def _microbatches(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", "-d", required=True, metavar="SPEC",
+                   help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml")
+    p.add_argument("--microbatches", "-m", type=_microbatches, default="auto", metavar="M|auto")
+    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved"], default="auto")
+    p.add_argument("--coarse", action="store_true", help="cut only at block boundaries")
+    p.add_argument("--choose-order", action="store_true",
+                   help="let pipecc order the devices (interchangeable types)")
+    p.add_argument("--no-split-layers", action="store_true", help="never split a layer across devices")
+    p.add_argument("--inference", action="store_true", help="plan forward passes only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipecc", description="pipecc: a pipeline-parallel compiler for "
                      "deep-learning models (cost, plan, compile, run, inspect).")
@@ -60,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by-module", type=int, default=0, metavar="DEPTH",
                    help="group rows by the first DEPTH components of the module path")
     p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("plan", parents=[common], help="split a model into pipeline stages",
+                       description="Balance the model over the devices: stages, schedule, "
+                       "micro-batches, split layers, with the bottleneck against a proven bound.")
+    _add_model_args(p)
+    _add_plan_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (CONTRACT §5)")
+    p.add_argument("-o", "--output", metavar="PLAN_JSON", help="also write the plan JSON here")
+    p.add_argument("--compare", action="store_true",
+                   help="add the baselines' partitions (equal count, equal params, torchgpipe)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("devices", parents=[common], help="list the device and link catalog",
                        description="The device and link catalog with every figure's source.")
@@ -88,6 +115,50 @@ def cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_from_args(args: argparse.Namespace):
+    from pipecc import driver
+    from pipecc.modelfile import parse_model_args
+    analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
+                              batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
+                              debug=args.debug)
+    plan, graph = driver.plan(analysis, args.devices, microbatches=args.microbatches,
+                              schedule=args.schedule, coarse=args.coarse,
+                              choose_order=args.choose_order,
+                              split_layers=not args.no_split_layers,
+                              compare=getattr(args, "compare", False),
+                              training=not args.inference, debug=args.debug)
+    plan.model_path = str(args.model)
+    plan.model_args = parse_model_args(args.model_arg)
+    return analysis, plan, graph
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pipecc.plan_report import plan_table
+    _, plan, _ = _plan_from_args(args)
+    if args.output:
+        _write_atomic(args.output, plan.dumps() + "\n")
+    if args.json:
+        print(plan.dumps())
+    else:
+        print(plan_table(plan, verbose=args.verbose))
+    return 0
+
+
+def _write_atomic(path: str, text: str) -> None:
+    import os
+    import tempfile
+    from pathlib import Path
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=".pipecc-", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
     from pipecc import devices
     if args.json:
@@ -114,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"pipecc: error: {message}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # `pipecc ... | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("pipecc: error: interrupted", file=sys.stderr)
         return 130

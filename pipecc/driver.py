@@ -82,3 +82,28 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if graph.batch_size != batch_size and "B" in graph.symbols:
         raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
     return Analysis(graph, spec)
+
+
+def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
+         microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
+         choose_order: bool = False, split_layers: bool = True, compare: bool = False,
+         training: bool = True, dtype: str = "fp32", debug: bool = False):
+    """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
+    rewritten by intra-layer splitting, and the plan's node names refer to it."""
+    from pipecc.devices import Cluster, DeviceSpecError, parse_devices
+    from pipecc.passes.balance import PlanOptions, Balancer
+    graph = analysis.graph if isinstance(analysis, Analysis) else analysis
+    try:
+        cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
+    except DeviceSpecError as exc:
+        raise UsageError(str(exc)) from exc
+    if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
+        raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
+    options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
+                          schedule=schedule, coarse=coarse, choose_order=choose_order,
+                          split_layers=split_layers, compare=compare, training=training,
+                          dtype=dtype)
+    result, _ = Balancer(graph, cluster, options).run()
+    if debug:
+        verify(graph, costed=True)
+    return result, graph

@@ -1,0 +1,125 @@
+"""From the costed graph to the partitioner's numbers: units, their costs and lifetimes.
+
+A *unit* is what the partitioner places: one compute node, or (coarse mode) one block —
+the consecutive nodes of a module such as `blocks.3`. Parameter nodes (`get_attr`) are folded
+into their first user, the model's inputs into the first unit. Costs are the cost model's
+sympy expressions evaluated at the micro-batch size (B = batch / microbatches, the other
+symbols at their example values), all nodes at once through one lambdified function.
+
+Precondition: `pipecc.cost.annotate` has run. No structural change to the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import sympy
+import torch.fx as fx
+
+from pipecc.ir import META_COST, META_KIND, META_NAME, AnnotatedGraph
+
+FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
+          "output_bytes", "stash_bytes", "bytes_moved")
+
+
+@dataclass
+class Units:
+    """Per-unit numbers (arrays of length n) and the node names of each unit."""
+
+    names: list[list[str]]          # human names of the nodes in each unit, in graph order
+    kinds: list[set[str]]           # op kinds inside each unit
+    values: dict[str, np.ndarray]   # FIELDS -> per unit at the micro-batch size
+    param_bytes: np.ndarray
+    last_use: list[int]             # index of the last unit using the unit's output (n: graph output)
+    splittable: list[bool] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+
+def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
+    """A function B -> {field: per-node numpy array} (other symbols at their example values)."""
+    b_sym = graph.symbols.get("B")
+    fixed = {s: v for s, v in graph.point.items() if s != b_sym}
+    arg = b_sym if b_sym is not None else sympy.Symbol("B")
+    funcs = {}
+    for f in FIELDS:
+        exprs = []
+        for node in nodes:
+            e = getattr(node.meta[META_COST], f)
+            exprs.append(e.subs(fixed) if isinstance(e, sympy.Expr) and fixed else e)
+        funcs[f] = sympy.lambdify([arg], exprs, modules="numpy")
+
+    def at(batch: float) -> dict[str, np.ndarray]:
+        return {f: np.asarray(fn(batch), dtype=float).reshape(len(nodes)) for f, fn in funcs.items()}
+    return at
+
+
+def _block_key(name: str, depth: int) -> str:
+    parts = name.split(".")
+    # module paths like blocks.3.attn.proj: a block is the first component and its index
+    if len(parts) > 1 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0] if depth else name
+
+
+class UnitBuilder:
+    """Groups nodes into units once; evaluates unit costs at any micro-batch size."""
+
+    def __init__(self, graph: AnnotatedGraph, coarse: bool = False,
+                 splittable: Sequence[str] = ()) -> None:
+        self.graph = graph
+        nodes = [n for n in graph.gm.graph.nodes if n.op not in ("placeholder", "output")]
+        groups: list[list[fx.Node]] = []
+        pending_params: list[fx.Node] = []
+        for node in nodes:
+            if node.op == "get_attr":
+                pending_params.append(node)
+                continue
+            key = _block_key(node.meta[META_NAME], 1) if coarse else None
+            if coarse and groups and _block_key(groups[-1][-1].meta[META_NAME], 1) == key:
+                groups[-1].extend(pending_params + [node])
+            else:
+                groups.append(pending_params + [node])
+            pending_params = []
+        if pending_params and groups:
+            groups[-1].extend(pending_params)
+        self.groups = groups
+        self.order = [n for g in groups for n in g]
+        unit_of = {n: i for i, g in enumerate(groups) for n in g}
+        n_units = len(groups)
+        last = list(range(n_units))
+        for node in graph.gm.graph.nodes:
+            for src in node.all_input_nodes:
+                if src in unit_of:
+                    u = unit_of[src]
+                    last[u] = max(last[u], n_units if node.op == "output" else unit_of.get(node, u))
+        self.last_use = last
+        # bytes crossing a cut are the outputs of nodes used by a later unit; a unit's
+        # "output" is the sum of its nodes' outputs that escape it
+        self.escaping = [[n for n in g if any(unit_of.get(u, n_units) != unit_of[n] for u in n.users)]
+                         for g in groups]
+        self._eval = _evaluator(graph, self.order)
+        self._index = {n: i for i, n in enumerate(self.order)}
+        split_set = set(splittable)
+        self.splittable = [any(n.meta[META_NAME] in split_set for n in g) and len(g) <= 3
+                           for g in groups]
+        self.param_bytes = np.array([sum(n.meta[META_COST].param_bytes for n in g) for g in groups],
+                                    dtype=float)
+
+    def at(self, microbatch: float) -> Units:
+        per_node = self._eval(microbatch)
+        values: dict[str, np.ndarray] = {}
+        for f in FIELDS:
+            arr = per_node[f]
+            if f == "output_bytes":
+                values[f] = np.array([sum(arr[self._index[n]] for n in esc) for esc in self.escaping])
+            else:
+                values[f] = np.array([sum(arr[self._index[n]] for n in g) for g in self.groups])
+        return Units(names=[[n.meta[META_NAME] for n in g] for g in self.groups],
+                     kinds=[{n.meta[META_KIND] for n in g} for g in self.groups],
+                     values=values, param_bytes=self.param_bytes, last_use=self.last_use,
+                     splittable=self.splittable)

@@ -1,0 +1,258 @@
+"""The drop-in module: a pipeline's stages run in one process, micro-batch by micro-batch.
+
+`PipelinedModule(stages, ports, owner=model, microbatches=m, devices=[...])` is an `nn.Module`
+that, called with the model's inputs, returns what the model returns (CONTRACT §7):
+
+  * `forward` splits every tensor input whose dim 0 is the batch into `m` micro-batches
+    (`torch.tensor_split`; other inputs go to every micro-batch whole), runs each micro-batch
+    through the stages in order — moving received values to the stage's device, and replacing
+    a `torch.device` value by it — and concatenates the outputs along dim 0 into the model's
+    output structure. Autograd flows through it all, so `loss.backward()` reaches the weights.
+  * Parameters and buffers are those of `owner` (the original model for `pipecc.compile`; the
+    loaded tensors under their original names for `pipecc.load`). The module *adopts* owner's
+    direct parameters, buffers and children: they are registered here under the same names, so
+    `state_dict()` keys, `named_parameters()` and `parameters()` are the owner's, each tensor
+    once, and an optimizer built on the original model before wrapping keeps working. The stage
+    modules are not registered (they reference the same tensors); `.train()`/`.eval()` and
+    `.to()` reach them too.
+
+Caveats. BatchNorm in train mode normalises each micro-batch with its own statistics (and
+updates its running statistics once per micro-batch), so with m > 1 training numerics differ
+from the full-batch model; eval mode is exact. An output that is a 0-dim tensor cannot be
+concatenated and is an error with m > 1; a non-tensor output is taken from the first
+micro-batch. A tensor shared by stages on different devices (a tied weight) is refused.
+
+Port specs are the plain JSON dicts of `ports.json`: {"receives": [{"name": ...}, ...],
+"sends": [...], "model_inputs": [{"name", "arg", "index"}], "model_output": tree}; the
+runtime never imports the compiler.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipecc.errors import PipeccError
+from pipecc.runtime.stagefile import assemble_owner, load_stage
+
+__all__ = ["PipelinedModule", "load", "load_stage"]
+
+
+class PipelinedModule(nn.Module):
+    """Stages run in sequence per micro-batch; parameters, buffers and names of `owner`."""
+
+    def __init__(self, stages: Sequence[nn.Module], ports: Sequence[Mapping[str, Any]], *,
+                 owner: nn.Module, microbatches: int = 1,
+                 devices: Sequence[str | torch.device] | None = None) -> None:
+        super().__init__()
+        if not stages or len(stages) != len(ports):
+            raise ValueError(f"need one port spec per stage, got {len(stages)} stages and {len(ports)} specs")
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        devices = list(devices) if devices is not None else ["cpu"] * len(stages)
+        if len(devices) != len(stages):
+            raise ValueError(f"{len(stages)} stages but {len(devices)} devices")
+        self._adopt(owner)
+        object.__setattr__(self, "_pipecc_owner", owner)  # unregistered: its tensors are adopted
+        self._pipecc_stages = list(stages)  # a plain list: not registered, see the module doc
+        self._pipecc_receives = [[p["name"] for p in spec["receives"]] for spec in ports]
+        self._pipecc_sends = [[p["name"] for p in spec["sends"]] for spec in ports]
+        self._pipecc_inputs = sorted(ports[0]["model_inputs"], key=lambda d: d["index"])
+        self._pipecc_output = ports[-1]["model_output"]
+        self._pipecc_microbatches = int(microbatches)
+        self._pipecc_devices = [torch.device(d) for d in devices]
+        self._check_chain()
+        self._place()
+
+    def _adopt(self, owner: nn.Module) -> None:
+        for name, p in owner._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in owner._buffers.items():
+            self.register_buffer(name, b, persistent=name not in owner._non_persistent_buffers_set)
+        for name, child in owner._modules.items():
+            self.add_module(name, child)
+
+    def _check_chain(self) -> None:
+        """Stage k must receive exactly what stage k-1 sends (the relay convention)."""
+        for k in range(1, len(self._pipecc_stages)):
+            if set(self._pipecc_receives[k]) != set(self._pipecc_sends[k - 1]):
+                raise PipeccError(f"stage {k} receives {self._pipecc_receives[k]} but stage {k - 1} "
+                                  f"sends {self._pipecc_sends[k - 1]}")
+        known = {d["name"] for d in self._pipecc_inputs}
+        missing = [n for n in self._pipecc_receives[0] if n not in known]
+        if missing:
+            raise PipeccError(f"stage 0 receives {missing}, which are not model inputs")
+
+    def _place(self) -> None:
+        """Move each stage's tensors to its device; refuse a tensor wanted on two devices."""
+        if len(set(self._pipecc_devices)) > 1:
+            where: dict[int, tuple[torch.device, str]] = {}
+            for k, (stage, device) in enumerate(zip(self._pipecc_stages, self._pipecc_devices)):
+                for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+                    other = where.setdefault(id(t), (device, f"stage {k}"))
+                    if other[0] != device:
+                        raise PipeccError(f"{name} is used by {other[1]} on {other[0]} and stage {k} on "
+                                          f"{device} (a tied weight); place those stages on one device")
+        slots = _buffer_slots(self._pipecc_stages)
+        for stage, device in zip(self._pipecc_stages, self._pipecc_devices):
+            stage.to(device)
+        self._rebind(slots)
+
+    def _rebind(self, slots: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        """Wherever a buffer was replaced (moved), make every other holder use the new tensor.
+
+        NOTE: `.to()` keeps a Parameter's identity (it swaps `.data`) but replaces buffers, and
+        a buffer may be registered in several places here (owner, adopted modules, stages).
+        `slots` (module, key, tensor) from before the move also keeps old ids from being reused.
+        """
+        moved = {id(b): m._buffers[k] for m, k, b in slots if m._buffers.get(k) is not b}
+        if not moved:
+            return
+        for m in [*self.modules(), *self._pipecc_owner.modules(), *_modules_of(self._pipecc_stages)]:
+            for key, buf in list(m._buffers.items()):
+                if buf is not None and id(buf) in moved:
+                    m._buffers[key] = moved[id(buf)]
+
+    # -- nn.Module behaviour that must reach the unregistered stages
+    def train(self, mode: bool = True) -> "PipelinedModule":
+        super().train(mode)
+        self._pipecc_owner.train(mode)
+        for stage in self._pipecc_stages:
+            stage.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "PipelinedModule":
+        slots = _buffer_slots([self, self._pipecc_owner, *self._pipecc_stages])
+        super()._apply(fn, recurse)
+        self._rebind(slots)
+        for k, stage in enumerate(self._pipecc_stages):
+            stage._apply(fn, recurse)  # what only the stage holds; shared tensors are done
+            first = next(iter([*stage.parameters(), *stage.buffers()]), None)
+            if first is not None:
+                self._pipecc_devices[k] = first.device
+        self._rebind(slots)
+        return self
+
+    def extra_repr(self) -> str:
+        devices = ", ".join(str(d) for d in self._pipecc_devices)
+        return f"stages={len(self._pipecc_stages)}, microbatches={self._pipecc_microbatches}, devices=[{devices}]"
+
+    def pipeline_info(self) -> dict[str, Any]:
+        """Stage count, micro-batches, devices and the stage modules (for inspection and tests)."""
+        return {"stages": list(self._pipecc_stages), "microbatches": self._pipecc_microbatches,
+                "devices": list(self._pipecc_devices)}
+
+    # -- running
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        chunks = self._split(self._bind(args, kwargs))
+        outputs = [_build(self._pipecc_output, self._run(chunk)) for chunk in chunks]
+        return outputs[0] if len(outputs) == 1 else _merge(outputs)
+
+    def _bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if len(args) > len(self._pipecc_inputs):
+            raise TypeError(f"the model takes {len(self._pipecc_inputs)} inputs, got {len(args)}")
+        env, kwargs = {}, dict(kwargs)
+        for i, spec in enumerate(self._pipecc_inputs):
+            if i < len(args):
+                env[spec["name"]] = args[i]
+            elif spec["arg"] in kwargs:
+                env[spec["name"]] = kwargs.pop(spec["arg"])
+            else:
+                raise TypeError(f"missing input {spec['arg']!r}")
+        if kwargs:
+            raise TypeError(f"unexpected inputs {sorted(kwargs)}")
+        return env
+
+    def _split(self, env: dict[str, Any]) -> list[dict[str, Any]]:
+        batched = [v for v in env.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if not batched or self._pipecc_microbatches == 1:
+            return [env]
+        batch = batched[0].shape[0]
+        m = min(self._pipecc_microbatches, batch)
+        if m <= 1:
+            return [env]
+        chunks: list[dict[str, Any]] = [{} for _ in range(m)]
+        for name, value in env.items():
+            split = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+            parts = torch.tensor_split(value, m, dim=0) if split else [value] * m
+            for chunk, part in zip(chunks, parts):
+                chunk[name] = part
+        return chunks
+
+    def _run(self, env: dict[str, Any]) -> dict[str, Any]:
+        for k, stage in enumerate(self._pipecc_stages):
+            device = self._pipecc_devices[k]
+            outputs = stage(*[_to(env[name], device) for name in self._pipecc_receives[k]])
+            if not isinstance(outputs, tuple) or len(outputs) != len(self._pipecc_sends[k]):
+                raise PipeccError(f"stage {k} returned {type(outputs).__name__}; expected a tuple of "
+                                  f"{len(self._pipecc_sends[k])} values")
+            env = dict(zip(self._pipecc_sends[k], outputs))
+        return env
+
+
+def _modules_of(roots: Sequence[nn.Module]) -> list[nn.Module]:
+    return [m for root in roots for m in root.modules()]
+
+
+def _buffer_slots(roots: Sequence[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    return [(m, k, b) for m in _modules_of(roots) for k, b in m._buffers.items() if b is not None]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, torch.device):
+        return device
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _build(tree: Mapping[str, Any], env: Mapping[str, Any]) -> Any:
+    """The model's output structure from its JSON tree (see backends.torch.stages.output_tree)."""
+    if "port" in tree:
+        return env[tree["port"]]
+    if "tuple" in tree:
+        return tuple(_build(t, env) for t in tree["tuple"])
+    if "list" in tree:
+        return [_build(t, env) for t in tree["list"]]
+    if "dict" in tree:
+        return {k: _build(t, env) for k, t in tree["dict"]}
+    return tree["const"]
+
+
+def _merge(outputs: list[Any]) -> Any:
+    """Concatenate micro-batch outputs along dim 0, structure by structure."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise PipeccError("the model returns a 0-dim tensor, which micro-batches cannot "
+                              "concatenate; use microbatches=1")
+        return torch.cat(outputs, dim=0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_merge([o[i] for o in outputs]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _merge([o[k] for o in outputs]) for k in first}
+    return first
+
+
+def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = None,
+         microbatches: int | None = None) -> PipelinedModule:
+    """A PipelinedModule over the stages of a compiled folder (`pipecc compile -o OUT`).
+
+    Its tensors are the saved ones, under the original model's state_dict names. Stages run on
+    `devices` (default: all on CPU) with `microbatches` (default: the plan's).
+    """
+    out = Path(out_dir)
+    try:
+        marker = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise PipeccError(f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)") from None
+    loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
+    modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
+    m = microbatches if microbatches is not None else int(marker.get("microbatches", 1))
+    return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices)

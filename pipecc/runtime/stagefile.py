@@ -1,0 +1,167 @@
+"""Loading compiled stages: `OUT/stage_<i>/{stage.py, weights.safetensors, ports.json}`.
+
+`load_stage` imports a generated `stage.py` by path, builds its module and fills it from the
+safetensors file (no pickle anywhere). `assemble_owner` gathers the tensors of all stages of one
+model under their original qualified names (each generated class maps attribute -> name in
+`PARAM_NAMES`), so a `PipelinedModule` over loaded stages has the original `state_dict()` keys:
+
+  * a tied weight (the same name in two stages) becomes one tensor that both stages share;
+  * a split layer's slices (`SHARDS`, one per stage holding a shard) are concatenated back into
+    the full parameter; each shard then reads its slice of it on every call (a forward pre-hook
+    sets the attribute to `full.narrow(dim, start, size)` on the stage's device), so gradients
+    and optimizer steps act on the one full parameter.
+
+This module imports torch, safetensors and `pipecc.errors` only — never the compiler.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from pipecc.errors import PipeccError
+
+
+def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+    """(module, ports) from a compiled stage folder; the module's weights are the saved ones."""
+    folder = Path(stage_dir)
+    try:
+        ports = json.loads((folder / "ports.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipeccError(f"{folder}: cannot read ports.json ({exc}); is this a pipecc stage folder?") from None
+    name = f"pipecc_stage_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, folder / "stage.py")
+    if spec is None or spec.loader is None or not (folder / "stage.py").is_file():
+        raise PipeccError(f"{folder}: no stage.py")
+    source = importlib.util.module_from_spec(spec)
+    sys.modules[name] = source  # so inspect/torch tooling can find the class's module
+    spec.loader.exec_module(source)
+    cls = getattr(source, str(ports.get("class", f"Stage{ports['stage']}")), None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise PipeccError(f"{folder}/stage.py defines no stage module class")
+    module = cls()
+    load_weights(module, folder / "weights.safetensors")
+    return module, ports
+
+
+def load_weights(module: nn.Module, path: str | Path) -> None:
+    """Copy a safetensors file into `module`'s parameters and buffers (every one, by state key)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    expected = dict(module.named_parameters(remove_duplicate=False))
+    expected.update(module.named_buffers(remove_duplicate=False))
+    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
+    if missing or unexpected:
+        raise PipeccError(f"{path}: weights do not match the stage module "
+                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    with torch.no_grad():
+        for key, value in tensors.items():
+            if tuple(expected[key].shape) != tuple(value.shape):
+                raise PipeccError(f"{path}: {key!r} has shape {tuple(value.shape)}, the module "
+                                  f"expects {tuple(expected[key].shape)}")
+            expected[key].copy_(value)
+
+
+# ----------------------------------------------------------------------------- original names
+def assemble_owner(modules: Sequence[nn.Module]) -> nn.Module:
+    """A module holding every stage tensor under its original qualified name (see module doc)."""
+    owner = nn.Module()
+    registered: dict[str, torch.Tensor] = {}
+    for module in modules:
+        names: dict[str, str] = getattr(type(module), "PARAM_NAMES", {})
+        aliases: dict[str, tuple[str, ...]] = getattr(type(module), "PARAM_ALIASES", {})
+        for attr, name in names.items():
+            if name in registered:  # a tied weight: every stage uses the first stage's tensor
+                _assign(module, attr, registered[name])
+                continue
+            tensor, persistent = _lookup(module, attr), _persistent(module, attr)
+            for qualified in (name, *aliases.get(attr, ())):
+                _register(owner, qualified, tensor, persistent)
+            registered[name] = tensor
+    _assemble_shards(owner, modules, registered)
+    return owner
+
+
+def _assemble_shards(owner: nn.Module, modules: Sequence[nn.Module],
+                     registered: dict[str, torch.Tensor]) -> None:
+    parts: dict[str, list[tuple[int, int, int, nn.Module, str]]] = {}
+    for module in modules:
+        for attr, (name, dim, start, size) in getattr(type(module), "SHARDS", {}).items():
+            parts.setdefault(name, []).append((start, size, dim, module, attr))
+    for name, pieces in parts.items():
+        pieces.sort(key=lambda p: p[0])
+        if name in registered or len({p[2] for p in pieces}) != 1 or \
+                any(a[0] + a[1] != b[0] for a, b in zip(pieces, pieces[1:])) or pieces[0][0] != 0:
+            raise PipeccError(f"the slices of {name!r} in the stages do not tile one parameter")
+        dim = pieces[0][2]
+        first = _lookup(pieces[0][3], pieces[0][4])
+        full = nn.Parameter(torch.cat([_lookup(m, a).detach() for _, _, _, m, a in pieces], dim),
+                            requires_grad=first.requires_grad)
+        _register(owner, name, full, True)
+        registered[name] = full
+        for start, size, _, module, attr in pieces:
+            del module._parameters[attr]
+            hook = getattr(module, "_pipecc_shard_views", None)
+            if hook is None:
+                hook = _ShardViews()
+                module.register_forward_pre_hook(hook)
+                object.__setattr__(module, "_pipecc_shard_views", hook)
+            hook.views.append((attr, full, dim, start, size))
+
+
+class _ShardViews:
+    """Forward pre-hook: set each shard attribute to its slice of the full parameter."""
+
+    def __init__(self) -> None:
+        self.views: list[tuple[str, nn.Parameter, int, int, int]] = []
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        for attr, full, dim, start, size in self.views:
+            view = full.narrow(dim, start, size)
+            object.__setattr__(module, attr, view if device is None else view.to(device))
+
+
+def _split(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, last = dotted.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, last
+
+
+def _lookup(module: nn.Module, dotted: str) -> torch.Tensor:
+    owner, last = _split(module, dotted)
+    return getattr(owner, last)
+
+
+def _persistent(module: nn.Module, dotted: str) -> bool:
+    owner, last = _split(module, dotted)
+    return last not in owner._non_persistent_buffers_set
+
+
+def _assign(module: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
+    owner, last = _split(module, dotted)
+    setattr(owner, last, tensor)  # through nn.Module (and RNN) __setattr__: registers and relinks
+
+
+def _register(owner: nn.Module, qualified: str, tensor: torch.Tensor, persistent: bool) -> None:
+    """Register `tensor` at `qualified` ("a.b.weight") in `owner`, creating empty parents."""
+    *path, last = qualified.split(".")
+    for part in path:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(last, tensor)
+    else:
+        owner.register_buffer(last, tensor, persistent=persistent)

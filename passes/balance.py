@@ -23,7 +23,7 @@ import numpy as np
 from pipecc.devices import Cluster
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir import AnnotatedGraph
-from pipecc.plan import Plan, SplitLayer, StagePlan
+from pipecc.plan import Plan, StagePlan
 from pipecc.schedule import gpipe, interleaved_1f1b, one_f_one_b
 from pipecc.passes import baselines
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem, evaluate,
@@ -36,6 +36,9 @@ FPGA_KINDS = frozenset({"linear", "conv", "activation", "pool", "norm", "element
                         "param", "input"})
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MEMORY_HEADROOM = 0.9  # framework workspace, allocator fragmentation: plan to 90% of capacity
+# NOTE: a finite stand-in for "cannot run here": the partitioner's bisection needs finite
+# costs; any placement whose bottleneck reaches it has put an unsupported op on an FPGA.
+UNSUPPORTED_S = 1e9
 
 
 @dataclass
@@ -110,7 +113,7 @@ class Balancer:
                                              2 * v["bytes_moved"][u], self.opt.dtype) \
                     if self.opt.training else 0.0
                 if dev.kind == "fpga" and not units.kinds[u] <= FPGA_KINDS:
-                    fwd[d, u] = bwd[d, u] = math.inf
+                    fwd[d, u] = bwd[d, u] = UNSUPPORTED_S
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
 
@@ -168,7 +171,7 @@ class Balancer:
             prob = self.problem(units, mb, schedule, m, order, v)
         else:
             part = partition(prob)
-        if not math.isfinite(part.bottleneck):
+        if part.bottleneck >= UNSUPPORTED_S:
             raise InfeasibleError(self._unsupported_message(units, order))
         timeline = self._simulate(part, prob, schedule, m, v)
         return _Candidate(schedule, m, order, part, prob, units, timeline, v)
@@ -235,6 +238,12 @@ class Balancer:
                                    f"{best.timeline.iteration_s:.4g} s"})
         return self.to_plan(best, lost), best
 
+    def unit_times(self, cand: _Candidate) -> dict[str, float]:
+        """Each single-node unit's fwd+bwd time on its fastest device, by node name."""
+        fwd, bwd = self.times(cand.units, self.opt.batch_size // cand.microbatches)
+        best = (fwd + bwd).min(axis=0)
+        return {names[-1]: float(best[u]) for u, names in enumerate(cand.units.names)}
+
     # ------------------------------------------------------------------ output
     def lower_bound(self, cand: _Candidate) -> float:
         return lower_bound(cand.problem, cand.units.splittable)
@@ -261,7 +270,6 @@ class Balancer:
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         lb = self.lower_bound(cand)
         stages = []
-        devs = [cand.order[k % self.p] for k in range(len(part.bounds) - 1)]
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
             recv = part.cut_bytes[k - 1] if k > 0 else 0.0
@@ -269,7 +277,7 @@ class Balancer:
             comm = 2 * prob.link_time(k - 1, recv) if k > 0 else 0.0
             comm += 2 * prob.link_time(k, send) if k < len(part.bounds) - 2 else 0.0
             stages.append(StagePlan(
-                index=k, device=devs[k], nodes=[nm for u in range(a, e) for nm in units.names[u]],
+                index=k, device=k % self.p, nodes=[nm for u in range(a, e) for nm in units.names[u]],
                 forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
                 send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
                 peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % self.p])
@@ -286,7 +294,8 @@ class Balancer:
             model=self.graph.model_name, batch_size=self.opt.batch_size,
             microbatches=cand.microbatches, schedule=cand.schedule,
             devices=[{"name": self.cluster.devices[d].name, "kind": self.cluster.devices[d].kind,
-                      "placement": self.cluster.devices[d].placement} for d in cand.order],
+                      "placement": self.cluster.devices[d].placement, "given_index": d}
+                     for d in cand.order],
             stages=stages, split_layers=[], bottleneck_s=float(part.bottleneck),
             lower_bound_s=float(lb), predicted_iteration_s=float(cand.timeline.iteration_s),
             bubble_fraction=float(cand.timeline.bubble_fraction), dtype=self.opt.dtype,
@@ -300,5 +309,3 @@ def plan(graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions) -> Plan:
     """Plan without layer splitting (see `pipecc.driver.plan` for the whole pipeline)."""
     return Balancer(graph, cluster, options).run()[0]
 
-
-_ = SplitLayer  # re-exported for the driver's split step

@@ -103,7 +103,22 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
                           dtype=dtype)
-    result, _ = Balancer(graph, cluster, options).run()
+    from pipecc.passes import split_search
+    splittable = split_search.splittable_names(graph) if split_layers else []
+    balancer = Balancer(graph, cluster, options, splittable=splittable)
+    result, cand = balancer.run()
+    if split_layers and splittable and len(cluster.devices) > 1:
+        notes: list[str] = []
+        fixed = dict(schedule=result.schedule, microbatches=result.microbatches)
+
+        def replan(g: AnnotatedGraph, keep: bool):
+            opts = PlanOptions(**{**options.__dict__, **(fixed if keep else {})})
+            return Balancer(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
+
+        times = balancer.unit_times(cand)
+        result, graph = split_search.search(graph, result, replan, lambda n: times.get(n, 0.0),
+                                            note=notes.append)
+        result.decisions += notes
     if debug:
         verify(graph, costed=True)
     return result, graph

@@ -1,0 +1,1019 @@
+"""Distributed pipeline runtime: one process per rank, stages exchange values point to point.
+
+Launch one process per rank with torchrun (``torchrun --nproc-per-node P -m pipecc.runtime.dist
+OUT --steps N``). Rank r holds the stages the schedule places on it: stage r for GPipe, 1F1B and
+inference, stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the
+rank's action list from ``pipecc.schedule`` literally, so a schedule's memory behaviour is real:
+GPipe stashes m microbatches per stage, 1F1B at most p - r.
+
+Stages and ports. A stage is an ``nn.Module`` whose ``forward(*received)`` returns the tuple of
+values it sends (the last stage: the model outputs). Its ports (``ports.json``) list what it
+receives and sends; stage k's ``sends`` equal stage k+1's ``receives``, in order. The runtime
+only talks to the neighbouring stage: a value that skips stages (a residual, token ids, a shape)
+is relayed by every stage in between, which receives it and sends it on. Shapes in the spec are
+for the full (compiled) batch of n samples; microbatch i gets ``n_i`` of them, the sizes of
+``torch.tensor_split(range(n), m)``, so every rank derives every buffer's shape alone. A batch
+dim (``batch_dim``, usually 0) of ``c * n`` rows (``shape_expr`` like ``2*B`` or ``B*S``)
+gets ``c * n_i``; ``n`` is the extent of a dim whose ``shape_expr`` is ``B``, else that of the
+first batched port. Stage 0 splits the model inputs so; ``batch_dim: null`` values go whole
+to every microbatch.
+
+Wire protocol (per SEND/RECV action, one microbatch):
+  * tensor port: one message of the microbatch shape and spec dtype, received into a buffer
+    allocated from the spec.
+  * object port (``kind: "object"``, e.g. a Python int shape): JSON, not pickle — a peer cannot
+    make us run code. Values are None/bool/int/float/str, torch.dtype, torch.device (it arrives
+    as the receiver's own device) and lists, tuples, dicts of those (tuples survive). Two
+    messages: an int64 length, then the UTF-8 bytes as uint8.
+  * tuple port (``kind: "tuple"``, ``items``): travels as its leaves, in order.
+  * backward: only ports with ``requires_grad`` and a floating dtype carry a gradient back
+    (integer token ids never do); both sides decide this from the spec alone. A received input
+    the stage did not use sends zeros.
+  Messages go in port order, first every tensor and length, then the object payloads. Gloo
+  matches them by tag (direction, receiving stage, microbatch, port); NCCL ignores tags and
+  matches by order, which ``check_fifo`` verifies against the schedule before an NCCL run.
+  At start-up neighbours swap a digest of their shared boundary, so two ``ports.json`` that
+  disagree fail with a clear error instead of a mis-sized message.
+
+Sends and receives. A SEND never blocks (``isend``; handle and tensor are kept until a later
+receive proves the peer has the message, ``send_release``, or else to the end of ``step``); a
+RECV waits with a deadline. That is the model ``pipecc.schedule.validate`` proves deadlock-free,
+so 1F1B, whose neighbours send in opposite directions at once, cannot deadlock.
+No ``batch_isend_irecv``: on gloo it can hang. On NCCL a process group runs its p2p operations
+in issue order on one stream and a send may wait for its receiver, which would let a pending
+send hold up a receive; the runtime therefore gives every direction between two ranks its own
+two-rank group (``directed_groups``), so each stream carries sends only or receives only.
+
+Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
+single output, or the tuple when there are several; without ``loss_fn`` the first output is the
+loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal splits); the
+target is split along dim 0 like the batch. When
+``loss_fn`` is a per-sample mean, the accumulated gradients are those of the full-batch mean loss,
+and ``step`` returns that full-batch loss.
+
+Faults. Every wait has a deadline of ``timeout_s``; a dead or hung peer gives
+``PipeccError("rank 1: timed out after 5.0 s waiting for RECV_F mb 2 from rank 0")`` (or "failed"
+when the connection broke) instead of a hang. The process group is created with the same timeout.
+
+Checkpoints: ``stage_<rank>.safetensors`` (module state as ``model.<stage>.<key>``, optimizer
+tensors as ``optim.<path>``) and ``stage_<rank>.json`` (step, placement, the optimizer's
+non-tensor state); no pickle anywhere.
+
+This module imports torch, ``pipecc.schedule`` and ``pipecc.errors`` (and safetensors when
+checkpointing) — never the compiler. The NCCL path is written to the same contract but is only
+exercised on machines with several GPUs; the tests run gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipecc.errors import PipeccError, UsageError
+from pipecc.schedule import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    gpipe,
+    inference,
+    interleaved_1f1b,
+    one_f_one_b,
+    parse,
+    validate,
+)
+
+__all__ = [
+    "PipelineRuntime",
+    "Port",
+    "RunConfig",
+    "StagePorts",
+    "build_schedule",
+    "check_fifo",
+    "directed_groups",
+    "send_release",
+    "init_distributed",
+    "main",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "inference")
+MAX_PORTS = 1024  # values crossing one stage boundary
+
+
+# ---------------------------------------------------------------------------- ports
+
+
+@dataclass(frozen=True)
+class Port:
+    """One value crossing a stage boundary, as ``ports.json`` describes it.
+
+    ``kind`` is "tensor", "object" (JSON-able Python value) or "tuple" (``items`` are its
+    elements, each a port; sent as its leaves). ``shape`` is at the compiled batch size;
+    ``batch_dim`` is the dim that grows with the batch (its extent may be a multiple of it,
+    e.g. B*S), or None when the value is the same for every microbatch.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+    requires_grad: bool = False
+    batch_dim: int | None = None
+    items: tuple[Port, ...] = ()
+    batch_expr: str | None = None  # shape_expr[batch_dim] when the compiler wrote it
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], name: str | None = None) -> Port:
+        name = str(d.get("name", name))
+        kind = d.get("kind", "tensor")
+        if kind == "tuple":
+            return cls(name, kind, items=tuple(cls.from_json(item, f"{name}.{i}")
+                                               for i, item in enumerate(d.get("items", ()))))
+        if kind == "object":
+            return cls(name, kind)
+        if kind != "tensor":
+            raise PipeccError(f"port {name!r}: kind must be 'tensor', 'object' or 'tuple', got {kind!r}")
+        dtype = getattr(torch, str(d.get("dtype", "float32")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise PipeccError(f"port {name!r}: unknown dtype {d.get('dtype')!r}")
+        shape = tuple(int(n) for n in d.get("shape", ()))
+        batch_dim = d.get("batch_dim")
+        if batch_dim is not None and not 0 <= batch_dim < len(shape):
+            raise PipeccError(f"port {name!r}: batch_dim {batch_dim} out of range for shape {list(shape)}")
+        exprs = d.get("shape_expr")
+        batch_expr = str(exprs[batch_dim]) if exprs and batch_dim is not None else None
+        return cls(name, kind, shape, dtype, bool(d.get("requires_grad", False)), batch_dim, (), batch_expr)
+
+    def leaves(self) -> list[Port]:
+        return [leaf for item in self.items for leaf in item.leaves()] if self.kind == "tuple" else [self]
+
+    @property
+    def carries_grad(self) -> bool:
+        """True when a gradient for this value travels back (both neighbours agree from the spec)."""
+        return self.kind == "tensor" and self.requires_grad and self.dtype is not None and self.dtype.is_floating_point
+
+    def extents(self, batch: int | None, m: int) -> list[int] | None:
+        """The batch dim's extent in each microbatch, or None when the value is not batched."""
+        if self.batch_dim is None:
+            return None
+        if batch is None:
+            raise PipeccError(f"port {self.name!r} is batched but the stage's batch size is unknown")
+        return microbatch_extents(self.shape[self.batch_dim], batch, m, self.name)
+
+    def microbatch_shape(self, mb: int, batch: int | None, m: int) -> tuple[int, ...]:
+        extents = self.extents(batch, m)
+        if extents is None:
+            return self.shape
+        return (*self.shape[:self.batch_dim], extents[mb], *self.shape[self.batch_dim + 1:])
+
+
+@dataclass(frozen=True)
+class StagePorts:
+    """A stage's ``ports.json``: what ``forward`` takes (``receives``) and returns (``sends``)."""
+
+    receives: tuple[Port, ...]
+    sends: tuple[Port, ...]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StagePorts:
+        return cls(tuple(Port.from_json(p, f"in{i}") for i, p in enumerate(d.get("receives", ()))),
+                   tuple(Port.from_json(p, f"out{i}") for i, p in enumerate(d.get("sends", ()))))
+
+    @property
+    def in_leaves(self) -> list[Port]:
+        return [leaf for p in self.receives for leaf in p.leaves()]
+
+    @property
+    def out_leaves(self) -> list[Port]:
+        return [leaf for p in self.sends for leaf in p.leaves()]
+
+    @property
+    def batch_size(self) -> int | None:
+        """The compiled batch size: a batch dim whose expression is ``B`` if the compiler wrote
+        expressions, else the first batched receive (or send); None when nothing is batched."""
+        batched = [p for p in (*self.in_leaves, *self.out_leaves) if p.batch_dim is not None]
+        for port in batched:
+            if port.batch_expr == "B":
+                return port.shape[port.batch_dim]
+        return batched[0].shape[batched[0].batch_dim] if batched else None
+
+
+def split_sizes(n: int, m: int, what: str = "batch") -> list[int]:
+    """Microbatch sizes of ``torch.tensor_split(range(n), m)``: the first ``n % m`` get one more."""
+    if n < m:
+        raise PipeccError(f"{what}: batch of {n} cannot be split into {m} microbatches; use --microbatches <= {n}")
+    return [n // m + (1 if i < n % m else 0) for i in range(m)]
+
+
+def microbatch_extents(extent: int, batch: int, m: int, what: str) -> list[int]:
+    """Per-microbatch extents of a dim of ``extent = c * batch`` rows: ``c`` times each batch split."""
+    if extent % batch:
+        raise PipeccError(f"port {what!r}: batch dim of {extent} is not a multiple of the batch size {batch}")
+    return [extent // batch * n for n in split_sizes(batch, m, what)]
+
+
+def flatten(values: Sequence[Any], ports: Sequence[Port], what: str) -> list[Any]:
+    """The leaf values of ``values`` (tuple ports opened), in wire order."""
+    if len(values) != len(ports):
+        raise PipeccError(f"{what}: {len(values)} values, ports.json declares {len(ports)}")
+    leaves: list[Any] = []
+    for v, port in zip(values, ports):
+        if port.kind == "tuple":
+            if not isinstance(v, (tuple, list)):
+                raise PipeccError(f"{what}: {port.name!r} should be a tuple, got {type(v).__name__}")
+            leaves += flatten(v, port.items, what)
+        else:
+            leaves.append(v)
+    return leaves
+
+
+def unflatten(leaves: Sequence[Any], ports: Sequence[Port]) -> list[Any]:
+    """``flatten``'s inverse: tuple ports become tuples again."""
+    it = iter(leaves)
+
+    def build(port: Port) -> Any:
+        return tuple(build(item) for item in port.items) if port.kind == "tuple" else next(it)
+
+    return [build(p) for p in ports]
+
+
+# ---------------------------------------------------------------------------- JSON values
+
+
+def to_json(value: Any, tensors: dict[str, torch.Tensor] | None = None, path: str = "") -> Any:
+    """A JSON-able form of ``value`` that ``from_json`` inverts, tuples and int keys included.
+
+    Tensors are moved into ``tensors`` under ``path`` and replaced by ``{"__tensor__": path}``;
+    without ``tensors`` a tensor is an error (object ports carry no tensors).
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if tensors is None:
+            raise PipeccError(f"{path or 'value'}: a tensor inside an object port; declare it as a tensor port")
+        tensors[path] = value.detach().cpu().clone(memory_format=torch.contiguous_format)
+        return {"__tensor__": path}
+    if isinstance(value, torch.device):
+        return {"__device__": str(value)}
+    if isinstance(value, torch.dtype):
+        return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, (tuple, torch.Size)):
+        return {"__tuple__": [to_json(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [to_json(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: to_json(v, tensors, f"{path}.{k}") for k, v in value.items()}
+        return {"__items__": [[to_json(k), to_json(v, tensors, f"{path}.{k}")] for k, v in value.items()]}
+    raise PipeccError(f"{path or 'value'}: {type(value).__name__} is not JSON-able (allowed: None, bool, int, "
+                      "float, str, torch.device, torch.dtype and lists, tuples, dicts of them)")
+
+
+def from_json(value: Any, tensors: dict[str, torch.Tensor] | None = None, device: torch.device | None = None) -> Any:
+    """``to_json``'s inverse; a ``torch.device`` becomes ``device`` when given (the receiver's own)."""
+    if isinstance(value, list):
+        return [from_json(v, tensors, device) for v in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            assert tensors is not None
+            return tensors[value["__tensor__"]]
+        if "__device__" in value:
+            return device or torch.device(value["__device__"])
+        if "__dtype__" in value:
+            return getattr(torch, value["__dtype__"])
+        if "__tuple__" in value:
+            return tuple(from_json(v, tensors, device) for v in value["__tuple__"])
+        if "__items__" in value:
+            return {from_json(k): from_json(v, tensors, device) for k, v in value["__items__"]}
+        return {k: from_json(v, tensors, device) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+@dataclass
+class RunConfig:
+    """How to run: schedule name (or schedule text, ``rank 0: ...``), microbatches, limits.
+
+    ``timeout_s`` bounds every single wait for a peer, so it must exceed the longest legitimate
+    one — in GPipe, rank 0 waits for its first gradient for nearly a whole iteration.
+    """
+
+    schedule: str
+    microbatches: int
+    timeout_s: float = 60.0
+    backend: str | None = None  # None: nccl on CUDA, else gloo
+    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
+
+
+def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """The validated schedule for ``world`` ranks; ``kind`` is a name or the schedule's text form."""
+    if kind.lstrip().startswith("rank "):
+        schedule = parse(kind)
+    elif kind in ("gpipe", "1f1b", "inference") and stages_per_rank != 1:
+        raise PipeccError(f"schedule {kind!r} puts one stage on each rank, got {stages_per_rank} per rank; "
+                          "use --schedule interleaved")
+    elif kind == "gpipe":
+        schedule = gpipe(world, microbatches)
+    elif kind == "1f1b":
+        schedule = one_f_one_b(world, microbatches)
+    elif kind == "interleaved":
+        try:
+            schedule = interleaved_1f1b(world, microbatches, stages_per_rank)
+        except ValueError as e:
+            raise PipeccError(str(e)) from None
+    elif kind == "inference":
+        schedule = inference(world, microbatches)
+    else:
+        raise UsageError(f"unknown schedule {kind!r}; choose from {', '.join(SCHEDULES)} or give schedule text")
+    try:
+        validate(schedule)
+    except ScheduleError as e:
+        raise PipeccError(f"invalid schedule: {e.summary}") from None
+    if schedule.num_ranks != world or schedule.num_microbatches != microbatches:
+        raise PipeccError(f"schedule has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches, "
+                          f"the run {world} and {microbatches}")
+    return schedule
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule with its backward actions removed (same placement and forward order)."""
+    keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
+    rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
+    result = Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, rows)
+    validate(result)
+    return result
+
+
+def _peer(schedule: Schedule, a: Action) -> int:
+    """The rank on the other end of a SEND/RECV."""
+    neighbour = a.stage + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else a.stage - 1
+    return schedule.stage_to_rank[neighbour]
+
+
+def check_fifo(schedule: Schedule) -> None:
+    """Raise unless every rank receives from each peer in the order that peer sends (NCCL needs it)."""
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank, row in enumerate(schedule.actions):
+        for a in row:
+            if a.kind.is_send:
+                sent.setdefault((rank, _peer(schedule, a)), []).append(a.message())
+            elif a.kind.is_recv:
+                received.setdefault((_peer(schedule, a), rank), []).append(a.message())
+    for pair, order in sent.items():
+        if received.get(pair) != order:
+            raise PipeccError(f"rank {pair[1]} receives from rank {pair[0]} in another order than it sends; "
+                              "NCCL matches messages by order: use the gloo backend or reorder the schedule")
+
+
+# ---------------------------------------------------------------------------- transport
+
+
+class _Wire:
+    """One rank's messages: sends never block, receives wait with a deadline.
+
+    ``groups[(src, dst)]`` is the process group carrying src -> dst traffic: None (the default
+    group, messages matched by tag) on gloo; on NCCL one two-rank group per direction, so a
+    send still waiting for its receiver never holds up a receive (see the module docstring).
+    Sent tensors stay referenced until ``flush`` has seen their sends complete.
+    """
+
+    def __init__(self, rank: int, timeout_s: float, nccl: bool = False,
+                 groups: dict[tuple[int, int], Any] | None = None, by_order: bool = False):
+        self.rank, self.timeout_s, self.nccl, self.groups = rank, timeout_s, nccl, groups or {}
+        self.by_order = by_order  # tag every message 0, as NCCL effectively does (tests run it on gloo)
+        # sending action -> [(work, tensor kept alive until the send completed, what)]
+        self.inflight: dict[Any, list[tuple[Any, torch.Tensor, str]]] = {}
+        self.peak_inflight = 0  # most sending actions not yet known complete, this step
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str, key: Any) -> None:
+        """Post a send for action ``key``; its tensor stays referenced until ``release(key)``."""
+        tensor = tensor.detach().contiguous()
+        tag = 0 if self.by_order else tag
+        work = dist.isend(tensor, dst=peer, group=self.groups.get((self.rank, peer)), tag=tag)
+        self.inflight.setdefault(key, []).append((work, tensor, f"{what} to rank {peer}"))
+        self.peak_inflight = max(self.peak_inflight, len(self.inflight))
+
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> None:
+        """Receive into ``buffers`` from ``peer``; returns when all arrived, raises after ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        group = self.groups.get((peer, self.rank))
+        works = [dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t) for b, t in zip(buffers, tags)]
+        for work in works:
+            self._wait(work, deadline, f"{what} from rank {peer}")
+
+    def release(self, keys: Sequence[Any]) -> None:
+        """Wait for (already completed, see ``send_release``) sends and drop their tensors."""
+        deadline = time.monotonic() + self.timeout_s
+        for key in keys:
+            for work, _, what in self.inflight.pop(key, ()):
+                self._wait(work, deadline, what)
+
+    def flush(self) -> None:
+        """Wait until every send of this step completed."""
+        self.release(list(self.inflight))
+
+    def _wait(self, work: Any, deadline: float, what: str) -> None:
+        try:
+            if self.nccl:
+                # NOTE: NCCL's wait() only orders streams; poll so a dead peer cannot block us forever.
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(0.0002)
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except (RuntimeError, TimeoutError) as e:
+            if isinstance(e, TimeoutError) or "timed out" in str(e).lower():
+                raise PipeccError(f"rank {self.rank}: timed out after {self.timeout_s} s waiting for {what}") from None
+            raise PipeccError(f"rank {self.rank}: {what} failed, the peer exited or crashed ({_gist(e)})") from None
+
+
+def directed_groups(schedule: Schedule) -> dict[tuple[int, int], Any]:
+    """NCCL: one two-rank process group per direction of every pair of ranks that exchange messages.
+
+    NCCL runs a group's p2p operations in issue order on one stream and a send may wait for
+    its receiver, so sends and receives sharing a stream can deadlock (1F1B sends forward
+    while the peer sends backward; interleaved wraps around). With one group per direction a
+    stream holds only sends (or only receives) between two ranks, matched in order
+    (``check_fifo``): exactly the "buffered sends, blocking receives" model ``validate`` proves
+    deadlock-free. Collective: every rank must call it, with the same schedule.
+    """
+    pairs = sorted({(rank, _peer(schedule, a)) for rank, row in enumerate(schedule.actions)
+                    for a in row if a.kind.is_send})
+    return {pair: dist.new_group(list(pair)) for pair in pairs}
+
+
+def send_release(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
+    """For each receive of ``rank``, the earlier sends that are certainly complete once it returns.
+
+    A send to peer P is complete when P has received it, which is certain once we receive a
+    message P sent after that receive. Releasing sends there, instead of at the end of the step,
+    drops the sent activations when the schedule says so: 1F1B holds p - r of them, not m.
+    """
+    index = {(r, a): i for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
+    receive_of = {a.message(): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_recv}
+    send_of = {a.message(): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_send}
+    released: dict[Action, list[Action]] = {}
+    pending: list[Action] = []
+    for a in schedule.actions[rank]:
+        if a.kind.is_send:
+            pending.append(a)
+        elif a.kind.is_recv:
+            peer, sent = send_of[a.message()]
+            done = [s for s in pending if receive_of[s.message()][0] == peer
+                    and index[receive_of[s.message()]] < index[(peer, sent)]]
+            if done:
+                released[a] = done
+                pending = [s for s in pending if s not in done]
+    return released
+
+
+def _gist(error: BaseException) -> str:
+    """The first sentence of a c10d/gloo error, without its ``[file.cc:123]`` prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n")[0])
+    return text.split(". ")[0] or type(error).__name__
+
+
+def encode_object(value: Any, what: str) -> torch.Tensor:
+    data = json.dumps(to_json(value, path=what)).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_object(payload: torch.Tensor, device: torch.device) -> Any:
+    """An object port's value; a device in it becomes the receiving rank's ``device``."""
+    return from_json(json.loads(bytes(payload.cpu().tolist()).decode()), device=device)
+
+
+# ---------------------------------------------------------------------------- runtime
+
+
+def _describe(port: Port) -> str:
+    return "object" if port.kind == "object" else f"{str(port.dtype).removeprefix('torch.')}{list(port.shape)}"
+
+
+def _fingerprint(leaves: Sequence[Port]) -> torch.Tensor:
+    """32 bytes identifying a boundary: names, kinds, shapes, dtypes, gradient flags, batch dims."""
+    text = json.dumps([(p.name, _describe(p), p.requires_grad, p.batch_dim) for p in leaves])
+    return torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+class PipelineRuntime:
+    """Runs this rank's stage(s) of a pipeline, following the schedule's action list literally.
+
+    ``stage`` is one module, or a list (one per stage the schedule places on this rank, in
+    stage order) with ``ports`` a matching list. ``step`` runs one training iteration and
+    accumulates gradients into the stage parameters (it does not zero them; the caller runs
+    ``optimizer.zero_grad()`` and ``optimizer.step()``). ``optimizer`` is only needed for
+    checkpoints. ``world > 1`` initialises torch.distributed from the torchrun environment
+    unless it already is. Internally values travel as leaves (tuple ports opened).
+    """
+
+    def __init__(self, stage: nn.Module | Sequence[nn.Module], ports: dict | Sequence[dict], rank: int,
+                 world: int, config: RunConfig, loss_fn: Callable | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        self.modules = [stage] if isinstance(stage, nn.Module) else list(stage)
+        port_list = [ports] if isinstance(ports, dict) else list(ports)
+        if len(port_list) != len(self.modules):
+            raise PipeccError(f"rank {rank}: {len(self.modules)} stage modules but {len(port_list)} port specs")
+        self.ports = [StagePorts.from_json(p) for p in port_list]
+        self.rank, self.world, self.config = rank, world, config
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.m = config.microbatches
+        self.device = torch.device(config.device) if config.device else _default_device()
+        self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.backend == "gloo" and self.device.type != "cpu":
+            raise PipeccError(f"the gloo backend sends CPU tensors only, device is {self.device}; use --backend nccl")
+        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules))
+        if world > 1:
+            init_distributed(config)
+            if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+                raise PipeccError(f"runtime built for rank {rank} of {world}, process group says "
+                                  f"{dist.get_rank()} of {dist.get_world_size()}")
+        self.stage_ids = self.schedule.stages_of(rank)
+        if len(self.stage_ids) != len(self.modules):
+            raise PipeccError(f"rank {rank} holds stages {self.stage_ids} in this schedule but got "
+                              f"{len(self.modules)} modules")
+        self.last_stage = self.schedule.num_stages - 1
+        for module in self.modules:
+            module.to(self.device)
+        if world > 1 and self.backend == "nccl":
+            check_fifo(self.schedule)
+            self._wire = _Wire(rank, config.timeout_s, nccl=True, groups=directed_groups(self.schedule), by_order=True)
+        else:
+            self._wire = _Wire(rank, config.timeout_s)
+        self.peak_stash = 0  # most microbatches stashed at once during the last step
+        if world > 1:
+            self._handshake()
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def peak_sends(self) -> int:
+        """Most sending actions whose tensors were held at once during the last step/infer."""
+        return self._wire.peak_inflight
+
+    def step(self, inputs: Sequence[Any] | None = None, target: Any = None) -> float | None:
+        """One training iteration; the full-batch mean loss on the rank holding the last stage."""
+        if not self.schedule.is_training:
+            raise PipeccError(f"schedule {self.config.schedule!r} has no backward; use infer()")
+        self._run(self.schedule, inputs, target, training=True)
+        if self.last_stage in self.stage_ids:
+            return float(sum(self._losses))
+        return None
+
+    def infer(self, inputs: Sequence[Any] | None = None) -> Any:
+        """Forward the batch through the pipeline; the model outputs on the last rank, else None.
+
+        Batched tensor outputs are concatenated over microbatches along their batch dim,
+        other outputs come as a list of one value per microbatch.
+        """
+        with torch.no_grad():
+            self._run(forward_only(self.schedule), inputs, None, training=False)
+        if self.last_stage not in self.stage_ids:
+            return None
+        ports = self._ports(self.last_stage)
+        merged = []
+        for i, port in enumerate(ports.out_leaves):
+            values = [self._results[mb][i] for mb in range(self.m)]
+            merged.append(torch.cat(values, port.batch_dim) if port.kind == "tensor" and port.batch_dim is not None
+                          else values)
+        self._results = {}
+        outs = unflatten(merged, ports.sends)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _handshake(self) -> None:
+        """Check with every remote neighbour that both read the same boundary from ports.json.
+
+        Neighbours that disagree would otherwise exchange messages of the wrong size, which
+        gloo reports only as a closed connection.
+        """
+        for s in self.stage_ids:
+            if s < self.last_stage and s + 1 not in self.stage_ids:
+                peer = self.schedule.stage_to_rank[s + 1]
+                digest = _fingerprint(self._ports(s).out_leaves).to(self.device)
+                self._wire.send(digest, peer, self._tag(2, s + 1, 0, 0), "the port handshake", key=s)
+        for s in self.stage_ids:
+            if s > 0 and s - 1 not in self.stage_ids:
+                peer = self.schedule.stage_to_rank[s - 1]
+                got = torch.empty(32, dtype=torch.uint8, device=self.device)
+                self._wire.recv([got], peer, [self._tag(2, s, 0, 0)], "the port handshake")
+                if not torch.equal(got.cpu(), _fingerprint(self._ports(s).in_leaves)):
+                    ports = ", ".join(f"{p.name}:{_describe(p)}" for p in self._ports(s).in_leaves)
+                    raise PipeccError(f"rank {self.rank}: stage {s} receives ({ports}) but stage {s - 1} on rank "
+                                      f"{peer} sends something else; are both from the same compilation?")
+        self._wire.flush()
+
+    # -- execution -----------------------------------------------------------------------
+
+    def _run(self, schedule: Schedule, inputs: Sequence[Any] | None, target: Any, training: bool) -> None:
+        self._inputs = self._split_inputs(inputs) if 0 in self.stage_ids else None
+        self._targets = self._split_target(target) if training and self.last_stage in self.stage_ids else None
+        # ("F"|"B", stage, mb) -> leaf values received (or handed over locally) / to send
+        self._inbox: dict[tuple[str, int, int], list] = {}
+        self._outbox: dict[tuple[str, int, int], list] = {}
+        self._stash: dict[tuple[int, int], tuple[list, Any]] = {}  # (stage, mb) -> (input leaves, outputs)
+        self._losses: list[torch.Tensor] = []
+        self._results: dict[int, list] = {}
+        self.peak_stash = self._wire.peak_inflight = 0
+        release = send_release(schedule, self.rank)
+        for action in schedule.actions[self.rank]:
+            self._execute(action, training)
+            self._wire.release(release.get(action, ()))
+        self._wire.flush()
+        leftover = self._stash or self._inbox or self._outbox
+        assert not leftover, f"rank {self.rank}: schedule left {sorted(leftover)} unconsumed"
+        self._inputs = self._targets = None
+
+    def _execute(self, a: Action, training: bool) -> None:
+        s, mb = a.stage, a.microbatch
+        if a.kind is ActionKind.F:
+            self._forward(s, mb, training)
+        elif a.kind is ActionKind.B:
+            self._backward(s, mb)
+        elif a.kind is ActionKind.SEND_F:
+            self._send(a, self._outbox.pop(("F", s, mb)), self._ports(s).out_leaves)
+        elif a.kind is ActionKind.SEND_B:
+            self._send(a, self._outbox.pop(("B", s, mb)), [p for p in self._ports(s).in_leaves if p.carries_grad])
+        elif a.kind is ActionKind.RECV_F:
+            leaves = self._recv(a, self._ports(s).in_leaves)
+            if training:
+                for v, port in zip(leaves, self._ports(s).in_leaves):
+                    if port.carries_grad:
+                        v.requires_grad_(True)
+            self._inbox[("F", s, mb)] = leaves
+        elif a.kind is ActionKind.RECV_B:
+            self._inbox[("B", s, mb)] = self._recv(a, [p for p in self._ports(s).out_leaves if p.carries_grad])
+
+    def _forward(self, s: int, mb: int, training: bool) -> None:
+        ports = self._ports(s)
+        leaves = self._inputs[mb] if s == 0 else self._inbox.pop(("F", s, mb))
+        with torch.set_grad_enabled(training):
+            outs = _as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
+        out_leaves = flatten(outs, ports.sends, f"rank {self.rank} stage {s} output")
+        self._check(s, mb, out_leaves, ports.out_leaves)
+        if s == self.last_stage:
+            if not training:
+                self._results[mb] = out_leaves
+                return
+            loss = self._loss(outs, mb)
+            self._losses.append(loss.detach())
+            self._stash[(s, mb)] = (leaves, loss)
+        else:
+            if training:
+                self._stash[(s, mb)] = (leaves, out_leaves)
+            if s + 1 in self.stage_ids:  # local neighbour: hand over detached copies, like a receive
+                self._inbox[("F", s + 1, mb)] = [
+                    o.detach().requires_grad_(training and p.carries_grad) if p.kind == "tensor" else o
+                    for o, p in zip(out_leaves, ports.out_leaves)]
+            else:
+                self._outbox[("F", s, mb)] = out_leaves
+        self.peak_stash = max(self.peak_stash, len(self._stash))
+
+    def _backward(self, s: int, mb: int) -> None:
+        in_leaves, outs = self._stash.pop((s, mb))
+        ports = self._ports(s)
+        if s == self.last_stage:
+            torch.autograd.backward(outs)  # the scaled loss
+        else:
+            grads = iter(self._inbox.pop(("B", s, mb)))
+            pairs = [(o, next(grads)) for o, p in zip(outs, ports.out_leaves) if p.carries_grad]
+            pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if s == 0:
+            return
+        input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
+                       for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad]
+        if s - 1 in self.stage_ids:
+            self._inbox[("B", s - 1, mb)] = input_grads
+        else:
+            self._outbox[("B", s, mb)] = input_grads
+
+    def _loss(self, outs: tuple, mb: int) -> torch.Tensor:
+        value = outs[0] if len(outs) == 1 else outs
+        loss = self.loss_fn(value, self._targets[mb]) if self.loss_fn is not None else outs[0]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipeccError(f"rank {self.rank}: the loss must be a scalar tensor, got "
+                              f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
+        n = self._ports(self.last_stage).batch_size
+        share = split_sizes(n, self.m)[mb] / n if n is not None else 1.0 / self.m
+        return loss.reshape(()) * share
+
+    # -- communication -------------------------------------------------------------------
+
+    def _tag(self, direction: int, stage: int, mb: int, leaf: int) -> int:
+        """The gloo tag of a leaf's first message (even; an object's payload gets tag + 1).
+
+        Both ends compute it from (direction, receiving stage, mb, leaf) alone, so it must not
+        depend on anything only one side knows. Unique within a step.
+        """
+        tag = (((direction * self.schedule.num_stages + stage) * self.m + mb) * MAX_PORTS + leaf) * 2
+        if leaf >= MAX_PORTS or tag >= 2**31:
+            raise PipeccError(f"too many ports ({leaf + 1}), stages or microbatches for 31-bit message tags")
+        return tag
+
+    def _send(self, a: Action, values: Sequence[Any], ports: Sequence[Port]) -> None:
+        peer = _peer(self.schedule, a)
+        forward = a.kind is ActionKind.SEND_F
+        receiver = a.stage + 1 if forward else a.stage - 1
+        what = f"{a.kind.value} mb {a.microbatch}"
+        payloads = []
+        for i, (v, port) in enumerate(zip(values, ports)):
+            tag = self._tag(0 if forward else 1, receiver, a.microbatch, i)
+            if port.kind == "tensor":
+                self._wire.send(v, peer, tag, what, key=a)
+            else:
+                data = encode_object(v, f"{what} port {port.name!r}").to(self.device)
+                length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+                self._wire.send(length, peer, tag, what, key=a)
+                payloads.append((data, tag + 1))
+        for data, tag in payloads:
+            self._wire.send(data, peer, tag, what, key=a)
+
+    def _recv(self, a: Action, ports: Sequence[Port]) -> list[Any]:
+        peer = _peer(self.schedule, a)
+        direction = 0 if a.kind is ActionKind.RECV_F else 1
+        what = f"{a.kind.value} mb {a.microbatch}" + (f" of stage {a.stage}" if len(self.stage_ids) > 1 else "")
+        batch = self._ports(a.stage).batch_size
+        first: list[torch.Tensor] = []
+        for port in ports:
+            if port.kind == "tensor":
+                shape = port.microbatch_shape(a.microbatch, batch, self.m)
+                first.append(torch.empty(shape, dtype=port.dtype, device=self.device))
+            else:
+                first.append(torch.empty(1, dtype=torch.int64, device=self.device))
+        tags = [self._tag(direction, a.stage, a.microbatch, i) for i in range(len(ports))]
+        self._wire.recv(first, peer, tags, what)
+        objects = [i for i, p in enumerate(ports) if p.kind == "object"]
+        if not objects:
+            return first
+        payloads = [torch.empty(int(first[i].item()), dtype=torch.uint8, device=self.device) for i in objects]
+        self._wire.recv(payloads, peer, [tags[i] + 1 for i in objects], what)
+        values: list[Any] = list(first)
+        for i, data in zip(objects, payloads):
+            values[i] = decode_object(data, self.device)
+        return values
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _module(self, stage: int) -> nn.Module:
+        return self.modules[self.stage_ids.index(stage)]
+
+    def _ports(self, stage: int) -> StagePorts:
+        return self.ports[self.stage_ids.index(stage)]
+
+    def _check(self, s: int, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:
+        """Fail early, naming the port, when an output does not match the spec its peer relies on."""
+        batch = self._ports(s).batch_size
+        for v, port in zip(leaves, ports):
+            if port.kind != "tensor":
+                continue
+            shape = port.microbatch_shape(mb, batch, self.m)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != port.dtype:
+                got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
+                    else type(v).__name__
+                raise PipeccError(f"rank {self.rank} stage {s} mb {mb}: output {port.name!r} is {got}, ports.json "
+                                  f"says {list(shape)} {str(port.dtype).removeprefix('torch.')}")
+
+    def _split_inputs(self, inputs: Sequence[Any] | None) -> list[list[Any]]:
+        """Stage 0's inputs as leaves, one list per microbatch (batched leaves split, others shared)."""
+        ports = self._ports(0)
+        inputs = _as_tuple(inputs) if inputs is not None else ()
+        if len(inputs) != len(ports.receives):
+            raise PipeccError(f"rank {self.rank}: stage 0 takes {len(ports.receives)} inputs "
+                              f"({', '.join(p.name for p in ports.receives)}), got {len(inputs)}")
+        per_leaf = []
+        for v, port in zip(flatten(inputs, ports.receives, "inputs"), ports.in_leaves):
+            if port.kind == "tensor":
+                v = v.to(self.device)
+                if tuple(v.shape) != port.shape or v.dtype != port.dtype:
+                    raise PipeccError(f"input {port.name!r} is {list(v.shape)} {v.dtype}, the compiled stage "
+                                      f"expects {list(port.shape)} {port.dtype}")
+            extents = port.extents(ports.batch_size, self.m)
+            per_leaf.append(torch.split(v, extents, port.batch_dim) if extents else [v] * self.m)
+        return [[values[mb] for values in per_leaf] for mb in range(self.m)]
+
+    def _split_target(self, target: Any) -> list[Any]:
+        """The target per microbatch: tensors (or a tuple/list of them) split along dim 0."""
+        batch = self._ports(self.last_stage).batch_size
+
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
+            t = t.to(self.device)
+            if batch is None:
+                return list(torch.tensor_split(t, self.m, dim=0))
+            return list(torch.split(t, microbatch_extents(t.shape[0], batch, self.m, "target"), dim=0))
+
+        if isinstance(target, torch.Tensor):
+            return split(target)
+        if isinstance(target, (tuple, list)) and target and all(isinstance(t, torch.Tensor) for t in target):
+            parts = [split(t) for t in target]
+            return [type(target)(p[i] for p in parts) for i in range(self.m)]
+        return [target] * self.m
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | os.PathLike, step: int) -> Path:
+        """Write ``stage_<rank>.safetensors`` and ``stage_<rank>.json`` into ``directory``."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        for s, module in zip(self.stage_ids, self.modules):
+            for key, t in module.state_dict().items():
+                tensors[f"model.{s}.{key}"] = t.detach().cpu().clone(memory_format=torch.contiguous_format)
+        meta: dict[str, Any] = {"format": "pipecc-checkpoint/1", "step": step, "rank": self.rank,
+                                "world": self.world, "stages": self.stage_ids}
+        if self.optimizer is not None:
+            meta["optimizer"] = {"class": type(self.optimizer).__name__,
+                                 "state": to_json(self.optimizer.state_dict(), tensors, "optim")}
+        base = directory / f"stage_{self.rank}"
+        save_file(tensors, f"{base}.safetensors.tmp")
+        os.replace(f"{base}.safetensors.tmp", f"{base}.safetensors")
+        Path(f"{base}.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(f"{base}.json.tmp", f"{base}.json")
+        return Path(f"{base}.safetensors")
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> int:
+        """Restore module (and optimizer) state saved by ``save_checkpoint``; returns its step."""
+        from safetensors.torch import load_file
+
+        base = Path(directory) / f"stage_{self.rank}"
+        if not Path(f"{base}.json").exists():
+            raise PipeccError(f"no checkpoint for rank {self.rank} in {directory} (expected {base.name}.json)")
+        meta = json.loads(Path(f"{base}.json").read_text())
+        if (meta["world"], meta["stages"]) != (self.world, self.stage_ids):
+            raise PipeccError(f"checkpoint {base}.json holds stages {meta['stages']} of a {meta['world']}-rank run, "
+                              f"this rank runs stages {self.stage_ids} of {self.world}")
+        # NOTE: on the CPU: load_state_dict copies into the parameters' devices, and optimizers
+        # want their `step` counters on the CPU unless capturable.
+        tensors = load_file(f"{base}.safetensors", device="cpu")
+        for s, module in zip(self.stage_ids, self.modules):
+            prefix = f"model.{s}."
+            module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        if self.optimizer is not None:
+            if "optimizer" not in meta:
+                raise PipeccError(f"checkpoint {base}.json has no optimizer state")
+            self.optimizer.load_state_dict(from_json(meta["optimizer"]["state"], tensors))
+        return int(meta["step"])
+
+
+# ---------------------------------------------------------------------------- process group
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(config: RunConfig) -> tuple[int, int]:
+    """Join the process group torchrun describes (env://) unless already joined; (rank, world)."""
+    if not dist.is_initialized():
+        device = torch.device(config.device) if config.device else _default_device()
+        backend = config.backend or ("nccl" if device.type == "cuda" else "gloo")
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            # NOTE: binding the device initialises the communicator now, while every rank is
+            # here; directed_groups then splits its two-rank groups from it.
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s), **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _synthetic_inputs(ports: StagePorts, seed: int) -> tuple:
+    """Seeded inputs matching stage 0's receives (the same on every rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    values = []
+    for port in ports.in_leaves:
+        if port.kind != "tensor":
+            raise PipeccError(f"input {port.name!r} is an object; the smoke run cannot invent it")
+        if port.dtype.is_floating_point:
+            values.append(torch.randn(port.shape, generator=gen).to(port.dtype))
+        else:  # token ids and the like: 0/1 are valid for any vocabulary
+            values.append(torch.randint(0, 2, port.shape, generator=gen).to(port.dtype))
+    return tuple(unflatten(values, ports.receives))
+
+
+def _mean_of_outputs(outputs: Any, target: Any) -> torch.Tensor:
+    """Smoke-run loss: the sum over floating tensors in the outputs (nested tuples too) of their mean."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float().mean() if outputs.is_floating_point() else torch.zeros(())
+    if isinstance(outputs, (tuple, list)):
+        return sum((_mean_of_outputs(o, target) for o in outputs), torch.zeros(()))
+    return torch.zeros(())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pipecc.runtime.dist OUT --steps N [--verify] [--schedule S]``, one process per rank.
+
+    Under torchrun rank r loads its stages from ``OUT/stage_<i>/`` (through
+    ``pipecc.runtime.local.load_stage``); without torchrun one process runs every stage (use
+    ``--schedule interleaved`` when there are several). ``--verify`` first checks the pipeline's
+    forward against all stages chained on the last rank; then ``N`` training steps run on seeded
+    synthetic inputs with a smoke loss (the mean of the outputs) and SGD.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return run_compiled(args)
+    except PipeccError as e:
+        print(f"pipecc: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pipecc.runtime.dist")
+    parser.add_argument("out", type=Path, help="a compiled folder (pipecc compile -o OUT)")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} or schedule text")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer")
+    parser.add_argument("--backend", choices=("gloo", "nccl"))
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verify", action="store_true", help="compare with the stages chained on one process")
+    return parser
+
+
+def run_compiled(args: argparse.Namespace) -> int:
+    """The body of ``main``: load this rank's stages, verify, train."""
+    stage_dirs = sorted((p for p in args.out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
+                        key=lambda p: int(p.name[6:]))
+    if not stage_dirs:
+        raise PipeccError(f"{args.out} holds no stage_<i>/ folders; run `pipecc compile` first")
+    try:
+        from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
+    except ImportError:
+        raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
+    config = RunConfig(args.schedule, args.microbatches, args.timeout, args.backend)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, world = init_distributed(config) if under_torchrun else (0, 1)
+    if len(stage_dirs) % world:
+        raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
+    schedule = build_schedule(args.schedule, world, args.microbatches, len(stage_dirs) // world)
+    loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
+    modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=args.lr) if params else None
+    runtime = PipelineRuntime(modules, ports, rank, world, config, _mean_of_outputs, optimizer)
+    first_ports = StagePorts.from_json(json.loads((stage_dirs[0] / "ports.json").read_text()))
+    inputs = _synthetic_inputs(first_ports, args.seed) if 0 in runtime.stage_ids else None
+    if args.verify:
+        outputs = runtime.infer(inputs)
+        if outputs is not None:
+            everything = _synthetic_inputs(first_ports, args.seed)
+            _verify(outputs, everything, [load_stage(d)[0].to(runtime.device) for d in stage_dirs])
+    for i in range(args.steps):
+        if optimizer is not None:
+            optimizer.zero_grad()
+        loss = runtime.step(inputs)
+        if optimizer is not None:
+            optimizer.step()
+        if loss is not None:
+            print(f"step {i}: loss {loss:.6g}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _verify(outputs: Any, inputs: tuple, modules: list[nn.Module]) -> None:
+    values: Any = inputs
+    with torch.no_grad():
+        for module in modules:
+            values = _as_tuple(module(*_as_tuple(values)))
+    expected = values[0] if len(values) == 1 else values
+    try:
+        torch.testing.assert_close(outputs, expected)
+    except AssertionError as e:
+        raise PipeccError(f"verify: pipeline outputs differ from the chained stages: {str(e).splitlines()[0]}") from None
+    print("verify: pipeline outputs match the chained stages", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""The distributed pipeline runtime: torchrun launches compared with one process.
+
+Each launch costs seconds, so one launch checks several schedules. Workers live in
+tests/dist/ (worker.py drives PipelineRuntime on the hand-split model in pipeline_model.py) and
+write safetensors results; the single-process reference is computed here. A handful of
+in-process tests (world = 1, several local stages) cover the same code paths without launches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipecc.errors import PipeccError
+from pipecc.runtime.dist import (
+    PipelineRuntime,
+    RunConfig,
+    build_schedule,
+    check_fifo,
+    from_json,
+    main,
+    send_release,
+    to_json,
+)
+from pipecc.schedule import interleaved_1f1b, one_f_one_b
+
+# NOTE: tests sharing a launch (module fixtures) stay on one worker under `pytest -n N --dist loadgroup`.
+pytestmark = pytest.mark.xdist_group(name="runtime_dist")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist" / "worker.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def _load_model_module():
+    spec = importlib.util.spec_from_file_location("pipeline_model", ROOT / "tests" / "dist" / "pipeline_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pm = _load_model_module()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, *worker_args: str, port: int | None = None, nnodes: int = 1) -> list[str]:
+    cmd = [str(TORCHRUN), "--nproc-per-node", str(nproc), "--monitor-interval", "0.1"]
+    if nnodes == 1:
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port or free_port())]
+    return cmd + [str(WORKER), *worker_args]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def launch(nproc: int, *worker_args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    result = subprocess.run(torchrun_cmd(nproc, *worker_args), env=env(), cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def load_results(out: Path, schedule: str, world: int) -> dict[str, torch.Tensor]:
+    """All ranks' results of one schedule; every gradient must come from exactly one rank."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(world):
+        part = load_file(out / f"{schedule}_rank{rank}.safetensors")
+        for peak in ("peak_stash", "peak_sends"):
+            part[f"{peak}.{rank}"] = part.pop(peak, torch.tensor(-1))
+        assert not set(part) & set(merged) - {"out"}, f"{schedule}: ranks {rank} repeats {set(part) & set(merged)}"
+        merged.update(part)
+    return merged
+
+
+def assert_matches_reference(results: dict[str, torch.Tensor], schedule: str, training: bool = True) -> None:
+    loss, grads, out = pm.reference()
+    torch.testing.assert_close(results["out"], out)
+    if not training:
+        return
+    assert results["loss"].item() == pytest.approx(loss, rel=1e-6)
+    assert {k.removeprefix("grad.") for k in results if k.startswith("grad.")} == set(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(results[f"grad.{name}"], grad, msg=lambda m: f"{schedule} {name}: {m}")
+
+
+def assert_stash_profile(results: dict[str, torch.Tensor], schedule: str, world: int, m: int) -> None:
+    """The runtime held exactly as many microbatches as the schedule says (GPipe m, 1F1B p - r)."""
+    chunks = 2 if schedule == "interleaved" else 1
+    expected = build_schedule(schedule, world, m, chunks).rank_stash_profile()
+    assert [int(results[f"peak_stash.{r}"]) for r in range(world)] == expected
+
+
+# ---------------------------------------------------------------------------- launches
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One 2-rank launch: four schedules, then the first half of the checkpoint test.
+
+    It runs the NCCL wire on gloo (a two-rank group per direction, every message tagged 0), so
+    the order-matching that NCCL relies on is checked here; the other launches match by tag.
+    """
+    out = tmp_path_factory.mktemp("two_ranks")
+    launch(2, "numeric", str(out), "--schedules", "gpipe,1f1b,interleaved,inference", "--microbatches", "4",
+           "--ckpt-save", "--nccl-like")
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "inference"])
+def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
+    results = load_results(two_ranks, schedule, 2)
+    assert_matches_reference(results, schedule, training=schedule != "inference")
+    if schedule != "inference":
+        assert_stash_profile(results, schedule, 2, 4)
+    if schedule in ("gpipe", "1f1b"):  # sent activations are dropped when the peer has them
+        assert [int(results[f"peak_sends.{r}"]) for r in range(2)] == ([4, 4] if schedule == "gpipe" else [2, 2])
+
+
+def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
+    """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches."""
+    launch(3, "numeric", str(tmp_path), "--schedules", "gpipe,1f1b", "--microbatches", "5")
+    for schedule in ("gpipe", "1f1b"):
+        results = load_results(tmp_path, schedule, 3)
+        assert_matches_reference(results, schedule)
+        assert_stash_profile(results, schedule, 3, 5)
+
+
+def test_runtime_imports_no_compiler(two_ranks: Path) -> None:
+    """Importing the runtime loads no compiler module and no sympy; running it loads no compiler either.
+
+    (During a run torch.autograd.backward(tensors, grad_tensors) itself imports sympy.)
+    """
+    code = ("import sys, pipecc.runtime.dist; "
+            "print([m for m in sys.modules if m.split('.')[0] == 'sympy' "
+            "or m.startswith(('pipecc.passes', 'pipecc.backends', 'pipecc.cost'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    for rank in range(2):
+        loaded = json.loads((two_ranks / f"imports_rank{rank}.json").read_text())
+        assert not [m for m in loaded if m.startswith(("pipecc.passes", "pipecc.backends", "pipecc.cost"))], loaded
+
+
+@pytest.fixture(scope="module")
+def two_nodes(two_ranks: Path, tmp_path_factory) -> Path:
+    """Two torchrun launchers (one process each) meet over c10d rendezvous on 127.0.0.1, run 1F1B,
+    then resume the checkpoint the 2-rank launch wrote (new processes, another launcher)."""
+    out = tmp_path_factory.mktemp("two_nodes")
+    port = free_port()
+    procs = []
+    for node in range(2):
+        cmd = torchrun_cmd(1, "numeric", str(out), "--schedules", "1f1b", "--ckpt-resume", str(two_ranks), nnodes=2)
+        cmd[1:1] = ["--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"pipecc-{port}",
+                    "--rdzv-conf", "keep_alive_interval=1"]  # shuts down 4 s sooner
+        procs.append(subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    return out
+
+
+def test_two_node_rendezvous(two_nodes: Path) -> None:
+    assert_matches_reference(load_results(two_nodes, "1f1b", 2), "1f1b")
+
+
+def test_checkpoint_resume_is_bitwise(two_ranks: Path, two_nodes: Path) -> None:
+    """4 steps straight == 2 steps, checkpoint, new processes with another init load it, 2 steps."""
+    for rank in range(2):
+        straight = load_file(two_ranks / f"straight_rank{rank}.safetensors")
+        resumed = load_file(two_ranks / f"resumed_rank{rank}.safetensors")
+        assert straight.keys() == resumed.keys()
+        for name in straight:
+            torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
+    names = load_file(two_ranks / "ckpt" / "stage_0.safetensors").keys()
+    assert "model.0.parts.p0.l0.weight" in names and "optim.state.0.exp_avg" in names
+    assert {p.suffix for p in (two_ranks / "ckpt").iterdir()} == {".json", ".safetensors"}  # no pickle
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_dead_or_hung_peer_stops_the_others(tmp_path: Path, how: str) -> None:
+    """Rank 0 exits (or hangs) before sending: rank 1 fails within the timeout, naming rank 0."""
+    timeout = 2.0
+    start = time.monotonic()
+    result = subprocess.run(torchrun_cmd(2, "fault", str(tmp_path), "--how", how, "--timeout", str(timeout)),
+                            env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "pipecc: error:" in line]
+    assert errors, result.stderr[-3000:]
+    if how == "hang":
+        assert "rank 1: timed out after 2.0 s waiting for RECV_F mb 0 from rank 0" in errors[0]
+    else:
+        assert "rank 1: RECV_F mb 0 from rank 0 failed" in errors[0]
+    assert elapsed < timeout + 10 + 5  # + torchrun and interpreter start-up
+
+
+# ---------------------------------------------------------------------------- in process
+
+
+def run_local(schedule: str, microbatches: int, num_stages: int) -> tuple[float, dict, torch.Tensor, int]:
+    """All stages on one rank (world 1): same runtime, hand-overs instead of messages."""
+    stages, ports = pm.build_stages(num_stages)
+    runtime = PipelineRuntime(stages, ports, 0, 1, RunConfig(schedule, microbatches), pm.loss_fn)
+    inputs, target = pm.batch(0)
+    loss = runtime.step(inputs, target)
+    grads = {name: p.grad for s in stages for name, p in s.named_parameters()}
+    return loss, grads, runtime.infer(inputs), runtime.peak_stash
+
+
+@pytest.mark.parametrize("schedule, num_stages", [("gpipe", 1), ("interleaved", 4)])
+def test_local_stages_match_single_process(schedule: str, num_stages: int) -> None:
+    loss, grads, out, _ = run_local(schedule, 5, num_stages)  # 12 rows: microbatches of 3, 3, 2, 2, 2
+    ref_loss, ref_grads, ref_out = pm.reference()
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name])
+    torch.testing.assert_close(out, ref_out)
+
+
+def test_output_not_matching_ports_names_the_port() -> None:
+    stages, ports = pm.build_stages(2)
+    ports[0]["sends"][0] = {**ports[0]["sends"][0], "shape": [24, 5]}  # b crosses as [2B, 4]
+    runtime = PipelineRuntime(stages, ports, 0, 1, RunConfig("interleaved", 2), pm.loss_fn)
+    with pytest.raises(PipeccError, match=r"output 'b' is \[12, 4\] float32, ports.json says \[12, 5\] float32"):
+        runtime.step(*pm.batch(0))
+
+
+def test_schedule_choice_errors() -> None:
+    with pytest.raises(PipeccError, match="use --schedule interleaved"):
+        build_schedule("1f1b", 2, 4, stages_per_rank=2)
+    with pytest.raises(PipeccError, match="divisible"):
+        build_schedule("interleaved", 2, 3, stages_per_rank=2)
+    text = "rank 0: 0F0 0SEND_F0 0RECV_B0 0B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0"
+    assert build_schedule(text, 2, 1).num_stages == 2  # schedule text is accepted as is
+    with pytest.raises(PipeccError, match="invalid schedule"):
+        build_schedule("rank 0: 0F0 0SEND_F0\nrank 1: 1F0", 2, 1)
+    check_fifo(interleaved_1f1b(4, 8, 2))  # NCCL matches by order: the generators keep it
+
+
+def test_main_runs_a_compiled_folder_in_one_process(tmp_path: Path, monkeypatch, capsys) -> None:
+    """main() without torchrun: every stage in this process; load_stage stubbed (another module)."""
+    assert main([str(tmp_path)]) == 1
+    assert "holds no stage_<i>/ folders" in capsys.readouterr().err
+    _, ports = pm.build_stages(2)
+    for i, stage_ports in enumerate(ports):
+        (tmp_path / f"stage_{i}").mkdir()
+        (tmp_path / f"stage_{i}" / "ports.json").write_text(json.dumps(stage_ports))
+
+    def load_stage(stage_dir: Path):
+        i = int(Path(stage_dir).name.split("_")[1])
+        stages, ports = pm.build_stages(2)
+        return stages[i], ports[i]
+
+    monkeypatch.setitem(sys.modules, "pipecc.runtime.local", types.SimpleNamespace(load_stage=load_stage))
+    monkeypatch.delenv("RANK", raising=False)
+    argv = [str(tmp_path), "--steps", "2", "--verify", "--schedule", "interleaved", "--microbatches", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verify: pipeline outputs match" in out and "step 1: loss" in out
+
+
+def test_sends_are_released_when_the_peer_provably_has_them() -> None:
+    schedule = one_f_one_b(2, 3)  # rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 ...
+    release = {str(k): [str(a) for a in v] for k, v in send_release(schedule, 0).items()}
+    assert release == {"0RECV_B0": ["0SEND_F0"], "0RECV_B1": ["0SEND_F1"], "0RECV_B2": ["0SEND_F2"]}
+    # rank 1's SEND_B0 is known received only when rank 0's next forward (sent after it) arrives
+    release = {str(k): [str(a) for a in v] for k, v in send_release(schedule, 1).items()}
+    assert release == {"1RECV_F2": ["1SEND_B0"]}
+
+
+def test_json_values_round_trip() -> None:
+    value = {"shape": (2, 3), "ids": {0: [1, None], 5: "x"}, "flag": True, "scale": 0.5, "dtype": torch.int64}
+    assert from_json(json.loads(json.dumps(to_json(value)))) == value
+    here = torch.device("cpu")  # a device arrives as the receiver's own
+    assert from_json(json.loads(json.dumps(to_json((torch.device("cuda", 3), 1)))), device=here) == (here, 1)
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = to_json({"state": {0: {"step": torch.tensor(3.0)}}}, tensors, "optim")
+    assert list(tensors) == ["optim.state.0.step"]
+    assert from_json(encoded, tensors)["state"][0]["step"].item() == 3.0
+    with pytest.raises(PipeccError, match="not JSON-able"):
+        to_json(object())

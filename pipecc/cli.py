@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pipecc.errors import PipeccError, UsageError
@@ -88,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the baselines' partitions (equal count, equal params, torchgpipe)")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("compile", parents=[common], help="plan and write the pipeline's code",
+                       description="Plan the model and write OUT: plan.json, one readable "
+                       "stage.py (+ safetensors weights) per stage, and run_stage.py for torchrun.")
+    _add_model_args(p)
+    _add_plan_args(p)
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
+    p.add_argument("--force", action="store_true", help="replace OUT even if pipecc did not write it")
+    p.set_defaults(func=cmd_compile)
+
     p = sub.add_parser("devices", parents=[common], help="list the device and link catalog",
                        description="The device and link catalog with every figure's source.")
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
@@ -127,7 +137,7 @@ def _plan_from_args(args: argparse.Namespace):
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
                               training=not args.inference, debug=args.debug)
-    plan.model_path = str(args.model)
+    plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
     return analysis, plan, graph
 
@@ -141,6 +151,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan.dumps())
     else:
         print(plan_table(plan, verbose=args.verbose))
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from pipecc.backends.torch import cut_stages, write_output
+    analysis, plan, graph = _plan_from_args(args)
+    stages = cut_stages(graph, plan.stage_of())
+    out = write_output(args.output, graph, plan, stages, force=args.force)
+    if not args.quiet:
+        print(f"wrote {out}: {len(stages)} stages, schedule {plan.schedule}, "
+              f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`")
     return 0
 
 

@@ -178,8 +178,8 @@ def cut_stages(graph: AnnotatedGraph, stage_of: dict[str, int]) -> list[Stage]:
         members = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")
                    and placed[n.meta[META_NAME]] == k]
         gm = _build_stage_graph(graph.gm, members, live_across(k - 1), live_across(k))
-        tied = sorted(names[t][0] for t in users_by_stage[k]
-                      if any(t in users_by_stage[j] for j in range(num_stages) if j != k))
+        tied = sorted(names[t][0] for t in users_by_stage.get(k, ())
+                      if any(t in users_by_stage.get(j, ()) for j in range(num_stages) if j != k))
         stages.append(Stage(k, gm, receives, sends, [n.meta[META_NAME] for n in members], tied,
                             names, nonpersistent, inputs, tree, dict(graph.point)))
     return stages

@@ -31,9 +31,6 @@ from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProble
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.units import Units, UnitBuilder
 
-# Op kinds the FPGA backend generates (see ../shared/FPGA.md and backends/fpga).
-FPGA_KINDS = frozenset({"linear", "conv", "activation", "pool", "norm", "elementwise", "shape",
-                        "param", "input"})
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MEMORY_HEADROOM = 0.9  # framework workspace, allocator fragmentation: plan to 90% of capacity
 # NOTE: a finite stand-in for "cannot run here": the partitioner's bisection needs finite
@@ -106,16 +103,48 @@ class Balancer:
         fwd = np.zeros((self.p, units.n))
         bwd = np.zeros((self.p, units.n))
         for d, dev in enumerate(self.cluster.devices):
+            if dev.kind == "fpga":
+                fwd[d], bwd[d] = self._fpga_times(dev, mb)
+                continue
             for u in range(units.n):
                 fwd[d, u] = dev.compute_time(v["forward_flops"][u], v["forward_flops_matmul"][u],
                                              v["bytes_moved"][u], self.opt.dtype)
                 bwd[d, u] = dev.compute_time(v["backward_flops"][u], v["backward_flops_matmul"][u],
                                              2 * v["bytes_moved"][u], self.opt.dtype) \
                     if self.opt.training else 0.0
-                if dev.kind == "fpga" and not units.kinds[u] <= FPGA_KINDS:
-                    fwd[d, u] = bwd[d, u] = UNSUPPORTED_S
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
+
+    def _fpga_times(self, dev: Any, mb: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-unit seconds on an FPGA from the analytic model that writes estimates.json
+        (`pipecc.fpga_model`): additive shares of the dataflow stage time of all supported
+        nodes on this card. Units with an op the FPGA backend cannot generate get
+        UNSUPPORTED_S. Backward (training) is costed as twice the forward, as a dataflow
+        design of the transposed products would take; the FPGA backend itself generates
+        inference only (see `pipecc run`)."""
+        from pipecc import fpga_model
+        nodes = [n for g in self.builder.groups for n in g]
+        ok = {n for n in nodes if fpga_model.supported(n)}
+        shares: dict[str, float] = {}
+        for _ in range(len(nodes)):
+            # supported() judges a node alone; lowering also checks it in context (a
+            # broadcasting add, a reshape across the batch): drop what lowering refuses
+            try:
+                shares = fpga_model.node_times_s([n for n in nodes if n in ok and n.op != "get_attr"],
+                                                 dev.name, self.opt.dtype, mb, self.graph.point)
+                break
+            except fpga_model.UnsupportedOpError as exc:
+                refused = {n for n in ok if n.meta.get("pipecc.name") == exc.node or n.name == exc.node}
+                if not refused:
+                    raise
+                ok -= refused
+        fwd = np.zeros(len(self.builder.groups))
+        for u, g in enumerate(self.builder.groups):
+            if not all(n in ok for n in g):
+                fwd[u] = UNSUPPORTED_S
+            else:
+                fwd[u] = sum(shares.get(n.name, 0.0) for n in g)
+        return fwd, (2 * fwd if self.opt.training else np.zeros_like(fwd))
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
                 v: int = 1) -> PartitionProblem:
@@ -204,16 +233,13 @@ class Balancer:
         return simulate(sched, costs)
 
     def _unsupported_message(self, units: Units, order: Sequence[int]) -> str:
-        for k, d in enumerate(order):
-            dev = self.cluster.devices[d]
-            if dev.kind == "fpga":
-                for u in range(units.n):
-                    bad = units.kinds[u] - FPGA_KINDS
-                    if bad:
-                        return (f"device {k} ({dev.name}) is an FPGA and cannot run "
-                                f"{', '.join(sorted(bad))} (node {units.names[u][-1]}); put a "
-                                "CPU/GPU there or use --choose-order")
-        return "no finite-time placement exists for these devices"
+        from pipecc import fpga_model
+        fpgas = [f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
+                 if self.cluster.devices[d].kind == "fpga"]
+        bad = [n for g in self.builder.groups for n in g if not fpga_model.supported(n)]
+        example = f"{bad[0].meta['pipecc.op']} at node {bad[0].meta['pipecc.name']}" if bad else "?"
+        return (f"FPGA device {', '.join(fpgas)} would have to run ops the FPGA backend cannot "
+                f"generate (e.g. {example}); put a CPU/GPU there or use --choose-order")
 
     def run(self) -> tuple[Plan, _Candidate]:
         if self.p > self.builder.at(1).n:

@@ -19,10 +19,10 @@ demo: $(STAMP)
 	$(VENV)/bin/pipecc plan models/gpt.py --batch-size 8 --devices 4xa100 --compare -v
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m 'not slow'
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -139,7 +139,7 @@ def _fake_inputs(mode: FakeTensorMode, inputs: tuple, sizes: dict[tuple[int, int
         if isinstance(x, torch.Tensor):
             shape = [sizes.get((i, d), s) for d, s in enumerate(x.shape)]
             with mode:
-                fake = torch.empty(shape, dtype=x.dtype, device="cpu")
+                fake = torch.empty(shape, dtype=x.dtype, device=x.device)
             out.append(fake.requires_grad_(x.requires_grad))
         else:
             out.append(x)

@@ -253,8 +253,8 @@ class Balancer:
             except InfeasibleError as exc:
                 lost.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
         if not results:
-            best_reason = lost[0]["reason"] if lost else "no candidate"
-            raise PipeccError(f"no schedule fits memory: {best_reason}")
+            reason = lost[0]["reason"] if lost else "no candidate"
+            raise PipeccError(reason if reason.startswith("FPGA") else f"no schedule fits memory: {reason}")
         results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches))
         best = results[0]
         for c in results[1:]:

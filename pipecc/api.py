@@ -2,6 +2,11 @@
 
     pm = pipecc.compile(model, example_inputs, "cpu,cpu")   # a drop-in nn.Module
     loss_fn(pm(x), y).backward()                              # same grads on model's params
+
+Devices with FPGA cards ("cpu,u250,cpu"): each FPGA stage is written as its HLS project, built
+with g++ and run through the C simulation (pipecc.backends.fpga.pipeline); such pipelines are
+inference-only (forward in eval-mode semantics; a backward through an FPGA stage raises).
+`pipecc.load` does the same for compiled folders holding `stage_<i>/hls/`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import torch
 from pipecc import driver
 from pipecc.devices import Cluster, parse_devices
 from pipecc.errors import UsageError
-from pipecc.runtime.local import PipelinedModule, load  # noqa: F401  (re-exported)
+from pipecc.runtime import local
+from pipecc.runtime.local import PipelinedModule
 
 
 def torch_devices(cluster: Cluster, order: Sequence[int] | None = None) -> list[str]:
@@ -35,10 +41,14 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     """Plan `model` over `devices` and return the drop-in PipelinedModule.
 
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
-    choose_order, split_layers). The model's parameters are shared, not copied: an optimizer
-    built on `model.parameters()` before wrapping keeps working.
+    choose_order, split_layers, training), plus, for FPGA devices, `fpga_number` ("float" or
+    "ap_fixed<W,I>") and `fpga_dir` (where to keep the HLS projects; default a temporary
+    folder removed with the module). The model's parameters are shared, not copied: an
+    optimizer built on `model.parameters()` before wrapping keeps working.
     """
     from pipecc.backends.torch import cut_stages, pipelined_module
+    fpga_number = plan_options.pop("fpga_number", "float")
+    fpga_dir = plan_options.pop("fpga_dir", None)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cluster = parse_devices(devices) if not isinstance(devices, Cluster) else devices
     graph = driver.analyze_module(model, inputs, model_name=type(model).__name__)
@@ -46,9 +56,26 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     stages = cut_stages(graph, plan.stage_of())
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     placement = torch_devices(cluster, order)
-    pm = pipelined_module(model, stages, microbatches=plan.microbatches,
-                          devices=[placement[s.device] for s in plan.stages])
+    devs = [placement[s.device] for s in plan.stages]
+    if any(d.get("kind") == "fpga" for d in plan.devices):
+        from pipecc.backends.fpga.pipeline import fpga_stage_cards, mixed_pipelined_module
+        if fpga_stage_cards(plan):
+            pm = mixed_pipelined_module(model, graph, plan, stages, inputs, devices=devs,
+                                        number=fpga_number, fpga_dir=fpga_dir)
+            pm.plan = plan  # type: ignore[attr-defined]
+            return pm
+    pm = pipelined_module(model, stages, microbatches=plan.microbatches, devices=devs)
     pm.plan = plan  # type: ignore[attr-defined]  # for inspection: pm.plan.stages, ...
     return pm
 
 
+def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
+         microbatches: int | None = None) -> PipelinedModule:
+    """A PipelinedModule over a compiled folder (see `pipecc.runtime.local.load`); stages with
+    an HLS project (`stage_<i>/hls/`, FPGA stages) run through the C simulation, built with
+    g++ on first use. Such pipelines are inference-only."""
+    from pathlib import Path
+    if any(p.is_dir() for p in Path(out_dir).glob("stage_*/hls")):
+        from pipecc.backends.fpga.pipeline import load_mixed
+        return load_mixed(out_dir, devices=devices, microbatches=microbatches)
+    return local.load(out_dir, devices=devices, microbatches=microbatches)

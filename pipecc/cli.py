@@ -96,12 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(p)
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
     p.add_argument("--force", action="store_true", help="replace OUT even if pipecc did not write it")
+    p.add_argument("--fpga-number", default="float", metavar="FORMAT",
+                   help="number format of FPGA stages: float or ap_fixed<W,I> (default float)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("devices", parents=[common], help="list the device and link catalog",
                        description="The device and link catalog with every figure's source.")
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     p.set_defaults(func=cmd_devices)
+
+    from pipecc import csim_cmd
+    csim_cmd.add_parser(sub, common)
     return parser
 
 
@@ -155,13 +160,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    from pipecc import fpga_compile
     from pipecc.backends.torch import cut_stages, write_output
     analysis, plan, graph = _plan_from_args(args)
     stages = cut_stages(graph, plan.stage_of())
-    out = write_output(args.output, graph, plan, stages, force=args.force)
+    writers = fpga_compile.writers(graph, plan, stages,
+                                   analysis.spec.example_inputs if analysis.spec else None,
+                                   number=args.fpga_number)
+    out = write_output(args.output, graph, plan, stages, force=args.force, writers=writers)
     if not args.quiet:
         print(f"wrote {out}: {len(stages)} stages, schedule {plan.schedule}, "
               f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`")
+        for line in fpga_compile.notes(plan, args.output):
+            print(line)
     return 0
 
 

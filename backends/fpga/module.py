@@ -22,7 +22,7 @@ _ERRORS = {-1: "weights not loaded", -2: "exception in the C simulation",
 
 class _NoBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, run: Any, name: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, run: Any, name: str) -> torch.Tensor:
         ctx.stage = name
         return run(x)
 
@@ -64,7 +64,11 @@ class FpgaStageModule(nn.Module):
         return torch.from_numpy(ys).to(x.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _NoBackward.apply(x, self._run, self.top)
+        # The anchor puts the output on the autograd graph whenever grad mode is on, so a
+        # backward through this stage raises even when `x` needs no grad (an FPGA first stage):
+        # its torch parameters would otherwise silently get no gradient.
+        anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
+        return _NoBackward.apply(x, anchor, self._run, self.top)
 
     def extra_repr(self) -> str:
         return f"{self.top}, in={self.in_shape}, out={self.out_shape}"

@@ -8,6 +8,9 @@
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
     OUT/run_stage.py         the entry torchrun starts: `torchrun --nproc-per-node P OUT/run_stage.py`
     + extra_files            e.g. report.html, written by the caller's generators
+    + writers                callables given the temporary folder before the rename (e.g. the
+                             FPGA backend adding `stage_<i>/hls/`); an exception from one
+                             fails the whole compile, leaving no OUT
 
 Everything is written into a temporary folder beside OUT, which replaces OUT by rename only
 when complete: a failed compile leaves no OUT (an existing pipecc OUT stays as it was) and no
@@ -25,7 +28,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -64,14 +67,21 @@ if __name__ == "__main__":
 
 
 def write_output(out_dir: str | Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Stage], *,
-                 force: bool = False, extra_files: Mapping[str, str | bytes] | None = None) -> Path:
-    """Write the compiled folder `out_dir` atomically (see the module docstring); returns it."""
+                 force: bool = False, extra_files: Mapping[str, str | bytes] | None = None,
+                 writers: Sequence[Callable[[Path], None]] = ()) -> Path:
+    """Write the compiled folder `out_dir` atomically (see the module docstring); returns it.
+
+    Each of `writers` is called, in order, with the complete temporary folder before it
+    replaces `out_dir`.
+    """
     out = Path(out_dir)
     _check_replaceable(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.pipecc-", dir=out.parent))
     try:
         _write_all(tmp, graph, plan, stages, extra_files or {})
+        for writer in writers:
+            writer(tmp)
         _replace(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

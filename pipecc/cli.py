@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the catalog as JSON")
     p.set_defaults(func=cmd_devices)
 
-    from pipecc import csim_cmd
+    from pipecc import csim_cmd, inspect_cmd, run_cmd
+    run_cmd.add_parser(sub, common)
+    inspect_cmd.add_parser(sub, common)
     csim_cmd.add_parser(sub, common)
     return parser
 
@@ -148,8 +150,11 @@ def _plan_from_args(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pipecc import progress
     from pipecc.plan_report import plan_table
     _, plan, _ = _plan_from_args(args)
+    for decision in plan.decisions:
+        progress.explain(decision)
     if args.output:
         _write_atomic(args.output, plan.dumps() + "\n")
     if args.json:
@@ -160,14 +165,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from pipecc import fpga_compile
+    from pipecc import fpga_compile, progress
     from pipecc.backends.torch import cut_stages, write_output
+    from pipecc.inspect import graph_json, timeline_json
+    from pipecc.report import render_report, timeline_for
+    args.compare = True  # the report shows the baselines' figures
     analysis, plan, graph = _plan_from_args(args)
+    for decision in plan.decisions:
+        progress.explain(decision)
+    timeline = timeline_for(plan)
     stages = cut_stages(graph, plan.stage_of())
+    with progress.step("writing report"):
+        extra = {"graph.json": json.dumps(graph_json(graph, plan), indent=1),
+                 "timeline.json": json.dumps(timeline_json(timeline)),
+                 "report.html": render_report(graph, plan, timeline)}
     writers = fpga_compile.writers(graph, plan, stages,
                                    analysis.spec.example_inputs if analysis.spec else None,
                                    number=args.fpga_number)
-    out = write_output(args.output, graph, plan, stages, force=args.force, writers=writers)
+    out = write_output(args.output, graph, plan, stages, force=args.force, extra_files=extra,
+                       writers=writers)
     if not args.quiet:
         print(f"wrote {out}: {len(stages)} stages, schedule {plan.schedule}, "
               f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`")
@@ -206,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = parser.parse_args(argv)
+        from pipecc import progress
+        progress.configure(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
         if not getattr(args, "func", None):
             parser.print_help(sys.stderr)
             return 2

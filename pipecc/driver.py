@@ -68,17 +68,21 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if path.suffix == ".onnx":
         if model_args:
             raise UsageError("--model-arg applies to .py model files, not ONNX files")
-        from pipecc import onnx_frontend
-        graph = onnx_frontend.from_onnx(path, batch_size=batch_size)
+        from pipecc import onnx_frontend, progress
+        with progress.step(f"importing {path.name}"):
+            graph = onnx_frontend.from_onnx(path, batch_size=batch_size)
         if debug:
             verify(graph)
         cost.annotate(graph)
         if debug:
             verify(graph, costed=True)
         return Analysis(graph, None)
-    spec = load_model_file(path, model_args, batch_size=batch_size)
-    graph = analyze_module(spec.model, spec.example_inputs, model_name=path.stem,
-                           symbols=symbols, debug=debug)
+    from pipecc import progress
+    with progress.step(f"building {path.name}"):
+        spec = load_model_file(path, model_args, batch_size=batch_size)
+    with progress.step(f"tracing {path.name}"):
+        graph = analyze_module(spec.model, spec.example_inputs, model_name=path.stem,
+                               symbols=symbols, debug=debug)
     if graph.batch_size != batch_size and "B" in graph.symbols:
         raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
     return Analysis(graph, spec)
@@ -105,8 +109,10 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                           dtype=dtype)
     from pipecc.passes import split_search
     splittable = split_search.splittable_names(graph) if split_layers else []
+    from pipecc import progress
     balancer = Balancer(graph, cluster, options, splittable=splittable)
-    result, cand = balancer.run()
+    with progress.step(f"planning on {len(cluster.devices)} devices"):
+        result, cand = balancer.run()
     if split_layers and splittable and len(cluster.devices) > 1:
         notes: list[str] = []
         fixed = dict(schedule=result.schedule, microbatches=result.microbatches)
@@ -116,8 +122,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
             return Balancer(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
 
         times = balancer.unit_times(cand)
-        result, graph = split_search.search(graph, result, replan, lambda n: times.get(n, 0.0),
-                                            note=notes.append)
+        with progress.step("splitting layers"):
+            result, graph = split_search.search(graph, result, replan, lambda n: times.get(n, 0.0),
+                                                note=notes.append)
         result.decisions += notes
     if debug:
         verify(graph, costed=True)

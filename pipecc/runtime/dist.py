@@ -1,8 +1,9 @@
 """Distributed pipeline runtime: one process per rank, stages exchange values point to point.
 
-Launch one process per rank with torchrun (``torchrun --nproc-per-node P -m pipecc.runtime.dist
-OUT --steps N``). Rank r holds the stages the schedule places on it: stage r for GPipe, 1F1B and
-inference, stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the
+Launch one process per rank with ``pipecc run OUT`` (``pipecc.run_cmd``), which starts torchrun on
+``OUT/run_stage.py`` (by hand: ``torchrun --nproc-per-node P -m pipecc.runtime.dist OUT --steps N``).
+Rank r holds the stages the schedule places on it: stage r for GPipe, 1F1B and inference,
+stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the
 rank's action list from ``pipecc.schedule`` literally, so a schedule's memory behaviour is real:
 GPipe stashes m microbatches per stage, 1F1B at most p - r.
 
@@ -564,6 +565,7 @@ class PipelineRuntime:
         else:
             self._wire = _Wire(rank, config.timeout_s)
         self.peak_stash = 0  # most microbatches stashed at once during the last step
+        self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
         if world > 1:
             self._handshake()
 
@@ -591,7 +593,12 @@ class PipelineRuntime:
         """
         with torch.no_grad():
             self._run(forward_only(self.schedule), inputs, None, training=False)
-        if self.last_stage not in self.stage_ids:
+        return self.last_outputs()
+
+    def last_outputs(self) -> Any:
+        """The model outputs of the last ``infer`` (or ``step`` with ``keep_outputs`` set), merged
+        over microbatches as ``infer`` returns them; None off the last rank or when none are kept."""
+        if self.last_stage not in self.stage_ids or len(getattr(self, "_results", {})) != self.m:
             return None
         ports = self._ports(self.last_stage)
         merged = []
@@ -677,6 +684,8 @@ class PipelineRuntime:
             if not training:
                 self._results[mb] = out_leaves
                 return
+            if self.keep_outputs:
+                self._results[mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
             loss = self._loss(outs, mb)
             self._losses.append(loss.detach())
             self._stash[(s, mb)] = (leaves, loss)
@@ -922,9 +931,12 @@ def _synthetic_inputs(ports: StagePorts, seed: int) -> tuple:
 
 
 def _mean_of_outputs(outputs: Any, target: Any) -> torch.Tensor:
-    """Smoke-run loss: the sum over floating tensors in the outputs (nested tuples too) of their mean."""
+    """Smoke-run loss: the sum over floating tensors in the outputs (nested tuples, lists and dict
+    values too) of their mean."""
     if isinstance(outputs, torch.Tensor):
         return outputs.float().mean() if outputs.is_floating_point() else torch.zeros(())
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
     if isinstance(outputs, (tuple, list)):
         return sum((_mean_of_outputs(o, target) for o in outputs), torch.zeros(()))
     return torch.zeros(())
@@ -933,76 +945,188 @@ def _mean_of_outputs(outputs: Any, target: Any) -> torch.Tensor:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipecc.runtime.dist OUT --steps N [--verify] [--schedule S]``, one process per rank.
 
+    ``pipecc run OUT`` (``pipecc.run_cmd``) starts this under torchrun through ``OUT/run_stage.py``.
     Under torchrun rank r loads its stages from ``OUT/stage_<i>/`` (through
     ``pipecc.runtime.local.load_stage``); without torchrun one process runs every stage (use
-    ``--schedule interleaved`` when there are several). ``--verify`` first checks the pipeline's
-    forward against all stages chained on the last rank; then ``N`` training steps run on seeded
-    synthetic inputs with a smoke loss (the mean of the outputs) and SGD.
+    ``--schedule interleaved`` when there are several). Schedule and micro-batches default to the
+    compiled ones (``OUT/pipecc.json``). A pipeline compiled for CPUs only runs on the CPU over
+    gloo even where CUDA is available; otherwise rank r uses cuda:LOCAL_RANK and NCCL.
+
+    Data. When ``OUT/pipecc.json`` names a ``.py`` model file that exists, every rank imports it
+    (without building the model) and calls ``example_inputs(batch_size, **model_args)`` and
+    ``example_target(batch_size, **model_args)`` after seeding torch's RNG with ``--seed``, so
+    every rank draws the same batch; the rank of stage 0 feeds the inputs (mapped to stage 0's
+    receives through ``model_inputs``), the last rank uses the target and the file's
+    ``loss_fn(outputs, target)`` on the outputs rebuilt in the model's structure. Without a
+    ``loss_fn`` (or ``example_target``) the loss is the mean of the outputs, with a note. Without a
+    usable model file (an ONNX model, a folder moved to another machine, no ``pipecc.json``) the
+    run uses seeded random inputs of the compiled shapes and that smoke loss.
+
+    Steps. Each step zeroes the gradients, runs ``PipelineRuntime.step``, sums the gradients of
+    tied weights (a parameter used by stages on several ranks) across those ranks, and steps
+    the optimizer (``--optimizer sgd|adam``, ``--lr``). The last rank prints
+    ``step i: loss X, Y samples/s``: samples/s is the batch size divided by the wall time of
+    the iteration on the last rank, from its ``zero_grad`` to its ``optimizer.step`` (a local
+    ``time.perf_counter`` timer, no barrier: the ranks are coupled by their messages, so in
+    steady state every rank's iteration takes the pipeline's period; step 0 includes start-up
+    and, with ``--verify``, excludes the comparison).
+
+    ``--verify`` (see ``_Verifier``): the first training step is checked against the original
+    computation in one process: every rank builds the original model from the model file,
+    loads the weights of ALL stages into it (memory: a full model copy plus all stage weights
+    per rank, fine for test-sized models, costly for large ones), runs the full batch with the
+    same loss and compares its own stages' parameter gradients (``--rtol``/``--atol``), the last
+    rank also the outputs and the loss. A mismatch prints ``pipecc: error: verify: rank R stage
+    S gradient of NAME differs: ...`` and exits 1. With BatchNorm and several micro-batches (or
+    active dropout) train-mode numerics legitimately differ from one full-batch pass, so only
+    eval-mode outputs are compared, before training. Without a model file, ``--verify`` checks
+    the pipeline's forward against all stages chained on the last rank.
     """
     args = _parser().parse_args(argv)
     try:
         return run_compiled(args)
+    except _PeerFailed:
+        return 1  # another rank reported the problem
     except PipeccError as e:
-        print(f"pipecc: error: {e}", file=sys.stderr, flush=True)
+        message = str(e)
+        rank = os.environ.get("RANK")
+        if rank is not None and not re.search(r"\brank \d+", message):
+            message = f"rank {rank}: {message}"
+        print(f"pipecc: error: {message}", file=sys.stderr, flush=True)
         return e.exit_code
+
+
+class _PeerFailed(PipeccError):
+    """Raised on the ranks that agree to stop because another rank's check failed."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipecc.runtime.dist")
     parser.add_argument("out", type=Path, help="a compiled folder (pipecc compile -o OUT)")
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b", help=f"{', '.join(SCHEDULES)} or schedule text")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", help=f"{', '.join(SCHEDULES)} or schedule text (default: the compiled one)")
+    parser.add_argument("--microbatches", type=int, help="default: the compiled number")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer")
     parser.add_argument("--backend", choices=("gloo", "nccl"))
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--verify", action="store_true", help="compare with the stages chained on one process")
+    parser.add_argument("--verify", action="store_true", help="compare with the original model in one process")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="--verify: relative tolerance")
+    parser.add_argument("--atol", type=float, default=1e-5, help="--verify: absolute tolerance")
     return parser
 
 
+def _stage_dirs(out: Path) -> list[Path]:
+    dirs = sorted((p for p in out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
+                  key=lambda p: int(p.name[6:]))
+    if not dirs:
+        raise PipeccError(f"{out} holds no stage_<i>/ folders; run `pipecc compile` first")
+    if [int(p.name[6:]) for p in dirs] != list(range(len(dirs))):
+        raise PipeccError(f"{out}: stage folders {[p.name for p in dirs]} are not stage_0 .. stage_{len(dirs) - 1}")
+    return dirs
+
+
+def _read_marker(out: Path) -> dict[str, Any] | None:
+    """``OUT/pipecc.json`` as a dict, or None when there is none."""
+    path = out / "pipecc.json"
+    if not path.exists():
+        return None
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
+    if not isinstance(marker, dict):
+        raise PipeccError(f"{path} is not a pipecc marker; compile again")
+    return marker
+
+
+def _compiled_device(meta: dict[str, Any] | None) -> str | None:
+    """"cpu" when the pipeline was compiled for CPUs only (then it runs on the CPU, over gloo, even
+    where CUDA is available); None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
+    devices = (meta or {}).get("devices") or []
+    if devices and all(isinstance(d, dict) and d.get("kind") == "cpu" for d in devices):
+        return "cpu"
+    return None
+
+
+def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
+    if not params:
+        return None
+    return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
+
+
 def run_compiled(args: argparse.Namespace) -> int:
-    """The body of ``main``: load this rank's stages, verify, train."""
-    stage_dirs = sorted((p for p in args.out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
-                        key=lambda p: int(p.name[6:]))
-    if not stage_dirs:
-        raise PipeccError(f"{args.out} holds no stage_<i>/ folders; run `pipecc compile` first")
+    """The body of ``main``: load this rank's stages and data, verify, train."""
+    stage_dirs = _stage_dirs(args.out)
+    meta = _read_marker(args.out)
     try:
         from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
     except ImportError:
         raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
-    config = RunConfig(args.schedule, args.microbatches, args.timeout, args.backend)
+    schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
+    m = args.microbatches or int((meta or {}).get("microbatches") or 4)
+    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta))
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
-    schedule = build_schedule(args.schedule, world, args.microbatches, len(stage_dirs) // world)
+    schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
-    modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = torch.optim.SGD(params, lr=args.lr) if params else None
-    runtime = PipelineRuntime(modules, ports, rank, world, config, _mean_of_outputs, optimizer)
-    first_ports = StagePorts.from_json(json.loads((stage_dirs[0] / "ports.json").read_text()))
-    inputs = _synthetic_inputs(first_ports, args.seed) if 0 in runtime.stage_ids else None
-    if args.verify:
+    modules, ports = [mod for mod, _ in loaded], [p for _, p in loaded]
+    params = [p for mod in modules for p in mod.parameters()]
+    optimizer = _make_optimizer(args.optimizer, params, args.lr)
+    specs = [json.loads((d / "ports.json").read_text()) for d in stage_dirs]
+    data = _RunData.load(meta, specs, args.seed)
+    runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer)
+    is_last = runtime.last_stage in runtime.stage_ids
+    if is_last and data.note:
+        print(data.note, flush=True)
+    tied = _TiedGradients(runtime, modules, specs)
+    inputs = data.inputs if 0 in runtime.stage_ids else None
+    target = data.target if is_last else None
+    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+
+    verifier = None
+    if args.verify and data.module is None:
         outputs = runtime.infer(inputs)
         if outputs is not None:
-            everything = _synthetic_inputs(first_ports, args.seed)
-            _verify(outputs, everything, [load_stage(d)[0].to(runtime.device) for d in stage_dirs])
-    for i in range(args.steps):
+            _verify(outputs, data.inputs, [load_stage(d)[0].to(runtime.device) for d in stage_dirs])
+    elif args.verify:
+        verifier = _Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+        if verifier.eval_only:
+            verifier.check_eval_outputs(inputs)
+            verifier = None
+
+    def train_step(i: int, update: bool) -> None:
+        start = time.perf_counter()
         if optimizer is not None:
             optimizer.zero_grad()
-        loss = runtime.step(inputs)
-        if optimizer is not None:
+        runtime.keep_outputs = verifier is not None and i == 0
+        loss = runtime.step(inputs, target)
+        tied.reduce()
+        if verifier is not None and i == 0:
+            paused = time.perf_counter()
+            verifier.check_step(loss)
+            start += time.perf_counter() - paused
+        if optimizer is not None and update:
             optimizer.step()
-        if loss is not None:
-            print(f"step {i}: loss {loss:.6g}", flush=True)
+        elapsed = time.perf_counter() - start
+        if loss is not None and update:
+            rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
+            print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
+
+    if verifier is not None and args.steps < 1:
+        train_step(0, update=False)  # --verify --steps 0: check one step, train none
+    for i in range(args.steps):
+        train_step(i, update=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
 
 def _verify(outputs: Any, inputs: tuple, modules: list[nn.Module]) -> None:
+    """Without a model file: the pipeline's forward against all stages chained in this process."""
     values: Any = inputs
     with torch.no_grad():
         for module in modules:
@@ -1013,6 +1137,347 @@ def _verify(outputs: Any, inputs: tuple, modules: list[nn.Module]) -> None:
     except AssertionError as e:
         raise PipeccError(f"verify: pipeline outputs differ from the chained stages: {str(e).splitlines()[0]}") from None
     print("verify: pipeline outputs match the chained stages", flush=True)
+
+
+# ---------------------------------------------------------------------------- the model's data
+
+
+def _build_output(tree: dict[str, Any] | None, env: dict[str, Any]) -> Any:
+    """The model's output structure from its JSON tree (``model_output``) and the port values."""
+    if tree is None:
+        return next(iter(env.values())) if len(env) == 1 else tuple(env.values())
+    if "port" in tree:
+        return env[tree["port"]]
+    if "tuple" in tree:
+        return tuple(_build_output(t, env) for t in tree["tuple"])
+    if "list" in tree:
+        return [_build_output(t, env) for t in tree["list"]]
+    if "dict" in tree:
+        return {k: _build_output(t, env) for k, t in tree["dict"]}
+    return tree.get("const")
+
+
+def _output_ports(tree: dict[str, Any] | None, value: Any, found: dict[str, Any]) -> dict[str, Any]:
+    """``_build_output``'s inverse: port name -> the part of the model output ``value`` it holds."""
+    if tree is None or "port" in tree:
+        found.setdefault(tree["port"] if tree else "output", value)
+    elif "tuple" in tree or "list" in tree:
+        for t, v in zip(tree.get("tuple", tree.get("list", ())), value):
+            _output_ports(t, v, found)
+    elif "dict" in tree:
+        for k, t in tree["dict"]:
+            _output_ports(t, value[k], found)
+    return found
+
+
+@dataclass
+class _RunData:
+    """What a run feeds the pipeline: stage 0's inputs, the target, the loss (see ``main``)."""
+
+    inputs: tuple  # stage 0's receives, full batch
+    target: Any
+    loss_fn: Callable  # what PipelineRuntime calls: (last stage's sends, target) -> scalar
+    model_loss: Callable  # (model outputs, target) -> scalar
+    model_inputs: tuple = ()  # the model's positional inputs (for --verify)
+    module: Any = None  # the imported model file; None: synthetic data
+    note: str | None = None
+    model_output: dict[str, Any] | None = None
+    send_names: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, meta: dict[str, Any] | None, specs: list[dict[str, Any]], seed: int) -> _RunData:
+        first = StagePorts.from_json(specs[0])
+        if meta is None:
+            return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs)
+        raw_path = str(meta.get("model_path") or "")
+        path = Path(raw_path)
+        if not raw_path:
+            why = "pipecc.json names no model file"
+        elif path.suffix != ".py":
+            why = f"the model file {path.name} is not a .py model file"
+        elif not path.is_file():
+            why = f"the model file {raw_path} is not on this machine"
+        else:
+            why = ""
+        if why:
+            note = f"note: {why}; training on seeded random inputs with the mean of the outputs as the loss"
+            return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs, note=note)
+        from pipecc.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only
+
+        module = import_model_file(path)
+        model_args = dict(meta.get("model_args") or {})
+        batch = int(meta.get("batch_size") or first.batch_size or 1)
+
+        def call(name: str) -> Any:
+            try:
+                return _call_with_accepted(getattr(module, name), batch, **model_args)
+            except Exception as e:
+                raise PipeccError(f"{name} in {path.name} failed: {type(e).__name__}: {e}") from None
+
+        torch.manual_seed(seed)  # every rank draws the same batch, even from an unseeded example_inputs
+        raw = call("example_inputs")
+        model_inputs = tuple(raw) if isinstance(raw, (tuple, list)) else (raw,)
+        target = call("example_target") if callable(getattr(module, "example_target", None)) else None
+        user_loss = getattr(module, "loss_fn", None)
+        note = None
+        if not callable(user_loss):
+            note, model_loss = f"note: {path.name} defines no loss_fn; the loss is the mean of the outputs", \
+                _mean_of_outputs
+        elif target is None:
+            note, model_loss = f"note: {path.name} defines loss_fn but no example_target; the loss is the mean " \
+                "of the outputs", _mean_of_outputs
+        else:
+            model_loss = user_loss
+        tree = meta.get("model_output") or specs[-1].get("model_output")
+        send_names = tuple(str(p.get("name")) for p in specs[-1].get("sends", ()))
+
+        def loss_fn(value: Any, tgt: Any) -> torch.Tensor:
+            sends = (value,) if len(send_names) == 1 else tuple(value)
+            return model_loss(_build_output(tree, dict(zip(send_names, sends))), tgt)
+
+        inputs = _stage0_inputs(model_inputs, meta.get("model_inputs") or specs[0].get("model_inputs") or [],
+                                first, path.name)
+        return cls(inputs, target, loss_fn, model_loss, model_inputs, module, note, tree, send_names)
+
+
+def _stage0_inputs(values: tuple, model_inputs: list[dict[str, Any]], first: StagePorts, file: str) -> tuple:
+    """The model's positional inputs mapped to stage 0's receives (by ``model_inputs`` names)."""
+    index = {str(d["name"]): int(d["index"]) for d in model_inputs}
+    args = {str(d["name"]): str(d.get("arg", d["name"])) for d in model_inputs}
+    chosen = []
+    for i, port in enumerate(first.receives):
+        k = index.get(port.name, i if not index else None)
+        if k is None:
+            raise PipeccError(f"stage 0 receives {port.name!r}, which is none of the model inputs in pipecc.json")
+        if k >= len(values):
+            raise PipeccError(f"example_inputs in {file} returned {len(values)} values; the compiled model takes "
+                              f"input {args.get(port.name, port.name)!r} at position {k}")
+        chosen.append(values[k])
+    return tuple(chosen)
+
+
+class _TiedGradients:
+    """Sums the gradient of each tied weight (one parameter used by several stages; every
+    holding stage has its own copy, ``ports.json``'s ``tied``) over the holders, so every copy
+    gets the original parameter's gradient and the copies stay equal under the optimizer.
+
+    Construction is collective (``dist.new_group`` for every tied weight spanning ranks, in
+    the same order on every rank).
+    """
+
+    def __init__(self, runtime: PipelineRuntime, modules: Sequence[nn.Module], specs: list[dict[str, Any]]):
+        holders: dict[str, list[int]] = {}
+        for k, spec in enumerate(specs):
+            for name in spec.get("tied", ()) or ():
+                holders.setdefault(str(name), []).append(k)
+        self.entries: list[tuple[str, Any, list[nn.Parameter]]] = []
+        for name in sorted(holders):
+            ranks = sorted({runtime.schedule.stage_to_rank[k] for k in holders[name]})
+            group = dist.new_group(ranks) if len(ranks) > 1 and runtime.world > 1 else None
+            local = [p for s, module in zip(runtime.stage_ids, modules) if s in holders[name]
+                     for p in _named_param(module, name)]
+            if local and (len(local) > 1 or group is not None):
+                self.entries.append((name, group, local))
+
+    def reduce(self) -> None:
+        for _, group, params in self.entries:
+            total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params).detach().clone()
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p in params:
+                p.grad = total.clone()
+
+
+def _named_param(module: nn.Module, name: str) -> list[nn.Parameter]:
+    """The parameter of a generated stage module that holds the original parameter ``name``."""
+    cls = type(module)
+    names: dict[str, str] = getattr(cls, "PARAM_NAMES", {})
+    aliases: dict[str, tuple[str, ...]] = getattr(cls, "PARAM_ALIASES", {})
+    params = dict(module.named_parameters())
+    return [params[attr] for attr, n in names.items()
+            if attr in params and (n == name or name in aliases.get(attr, ()))]
+
+
+# ---------------------------------------------------------------------------- --verify
+
+
+class _Verifier:
+    """``--verify`` against the original model in this process (see ``main``); collective."""
+
+    def __init__(self, runtime: PipelineRuntime, data: _RunData, meta: dict[str, Any], stage_dirs: list[Path],
+                 load_stage: Callable, rtol: float, atol: float):
+        from pipecc.runtime.stagefile import assemble_owner
+
+        self.runtime, self.data, self.rtol, self.atol = runtime, data, rtol, atol
+        self.is_last = runtime.last_stage in runtime.stage_ids
+        file = Path(str(meta.get("model_path"))).name
+        try:
+            model = data.module.build_model(**dict(meta.get("model_args") or {}))
+        except Exception as e:
+            raise PipeccError(f"verify: build_model in {file} failed: {type(e).__name__}: {e}") from None
+        if not isinstance(model, nn.Module):
+            raise PipeccError(f"verify: build_model in {file} returned {type(model).__name__}, not an nn.Module")
+        state = assemble_owner([load_stage(d)[0] for d in stage_dirs]).state_dict()
+        wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        wanted += [n for n, _ in model.named_buffers(remove_duplicate=False) if _persistent_buffer(model, n)]
+        missing = [n for n in wanted if n not in state]
+        if missing:
+            raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
+                              f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + "; was OUT compiled from this file and these --model-arg values?")
+        try:
+            model.load_state_dict(state, strict=False)
+        except RuntimeError as e:
+            raise PipeccError(f"verify: the stage weights do not fit the model built from {file}: "
+                              f"{str(e).strip().splitlines()[-1].strip()}") from None
+        self.model = model.to(runtime.device)
+        self.eval_only = self._eval_only_reason(model, runtime.m)
+
+    @staticmethod
+    def _eval_only_reason(model: nn.Module, m: int) -> str | None:
+        if m > 1 and any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules()):
+            return (f"the model has BatchNorm, which in train mode normalises each of the {m} micro-batches "
+                    "with its own statistics (legitimately unlike one full-batch pass)")
+        if any(isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 for mod in model.modules()):
+            return "the model has dropout, whose random masks differ between the two runs"
+        return None
+
+    def _inputs(self) -> tuple:
+        return tuple(v.to(self.runtime.device) if isinstance(v, torch.Tensor) else v for v in self.data.model_inputs)
+
+    def _target(self) -> Any:
+        t = self.data.target
+        if isinstance(t, torch.Tensor):
+            return t.to(self.runtime.device)
+        if isinstance(t, (tuple, list)):
+            return type(t)(x.to(self.runtime.device) if isinstance(x, torch.Tensor) else x for x in t)
+        return t
+
+    def check_eval_outputs(self, inputs: Any) -> None:
+        """BatchNorm with micro-batches, dropout: eval-mode outputs only, before training."""
+        for module in self.runtime.modules:
+            module.eval()
+        try:
+            outputs = self.runtime.infer(inputs)
+        finally:
+            for module in self.runtime.modules:
+                module.train()
+        failures: list[str] = []
+        if self.is_last:
+            self.model.eval()
+            with torch.no_grad():
+                expected = self.model(*self._inputs())
+            failures += self._compare_outputs(outputs, expected)
+        self._agree(failures, 0)
+        if self.is_last:
+            print(f"verify: {self.eval_only}; compared eval-mode outputs only", flush=True)
+            print("verify: eval-mode outputs match the single-process run", flush=True)
+        del self.model
+
+    def check_step(self, loss: float | None) -> None:
+        """After the pipeline's first step (before the optimizer's): outputs, loss, gradients."""
+        model = self.model
+        model.train()
+        model.zero_grad(set_to_none=True)
+        outputs = model(*self._inputs())
+        ref_loss = self.data.model_loss(outputs, self._target())
+        ref_loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+        failures: list[str] = []
+        count = 0
+        for s, module in zip(self.runtime.stage_ids, self.runtime.modules):
+            names: dict[str, str] = getattr(type(module), "PARAM_NAMES", {})
+            shards: dict[str, tuple] = getattr(type(module), "SHARDS", {})
+            for attr, p in module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if attr in shards:
+                    name, dim, start, size = shards[attr]
+                    label = f"{name} (slice {start}:{start + size} of dim {dim})"
+                    ref = grads.get(name)
+                    ref = ref.narrow(dim, start, size) if ref is not None else None
+                elif attr in names:
+                    name = label = names[attr]
+                    ref = grads.get(name)
+                else:
+                    continue
+                if name not in grads:
+                    failures.append(f"verify: rank {self.runtime.rank} stage {s} parameter {attr} maps to {name!r}, "
+                                    "which the original model does not have")
+                    continue
+                count += 1
+                got = p.grad if p.grad is not None else torch.zeros_like(p)
+                ref = ref if ref is not None else torch.zeros_like(p)
+                problem = self._differs(got, ref.to(got.device))
+                if problem:
+                    failures.append(f"verify: rank {self.runtime.rank} stage {s} gradient of {label} "
+                                    f"differs: {problem}")
+        if self.is_last:
+            got_loss = float(loss) if loss is not None else float("nan")
+            want = float(ref_loss.detach())
+            if not abs(got_loss - want) <= self.atol + self.rtol * abs(want):
+                failures.append(f"verify: rank {self.runtime.rank} stage {self.runtime.last_stage} loss {got_loss:.8g} "
+                                f"differs from the single-process {want:.8g}")
+            failures += self._compare_outputs(self.runtime.last_outputs(), outputs)
+        total = self._agree(failures, count)
+        if self.is_last:
+            print(f"verify: outputs, loss and {total} gradients match the single-process run", flush=True)
+        del self.model
+        model.zero_grad(set_to_none=True)
+
+    def _compare_outputs(self, sends: Any, expected: Any) -> list[str]:
+        names = self.data.send_names
+        got = dict(zip(names, (sends,) if len(names) == 1 else tuple(sends)))
+        want = _output_ports(self.data.model_output, expected, {})
+        failures = []
+        for name, value in got.items():
+            if name not in want:
+                continue
+            ref = want[name]
+            if isinstance(value, list) and not isinstance(ref, list):
+                value = value[0]  # an unbatched output: one value per micro-batch
+            if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor):
+                problem = self._differs(value, ref.detach().to(value.device))
+            else:
+                problem = None if value == ref else f"{value!r} != {ref!r}"
+            if problem:
+                failures.append(f"verify: rank {self.runtime.rank} stage {self.runtime.last_stage} output {name} "
+                                f"differs: {problem}")
+        return failures
+
+    def _differs(self, got: torch.Tensor, want: torch.Tensor) -> str | None:
+        """None when close, else a one-line summary (how many elements, the largest difference)."""
+        if got.shape != want.shape:
+            return f"shape {list(got.shape)} vs {list(want.shape)} in the single-process run"
+        got, want = got.detach().double(), want.detach().double()
+        if torch.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True):
+            return None
+        diff = (got - want).abs()
+        bad = ~torch.isclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True)
+        worst = int(torch.argmax(torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)))
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape)) if got.dim() else ()
+        return (f"{int(bad.sum())} of {got.numel()} elements, largest difference {float(diff.flatten()[worst]):.3g} "
+                f"at {list(where)} ({float(got.flatten()[worst]):.6g} vs {float(want.flatten()[worst]):.6g}; "
+                f"rtol {self.rtol:g}, atol {self.atol:g})")
+
+    def _agree(self, failures: list[str], count: int) -> int:
+        """Every rank learns whether all passed (so all stop together); returns the gradient count."""
+        flags = torch.tensor([0.0 if failures else 1.0, float(count)], dtype=torch.float64,
+                             device=self.runtime.device)
+        if self.runtime.world > 1:
+            dist.all_reduce(flags)
+        if failures:
+            more = f" (and {len(failures) - 1} more mismatches)" if len(failures) > 1 else ""
+            raise PipeccError(failures[0] + more)
+        if int(flags[0]) != self.runtime.world:
+            raise _PeerFailed("verify failed on another rank")
+        return int(flags[1])
+
+
+def _persistent_buffer(model: nn.Module, qualified: str) -> bool:
+    owner_name, _, last = qualified.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return last not in owner._non_persistent_buffers_set
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR]` (CONTRACT §4).
+
+Wiring in `pipecc.cli.build_parser`: `add_parser(sub, common)`; it sets `func=cmd_inspect`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def _stage_index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a stage index, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a stage index is >= 0, got {value}")
+    return value
+
+
+def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "inspect", parents=[common], help="show what a compile made: stages, schedule, graphs",
+        description="Read a compiled folder (pipecc compile -o OUT) and show its stages: device, "
+        "nodes, FLOPs, parameters, forward/backward time, peak memory, traffic, split layers, the "
+        "bottleneck against the lower bound, and the schedule. --stage I lists one stage's graph "
+        "node by node. --format json is machine-readable; --format dot is Graphviz "
+        "(pipecc inspect OUT --format dot | dot -Tsvg > graph.svg). --onnx DIR also writes each "
+        "stage as an ONNX file and checks it with onnxruntime against the torch stage.")
+    p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile`")
+    p.add_argument("--stage", type=_stage_index, metavar="I", help="details of stage I")
+    p.add_argument("--format", choices=["text", "json", "dot"], default="text",
+                   help="output format (default text)")
+    p.add_argument("--onnx", metavar="DIR",
+                   help="write stage_<i>.onnx per stage (or only --stage I) into DIR and check it "
+                   "with onnxruntime")
+    p.set_defaults(func=cmd_inspect)
+    return p
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from pipecc import inspect as insp
+    from pipecc.errors import UsageError
+
+    compiled = insp.load_compiled(args.out)
+    if args.onnx:
+        return _export_onnx(args, compiled)
+    if args.format == "json":
+        data = (insp.stage_json(compiled, args.stage) if args.stage is not None
+                else insp.summary_json(compiled))
+        print(json.dumps(data, indent=1, default=str))
+    elif args.format == "dot":
+        if args.stage is not None:
+            raise UsageError("--format dot draws the whole pipeline; leave out --stage")
+        print(insp.dot_text(compiled.plan, compiled.graph))
+    elif args.stage is not None:
+        print(insp.stage_text(compiled, args.stage))
+    else:
+        print(insp.summary_text(compiled, verbose=args.verbose))
+    return 0
+
+
+def _export_onnx(args: argparse.Namespace, compiled: Any) -> int:
+    from pipecc import progress
+    from pipecc.errors import PipeccError
+    from pipecc.stage_onnx import check_stages
+
+    n = len(compiled.plan.stages)
+    if args.stage is not None and args.stage >= n:
+        raise PipeccError(f"--stage {args.stage}: {compiled.path} has stages 0..{n - 1}")
+    stages = [args.stage] if args.stage is not None else list(range(n))
+    results = []
+    with progress.step("exporting stages to ONNX", total=len(stages)) as step:
+        for result in check_stages(compiled.path, args.onnx, stages):
+            results.append(result)
+            step.advance()
+    if args.format == "json":
+        print(json.dumps([r.to_json() for r in results], indent=1))
+    else:
+        for r in results:
+            print(r.describe())
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise PipeccError(f"{len(bad)} stage(s) differ from torch beyond tolerance "
+                          f"(stage {', '.join(str(r.stage) for r in bad)})")
+    return 0

@@ -1,0 +1,362 @@
+"""`pipecc run OUT`: train a compiled pipeline with one process per rank, through torchrun.
+
+    pipecc run OUT [--steps N] [--verify] [--schedule S] [--microbatches M] [--timeout S] ...
+    pipecc run OUT --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT [--nproc-per-node P]
+    pipecc run OUT [--nnodes 2 --rdzv-endpoint HOST:PORT] --print-command
+
+The command starts `python -m torch.distributed.run` (this interpreter, so the children import
+this pipecc) on `OUT/run_stage.py`, which runs `pipecc.runtime.dist.main` in every process:
+real data from the model file recorded in `OUT/pipecc.json`, the model's loss, an optimizer
+step per iteration, and `step i: loss X, Y samples/s` from the last rank (see that module for
+what the figures mean and what `--verify` compares).
+
+Processes. A pipeline of S stages needs S ranks, or S / v for the interleaved schedule with v
+virtual stages per rank (`plan.json`'s `virtual_stages`). One machine: `--standalone`, whose
+rendezvous store takes a free port, so concurrent runs never collide. Several machines: the
+same `pipecc run` on every node with `--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`
+(node 0's address and a free port there) and `--nproc-per-node P` (default ranks / N), passed
+to torchrun (static rendezvous by default: node R's processes are ranks R*P .. R*P+P-1, node 0 hosts
+the store at HOST:PORT; `--rdzv-backend c10d` for torchrun's elastic one, which numbers the
+nodes in arrival order and ignores --node-rank); OUT must be at the same path on every node.
+`--print-command` prints the command of every node instead of running anything.
+
+The children get OMP_NUM_THREADS=1 unless it is set (one process per stage on one machine must
+not each take every core). Their output streams through; torchrun's own log lines are held
+back and shown only when a run fails without a `pipecc: error:` line from a worker (or always
+with --verbose/--debug). A failed run exits 1 with one line naming the failing rank when known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from pipecc.errors import PipeccError, UsageError
+
+__all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
+
+DEFAULT_STEPS = 5
+# torchrun's own log lines: "W1129 08:45:56.813000 20508 torch/distributed/run.py:874] ..."
+_TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
+_WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 10.0.0.1:29500), got {text!r}")
+    return text
+
+
+def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register `pipecc run` on the CLI's subparsers (with the common --debug/-v/-q options)."""
+    p = subparsers.add_parser(
+        "run", parents=[common_parent], help="train a compiled pipeline, one process per stage (torchrun)",
+        description="Start torchrun with one process per pipeline rank on OUT/run_stage.py: train N steps on "
+        "the model file's example data and print the loss and samples/s per step (the batch size over "
+        "the iteration's wall time on the last rank, no barrier). --verify first checks outputs, loss and "
+        "every gradient against the original model in one process.")
+    p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile -o OUT`")
+    p.add_argument("--steps", type=_nonnegative_int, default=DEFAULT_STEPS, metavar="N",
+                   help=f"training steps (default {DEFAULT_STEPS})")
+    p.add_argument("--verify", action="store_true",
+                   help="compare outputs, loss and gradients of the first step with the original model "
+                   "run in one process from the same weights; exit 1 on a mismatch")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"],
+                   help="override the compiled schedule")
+    p.add_argument("--microbatches", "-m", type=_positive_int, metavar="M",
+                   help="override the compiled number of micro-batches")
+    p.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="seconds a rank waits for a peer before failing (default 60)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="default sgd")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
+    p.add_argument("--rtol", type=float, default=1e-4, help="--verify relative tolerance (default 1e-4)")
+    p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
+    g = p.add_argument_group("several machines (passed to torchrun)")
+    g.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="number of machines")
+    g.add_argument("--node-rank", type=_nonnegative_int, metavar="R", help="this machine's index, 0 .. N-1")
+    g.add_argument("--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT",
+                   help="node 0's address and a free port on it")
+    g.add_argument("--rdzv-backend", choices=["static", "c10d"], default="static",
+                   help="static (default): ranks follow --node-rank; c10d: elastic rendezvous")
+    g.add_argument("--rdzv-id", metavar="ID", help="run id (c10d; default pipecc-PORT)")
+    g.add_argument("--nproc-per-node", type=_positive_int, metavar="P",
+                   help="processes on each machine (default: ranks / nnodes)")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the torchrun command for each node instead of running it")
+    p.set_defaults(func=cmd_run)
+    return p
+
+
+# ----------------------------------------------------------------------------- planning the launch
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError:
+        raise PipeccError(f"{path.parent} is not a compiled folder (no {path.name}); run "
+                          f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
+    except ValueError as exc:
+        raise PipeccError(f"{path} is not valid JSON ({exc}); compile again") from None
+    if not isinstance(data, dict):
+        raise PipeccError(f"{path} is not {what}; compile again")
+    return data
+
+
+def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What to start: {"out", "ranks", "nnodes", "nproc", "num_stages", "schedule"}; checks OUT."""
+    out = Path(args.out).resolve()
+    if not out.is_dir():
+        raise PipeccError(f"{args.out} is not a folder; give the OUT of `pipecc compile ... -o OUT`")
+    marker = _read_json(out / "pipecc.json", "a pipecc marker")
+    try:
+        num_stages = int(marker["num_stages"])
+    except (KeyError, TypeError, ValueError):
+        raise PipeccError(f"{out / 'pipecc.json'} has no num_stages; compile again") from None
+    if num_stages < 1:
+        raise PipeccError(f"{out / 'pipecc.json'} says {num_stages} stages; compile again")
+    missing = [f"stage_{i}" for i in range(num_stages) if not (out / f"stage_{i}" / "ports.json").is_file()]
+    if not (out / "run_stage.py").is_file():
+        missing.insert(0, "run_stage.py")
+    if missing:
+        raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
+    plan = _read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
+    schedule = args.schedule or str(marker.get("schedule") or "1f1b")
+    if marker.get("schedule") == "inference" and not args.schedule:
+        raise PipeccError(f"{args.out} was compiled for inference (forward only); `pipecc run` trains: "
+                          "compile without --inference")
+    virtual = int(plan.get("virtual_stages") or 1) if schedule == "interleaved" else 1
+    if virtual < 1 or num_stages % virtual:
+        raise PipeccError(f"{num_stages} stages do not divide into {virtual} virtual stages per rank")
+    ranks = num_stages // virtual
+    nnodes = args.nnodes
+    if nnodes > 1 and not args.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port there)")
+    if args.node_rank is not None and args.node_rank >= nnodes:
+        raise UsageError(f"--node-rank {args.node_rank} is not below --nnodes {nnodes}")
+    if nnodes > 1 and args.node_rank is None and args.rdzv_backend == "static" and not args.print_command:
+        raise UsageError("--nnodes > 1 needs --node-rank R on each machine (or --print-command to see them all)")
+    nproc = args.nproc_per_node
+    if nproc is None:
+        if ranks % nnodes:
+            raise UsageError(f"the pipeline needs {ranks} processes, which do not divide over {nnodes} nodes; "
+                             "give --nproc-per-node")
+        nproc = ranks // nnodes
+    if nproc * nnodes != ranks:
+        raise UsageError(f"the pipeline needs {ranks} processes ({num_stages} stages" +
+                         (f", {virtual} per rank" if virtual > 1 else "") +
+                         f"); --nnodes {nnodes} x --nproc-per-node {nproc} gives {nproc * nnodes}")
+    return {"out": out, "ranks": ranks, "nnodes": nnodes, "nproc": nproc, "num_stages": num_stages,
+            "schedule": schedule}
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """run_stage.py's arguments (pipecc.runtime.dist.main): only what differs from its defaults."""
+    argv = ["--steps", str(args.steps)]
+    if args.verify:
+        argv.append("--verify")
+    for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
+                        ("--timeout", args.timeout), ("--backend", args.backend)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.optimizer != "sgd":
+        argv += ["--optimizer", args.optimizer]
+    for flag, value, default in (("--lr", args.lr, 1e-3), ("--seed", args.seed, 0),
+                                 ("--rtol", args.rtol, 1e-4), ("--atol", args.atol, 1e-5)):
+        if value != default:
+            argv += [flag, repr(value)]
+    return argv
+
+
+def torchrun_commands(args: argparse.Namespace, launch: dict[str, Any]) -> dict[int, list[str]]:
+    """node rank -> the command to start there (one entry, node 0, on a single machine)."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch["nproc"])]
+    tail = [str(launch["out"] / "run_stage.py"), *_worker_args(args)]
+    if launch["nnodes"] == 1:
+        return {0: [*base, "--standalone", *tail]}
+    port = args.rdzv_endpoint.rpartition(":")[2]
+    nodes = [args.node_rank] if args.node_rank is not None and not args.print_command else \
+        list(range(launch["nnodes"]))
+    commands = {}
+    for node in nodes:
+        cmd = [*base, "--nnodes", str(launch["nnodes"])]
+        if args.rdzv_backend == "c10d":  # the rendezvous numbers the nodes; --node-rank is ignored
+            cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+                    "--rdzv-id", args.rdzv_id or f"pipecc-{port}"]
+        else:
+            cmd += ["--node-rank", str(node), "--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint]
+        commands[node] = [*cmd, *tail]
+    return commands
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    # NOTE: run_stage.py puts OUT, not the cwd, on sys.path: make this pipecc importable there
+    # when it runs from a source checkout rather than an installed package.
+    root = str(Path(__file__).resolve().parent.parent)
+    if Path(root).name not in ("site-packages", "dist-packages"):
+        paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+        if root not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    launch = launch_plan(args)
+    commands = torchrun_commands(args, launch)
+    if args.print_command:
+        omp = "" if "OMP_NUM_THREADS" in os.environ else "OMP_NUM_THREADS=1 "
+        if launch["nnodes"] == 1:
+            print(omp + shlex.join(commands[0]))
+            return 0
+        print(f"# run on each of the {launch['nnodes']} machines (node 0 at {args.rdzv_endpoint.rpartition(':')[0]}; "
+              f"{launch['out']} must exist there too):")
+        for node, cmd in commands.items():
+            print(f"# node {node}")
+            print(omp + shlex.join(cmd))
+        return 0
+    (cmd,) = commands.values()
+    verbose = bool(getattr(args, "verbose", False) or getattr(args, "debug", False))
+    if verbose:
+        print("pipecc run: " + shlex.join(cmd), file=sys.stderr, flush=True)
+    return _supervise(cmd, verbose)
+
+
+class _Watch:
+    """Scans the children's stderr: worker errors, torchrun's failure summary."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.errors: list[str] = []  # worker `pipecc: error:` messages, in arrival order
+        self.held: list[str] = []  # torchrun's own lines, and everything after it saw a child fail
+        self.launcher_failed = False
+
+    def line(self, text: str) -> None:
+        found = _WORKER_ERROR.search(text)
+        if found:
+            self.errors.append(found.group(1).strip())
+            _write(sys.stderr, text)
+        elif _TORCHRUN_LOG.match(text) or self.launcher_failed:
+            # NOTE: after "failed (exitcode" comes the launcher's ChildFailedError traceback
+            self.launcher_failed = self.launcher_failed or "failed (exitcode" in text
+            self.held.append(text)
+            if self.verbose:
+                _write(sys.stderr, text)
+        else:
+            _write(sys.stderr, text)
+
+    def failed_rank(self) -> int | None:
+        """The root-cause rank of torchrun's failure summary, else the first listed."""
+        text = "".join(self.held)
+        root = text.split("Root Cause", 1)
+        for part in (root[1] if len(root) > 1 else "", text):
+            found = re.search(r"^\s*rank\s*:\s*(\d+)", part, re.MULTILINE)
+            if found:
+                return int(found.group(1))
+        return None
+
+    def exit_code(self) -> str | None:
+        found = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", "".join(self.held).split("Root Cause")[-1], re.MULTILINE)
+        return found.group(1) if found else None
+
+
+def _write(stream: Any, text: str) -> None:
+    try:
+        stream.write(text)
+        stream.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+
+
+def _supervise(cmd: list[str], verbose: bool) -> int:
+    """Run torchrun, stream its output, turn a failure into one PipeccError line."""
+    try:
+        proc = subprocess.Popen(cmd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, bufsize=1, errors="replace")
+    except OSError as exc:
+        raise PipeccError(f"cannot start torchrun ({exc})") from None
+    watch = _Watch(verbose)
+
+    def pump_stderr() -> None:
+        assert proc.stderr is not None
+        for text in proc.stderr:
+            watch.line(text)
+
+    thread = threading.Thread(target=pump_stderr, daemon=True)
+    thread.start()
+    try:
+        assert proc.stdout is not None
+        for text in proc.stdout:
+            _write(sys.stdout, text)
+        rc = proc.wait()
+        thread.join()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    if rc == 0:
+        return 0
+    if watch.errors:
+        message = next((e for e in watch.errors if e.startswith("verify:")), watch.errors[0])
+        if not re.search(r"\brank \d+", message):
+            rank = watch.failed_rank()
+            message = f"rank {rank}: {message}" if rank is not None else message
+        raise PipeccError(f"run failed: {message}")
+    if not verbose:
+        for text in watch.held:
+            _write(sys.stderr, text)
+    rank = watch.failed_rank()
+    if rank is not None:
+        code = watch.exit_code()
+        raise PipeccError(f"run failed: rank {rank} exited with code {code if code is not None else rc}")
+    raise PipeccError(f"run failed: torchrun exited with code {rc}")

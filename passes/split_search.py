@@ -22,7 +22,9 @@ from pipecc.ir import META_NAME, AnnotatedGraph
 from pipecc.plan import Plan, SplitLayer
 from pipecc.passes.split_layers import split_node, splittable
 
-IMPROVEMENT = 0.01
+IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound
+ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%: moving the
+                     # bottleneck to another stage is progress even when the gain is small
 
 
 def splittable_names(graph: AnnotatedGraph) -> list[str]:
@@ -50,54 +52,90 @@ def _even(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
-           layer_time: Callable[[str], float], max_layers: int = 3,
-           note: Callable[[str], None] = lambda s: None) -> tuple[Plan, AnnotatedGraph]:
-    """Improve `plan` by splitting heavy layers. `replan(graph, fixed)` plans a graph (with the
-    current schedule and micro-batch count when `fixed`); `layer_time(name)` is the layer's
-    fwd+bwd time on its fastest device."""
-    stages = len(plan.stages)
-    share = plan.lower_bound_s
-    heavy = sorted((n for n in splittable_names(graph) if layer_time(n) > 0.5 * share),
-                   key=layer_time, reverse=True)[:max_layers]
-    for name in heavy:
-        if plan.bottleneck_s <= plan.lower_bound_s * (1 + IMPROVEMENT):
-            break
-        extent = _extent(graph, name)
-        q = min(4 * stages, extent)
-        if q < 2:
-            continue
-        fine = clone(graph)
-        fine_sizes = _even(extent, q)
-        shards = split_node(fine, name, fine_sizes)
-        fine_plan = replan(fine, True)
-        stage_of = fine_plan.stage_of()
-        merged: list[int] = []
-        last_stage = None
-        for shard, size in zip(shards, fine_sizes):
-            if stage_of.get(shard) == last_stage and merged:
-                merged[-1] += size
-            else:
-                merged.append(size)
-                last_stage = stage_of.get(shard)
-        if len(merged) < 2:
-            note(f"not splitting {name}: the best fine split keeps it on one stage")
-            continue
-        trial = clone(graph)
-        shards = split_node(trial, name, merged)
-        trial_plan = replan(trial, False)
-        if trial_plan.bottleneck_s < plan.bottleneck_s * (1 - IMPROVEMENT):
-            note(f"split {name} ({layer_time(name) * 1e3:.3g} ms fwd+bwd, over half a balanced "
-                 f"stage) into {len(merged)} shards {merged}: bottleneck "
-                 f"{plan.bottleneck_s * 1e3:.4g} -> {trial_plan.bottleneck_s * 1e3:.4g} ms")
-            trial_plan.split_layers = plan.split_layers + [
-                SplitLayer(node=name, parts=len(merged), dim=0, sizes=merged, shards=shards)]
-            # the bound and the baselines stay those of the unsplit graph: the bound already
-            # covers every split, and other tools would partition the original layers
-            trial_plan.lower_bound_s = plan.lower_bound_s
-            trial_plan.baselines = plan.baselines
-            plan, graph = trial_plan, trial
+def _edge_candidates(graph: AnnotatedGraph, plan: Plan, names: list[str]) -> list[str]:
+    """Splittable layers at the edges of the bottleneck stage: splitting one of them moves
+    work across the slowest cut in finer steps than whole layers."""
+    split = set(names)
+    slowest = max(plan.stages, key=lambda st: st.forward_s + st.backward_s + st.comm_s).index
+    out: list[str] = []
+    for k, pick in ((slowest, -1), (slowest, 0), (slowest - 1, -1), (slowest + 1, 0)):
+        if 0 <= k < len(plan.stages):
+            inside = [n for n in plan.stages[k].nodes if n in split]
+            if inside:
+                out.append(inside[pick])
+    return list(dict.fromkeys(out))
+
+
+def _try(graph: AnnotatedGraph, plan: Plan, name: str, replan, stages: int):
+    """(plan, graph, merged sizes, shards) for splitting `name`, or None if it stays whole."""
+    extent = _extent(graph, name)
+    q = min(4 * stages, extent)
+    if q < 2:
+        return None
+    fine = clone(graph)
+    fine_sizes = _even(extent, q)
+    shards = split_node(fine, name, fine_sizes)
+    stage_of = replan(fine, True).stage_of()
+    merged: list[int] = []
+    last_stage = None
+    for shard, size in zip(shards, fine_sizes):
+        if stage_of.get(shard) == last_stage and merged:
+            merged[-1] += size
         else:
+            merged.append(size)
+            last_stage = stage_of.get(shard)
+    if len(merged) < 2:
+        return None
+    trial = clone(graph)
+    shards = split_node(trial, name, merged)
+    return replan(trial, True), trial, merged, shards
+
+
+def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
+           layer_time: Callable[[str], float], max_layers: int | None = None,
+           budget: int | None = None,
+           note: Callable[[str], None] = lambda s: None) -> tuple[Plan, AnnotatedGraph]:
+    """Improve `plan` by splitting layers. `replan(graph, fixed)` plans a graph (keeping the
+    current schedule and micro-batch count when `fixed`); `layer_time(name)` is a layer's
+    fwd+bwd time on its fastest device. Heavy layers (over half a balanced stage) are tried
+    first, then layers at the edges of the bottleneck stage; at most `max_layers` splits are
+    kept (default: one per stage) and `budget` layers tried (default: three per stage). The
+    schedule and micro-batch count stay those of `plan`, so its lower bound still applies."""
+    stages = len(plan.stages)
+    max_layers = stages if max_layers is None else max_layers
+    budget = 3 * stages if budget is None else budget
+    lower, baselines = plan.lower_bound_s, plan.baselines
+    names = splittable_names(graph)
+    tried: set[str] = set()
+    heavy = sorted((n for n in names if layer_time(n) > 0.5 * lower), key=layer_time, reverse=True)
+    kept = 0
+    while kept < max_layers and len(tried) < budget and plan.bottleneck_s > lower * (1 + IMPROVEMENT):
+        queue = [n for n in heavy + _edge_candidates(graph, plan, names) if n not in tried]
+        if not queue:
+            break
+        improved = False
+        for name in queue[: budget - len(tried)]:
+            tried.add(name)
+            result = _try(graph, plan, name, replan, stages)
+            if result is None:
+                note(f"not splitting {name}: the best fine split keeps it on one stage")
+                continue
+            trial_plan, trial, merged, shards = result
+            if trial_plan.bottleneck_s < plan.bottleneck_s * (1 - ACCEPT):
+                note(f"split {name} ({layer_time(name) * 1e3:.3g} ms fwd+bwd) into {len(merged)} "
+                     f"shards {merged}: bottleneck {plan.bottleneck_s * 1e3:.4g} -> "
+                     f"{trial_plan.bottleneck_s * 1e3:.4g} ms")
+                trial_plan.split_layers = plan.split_layers + [
+                    SplitLayer(node=name, parts=len(merged), dim=0, sizes=merged, shards=shards)]
+                plan, graph, names = trial_plan, trial, splittable_names(trial)
+                kept += 1
+                improved = True
+                break
             note(f"not splitting {name}: {len(merged)} shards would give "
                  f"{trial_plan.bottleneck_s * 1e3:.4g} ms vs {plan.bottleneck_s * 1e3:.4g} ms")
+        if not improved:
+            break
+    # the bound and the baselines stay those of the unsplit graph: the bound already covers
+    # every split, and other tools would partition the original layers
+    plan.lower_bound_s, plan.baselines = lower, baselines
     return plan, graph

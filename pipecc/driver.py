@@ -118,7 +118,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         fixed = dict(schedule=result.schedule, microbatches=result.microbatches)
 
         def replan(g: AnnotatedGraph, keep: bool):
-            opts = PlanOptions(**{**options.__dict__, **(fixed if keep else {})})
+            opts = PlanOptions(**{**options.__dict__, **(fixed if keep else {}), "compare": False})
             return Balancer(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
 
         times = balancer.unit_times(cand)

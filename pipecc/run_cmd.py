@@ -10,6 +10,14 @@ real data from the model file recorded in `OUT/pipecc.json`, the model's loss, a
 step per iteration, and `step i: loss X, Y samples/s` from the last rank (see that module for
 what the figures mean and what `--verify` compares).
 
+Inference-only folders (`pipecc.json` has `"inference_only": true`: the plan has FPGA stages,
+whose C simulation has no backward pass; or the schedule is "inference": compiled with
+--inference) run forward passes instead: `step i: forward only, Y samples/s`, and `--verify`
+compares the outputs with the original model's forward. An FPGA stage's rank runs it through
+its C simulation (the HLS project built with g++). Training options (--optimizer, --lr, a
+training --schedule) on such a folder are a usage error that says it is inference-only; a folder
+compiled with --inference for CPUs/GPUs only still trains when given `--schedule gpipe|1f1b`.
+
 Processes. A pipeline of S stages needs S ranks, or S / v for the interleaved schedule with v
 virtual stages per rank (`plan.json`'s `virtual_stages`). One machine: `--standalone`, whose
 rendezvous store takes a free port, so concurrent runs never collide. Several machines: the
@@ -93,21 +101,23 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
         description="Start torchrun with one process per pipeline rank on OUT/run_stage.py: train N steps on "
         "the model file's example data and print the loss and samples/s per step (the batch size over "
         "the iteration's wall time on the last rank, no barrier). --verify first checks outputs, loss and "
-        "every gradient against the original model in one process.")
+        "every gradient against the original model in one process. An inference-only folder (FPGA stages, "
+        "or compiled with --inference) runs N forward passes instead (FPGA stages through their C "
+        "simulation); --verify then compares the outputs.")
     p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile -o OUT`")
     p.add_argument("--steps", type=_nonnegative_int, default=DEFAULT_STEPS, metavar="N",
                    help=f"training steps (default {DEFAULT_STEPS})")
     p.add_argument("--verify", action="store_true",
                    help="compare outputs, loss and gradients of the first step with the original model "
                    "run in one process from the same weights; exit 1 on a mismatch")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"],
-                   help="override the compiled schedule")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "inference"],
+                   help="override the compiled schedule (inference: forward passes only)")
     p.add_argument("--microbatches", "-m", type=_positive_int, metavar="M",
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=_positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60)")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd", help="default sgd")
-    p.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
+    p.add_argument("--lr", type=_positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
     p.add_argument("--rtol", type=float, default=1e-4, help="--verify relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
@@ -162,10 +172,8 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     if missing:
         raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
     plan = _read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
-    schedule = args.schedule or str(marker.get("schedule") or "1f1b")
-    if marker.get("schedule") == "inference" and not args.schedule:
-        raise PipeccError(f"{args.out} was compiled for inference (forward only); `pipecc run` trains: "
-                          "compile without --inference")
+    forward = _forward_only(args, marker, out, num_stages)
+    schedule = "inference" if forward else args.schedule or str(marker.get("schedule") or "1f1b")
     virtual = int(plan.get("virtual_stages") or 1) if schedule == "interleaved" else 1
     if virtual < 1 or num_stages % virtual:
         raise PipeccError(f"{num_stages} stages do not divide into {virtual} virtual stages per rank")
@@ -188,7 +196,33 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
                          (f", {virtual} per rank" if virtual > 1 else "") +
                          f"); --nnodes {nnodes} x --nproc-per-node {nproc} gives {nproc * nnodes}")
     return {"out": out, "ranks": ranks, "nnodes": nnodes, "nproc": nproc, "num_stages": num_stages,
-            "schedule": schedule}
+            "schedule": schedule, "inference_only": forward}
+
+
+def _forward_only(args: argparse.Namespace, marker: dict[str, Any], out: Path, num_stages: int) -> bool:
+    """True when the run does forward passes only (an inference-only folder, or --schedule
+    inference); a usage error when training options are asked of a folder that cannot train."""
+    fpga = sorted({int(k) for k in marker.get("fpga_stages") or {} if str(k).isdigit()}
+                  | {i for i in range(num_stages) if (out / f"stage_{i}" / "hls").is_dir()})
+    never_trains = bool(fpga or marker.get("inference_only"))
+    if never_trains:
+        why = f"FPGA stages: {fpga}" if fpga else str(marker.get("inference_only_reason") or "compiled so")
+        why += "; FPGA stages have no backward pass" if fpga else ""
+        hint = ""
+    elif marker.get("schedule") == "inference":
+        why, hint = "compiled with --inference", "; give --schedule gpipe or 1f1b to train it"
+    else:
+        return args.schedule == "inference"
+    if args.schedule not in (None, "inference"):
+        if never_trains:
+            raise UsageError(f"{args.out} is an inference-only pipeline ({why}): `pipecc run` runs forward "
+                             f"passes only; --schedule {args.schedule} would train it")
+        return False  # compiled with --inference for CPUs/GPUs: a training schedule trains it
+    asked = [flag for flag, value in (("--optimizer", args.optimizer), ("--lr", args.lr)) if value is not None]
+    if asked:
+        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): `pipecc run` runs forward passes "
+                         f"only, so {' and '.join(asked)} {'do' if len(asked) > 1 else 'does'} not apply{hint}")
+    return True
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
@@ -200,9 +234,11 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
                         ("--timeout", args.timeout), ("--backend", args.backend)):
         if value is not None:
             argv += [flag, str(value)]
-    if args.optimizer != "sgd":
+    if args.optimizer is not None:
         argv += ["--optimizer", args.optimizer]
-    for flag, value, default in (("--lr", args.lr, 1e-3), ("--seed", args.seed, 0),
+    if args.lr is not None:
+        argv += ["--lr", repr(args.lr)]
+    for flag, value, default in (("--seed", args.seed, 0),
                                  ("--rtol", args.rtol, 1e-4), ("--atol", args.atol, 1e-5)):
         if value != default:
             argv += [flag, repr(value)]

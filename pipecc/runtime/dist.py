@@ -61,7 +61,8 @@ tensors as ``optim.<path>``) and ``stage_<rank>.json`` (step, placement, the opt
 non-tensor state); no pickle anywhere.
 
 This module imports torch, ``pipecc.schedule`` and ``pipecc.errors`` (and safetensors when
-checkpointing) — never the compiler. The NCCL path is written to the same contract but is only
+checkpointing) — never the compiler; the one exception is the rank of an FPGA stage, whose
+executable is its C simulation, built and called by ``pipecc.backends.fpga`` (``_load_fpga_stage``). The NCCL path is written to the same contract but is only
 exercised on machines with several GPUs; the tests run gloo on CPU.
 """
 
@@ -981,6 +982,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     active dropout) train-mode numerics legitimately differ from one full-batch pass, so only
     eval-mode outputs are compared, before training. Without a model file, ``--verify`` checks
     the pipeline's forward against all stages chained on the last rank.
+
+    Inference-only folders (``pipecc.json``: ``"inference_only": true`` — the plan has FPGA
+    stages, which have no backward pass — or schedule "inference", compiled with --inference;
+    also ``--schedule inference``) run ``--steps`` forward passes (``PipelineRuntime.infer``,
+    stages in eval mode) under the inference schedule, and the last rank prints
+    ``step i: forward only, Y samples/s``. A rank holding a stage with ``hls/`` runs it through
+    its C simulation (``FpgaPipelineStage``, built with g++ on first use). ``--verify`` compares
+    the first pass's outputs with the original model's eval-mode forward (``verify: outputs match
+    the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
+    and so is a training ``--schedule`` for a folder with FPGA stages.
     """
     args = _parser().parse_args(argv)
     try:
@@ -1008,8 +1019,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, help="default: the compiled number")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer")
     parser.add_argument("--backend", choices=("gloo", "nccl"))
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd (training only)")
+    parser.add_argument("--lr", type=float, help="default 1e-3 (training only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verify", action="store_true", help="compare with the original model in one process")
     parser.add_argument("--rtol", type=float, default=1e-4, help="--verify: relative tolerance")
@@ -1042,12 +1053,68 @@ def _read_marker(out: Path) -> dict[str, Any] | None:
 
 
 def _compiled_device(meta: dict[str, Any] | None) -> str | None:
-    """"cpu" when the pipeline was compiled for CPUs only (then it runs on the CPU, over gloo, even
-    where CUDA is available); None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
+    """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
+    simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
+    available; None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
     devices = (meta or {}).get("devices") or []
-    if devices and all(isinstance(d, dict) and d.get("kind") == "cpu" for d in devices):
+    if devices and all(isinstance(d, dict) and d.get("kind") in ("cpu", "fpga") for d in devices):
         return "cpu"
     return None
+
+
+TRAINING_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:
+    """The stages that run on an FPGA card: ``pipecc.json``'s ``fpga_stages``, else those with ``hls/``."""
+    listed = (meta or {}).get("fpga_stages") or {}
+    try:
+        found = {int(k) for k in listed}
+    except (TypeError, ValueError):
+        found = set()
+    return sorted(found | {i for i, d in enumerate(stage_dirs) if (d / "hls").is_dir()})
+
+
+def inference_only(meta: dict[str, Any] | None, stage_dirs: Sequence[Path] = ()) -> tuple[bool, bool, str]:
+    """(runs forward only, can never train, why) for a compiled folder.
+
+    A folder with FPGA stages (``pipecc.json``: ``"inference_only": true``, or a ``stage_<i>/hls/``)
+    can never train: the C simulation has no backward pass. One compiled with ``--inference``
+    (schedule "inference") runs forward only unless a training schedule is asked for.
+    """
+    fpga = _fpga_stages(meta, stage_dirs)
+    if fpga or (meta or {}).get("inference_only"):
+        why = f"FPGA stages: {fpga}" if fpga else str((meta or {}).get("inference_only_reason")
+                                                       or "compiled inference-only")
+        return True, True, why
+    if (meta or {}).get("schedule") == "inference":
+        return True, False, "compiled with --inference"
+    return False, False, ""
+
+
+def _load_fpga_stage(stage_dir: Path, index: int) -> nn.Module:
+    """Stage ``index``'s executable when it runs on an FPGA card: its C simulation.
+
+    NOTE: the runtime never imports the compiler (pipecc.backends, passes, cost) for CPU/GPU
+    stages, whose executable is the generated ``stage.py``. An FPGA stage's executable is the
+    HLS project in ``stage_<i>/hls/`` built with g++ into a shared library and called through
+    ctypes (the C-sim bridge), which only the FPGA backend can build and call; so this branch,
+    taken only by the rank that holds an FPGA stage, imports it, lazily.
+    """
+    hls = stage_dir / "hls"
+    try:
+        from pipecc.backends.fpga import pipeline as fpga
+        from pipecc.backends.fpga import toolchain_problem
+    except ImportError as e:
+        raise PipeccError(f"stage {index} runs on an FPGA ({hls}) but the FPGA backend cannot be imported "
+                          f"({e})") from None
+    problem = toolchain_problem()
+    if problem:
+        raise PipeccError(f"stage {index} runs on an FPGA through its C simulation, which cannot be built "
+                          f"here: {problem}")
+    usable = getattr(fpga, "_usable_hls", None)  # a temporary copy when hls/ is read-only
+    where, keep = usable(hls) if usable is not None else (hls, None)
+    return fpga.FpgaPipelineStage(where, index, keep=keep)
 
 
 def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
@@ -1064,20 +1131,41 @@ def run_compiled(args: argparse.Namespace) -> int:
         from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
     except ImportError:
         raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
+    forward, never_trains, why = inference_only(meta, stage_dirs)
+    if args.schedule in TRAINING_SCHEDULES and never_trains:
+        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): FPGA stages have no backward "
+                         f"pass, so it runs forward passes only; --schedule {args.schedule} would train it")
+    forward = forward and args.schedule not in TRAINING_SCHEDULES or args.schedule == "inference"
+    why = why or "--schedule inference"
+    if forward and (args.optimizer is not None or args.lr is not None):
+        asked = " and ".join(f for f, v in (("--optimizer", args.optimizer), ("--lr", args.lr)) if v is not None)
+        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): it runs forward passes only, "
+                         f"so {asked} would train it")
     schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
     m = args.microbatches or int((meta or {}).get("microbatches") or 4)
-    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta))
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_guess = int(os.environ["WORLD_SIZE"]) if under_torchrun else 1
+    if forward:
+        # one stage per rank: the inference schedule; several (one process): interleaved, which
+        # infer() runs without its backward actions
+        schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
+    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
     schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [p for _, p in loaded]
-    params = [p for mod in modules for p in mod.parameters()]
-    optimizer = _make_optimizer(args.optimizer, params, args.lr)
     specs = [json.loads((d / "ports.json").read_text()) for d in stage_dirs]
     data = _RunData.load(meta, specs, args.seed)
+    if forward:
+        for i, s in enumerate(schedule.stages_of(rank)):
+            if (stage_dirs[s] / "hls").is_dir():
+                modules[i] = _load_fpga_stage(stage_dirs[s], s)
+        return _run_forward(args, meta, stage_dirs, specs, data, modules, ports, rank, world, config,
+                            load_stage, why)
+    params = [p for mod in modules for p in mod.parameters()]
+    optimizer = _make_optimizer(args.optimizer or "sgd", params, 1e-3 if args.lr is None else args.lr)
     runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer)
     is_last = runtime.last_stage in runtime.stage_ids
     if is_last and data.note:
@@ -1120,6 +1208,45 @@ def run_compiled(args: argparse.Namespace) -> int:
         train_step(0, update=False)  # --verify --steps 0: check one step, train none
     for i in range(args.steps):
         train_step(i, update=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
+                 specs: list[dict[str, Any]], data: _RunData, modules: list[nn.Module], ports: list[dict],
+                 rank: int, world: int, config: RunConfig, load_stage: Callable, why: str) -> int:
+    """An inference-only folder: ``--steps`` forward passes (eval mode) of the model's example
+    inputs; ``--verify`` compares the first one's outputs with the original model's forward."""
+    for module in modules:
+        module.eval()  # inference semantics: what an FPGA stage computes (BatchNorm folded, no dropout)
+    runtime = PipelineRuntime(modules, ports, rank, world, config)
+    is_last = runtime.last_stage in runtime.stage_ids
+    inputs = data.inputs if 0 in runtime.stage_ids else None
+    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+    if is_last:
+        print(f"inference-only pipeline ({why}): running forward passes", flush=True)
+    verifier = None
+    if args.verify and data.module is not None:
+        verifier = _Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+
+    def check(outputs: Any) -> None:
+        if verifier is not None:
+            verifier.check_forward(outputs)
+        elif outputs is not None:  # no model file: against all (torch) stages chained here
+            _verify(outputs, data.inputs, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs])
+
+    for i in range(args.steps):
+        start = time.perf_counter()
+        outputs = runtime.infer(inputs)
+        elapsed = time.perf_counter() - start
+        if args.verify and i == 0:
+            check(outputs)
+        if is_last:
+            rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
+            print(f"step {i}: forward only{rate}", flush=True)
+    if args.verify and args.steps < 1:
+        check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -1372,6 +1499,19 @@ class _Verifier:
         if self.is_last:
             print(f"verify: {self.eval_only}; compared eval-mode outputs only", flush=True)
             print("verify: eval-mode outputs match the single-process run", flush=True)
+        del self.model
+
+    def check_forward(self, outputs: Any) -> None:
+        """Inference-only runs: the pipeline's outputs (``infer``) against the model's eval-mode forward."""
+        failures: list[str] = []
+        if self.is_last:
+            self.model.eval()
+            with torch.no_grad():
+                expected = self.model(*self._inputs())
+            failures += self._compare_outputs(outputs, expected)
+        self._agree(failures, 0)
+        if self.is_last:
+            print("verify: outputs match the single-process run (forward only)", flush=True)
         del self.model
 
     def check_step(self, loss: float | None) -> None:

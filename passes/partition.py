@@ -105,6 +105,14 @@ class _Arrays:
     caps: np.ndarray
     X: np.ndarray         # [boundary 0..n] bytes crossing it
 
+    @property
+    def mem_tol(self) -> float:
+        """Absolute slack for memory comparisons: prefix sums and direct sums of the same
+        terms differ by ulps of the largest sum, so the slack scales with it (not with the
+        cap, which may be 0)."""
+        scale = self.static.sum() + self.inflight.max(initial=0.0) * (self.act.sum() + self.X.max())
+        return _MEM_RTOL * float(scale)
+
 
 def _arrays(pr: PartitionProblem) -> _Arrays:
     n, p = len(pr.out_bytes), len(pr.mem_cap)
@@ -127,8 +135,8 @@ def _link2(pr: PartitionProblem, k: int, nbytes: float) -> float:
     return 0.0 if nbytes <= 0 else 2.0 * float(pr.link_time(k, float(nbytes)))
 
 
-def _fits(mem: float, cap: float) -> bool:
-    return mem <= cap + _MEM_RTOL * abs(cap)
+def _fits(mem: float, cap: float, tol: float = 0.0) -> bool:
+    return mem <= cap + _MEM_RTOL * abs(cap) + tol
 
 
 def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Partition:
@@ -143,7 +151,8 @@ def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Parti
         t += _link2(pr, k, ar.X[e]) if k < ar.p - 1 else 0.0
         times.append(t)
         mems.append(float(ar.static[a:e].sum() + ar.inflight[k] * (ar.act[a:e].sum() + ar.X[a])))
-    fits = all(_fits(m, c) for m, c in zip(mems, ar.caps))
+    tol = ar.mem_tol
+    fits = all(_fits(m, c, tol) for m, c in zip(mems, ar.caps))
     cuts = tuple(float(ar.X[s]) for s in b[1:-1])
     return Partition(b, tuple(times), tuple(mems), cuts, max(times), fits)
 
@@ -194,7 +203,7 @@ def _stages(ar: _Arrays, links: np.ndarray, caps: np.ndarray) -> list[_Stage]:
         w, v = P - (links[k - 1] if k > 0 else zero), P + (links[k] if k < p - 1 else zero)
         f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
         G = np.concatenate(([0.0], np.cumsum(ar.static + f * ar.act)))
-        thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k])
+        thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
         hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
         hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
         a = np.flatnonzero(hi >= 0)

@@ -1,0 +1,14 @@
+"""Test configuration: tests import `helpers` from this folder; hypothesis runs derandomized
+in CI (CI=true), so a landing never depends on which random examples a run happened to draw
+(locally the examples vary from run to run and keep finding new cases)."""
+import os
+import sys
+from pathlib import Path
+
+from hypothesis import settings
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")

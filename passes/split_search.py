@@ -99,18 +99,23 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
     current schedule and micro-batch count when `fixed`); `layer_time(name)` is a layer's
     fwd+bwd time on its fastest device. Heavy layers (over half a balanced stage) are tried
     first, then layers at the edges of the bottleneck stage; at most `max_layers` splits are
-    kept (default: one per stage) and `budget` layers tried (default: three per stage). The
+    kept (default: one per stage) and `budget` layers tried (default: three per stage, at most
+    16; each try costs two plans). The
     schedule and micro-batch count stay those of `plan`, so its lower bound still applies."""
     stages = len(plan.stages)
     max_layers = stages if max_layers is None else max_layers
-    budget = 3 * stages if budget is None else budget
+    budget = min(3 * stages, 16) if budget is None else budget
     lower, baselines = plan.lower_bound_s, plan.baselines
     names = splittable_names(graph)
     tried: set[str] = set()
     heavy = sorted((n for n in names if layer_time(n) > 0.5 * lower), key=layer_time, reverse=True)
     kept = 0
     while kept < max_layers and len(tried) < budget and plan.bottleneck_s > lower * (1 + IMPROVEMENT):
-        queue = [n for n in heavy + _edge_candidates(graph, plan, names) if n not in tried]
+        # a layer smaller than the gap to the bound is not what keeps the cut coarse:
+        # moving whole layers already has finer steps than the gap, splitting cannot help
+        gap = plan.bottleneck_s - lower
+        edges = [n for n in _edge_candidates(graph, plan, names) if layer_time(n) > gap]
+        queue = [n for n in heavy + edges if n not in tried]
         if not queue:
             break
         improved = False

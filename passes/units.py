@@ -45,16 +45,22 @@ def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
     b_sym = graph.symbols.get("B")
     fixed = {s: v for s, v in graph.point.items() if s != b_sym}
     arg = b_sym if b_sym is not None else sympy.Symbol("B")
-    funcs = {}
+    # NOTE: repeated blocks share their cost expressions, so lambdify only the distinct ones
+    # (a few dozen for a 20,000-node transformer) and index into them.
+    distinct: dict = {}
+    index = {f: np.empty(len(nodes), dtype=np.int64) for f in FIELDS}
     for f in FIELDS:
-        exprs = []
-        for node in nodes:
+        for i, node in enumerate(nodes):
             e = getattr(node.meta[META_COST], f)
-            exprs.append(e.subs(fixed) if isinstance(e, sympy.Expr) and fixed else e)
-        funcs[f] = sympy.lambdify([arg], exprs, modules="numpy")
+            if isinstance(e, sympy.Expr) and fixed:
+                e = e.subs(fixed)
+            index[f][i] = distinct.setdefault(e, len(distinct))
+    exprs = list(distinct)
+    fn = sympy.lambdify([arg], exprs, modules="numpy")
 
     def at(batch: float) -> dict[str, np.ndarray]:
-        return {f: np.asarray(fn(batch), dtype=float).reshape(len(nodes)) for f, fn in funcs.items()}
+        values = np.array([float(v) for v in fn(batch)]) if exprs else np.zeros(0)
+        return {f: values[index[f]] for f in FIELDS}
     return at
 
 

@@ -272,7 +272,7 @@ class Balancer:
 
     # ------------------------------------------------------------------ output
     def lower_bound(self, cand: _Candidate) -> float:
-        return lower_bound(cand.problem, cand.units.splittable)
+        return lower_bound(cand.problem, cand.units.splittable, unusable=UNSUPPORTED_S)
 
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""

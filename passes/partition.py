@@ -329,7 +329,8 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: np.ndarray) -> str:
             f"try more devices or fewer micro-batches")
 
 
-def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None) -> float:
+def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
+                unusable: float | None = None) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
@@ -342,19 +343,26 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     devices) and take mirror-ascent steps along the supergradient (per-device loads of the
     cheapest assignment), keeping the best value seen. (2) A node that may not be split
     (splittable None: none may) runs whole on one device: T ≥ min_d c[d][i].
+    Costs ≥ `unusable` mean the device cannot run the node (x[d][i] = 0 is forced): they are
+    left out of both the fluid sum and the device's starting weight.
     Returns max of (1) and (2). O(steps · D · n) with steps = 200.
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
         return 0.0
+    if unusable is not None:  # "cannot run here": x[d][i] = 0 is forced, cost +inf
+        c = np.where(c >= unusable, np.inf, c)
     whole = np.ones(c.shape[1], bool) if splittable is None else ~np.asarray(splittable, bool)
     item = float(c.min(axis=0)[whole].max(initial=0.0))
-    total = c.sum(axis=1)
-    if np.any(total <= 0):  # a free device absorbs every splittable node in the fluid model
+    usable = np.isfinite(c)
+    total = np.where(usable, c, 0.0).sum(axis=1)
+    runs_some = usable.any(axis=1)
+    if np.any(runs_some & (total <= 0)):  # a free device absorbs every splittable node
         return item
-    cols, lam, best = np.arange(c.shape[1]), (1.0 / total) / np.sum(1.0 / total), 0.0
+    inv = np.where(runs_some, 1.0 / np.where(total > 0, total, 1.0), 0.0)
+    cols, lam, best = np.arange(c.shape[1]), inv / inv.sum(), 0.0
     for t in range(1, _LB_STEPS + 1):
-        scaled = lam[:, None] * c
+        scaled = np.where(usable, lam[:, None] * np.where(usable, c, 0.0), np.inf)
         arg = scaled.argmin(axis=0)
         best = max(best, float(scaled[arg, cols].sum()))
         load = np.bincount(arg, weights=c[arg, cols], minlength=len(lam))

@@ -330,7 +330,7 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
         else (prob, units, order)
     cost = np.asarray(base.fwd) + np.asarray(base.bwd)
     types = [cluster.devices[d].name for d in order]
-    planner_lb = lower_bound(base, base_units.splittable)
+    planner_lb = lower_bound(base, base_units.splittable, unusable=UNSUPPORTED_S)
     if not math.isclose(planner_lb, plan.lower_bound_s, rel_tol=1e-9):
         row["notes"].append(f"Plan.lower_bound_s {plan.lower_bound_s:.6g} s differs from the "
                             f"planner's bound on the analysed graph, {planner_lb:.6g} s")
@@ -574,8 +574,8 @@ def render(rows: list[dict[str, Any]], big: dict[str, Any] | None, command: str,
                 f"- analysis (capture, shapes, sympy costs): {big['analyze_s']:.1f} s",
                 f"- `driver.plan` end to end: **{big['plan_s']:.1f} s**; balance ratio "
                 f"{_f(big['ratio'])}, {big['split_layers']} split layers. Building the cost units "
-                f"once (sympy lambdify of {big['nodes']:,} nodes) takes {big['units_s']:.1f} s; "
-                "the layer-split search builds them again for every layer it tries",
+                f"once (`UnitBuilder`, sympy lambdify of {big['nodes']:,} nodes) takes "
+                f"{big['units_s']:.1f} s",
                 f"- `driver.plan` with `split_layers=False`: {big['plan_nosplit_s']:.1f} s",
                 "- baselines on the same problem (bottleneck / `Plan.lower_bound_s`): " + ", ".join(
                     f"{k} {_ratio(v)}" if isinstance(v, float) else f"{k} crashed ({v})"

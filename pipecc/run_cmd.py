@@ -47,6 +47,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from pipecc.cli import _positive_int  # one definition of the CLI's argument types
 from pipecc.errors import PipeccError, UsageError
 
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
@@ -55,16 +56,6 @@ DEFAULT_STEPS = 5
 # torchrun's own log lines: "W1129 08:45:56.813000 20508 torch/distributed/run.py:874] ..."
 _TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def _nonnegative_int(text: str) -> int:

@@ -202,7 +202,7 @@ def _problem(plan, graph, cluster: Cluster, batch: int):
     mb = batch // plan.microbatches
     units = bal.builder.at(mb)
     order = tuple(d["given_index"] for d in plan.devices)
-    return bal.problem(units, mb, plan.schedule, plan.microbatches, order), units, order
+    return bal.problem(units, mb, plan.schedule, plan.microbatches, order), units, order, bal
 
 
 def _plan_bounds(plan, units) -> tuple[int, ...]:
@@ -321,16 +321,18 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
     `graph` is the plan's (possibly layer-split) graph, `original` the analysed one. The bound
     and the bench's own baselines use the original: split shards add a little work (concats,
     repeated input reads) that no bound may assume, and the other tools never split layers."""
-    prob, units, order = _problem(plan, graph, cluster, batch)
-    mine = evaluate(prob, _plan_bounds(plan, units))
+    mb = batch // plan.microbatches
+    prob, units, order, bal = _problem(plan, graph, cluster, batch)
+    _, mine = bal.recost(prob, _plan_bounds(plan, units), order, mb)
     if not math.isclose(mine.bottleneck, plan.bottleneck_s, rel_tol=1e-9):
         row["notes"].append(f"rebuilt problem disagrees with the plan: bottleneck "
                             f"{mine.bottleneck:.6g} vs {plan.bottleneck_s:.6g} s")
-    base, base_units, _ = _problem(plan, original, cluster, batch) if graph is not original \
-        else (prob, units, order)
-    cost = np.asarray(base.fwd) + np.asarray(base.bwd)
+    base, base_units, _, base_bal = _problem(plan, original, cluster, batch) \
+        if graph is not original else (prob, units, order, bal)
+    bound = base_bal.bound_problem(base, order, mb)  # FPGA rows: the MAC floor (see Balancer)
+    cost = np.asarray(bound.fwd) + np.asarray(bound.bwd)
     types = [cluster.devices[d].name for d in order]
-    planner_lb = lower_bound(base, base_units.splittable, unusable=UNSUPPORTED_S)
+    planner_lb = lower_bound(bound, base_units.splittable, unusable=UNSUPPORTED_S)
     if not math.isclose(planner_lb, plan.lower_bound_s, rel_tol=1e-9):
         row["notes"].append(f"Plan.lower_bound_s {plan.lower_bound_s:.6g} s differs from the "
                             f"planner's bound on the analysed graph, {planner_lb:.6g} s")
@@ -346,7 +348,7 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
                       "block-partition": lambda: baseline_rules.block_partition(cost[0], p)})
     for name, rule in rules.items():
         try:
-            part = evaluate(base, rule())
+            _, part = base_bal.recost(base, rule(), order, mb)
             found[name] = {"bottleneck_s": part.bottleneck, "fits_memory": part.fits}
         except Exception as exc:  # noqa: BLE001
             found[name] = {"error": f"{type(exc).__name__}: {exc}"}

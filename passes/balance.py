@@ -6,14 +6,20 @@
 
 Time of a unit on a device is the device's roofline (`Device.compute_time`): forward on the
 forward FLOPs and bytes, backward on the backward FLOPs and twice the bytes (it reads the
-output gradient and the stash and writes the input gradient). FPGA devices get an infinite
-time for op kinds the FPGA backend cannot generate, which keeps such nodes off them.
+output gradient and the stash and writes the input gradient). On an FPGA a unit costs what
+the FPGA model (`pipecc.fpga_model`, the one behind estimates.json) gives its processes,
+summed over a stage for the exact partitioner; the chosen partition's FPGA stages are then
+re-costed with the model's dataflow time of the whole stage (`Balancer.recost`), so the plan
+and estimates.json agree. Ops the FPGA backend cannot generate get an infinite time, and cuts
+next to an FPGA stage must carry exactly one float32 tensor (`PartitionProblem.blocked`),
+which keeps what the backend cannot build off FPGAs.
 Memory per stage: weights, gradients and optimizer state (Adam: 2 fp32 moments, so 4x the
 weights' bytes in training), plus the activations stashed per micro-batch in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -22,6 +28,7 @@ import numpy as np
 
 from pipecc.devices import Cluster
 from pipecc.errors import PipeccError, UsageError
+from pipecc.fpga_model import parse_number
 from pipecc.ir import AnnotatedGraph
 from pipecc.plan import Plan, StagePlan
 from pipecc.schedule import gpipe, interleaved_1f1b, one_f_one_b
@@ -36,6 +43,7 @@ MEMORY_HEADROOM = 0.9  # framework workspace, allocator fragmentation: plan to 9
 # NOTE: a finite stand-in for "cannot run here": the partitioner's bisection needs finite
 # costs; any placement whose bottleneck reaches it has put an unsupported op on an FPGA.
 UNSUPPORTED_S = 1e9
+BRAM18_BYTES = 18 * 1024 / 8  # one BRAM18 block: an FPGA stage's memory is counted in these
 
 
 @dataclass
@@ -51,6 +59,7 @@ class PlanOptions:
     split_layers: bool = True
     virtual_stages: int = 2           # for interleaved
     compare: bool = False
+    fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class _Candidate:
     timeline: Timeline
     virtual: int = 1
     notes: list[str] = field(default_factory=list)
+    raw: PartitionProblem | None = None   # before FPGA stages were re-costed (for baselines)
 
 
 def _inflight(schedule: str, p: int, m: int, v: int) -> list[int]:
@@ -93,6 +103,7 @@ class Balancer:
         self.builder = UnitBuilder(graph, coarse=options.coarse, splittable=splittable)
         self.p = len(cluster.devices)
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._cycles: dict[tuple[str, str], np.ndarray] = {}
 
     # ------------------------------------------------------------------ costs
     def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,55 +126,116 @@ class Balancer:
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
 
-    def _fpga_times(self, dev: Any, mb: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per-unit seconds on an FPGA from the analytic model that writes estimates.json
-        (`pipecc.fpga_model`): additive shares of the dataflow stage time of all supported
-        nodes on this card. Units with an op the FPGA backend cannot generate get
-        UNSUPPORTED_S. Backward (training) is costed as twice the forward, as a dataflow
-        design of the transposed products would take; the FPGA backend itself generates
-        inference only (see `pipecc run`)."""
+    def _fpga_number(self) -> str:
+        return self.opt.fpga_number or self.opt.dtype
+
+    def _fpga_cycles(self, dev: Any) -> np.ndarray:
+        """[unit] (latency, interval, floor, clock) of each unit on an FPGA card
+        (`fpga_model.unit_cycles`); NaN rows for units the FPGA backend cannot generate."""
         from pipecc import fpga_model
-        nodes = [n for g in self.builder.groups for n in g]
-        ok = {n for n in nodes if fpga_model.supported(n)}
-        shares: dict[str, float] = {}
-        for _ in range(len(nodes)):
-            # supported() judges a node alone; lowering also checks it in context (a
-            # broadcasting add, a reshape across the batch): drop what lowering refuses
-            try:
-                shares = fpga_model.node_times_s([n for n in nodes if n in ok and n.op != "get_attr"],
-                                                 dev.name, self.opt.dtype, mb, self.graph.point)
-                break
-            except fpga_model.UnsupportedOpError as exc:
-                refused = {n for n in ok if n.meta.get("pipecc.name") == exc.node or n.name == exc.node}
-                if not refused:
-                    raise
-                ok -= refused
-        fwd = np.zeros(len(self.builder.groups))
-        for u, g in enumerate(self.builder.groups):
-            if not all(n in ok for n in g):
-                fwd[u] = UNSUPPORTED_S
-            else:
-                fwd[u] = sum(shares.get(n.name, 0.0) for n in g)
+        key = (dev.name, self._fpga_number())
+        if key not in self._cycles:
+            rows = np.full((len(self.builder.groups), 5), np.nan)
+            for u, g in enumerate(self.builder.groups):
+                nodes = [n for n in g if n.op != "get_attr"]
+                if not all(fpga_model.supported(n) for n in nodes):
+                    continue
+                try:  # lowering also judges a node in context (a broadcasting add, ...)
+                    rows[u] = fpga_model.unit_cycles(nodes, dev, self._fpga_number(),
+                                                     gm=self.graph.gm, point=self.graph.point)
+                except fpga_model.UnsupportedOpError:
+                    continue
+            self._cycles[key] = rows
+        return self._cycles[key]
+
+    def _fpga_times(self, dev: Any, mb: int, floor: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Per-unit seconds on an FPGA from the analytic model that writes estimates.json
+        (`pipecc.fpga_model.unit_cycles`): (latency + (mb-1)·interval) / f_clk of the unit's
+        processes, additive over a stage (the partitioner needs that); `recost` replaces an
+        FPGA stage's sum with the model's real dataflow time of the stage. With `floor`, the
+        MAC floor (mb·floor / f_clk) the lower bound uses. Units with an op the FPGA backend
+        cannot generate get UNSUPPORTED_S. Backward (training) is costed as twice the
+        forward, as a dataflow design of the transposed products would take; the FPGA
+        backend itself generates inference only (see `pipecc run`)."""
+        c = self._fpga_cycles(dev)
+        fwd = mb * c[:, 2] / c[:, 3] if floor else (c[:, 0] + (mb - 1) * c[:, 1]) / c[:, 3]
+        fwd = np.where(np.isnan(fwd), UNSUPPORTED_S, fwd)
         return fwd, (2 * fwd if self.opt.training else np.zeros_like(fwd))
+
+    def _fpga_stage_s(self, dev: Any, units: range, mb: int) -> float | None:
+        """The FPGA model's dataflow time of one stage (what estimates.json says), or None
+        when the stage cannot be lowered as a whole."""
+        from pipecc import fpga_model
+        nodes = [n for u in units for n in self.builder.groups[u] if n.op != "get_attr"]
+        try:
+            return fpga_model.stage_time_s(nodes, dev, self._fpga_number(), mb,
+                                           gm=self.graph.gm, point=self.graph.point)
+        except fpga_model.UnsupportedOpError:
+            return None
+
+    def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
+               mb: int) -> tuple[PartitionProblem, Partition]:
+        """The partition at `bounds` with each FPGA stage's additive unit times scaled to the
+        FPGA model's dataflow time of the whole stage, so the plan's stage times are those of
+        `estimates.json`. Other stages are unchanged."""
+        fwd = np.array(prob.fwd, dtype=float)
+        bwd = np.array(prob.bwd, dtype=float)
+        changed = False
+        for k in range(len(bounds) - 1):
+            dev = self.cluster.devices[order[k % self.p]]
+            a, e = bounds[k], bounds[k + 1]
+            if dev.kind != "fpga" or fwd[k, a:e].sum() >= UNSUPPORTED_S:
+                continue
+            exact = self._fpga_stage_s(dev, range(a, e), mb)
+            total = fwd[k, a:e].sum()
+            if exact is None or total <= 0:
+                continue
+            fwd[k, a:e] *= exact / total
+            bwd[k, a:e] = 2 * fwd[k, a:e] if self.opt.training else 0.0
+            changed = True
+        if not changed:
+            return prob, evaluate(prob, bounds)
+        prob = dataclasses.replace(prob, fwd=fwd, bwd=bwd)
+        return prob, evaluate(prob, bounds)
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
                 v: int = 1) -> PartitionProblem:
+        """Stage k on device order[k % p]. An FPGA stage's memory is its on-chip BRAM (the
+        generated design keeps weights and frame buffers there): per unit what
+        `fpga_model.unit_cycles` says, against the card's BRAM18; activations stashed for a
+        training backward would live in the card's DDR and are not modelled."""
         fwd, bwd = self.times(units, mb)
         devs = [order[k % self.p] for k in range(self.p * v)]
         states = (2 + self.opt.optimizer_states) if self.opt.training else 1
         static = units.param_bytes * states
+        act = units.values["stash_bytes"] if self.opt.training else np.zeros(units.n)
         caps = [self.cluster.devices[d].memory_bytes * MEMORY_HEADROOM / v for d in devs]
+        inflight = _inflight(schedule, self.p * v, m, v) if self.opt.training else [1] * (self.p * v)
         links = [self.cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
                  for k in range(len(devs) - 1)]
 
         def link_time(k: int, nbytes: float) -> float:
             return links[k].time(nbytes) if links[k] is not None and nbytes > 0 else 0.0
+        fpga = [self.cluster.devices[d].kind == "fpga" for d in devs]
+        blocked = None
+        if any(fpga):  # an FPGA stage takes one float32 tensor in and sends one out
+            bad = ~self.builder.one_tensor_cut
+            none = np.zeros_like(bad)
+            blocked = [bad if fpga[k] or fpga[k + 1] else none for k in range(len(devs) - 1)]
+            static, act = np.tile(static, (len(devs), 1)), np.tile(act, (len(devs), 1))
+            inflight = list(inflight)
+            for k, d in enumerate(devs):
+                if fpga[k]:
+                    dev = self.cluster.devices[d]
+                    static[k] = np.nan_to_num(self._fpga_cycles(dev)[:, 4]) * BRAM18_BYTES
+                    act[k], inflight[k] = 0.0, 0
+                    caps[k] = dev.fpga["bram18"] * BRAM18_BYTES
         return PartitionProblem(
             fwd=fwd[devs], bwd=bwd[devs], out_bytes=units.values["output_bytes"],
-            last_use=units.last_use, static_mem=static,
-            act_mem=units.values["stash_bytes"] if self.opt.training else np.zeros(units.n),
-            mem_cap=caps, inflight=_inflight(schedule, self.p * v, m, v) if self.opt.training
-            else [1] * (self.p * v), link_time=link_time)
+            last_use=units.last_use, static_mem=static, act_mem=act, mem_cap=caps,
+            inflight=inflight, link_time=link_time, blocked=blocked,
+            labels=[f"device {k} ({self.cluster.devices[d].name}"
+                    + (", on-chip BRAM" if fpga[k] else "") + ")" for k, d in enumerate(devs)])
 
     # ------------------------------------------------------------------ search
     def candidates(self) -> list[tuple[str, int]]:
@@ -201,9 +273,11 @@ class Balancer:
         else:
             part = partition(prob)
         if part.bottleneck >= UNSUPPORTED_S:
-            raise InfeasibleError(self._unsupported_message(units, order))
+            raise InfeasibleError(self._unsupported_message(prob, order))
+        raw = prob
+        prob, part = self.recost(prob, part.bounds, order, mb)
         timeline = self._simulate(part, prob, schedule, m, v)
-        return _Candidate(schedule, m, order, part, prob, units, timeline, v)
+        return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw)
 
     def _best_order(self, units: Units, mb: int, schedule: str, m: int):
         from pipecc.passes.partition import best_device_order
@@ -219,9 +293,10 @@ class Balancer:
         b = [float(bwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
         send = [prob.link_time(k, part.cut_bytes[k]) if k < stages - 1 else 0.0 for k in range(stages)]
         back = [0.0] + send[:-1]
-        act = [float(np.asarray(prob.act_mem)[part.bounds[k]:part.bounds[k + 1]].sum())
-               for k in range(stages)]
-        static = [float(np.asarray(prob.static_mem)[part.bounds[k]:part.bounds[k + 1]].sum())
+        act_mem = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), fwd.shape)
+        static_mem = np.broadcast_to(np.asarray(prob.static_mem, dtype=float), fwd.shape)
+        act = [float(act_mem[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
+        static = [float(static_mem[k, part.bounds[k]:part.bounds[k + 1]].sum())
                   for k in range(stages)]
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static)
@@ -232,14 +307,29 @@ class Balancer:
             sched = _schedule(schedule, stages // v, m, v) if v > 1 else _schedule(schedule, stages, m, 1)
         return simulate(sched, costs)
 
-    def _unsupported_message(self, units: Units, order: Sequence[int]) -> str:
+    def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
+        """Why every placement puts something on an FPGA it cannot take: memory elsewhere,
+        no one-tensor boundary around the FPGA stage, or ops it cannot generate."""
         from pipecc import fpga_model
-        fpgas = [f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
-                 if self.cluster.devices[d].kind == "fpga"]
+        fpgas = ", ".join(f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
+                          if self.cluster.devices[d].kind == "fpga")
         bad = [n for g in self.builder.groups for n in g if not fpga_model.supported(n)]
         example = f"{bad[0].meta['pipecc.op']} at node {bad[0].meta['pipecc.name']}" if bad else "?"
-        return (f"FPGA device {', '.join(fpgas)} would have to run ops the FPGA backend cannot "
-                f"generate (e.g. {example}); put a CPU/GPU there or use --choose-order")
+        fix = ("leave the FPGA out of --devices" if self.opt.choose_order and self.p > 1
+               else "put a CPU/GPU there or use --choose-order")
+        roomy = dataclasses.replace(prob, mem_cap=[math.inf] * len(prob.mem_cap))
+        if partition(roomy).bottleneck < UNSUPPORTED_S:
+            short = [f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
+                     if self.cluster.devices[d].kind != "fpga"]
+            return (f"no placement fits memory: the only splits that fit put on FPGA device "
+                    f"{fpgas} ops it cannot generate (e.g. {example}) or a boundary of more than "
+                    f"one tensor, because device {', '.join(short)} cannot hold the rest; add "
+                    f"devices with more memory or use more micro-batches")
+        if partition(dataclasses.replace(roomy, blocked=None)).bottleneck < UNSUPPORTED_S:
+            return (f"FPGA device {fpgas} needs a stage boundary of one float32 tensor on each "
+                    f"side, and no such cut leaves it only ops it can generate; {fix}")
+        return (f"FPGA device {fpgas} would have to run ops the FPGA backend cannot "
+                f"generate (e.g. {example}); {fix}")
 
     def run(self) -> tuple[Plan, _Candidate]:
         if self.p > self.builder.at(1).n:
@@ -254,7 +344,11 @@ class Balancer:
                 lost.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
-            raise PipeccError(reason if reason.startswith("FPGA") else f"no schedule fits memory: {reason}")
+            if "on-chip BRAM" in reason:
+                reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
+                           "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
+            raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
+                              else f"no schedule fits memory: {reason}")
         results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches))
         best = results[0]
         for c in results[1:]:
@@ -271,12 +365,31 @@ class Balancer:
         return {names[-1]: float(best[u]) for u, names in enumerate(cand.units.names)}
 
     # ------------------------------------------------------------------ output
+    def bound_problem(self, prob: PartitionProblem, order: Sequence[int],
+                      mb: int) -> PartitionProblem:
+        """`prob` with the costs a lower bound may use: FPGA rows hold the FPGA model's MAC
+        floor (`_fpga_times(floor=True)`), which no stage holding the unit can beat (the
+        additive unit times the partitioner uses may exceed a dataflow stage's), and units
+        whose on-chip memory alone exceeds the card count as unable to run there."""
+        if not any(self.cluster.devices[d].kind == "fpga" for d in order):
+            return prob
+        fwd, bwd = np.array(prob.fwd, dtype=float), np.array(prob.bwd, dtype=float)
+        for k in range(fwd.shape[0]):
+            dev = self.cluster.devices[order[k % self.p]]
+            if dev.kind == "fpga":
+                fwd[k], bwd[k] = self._fpga_times(dev, mb, floor=True)
+                big = np.nan_to_num(self._fpga_cycles(dev)[:, 4]) > dev.fpga["bram18"]
+                fwd[k, big] = bwd[k, big] = UNSUPPORTED_S
+        return dataclasses.replace(prob, fwd=fwd, bwd=bwd)
+
     def lower_bound(self, cand: _Candidate) -> float:
-        return lower_bound(cand.problem, cand.units.splittable, unusable=UNSUPPORTED_S)
+        """`partition.lower_bound` on the candidate's devices, with `bound_problem`'s costs."""
+        prob = self.bound_problem(cand.problem, cand.order, self.opt.batch_size // cand.microbatches)
+        return lower_bound(prob, cand.units.splittable, unusable=UNSUPPORTED_S)
 
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""
-        units, prob = cand.units, cand.problem
+        units, prob = cand.units, cand.raw or cand.problem
         p = len(prob.mem_cap)
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         ref_times = fwd[0] + bwd[0]
@@ -286,7 +399,7 @@ class Balancer:
             ("equal-params (DeepSpeed parameters)", baselines.equal_params(units.param_bytes, p)),
             ("block-partition by time (torchgpipe)", baselines.block_partition(ref_times, p)),
         ]:
-            part = evaluate(prob, bounds)
+            _, part = self.recost(prob, bounds, cand.order, self.opt.batch_size // cand.microbatches)
             out.append({"name": name, "bounds": list(part.bounds), "bottleneck_s": part.bottleneck,
                         "fits_memory": bool(getattr(part, "fits", True))})
         return out
@@ -328,7 +441,9 @@ class Balancer:
             virtual_stages=cand.virtual, decisions=decisions, alternatives=lost,
             baselines=self.baselines(cand) if self.opt.compare else [],
             options={"coarse": self.opt.coarse, "choose_order": self.opt.choose_order,
-                     "training": self.opt.training})
+                     "training": self.opt.training,
+                     **({"fpga_number": parse_number(self._fpga_number()).text}
+                        if any(d.kind == "fpga" for d in self.cluster.devices) else {})})
 
 
 def plan(graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions) -> Plan:

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+_ROUNDING = 1e-12  # block_partition: relative slack on its stop test M <= m + 1
+
 
 def _nonempty(bounds: Sequence[int], n: int) -> tuple[int, ...]:
     """Nudge bounds apart so every stage keeps ≥ 1 node (the tools may leave stages empty)."""
@@ -141,24 +143,39 @@ def block_partition(times: Sequence[float], p: int) -> tuple[int, ...]:
     little about the bottleneck once normalised. Where torchgpipe's tie-break would take a
     node from an empty block, the paper's rule is used instead. Block sums are kept exactly
     rounded and refreshed for the two blocks a step changes: O(p + block length) per step.
+    The stop test M ≤ m + 1 allows float rounding (relative 1e-12): exactly at M − m = 1 a
+    rounded sum can read 1.0000000000000004 and the moves cycle (a repeating pattern of one
+    long and three short nodes on 8 blocks did). Should the moves still cycle, after 4·n·p + 16 steps the run restarts with the paper's rule, and
+    should that cycle too, the most balanced blocks seen (least M − m) are returned.
     """
     n = len(times)
     _check(n, p)
     t = np.asarray(times, dtype=float)
     span = t.max() - t.min()
     x = (t - t.min()) / span if span > 0 else np.zeros(n)
-    x = x.tolist()
+    seen: list[tuple[float, tuple[int, ...]]] = []
+    for paper in (False, True):
+        b = _block_steps(x.tolist(), n, p, paper, seen)
+        if b is not None:
+            return _nonempty(b, n)
+    return _nonempty(min(seen)[1], n)
+
+
+def _block_steps(x: list[float], n: int, p: int, paper: bool,
+                 seen: list[tuple[float, tuple[int, ...]]]) -> list[int] | None:
+    """The block moves of `block_partition`; None if the guard ran out (the most balanced
+    state seen is appended to `seen`)."""
     b = [0] + [n // p * (i + 1) for i in range(p - 1)] + [n]
     sizes = [math.fsum(x[b[i]:b[i + 1]]) for i in range(p)]  # NOTE: exactly rounded, like sum()
-
+    best = (max(sizes) - min(sizes), tuple(b))
     for _ in range(4 * n * p + 16):  # NOTE: the paper proves termination; this is a guard
         big, pmax = max((s, i) for i, s in enumerate(sizes))
         while True:
             small, q = min((s, i) for i, s in enumerate(sizes))
-            if big <= small + 1:
-                return _nonempty(b, n)
+            if big <= small + 1 + _ROUNDING * big:
+                return b
             h = q - 1 if pmax < q else q + 1
-            if b[h + 1] == b[h]:
+            if paper or b[h + 1] == b[h]:
                 # NOTE: torchgpipe would now take a node from an empty donor and corrupt the
                 # bounds; the paper's rule (minimal block closest to B_p) never does
                 q = min((i for i in range(p) if sizes[i] == small), key=lambda i: abs(i - pmax))
@@ -169,6 +186,8 @@ def block_partition(times: Sequence[float], p: int) -> tuple[int, ...]:
                 b[q + 1] += 1   # first node of B_{q+1} joins B_q
             for i in (q, h):
                 sizes[i] = math.fsum(x[b[i]:b[i + 1]])
+            best = min(best, (max(sizes) - min(sizes), tuple(b)))
             if h == pmax:
                 break
-    raise RuntimeError("block_partition did not converge")
+    seen.append(best)
+    return None

@@ -14,7 +14,13 @@ The factor 2 is forward activations plus backward gradients of the same size. Co
 is charged on both the sending and the receiving stage and never overlapped with compute —
 conservative on purpose. The first stage has no incoming term, the last no outgoing term.
     M_k = Σ static_mem[a:e] + inflight[k] · (Σ act_mem[a:e] + X[a])
+(static_mem and act_mem may differ per stage: [stage][node]; an FPGA stage counts its
+on-chip memory, not the GPU-style weights/gradients/optimizer state.)
 (received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
+Blocked cuts: `blocked[k][s]` True forbids link k (stage k → k+1) from lying at boundary s
+(the FPGA backend takes one float32 tensor per stage boundary). A blocked cut costs BLOCKED_S
+on both stages, a finite stand-in for "impossible" that the bisection can handle: a result
+at or above it means no allowed placement exists.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ _MEM_RTOL = 1e-12  # NOTE: prefix and direct sums differ by ulps; never let that
 _T_RTOL = 1e-13    # bisection stops when the bracket on the bottleneck is this tight
 _LB_STEPS = 200    # mirror-ascent steps for the fluid lower bound (every iterate is valid)
 _LB_ETA = 0.5      # its step size, / sqrt(step); tuned on random heterogeneous instances
+BLOCKED_S = 1e9    # seconds charged for a blocked cut (see the module docstring)
 
 
 class InfeasibleError(ValueError):
@@ -44,12 +51,16 @@ class PartitionProblem:
     bwd: Sequence[Sequence[float]]  # [device][node] backward seconds per micro-batch
     out_bytes: Sequence[float]      # [node] output bytes per micro-batch
     last_use: Sequence[int]         # [node] last consumer index (own index: none; n: graph output)
-    static_mem: Sequence[float]     # [node] weights + grads + optimizer state bytes
-    act_mem: Sequence[float]        # [node] bytes stashed per micro-batch in flight
+    static_mem: Sequence[float] | Sequence[Sequence[float]]  # [node] or [stage][node]: weights
+                                                             # + grads + optimizer state bytes
+    act_mem: Sequence[float] | Sequence[Sequence[float]]     # [node] or [stage][node]: bytes
+                                                             # stashed per micro-batch in flight
     mem_cap: Sequence[float]        # [device] usable bytes (inf allowed)
     inflight: Sequence[int]         # [stage] micro-batches in flight on the stage
     link_time: Callable[[int, float], float]  # (k, nbytes) -> seconds between stage k and k+1
     input_bytes: float = 0.0        # model input bytes reaching stage 0 (not charged)
+    blocked: Sequence[Sequence[bool]] | None = None  # [link k][boundary 0..n]: cut forbidden
+    labels: Sequence[str] | None = None  # [stage] how messages name its device ("device k")
 
 
 @dataclass(frozen=True)
@@ -99,8 +110,8 @@ class _Arrays:
     n: int
     p: int
     cost: np.ndarray      # [device, node] fwd + bwd
-    static: np.ndarray
-    act: np.ndarray
+    static: np.ndarray    # [device, node]
+    act: np.ndarray       # [device, node]
     inflight: np.ndarray
     caps: np.ndarray
     X: np.ndarray         # [boundary 0..n] bytes crossing it
@@ -110,7 +121,8 @@ class _Arrays:
         """Absolute slack for memory comparisons: prefix sums and direct sums of the same
         terms differ by ulps of the largest sum, so the slack scales with it (not with the
         cap, which may be 0)."""
-        scale = self.static.sum() + self.inflight.max(initial=0.0) * (self.act.sum() + self.X.max())
+        scale = self.static.max(axis=0).sum() + \
+            self.inflight.max(initial=0.0) * (self.act.max(axis=0).sum() + self.X.max())
         return _MEM_RTOL * float(scale)
 
 
@@ -119,20 +131,26 @@ def _arrays(pr: PartitionProblem) -> _Arrays:
     cost = np.asarray(pr.fwd, dtype=float) + np.asarray(pr.bwd, dtype=float)
     static, act = np.asarray(pr.static_mem, dtype=float), np.asarray(pr.act_mem, dtype=float)
     inflight = np.asarray(pr.inflight, dtype=float)
-    shapes = (cost.shape, static.shape, act.shape, inflight.shape)
-    if p < 1 or shapes != ((p, n), (n,), (n,), (p,)):
+    shapes = (cost.shape, static.shape[-1:], act.shape[-1:], inflight.shape)
+    if p < 1 or shapes != ((p, n), (n,), (n,), (p,)) or static.ndim > 1 and static.shape != (p, n) \
+            or act.ndim > 1 and act.shape != (p, n):
         raise ValueError(f"need fwd/bwd [{p} devices][{n} nodes], node lists of {n}, inflight of {p}")
     arrays = (cost, static, act, inflight, np.asarray(pr.out_bytes, dtype=float))
     if min(x.min(initial=0.0) for x in arrays) < 0:
         raise ValueError("times, bytes and in-flight counts must be non-negative")
     X = np.zeros(n + 1)
     X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
+    static, act = np.broadcast_to(static, (p, n)), np.broadcast_to(act, (p, n))
     return _Arrays(n, p, cost, static, act, inflight, np.asarray(pr.mem_cap, dtype=float), X)
 
 
 def _link2(pr: PartitionProblem, k: int, nbytes: float) -> float:
     """Forward send + backward send over link k; no bytes, no message."""
     return 0.0 if nbytes <= 0 else 2.0 * float(pr.link_time(k, float(nbytes)))
+
+
+def _penalty(pr: PartitionProblem, k: int, s: int) -> float:
+    return BLOCKED_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
 
 
 def _fits(mem: float, cap: float, tol: float = 0.0) -> bool:
@@ -147,10 +165,10 @@ def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Parti
     for k in range(ar.p):
         a, e = b[k], b[k + 1]
         t = float(ar.cost[k, a:e].sum())
-        t += _link2(pr, k - 1, ar.X[a]) if k > 0 else 0.0
-        t += _link2(pr, k, ar.X[e]) if k < ar.p - 1 else 0.0
+        t += _link2(pr, k - 1, ar.X[a]) + _penalty(pr, k - 1, a) if k > 0 else 0.0
+        t += _link2(pr, k, ar.X[e]) + _penalty(pr, k, e) if k < ar.p - 1 else 0.0
         times.append(t)
-        mems.append(float(ar.static[a:e].sum() + ar.inflight[k] * (ar.act[a:e].sum() + ar.X[a])))
+        mems.append(float(ar.static[k, a:e].sum() + ar.inflight[k] * (ar.act[k, a:e].sum() + ar.X[a])))
     tol = ar.mem_tol
     fits = all(_fits(m, c, tol) for m, c in zip(mems, ar.caps))
     cuts = tuple(float(ar.X[s]) for s in b[1:-1])
@@ -202,7 +220,7 @@ def _stages(ar: _Arrays, links: np.ndarray, caps: np.ndarray) -> list[_Stage]:
         P = np.concatenate(([0.0], np.cumsum(ar.cost[k])))
         w, v = P - (links[k - 1] if k > 0 else zero), P + (links[k] if k < p - 1 else zero)
         f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
-        G = np.concatenate(([0.0], np.cumsum(ar.static + f * ar.act)))
+        G = np.concatenate(([0.0], np.cumsum(ar.static[k] + f * ar.act[k])))
         thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
         hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
         hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
@@ -300,7 +318,10 @@ def _link_table(pr: PartitionProblem, ar: _Arrays) -> np.ndarray:
     table = np.zeros((max(ar.p - 1, 0), len(uniq)))
     for k in range(ar.p - 1):
         table[k] = [_link2(pr, k, x) for x in uniq]
-    return table[:, inv.ravel()]
+    table = table[:, inv.ravel()]
+    if pr.blocked is not None and ar.p > 1:
+        table = table + BLOCKED_S * np.asarray(pr.blocked, dtype=bool)[: ar.p - 1]
+    return table
 
 
 def _memory_report(ar: _Arrays, pr: PartitionProblem, links: np.ndarray) -> str:
@@ -324,7 +345,8 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: np.ndarray) -> str:
     over = [m - c for m, c in zip(part.stage_memory, ar.caps)]
     k = int(np.argmax(over))
     gb = lambda x: f"{x / 1e9:.3g} GB"  # noqa: E731
-    return (f"no split fits memory: needs ≥ {gb(part.stage_memory[k])} on device {k} "
+    where = pr.labels[k] if pr.labels is not None else f"device {k}"
+    return (f"no split fits memory: needs ≥ {gb(part.stage_memory[k])} on {where} "
             f"(has {gb(ar.caps[k])}, every split overflows some device by ≥ {gb(lo)}); "
             f"try more devices or fewer micro-batches")
 

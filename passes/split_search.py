@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from pipecc.errors import PipeccError
 from pipecc.ir import META_NAME, AnnotatedGraph
 from pipecc.plan import Plan, SplitLayer
 from pipecc.passes.split_layers import split_node, splittable
@@ -75,7 +76,10 @@ def _try(graph: AnnotatedGraph, plan: Plan, name: str, replan, stages: int):
     fine = clone(graph)
     fine_sizes = _even(extent, q)
     shards = split_node(fine, name, fine_sizes)
-    stage_of = replan(fine, True).stage_of()
+    try:
+        stage_of = replan(fine, True).stage_of()
+    except PipeccError:  # e.g. an FPGA stage that would have to hold shards it cannot generate
+        return None
     merged: list[int] = []
     last_stage = None
     for shard, size in zip(shards, fine_sizes):
@@ -88,7 +92,10 @@ def _try(graph: AnnotatedGraph, plan: Plan, name: str, replan, stages: int):
         return None
     trial = clone(graph)
     shards = split_node(trial, name, merged)
-    return replan(trial, True), trial, merged, shards
+    try:
+        return replan(trial, True), trial, merged, shards
+    except PipeccError:
+        return None
 
 
 def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
@@ -123,7 +130,8 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
             tried.add(name)
             result = _try(graph, plan, name, replan, stages)
             if result is None:
-                note(f"not splitting {name}: the best fine split keeps it on one stage")
+                note(f"not splitting {name}: the best fine split keeps it on one stage "
+                     "(or no split of it can be placed)")
                 continue
             trial_plan, trial, merged, shards = result
             if trial_plan.bottleneck_s < plan.bottleneck_s * (1 - ACCEPT):

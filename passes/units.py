@@ -16,9 +16,10 @@ from typing import Sequence
 
 import numpy as np
 import sympy
+import torch
 import torch.fx as fx
 
-from pipecc.ir import META_COST, META_KIND, META_NAME, AnnotatedGraph
+from pipecc.ir import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 
 FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
           "output_bytes", "stash_bytes", "bytes_moved")
@@ -62,6 +63,27 @@ def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
         values = np.array([float(v) for v in fn(batch)]) if exprs else np.zeros(0)
         return {f: values[index[f]] for f in FIELDS}
     return at
+
+
+def _one_tensor_cuts(graph: AnnotatedGraph, groups: list[list[fx.Node]],
+                     unit_of: dict[fx.Node, int]) -> np.ndarray:
+    """[boundary 0..n] True where exactly one float32 tensor crosses the cut before unit s
+    (what an FPGA stage boundary can carry). A value crossing s is a node of an earlier unit,
+    or a model input, with a user at or after unit s (the graph output counts as unit n)."""
+    n = len(groups)
+    count = np.zeros(n + 2, dtype=np.int64)
+    for node in graph.gm.graph.nodes:
+        if node.op in ("output", "get_attr") or not node.users:
+            continue
+        first = unit_of.get(node, 0) + 1   # model inputs (not in a unit) enter at stage 0
+        last = max(unit_of.get(u, n) for u in node.users)
+        if last < first:
+            continue
+        value = node.meta.get(META_VALUE)
+        ok = isinstance(value, TensorInfo) and value.dtype == torch.float32
+        count[first] += 1 if ok else 2   # NOTE: anything else must never pass as "one tensor"
+        count[last + 1] -= 1 if ok else 2
+    return np.cumsum(count)[: n + 1] == 1
 
 
 def _block_key(name: str, depth: int) -> str:
@@ -108,6 +130,7 @@ class UnitBuilder:
         # "output" is the sum of its nodes' outputs that escape it
         self.escaping = [[n for n in g if any(unit_of.get(u, n_units) != unit_of[n] for u in n.users)]
                          for g in groups]
+        self.one_tensor_cut = _one_tensor_cuts(graph, groups, unit_of)
         self._eval = _evaluator(graph, self.order)
         self._index = {n: i for i, n in enumerate(self.order)}
         split_set = set(splittable)

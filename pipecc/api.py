@@ -52,7 +52,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cluster = parse_devices(devices) if not isinstance(devices, Cluster) else devices
     graph = driver.analyze_module(model, inputs, model_name=type(model).__name__)
-    plan, graph = driver.plan(graph, cluster, **plan_options)
+    plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
     stages = cut_stages(graph, plan.stage_of())
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     placement = torch_devices(cluster, order)

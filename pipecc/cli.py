@@ -143,7 +143,8 @@ def _plan_from_args(args: argparse.Namespace):
                               choose_order=args.choose_order,
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
-                              training=not args.inference, debug=args.debug)
+                              training=not args.inference,
+                              fpga_number=getattr(args, "fpga_number", None), debug=args.debug)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
     return analysis, plan, graph

@@ -91,7 +91,8 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
-         training: bool = True, dtype: str = "fp32", debug: bool = False):
+         training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
+         debug: bool = False):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it."""
     from pipecc.devices import Cluster, DeviceSpecError, parse_devices
@@ -106,7 +107,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
-                          dtype=dtype)
+                          dtype=dtype, fpga_number=fpga_number)
     from pipecc.passes import split_search
     splittable = split_search.splittable_names(graph) if split_layers else []
     from pipecc import progress

@@ -38,7 +38,7 @@ from pipecc.fpga_layers import (SUPPORTED_KINDS, LayerSpec, UnsupportedOpError, 
 
 __all__ = ["SUPPORTED_KINDS", "LayerSpec", "UnsupportedOpError", "plan_layers", "supported",
            "NumberFormat", "parse_number", "layer_estimate", "layer_estimates", "choose_folding",
-           "stage_estimate", "stage_time_s", "node_times_s", "mvau_dims"]
+           "stage_estimate", "stage_time_s", "node_times_s", "unit_cycles", "mvau_dims"]
 
 LINK_BITS = 512            # AXI-stream beat width of the stage ports
 FLOAT_MAC_II = 4           # assumption: fp32 accumulate carries the fadd latency (~4 cycles)
@@ -290,3 +290,35 @@ def node_times_s(nodes: Sequence[fx.Node], card: Any, number: Any = "float", bat
         if owner in out:
             out[owner] += total * e["ii_cycles"] / cycles
     return out
+
+
+def unit_cycles(nodes: Sequence[fx.Node], card: Any, number: Any = "float", *,
+                gm: fx.GraphModule | None = None,
+                point: Mapping[Any, int] | None = None) -> tuple[float, ...]:
+    """(latency, interval, floor, clock_hz, bram18) of `nodes` for planners that sum unit
+    costs.
+
+    latency and interval are the cycles per sample of the nodes' own processes when they are
+    a stage of their own, without that stage's link unpack/pack (a real stage has one pair,
+    not one per unit): Σ over a stage's units of (latency + (b-1)·interval) / f_clk
+    approximates stage_time_s, exactly where the stage's MAC layers share the DSP budget
+    in proportion to their work. The stage's real time is stage_time_s; planners re-cost
+    the stages they choose with it. floor is the MAC cycles per sample at the card's whole
+    usable MAC budget (`efficiency.matmul` of its DSPs), a lower bound on what the nodes add
+    to any stage's interval, so Σ b·floor / f_clk ≤ stage_time_s for every stage. bram18 is
+    what the processes hold at the least parallel folding (PE = SIMD = 1): additive, and
+    choose_folding never raises a stage's BRAM above that sum or its utilisation limit.
+    Raises UnsupportedOpError for nodes the FPGA backend cannot generate.
+    """
+    dev, fmt = _card(card), parse_number(number)
+    layers = _as_layers(list(nodes), gm, point)
+    est = layer_estimates(layers, dev, fmt)
+    own = [e for e in est if e["kind"] not in ("pack", "unpack")]
+    lanes = dev.efficiency["matmul"] * dev.fpga["dsp"] * fmt.macs_per_dsp(dev.fpga)
+    ii = FLOAT_MAC_II if fmt.is_float else 1
+    floor = sum(e["macs"] for e in own if e["kind"] in MAC_KINDS) * ii / lanes
+    least = sum(layer_estimate(s, fmt, dev.fpga)["bram18"] for s in layers
+                if s.kind not in ("pack", "unpack"))
+    return (float(sum(e["latency_cycles"] for e in own)),
+            float(sum(e["ii_cycles"] for e in own)), float(floor), float(dev.fpga["clock_hz"]),
+            float(least))

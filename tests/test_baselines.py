@@ -126,3 +126,14 @@ def test_no_baseline_beats_partition(pr: PartitionProblem, params):
                    equal_params(params[:n], p, method="spread"), block_partition(times, p)):
         assert _valid(bounds, n, p)
         assert evaluate(pr, bounds).bottleneck >= opt * (1 - 1e-9)
+
+
+def test_block_partition_stops_when_rounding_hides_the_guarantee():
+    # M − m reads 1.0000000000000004 at the fixed point: it used to loop and raise
+    t = np.tile([2.9689294059948647e-08, 8.862475838790642e-10, 1.7724951677581284e-09,
+                 1.329371375818596e-09], 25)
+    b = block_partition(t, 8)
+    assert len(b) == 9 and b[0] == 0 and b[-1] == 100 and all(x < y for x, y in zip(b, b[1:]))
+    x = (t - t.min()) / (t.max() - t.min())
+    sums = [x[a:e].sum() for a, e in zip(b, b[1:])]
+    assert max(sums) - min(sums) <= 1 + 1e-9

@@ -96,7 +96,12 @@ def test_plan_puts_a_linear_on_the_fpga(out):
                 "tb_data/output.bin", "run_hls.tcl", "estimates.json"):
         assert (hls / rel).is_file(), rel
     assert list((hls / "firmware" / "weights").glob("*.h"))
-    assert json.loads((hls / "estimates.json").read_text())["source"] == "analytic"
+    est = json.loads((hls / "estimates.json").read_text())
+    assert est["source"] == "analytic"
+    # plan and estimates agree: the planner re-costs FPGA stages with the same model
+    mb = plan.batch_size // plan.microbatches
+    assert plan.stages[1].forward_s == pytest.approx(
+        (est["latency_cycles"] + (mb - 1) * est["interval_cycles"]) / est["clock_hz"], rel=1e-9)
     assert (out / "stage_1" / "stage.py").is_file()  # the torch stage stays: weights, reference
     assert not (out / "stage_0" / "hls").exists() and not (out / "stage_2" / "hls").exists()
 

@@ -117,6 +117,60 @@ def test_partition_matches_brute_force(pr: PartitionProblem):
     assert evaluate(pr, got.bounds) == got
 
 
+@st.composite
+def constrained(draw) -> PartitionProblem:
+    """problems() with per-stage memory rows (an FPGA's on-chip memory differs from a GPU's)
+    and cuts blocked next to some stages (an FPGA stage takes one tensor per boundary)."""
+    import dataclasses
+    pr = draw(problems())
+    p, n = len(pr.mem_cap), len(pr.out_bytes)
+    mem = st.floats(0, 100, allow_subnormal=False)
+    rows = st.lists(st.lists(mem, min_size=n, max_size=n), min_size=p, max_size=p)
+    if draw(st.booleans()):
+        pr = dataclasses.replace(pr, static_mem=draw(rows), act_mem=draw(rows))
+    mask = st.lists(st.booleans(), min_size=n + 1, max_size=n + 1)
+    blocked = [draw(mask) for _ in range(p - 1)]
+    return dataclasses.replace(pr, blocked=blocked)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(constrained())
+def test_partition_with_stage_memory_and_blocked_cuts_matches_brute_force(pr: PartitionProblem):
+    from pipecc.passes.partition import BLOCKED_S
+    try:
+        ref = brute_force(pr)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            partition(pr)
+        return
+    got = partition(pr)
+    assert got.fits and evaluate(pr, got.bounds) == got
+    assert got.bottleneck == pytest.approx(ref.bottleneck, rel=1e-9, abs=1e-12)
+    if ref.bottleneck < BLOCKED_S:  # an allowed placement exists: no blocked cut is used
+        assert not any(pr.blocked[k][s] for k, s in enumerate(got.bounds[1:-1]))
+
+
+def test_blocked_cut_moves_the_cut_and_costs_it_when_forced():
+    from pipecc.passes.partition import BLOCKED_S
+    pr = _problem([[1.0] * 4, [1.0] * 4])
+    assert partition(pr).bounds == (0, 2, 4)
+    free = PartitionProblem(**{**pr.__dict__, "blocked": [[False, False, True, False, False]]})
+    assert partition(free).bounds in {(0, 1, 4), (0, 3, 4)} and partition(free).bottleneck == 3.0
+    stuck = PartitionProblem(**{**pr.__dict__, "blocked": [[True] * 5]})
+    assert partition(stuck).bottleneck >= BLOCKED_S
+
+
+def test_per_stage_memory_rows():
+    # stage 1 counts its memory differently (say on-chip): node 3 alone does not fit there
+    pr = _problem([[1.0] * 4, [1.0] * 4], static=[[0.0] * 4, [0.0, 0.0, 0.0, 5.0]],
+                  caps=[INF, 4.0])
+    with pytest.raises(InfeasibleError, match="device 1"):
+        partition(pr)
+    pr = _problem([[1.0] * 4, [1.0] * 4], static=[[0.0] * 4, [5.0, 0.0, 0.0, 1.0]],
+                  caps=[INF, 4.0])
+    assert partition(pr).bounds == (0, 2, 4) and evaluate(pr, (0, 2, 4)).stage_memory == (0.0, 1.0)
+
+
 def test_infeasible_memory_says_which_device_and_how_much():
     pr = _problem([[1.0] * 4, [1.0] * 4], static=[3e9, 3e9, 3e9, 3e9], caps=[4e9, 8e9])
     with pytest.raises(InfeasibleError) as err:

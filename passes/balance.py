@@ -350,13 +350,32 @@ class Balancer:
             raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
                               else f"no schedule fits memory: {reason}")
         results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches))
+        self.results, self.infeasible = results, lost
         best = results[0]
-        for c in results[1:]:
-            lost.append({"schedule": c.schedule, "microbatches": c.microbatches,
-                         "reason": f"slower: {c.timeline.iteration_s:.4g} s per iteration "
-                                   f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
-                                   f"{best.timeline.iteration_s:.4g} s"})
-        return self.to_plan(best, lost), best
+        return self.to_plan(best, self.alternatives(best)), best
+
+    def alternatives(self, chosen: _Candidate) -> list[dict[str, Any]]:
+        """Why every other (schedule, micro-batches) lost to `chosen` (before layer splits)."""
+        out = list(self.infeasible)
+        for c in self.results:
+            if c is not chosen:
+                out.append({"schedule": c.schedule, "microbatches": c.microbatches,
+                            "reason": f"slower: {c.timeline.iteration_s:.4g} s per iteration "
+                                      f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
+                                      f"{chosen.timeline.iteration_s:.4g} s"})
+        return out
+
+    def contenders(self, within: float = math.inf, most: int = 3) -> list[_Candidate]:
+        """The fastest candidate of each schedule within `within` of the best (at most
+        `most`, best first): layer splitting may reorder these, so each gets split."""
+        out: list[_Candidate] = []
+        top = self.results[0].timeline.iteration_s
+        for c in self.results:
+            if c.timeline.iteration_s > top * (1 + within) or len(out) >= most:
+                break
+            if all(o.schedule != c.schedule for o in out):
+                out.append(c)
+        return out
 
     def unit_times(self, cand: _Candidate) -> dict[str, float]:
         """Each single-node unit's fwd+bwd time on its fastest device, by node name."""

@@ -65,6 +65,16 @@ def test_schedule_auto_records_why_others_lost():
     assert plan.schedule in ("gpipe", "1f1b", "interleaved")
 
 
+def test_schedule_auto_is_chosen_after_layer_splitting(gpt_full):
+    """Splitting gains most with interleaved (twice the stages): auto must not pick the
+    schedule before splitting. Auto is at least as fast as each schedule planned alone."""
+    auto, _ = driver.plan(gpt_full, "8xa100")
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        fixed, _ = driver.plan(gpt_full, "8xa100", schedule=schedule)
+        assert auto.predicted_iteration_s <= fixed.predicted_iteration_s * (1 + 1e-9), schedule
+    assert any(d.startswith("after layer splitting") for d in auto.decisions)
+
+
 def test_memory_infeasible_says_what_would_fit(tmp_path, gpt_full):
     cluster = tmp_path / "small.toml"
     cluster.write_text('devices = ["tiny", "tiny"]\n[device.tiny]\nbase = "a100"\n'

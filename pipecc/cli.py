@@ -57,6 +57,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="let pipecc order the devices (interchangeable types)")
     p.add_argument("--no-split-layers", action="store_true", help="never split a layer across devices")
     p.add_argument("--inference", action="store_true", help="plan forward passes only")
+    p.add_argument("--fpga-number", default="float", metavar="FORMAT",
+                   help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
+                   "the plan costs FPGA stages in it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,8 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(p)
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
     p.add_argument("--force", action="store_true", help="replace OUT even if pipecc did not write it")
-    p.add_argument("--fpga-number", default="float", metavar="FORMAT",
-                   help="number format of FPGA stages: float or ap_fixed<W,I> (default float)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("devices", parents=[common], help="list the device and link catalog",
@@ -144,7 +145,7 @@ def _plan_from_args(args: argparse.Namespace):
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
                               training=not args.inference,
-                              fpga_number=getattr(args, "fpga_number", None), debug=args.debug)
+                              fpga_number=args.fpga_number, debug=args.debug)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
     return analysis, plan, graph

@@ -104,6 +104,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         raise UsageError(str(exc)) from exc
     if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
+    if fpga_number is not None:
+        from pipecc.fpga_model import parse_number
+        parse_number(fpga_number)  # a bad format is an error even without FPGA devices
     options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,

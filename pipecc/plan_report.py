@@ -25,7 +25,8 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         rows.append([f"{s.index}{' *' if s.index == slowest else ''}", dev["name"],
                      s.nodes[0] if s.nodes else "-", s.nodes[-1] if s.nodes else "-",
                      human(s.forward_flops), _seconds(s.forward_s), _seconds(s.backward_s),
-                     human(s.send_bytes, "B"), _seconds(s.comm_s), human(s.peak_memory_bytes, "B"),
+                     human(s.send_bytes, "B"), _seconds(s.comm_s),
+                     human(s.peak_memory_bytes, "B") + (" BRAM" if dev.get("kind") == "fpga" else ""),
                      ", ".join(shards) or "-"])
     lines = [
         f"{plan.model}: batch {plan.batch_size}, {plan.microbatches} micro-batches, "
@@ -41,6 +42,9 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
     ]
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
+    if any(d.get("kind") == "fpga" for d in plan.devices):
+        lines.append(f"FPGA stages     {plan.options.get('fpga_number', 'float')}, timed by the "
+                     "FPGA model of estimates.json; memory is on-chip BRAM")
     if plan.baselines:
         lines += ["", "baselines on the same cost model:"]
         lines.append(_table(["partition", "bottleneck", "ratio to bound", "vs pipecc"],

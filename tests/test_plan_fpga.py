@@ -128,3 +128,23 @@ def test_lower_bound_holds_against_every_placement_on_an_fpga(training):
     assert best < BLOCKED_S
     assert plan.lower_bound_s <= best * (1 + 1e-12)
     assert plan.bottleneck_s <= 1.5 * best   # additive unit times steer the partitioner
+
+
+def test_cli_plan_costs_fpga_stages_in_the_chosen_number_format(capsys):
+    import json
+
+    from helpers import ROOT
+    from pipecc import cli
+    args = ["plan", str(ROOT / "models" / "mlp.py"), "-b", "2", "--inference", "-q", "--json",
+            "--devices", "cpu,u250,cpu", "--model-arg=in_features=64", "--model-arg=hidden=256",
+            "--model-arg=depth=6", "--microbatches", "1"]
+    times = {}
+    for number in ("float", "ap_fixed<16,6>"):
+        assert cli.main(args + ["--fpga-number", number]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["options"]["fpga_number"] == number
+        times[number] = [s["forward_s"] for s in plan["stages"]
+                         if plan["devices"][s["device"]]["kind"] == "fpga"]
+    assert times["float"] and times["ap_fixed<16,6>"] and times["float"] != times["ap_fixed<16,6>"]
+    assert cli.main(args + ["--fpga-number", "ap_fixed<99,3>"]) == 1
+    assert "number format" in capsys.readouterr().err

@@ -38,7 +38,7 @@ from pipecc.fpga_layers import (SUPPORTED_KINDS, LayerSpec, UnsupportedOpError, 
 
 __all__ = ["SUPPORTED_KINDS", "LayerSpec", "UnsupportedOpError", "plan_layers", "supported",
            "NumberFormat", "parse_number", "layer_estimate", "layer_estimates", "choose_folding",
-           "stage_estimate", "stage_time_s", "node_times_s", "unit_cycles", "mvau_dims"]
+           "stage_estimate", "stage_time_s", "unit_cycles", "mvau_dims"]
 
 LINK_BITS = 512            # AXI-stream beat width of the stage ports
 FLOAT_MAC_II = 4           # assumption: fp32 accumulate carries the fadd latency (~4 cycles)
@@ -274,22 +274,6 @@ def stage_time_s(stage: Any, card: Any, number: Any = "float", batch: int = 1, *
             sum(-(-s.numel_in * bits // LINK_BITS) for s in layers if s.kind == "pack")
         t += batch * beats * LINK_BITS / 8 / link_bandwidth
     return t
-
-
-def node_times_s(nodes: Sequence[fx.Node], card: Any, number: Any = "float", batch: int = 1,
-                 point: Mapping[Any, int] | None = None) -> dict[str, float]:
-    """Additive per-node shares of stage_time_s (for planners that sum unit costs): each fx
-    node gets its process's share of the stage's cycles; the shares sum to stage_time_s."""
-    layers = _as_layers(nodes, None, point)
-    est = layer_estimates(layers, card, number)
-    total = stage_time_s(layers, card, number, batch)
-    cycles = sum(e["ii_cycles"] for e in est) or 1
-    out = {n.name: 0.0 for n in nodes}
-    for s, e in zip(layers, est):
-        owner = s.nodes[0] if s.nodes else next(iter(out), None)
-        if owner in out:
-            out[owner] += total * e["ii_cycles"] / cycles
-    return out
 
 
 def unit_cycles(nodes: Sequence[fx.Node], card: Any, number: Any = "float", *,

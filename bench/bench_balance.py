@@ -403,7 +403,7 @@ def bench_big(depth: int = 5000, width: int = 128, devices: str = "16xa100") -> 
     t0 = time.perf_counter()
     UnitBuilder(graph)
     out["units_s"] = time.perf_counter() - t0
-    prob, units, _ = _problem(plan, planned, parse_devices(devices), 32)
+    prob, units, _, _ = _problem(plan, planned, parse_devices(devices), 32)
     cost = np.asarray(prob.fwd) + np.asarray(prob.bwd)
     p = len(prob.mem_cap)
     rules = {"equal-count": lambda: baseline_rules.equal_count(units.n, p),
@@ -666,6 +666,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {row['devices']:>16}  pipecc {row['ratio']:.3f} (planner "
                       f"{row['planner_ratio']:.3f})  {bl}  plan {row['plan_s']:.2f} s", flush=True)
         del analysis
+    if args.json:  # the rows so far, should the big graph fail
+        args.json.write_text(json.dumps({"rows": rows, "big": None, "command": command,
+                                         "runtime_s": time.perf_counter() - start},
+                                        indent=1, default=str))
     big = None
     if depth:
         big = bench_big(depth)

@@ -130,7 +130,7 @@ class Balancer:
         return self.opt.fpga_number or self.opt.dtype
 
     def _fpga_cycles(self, dev: Any) -> np.ndarray:
-        """[unit] (latency, interval, floor, clock) of each unit on an FPGA card
+        """[unit] (latency, interval, floor, clock, bram18) of each unit on an FPGA card
         (`fpga_model.unit_cycles`); NaN rows for units the FPGA backend cannot generate."""
         from pipecc import fpga_model
         key = (dev.name, self._fpga_number())

@@ -86,3 +86,9 @@ def test_write_section_keeps_other_sections(bench, tmp_path):
     text = path.read_text()
     assert "cost\n<!-- cost:end -->" in text and "tail" in text and "new" in text
     assert "old" not in text and text.count(bench.BEGIN) == 1
+
+
+def test_big_graph_phase_runs(bench):
+    big = bench.bench_big(20)
+    assert big["nodes"] > 20 and big["plan_s"] > 0 and big["ratio"] >= 1 - 1e-9
+    assert all(isinstance(v, float) for v in big["baselines"].values()), big["baselines"]

@@ -21,7 +21,9 @@ Each model is traced and costed ONCE; the analysis is reused for every device co
 Devices, for p in {2, 4, 8, 16}:
     homogeneous   {p}xa100
     mixed GPUs    {p/2}xa100,{p/2}xv100
-    GPU+FPGA      {p-1}xa100,1xu250 (the FPGA runs only the op kinds its backend generates)
+    GPU+FPGA      {p-1}xa100,1xu250 (the FPGA takes only what its backend can build: ops it
+                  generates, one float32 tensor in and out, weights and frame buffers in BRAM;
+                  models with none of that, e.g. GPT, are recorded as infeasible)
 Device order: `choose_order=True` when the distinct orders of the device types number at most
 MAX_ORDERS (GPU+FPGA always; mixed up to 8 devices); otherwise the given order is kept (the
 16-device mixed cluster has 12,870 orders, one exact partition each).
@@ -42,7 +44,11 @@ breakpoints; the planner approximates the same relaxation by 200 mirror-ascent s
 for identical devices; before commit 6aead83 it was far too low with an FPGA, whose "cannot
 run" stand-in time of 1e9 s skewed its starting prices). Both are valid lower bounds, so is
 their maximum; the bound is taken on the analysed graph, not the split one (split shards add
-a little work no bound may assume).
+a little work no bound may assume). With an FPGA both bounds cost its units at the FPGA
+model's MAC floor (`Balancer.bound_problem`: MACs at the card's whole usable DSP budget, which
+no stage holding them can beat) and leave out units whose BRAM alone exceeds the card; the
+planner's own stage times on the FPGA are the model's full dataflow estimate, so GPU+FPGA
+ratios are looser than the others by construction.
 `Plan.balance_ratio` itself is kept in the JSON rows (`planner_ratio`).
 
 Data parallelism (DP), for the speedup/memory table. Each participating device runs the whole
@@ -431,7 +437,7 @@ def _baseline_cell(b: dict[str, Any]) -> str:
     if "error" in b:
         return "crash"
     if b["unsupported"]:
-        return "✗op"
+        return "✗fpga"
     cell = _ratio(b["ratio"]) + ("" if b["fits_memory"] else "†")
     return f"**{cell} WIN**" if b["beats_pipecc"] else cell
 
@@ -474,7 +480,7 @@ def render(rows: list[dict[str, Any]], big: dict[str, Any] | None, command: str,
             "nodes take microseconds, so link latency, which the bound ignores, dominates and "
             f"their ratios ({_spread(ok)}) say nothing about balancing. In each cell: median "
             "(number of cases); a baseline's median counts only the cases where it can run at "
-            "all (no ✗op).", "",
+            "all (no ✗fpga).", "",
             "| p | pipecc: homogeneous | mixed | GPU+FPGA | all | "
             + " | ".join(BASELINES) + " |", "|--:|" + "--:|" * (4 + len(BASELINES))]
     for ps in ((2,), (4,), (8,), (16,), (4, 8)):
@@ -523,8 +529,12 @@ def render(rows: list[dict[str, Any]], big: dict[str, Any] | None, command: str,
         out.append(f"- plan time on the {big['nodes']:,}-node graph ({big['devices']}): "
                    f"**{big['plan_s']:.1f} s** (details at the end)")
     out += ["", "### Balance ratio (bottleneck / lower bound; 1.000 is optimal)", "",
-            "Baseline marks: † exceeds some device's memory; ✗op puts an op the FPGA cannot run "
-            "on the FPGA (the tool has no notion of it); **WIN** a baseline beats pipecc. "
+            "Baseline marks: † exceeds some device's memory; ✗fpga puts on the FPGA what its "
+            "backend cannot build — an op it cannot generate or a stage boundary of more than "
+            "one float32 tensor (the tool has no notion of either); **WIN** a baseline beats "
+            "pipecc. FPGA stage times are the FPGA model's time of the whole stage (as in "
+            "estimates.json), for pipecc and the baselines alike; an FPGA's memory is its on-chip "
+            "BRAM. "
             "Order: ✓ pipecc chose the device order (baselines use that order too). "
             "s/iter: predicted seconds per training iteration; auto: pipecc's own choice of "
             "schedule and micro-batches.", "",

@@ -148,3 +148,29 @@ def test_cli_plan_costs_fpga_stages_in_the_chosen_number_format(capsys):
     assert times["float"] and times["ap_fixed<16,6>"] and times["float"] != times["ap_fixed<16,6>"]
     assert cli.main(args + ["--fpga-number", "ap_fixed<99,3>"]) == 1
     assert "number format" in capsys.readouterr().err
+
+
+class NormFirst(nn.Module):
+    """A LayerNorm (no FPGA op) after the first Linear: the FPGA can only take the tail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.norm = nn.Linear(64, 256), nn.LayerNorm(256)
+        self.fc1, self.head = nn.Linear(256, 256), nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc1(self.norm(self.fc0(x)))))
+
+
+def test_memory_short_elsewhere_is_blamed_on_memory_not_the_fpga(tmp_path):
+    """The CPU holds fc0 (66.6 kB) but not fc0 + norm (68.6 kB; 90% of 75 kB usable), and the
+    FPGA cannot take the norm: the error names memory, not the FPGA's ops."""
+    (tmp_path / "c.toml").write_text(
+        'devices = ["smallcpu", "u250"]\n'
+        '[device.smallcpu]\nbase = "cpu"\nmemory_bytes = 75e3\nsource = "test"\n')
+    spec = f"@{tmp_path / 'c.toml'}"
+    plan, _ = driver.plan(_graph(NormFirst()), "cpu,u250", training=False, microbatches=1,
+                          split_layers=False)
+    assert "norm" in plan.stages[0].nodes and "norm" not in plan.stages[1].nodes
+    with pytest.raises(PipeccError, match=r"no placement fits memory.*smallcpu.*more memory"):
+        driver.plan(_graph(NormFirst()), spec, training=False, microbatches=1, split_layers=False)

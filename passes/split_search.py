@@ -180,8 +180,11 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
     # fine steps together with the others, which one layer at a time cannot do when the
     # bottleneck sits on another stage
     if joint and plan.bottleneck_s > lower * (1 + IMPROVEMENT):
+        # NOTE: the greedy pass's filter: a layer lighter than the gap to the bound already
+        # moves in finer steps than the gap (and a 20,000-node graph would clone 32 times)
+        gap = plan.bottleneck_s - lower
         together = [n for n in dict.fromkeys(heavy + _cut_neighbours(plan, names))
-                    if layer_time(n) > 0][: 2 * stages]
+                    if layer_time(n) > gap][: 2 * stages]
         if len(together) > 1:
             result = _try(graph, plan, together, replan, stages)
             if result is None:

@@ -508,8 +508,9 @@ def render(rows: list[dict[str, Any]], big: dict[str, Any] | None, command: str,
                    f"{r['model']} on {r['devices']} ({r['status'][:110]})" for r in bad)))
     worse = [r for r in ok if r.get("auto", {}).get("iteration_s", 0) > r["iteration_s"] * (1 + 1e-9)]
     if worse:
-        out.append("- pipecc's auto choice predicted slower than the fixed 1F1B plan (the schedule "
-                   "is chosen before layer splitting): " + "; ".join(
+        out.append("- pipecc's auto choice predicted slower than the fixed 1F1B plan (auto splits "
+                   "layers for the best micro-batch count of each schedule only, chosen before "
+                   "splitting; the 1F1B row's m may be another): " + "; ".join(
                        f"{r['model']} on {r['devices']}: auto {r['auto']['schedule']} "
                        f"m={r['auto']['microbatches']} {r['auto']['iteration_s']:.4g} s vs 1f1b "
                        f"m={r['microbatches']} {r['iteration_s']:.4g} s" for r in worse))

@@ -333,7 +333,8 @@ slows it while (a) needs one, so d/a below 1 there says more about the machine t
 
 def markdown(report: dict[str, Any], command: str) -> str:
     job, load = report["job"], report["load"]
-    busy = load["before"][0] > 0.5 * load["cpus"] or load["after"][0] > 0.5 * load["cpus"]
+    # NOTE: the 1-minute load after the run includes the run's own two ranks (up to ~2)
+    busy = load["before"][0] > 0.5 * load["cpus"] or load["after"][0] > 2 + 0.5 * load["cpus"]
     lines = [
         "## Runtime benchmark: pipecc vs torch.distributed.pipelining (2 ranks, CPU)",
         "",
@@ -348,7 +349,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
     ]
     if busy:
         lines += ["**The machine was shared and loaded during this run (load average above half the CPU "
-                  "count): the timings are noisy. Repeat `python bench/bench_runtime.py` on a quiet machine "
+                  "count before it, or above that plus the run's own two ranks after it): the timings are noisy. Repeat `python bench/bench_runtime.py` on a quiet machine "
                   "before quoting them.**", ""]
     for name, r in report["models"].items():
         spec, plan = MODELS[name], r["plan"]

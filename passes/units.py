@@ -11,6 +11,7 @@ Precondition: `pipecc.cost.annotate` has run. No structural change to the graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -130,7 +131,7 @@ class UnitBuilder:
         # "output" is the sum of its nodes' outputs that escape it
         self.escaping = [[n for n in g if any(unit_of.get(u, n_units) != unit_of[n] for u in n.users)]
                          for g in groups]
-        self.one_tensor_cut = _one_tensor_cuts(graph, groups, unit_of)
+        self._unit_of = unit_of
         self._eval = _evaluator(graph, self.order)
         self._index = {n: i for i, n in enumerate(self.order)}
         split_set = set(splittable)
@@ -138,6 +139,11 @@ class UnitBuilder:
                            for g in groups]
         self.param_bytes = np.array([sum(n.meta[META_COST].param_bytes for n in g) for g in groups],
                                     dtype=float)
+
+    @functools.cached_property
+    def one_tensor_cut(self) -> np.ndarray:
+        """[boundary 0..n] True where exactly one float32 tensor crosses (only FPGA plans ask)."""
+        return _one_tensor_cuts(self.graph, self.groups, self._unit_of)
 
     def at(self, microbatch: float) -> Units:
         per_node = self._eval(microbatch)

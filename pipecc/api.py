@@ -58,8 +58,9 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     placement = torch_devices(cluster, order)
     devs = [placement[s.device] for s in plan.stages]
     if any(d.get("kind") == "fpga" for d in plan.devices):
-        from pipecc.backends.fpga.pipeline import fpga_stage_cards, mixed_pipelined_module
-        if fpga_stage_cards(plan):
+        from pipecc.backends.fpga.pipeline import mixed_pipelined_module
+        from pipecc.fpga_compile import fpga_stages
+        if fpga_stages(plan):
             pm = mixed_pipelined_module(model, graph, plan, stages, inputs, devices=devs,
                                         number=fpga_number, fpga_dir=fpga_dir)
             pm.plan = plan  # type: ignore[attr-defined]

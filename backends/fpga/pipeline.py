@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.fpga_compile import fpga_stages
 from pipecc.ir import META_VALUE, TensorInfo
 
 from .codegen import write_fpga_stage
@@ -40,17 +41,6 @@ from .module import FpgaStageModule
 
 HLS_DIR = "hls"            # stage_<i>/hls/: the stage's HLS project
 MARKER = "pipecc.json"
-
-
-# ----------------------------------------------------------------------------- plan facts
-def fpga_stage_cards(plan: Any) -> dict[int, str]:
-    """Stage index -> FPGA card name, for the stages `plan` places on FPGA devices."""
-    out: dict[int, str] = {}
-    for s in plan.stages:
-        dev = plan.devices[s.device] if 0 <= s.device < len(plan.devices) else {}
-        if dev.get("kind") == "fpga":
-            out[int(s.index)] = str(dev.get("name"))
-    return out
 
 
 def _port_label(port: Any) -> str:
@@ -153,7 +143,7 @@ def compile_fpga_stages(folder: str | Path, graph: Any, plan: Any, stages: Seque
     `folder` is the compiled folder being written (write_output's temporary folder). Its
     `pipecc.json`, when present, gains "inference_only": true and "fpga_stages".
     """
-    cards = fpga_stage_cards(plan)
+    cards = fpga_stages(plan)
     if not cards:
         return []
     by_index = {s.index: s for s in stages}
@@ -219,7 +209,7 @@ def mixed_pipelined_module(model: nn.Module, graph: Any, plan: Any, stages: Sequ
     from pipecc.backends.torch.stages import ports_json
     from pipecc.runtime.local import PipelinedModule
 
-    cards = fpga_stage_cards(plan)
+    cards = fpga_stages(plan)
     keep = None
     if fpga_dir is None:
         root = Path(tempfile.mkdtemp(prefix="pipecc-fpga-"))

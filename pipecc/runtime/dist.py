@@ -1489,19 +1489,12 @@ class _Verifier:
         finally:
             for module in self.runtime.modules:
                 module.train()
-        failures: list[str] = []
-        if self.is_last:
-            self.model.eval()
-            with torch.no_grad():
-                expected = self.model(*self._inputs())
-            failures += self._compare_outputs(outputs, expected)
-        self._agree(failures, 0)
         if self.is_last:
             print(f"verify: {self.eval_only}; compared eval-mode outputs only", flush=True)
-            print("verify: eval-mode outputs match the single-process run", flush=True)
-        del self.model
+        self.check_forward(outputs, "verify: eval-mode outputs match the single-process run")
 
-    def check_forward(self, outputs: Any) -> None:
+    def check_forward(self, outputs: Any,
+                      done: str = "verify: outputs match the single-process run (forward only)") -> None:
         """Inference-only runs: the pipeline's outputs (``infer``) against the model's eval-mode forward."""
         failures: list[str] = []
         if self.is_last:
@@ -1511,7 +1504,7 @@ class _Verifier:
             failures += self._compare_outputs(outputs, expected)
         self._agree(failures, 0)
         if self.is_last:
-            print("verify: outputs match the single-process run (forward only)", flush=True)
+            print(done, flush=True)
         del self.model
 
     def check_step(self, loss: float | None) -> None:

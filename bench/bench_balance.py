@@ -61,7 +61,7 @@ slower PCIe, ...). Reported: serial (fwd + bwd + t_ar) and overlapped (fwd + max
 as DDP's bucketed all-reduce at best). Memory per device = 4 × param bytes (weights, grads,
 two Adam moments) + activations stashed for backward at batch/n; DP is infeasible when that
 exceeds 90% of a participant's memory (the planner's headroom). With an FPGA in the cluster
-(its times from `pipecc.fpga_model`, as the planner uses), DP runs on the GPUs alone if the
+(its times from `pipecc.targets.fpga_model`, as the planner uses), DP runs on the GPUs alone if the
 FPGA cannot run some op, else on the faster of {all devices, GPUs alone}. Speedup = DP
 iteration time / pipecc `predicted_iteration_s` (which includes the pipeline bubble and
 stage-to-stage traffic).
@@ -96,7 +96,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipecc import driver  # noqa: E402
-from pipecc.devices import Cluster, parse_devices  # noqa: E402
+from pipecc.targets.devices import Cluster, parse_devices  # noqa: E402
 from pipecc.errors import PipeccError  # noqa: E402
 from pipecc.passes import baselines as baseline_rules  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402

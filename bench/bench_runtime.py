@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipecc import driver  # noqa: E402
 from pipecc.backends.torch.stages import cut_stages, ports_json  # noqa: E402
-from pipecc.devices import load_catalog, measure_cpu, parse_devices  # noqa: E402
+from pipecc.targets.devices import load_catalog, measure_cpu, parse_devices  # noqa: E402
 from pipecc.models import gpt, vgg16  # noqa: E402
 
 # name -> model module, model kwargs, batch, torch's own splits ({label: {module: "BEGINNING"}}, first = (b))

@@ -36,7 +36,7 @@ import pipecc  # noqa: E402
 from bench_runtime import stage_times  # noqa: E402
 from pipecc import driver  # noqa: E402
 from pipecc.backends.torch.stages import cut_stages  # noqa: E402
-from pipecc.devices import parse_devices  # noqa: E402
+from pipecc.targets.devices import parse_devices  # noqa: E402
 from pipecc.models import gpt, vgg16  # noqa: E402
 
 # name -> (module, kwargs, batch): full size, and --small

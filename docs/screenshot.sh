@@ -15,8 +15,8 @@ trap 'rm -rf "$work"' EXIT
 import json, sys
 from pipecc import driver
 from pipecc.backends.torch import cut_stages, write_output
-from pipecc.inspect import graph_json, timeline_json
-from pipecc.report import render_report, timeline_for
+from pipecc.report.compiled import graph_json, timeline_json
+from pipecc.report.html import render_report, timeline_for
 
 analysis = driver.analyze("models/vgg16.py", batch_size=8)
 plan, graph = driver.plan(analysis, "4xa100", compare=True)

@@ -7,7 +7,7 @@
 Time of a unit on a device is the device's roofline (`Device.compute_time`): forward on the
 forward FLOPs and bytes, backward on the backward FLOPs and twice the bytes (it reads the
 output gradient and the stash and writes the input gradient). On an FPGA a unit costs what
-the FPGA model (`pipecc.fpga_model`, the one behind estimates.json) gives its processes,
+the FPGA model (`pipecc.targets.fpga_model`, the one behind estimates.json) gives its processes,
 summed over a stage for the exact partitioner; the chosen partition's FPGA stages are then
 re-costed with the model's dataflow time of the whole stage (`Balancer.recost`), so the plan
 and estimates.json agree. Ops the FPGA backend cannot generate get an infinite time, and cuts
@@ -26,12 +26,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipecc.devices import Cluster
+from pipecc.targets.devices import Cluster
 from pipecc.errors import PipeccError, UsageError
-from pipecc.fpga_model import parse_number
-from pipecc.ir import AnnotatedGraph
-from pipecc.plan import Plan, StagePlan
-from pipecc.schedule import gpipe, interleaved_1f1b, one_f_one_b
+from pipecc.targets.fpga_model import parse_number
+from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.plan import Plan, StagePlan
+from pipecc.ir.schedule import gpipe, interleaved_1f1b, one_f_one_b
 from pipecc.passes import baselines
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem, evaluate,
                                      lower_bound, partition)
@@ -132,7 +132,7 @@ class Balancer:
     def _fpga_cycles(self, dev: Any) -> np.ndarray:
         """[unit] (latency, interval, floor, clock, bram18) of each unit on an FPGA card
         (`fpga_model.unit_cycles`); NaN rows for units the FPGA backend cannot generate."""
-        from pipecc import fpga_model
+        from pipecc.targets import fpga_model
         key = (dev.name, self._fpga_number())
         if key not in self._cycles:
             rows = np.full((len(self.builder.groups), 5), np.nan)
@@ -150,7 +150,7 @@ class Balancer:
 
     def _fpga_times(self, dev: Any, mb: int, floor: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per-unit seconds on an FPGA from the analytic model that writes estimates.json
-        (`pipecc.fpga_model.unit_cycles`): (latency + (mb-1)·interval) / f_clk of the unit's
+        (`pipecc.targets.fpga_model.unit_cycles`): (latency + (mb-1)·interval) / f_clk of the unit's
         processes, additive over a stage (the partitioner needs that); `recost` replaces an
         FPGA stage's sum with the model's real dataflow time of the stage. With `floor`, the
         MAC floor (mb·floor / f_clk) the lower bound uses. Units with an op the FPGA backend
@@ -165,7 +165,7 @@ class Balancer:
     def _fpga_stage_s(self, dev: Any, units: range, mb: int) -> float | None:
         """The FPGA model's dataflow time of one stage (what estimates.json says), or None
         when the stage cannot be lowered as a whole."""
-        from pipecc import fpga_model
+        from pipecc.targets import fpga_model
         nodes = [n for u in units for n in self.builder.groups[u] if n.op != "get_attr"]
         try:
             return fpga_model.stage_time_s(nodes, dev, self._fpga_number(), mb,
@@ -301,7 +301,7 @@ class Balancer:
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static)
         if schedule == "inference":
-            from pipecc.schedule import inference
+            from pipecc.ir.schedule import inference
             sched = inference(stages, m)
         else:
             sched = _schedule(schedule, stages // v, m, v) if v > 1 else _schedule(schedule, stages, m, 1)
@@ -310,7 +310,7 @@ class Balancer:
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
         """Why every placement puts something on an FPGA it cannot take: memory elsewhere,
         no one-tensor boundary around the FPGA stage, or ops it cannot generate."""
-        from pipecc import fpga_model
+        from pipecc.targets import fpga_model
         fpgas = ", ".join(f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
                           if self.cluster.devices[d].kind == "fpga")
         bad = [n for g in self.builder.groups for n in g if not fpga_model.supported(n)]

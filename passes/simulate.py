@@ -1,6 +1,6 @@
 """Discrete-event simulation of a pipeline schedule under given stage costs.
 
-Input: a ``pipecc.schedule.Schedule`` (validated here first) and ``StageCosts`` (seconds
+Input: a ``pipecc.ir.schedule.Schedule`` (validated here first) and ``StageCosts`` (seconds
 and bytes per stage and microbatch). Output: a ``Timeline`` with one ``Event`` per
 action, the makespan, the bubble fraction, busy time and peak memory per rank.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipecc.schedule import Action, ActionKind, Schedule, validate
+from pipecc.ir.schedule import Action, ActionKind, Schedule, validate
 
 __all__ = ["Event", "StageCosts", "Timeline", "simulate"]
 

@@ -45,9 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipecc import cost
-from pipecc.ir import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
+from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
                        TensorInfo)
-from pipecc.ops import node_op, op_kind
+from pipecc.ir.ops import node_op, op_kind
 
 _COPIED_META = ("nn_module_stack", "stack_trace")  # for readable generated stage code
 

@@ -21,8 +21,8 @@ from typing import Callable
 import torch.fx as fx
 
 from pipecc.errors import PipeccError
-from pipecc.ir import META_NAME, AnnotatedGraph
-from pipecc.plan import Plan, SplitLayer
+from pipecc.ir.graph import META_NAME, AnnotatedGraph
+from pipecc.ir.plan import Plan, SplitLayer
 from pipecc.passes.split_layers import split_node, splittable
 
 IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound

@@ -20,7 +20,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from pipecc.ir import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 
 FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
           "output_bytes", "stash_bytes", "bytes_moved")

@@ -4,7 +4,7 @@
     pipecc.load(OUT) -> PipelinedModule
 
 Attributes load lazily so that `import pipecc` stays cheap and the runtime (which imports
-`pipecc.schedule`) never pulls in the compiler.
+`pipecc.ir.schedule`) never pulls in the compiler.
 """
 
 from typing import Any

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from pipecc import driver
-from pipecc.devices import Cluster, parse_devices
+from pipecc.targets.devices import Cluster, parse_devices
 from pipecc.errors import UsageError
 from pipecc.runtime import local
 from pipecc.runtime.local import PipelinedModule
@@ -59,7 +59,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     devs = [placement[s.device] for s in plan.stages]
     if any(d.get("kind") == "fpga" for d in plan.devices):
         from pipecc.backends.fpga.pipeline import mixed_pipelined_module
-        from pipecc.fpga_compile import fpga_stages
+        from pipecc.backends.fpga.output import fpga_stages
         if fpga_stages(plan):
             pm = mixed_pipelined_module(model, graph, plan, stages, inputs, devices=devs,
                                         number=fpga_number, fpga_dir=fpga_dir)

@@ -29,9 +29,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from pipecc.ir import (META_COST, META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE,
+from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE,
                        AnnotatedGraph, Dim, TensorInfo, tensors_in, value_bytes)
-from pipecc.ops import VIEW_OPS
+from pipecc.ir.ops import VIEW_OPS
 
 # FLOPs per output element of non-matmul work (forward). Sources: the usual counting
 # conventions of fvcore/ptflops (1 per elementwise op; norms ~5: mean, var, normalise, scale,

@@ -15,10 +15,11 @@ from typing import Any, Sequence
 
 import torch
 
-from pipecc import cost, frontend
+from pipecc import cost
+from pipecc.frontend import torch_capture
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir import AnnotatedGraph, verify
-from pipecc.modelfile import ModelSpec, load_model_file
+from pipecc.ir.graph import AnnotatedGraph, verify
+from pipecc.frontend.modelfile import ModelSpec, load_model_file
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Analysis:
     spec: ModelSpec | None  # None for ONNX files
 
 
-def parse_symbols(items: Sequence[str] | None) -> list[frontend.SymbolSpec]:
+def parse_symbols(items: Sequence[str] | None) -> list[torch_capture.SymbolSpec]:
     """`--symbol S=0:1` marks dim 1 of input 0 as the symbol S (inputs may be a+b lists)."""
     out = []
     for item in items or []:
@@ -37,7 +38,7 @@ def parse_symbols(items: Sequence[str] | None) -> list[frontend.SymbolSpec]:
         inputs, sep2, dim = where.partition(":")
         try:
             assert sep and sep2 and name.isidentifier()
-            spec = frontend.SymbolSpec(name, tuple(int(i) for i in inputs.split("+")), int(dim))
+            spec = torch_capture.SymbolSpec(name, tuple(int(i) for i in inputs.split("+")), int(dim))
         except (AssertionError, ValueError):
             raise UsageError(f"--symbol {item!r} is not NAME=INPUT:DIM (example: --symbol S=0:1)") from None
         out.append(spec)
@@ -45,12 +46,12 @@ def parse_symbols(items: Sequence[str] | None) -> list[frontend.SymbolSpec]:
 
 
 def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name: str = "model",
-                   symbols: Sequence[frontend.SymbolSpec] = (), debug: bool = False) -> AnnotatedGraph:
+                   symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False) -> AnnotatedGraph:
     """Capture, annotate and cost an in-memory module."""
     first = next((x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1
-    syms = frontend.default_symbols(tuple(example_inputs), batch) + list(symbols)
-    graph = frontend.from_module(model, tuple(example_inputs), symbols=syms, model_name=model_name)
+    syms = torch_capture.default_symbols(tuple(example_inputs), batch) + list(symbols)
+    graph = torch_capture.from_module(model, tuple(example_inputs), symbols=syms, model_name=model_name)
     if debug:
         verify(graph)
     cost.annotate(graph)
@@ -60,7 +61,7 @@ def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name:
 
 
 def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch_size: int = 1,
-            symbols: Sequence[frontend.SymbolSpec] = (), debug: bool = False) -> Analysis:
+            symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False) -> Analysis:
     """Load a model file (.py or .onnx) and return its costed graph."""
     path = Path(path)
     if batch_size < 1:
@@ -68,9 +69,10 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if path.suffix == ".onnx":
         if model_args:
             raise UsageError("--model-arg applies to .py model files, not ONNX files")
-        from pipecc import onnx_frontend, progress
+        from pipecc import progress
+        from pipecc.frontend import onnx_import
         with progress.step(f"importing {path.name}"):
-            graph = onnx_frontend.from_onnx(path, batch_size=batch_size)
+            graph = onnx_import.from_onnx(path, batch_size=batch_size)
         if debug:
             verify(graph)
         cost.annotate(graph)
@@ -95,7 +97,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
          debug: bool = False):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it."""
-    from pipecc.devices import Cluster, DeviceSpecError, parse_devices
+    from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
     from pipecc.passes.balance import PlanOptions, Balancer
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     try:
@@ -105,7 +107,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
     if fpga_number is not None:
-        from pipecc.fpga_model import parse_number
+        from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
     options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
                           schedule=schedule, coarse=coarse, choose_order=choose_order,

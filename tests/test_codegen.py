@@ -19,13 +19,14 @@ import torch.fx as fx
 import torch.nn as nn
 
 from helpers import ZOO
-from pipecc import driver, frontend
+from pipecc import driver
+from pipecc.frontend import torch_capture as frontend
 from pipecc.backends.torch import codegen, compile as torch_compile
 from pipecc.backends.torch.codegen import emit_stage_source, load_stage, write_stage
 from pipecc.backends.torch.stages import Stage, cut_stages
 from pipecc.errors import PipeccError
-from pipecc.ir import META_NAME, AnnotatedGraph
-from pipecc.plan import Plan, StagePlan
+from pipecc.ir.graph import META_NAME, AnnotatedGraph
+from pipecc.ir.plan import Plan, StagePlan
 from test_torch_stages import (analysed, one_thread, placeable, random_stage_of,  # noqa: F401
                                stage_of_at, stage_of_fractions, tiny)
 
@@ -40,7 +41,7 @@ def assert_safe_source(source: str, onnx: bool = False) -> None:
     tree = ast.parse(source)
     imports = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert imports == ["import torch", "import torch.nn.functional as F"] + \
-        (["from pipecc import onnx_ops"] if onnx else [])
+        (["from pipecc.frontend import onnx_ops"] if onnx else [])
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert not names & {"os", "system", "os_system", "__import__", "eval", "exec", "open"}

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import reference_flops
 from pipecc import cost, driver
-from pipecc.ir import META_COST, META_OP
+from pipecc.ir.graph import META_COST, META_OP
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -199,7 +199,7 @@ def test_unknown_op_is_costed_conservatively_and_warned():
 
 def test_expressions_are_symbolic_in_batch_and_marked_symbols():
     from helpers import zoo_module
-    from pipecc.frontend import SymbolSpec
+    from pipecc.frontend.torch_capture import SymbolSpec
     zoo = zoo_module("gpt")
     model = zoo.build_model(**zoo.TINY)
     inputs = zoo.example_inputs(2, **zoo.TINY)

@@ -1,4 +1,4 @@
-"""Tests for pipecc.devices: catalog completeness, spec parsing, time model, formatting."""
+"""Tests for pipecc.targets.devices: catalog completeness, spec parsing, time model, formatting."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pipecc import devices as dv
-from pipecc.devices import DeviceSpecError, Link, load_catalog, parse_devices
+from pipecc.targets import devices as dv
+from pipecc.targets.devices import DeviceSpecError, Link, load_catalog, parse_devices
 
 BUILTIN = ("cpu", "v100", "a100", "h100", "h200", "u200", "u250", "u280", "vu9p")
 LINKS = ("nvlink2", "nvlink3", "nvlink4", "pcie3x16", "pcie4x16", "pcie5x16",

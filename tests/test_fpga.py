@@ -19,13 +19,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from pipecc import fpga_model
+from pipecc.targets import fpga_model
 from pipecc.backends.fpga import (SUPPORTED_KINDS, FpgaStageModule, UnsupportedOpError, csim,
                                   pack, supported, toolchain_problem, write_fpga_stage)
 from pipecc.backends.fpga.csim import CXXFLAGS, find_ap_types, find_compiler
-from pipecc.devices import load_catalog
+from pipecc.targets.devices import load_catalog
 from pipecc.driver import analyze_module
-from pipecc.ir import META_NAME, META_OP
+from pipecc.ir.graph import META_NAME, META_OP
 from pipecc.models import mlp, tiny_cnn, vgg16
 
 pytestmark = pytest.mark.xdist_group(name="fpga")

@@ -23,15 +23,17 @@ from torch import nn
 
 import pipecc
 from helpers import ROOT
-from pipecc import cli, csim_cmd, driver, fpga_compile
+from pipecc import cli, driver
+from pipecc.cli import csim as csim_cmd
+from pipecc.backends.fpga import output as fpga_compile
 from pipecc.backends.fpga import toolchain_problem
 from pipecc.backends.fpga.pipeline import FpgaPipelineStage, check_boundary
 from pipecc.backends.torch import cut_stages, write_output
 from pipecc.errors import PipeccError
-from pipecc.fpga_model import UnsupportedOpError
-from pipecc.ir import META_OP
+from pipecc.targets.fpga_model import UnsupportedOpError
+from pipecc.ir.graph import META_OP
 from pipecc.models import mlp
-from pipecc.plan import Plan, StagePlan
+from pipecc.ir.plan import Plan, StagePlan
 
 pytestmark = pytest.mark.xdist_group(name="fpga")
 PROBLEM = toolchain_problem()
@@ -44,7 +46,7 @@ MODEL_ARGS = [f"--model-arg={k}={v}" for k, v in KW.items()]
 
 
 def _cli_compiles_fpga() -> bool:
-    """cmd_compile wired to pipecc.fpga_compile (else the test does what it would do)."""
+    """cmd_compile wired to pipecc.backends.fpga.output (else the test does what it would do)."""
     return "fpga_compile" in Path(cli.__file__).read_text()
 
 
@@ -60,7 +62,7 @@ def compile_out(out: Path) -> None:
                        "--devices", DEVICES, "-o", str(out), "-q", *MODEL_ARGS])
         assert rc == 0
         return
-    # what cmd_compile does with the lines pipecc.fpga_compile documents
+    # what cmd_compile does with the lines pipecc.backends.fpga.output documents
     analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=KW, batch_size=BATCH)
     plan, graph = driver.plan(analysis, DEVICES, training=False)
     stages = cut_stages(graph, plan.stage_of())

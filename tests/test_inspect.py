@@ -18,9 +18,9 @@ import torch
 from helpers import zoo_module, zoo_path
 from pipecc import cli, driver, progress
 from pipecc.backends.torch import cut_stages, write_output
-from pipecc.inspect import (MODEL_INPUT, bottleneck_stage, dot_text, graph_json, load_compiled,
+from pipecc.report.compiled import (MODEL_INPUT, bottleneck_stage, dot_text, graph_json, load_compiled,
                             stage_json, summary_json, timeline_json)
-from pipecc.report import render_report, timeline_for
+from pipecc.report.html import render_report, timeline_for
 
 # TINY gpt with 4 layers and a longer sequence, so 4 CPUs get 4 real stages.
 GPT_ARGS = dict(zoo_module("gpt").TINY, n_layer=4, n_embd=64, block_size=32, seq_len=32)
@@ -57,7 +57,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     if "inspect" not in sub.choices:
-        from pipecc.inspect_cmd import add_parser
+        from pipecc.cli.inspect import add_parser
         common = argparse.ArgumentParser(add_help=False)
         for flags in (["--debug"], ["-v", "--verbose"], ["-q", "--quiet"]):
             common.add_argument(*flags, action="store_true")
@@ -225,7 +225,7 @@ def test_usage_errors_exit_2(mlp_out, capsys):
 def test_every_stage_as_onnx_matches_the_torch_stage(which, mlp_out, gpt_out, tmp_path, capsys):
     import onnxruntime as ort
 
-    from pipecc.stage_onnx import RELAY_SUFFIX, stage_modules_and_inputs
+    from pipecc.report.stage_onnx import RELAY_SUFFIX, stage_modules_and_inputs
 
     out = mlp_out if which == "mlp" else gpt_out
     code, text, err = run_cli(["inspect", str(out), "--onnx", str(tmp_path)], capsys)

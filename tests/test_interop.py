@@ -32,7 +32,7 @@ from pipecc import driver  # noqa: E402
 from pipecc.interop import (InteropError, cut_points, pipeline_stages, split_policy,  # noqa: E402
                             split_spec, stage_modules, torch_pipe, torch_schedule)
 from pipecc.models import gpt, mlp, vgg16  # noqa: E402
-from pipecc.plan import SplitLayer  # noqa: E402
+from pipecc.ir.plan import SplitLayer  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group(name="interop")
 

@@ -9,7 +9,7 @@ import torch
 from helpers import zoo_module
 from pipecc import cost, driver
 from pipecc.errors import PipeccError
-from pipecc.onnx_frontend import from_onnx
+from pipecc.frontend.onnx_import import from_onnx
 
 # The models whose export exercises every frontend path: convolutions and BatchNorm, LSTMs
 # and attention, SDPA decomposed into matmuls, explicit attention.

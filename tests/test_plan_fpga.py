@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from pipecc import driver, fpga_model
+from pipecc import driver
+from pipecc.targets import fpga_model
 from pipecc.backends.fpga.pipeline import check_boundary
 from pipecc.backends.torch import cut_stages
-from pipecc.devices import parse_devices
+from pipecc.targets.devices import parse_devices
 from pipecc.errors import PipeccError
 from pipecc.passes.balance import Balancer, PlanOptions
 from pipecc.passes.partition import BLOCKED_S

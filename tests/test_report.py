@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipecc.inspect import load_compiled, timeline_json
-from pipecc.report import graphviz_svg, render_report, report_from_folder, timeline_for
+from pipecc.report.compiled import load_compiled, timeline_json
+from pipecc.report.html import graphviz_svg, render_report, report_from_folder, timeline_for
 from test_inspect import GPT_ARGS, compile_folder
 
 

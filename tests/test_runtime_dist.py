@@ -33,7 +33,7 @@ from pipecc.runtime.dist import (
     send_release,
     to_json,
 )
-from pipecc.schedule import interleaved_1f1b, one_f_one_b
+from pipecc.ir.schedule import interleaved_1f1b, one_f_one_b
 
 # NOTE: tests sharing a launch (module fixtures) stay on one worker under `pytest -n N --dist loadgroup`.
 pytestmark = pytest.mark.xdist_group(name="runtime_dist")

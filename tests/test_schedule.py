@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecc.schedule import (
+from pipecc.ir.schedule import (
     Action,
     ActionKind,
     Schedule,
@@ -234,6 +234,6 @@ def test_schedule_module_is_free_of_torch_and_passes() -> None:
     import subprocess
     import sys
 
-    code = "import sys, pipecc.schedule; bad = [m for m in ('torch', 'pipecc.passes') if m in sys.modules]; print(bad)"
+    code = "import sys, pipecc.ir.schedule; bad = [m for m in ('torch', 'pipecc.passes') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

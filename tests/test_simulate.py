@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecc.passes.simulate import Event, StageCosts, Timeline, simulate
-from pipecc.schedule import ActionKind, Schedule, ScheduleError, gpipe, inference, interleaved_1f1b, one_f_one_b, parse
+from pipecc.ir.schedule import ActionKind, Schedule, ScheduleError, gpipe, inference, interleaved_1f1b, one_f_one_b, parse
 
 close = pytest.approx
 

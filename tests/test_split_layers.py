@@ -12,7 +12,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from pipecc import cost, driver
-from pipecc.ir import META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph, verify
+from pipecc.ir.graph import META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph, verify
 from pipecc.passes.split_layers import (Conv2dShard, EmbeddingShard, LinearShard, shard_ranges,
                                         split_node, splittable)
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 from helpers import ZOO, zoo_module
 from pipecc import driver
 from pipecc.backends.torch.stages import Stage, cut_stages, normalise_stage_of, ports_json
-from pipecc.ir import META_NAME, META_VALUE, AnnotatedGraph, IRError, ScalarInfo, TensorInfo
+from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, IRError, ScalarInfo, TensorInfo
 
 
 # ----------------------------------------------------------------------------- shared helpers

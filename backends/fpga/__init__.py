@@ -4,11 +4,11 @@ engineer takes over, proved by C simulation with g++.
     lower (fx stage -> layers, BN folded)  ─►  codegen (templates/ -> stage_<i>/)
     ─►  csim (g++ testbench + shared library; golden data from torch)  ─►  FpgaStageModule
 
-The cost model and the op-support rules live in `pipecc.fpga_model` so the planner (which
+The cost model and the op-support rules live in `pipecc.targets.fpga_model` so the planner (which
 must not import backends/) uses the same numbers as `estimates.json`.
 """
 
-from pipecc.fpga_model import SUPPORTED_KINDS, UnsupportedOpError, supported
+from pipecc.targets.fpga_model import SUPPORTED_KINDS, UnsupportedOpError, supported
 
 from .codegen import write_fpga_stage
 from .csim import CsimError, CsimResult, build, csim, toolchain_problem

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from pipecc.errors import PipeccError
-from pipecc.fpga_model import (FLOAT_MAC_II, LINK_BITS, NumberFormat, parse_number,
+from pipecc.targets.fpga_model import (FLOAT_MAC_II, LINK_BITS, NumberFormat, parse_number,
                                stage_estimate)
 
 from . import lower as lowering

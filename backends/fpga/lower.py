@@ -1,6 +1,6 @@
 """Lowering: an fx stage graph (with pipecc meta) -> layer descriptors with their numbers.
 
-    stage GraphModule ─► pipecc.fpga_model.plan_layers (structure, shared with the planner)
+    stage GraphModule ─► pipecc.targets.fpga_model.plan_layers (structure, shared with the planner)
                       ─► weights (BatchNorm folded into the conv/linear before it)
                       ─► golden activations from torch (ranges, fixed-point error bound)
 
@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from pipecc.errors import PipeccError
-from pipecc.fpga_model import LayerSpec, NumberFormat, UnsupportedOpError, plan_layers
+from pipecc.targets.fpga_model import LayerSpec, NumberFormat, UnsupportedOpError, plan_layers
 
 GELU_LIPSCHITZ = 1.13  # max |gelu'(x)| = 1.1289 (erf and tanh forms)
 GELU_INTERP_ERR = 2e-5  # max|gelu''| * h^2 / 8 with h = 1/64 (table in pipecc_layers.h)

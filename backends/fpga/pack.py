@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipecc.fpga_model import NumberFormat, parse_number
+from pipecc.targets.fpga_model import NumberFormat, parse_number
 
 
 def beats_for(numel: int, bits: int, link_bits: int = 512) -> int:

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.fpga_compile import fpga_stages
-from pipecc.ir import META_VALUE, TensorInfo
+from pipecc.backends.fpga.output import fpga_stages
+from pipecc.ir.graph import META_VALUE, TensorInfo
 
 from .codegen import write_fpga_stage
 from .module import FpgaStageModule

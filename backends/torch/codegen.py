@@ -1,7 +1,7 @@
 """Readable, standalone `stage.py` files: one `nn.Module` per pipeline stage, plain torch code.
 
 A generated file imports torch only (plus `math`/`operator` if the graph calls them, and
-`pipecc.onnx_ops` for graphs imported from ONNX, whose operators are pipecc functions). It holds
+`pipecc.frontend.onnx_ops` for graphs imported from ONNX, whose operators are pipecc functions). It holds
 
   * a header docstring: model, stage, device, the nodes it holds, and every received and sent
     port with its dtype and shape (symbolic dims shown, `float32[B, 128]`);
@@ -34,7 +34,7 @@ from pipecc.backends.torch import lower_modules, render
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
-from pipecc.ir import META_NAME, META_VALUE, ScalarInfo, TensorInfo
+from pipecc.ir.graph import META_NAME, META_VALUE, ScalarInfo, TensorInfo
 from pipecc.runtime.local import load_stage  # noqa: F401  (re-exported: the loader lives in the runtime)
 
 
@@ -244,7 +244,7 @@ class _Emitter:
         lines = [header, "", "import torch", "import torch.nn.functional as F"]
         lines += [f"import {m}" for m in sorted(self.imports - {"onnx_ops"})]
         if "onnx_ops" in self.imports:
-            lines.append("from pipecc import onnx_ops  # torch implementations of ONNX operators")
+            lines.append("from pipecc.frontend import onnx_ops  # torch implementations of ONNX operators")
         lines += ["", "", f"class {cls}(torch.nn.Module):"]
         lines += _mapping("PARAM_NAMES", self.param_names, always=True)
         lines += _mapping("PARAM_ALIASES", self.aliases) + _mapping("SHARDS", self.shards)

@@ -35,8 +35,8 @@ import torch
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.stages import Stage, ports_json
 from pipecc.errors import PipeccError
-from pipecc.ir import AnnotatedGraph
-from pipecc.plan import Plan
+from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.plan import Plan
 from pipecc.runtime.local import PipelinedModule
 
 FORMAT = "pipecc-compile"

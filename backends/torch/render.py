@@ -3,7 +3,7 @@
 `constant` turns a node argument that is not a node (ints, tuples, slices, dtypes...) into an
 expression; `callable_name` names a `call_function` target so that the generated file needs only
 `import torch` (plus `math`/`operator` for the rare function from those modules, and
-`pipecc.onnx_ops` for graphs imported from ONNX). Anything that cannot be named that way is a
+`pipecc.frontend.onnx_ops` for graphs imported from ONNX). Anything that cannot be named that way is a
 `PipeccError`, never a guess.
 """
 
@@ -162,9 +162,9 @@ def _resolve(expr: str) -> Any:
 
 def _onnx_name(target: Any) -> str | None:
     """`onnx_ops.IMPLEMENTATIONS['Gemm']` for the torch implementation of an ONNX operator."""
-    if getattr(target, "__module__", None) != "pipecc.onnx_ops":
+    if getattr(target, "__module__", None) != "pipecc.frontend.onnx_ops":
         return None
-    from pipecc import onnx_ops
+    from pipecc.frontend import onnx_ops
     for op_type, fn in onnx_ops.IMPLEMENTATIONS.items():
         if fn is target:
             return f"onnx_ops.IMPLEMENTATIONS[{literal(op_type)}]"

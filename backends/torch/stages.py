@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from pipecc.ir import META_NAME, META_VALUE, AnnotatedGraph, IRError, ScalarInfo, TensorInfo
+from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, IRError, ScalarInfo, TensorInfo
 
 PortValue = Union[TensorInfo, ScalarInfo, tuple, None]
 BEFORE_FIRST = -1  # the "stage" that produces model inputs
@@ -134,7 +134,7 @@ def _is_metadata(node: fx.Node) -> bool:
 def cut_stages(graph: AnnotatedGraph, stage_of: dict[str, int]) -> list[Stage]:
     """Cut `graph` into stages 0..max(stage_of); see the module docstring for the port rules.
 
-    Precondition: `graph` passed `pipecc.ir.verify`. The stage GraphModules reference the very
+    Precondition: `graph` passed `pipecc.ir.graph.verify`. The stage GraphModules reference the very
     submodules and parameters of `graph.gm`, so gradients and optimizer steps reach the model.
     """
     placed = normalise_stage_of(graph, stage_of)

@@ -1,10 +1,10 @@
 """Distributed pipeline runtime: one process per rank, stages exchange values point to point.
 
-Launch one process per rank with ``pipecc run OUT`` (``pipecc.run_cmd``), which starts torchrun on
+Launch one process per rank with ``pipecc run OUT`` (``pipecc.cli.run``), which starts torchrun on
 ``OUT/run_stage.py`` (by hand: ``torchrun --nproc-per-node P -m pipecc.runtime.dist OUT --steps N``).
 Rank r holds the stages the schedule places on it: stage r for GPipe, 1F1B and inference,
 stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the
-rank's action list from ``pipecc.schedule`` literally, so a schedule's memory behaviour is real:
+rank's action list from ``pipecc.ir.schedule`` literally, so a schedule's memory behaviour is real:
 GPipe stashes m microbatches per stage, 1F1B at most p - r.
 
 Stages and ports. A stage is an ``nn.Module`` whose ``forward(*received)`` returns the tuple of
@@ -38,7 +38,7 @@ Wire protocol (per SEND/RECV action, one microbatch):
 
 Sends and receives. A SEND never blocks (``isend``; handle and tensor are kept until a later
 receive proves the peer has the message, ``send_release``, or else to the end of ``step``); a
-RECV waits with a deadline. That is the model ``pipecc.schedule.validate`` proves deadlock-free,
+RECV waits with a deadline. That is the model ``pipecc.ir.schedule.validate`` proves deadlock-free,
 so 1F1B, whose neighbours send in opposite directions at once, cannot deadlock.
 No ``batch_isend_irecv``: on gloo it can hang. On NCCL a process group runs its p2p operations
 in issue order on one stream and a send may wait for its receiver, which would let a pending
@@ -60,7 +60,7 @@ Checkpoints: ``stage_<rank>.safetensors`` (module state as ``model.<stage>.<key>
 tensors as ``optim.<path>``) and ``stage_<rank>.json`` (step, placement, the optimizer's
 non-tensor state); no pickle anywhere.
 
-This module imports torch, ``pipecc.schedule`` and ``pipecc.errors`` (and safetensors when
+This module imports torch, ``pipecc.ir.schedule`` and ``pipecc.errors`` (and safetensors when
 checkpointing) — never the compiler; the one exception is the rank of an FPGA stage, whose
 executable is its C simulation, built and called by ``pipecc.backends.fpga`` (``_load_fpga_stage``). The NCCL path is written to the same contract but is only
 exercised on machines with several GPUs; the tests run gloo on CPU.
@@ -86,7 +86,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.schedule import (
+from pipecc.ir.schedule import (
     Action,
     ActionKind,
     Schedule,
@@ -946,7 +946,7 @@ def _mean_of_outputs(outputs: Any, target: Any) -> torch.Tensor:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipecc.runtime.dist OUT --steps N [--verify] [--schedule S]``, one process per rank.
 
-    ``pipecc run OUT`` (``pipecc.run_cmd``) starts this under torchrun through ``OUT/run_stage.py``.
+    ``pipecc run OUT`` (``pipecc.cli.run``) starts this under torchrun through ``OUT/run_stage.py``.
     Under torchrun rank r loads its stages from ``OUT/stage_<i>/`` (through
     ``pipecc.runtime.local.load_stage``); without torchrun one process runs every stage (use
     ``--schedule interleaved`` when there are several). Schedule and micro-batches default to the
@@ -1329,7 +1329,7 @@ class _RunData:
         if why:
             note = f"note: {why}; training on seeded random inputs with the mean of the outputs as the loss"
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs, note=note)
-        from pipecc.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only
+        from pipecc.frontend.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only
 
         module = import_model_file(path)
         model_args = dict(meta.get("model_args") or {})

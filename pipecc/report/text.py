@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipecc.cost_report import _table, human
-from pipecc.plan import Plan
+from pipecc.report.tables import _table, human
+from pipecc.ir.plan import Plan
 
 
 def _seconds(s: float) -> str:

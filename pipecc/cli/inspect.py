@@ -41,7 +41,7 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipecc import inspect as insp
+    from pipecc.report import compiled as insp
     from pipecc.errors import UsageError
 
     compiled = insp.load_compiled(args.out)
@@ -65,7 +65,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _export_onnx(args: argparse.Namespace, compiled: Any) -> int:
     from pipecc import progress
     from pipecc.errors import PipeccError
-    from pipecc.stage_onnx import check_stages
+    from pipecc.report.stage_onnx import check_stages
 
     n = len(compiled.plan.stages)
     if args.stage is not None and args.stage >= n:

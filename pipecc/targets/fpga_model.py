@@ -2,7 +2,7 @@
 
 One model for the planner and for the FPGA backend, so plan and `estimates.json` never disagree
 (`passes/` may import this module; it imports nothing from `backends/`). Which nodes an FPGA can
-hold, and as which processes, is `pipecc.fpga_layers` (re-exported here).
+hold, and as which processes, is `pipecc.targets.fpga_layers` (re-exported here).
 
     stage nodes ─► plan_layers (structure: one LayerSpec per dataflow process of the generated
                    top: unpack, layers with BatchNorm folded, clones for fan-out, pack)
@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 import torch.fx as fx
 
 from pipecc.errors import PipeccError
-from pipecc.fpga_layers import (SUPPORTED_KINDS, LayerSpec, UnsupportedOpError, plan_layers,
+from pipecc.targets.fpga_layers import (SUPPORTED_KINDS, LayerSpec, UnsupportedOpError, plan_layers,
                                 supported)
 
 __all__ = ["SUPPORTED_KINDS", "LayerSpec", "UnsupportedOpError", "plan_layers", "supported",
@@ -169,7 +169,7 @@ def layer_estimate(spec: LayerSpec, fmt: NumberFormat, card_fpga: Mapping[str, A
 
 
 def _card(card: Any) -> Any:
-    from pipecc.devices import load_catalog
+    from pipecc.targets.devices import load_catalog
     dev = load_catalog().device(str(card).lower()) if isinstance(card, str) else card
     if dev.kind != "fpga" or not dev.fpga:
         raise PipeccError(f"device '{dev.name}' is not an FPGA card")

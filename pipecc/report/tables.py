@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipecc.cost import TOTAL_FIELDS, NodeCost, totals
-from pipecc.ir import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, tensors_in
+from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, tensors_in
 
 NODE_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
                "param_bytes", "output_bytes", "bytes_moved")

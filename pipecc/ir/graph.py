@@ -6,13 +6,13 @@ Why an fx graph with meta rather than an IR of our own or onnx-ir:
   * torch.fx already has the mechanisms the passes need (`Interpreter` for analyses,
     `split_module` for cutting, Python code generation for readable stage files);
   * ONNX files import into the same form: each ONNX op becomes a `call_function` to a small
-    torch implementation (`pipecc.onnx_ops`) and initializers become parameters, so one cost
+    torch implementation (`pipecc.frontend.onnx_ops`) and initializers become parameters, so one cost
     model, one balance pass and one torch backend serve both frontends.
 
 Annotations (written by analyses only; they never change the graph's structure):
   META_VALUE  the node's output: `TensorInfo`, a tuple of values, a `ScalarInfo`, or None
   META_OP     normalised op name (`linear`, `conv2d`, `add`, `onnx.Gemm` maps to `linear`...)
-  META_KIND   op class used by the cost model (see `pipecc.ops.KINDS`)
+  META_KIND   op class used by the cost model (see `pipecc.ir.ops.KINDS`)
   META_NAME   unique human name (`layers.3.attn.proj`, `layers.3.attn.softmax`)
   META_COST   `pipecc.cost.NodeCost` (sympy expressions and their values at the example point)
 """

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipecc.cost_report import human
+from pipecc.report.tables import human
 from pipecc.errors import PipeccError
-from pipecc.plan import Plan
-from pipecc.plan_report import _seconds
+from pipecc.ir.plan import Plan
+from pipecc.report.text import _seconds
 
 GRAPH_FORMAT = "pipecc-graph"
 INSPECT_FORMAT = "pipecc-inspect"
@@ -50,7 +50,7 @@ def graph_json(graph: Any, plan: Plan) -> dict[str, Any]:
     import sympy
 
     from pipecc.backends.torch.stages import normalise_stage_of
-    from pipecc.ir import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, ScalarInfo, tensors_in
+    from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, ScalarInfo, tensors_in
 
     placed = normalise_stage_of(graph, plan.stage_of())
     nodes = [n for n in graph.gm.graph.nodes if n.op != "output"]
@@ -189,7 +189,7 @@ def device_capacities(plan: Plan, cluster: Any = None) -> list[float | None]:
     if cluster is not None:
         return [float(cluster.devices[d.get("given_index", i)].memory_bytes)
                 for i, d in enumerate(plan.devices)]
-    from pipecc.devices import load_catalog
+    from pipecc.targets.devices import load_catalog
     catalog = load_catalog()
     return [float(catalog.devices[d["name"]]["memory_bytes"]) if d.get("name") in catalog.devices
             else None for d in plan.devices]
@@ -371,7 +371,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
 def _timeline(c: Compiled) -> dict[str, Any]:
     if c.timeline:
         return c.timeline
-    from pipecc.report import timeline_for  # an older folder: simulate the plan again
+    from pipecc.report.html import timeline_for  # an older folder: simulate the plan again
     return timeline_json(timeline_for(c.plan))
 
 

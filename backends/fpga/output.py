@@ -39,7 +39,7 @@ def writers(graph: Any, plan: Any, stages: Sequence[Any], example_inputs: Sequen
     if not cards:
         return []
     from pipecc.backends.fpga.pipeline import check_boundary, compile_fpga_stages
-    from pipecc.fpga_model import parse_number
+    from pipecc.targets.fpga_model import parse_number
     parse_number(number)
     by_index = {s.index: s for s in stages}
     for i, card in cards.items():

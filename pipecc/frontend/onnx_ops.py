@@ -2,7 +2,7 @@
 
 Each function takes the ONNX node's inputs positionally (None for an omitted optional input)
 and its attributes as keyword arguments, and returns a tensor or a tuple of tensors. The
-attribute `__pipecc_onnx_op__` gives the normalised op name that `pipecc.ops` classifies.
+attribute `__pipecc_onnx_op__` gives the normalised op name that `pipecc.ir.ops` classifies.
 Operators not listed here still import (their costs come from shapes) but raise a clear
 error when executed.
 """

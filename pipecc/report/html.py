@@ -22,12 +22,12 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipecc.cost_report import human
-from pipecc.inspect import (MODEL_INPUT, bottleneck_stage, device_capacities, dot_text, graph_json,
+from pipecc.report.tables import human
+from pipecc.report.compiled import (MODEL_INPUT, bottleneck_stage, device_capacities, dot_text, graph_json,
                             load_compiled, timeline_json)
 from pipecc.passes.balance import MEMORY_HEADROOM
-from pipecc.plan import Plan
-from pipecc.plan_report import _seconds
+from pipecc.ir.plan import Plan
+from pipecc.report.text import _seconds
 
 F_COLORS = ("#4c78a8", "#9ecae9", "#2f4b7c", "#6baed6")   # forward, by interleaved chunk
 B_COLORS = ("#f58518", "#ffbf79", "#b35806", "#fdae6b")   # backward
@@ -48,7 +48,7 @@ def timeline_for(plan: Plan) -> Any:
     transfer times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
     """
     from pipecc.passes.simulate import StageCosts, simulate
-    from pipecc.schedule import gpipe, inference, interleaved_1f1b, one_f_one_b
+    from pipecc.ir.schedule import gpipe, inference, interleaved_1f1b, one_f_one_b
 
     n, m, v = len(plan.stages), plan.microbatches, max(plan.virtual_stages, 1)
     send, prev = [], 0.0

@@ -101,7 +101,7 @@ def model_inputs(out: str | Path, batch: int, seed: int = 0) -> dict[str, Any]:
     specs = sorted(ports.get("model_inputs") or marker.get("model_inputs") or [], key=lambda d: d["index"])
     path = Path(marker.get("model_path") or "")
     if path.suffix == ".py" and path.is_file():
-        from pipecc.modelfile import _call_with_accepted, import_model_file
+        from pipecc.frontend.modelfile import _call_with_accepted, import_model_file
         module = import_model_file(path)
         values = _call_with_accepted(module.example_inputs, batch, **(marker.get("model_args") or {}))
         values = tuple(values) if isinstance(values, (tuple, list)) else (values,)

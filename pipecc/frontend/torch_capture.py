@@ -29,9 +29,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError
-from pipecc.ir import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
+from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
                        ScalarInfo, TensorInfo)
-from pipecc.ops import node_op, op_kind
+from pipecc.ir.ops import node_op, op_kind
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """ONNX frontend: load, check, infer shapes, and build the same annotated fx graph.
 
-Every ONNX node becomes a `call_function` to its torch implementation in `pipecc.onnx_ops`
+Every ONNX node becomes a `call_function` to its torch implementation in `pipecc.frontend.onnx_ops`
 (attributes as keyword arguments), float initializers become parameters of the root module
 (so they count as weights that need gradients, like a PyTorch model's), other initializers
 become buffers. Shapes come from ONNX shape inference with data propagation; a symbolic
@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 
 from pipecc.errors import PipeccError
-from pipecc.frontend import annotate_ops_and_names
-from pipecc.ir import META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
-from pipecc.onnx_ops import IMPLEMENTATIONS, unsupported
+from pipecc.frontend.torch_capture import annotate_ops_and_names
+from pipecc.ir.graph import META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.frontend.onnx_ops import IMPLEMENTATIONS, unsupported
 
 
 def _load(path: Path):
@@ -234,7 +234,7 @@ def _describe_np(v: Any) -> Any:
 def _annotate_values(gm: fx.GraphModule, graph: Any, runs: list[dict], b_symbol: Any,
                      batch: int, notes: list[str]) -> None:
     """META_VALUE from the observed runs; requires_grad flows from float parameters."""
-    from pipecc.frontend import _fit_value
+    from pipecc.frontend.torch_capture import _fit_value
     corners = [(0,), (1,)] if b_symbol is not None else [()]
     us = [b_symbol - batch] if b_symbol is not None else []
     syms = {"B": b_symbol} if b_symbol is not None else {}

@@ -168,13 +168,13 @@ def cmd_csim(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipecc.csim_cmd OUT ...`: the same command without the rest of the CLI."""
-    from pipecc.cli import _Parser
+    """`python -m pipecc.cli.csim OUT ...`: the same command without the rest of the CLI."""
+    from pipecc.cli.args import Parser
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser = _Parser(prog="pipecc")
-    add_parser(parser.add_subparsers(dest="command", parser_class=_Parser), common)
+    parser = Parser(prog="pipecc")
+    add_parser(parser.add_subparsers(dest="command", parser_class=Parser), common)
     argv = ["csim", *(sys.argv[1:] if argv is None else argv)]
     try:
         args = parser.parse_args(argv)

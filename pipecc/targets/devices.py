@@ -1,6 +1,6 @@
 """Device and link catalog, ``--devices`` spec parsing, and the per-node time model.
 
-The catalog is package data (``pipecc/data/devices.toml``): every figure there carries a
+The catalog is package data (``pipecc/targets/data/devices.toml``): every figure there carries a
 source string that starts with ``datasheet:``, ``derived:`` (arithmetic on datasheet
 figures), ``assumption:``, ``tool:`` (reported by Vivado/Vitis HLS) or ``host:`` (read
 from this machine); ``measured:`` and ``user:`` mark measured CPUs and cluster-file
@@ -295,7 +295,7 @@ class Catalog:
 @functools.lru_cache(maxsize=1)
 def load_catalog() -> Catalog:
     """The built-in catalog (cached); CPU memory is this machine's RAM."""
-    text = resources.files("pipecc").joinpath("data/devices.toml").read_text(encoding="utf-8")
+    text = resources.files("pipecc.targets").joinpath("data/devices.toml").read_text(encoding="utf-8")
     data = tomllib.loads(text)
     links = {name: _make_link(name, raw, None, "devices.toml")
              for name, raw in data["link"].items()}

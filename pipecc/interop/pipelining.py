@@ -55,8 +55,8 @@ from torch.distributed.pipelining import SplitPoint
 
 from pipecc.backends.torch.stages import Stage, _is_metadata, cut_stages, normalise_stage_of
 from pipecc.errors import PipeccError
-from pipecc.ir import META_NAME, META_VALUE, AnnotatedGraph, ScalarInfo, TensorInfo, tensors_in
-from pipecc.plan import Plan
+from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, ScalarInfo, TensorInfo, tensors_in
+from pipecc.ir.plan import Plan
 
 __all__ = ["Cut", "InteropError", "cut_points", "split_spec", "split_policy", "torch_pipe",
            "stage_modules", "pipeline_stages", "torch_schedule"]

@@ -1,6 +1,6 @@
 """Which fx nodes an FPGA stage can hold, and as which dataflow processes (structure only).
 
-The one definition shared by the planner (through `pipecc.fpga_model`) and the FPGA backend
+The one definition shared by the planner (through `pipecc.targets.fpga_model`) and the FPGA backend
 (`backends/fpga/lower.py` adds the numbers): a stage's nodes become
 
     unpack (stage input)  ─►  layers (BatchNorm folded into the conv/linear before it; views,
@@ -20,8 +20,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from pipecc.errors import PipeccError
-from pipecc.ir import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo
-from pipecc.ops import node_op
+from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo
+from pipecc.ir.ops import node_op
 
 SUPPORTED_KINDS = frozenset({"linear", "conv", "activation", "pool", "norm", "elementwise",
                              "shape", "input", "param"})

@@ -47,7 +47,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli import _positive_int  # one definition of the CLI's argument types
+from pipecc.cli.args import positive_int
 from pipecc.errors import PipeccError, UsageError
 
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
@@ -103,7 +103,7 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    "run in one process from the same weights; exit 1 on a mismatch")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "inference"],
                    help="override the compiled schedule (inference: forward passes only)")
-    p.add_argument("--microbatches", "-m", type=_positive_int, metavar="M",
+    p.add_argument("--microbatches", "-m", type=positive_int, metavar="M",
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=_positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60)")
@@ -114,14 +114,14 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
     g = p.add_argument_group("several machines (passed to torchrun)")
-    g.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="number of machines")
+    g.add_argument("--nnodes", type=positive_int, default=1, metavar="N", help="number of machines")
     g.add_argument("--node-rank", type=_nonnegative_int, metavar="R", help="this machine's index, 0 .. N-1")
     g.add_argument("--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT",
                    help="node 0's address and a free port on it")
     g.add_argument("--rdzv-backend", choices=["static", "c10d"], default="static",
                    help="static (default): ranks follow --node-rank; c10d: elastic rendezvous")
     g.add_argument("--rdzv-id", metavar="ID", help="run id (c10d; default pipecc-PORT)")
-    g.add_argument("--nproc-per-node", type=_positive_int, metavar="P",
+    g.add_argument("--nproc-per-node", type=positive_int, metavar="P",
                    help="processes on each machine (default: ranks / nnodes)")
     p.add_argument("--print-command", action="store_true",
                    help="print the torchrun command for each node instead of running it")

@@ -1,0 +1,58 @@
+"""`pipecc plan MODEL --devices SPEC`: balance a model over devices and print the plan."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from pipecc.cli.args import add_model_args, add_plan_args, write_atomic
+
+
+def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", parents=[common], help="split a model into pipeline stages",
+        description="Balance the model over the devices: stages, schedule, micro-batches, split "
+        "layers, with the bottleneck against a proven bound.")
+    add_model_args(p)
+    add_plan_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("-o", "--output", metavar="PLAN_JSON", help="also write the plan JSON here")
+    p.add_argument("--compare", action="store_true",
+                   help="add the baselines' partitions (equal count, equal params, torchgpipe)")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def plan_from_args(args: argparse.Namespace):
+    """(analysis, plan, graph) for the model and plan options on the command line."""
+    from pipecc import driver
+    from pipecc.frontend.modelfile import parse_model_args
+    analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
+                              batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
+                              debug=args.debug)
+    plan, graph = driver.plan(analysis, args.devices, microbatches=args.microbatches,
+                              schedule=args.schedule, coarse=args.coarse,
+                              choose_order=args.choose_order,
+                              split_layers=not args.no_split_layers,
+                              compare=getattr(args, "compare", False),
+                              training=not args.inference,
+                              fpga_number=args.fpga_number, debug=args.debug)
+    plan.model_path = str(Path(args.model).resolve())
+    plan.model_args = parse_model_args(args.model_arg)
+    return analysis, plan, graph
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pipecc import progress
+    from pipecc.report.text import plan_table
+    _, plan, _ = plan_from_args(args)
+    for decision in plan.decisions:
+        progress.explain(decision)
+    if args.output:
+        write_atomic(args.output, plan.dumps() + "\n")
+    if args.json:
+        print(plan.dumps())
+    else:
+        print(plan_table(plan, verbose=args.verbose))
+    return 0

@@ -66,6 +66,15 @@ class Plan:
         """Node name -> stage index."""
         return {name: s.index for s in self.stages for name in s.nodes}
 
+    def fpga_stages(self) -> dict[int, str]:
+        """Stage index -> FPGA card name, for the stages this plan places on FPGA devices."""
+        out: dict[int, str] = {}
+        for s in self.stages:
+            dev = self.devices[s.device] if 0 <= s.device < len(self.devices) else {}
+            if dev.get("kind") == "fpga":
+                out[int(s.index)] = str(dev.get("name"))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["balance_ratio"] = self.balance_ratio

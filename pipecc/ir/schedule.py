@@ -36,7 +36,9 @@ __all__ = [
     "Action",
     "ActionKind",
     "Schedule",
+    "SCHEDULES",
     "ScheduleError",
+    "by_name",
     "format",
     "format_grid",
     "gpipe",
@@ -490,3 +492,25 @@ def validate(schedule: Schedule) -> None:
     if stuck:
         waits = ", ".join(f"rank {r} at step {i} ({schedule.actions[r][i]})" for r, i in stuck)
         fail(f"deadlock: every unfinished rank waits on a receive: {waits}", *stuck)
+
+
+# Every schedule by its name, as plans, `pipecc run --schedule` and the simulator spell it.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "inference")
+
+
+def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule called `name` over `num_ranks` ranks (`virtual_stages` stages per rank for
+    "interleaved"; the others hold one stage per rank). The one map from a schedule's name to
+    its builder: the planner, the simulator's report and the runtime all go through it.
+
+    Raises ValueError for an unknown name or a stage count the schedule cannot hold.
+    """
+    if name == "interleaved":
+        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    if virtual_stages != 1:
+        raise ValueError(f"schedule {name!r} puts one stage on each rank, got {virtual_stages} per "
+                            "rank; use the interleaved schedule")
+    builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "inference": inference}[name]
+    return builder(num_ranks, num_microbatches)

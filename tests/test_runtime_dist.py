@@ -23,17 +23,11 @@ import torch
 from safetensors.torch import load_file
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.dist import (
-    PipelineRuntime,
-    RunConfig,
-    build_schedule,
-    check_fifo,
-    from_json,
-    main,
-    send_release,
-    to_json,
-)
 from pipecc.ir.schedule import interleaved_1f1b, one_f_one_b
+from pipecc.runtime.dist import main
+from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
+from pipecc.runtime.ports import from_json, to_json
+from pipecc.runtime.wire import check_fifo, send_release
 
 # NOTE: tests sharing a launch (module fixtures) stay on one worker under `pytest -n N --dist loadgroup`.
 pytestmark = pytest.mark.xdist_group(name="runtime_dist")

@@ -263,7 +263,8 @@ def _child_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     # NOTE: run_stage.py puts OUT, not the cwd, on sys.path: make this pipecc importable there
     # when it runs from a source checkout rather than an installed package.
-    root = str(Path(__file__).resolve().parent.parent)
+    import pipecc
+    root = str(Path(pipecc.__file__).resolve().parents[1])  # the folder holding pipecc/
     if Path(root).name not in ("site-packages", "dist-packages"):
         paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
         if root not in paths:

@@ -4,10 +4,12 @@
 that, called with the model's inputs, returns what the model returns (CONTRACT §7):
 
   * `forward` splits every tensor input whose dim 0 is the batch into `m` micro-batches
-    (`torch.tensor_split`; other inputs go to every micro-batch whole), runs each micro-batch
-    through the stages in order — moving received values to the stage's device, and replacing
-    a `torch.device` value by it — and concatenates the outputs along dim 0 into the model's
-    output structure. Autograd flows through it all, so `loss.backward()` reaches the weights.
+    (`torch.tensor_split`, through `pipecc.runtime.ports.split_batch` like the distributed
+    runtime; other inputs go to every micro-batch whole), runs each micro-batch through the
+    stages in order — moving received values to the stage's device, and replacing a
+    `torch.device` value by it — and concatenates the outputs along dim 0 into the model's
+    output structure (`pipecc.runtime.ports.build_output`). Autograd flows through it all, so
+    `loss.backward()` reaches the weights.
   * Parameters and buffers are those of `owner` (the original model for `pipecc.compile`; the
     loaded tensors under their original names for `pipecc.load`). The module *adopts* owner's
     direct parameters, buffers and children: they are registered here under the same names, so
@@ -37,7 +39,8 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.stagefile import assemble_owner, load_stage
+from pipecc.runtime.ports import build_output, split_batch
+from pipecc.runtime.stagefile import assemble_owner, load_stage, persistent_buffer
 
 __all__ = ["PipelinedModule", "load", "load_stage"]
 
@@ -72,7 +75,7 @@ class PipelinedModule(nn.Module):
         for name, p in owner._parameters.items():
             self.register_parameter(name, p)
         for name, b in owner._buffers.items():
-            self.register_buffer(name, b, persistent=name not in owner._non_persistent_buffers_set)
+            self.register_buffer(name, b, persistent=persistent_buffer(owner, name))
         for name, child in owner._modules.items():
             self.add_module(name, child)
 
@@ -149,7 +152,7 @@ class PipelinedModule(nn.Module):
     # -- running
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         chunks = self._split(self._bind(args, kwargs))
-        outputs = [_build(self._pipecc_output, self._run(chunk)) for chunk in chunks]
+        outputs = [build_output(self._pipecc_output, self._run(chunk)) for chunk in chunks]
         return outputs[0] if len(outputs) == 1 else _merge(outputs)
 
     def _bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +181,7 @@ class PipelinedModule(nn.Module):
         chunks: list[dict[str, Any]] = [{} for _ in range(m)]
         for name, value in env.items():
             split = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
-            parts = torch.tensor_split(value, m, dim=0) if split else [value] * m
+            parts = split_batch(value, m) if split else [value] * m
             for chunk, part in zip(chunks, parts):
                 chunk[name] = part
         return chunks
@@ -210,19 +213,6 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device) for v in value)
     return value
-
-
-def _build(tree: Mapping[str, Any], env: Mapping[str, Any]) -> Any:
-    """The model's output structure from its JSON tree (see backends.torch.stages.output_tree)."""
-    if "port" in tree:
-        return env[tree["port"]]
-    if "tuple" in tree:
-        return tuple(_build(t, env) for t in tree["tuple"])
-    if "list" in tree:
-        return [_build(t, env) for t in tree["list"]]
-    if "dict" in tree:
-        return {k: _build(t, env) for k, t in tree["dict"]}
-    return tree["const"]
 
 
 def _merge(outputs: list[Any]) -> Any:

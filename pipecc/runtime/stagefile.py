@@ -82,7 +82,7 @@ def assemble_owner(modules: Sequence[nn.Module]) -> nn.Module:
             if name in registered:  # a tied weight: every stage uses the first stage's tensor
                 _assign(module, attr, registered[name])
                 continue
-            tensor, persistent = _lookup(module, attr), _persistent(module, attr)
+            tensor, persistent = _lookup(module, attr), persistent_buffer(module, attr)
             for qualified in (name, *aliases.get(attr, ())):
                 _register(owner, qualified, tensor, persistent)
             registered[name] = tensor
@@ -142,7 +142,11 @@ def _lookup(module: nn.Module, dotted: str) -> torch.Tensor:
     return getattr(owner, last)
 
 
-def _persistent(module: nn.Module, dotted: str) -> bool:
+def persistent_buffer(module: nn.Module, dotted: str) -> bool:
+    """False for a buffer registered with `persistent=False` (not in `state_dict()`), else True.
+
+    `dotted` is the qualified name under `module` ("a.b.running_mean", or just "weight").
+    """
     owner, last = _split(module, dotted)
     return last not in owner._non_persistent_buffers_set
 

@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 
 import pipeline_model as pm
 from pipecc.errors import PipeccError
-from pipecc.runtime.dist import PipelineRuntime, RunConfig, _Wire, check_fifo, directed_groups, init_distributed
+from pipecc.runtime.engine import PipelineRuntime, RunConfig, init_distributed
+from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
 CKPT_SCHEDULE, CKPT_STEPS = "1f1b", 4
 
@@ -46,7 +47,7 @@ def make_runtime(rank: int, world: int, schedule: str, microbatches: int, seed: 
                               RunConfig(schedule, microbatches, timeout_s=timeout), pm.loss_fn, optimizer)
     if NCCL_LIKE:
         check_fifo(runtime.schedule)
-        runtime._wire = _Wire(rank, timeout, groups=directed_groups(runtime.schedule), by_order=True)
+        runtime._wire = Wire(rank, timeout, groups=directed_groups(runtime.schedule), by_order=True)
     return runtime
 
 

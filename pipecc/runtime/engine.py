@@ -1,0 +1,521 @@
+"""The distributed pipeline engine: ``PipelineRuntime`` runs one rank's stages by the schedule,
+exchanging values with the neighbouring stages' ranks point to point.
+
+Rank r holds the stages the schedule places on it: stage r for GPipe, 1F1B and inference,
+stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the rank's action
+list from ``pipecc.ir.schedule`` (``build_schedule``) literally, so a schedule's memory behaviour
+is real: GPipe stashes m microbatches per stage, 1F1B at most p - r. What a stage receives and
+sends is ``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
+
+Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
+single output, or the tuple when there are several; without ``loss_fn`` the first output is the
+loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal splits); the
+target is split along dim 0 like the batch. When
+``loss_fn`` is a per-sample mean, the accumulated gradients are those of the full-batch mean loss,
+and ``step`` returns that full-batch loss.
+
+Faults. Every wait has a deadline of ``timeout_s``; a dead or hung peer gives
+``PipeccError("rank 1: timed out after 5.0 s waiting for RECV_F mb 2 from rank 0")`` (or "failed"
+when the connection broke) instead of a hang. The process group is created with the same timeout
+(``init_distributed``).
+
+Checkpoints: ``stage_<rank>.safetensors`` (module state as ``model.<stage>.<key>``, optimizer
+tensors as ``optim.<path>``) and ``stage_<rank>.json`` (step, placement, the optimizer's
+non-tensor state); no pickle anywhere.
+
+The NCCL path is written to the same contract but is only exercised on machines with several
+GPUs; the tests run gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipecc.errors import PipeccError, UsageError
+from pipecc.ir.schedule import SCHEDULES, Action, ActionKind, Schedule, ScheduleError, by_name, parse, validate
+from pipecc.runtime.ports import (
+    Port,
+    StagePorts,
+    as_tuple,
+    describe,
+    flatten,
+    from_json,
+    microbatch_extents,
+    split_batch,
+    split_sizes,
+    to_json,
+    unflatten,
+)
+from pipecc.runtime.wire import (
+    Wire,
+    check_fifo,
+    decode_object,
+    directed_groups,
+    encode_object,
+    fingerprint,
+    peer_rank,
+    send_release,
+)
+
+__all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "forward_only", "init_distributed"]
+
+MAX_PORTS = 1024  # values crossing one stage boundary
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+@dataclass
+class RunConfig:
+    """How to run: schedule name (or schedule text, ``rank 0: ...``), microbatches, limits.
+
+    ``timeout_s`` bounds every single wait for a peer, so it must exceed the longest legitimate
+    one — in GPipe, rank 0 waits for its first gradient for nearly a whole iteration.
+    """
+
+    schedule: str
+    microbatches: int
+    timeout_s: float = 60.0
+    backend: str | None = None  # None: nccl on CUDA, else gloo
+    device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
+
+
+def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """The validated schedule for ``world`` ranks; ``kind`` is a name or the schedule's text form."""
+    if kind.lstrip().startswith("rank "):
+        schedule = parse(kind)
+    elif kind not in SCHEDULES:
+        raise UsageError(f"unknown schedule {kind!r}; choose from {', '.join(SCHEDULES)} or give schedule text")
+    elif kind != "interleaved" and stages_per_rank != 1:
+        raise PipeccError(f"schedule {kind!r} puts one stage on each rank, got {stages_per_rank} per rank; "
+                          "use --schedule interleaved")
+    else:
+        try:
+            schedule = by_name(kind, world, microbatches, stages_per_rank)
+        except ValueError as e:
+            if kind != "interleaved":
+                raise  # NOTE: as before; only interleaved's stage-count errors are reported as usage problems
+            raise PipeccError(str(e)) from None
+    try:
+        validate(schedule)
+    except ScheduleError as e:
+        raise PipeccError(f"invalid schedule: {e.summary}") from None
+    if schedule.num_ranks != world or schedule.num_microbatches != microbatches:
+        raise PipeccError(f"schedule has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches, "
+                          f"the run {world} and {microbatches}")
+    return schedule
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule with its backward actions removed (same placement and forward order)."""
+    keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
+    rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
+    result = Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, rows)
+    validate(result)
+    return result
+
+
+# ---------------------------------------------------------------------------- runtime
+
+
+class PipelineRuntime:
+    """Runs this rank's stage(s) of a pipeline, following the schedule's action list literally.
+
+    ``stage`` is one module, or a list (one per stage the schedule places on this rank, in
+    stage order) with ``ports`` a matching list. ``step`` runs one training iteration and
+    accumulates gradients into the stage parameters (it does not zero them; the caller runs
+    ``optimizer.zero_grad()`` and ``optimizer.step()``). ``optimizer`` is only needed for
+    checkpoints. ``world > 1`` initialises torch.distributed from the torchrun environment
+    unless it already is. Internally values travel as leaves (tuple ports opened).
+    """
+
+    def __init__(self, stage: nn.Module | Sequence[nn.Module], ports: dict | Sequence[dict], rank: int,
+                 world: int, config: RunConfig, loss_fn: Callable | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        self.modules = [stage] if isinstance(stage, nn.Module) else list(stage)
+        port_list = [ports] if isinstance(ports, dict) else list(ports)
+        if len(port_list) != len(self.modules):
+            raise PipeccError(f"rank {rank}: {len(self.modules)} stage modules but {len(port_list)} port specs")
+        self.ports = [StagePorts.from_json(p) for p in port_list]
+        self.rank, self.world, self.config = rank, world, config
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.m = config.microbatches
+        self.device = torch.device(config.device) if config.device else _default_device()
+        self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.backend == "gloo" and self.device.type != "cpu":
+            raise PipeccError(f"the gloo backend sends CPU tensors only, device is {self.device}; use --backend nccl")
+        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules))
+        if world > 1:
+            init_distributed(config)
+            if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+                raise PipeccError(f"runtime built for rank {rank} of {world}, process group says "
+                                  f"{dist.get_rank()} of {dist.get_world_size()}")
+        self.stage_ids = self.schedule.stages_of(rank)
+        if len(self.stage_ids) != len(self.modules):
+            raise PipeccError(f"rank {rank} holds stages {self.stage_ids} in this schedule but got "
+                              f"{len(self.modules)} modules")
+        self.last_stage = self.schedule.num_stages - 1
+        for module in self.modules:
+            module.to(self.device)
+        if world > 1 and self.backend == "nccl":
+            check_fifo(self.schedule)
+            self._wire = Wire(rank, config.timeout_s, nccl=True, groups=directed_groups(self.schedule), by_order=True)
+        else:
+            self._wire = Wire(rank, config.timeout_s)
+        self.peak_stash = 0  # most microbatches stashed at once during the last step
+        self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
+        if world > 1:
+            self._handshake()
+
+    # -- public API ----------------------------------------------------------------------
+
+    @property
+    def peak_sends(self) -> int:
+        """Most sending actions whose tensors were held at once during the last step/infer."""
+        return self._wire.peak_inflight
+
+    def step(self, inputs: Sequence[Any] | None = None, target: Any = None) -> float | None:
+        """One training iteration; the full-batch mean loss on the rank holding the last stage."""
+        if not self.schedule.is_training:
+            raise PipeccError(f"schedule {self.config.schedule!r} has no backward; use infer()")
+        self._run(self.schedule, inputs, target, training=True)
+        if self.last_stage in self.stage_ids:
+            return float(sum(self._losses))
+        return None
+
+    def infer(self, inputs: Sequence[Any] | None = None) -> Any:
+        """Forward the batch through the pipeline; the model outputs on the last rank, else None.
+
+        Batched tensor outputs are concatenated over microbatches along their batch dim,
+        other outputs come as a list of one value per microbatch.
+        """
+        with torch.no_grad():
+            self._run(forward_only(self.schedule), inputs, None, training=False)
+        return self.last_outputs()
+
+    def last_outputs(self) -> Any:
+        """The model outputs of the last ``infer`` (or ``step`` with ``keep_outputs`` set), merged
+        over microbatches as ``infer`` returns them; None off the last rank or when none are kept."""
+        if self.last_stage not in self.stage_ids or len(getattr(self, "_results", {})) != self.m:
+            return None
+        ports = self._ports(self.last_stage)
+        merged = []
+        for i, port in enumerate(ports.out_leaves):
+            values = [self._results[mb][i] for mb in range(self.m)]
+            merged.append(torch.cat(values, port.batch_dim) if port.kind == "tensor" and port.batch_dim is not None
+                          else values)
+        self._results = {}
+        outs = unflatten(merged, ports.sends)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _handshake(self) -> None:
+        """Check with every remote neighbour that both read the same boundary from ports.json.
+
+        Neighbours that disagree would otherwise exchange messages of the wrong size, which
+        gloo reports only as a closed connection.
+        """
+        for s in self.stage_ids:
+            if s < self.last_stage and s + 1 not in self.stage_ids:
+                peer = self.schedule.stage_to_rank[s + 1]
+                digest = fingerprint(self._ports(s).out_leaves).to(self.device)
+                self._wire.send(digest, peer, self._tag(2, s + 1, 0, 0), "the port handshake", key=s)
+        for s in self.stage_ids:
+            if s > 0 and s - 1 not in self.stage_ids:
+                peer = self.schedule.stage_to_rank[s - 1]
+                got = torch.empty(32, dtype=torch.uint8, device=self.device)
+                self._wire.recv([got], peer, [self._tag(2, s, 0, 0)], "the port handshake")
+                if not torch.equal(got.cpu(), fingerprint(self._ports(s).in_leaves)):
+                    ports = ", ".join(f"{p.name}:{describe(p)}" for p in self._ports(s).in_leaves)
+                    raise PipeccError(f"rank {self.rank}: stage {s} receives ({ports}) but stage {s - 1} on rank "
+                                      f"{peer} sends something else; are both from the same compilation?")
+        self._wire.flush()
+
+    # -- execution -----------------------------------------------------------------------
+
+    def _run(self, schedule: Schedule, inputs: Sequence[Any] | None, target: Any, training: bool) -> None:
+        self._inputs = self._split_inputs(inputs) if 0 in self.stage_ids else None
+        self._targets = self._split_target(target) if training and self.last_stage in self.stage_ids else None
+        # ("F"|"B", stage, mb) -> leaf values received (or handed over locally) / to send
+        self._inbox: dict[tuple[str, int, int], list] = {}
+        self._outbox: dict[tuple[str, int, int], list] = {}
+        self._stash: dict[tuple[int, int], tuple[list, Any]] = {}  # (stage, mb) -> (input leaves, outputs)
+        self._losses: list[torch.Tensor] = []
+        self._results: dict[int, list] = {}
+        self.peak_stash = self._wire.peak_inflight = 0
+        release = send_release(schedule, self.rank)
+        for action in schedule.actions[self.rank]:
+            self._execute(action, training)
+            self._wire.release(release.get(action, ()))
+        self._wire.flush()
+        leftover = self._stash or self._inbox or self._outbox
+        assert not leftover, f"rank {self.rank}: schedule left {sorted(leftover)} unconsumed"
+        self._inputs = self._targets = None
+
+    def _execute(self, a: Action, training: bool) -> None:
+        s, mb = a.stage, a.microbatch
+        if a.kind is ActionKind.F:
+            self._forward(s, mb, training)
+        elif a.kind is ActionKind.B:
+            self._backward(s, mb)
+        elif a.kind is ActionKind.SEND_F:
+            self._send(a, self._outbox.pop(("F", s, mb)), self._ports(s).out_leaves)
+        elif a.kind is ActionKind.SEND_B:
+            self._send(a, self._outbox.pop(("B", s, mb)), [p for p in self._ports(s).in_leaves if p.carries_grad])
+        elif a.kind is ActionKind.RECV_F:
+            leaves = self._recv(a, self._ports(s).in_leaves)
+            if training:
+                for v, port in zip(leaves, self._ports(s).in_leaves):
+                    if port.carries_grad:
+                        v.requires_grad_(True)
+            self._inbox[("F", s, mb)] = leaves
+        elif a.kind is ActionKind.RECV_B:
+            self._inbox[("B", s, mb)] = self._recv(a, [p for p in self._ports(s).out_leaves if p.carries_grad])
+
+    def _forward(self, s: int, mb: int, training: bool) -> None:
+        ports = self._ports(s)
+        leaves = self._inputs[mb] if s == 0 else self._inbox.pop(("F", s, mb))
+        with torch.set_grad_enabled(training):
+            outs = as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
+        out_leaves = flatten(outs, ports.sends, f"rank {self.rank} stage {s} output")
+        self._check(s, mb, out_leaves, ports.out_leaves)
+        if s == self.last_stage:
+            if not training:
+                self._results[mb] = out_leaves
+                return
+            if self.keep_outputs:
+                self._results[mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+            loss = self._loss(outs, mb)
+            self._losses.append(loss.detach())
+            self._stash[(s, mb)] = (leaves, loss)
+        else:
+            if training:
+                self._stash[(s, mb)] = (leaves, out_leaves)
+            if s + 1 in self.stage_ids:  # local neighbour: hand over detached copies, like a receive
+                self._inbox[("F", s + 1, mb)] = [
+                    o.detach().requires_grad_(training and p.carries_grad) if p.kind == "tensor" else o
+                    for o, p in zip(out_leaves, ports.out_leaves)]
+            else:
+                self._outbox[("F", s, mb)] = out_leaves
+        self.peak_stash = max(self.peak_stash, len(self._stash))
+
+    def _backward(self, s: int, mb: int) -> None:
+        in_leaves, outs = self._stash.pop((s, mb))
+        ports = self._ports(s)
+        if s == self.last_stage:
+            torch.autograd.backward(outs)  # the scaled loss
+        else:
+            grads = iter(self._inbox.pop(("B", s, mb)))
+            pairs = [(o, next(grads)) for o, p in zip(outs, ports.out_leaves) if p.carries_grad]
+            pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if s == 0:
+            return
+        input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
+                       for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad]
+        if s - 1 in self.stage_ids:
+            self._inbox[("B", s - 1, mb)] = input_grads
+        else:
+            self._outbox[("B", s, mb)] = input_grads
+
+    def _loss(self, outs: tuple, mb: int) -> torch.Tensor:
+        value = outs[0] if len(outs) == 1 else outs
+        loss = self.loss_fn(value, self._targets[mb]) if self.loss_fn is not None else outs[0]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipeccError(f"rank {self.rank}: the loss must be a scalar tensor, got "
+                              f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
+        n = self._ports(self.last_stage).batch_size
+        share = split_sizes(n, self.m)[mb] / n if n is not None else 1.0 / self.m
+        return loss.reshape(()) * share
+
+    # -- communication -------------------------------------------------------------------
+
+    def _tag(self, direction: int, stage: int, mb: int, leaf: int) -> int:
+        """The gloo tag of a leaf's first message (even; an object's payload gets tag + 1).
+
+        Both ends compute it from (direction, receiving stage, mb, leaf) alone, so it must not
+        depend on anything only one side knows. Unique within a step.
+        """
+        tag = (((direction * self.schedule.num_stages + stage) * self.m + mb) * MAX_PORTS + leaf) * 2
+        if leaf >= MAX_PORTS or tag >= 2**31:
+            raise PipeccError(f"too many ports ({leaf + 1}), stages or microbatches for 31-bit message tags")
+        return tag
+
+    def _send(self, a: Action, values: Sequence[Any], ports: Sequence[Port]) -> None:
+        peer = peer_rank(self.schedule, a)
+        forward = a.kind is ActionKind.SEND_F
+        receiver = a.stage + 1 if forward else a.stage - 1
+        what = f"{a.kind.value} mb {a.microbatch}"
+        payloads = []
+        for i, (v, port) in enumerate(zip(values, ports)):
+            tag = self._tag(0 if forward else 1, receiver, a.microbatch, i)
+            if port.kind == "tensor":
+                self._wire.send(v, peer, tag, what, key=a)
+            else:
+                data = encode_object(v, f"{what} port {port.name!r}").to(self.device)
+                length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+                self._wire.send(length, peer, tag, what, key=a)
+                payloads.append((data, tag + 1))
+        for data, tag in payloads:
+            self._wire.send(data, peer, tag, what, key=a)
+
+    def _recv(self, a: Action, ports: Sequence[Port]) -> list[Any]:
+        peer = peer_rank(self.schedule, a)
+        direction = 0 if a.kind is ActionKind.RECV_F else 1
+        what = f"{a.kind.value} mb {a.microbatch}" + (f" of stage {a.stage}" if len(self.stage_ids) > 1 else "")
+        batch = self._ports(a.stage).batch_size
+        first: list[torch.Tensor] = []
+        for port in ports:
+            if port.kind == "tensor":
+                shape = port.microbatch_shape(a.microbatch, batch, self.m)
+                first.append(torch.empty(shape, dtype=port.dtype, device=self.device))
+            else:
+                first.append(torch.empty(1, dtype=torch.int64, device=self.device))
+        tags = [self._tag(direction, a.stage, a.microbatch, i) for i in range(len(ports))]
+        self._wire.recv(first, peer, tags, what)
+        objects = [i for i, p in enumerate(ports) if p.kind == "object"]
+        if not objects:
+            return first
+        payloads = [torch.empty(int(first[i].item()), dtype=torch.uint8, device=self.device) for i in objects]
+        self._wire.recv(payloads, peer, [tags[i] + 1 for i in objects], what)
+        values: list[Any] = list(first)
+        for i, data in zip(objects, payloads):
+            values[i] = decode_object(data, self.device)
+        return values
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _module(self, stage: int) -> nn.Module:
+        return self.modules[self.stage_ids.index(stage)]
+
+    def _ports(self, stage: int) -> StagePorts:
+        return self.ports[self.stage_ids.index(stage)]
+
+    def _check(self, s: int, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:
+        """Fail early, naming the port, when an output does not match the spec its peer relies on."""
+        batch = self._ports(s).batch_size
+        for v, port in zip(leaves, ports):
+            if port.kind != "tensor":
+                continue
+            shape = port.microbatch_shape(mb, batch, self.m)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != port.dtype:
+                got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
+                    else type(v).__name__
+                raise PipeccError(f"rank {self.rank} stage {s} mb {mb}: output {port.name!r} is {got}, ports.json "
+                                  f"says {list(shape)} {str(port.dtype).removeprefix('torch.')}")
+
+    def _split_inputs(self, inputs: Sequence[Any] | None) -> list[list[Any]]:
+        """Stage 0's inputs as leaves, one list per microbatch (batched leaves split, others shared)."""
+        ports = self._ports(0)
+        inputs = as_tuple(inputs) if inputs is not None else ()
+        if len(inputs) != len(ports.receives):
+            raise PipeccError(f"rank {self.rank}: stage 0 takes {len(ports.receives)} inputs "
+                              f"({', '.join(p.name for p in ports.receives)}), got {len(inputs)}")
+        per_leaf = []
+        for v, port in zip(flatten(inputs, ports.receives, "inputs"), ports.in_leaves):
+            if port.kind == "tensor":
+                v = v.to(self.device)
+                if tuple(v.shape) != port.shape or v.dtype != port.dtype:
+                    raise PipeccError(f"input {port.name!r} is {list(v.shape)} {v.dtype}, the compiled stage "
+                                      f"expects {list(port.shape)} {port.dtype}")
+            extents = port.extents(ports.batch_size, self.m)
+            per_leaf.append(torch.split(v, extents, port.batch_dim) if extents else [v] * self.m)
+        return [[values[mb] for values in per_leaf] for mb in range(self.m)]
+
+    def _split_target(self, target: Any) -> list[Any]:
+        """The target per microbatch: tensors (or a tuple/list of them) split along dim 0."""
+        batch = self._ports(self.last_stage).batch_size
+
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
+            t = t.to(self.device)
+            if batch is None:
+                return split_batch(t, self.m)
+            return list(torch.split(t, microbatch_extents(t.shape[0], batch, self.m, "target"), dim=0))
+
+        if isinstance(target, torch.Tensor):
+            return split(target)
+        if isinstance(target, (tuple, list)) and target and all(isinstance(t, torch.Tensor) for t in target):
+            parts = [split(t) for t in target]
+            return [type(target)(p[i] for p in parts) for i in range(self.m)]
+        return [target] * self.m
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | os.PathLike, step: int) -> Path:
+        """Write ``stage_<rank>.safetensors`` and ``stage_<rank>.json`` into ``directory``."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        for s, module in zip(self.stage_ids, self.modules):
+            for key, t in module.state_dict().items():
+                tensors[f"model.{s}.{key}"] = t.detach().cpu().clone(memory_format=torch.contiguous_format)
+        meta: dict[str, Any] = {"format": "pipecc-checkpoint/1", "step": step, "rank": self.rank,
+                                "world": self.world, "stages": self.stage_ids}
+        if self.optimizer is not None:
+            meta["optimizer"] = {"class": type(self.optimizer).__name__,
+                                 "state": to_json(self.optimizer.state_dict(), tensors, "optim")}
+        base = directory / f"stage_{self.rank}"
+        save_file(tensors, f"{base}.safetensors.tmp")
+        os.replace(f"{base}.safetensors.tmp", f"{base}.safetensors")
+        Path(f"{base}.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(f"{base}.json.tmp", f"{base}.json")
+        return Path(f"{base}.safetensors")
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> int:
+        """Restore module (and optimizer) state saved by ``save_checkpoint``; returns its step."""
+        from safetensors.torch import load_file
+
+        base = Path(directory) / f"stage_{self.rank}"
+        if not Path(f"{base}.json").exists():
+            raise PipeccError(f"no checkpoint for rank {self.rank} in {directory} (expected {base.name}.json)")
+        meta = json.loads(Path(f"{base}.json").read_text())
+        if (meta["world"], meta["stages"]) != (self.world, self.stage_ids):
+            raise PipeccError(f"checkpoint {base}.json holds stages {meta['stages']} of a {meta['world']}-rank run, "
+                              f"this rank runs stages {self.stage_ids} of {self.world}")
+        # NOTE: on the CPU: load_state_dict copies into the parameters' devices, and optimizers
+        # want their `step` counters on the CPU unless capturable.
+        tensors = load_file(f"{base}.safetensors", device="cpu")
+        for s, module in zip(self.stage_ids, self.modules):
+            prefix = f"model.{s}."
+            module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        if self.optimizer is not None:
+            if "optimizer" not in meta:
+                raise PipeccError(f"checkpoint {base}.json has no optimizer state")
+            self.optimizer.load_state_dict(from_json(meta["optimizer"]["state"], tensors))
+        return int(meta["step"])
+
+
+# ---------------------------------------------------------------------------- process group
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(config: RunConfig) -> tuple[int, int]:
+    """Join the process group torchrun describes (env://) unless already joined; (rank, world)."""
+    if not dist.is_initialized():
+        device = torch.device(config.device) if config.device else _default_device()
+        backend = config.backend or ("nccl" if device.type == "cuda" else "gloo")
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            # NOTE: binding the device initialises the communicator now, while every rank is
+            # here; directed_groups then splits its two-rank groups from it.
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s), **kwargs)
+    return dist.get_rank(), dist.get_world_size()

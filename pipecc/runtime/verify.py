@@ -1,0 +1,230 @@
+"""``--verify``: a command-line run checked against the original computation in one process.
+
+With a model file (``Verifier``) the first training step is checked: every rank builds the
+original model from the model file, loads the weights of ALL stages into it (memory: a full
+model copy plus all stage weights per rank, fine for test-sized models, costly for large ones),
+runs the full batch with the same loss and compares its own stages' parameter gradients
+(``--rtol``/``--atol``), the last rank also the outputs and the loss. A mismatch prints
+``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1. With
+BatchNorm and several micro-batches (or active dropout) train-mode numerics legitimately differ
+from one full-batch pass, so only eval-mode outputs are compared, before training. An
+inference-only run compares the first pass's outputs with the model's eval-mode forward. The
+check is collective: every rank learns whether all passed, and those whose own check passed
+stop with ``PeerFailed``.
+
+Without a model file (``verify_chained``) the pipeline's forward is checked against all stages
+chained on the last rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipecc.errors import PipeccError
+from pipecc.runtime.engine import PipelineRuntime
+from pipecc.runtime.ports import as_tuple, output_ports
+from pipecc.runtime.rundata import RunData
+from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
+
+__all__ = ["PeerFailed", "Verifier", "verify_chained"]
+
+
+class PeerFailed(PipeccError):
+    """Raised on the ranks that agree to stop because another rank's check failed."""
+
+
+def verify_chained(outputs: Any, inputs: tuple, modules: list[nn.Module]) -> None:
+    """Without a model file: the pipeline's forward against all stages chained in this process."""
+    values: Any = inputs
+    with torch.no_grad():
+        for module in modules:
+            values = as_tuple(module(*as_tuple(values)))
+    expected = values[0] if len(values) == 1 else values
+    try:
+        torch.testing.assert_close(outputs, expected)
+    except AssertionError as e:
+        raise PipeccError(f"verify: pipeline outputs differ from the chained stages: {str(e).splitlines()[0]}") from None
+    print("verify: pipeline outputs match the chained stages", flush=True)
+
+
+class Verifier:
+    """``--verify`` against the original model in this process (see the module docstring); collective."""
+
+    def __init__(self, runtime: PipelineRuntime, data: RunData, meta: dict[str, Any], stage_dirs: list[Path],
+                 load_stage: Callable, rtol: float, atol: float):
+        self.runtime, self.data, self.rtol, self.atol = runtime, data, rtol, atol
+        self.is_last = runtime.last_stage in runtime.stage_ids
+        file = Path(str(meta.get("model_path"))).name
+        try:
+            model = data.module.build_model(**dict(meta.get("model_args") or {}))
+        except Exception as e:
+            raise PipeccError(f"verify: build_model in {file} failed: {type(e).__name__}: {e}") from None
+        if not isinstance(model, nn.Module):
+            raise PipeccError(f"verify: build_model in {file} returned {type(model).__name__}, not an nn.Module")
+        state = assemble_owner([load_stage(d)[0] for d in stage_dirs]).state_dict()
+        wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        wanted += [n for n, _ in model.named_buffers(remove_duplicate=False) if persistent_buffer(model, n)]
+        missing = [n for n in wanted if n not in state]
+        if missing:
+            raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
+                              f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + "; was OUT compiled from this file and these --model-arg values?")
+        try:
+            model.load_state_dict(state, strict=False)
+        except RuntimeError as e:
+            raise PipeccError(f"verify: the stage weights do not fit the model built from {file}: "
+                              f"{str(e).strip().splitlines()[-1].strip()}") from None
+        self.model = model.to(runtime.device)
+        self.eval_only = self._eval_only_reason(model, runtime.m)
+
+    @staticmethod
+    def _eval_only_reason(model: nn.Module, m: int) -> str | None:
+        if m > 1 and any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules()):
+            return (f"the model has BatchNorm, which in train mode normalises each of the {m} micro-batches "
+                    "with its own statistics (legitimately unlike one full-batch pass)")
+        if any(isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 for mod in model.modules()):
+            return "the model has dropout, whose random masks differ between the two runs"
+        return None
+
+    def _inputs(self) -> tuple:
+        return tuple(v.to(self.runtime.device) if isinstance(v, torch.Tensor) else v for v in self.data.model_inputs)
+
+    def _target(self) -> Any:
+        t = self.data.target
+        if isinstance(t, torch.Tensor):
+            return t.to(self.runtime.device)
+        if isinstance(t, (tuple, list)):
+            return type(t)(x.to(self.runtime.device) if isinstance(x, torch.Tensor) else x for x in t)
+        return t
+
+    def check_eval_outputs(self, inputs: Any) -> None:
+        """BatchNorm with micro-batches, dropout: eval-mode outputs only, before training."""
+        for module in self.runtime.modules:
+            module.eval()
+        try:
+            outputs = self.runtime.infer(inputs)
+        finally:
+            for module in self.runtime.modules:
+                module.train()
+        if self.is_last:
+            print(f"verify: {self.eval_only}; compared eval-mode outputs only", flush=True)
+        self.check_forward(outputs, "verify: eval-mode outputs match the single-process run")
+
+    def check_forward(self, outputs: Any,
+                      done: str = "verify: outputs match the single-process run (forward only)") -> None:
+        """Inference-only runs: the pipeline's outputs (``infer``) against the model's eval-mode forward."""
+        failures: list[str] = []
+        if self.is_last:
+            self.model.eval()
+            with torch.no_grad():
+                expected = self.model(*self._inputs())
+            failures += self._compare_outputs(outputs, expected)
+        self._agree(failures, 0)
+        if self.is_last:
+            print(done, flush=True)
+        del self.model
+
+    def check_step(self, loss: float | None) -> None:
+        """After the pipeline's first step (before the optimizer's): outputs, loss, gradients."""
+        model = self.model
+        model.train()
+        model.zero_grad(set_to_none=True)
+        outputs = model(*self._inputs())
+        ref_loss = self.data.model_loss(outputs, self._target())
+        ref_loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+        failures: list[str] = []
+        count = 0
+        for s, module in zip(self.runtime.stage_ids, self.runtime.modules):
+            names: dict[str, str] = getattr(type(module), "PARAM_NAMES", {})
+            shards: dict[str, tuple] = getattr(type(module), "SHARDS", {})
+            for attr, p in module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if attr in shards:
+                    name, dim, start, size = shards[attr]
+                    label = f"{name} (slice {start}:{start + size} of dim {dim})"
+                    ref = grads.get(name)
+                    ref = ref.narrow(dim, start, size) if ref is not None else None
+                elif attr in names:
+                    name = label = names[attr]
+                    ref = grads.get(name)
+                else:
+                    continue
+                if name not in grads:
+                    failures.append(f"verify: rank {self.runtime.rank} stage {s} parameter {attr} maps to {name!r}, "
+                                    "which the original model does not have")
+                    continue
+                count += 1
+                got = p.grad if p.grad is not None else torch.zeros_like(p)
+                ref = ref if ref is not None else torch.zeros_like(p)
+                problem = self._differs(got, ref.to(got.device))
+                if problem:
+                    failures.append(f"verify: rank {self.runtime.rank} stage {s} gradient of {label} "
+                                    f"differs: {problem}")
+        if self.is_last:
+            got_loss = float(loss) if loss is not None else float("nan")
+            want = float(ref_loss.detach())
+            if not abs(got_loss - want) <= self.atol + self.rtol * abs(want):
+                failures.append(f"verify: rank {self.runtime.rank} stage {self.runtime.last_stage} loss {got_loss:.8g} "
+                                f"differs from the single-process {want:.8g}")
+            failures += self._compare_outputs(self.runtime.last_outputs(), outputs)
+        total = self._agree(failures, count)
+        if self.is_last:
+            print(f"verify: outputs, loss and {total} gradients match the single-process run", flush=True)
+        del self.model
+        model.zero_grad(set_to_none=True)
+
+    def _compare_outputs(self, sends: Any, expected: Any) -> list[str]:
+        names = self.data.send_names
+        got = dict(zip(names, (sends,) if len(names) == 1 else tuple(sends)))
+        want = output_ports(self.data.model_output, expected, {})
+        failures = []
+        for name, value in got.items():
+            if name not in want:
+                continue
+            ref = want[name]
+            if isinstance(value, list) and not isinstance(ref, list):
+                value = value[0]  # an unbatched output: one value per micro-batch
+            if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor):
+                problem = self._differs(value, ref.detach().to(value.device))
+            else:
+                problem = None if value == ref else f"{value!r} != {ref!r}"
+            if problem:
+                failures.append(f"verify: rank {self.runtime.rank} stage {self.runtime.last_stage} output {name} "
+                                f"differs: {problem}")
+        return failures
+
+    def _differs(self, got: torch.Tensor, want: torch.Tensor) -> str | None:
+        """None when close, else a one-line summary (how many elements, the largest difference)."""
+        if got.shape != want.shape:
+            return f"shape {list(got.shape)} vs {list(want.shape)} in the single-process run"
+        got, want = got.detach().double(), want.detach().double()
+        if torch.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True):
+            return None
+        diff = (got - want).abs()
+        bad = ~torch.isclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True)
+        worst = int(torch.argmax(torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)))
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape)) if got.dim() else ()
+        return (f"{int(bad.sum())} of {got.numel()} elements, largest difference {float(diff.flatten()[worst]):.3g} "
+                f"at {list(where)} ({float(got.flatten()[worst]):.6g} vs {float(want.flatten()[worst]):.6g}; "
+                f"rtol {self.rtol:g}, atol {self.atol:g})")
+
+    def _agree(self, failures: list[str], count: int) -> int:
+        """Every rank learns whether all passed (so all stop together); returns the gradient count."""
+        flags = torch.tensor([0.0 if failures else 1.0, float(count)], dtype=torch.float64,
+                             device=self.runtime.device)
+        if self.runtime.world > 1:
+            dist.all_reduce(flags)
+        if failures:
+            more = f" (and {len(failures) - 1} more mismatches)" if len(failures) > 1 else ""
+            raise PipeccError(failures[0] + more)
+        if int(flags[0]) != self.runtime.world:
+            raise PeerFailed("verify failed on another rank")
+        return int(flags[1])

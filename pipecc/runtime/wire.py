@@ -1,0 +1,210 @@
+"""The transport between ranks: point-to-point messages over torch.distributed, and what the
+schedule tells it (message order for NCCL, when a send is certainly complete, the process groups).
+
+Wire protocol (per SEND/RECV action, one microbatch):
+  * tensor port: one message of the microbatch shape and spec dtype, received into a buffer
+    allocated from the spec.
+  * object port (``kind: "object"``, e.g. a Python int shape): JSON, not pickle — a peer cannot
+    make us run code (``encode_object``; the values ``pipecc.runtime.ports.to_json`` allows, a
+    torch.device arrives as the receiver's own device). Two messages: an int64 length, then the
+    UTF-8 bytes as uint8.
+  * tuple port (``kind: "tuple"``, ``items``): travels as its leaves, in order.
+  * backward: only ports with ``requires_grad`` and a floating dtype carry a gradient back
+    (integer token ids never do); both sides decide this from the spec alone. A received input
+    the stage did not use sends zeros.
+  Messages go in port order, first every tensor and length, then the object payloads. Gloo
+  matches them by tag (direction, receiving stage, microbatch, port); NCCL ignores tags and
+  matches by order, which ``check_fifo`` verifies against the schedule before an NCCL run.
+  At start-up neighbours swap a digest of their shared boundary (``fingerprint``), so two
+  ``ports.json`` that disagree fail with a clear error instead of a mis-sized message.
+
+Sends and receives. A SEND never blocks (``isend``; handle and tensor are kept until a later
+receive proves the peer has the message, ``send_release``, or else to the end of ``step``); a
+RECV waits with a deadline. That is the model ``pipecc.ir.schedule.validate`` proves deadlock-free,
+so 1F1B, whose neighbours send in opposite directions at once, cannot deadlock.
+No ``batch_isend_irecv``: on gloo it can hang. On NCCL a process group runs its p2p operations
+in issue order on one stream and a send may wait for its receiver, which would let a pending
+send hold up a receive; the runtime therefore gives every direction between two ranks its own
+two-rank group (``directed_groups``), so each stream carries sends only or receives only.
+
+Imports torch, ``pipecc.ir.schedule``, ``pipecc.errors`` and ``pipecc.runtime.ports``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecc.errors import PipeccError
+from pipecc.ir.schedule import Action, ActionKind, Schedule
+from pipecc.runtime.ports import Port, describe, from_json, to_json
+
+__all__ = [
+    "Wire",
+    "check_fifo",
+    "decode_object",
+    "directed_groups",
+    "encode_object",
+    "fingerprint",
+    "peer_rank",
+    "send_release",
+]
+
+
+# ---------------------------------------------------------------------------- the schedule's messages
+
+
+def peer_rank(schedule: Schedule, a: Action) -> int:
+    """The rank on the other end of a SEND/RECV."""
+    neighbour = a.stage + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else a.stage - 1
+    return schedule.stage_to_rank[neighbour]
+
+
+def check_fifo(schedule: Schedule) -> None:
+    """Raise unless every rank receives from each peer in the order that peer sends (NCCL needs it)."""
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank, row in enumerate(schedule.actions):
+        for a in row:
+            if a.kind.is_send:
+                sent.setdefault((rank, peer_rank(schedule, a)), []).append(a.message())
+            elif a.kind.is_recv:
+                received.setdefault((peer_rank(schedule, a), rank), []).append(a.message())
+    for pair, order in sent.items():
+        if received.get(pair) != order:
+            raise PipeccError(f"rank {pair[1]} receives from rank {pair[0]} in another order than it sends; "
+                              "NCCL matches messages by order: use the gloo backend or reorder the schedule")
+
+
+# ---------------------------------------------------------------------------- transport
+
+
+class Wire:
+    """One rank's messages: sends never block, receives wait with a deadline.
+
+    ``groups[(src, dst)]`` is the process group carrying src -> dst traffic: None (the default
+    group, messages matched by tag) on gloo; on NCCL one two-rank group per direction, so a
+    send still waiting for its receiver never holds up a receive (see the module docstring).
+    Sent tensors stay referenced until ``flush`` has seen their sends complete.
+    """
+
+    def __init__(self, rank: int, timeout_s: float, nccl: bool = False,
+                 groups: dict[tuple[int, int], Any] | None = None, by_order: bool = False):
+        self.rank, self.timeout_s, self.nccl, self.groups = rank, timeout_s, nccl, groups or {}
+        self.by_order = by_order  # tag every message 0, as NCCL effectively does (tests run it on gloo)
+        # sending action -> [(work, tensor kept alive until the send completed, what)]
+        self.inflight: dict[Any, list[tuple[Any, torch.Tensor, str]]] = {}
+        self.peak_inflight = 0  # most sending actions not yet known complete, this step
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str, key: Any) -> None:
+        """Post a send for action ``key``; its tensor stays referenced until ``release(key)``."""
+        tensor = tensor.detach().contiguous()
+        tag = 0 if self.by_order else tag
+        work = dist.isend(tensor, dst=peer, group=self.groups.get((self.rank, peer)), tag=tag)
+        self.inflight.setdefault(key, []).append((work, tensor, f"{what} to rank {peer}"))
+        self.peak_inflight = max(self.peak_inflight, len(self.inflight))
+
+    def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> None:
+        """Receive into ``buffers`` from ``peer``; returns when all arrived, raises after ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        group = self.groups.get((peer, self.rank))
+        works = [dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t) for b, t in zip(buffers, tags)]
+        for work in works:
+            self._wait(work, deadline, f"{what} from rank {peer}")
+
+    def release(self, keys: Sequence[Any]) -> None:
+        """Wait for (already completed, see ``send_release``) sends and drop their tensors."""
+        deadline = time.monotonic() + self.timeout_s
+        for key in keys:
+            for work, _, what in self.inflight.pop(key, ()):
+                self._wait(work, deadline, what)
+
+    def flush(self) -> None:
+        """Wait until every send of this step completed."""
+        self.release(list(self.inflight))
+
+    def _wait(self, work: Any, deadline: float, what: str) -> None:
+        try:
+            if self.nccl:
+                # NOTE: NCCL's wait() only orders streams; poll so a dead peer cannot block us forever.
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    time.sleep(0.0002)
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except (RuntimeError, TimeoutError) as e:
+            if isinstance(e, TimeoutError) or "timed out" in str(e).lower():
+                raise PipeccError(f"rank {self.rank}: timed out after {self.timeout_s} s waiting for {what}") from None
+            raise PipeccError(f"rank {self.rank}: {what} failed, the peer exited or crashed ({_gist(e)})") from None
+
+
+def directed_groups(schedule: Schedule) -> dict[tuple[int, int], Any]:
+    """NCCL: one two-rank process group per direction of every pair of ranks that exchange messages.
+
+    NCCL runs a group's p2p operations in issue order on one stream and a send may wait for
+    its receiver, so sends and receives sharing a stream can deadlock (1F1B sends forward
+    while the peer sends backward; interleaved wraps around). With one group per direction a
+    stream holds only sends (or only receives) between two ranks, matched in order
+    (``check_fifo``): exactly the "buffered sends, blocking receives" model ``validate`` proves
+    deadlock-free. Collective: every rank must call it, with the same schedule.
+    """
+    pairs = sorted({(rank, peer_rank(schedule, a)) for rank, row in enumerate(schedule.actions)
+                    for a in row if a.kind.is_send})
+    return {pair: dist.new_group(list(pair)) for pair in pairs}
+
+
+def send_release(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
+    """For each receive of ``rank``, the earlier sends that are certainly complete once it returns.
+
+    A send to peer P is complete when P has received it, which is certain once we receive a
+    message P sent after that receive. Releasing sends there, instead of at the end of the step,
+    drops the sent activations when the schedule says so: 1F1B holds p - r of them, not m.
+    """
+    index = {(r, a): i for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
+    receive_of = {a.message(): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_recv}
+    send_of = {a.message(): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_send}
+    released: dict[Action, list[Action]] = {}
+    pending: list[Action] = []
+    for a in schedule.actions[rank]:
+        if a.kind.is_send:
+            pending.append(a)
+        elif a.kind.is_recv:
+            peer, sent = send_of[a.message()]
+            done = [s for s in pending if receive_of[s.message()][0] == peer
+                    and index[receive_of[s.message()]] < index[(peer, sent)]]
+            if done:
+                released[a] = done
+                pending = [s for s in pending if s not in done]
+    return released
+
+
+def _gist(error: BaseException) -> str:
+    """The first sentence of a c10d/gloo error, without its ``[file.cc:123]`` prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n")[0])
+    return text.split(". ")[0] or type(error).__name__
+
+
+def encode_object(value: Any, what: str) -> torch.Tensor:
+    data = json.dumps(to_json(value, path=what)).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_object(payload: torch.Tensor, device: torch.device) -> Any:
+    """An object port's value; a device in it becomes the receiving rank's ``device``."""
+    return from_json(json.loads(bytes(payload.cpu().tolist()).decode()), device=device)
+
+
+def fingerprint(leaves: Sequence[Port]) -> torch.Tensor:
+    """32 bytes identifying a boundary: names, kinds, shapes, dtypes, gradient flags, batch dims."""
+    text = json.dumps([(p.name, describe(p), p.requires_grad, p.batch_dim) for p in leaves])
+    return torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)

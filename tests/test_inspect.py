@@ -18,9 +18,11 @@ import torch
 from helpers import zoo_module, zoo_path
 from pipecc import cli, driver, progress
 from pipecc.backends.torch import cut_stages, write_output
-from pipecc.report.compiled import (MODEL_INPUT, bottleneck_stage, dot_text, graph_json, load_compiled,
-                            stage_json, summary_json, timeline_json)
-from pipecc.report.html import render_report, timeline_for
+from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
+from pipecc.report.compiled import load_compiled, stage_json, summary_json
+from pipecc.report.dot import dot_text
+from pipecc.report.figures import bottleneck_stage
+from pipecc.report.html import render_report
 
 # TINY gpt with 4 layers and a longer sequence, so 4 CPUs get 4 real stages.
 GPT_ARGS = dict(zoo_module("gpt").TINY, n_layer=4, n_embd=64, block_size=32, seq_len=32)

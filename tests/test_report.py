@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipecc.report.compiled import load_compiled, timeline_json
-from pipecc.report.html import graphviz_svg, render_report, report_from_folder, timeline_for
+from pipecc.report.artifacts import timeline_for, timeline_json
+from pipecc.report.compiled import load_compiled
+from pipecc.report.dot import graphviz_svg
+from pipecc.report.html import render_report, report_from_folder
 from test_inspect import GPT_ARGS, compile_folder
 
 

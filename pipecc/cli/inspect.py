@@ -41,8 +41,9 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipecc.report import compiled as insp
     from pipecc.errors import UsageError
+    from pipecc.report import compiled as insp
+    from pipecc.report.dot import dot_text
 
     compiled = insp.load_compiled(args.out)
     if args.onnx:
@@ -54,7 +55,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     elif args.format == "dot":
         if args.stage is not None:
             raise UsageError("--format dot draws the whole pipeline; leave out --stage")
-        print(insp.dot_text(compiled.plan, compiled.graph))
+        print(dot_text(compiled.plan, compiled.graph))
     elif args.stage is not None:
         print(insp.stage_text(compiled, args.stage))
     else:

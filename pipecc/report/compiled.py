@@ -1,17 +1,12 @@
 """`pipecc inspect OUT`: what a compile made, read back from the folder alone.
 
-Compile time writes (through `write_output(..., extra_files=...)`):
-
-    OUT/graph.json      graph_json(graph, plan): every node with op, kind, shapes, cost, stage,
-                        where its inputs come from and where its outputs go
-    OUT/timeline.json   timeline_json(timeline): the simulator's events for one iteration
-
-Inspect reads those with `plan.json`, `pipecc.json` and each `stage_<i>/ports.json` (and an FPGA
-stage's `estimates.json`); it never imports the model or the stage code. A folder compiled before
+Compile time writes OUT/graph.json and OUT/timeline.json (see `artifacts`). Inspect reads those
+with `plan.json`, `pipecc.json` and each `stage_<i>/ports.json` (and an FPGA stage's
+`estimates.json`); it never imports the model or the stage code. A folder compiled before
 graph.json existed still inspects, without the per-node details.
 
 Renderers: `summary_json` / `stage_json` (`--format json`; the keys listed there are stable),
-`summary_text` / `stage_text` (the default), `dot_text` (`--format dot`, Graphviz).
+`summary_text` / `stage_text` (the default); `--format dot` is `dot.dot_text`.
 
 Units: the plan's figures (FLOPs, seconds, traffic) are per micro-batch, as the planner saw
 them; node costs are given both at the compile batch (like `pipecc cost`) and per micro-batch.
@@ -25,100 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipecc.report.tables import human
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
-from pipecc.report.text import _seconds
+from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
+from pipecc.report.artifacts import graph_json  # noqa: F401 - old path (driver.py, docs/screenshot.sh)
+from pipecc.report.figures import bottleneck_stage, device_capacities, first_last
+from pipecc.report.formatting import human, seconds, shapes_text, text_table
 
-GRAPH_FORMAT = "pipecc-graph"
 INSPECT_FORMAT = "pipecc-inspect"
-FORMAT_VERSION = 1
-MODEL_INPUT = -1  # the "stage" of model inputs, as in ports.json
-
-
-# ----------------------------------------------------------------------------- compile time
-def graph_json(graph: Any, plan: Plan) -> dict[str, Any]:
-    """Per-node facts for OUT/graph.json, from the (possibly layer-split) graph the plan names.
-
-    Node keys: name (human), id (fx name = tensor/port name in stage.py and ports.json), op,
-    kind, stage (-1 model input, null for a parameter read), stages (for parameters: every
-    stage that reads it), shapes, shapes_at (ints at the compile batch), forward_flops,
-    backward_flops, param_bytes, output_bytes (compile batch), *_mb (one micro-batch),
-    forward_flops_expr, inputs [{name, id, stage}], users [{name, id, stage}] (the model's
-    output is {"name": "output", "id": "output", "stage": num_stages}), split_of (shards).
-    """
-    import sympy
-
-    from pipecc.backends.torch.stages import normalise_stage_of
-    from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, ScalarInfo, tensors_in
-
-    placed = normalise_stage_of(graph, plan.stage_of())
-    nodes = [n for n in graph.gm.graph.nodes if n.op != "output"]
-    num_stages = len(plan.stages)
-    mb = max(plan.batch_size // max(plan.microbatches, 1), 1)
-    at_mb = dict(graph.point)
-    if "B" in graph.symbols:
-        at_mb[graph.symbols["B"]] = mb
-    shard_of = {sh: sl.node for sl in plan.split_layers for sh in sl.shards}
-
-    def stage(n: Any) -> int | None:
-        if n.op == "output":
-            return num_stages
-        if n.op == "placeholder":
-            return MODEL_INPUT
-        return placed.get(n.meta[META_NAME])
-
-    def ref(n: Any) -> dict[str, Any]:
-        if n.op == "output":
-            return {"name": "output", "id": "output", "stage": num_stages}
-        return {"name": n.meta[META_NAME], "id": n.name, "stage": stage(n)}
-
-    def number(expr: Any, point: dict) -> int:
-        return int(sympy.sympify(expr).subs(point)) if not isinstance(expr, int) else expr
-
-    out = []
-    for n in nodes:
-        cost = n.meta.get(META_COST)
-        value = n.meta.get(META_VALUE)
-        tensors = list(tensors_in(value))
-        if isinstance(value, ScalarInfo):
-            shapes = ["scalar" if value.value is None else f"scalar({value.value})"]
-        else:
-            shapes = [t.describe() for t in tensors]
-        entry: dict[str, Any] = {
-            "name": n.meta[META_NAME], "id": n.name, "op": n.meta.get(META_OP, n.op),
-            "kind": n.meta.get(META_KIND, "?"), "stage": stage(n),
-            "shapes": shapes,
-            "shapes_at": [[number(d, graph.point) for d in t.shape] for t in tensors],
-            "inputs": [ref(i) for i in n.all_input_nodes],
-            "users": [ref(u) for u in n.users],
-        }
-        if n.op == "get_attr":
-            entry["stage"] = None
-            entry["stages"] = sorted({placed[u.meta[META_NAME]] for u in n.users
-                                      if u.op != "output" and u.meta[META_NAME] in placed})
-        for f in ("forward_flops", "backward_flops", "param_bytes", "output_bytes"):
-            entry[f] = cost.value(f) if cost is not None else 0
-        for f in ("forward_flops", "backward_flops", "output_bytes"):
-            entry[f + "_mb"] = number(getattr(cost, f), at_mb) if cost is not None else 0
-        entry["forward_flops_expr"] = str(cost.forward_flops) if cost is not None else "0"
-        if entry["name"] in shard_of:
-            entry["split_of"] = shard_of[entry["name"]]
-        out.append(entry)
-    return {"format": GRAPH_FORMAT, "version": FORMAT_VERSION, "model": graph.model_name,
-            "batch_size": plan.batch_size, "microbatch_size": mb, "num_stages": num_stages,
-            "symbols": {k: int(graph.point[s]) for k, s in graph.symbols.items()}, "nodes": out}
-
-
-def timeline_json(timeline: Any) -> dict[str, Any]:
-    """The simulator's Timeline as OUT/timeline.json: events (rank, kind, stage, microbatch,
-    start, end, peer), iteration_s, bubble_fraction, busy_s and peak_memory_bytes per rank."""
-    return {"num_ranks": timeline.num_ranks, "iteration_s": timeline.iteration_s,
-            "bubble_fraction": timeline.bubble_fraction, "busy_s": list(timeline.busy_s),
-            "peak_memory_bytes": list(timeline.peak_memory_bytes),
-            "events": [{"rank": e.rank, "kind": e.kind.value, "stage": e.stage,
-                        "microbatch": e.microbatch, "start": e.start, "end": e.end,
-                        "peer": e.peer} for e in timeline.events]}
 
 
 # ----------------------------------------------------------------------------- reading OUT
@@ -176,48 +85,11 @@ def load_compiled(out: str | Path) -> Compiled:
     return compiled
 
 
-# ----------------------------------------------------------------------------- shared figures
-def bottleneck_stage(plan: Plan) -> int:
-    """The stage with the most fwd + bwd + comm per micro-batch (as `pipecc plan` marks it)."""
-    return max(range(len(plan.stages)),
-               key=lambda i: plan.stages[i].forward_s + plan.stages[i].backward_s + plan.stages[i].comm_s)
-
-
-def device_capacities(plan: Plan, cluster: Any = None) -> list[float | None]:
-    """Memory bytes of each plan device: from `cluster` if given, else the built-in catalog by
-    name (None for a device the catalog does not know, e.g. one defined in a cluster file)."""
-    if cluster is not None:
-        return [float(cluster.devices[d.get("given_index", i)].memory_bytes)
-                for i, d in enumerate(plan.devices)]
-    from pipecc.targets.devices import load_catalog
-    catalog = load_catalog()
-    return [float(catalog.devices[d["name"]]["memory_bytes"]) if d.get("name") in catalog.devices
-            else None for d in plan.devices]
-
-
 def _split_shards(plan: Plan, stage: int) -> list[str]:
     """'lm_head 1/2' for every split layer with a shard in `stage`."""
     names = set(plan.stages[stage].nodes)
     return [f"{sl.node} {k + 1}/{sl.parts}" for sl in plan.split_layers
             for k, sh in enumerate(sl.shards) if sh in names]
-
-
-def _table(headers: list[str], rows: list[list[str]], left: int = 2, right_from: int = 0) -> str:
-    """A plain-text table: the first `left` columns and those from `right_from` on (when
-    set) align left, the numbers between align right."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def is_left(i: int) -> bool:
-        return i < left or (right_from > 0 and i >= right_from)
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if is_left(i) else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
-
-
-def _first_last(nodes: list[str]) -> tuple[str, str]:
-    return (nodes[0], nodes[-1]) if nodes else ("-", "-")
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -235,7 +107,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     stages = []
     for s in plan.stages:
         dev = plan.devices[s.device] if s.device < len(plan.devices) else {}
-        first, last = _first_last(s.nodes)
+        first, last = first_last(s.nodes)
         ports = c.ports[s.index] if s.index < len(c.ports) else {}
         stages.append({
             "index": s.index, "device": s.device, "device_name": dev.get("name"),
@@ -333,7 +205,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         rows.append([f"{s['index']}{' *' if s['bottleneck'] else ''}",
                      f"{s['device']} {s['device_name']}", f"{s['first_node']} .. {s['last_node']}",
                      str(s["num_nodes"]), human(s["forward_flops"]), human(s["param_bytes"], "B"),
-                     _seconds(s["forward_s"]), _seconds(s["backward_s"]), mem,
+                     seconds(s["forward_s"]), seconds(s["backward_s"]), mem,
                      human(s["recv_bytes"], "B"), human(s["send_bytes"], "B"),
                      ", ".join(s["split_layers"]) or "-"])
     mb = data["microbatch_size"]
@@ -344,21 +216,21 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         + f", {plan.microbatches} micro-batches of {mb} (batch {plan.batch_size}); "
         f"figures per micro-batch",
         "",
-        _table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd",
-                "peak mem / capacity", "in", "out", "split-layer shards"], rows, left=3,
-               right_from=11),
+        text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd",
+                    "peak mem / capacity", "in", "out", "split-layer shards"], rows, left=3,
+                   right_from=11),
         "",
-        f"bottleneck      {_seconds(plan.bottleneck_s)} per micro-batch: stage "
+        f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch: stage "
         f"{data['bottleneck_stage']} (marked *)",
-        f"lower bound     {_seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}",
-        f"iteration       {_seconds(plan.predicted_iteration_s)} predicted, bubble "
+        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}",
+        f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
     ]
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
-        lines.append(f"baseline        {b['name']}: {_seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"
+        lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"
                      + ("" if b.get("fits_memory", True) else " (exceeds memory)"))
     lines += ["", _ascii_timeline(_timeline(c))]
     if verbose:
@@ -371,12 +243,11 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
 def _timeline(c: Compiled) -> dict[str, Any]:
     if c.timeline:
         return c.timeline
-    from pipecc.report.html import timeline_for  # an older folder: simulate the plan again
-    return timeline_json(timeline_for(c.plan))
+    return timeline_json(timeline_for(c.plan))  # an older folder: simulate the plan again
 
 
 def _ascii_timeline(t: dict[str, Any], width: int = 72) -> str:
-    lines = [f"schedule: iteration {_seconds(t['iteration_s'])}, bubble {t['bubble_fraction']:.1%} "
+    lines = [f"schedule: iteration {seconds(t['iteration_s'])}, bubble {t['bubble_fraction']:.1%} "
              "(F forward, B backward, . idle)"]
     step = t["iteration_s"] / width if t["iteration_s"] > 0 else 0.0
     for r in range(t["num_ranks"]):
@@ -396,8 +267,8 @@ def stage_text(c: Compiled, stage: int) -> str:
     s = data["stage"]
     lines = [f"stage {stage} (of 0..{len(c.plan.stages) - 1}) on device {s['device']} ({s['device_name']}, "
              f"{s['device_kind']}){'  — the bottleneck' if s['bottleneck'] else ''}",
-             f"fwd {_seconds(s['forward_s'])}, bwd {_seconds(s['backward_s'])}, comm "
-             f"{_seconds(s['comm_s'])}, peak memory {human(s['peak_memory_bytes'], 'B')}, "
+             f"fwd {seconds(s['forward_s'])}, bwd {seconds(s['backward_s'])}, comm "
+             f"{seconds(s['comm_s'])}, peak memory {human(s['peak_memory_bytes'], 'B')}, "
              f"params {human(s['param_bytes'], 'B')} (per micro-batch of "
              f"{c.plan.batch_size // max(c.plan.microbatches, 1)})", ""]
     n = len(c.plan.stages)
@@ -420,12 +291,12 @@ def stage_text(c: Compiled, stage: int) -> str:
         lines.append("(no graph.json in this folder: recompile for op, shapes and costs per node)")
     else:
         index = {nd["id"]: k for k, nd in enumerate(data["nodes"])}
-        rows = [[str(k), nd["name"], nd["op"], _shapes(nd["shapes"]), human(nd["forward_flops_mb"]),
+        rows = [[str(k), nd["name"], nd["op"], shapes_text(nd["shapes"]), human(nd["forward_flops_mb"]),
                  human(nd["backward_flops_mb"]), human(nd["param_bytes"], "B"),
                  _refs(nd["inputs"], stage, n, index, None), _refs(nd["users"], stage, n, index, nd["id"])]
                 for k, nd in enumerate(data["nodes"])]
-        lines.append(_table(["#", "node", "op", "shape", "fwd FLOPs", "bwd FLOPs", "params",
-                             "inputs from", "outputs to"], rows, left=4, right_from=7))
+        lines.append(text_table(["#", "node", "op", "shape", "fwd FLOPs", "bwd FLOPs", "params",
+                                 "inputs from", "outputs to"], rows, left=4, right_from=7))
         lines.append("(FLOPs per micro-batch; shapes in the batch symbol B; #k: node k of this stage; "
                      "s<k>:<tensor>: the value from/to stage k, named as in stage.py; input:<name>, "
                      "output: the model's)")
@@ -435,14 +306,6 @@ def stage_text(c: Compiled, stage: int) -> str:
     if est:
         lines += ["", _estimates_text(est)]
     return "\n".join(lines)
-
-
-def _shapes(shapes: list[str]) -> str:
-    """'3× float32[B, 128, 768]' for repeated shapes."""
-    groups: dict[str, int] = {}
-    for sh in shapes:
-        groups[sh] = groups.get(sh, 0) + 1
-    return ", ".join(f"{k}× {sh}" if k > 1 else sh for sh, k in groups.items()) or "-"
 
 
 def _refs(refs: list[dict[str, Any]], stage: int, num_stages: int, index: dict[str, int],
@@ -470,63 +333,10 @@ def _estimates_text(est: dict[str, Any]) -> str:
              f"DSP {est.get('total', {}).get('dsp')} ({util.get('dsp', 0):.0%}), BRAM18 "
              f"{est.get('total', {}).get('bram18')} ({util.get('bram18', 0):.0%}), "
              f"{'fits' if est.get('fits') else 'DOES NOT FIT'}; interval {est.get('interval_cycles')} "
-             f"cycles ({_seconds(est.get('interval_s', 0.0))}), latency {est.get('latency_cycles')} cycles"]
+             f"cycles ({seconds(est.get('interval_s', 0.0))}), latency {est.get('latency_cycles')} cycles"]
     layers = est.get("layers") or []
     if layers:
         keys = [k for k in ("name", "kind", "pe", "simd", "dsp", "bram18", "lut", "ii_cycles",
                             "latency_cycles") if k in layers[0]]
-        lines.append(_table(keys, [[str(layer.get(k, "")) for k in keys] for layer in layers]))
+        lines.append(text_table(keys, [[str(layer.get(k, "")) for k in keys] for layer in layers]))
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- dot
-def _q(text: Any) -> str:
-    text = str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return '"' + text + '"'
-
-
-def dot_text(plan: Plan, graph: dict[str, Any] | None) -> str:
-    """Graphviz from the plan and graph.json: one `subgraph cluster_<i>` per stage, model inputs
-    and the output outside, cross-stage edges labelled with the bytes per micro-batch, in red."""
-    title = (f"{plan.model}: {len(plan.stages)} stages, schedule {plan.schedule}; "
-             "edge labels: bytes per micro-batch")
-    lines = [f"digraph {_q(plan.model)} {{", "  rankdir=TB;", "  compound=true;",
-             '  node [shape=box, style="rounded,filled", fillcolor="#f5f7fa", '
-             'fontname="Helvetica", fontsize=10];', '  edge [fontname="Helvetica", fontsize=9];',
-             f"  label={_q(title)};"]
-    if not graph:
-        for s in plan.stages:
-            dev = plan.devices[s.device]["name"] if s.device < len(plan.devices) else "?"
-            lines.append(f"  subgraph cluster_{s.index} {{ label={_q(f'stage {s.index} · {dev}')}; "
-                         f"s{s.index} [label={_q(f'{len(s.nodes)} nodes')}]; }}")
-        for s in plan.stages[:-1]:
-            lines.append(f"  s{s.index} -> s{s.index + 1} [label={_q(human(s.send_bytes, 'B'))}];")
-        return "\n".join(lines + ["}"])
-    nodes = [n for n in graph["nodes"] if n["stage"] is not None]
-    by_id = {n["id"]: n for n in nodes}
-    for n in nodes:
-        if n["stage"] == MODEL_INPUT:
-            lines.append(f"  {_q(n['id'])} [label={_q(n['name'] + chr(10) + ' '.join(n['shapes']))}, "
-                         'shape=ellipse, fillcolor="#e8f4e8"];')
-    for s in plan.stages:
-        dev = plan.devices[s.device]["name"] if s.device < len(plan.devices) else "?"
-        lines.append(f"  subgraph cluster_{s.index} {{")
-        lines.append(f"    label={_q(f'stage {s.index} · device {s.device} {dev}')}; style=rounded; "
-                     'color="#7a8ca3";')
-        members = [n for n in nodes if n["stage"] == s.index]
-        for n in members:
-            label = f"{n['name']}\n{n['op']}  {_shapes(n['shapes'])}"
-            lines.append(f"    {_q(n['id'])} [label={_q(label)}];")
-        if not members:  # Graphviz drops an empty cluster; keep the stage visible
-            lines.append(f'    "stage_{s.index}_empty" [label="no nodes of its own", style=dashed];')
-        lines.append("  }")
-    lines.append('  "output" [shape=ellipse, fillcolor="#e8f4e8"];')
-    for n in nodes:
-        for u in n["users"]:
-            if u["id"] != "output" and u["id"] not in by_id:
-                continue
-            cross = u["stage"] != n["stage"]
-            attrs = (f' [label={_q(human(n["output_bytes_mb"], "B"))}, penwidth=2, color="#c0392b", '
-                     'fontcolor="#c0392b"]') if cross and n["stage"] != MODEL_INPUT else ""
-            lines.append(f"  {_q(n['id'])} -> {_q(u['id'])}{attrs};")
-    return "\n".join(lines + ["}"])

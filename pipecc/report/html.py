@@ -10,169 +10,28 @@ bottleneck beside the baseline partitions; the planner's decisions; the stage gr
 SVG when `dot` is installed, otherwise a stage-flow diagram and node lists); the cost per module.
 
 Everything is inline (CSS, SVG, no script, no fonts or images fetched), so the file opens
-offline. The charts are SVG written here: a few rectangles and lines need no plotting library.
+offline. The charts come from `svg`, the graphs from `dot`, the JSON from `artifacts`.
 """
 
 from __future__ import annotations
 
-import html
-import math
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipecc.report.tables import human
-from pipecc.report.compiled import (MODEL_INPUT, bottleneck_stage, device_capacities, dot_text, graph_json,
-                            load_compiled, timeline_json)
-from pipecc.passes.balance import MEMORY_HEADROOM
 from pipecc.ir.plan import Plan
-from pipecc.report.text import _seconds
+# timeline_for is also imported from here (driver.py, docs/screenshot.sh): the old path
+from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
+from pipecc.report.compiled import load_compiled
+from pipecc.report.dot import dot_text, graphviz_svg
+from pipecc.report.figures import bottleneck_stage, device_capacities, first_last
+from pipecc.report.formatting import human, seconds
+from pipecc.report.svg import (B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, balance_svg, device_label, esc,
+                               gantt_svg, memory_svg, stage_flow_svg, stage_time_svg)
 
-F_COLORS = ("#4c78a8", "#9ecae9", "#2f4b7c", "#6baed6")   # forward, by interleaved chunk
-B_COLORS = ("#f58518", "#ffbf79", "#b35806", "#fdae6b")   # backward
-COMM_F, COMM_B, COMM_C = "#7b4fa0", "#c39bd3", "#7b4fa0"
 DOT_MAX_NODES = 1500
-DOT_TIMEOUT_S = 60
 
 
-def esc(x: Any) -> str:
-    return html.escape(str(x), quote=True)
-
-
-# ----------------------------------------------------------------------------- timeline
-def timeline_for(plan: Plan) -> Any:
-    """The simulator's Timeline for `plan`, rebuilt from its per-stage figures.
-
-    Equal to the planner's own (same stage costs, same schedule generator): the per-direction
-    transfer times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
-    """
-    from pipecc.passes.simulate import StageCosts, simulate
-    from pipecc.ir.schedule import gpipe, inference, interleaved_1f1b, one_f_one_b
-
-    n, m, v = len(plan.stages), plan.microbatches, max(plan.virtual_stages, 1)
-    send, prev = [], 0.0
-    for k, s in enumerate(plan.stages):
-        t = max(s.comm_s / 2 - prev, 0.0) if k < n - 1 else 0.0
-        send.append(t)
-        prev = t
-    costs = StageCosts.per_stage(m, [s.forward_s for s in plan.stages],
-                                 [s.backward_s for s in plan.stages], send, [0.0] + send[:-1])
-    schedule = {"inference": lambda: inference(n, m), "gpipe": lambda: gpipe(n, m),
-                "1f1b": lambda: one_f_one_b(n, m),
-                "interleaved": lambda: interleaved_1f1b(n // v, m, v)}[plan.schedule]()
-    return simulate(schedule, costs)
-
-
-# ----------------------------------------------------------------------------- small helpers
-def _nice_step(span: float, target: int = 8) -> float:
-    raw = span / max(target, 1)
-    if raw <= 0:
-        return 1.0
-    mag = 10 ** math.floor(math.log10(raw))
-    return next(f * mag for f in (1, 2, 2.5, 5, 10) if f * mag >= raw)
-
-
-def _time_unit(span: float) -> tuple[float, str]:
-    if span >= 1:
-        return 1.0, "s"
-    if span >= 1e-3:
-        return 1e3, "ms"
-    return 1e6, "µs"
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.6g}"
-
-
-def _text(x: float, y: float, s: Any, cls: str = "", anchor: str = "start", extra: str = "") -> str:
-    return (f'<text x="{_fmt(x)}" y="{_fmt(y)}" text-anchor="{anchor}"'
-            f'{f" class={chr(34)}{cls}{chr(34)}" if cls else ""}{extra}>{esc(s)}</text>')
-
-
-def _rect(x: float, y: float, w: float, h: float, fill: str, title: str = "", extra: str = "") -> str:
-    t = f"<title>{esc(title)}</title>" if title else ""
-    return (f'<rect x="{_fmt(x)}" y="{_fmt(y)}" width="{_fmt(max(w, 0.0))}" height="{_fmt(h)}" '
-            f'fill="{fill}"{extra}>{t}</rect>')
-
-
-def _device_label(plan: Plan, d: int) -> str:
-    name = plan.devices[d]["name"] if d < len(plan.devices) else "?"
-    return f"device {d} · {name}"
-
-
-# ----------------------------------------------------------------------------- Gantt
-def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
-    """One row per device: F and B blocks labelled with their micro-batch, sends below them on
-    a thin strip, idle time hatched (the bubbles), a time axis in the iteration's unit."""
-    left, right, top, row_h, bar_h = 130, 20, 30, 46, 26
-    ranks = timeline["num_ranks"]
-    span = timeline["iteration_s"] or 1e-9
-    scale, unit = _time_unit(span)
-    plot_w = width - left - right
-    height = top + ranks * row_h + 40
-    p = max(len(plan.devices), 1)
-
-    def x(t: float) -> float:
-        return left + t / span * plot_w
-
-    out = [f'<svg class="chart gantt" viewBox="0 0 {width} {height}" width="{width}" '
-           f'height="{height}" role="img" aria-label="pipeline schedule" data-devices="{ranks}">',
-           '<defs><pattern id="idle-hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
-           'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
-           '<line x1="0" y1="0" x2="0" y2="6" stroke="#d0d0d0" stroke-width="2"/></pattern></defs>']
-    step = _nice_step(span * scale)
-    k = 0
-    while k * step <= span * scale * 1.0001:
-        tx = x(k * step / scale)
-        out.append(f'<line x1="{_fmt(tx)}" y1="{top - 4}" x2="{_fmt(tx)}" '
-                   f'y2="{top + ranks * row_h}" class="grid"/>')
-        out.append(_text(tx, top + ranks * row_h + 16, f"{k * step:g}", "axis", "middle"))
-        k += 1
-    out.append(_text(left + plot_w / 2, top + ranks * row_h + 34, f"time in one iteration ({unit})",
-                     "axis", "middle"))
-    for r in range(ranks):
-        y = top + r * row_h
-        busy = timeline["busy_s"][r] if r < len(timeline.get("busy_s", [])) else 0.0
-        out.append(f'<g class="gantt-row" data-device="{r}">')
-        out.append(_text(8, y + bar_h / 2 + 4, _device_label(plan, r), "rowlabel"))
-        out.append(_text(8, y + bar_h / 2 + 18, f"busy {busy / span:.0%}", "small"))
-        out.append(_rect(left, y, plot_w, bar_h, "url(#idle-hatch)",
-                         f"{_device_label(plan, r)}: idle where hatched"))
-        for e in (e for e in timeline["events"] if e["rank"] == r):
-            out += _event(e, y, x, scale, unit, bar_h, p if plan.virtual_stages > 1 else 0)
-        out.append("</g>")
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def _event(e: dict[str, Any], y: float, x: Any, scale: float, unit: str, bar_h: float,
-           per_chunk: int) -> list[str]:
-    """SVG for one timeline event: a compute block (class `block F|B`) or a send on the strip."""
-    kind = e["kind"]
-    x0, x1 = x(e["start"]), x(e["end"])
-    chunk = e["stage"] // per_chunk if per_chunk else 0
-    when = f"{e['start'] * scale:.4g}–{e['end'] * scale:.4g} {unit}"
-    data = f' data-stage="{e["stage"]}" data-microbatch="{e["microbatch"]}"'
-    if kind in ("F", "B"):
-        color = (F_COLORS if kind == "F" else B_COLORS)[chunk % 4]
-        word = "forward" if kind == "F" else "backward"
-        out = [_rect(x0, y, x1 - x0, bar_h, color,
-                     f"{word} of stage {e['stage']}, micro-batch {e['microbatch']}: {when}",
-                     f' class="block {kind}"{data} stroke="#ffffff" stroke-width="0.8"')]
-        if x1 - x0 >= 11:
-            dark = color in ("#9ecae9", "#ffbf79", "#6baed6", "#fdae6b")
-            out.append(_text((x0 + x1) / 2, y + bar_h / 2 + 4, e["microbatch"],
-                             "blocklabel" + (" dark" if dark else ""), "middle"))
-        return out
-    if kind in ("SEND_F", "SEND_B"):
-        what = "activation" if kind == "SEND_F" else "gradient"
-        return [_rect(x0, y + bar_h + 3, max(x1 - x0, 1.0), 7, COMM_F if kind == "SEND_F" else COMM_B,
-                      f"{what} of stage {e['stage']}, micro-batch {e['microbatch']} to device "
-                      f"{e['peer']}: {when}", f' class="send"{data}')]
-    return []  # a RECV is the receiver waiting: it shows as idle time
-
-
+# ----------------------------------------------------------------------------- legends
 def _legend(plan: Plan) -> str:
     p = max(len(plan.devices), 1)
     items = []
@@ -195,161 +54,7 @@ def _keys(items: Sequence[tuple[str, str]], extra: str = "", indent: int = 0) ->
     return f'<div class="legend"{style}>{spans}{extra}</div>'
 
 
-# ----------------------------------------------------------------------------- bars
-def _hbars(rows: Sequence[dict[str, Any]], *, width: int = 620, max_value: float,
-           lines: Sequence[tuple[float, str, str, str]] = (), label_w: int = 190,
-           value_w: int = 150, name: str = "") -> str:
-    """Horizontal stacked bars. rows: {label, segments [(value, color, title)], note, bold}.
-    lines: vertical markers (value, label, css class, label anchor)."""
-    row_h, top = 26, 22
-    plot_w = width - label_w - value_w
-    height = top + len(rows) * row_h + 8
-    scale = plot_w / max_value if max_value > 0 else 0.0
-    out = [f'<svg class="chart bars {name}" viewBox="0 0 {width} {height}" width="{width}" '
-           f'height="{height}">']
-    for i, row in enumerate(rows):
-        y = top + i * row_h
-        out.append(_text(label_w - 8, y + 14, row["label"], "rowlabel bold" if row.get("bold")
-                         else "rowlabel", "end"))
-        out.append(_rect(label_w, y + 2, plot_w, 16, "#f2f2f2"))
-        x = label_w
-        for value, color, title in row["segments"]:
-            w = max(value * scale, 2.0) if value > 0 else 0.0  # a tiny share stays visible
-            out.append(_rect(x, y + 2, w, 16, color, title))
-            x += w
-        out.append(_text(label_w + plot_w + 6, y + 14, row.get("note", ""),
-                         "value bold" if row.get("bold") else "value"))
-    for value, label, cls, anchor in lines:
-        lx = label_w + value * scale
-        out.append(f'<line x1="{_fmt(lx)}" y1="{top - 4}" x2="{_fmt(lx)}" '
-                   f'y2="{top + len(rows) * row_h}" class="{cls}"/>')
-        shift = {"end": -3, "start": 3}.get(anchor, 0)
-        out.append(_text(lx + shift, top - 8, label, "small " + cls, anchor))
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def stage_time_svg(plan: Plan) -> str:
-    worst = bottleneck_stage(plan)
-    rows = []
-    for s in plan.stages:
-        total = s.forward_s + s.backward_s + s.comm_s
-        rows.append({"label": f"stage {s.index} · {_device_label(plan, s.device)}",
-                     "bold": s.index == worst,
-                     "note": _seconds(total) + ("  ◀ bottleneck" if s.index == worst else ""),
-                     "segments": [(s.forward_s, F_COLORS[0], f"forward {_seconds(s.forward_s)}"),
-                                  (s.backward_s, B_COLORS[0], f"backward {_seconds(s.backward_s)}"),
-                                  (s.comm_s, COMM_C, f"communication {_seconds(s.comm_s)}")]})
-    top = max([plan.bottleneck_s, plan.lower_bound_s] + [r["segments"][0][0] + r["segments"][1][0]
-                                                        + r["segments"][2][0] for r in rows])
-    return _hbars(rows, max_value=top * 1.02, name="stage-time", lines=[(plan.lower_bound_s,
-                  f"lower bound {_seconds(plan.lower_bound_s)}", "bound", "middle")])
-
-
-def memory_svg(plan: Plan, capacities: Sequence[float | None]) -> str:
-    """Per device: its stages' peak memory stacked, against capacity (100%) and the 90% plan line."""
-    rows, peaks = [], []
-    for d in range(len(plan.devices)):
-        stages = [s for s in plan.stages if s.device == d]
-        peak = float(sum(s.peak_memory_bytes for s in stages))
-        cap = capacities[d] if d < len(capacities) else None
-        peaks.append(peak)
-        segs = [(float(s.peak_memory_bytes) / cap if cap else float(s.peak_memory_bytes),
-                 F_COLORS[(s.index // max(len(plan.devices), 1)) % 4],
-                 f"stage {s.index}: {human(s.peak_memory_bytes, 'B')}") for s in stages]
-        note = human(peak, "B") + (f" of {human(cap, 'B')} ({peak / cap:.1%})" if cap
-                                   else " (capacity unknown)")
-        rows.append({"label": _device_label(plan, d), "segments": segs, "note": note})
-    if all(c for c in capacities[:len(plan.devices)]):
-        return _hbars(rows, max_value=max([1.0] + [p / c for p, c in zip(peaks, capacities)]),
-                      lines=[(MEMORY_HEADROOM, "planning limit 90%", "bound", "end"),
-                             (1.0, "capacity", "cap", "start")], value_w=200, name="memory")
-    return _hbars(rows, max_value=max(peaks + [1.0]) * 1.05, value_w=200, name="memory")
-
-
-def balance_svg(plan: Plan) -> str:
-    rows = [{"label": "pipecc", "bold": True, "note": _ratio_note(plan, plan.bottleneck_s, True),
-             "segments": [(plan.bottleneck_s, "#54a24b", f"pipecc: {_seconds(plan.bottleneck_s)}")]}]
-    for b in plan.baselines:
-        ok = b.get("fits_memory", True)
-        rows.append({"label": b["name"].split(" (")[0], "note": _ratio_note(plan, b["bottleneck_s"], ok),
-                     "segments": [(b["bottleneck_s"], "#9d9d9d" if ok else "#e45756",
-                                   f"{b['name']}: {_seconds(b['bottleneck_s'])}"
-                                   + ("" if ok else ", exceeds memory"))]})
-    top = max([plan.lower_bound_s] + [r["segments"][0][0] for r in rows])
-    return _hbars(rows, max_value=top * 1.02, label_w=230, width=760, name="balance",
-                  lines=[(plan.lower_bound_s, f"lower bound {_seconds(plan.lower_bound_s)}", "bound",
-                          "middle")])
-
-
-def _ratio_note(plan: Plan, value: float, fits: bool) -> str:
-    ratio = value / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
-    return f"{_seconds(value)} · ratio {ratio:.2f}" + ("" if fits else " · over memory")
-
-
-# ----------------------------------------------------------------------------- graphs
-def graphviz_svg(dot: str) -> str | None:
-    """`dot -Tsvg` output without its XML prologue, or None (no Graphviz, or it failed)."""
-    exe = shutil.which("dot")
-    if exe is None:
-        return None
-    try:
-        done = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True,
-                              timeout=DOT_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0 or "<svg" not in done.stdout:
-        return None
-    return done.stdout[done.stdout.index("<svg"):]
-
-
-def stage_flow_svg(plan: Plan, graph: dict[str, Any] | None) -> str:
-    """Stages as boxes left to right, arrows labelled with the bytes per micro-batch."""
-    n = len(plan.stages)
-    per_row = min(n, 6)
-    box_w, box_h, gap, top = 170, 90, 56, 16
-    width = per_row * box_w + (per_row - 1) * gap + 20
-    rows = math.ceil(n / per_row)
-    height = top + rows * (box_h + 40)
-    out = [f'<svg class="chart stage-flow" viewBox="0 0 {width} {height}" width="{width}" '
-           f'height="{height}">',
-           '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
-           'markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#c0392b"/></marker></defs>']
-    pos = []
-    for s in plan.stages:
-        r, c = divmod(s.index, per_row)
-        x, y = 10 + c * (box_w + gap), top + r * (box_h + 40)
-        pos.append((x, y))
-        ops = len([nd for nd in (graph or {}).get("nodes", []) if nd["stage"] == s.index]) or len(s.nodes)
-        out.append(_rect(x, y, box_w, box_h, "#f5f7fa", f"stage {s.index}: {', '.join(s.nodes[:8])}"
-                         + (" …" if len(s.nodes) > 8 else ""), ' rx="6" stroke="#7a8ca3"'))
-        out.append(_text(x + box_w / 2, y + 18, f"stage {s.index}", "rowlabel bold", "middle"))
-        out.append(_text(x + box_w / 2, y + 34, _device_label(plan, s.device), "small", "middle"))
-        out.append(_text(x + box_w / 2, y + 50, f"{ops} nodes, {human(s.forward_flops)}FLOP fwd",
-                         "small", "middle"))
-        first, last = (s.nodes[0], s.nodes[-1]) if s.nodes else ("-", "-")
-        out.append(_text(x + box_w / 2, y + 66, _short(first), "small", "middle"))
-        out.append(_text(x + box_w / 2, y + 80, "… " + _short(last), "small", "middle"))
-    for s in plan.stages[:-1]:
-        (x0, y0), (x1, y1) = pos[s.index], pos[s.index + 1]
-        label = human(s.send_bytes, "B")
-        if y0 == y1:
-            out.append(f'<line x1="{x0 + box_w}" y1="{y0 + box_h / 2}" x2="{x1 - 2}" y2="{y1 + box_h / 2}" '
-                       'class="flow" marker-end="url(#arrow)"/>')
-            out.append(_text((x0 + box_w + x1) / 2, y0 + box_h / 2 - 6, label, "small flowlabel", "middle"))
-        else:  # wrap to the next row
-            out.append(f'<path d="M{x0 + box_w / 2},{y0 + box_h} L{x0 + box_w / 2},{y0 + box_h + 20} '
-                       f'L{x1 + box_w / 2},{y0 + box_h + 20} L{x1 + box_w / 2},{y1 - 2}" class="flow" '
-                       'fill="none" marker-end="url(#arrow)"/>')
-            out.append(_text(x1 + box_w / 2 + 6, y0 + box_h + 16, label, "small flowlabel"))
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def _short(name: str, limit: int = 24) -> str:
-    return name if len(name) <= limit else "…" + name[-(limit - 1):]
-
-
+# ----------------------------------------------------------------------------- graphs as lists
 def stage_lists_html(plan: Plan, graph: dict[str, Any] | None) -> str:
     """The readable fallback: per stage, what it receives, its nodes (op, shape), what it sends."""
     n = len(plan.stages)
@@ -374,7 +79,7 @@ def stage_lists_html(plan: Plan, graph: dict[str, Any] | None) -> str:
                      "".join(f"<tr><td>{esc(name)}</td><td></td><td></td></tr>" for name in s.nodes))
         port = lambda d, way: "".join(  # noqa: E731
             f"<li><code>{esc(k)}</code> {way} {esc(v)}</li>" for k, v in d.items())
-        cards.append(f'<div class="card"><h4>stage {s.index} · {esc(_device_label(plan, s.device))}</h4>'
+        cards.append(f'<div class="card"><h4>stage {s.index} · {esc(device_label(plan, s.device))}</h4>'
                      f'<ul class="ports">{port(ins, "⟵ from")}</ul>'
                      f'<div class="scroll"><table class="nodes"><colgroup><col class="n"><col class="o">'
                      f'<col class="s"></colgroup><tr><th>node</th><th>op</th>'
@@ -394,13 +99,13 @@ def stage_table_html(plan: Plan, capacities: Sequence[float | None]) -> str:
     for s in plan.stages:
         cap = capacities[s.device] if s.device < len(capacities) else None
         split = sorted({shards[x] for x in s.nodes if x in shards})
-        first, last = (s.nodes[0], s.nodes[-1]) if s.nodes else ("-", "-")
+        first, last = first_last(s.nodes)
         body.append(f"<tr{' class=worst' if s.index == worst else ''}><td>{s.index}"
-                    f"{' ◀' if s.index == worst else ''}</td><td>{esc(_device_label(plan, s.device))}</td>"
+                    f"{' ◀' if s.index == worst else ''}</td><td>{esc(device_label(plan, s.device))}</td>"
                     f"<td>{esc(first)} … {esc(last)} ({len(s.nodes)})</td>"
                     f"<td>{human(s.forward_flops)}</td><td>{human(s.param_bytes, 'B')}</td>"
-                    f"<td>{_seconds(s.forward_s)}</td><td>{_seconds(s.backward_s)}</td>"
-                    f"<td>{_seconds(s.comm_s)}</td><td>{human(s.peak_memory_bytes, 'B')}"
+                    f"<td>{seconds(s.forward_s)}</td><td>{seconds(s.backward_s)}</td>"
+                    f"<td>{seconds(s.comm_s)}</td><td>{human(s.peak_memory_bytes, 'B')}"
                     f"{f' / {human(cap, chr(66))}' if cap else ''}</td>"
                     f"<td>{human(s.recv_bytes, 'B')}</td><td>{human(s.send_bytes, 'B')}</td>"
                     f"<td>{esc(', '.join(split)) or '-'}</td></tr>")
@@ -445,7 +150,7 @@ def baselines_table_html(plan: Plan) -> str:
     rows = [("pipecc", plan.bottleneck_s, True, [])] + \
         [(b["name"], b["bottleneck_s"], b.get("fits_memory", True), b.get("bounds", []))
          for b in plan.baselines]
-    body = "".join(f"<tr><td>{esc(name)}</td><td>{_seconds(value)}</td><td>{value / bound:.3f}</td>"
+    body = "".join(f"<tr><td>{esc(name)}</td><td>{seconds(value)}</td><td>{value / bound:.3f}</td>"
                    f"<td>{value / plan.bottleneck_s:.2f}×</td><td>{'yes' if fits else 'no'}</td></tr>"
                    for name, value, fits, _ in rows)
     return ('<table class="data baselines"><tr><th>partition</th><th>bottleneck</th>'
@@ -532,12 +237,12 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
     devs = _device_summary(plan)
     sched = plan.schedule + (f" 1F1B ({plan.virtual_stages} stages per device)"
                              if plan.virtual_stages > 1 else "")
-    figures = [(_seconds(plan.predicted_iteration_s), "predicted iteration"),
+    figures = [(seconds(plan.predicted_iteration_s), "predicted iteration"),
                (f"{plan.batch_size / plan.predicted_iteration_s:,.0f}/s"
                 if plan.predicted_iteration_s > 0 else "-", "samples per second"),
                (f"{plan.bubble_fraction:.1%}", "bubble (idle share)"),
-               (_seconds(plan.bottleneck_s), f"bottleneck: stage {bottleneck_stage(plan)}"),
-               (_seconds(plan.lower_bound_s), "lower bound, any split"),
+               (seconds(plan.bottleneck_s), f"bottleneck: stage {bottleneck_stage(plan)}"),
+               (seconds(plan.lower_bound_s), "lower bound, any split"),
                (f"{plan.balance_ratio:.3f}", "balance ratio (1 = optimal)")]
     fig_html = "".join(f'<div class="fig"><b>{esc(v)}</b><span>{esc(k)}</span></div>' for v, k in figures)
     if plan.baselines:

@@ -6,6 +6,7 @@ from typing import Any
 
 from pipecc.cost import TOTAL_FIELDS, NodeCost, totals
 from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, tensors_in
+from pipecc.report.formatting import human, text_table
 
 NODE_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
                "param_bytes", "output_bytes", "bytes_moved")
@@ -31,22 +32,6 @@ def cost_json(graph: AnnotatedGraph) -> dict[str, Any]:
     return {"model": graph.model_name, "source": graph.source, "batch_size": graph.batch_size,
             "symbols": {name: int(graph.point[s]) for name, s in graph.symbols.items()},
             "total": total, "warnings": list(graph.warnings), "nodes": nodes}
-
-
-def human(n: float, unit: str = "") -> str:
-    """1234567 -> '1.23M' (SI prefixes; bytes use the same decimal prefixes)."""
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= factor:
-            return f"{n / factor:.3g}{prefix}{unit}"
-    return f"{n:.3g}{unit}" if isinstance(n, float) else f"{n}{unit}"
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 1) else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), sep] + [line(r) for r in rows])
 
 
 def cost_table(graph: AnnotatedGraph, by_module: int = 0, max_formula: int = 40) -> str:
@@ -82,7 +67,7 @@ def cost_table(graph: AnnotatedGraph, by_module: int = 0, max_formula: int = 40)
         f"{graph.model_name}: {len(data['nodes'])} nodes, captured with {graph.source}; "
         f"symbols {symbols}",
         "",
-        _table(headers, rows),
+        text_table(headers, rows),
         "",
         f"forward FLOPs   {human(t['forward_flops']):>9}   = {t['forward_flops_expr']}",
         f"  matmul-class  {human(t['forward_flops_matmul']):>9}   = {t['forward_flops_matmul_expr']}",

@@ -1,0 +1,31 @@
+"""Figures read off a plan that several views show: the bottleneck stage (`pipecc plan`,
+`pipecc inspect`, report.html), each device's memory capacity, a stage's first and last node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipecc.ir.plan import Plan
+
+
+def bottleneck_stage(plan: Plan) -> int:
+    """The stage with the most fwd + bwd + comm per micro-batch (as `pipecc plan` marks it)."""
+    return max(range(len(plan.stages)),
+               key=lambda i: plan.stages[i].forward_s + plan.stages[i].backward_s + plan.stages[i].comm_s)
+
+
+def device_capacities(plan: Plan, cluster: Any = None) -> list[float | None]:
+    """Memory bytes of each plan device: from `cluster` if given, else the built-in catalog by
+    name (None for a device the catalog does not know, e.g. one defined in a cluster file)."""
+    if cluster is not None:
+        return [float(cluster.devices[d.get("given_index", i)].memory_bytes)
+                for i, d in enumerate(plan.devices)]
+    from pipecc.targets.devices import load_catalog
+    catalog = load_catalog()
+    return [float(catalog.devices[d["name"]]["memory_bytes"]) if d.get("name") in catalog.devices
+            else None for d in plan.devices]
+
+
+def first_last(nodes: list[str]) -> tuple[str, str]:
+    """A stage's first and last node names, ("-", "-") for a stage without nodes."""
+    return (nodes[0], nodes[-1]) if nodes else ("-", "-")

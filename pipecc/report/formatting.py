@@ -1,0 +1,44 @@
+"""How figures are written in pipecc's text output: SI numbers, durations, shape lists and
+plain-text tables. Every text view (`pipecc cost`, `plan`, `inspect`) and the HTML report share
+these, so a number reads the same everywhere."""
+
+from __future__ import annotations
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (SI prefixes; bytes use the same decimal prefixes)."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.3g}{prefix}{unit}"
+    return f"{n:.3g}{unit}" if isinstance(n, float) else f"{n}{unit}"
+
+
+def seconds(s: float) -> str:
+    """0.0123 -> '12.3 ms' (s, ms or µs, three significant digits)."""
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def shapes_text(shapes: list[str]) -> str:
+    """'3× float32[B, 128, 768]' for repeated shapes."""
+    groups: dict[str, int] = {}
+    for sh in shapes:
+        groups[sh] = groups.get(sh, 0) + 1
+    return ", ".join(f"{k}× {sh}" if k > 1 else sh for sh, k in groups.items()) or "-"
+
+
+def text_table(headers: list[str], rows: list[list[str]], left: int = 2, right_from: int = 0) -> str:
+    """A plain-text table: the first `left` columns and those from `right_from` on (when
+    set) align left, the numbers between align right."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def is_left(i: int) -> bool:
+        return i < left or (right_from > 0 and i >= right_from)
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if is_left(i) else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])

@@ -1,0 +1,39 @@
+"""Measured costs: `pipecc profile` times a model's nodes and the link on this machine.
+
+The analytic cost model (`pipecc.cost` + the device catalog) predicts times from FLOPs and
+bytes; this package measures them instead, for the devices that are really here (CPU; CUDA
+GPUs where torch sees them; FPGAs keep their analytic model). The planner can read a
+profile in place of the roofline figures; that is its business, not this package's.
+
+    measure.py   time every call node, forward and backward, at one micro-batch size
+    fit.py       t(b) = a + c*b per node (overhead a >= 0, slope c >= 0), relative error
+    link.py      latency + bytes/bandwidth between two ranks (gloo; NCCL between GPUs)
+    cache.py     profiles keyed by model file hash, arguments, batch, devices, versions
+    profiler.py  `profile_model`: the steps above, in order, into one JSON document
+
+The profile JSON (format "pipecc.profile", version 1)::
+
+    {"format": "pipecc.profile", "version": 1, "cache_key": str,
+     "model": {"name", "path", "sha256", "args"}, "batch_size": int,
+     "microbatch_sizes": [1, 2, 4, ..., B], "torch_version": str, "pipecc_version": str,
+     "host": {"cpu": str, "platform": str},
+     "devices": [{"name", "kind", "placement", "torch_device": str | null}],  # spec order
+     "timing": {"warmup", "repeat", "statistic": "median", "curve": str},
+     "targets": [{"torch_device": "cpu", "hardware": str, "devices": ["cpu"],
+                  "nodes": [{"name", "op", "samples": [{"mb", "fwd_s", "bwd_s"}],
+                             "fit": {"fwd": {"a", "c", "error"}, "bwd": {"a", "c", "error"}},
+                             "fit_error": float}]}],
+     "link": {"backend", "devices", "latency_s", "bandwidth_Bps", "fit_error",
+              "samples": [{"bytes", "seconds"}]} | null,
+     "notes": [str]}
+
+Times are seconds. A node's time at micro-batch b is `a + c*b` of its fit; `error` is the
+largest relative residual of the fit over its samples. `nodes` lists every call node
+(call_module, call_function, call_method) by its human name, as in `pipecc cost --json`;
+placeholders and attribute reads do no work and are left out. `link` is null with one
+device, or with `--no-link`.
+"""
+
+from pipecc.profile.profiler import FORMAT, VERSION, ProfileResult, profile_model
+
+__all__ = ["FORMAT", "VERSION", "ProfileResult", "profile_model"]

@@ -1,0 +1,255 @@
+"""`pipecc profile`: the curve fit against brute force, node timing on the tiny MLP (every node,
+positive times, fits that match their samples, the model left bit-identical), the cache
+(hit, and keyed), one-line errors that write nothing, and the gloo link measurement."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from helpers import zoo_module, zoo_path
+from pipecc.cli.app import main
+from pipecc.profile.fit import fit_affine
+from pipecc.profile.measure import TIMED_OPS, Sample, microbatch_sizes
+from pipecc.profile.profiler import node_entry, profile_graph, profile_model
+
+MLP = zoo_path("mlp")
+TINY = zoo_module("mlp").TINY
+TINY_ARGS = [f"--model-arg={k}={v}" for k, v in TINY.items()]
+FAST = dict(warmup=0, repeat=1)  # the fields and the bookkeeping, not the accuracy
+
+
+# ---------------------------------------------------------------------------- fit
+def test_fit_recovers_an_affine_curve_exactly():
+    mbs = [1, 2, 4, 8, 16]
+    fit = fit_affine(mbs, [3e-5 + 2e-6 * b for b in mbs])
+    assert fit.a == pytest.approx(3e-5, rel=1e-9) and fit.c == pytest.approx(2e-6, rel=1e-9)
+    assert fit.error < 1e-9
+
+
+def test_fit_keeps_overhead_and_slope_non_negative():
+    falling = fit_affine([1, 2, 4], [5.0, 4.0, 3.0])  # noise, not a negative slope
+    assert falling.c == 0 and falling.a == pytest.approx(3.9, rel=0.1)
+    steep = fit_affine([1, 2, 4], [1.0, 3.0, 7.0])    # unconstrained a would be negative
+    assert steep.a == 0 and steep.c > 0
+    one_size = fit_affine([4, 4], [2.0, 2.0])         # overhead and slope indistinguishable
+    assert one_size.a == 0 and one_size.c == pytest.approx(0.5)
+    assert fit_affine([1, 2], [0.0, 0.0]).c == 0  # a node without backward
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.integers(1, 64), st.floats(1e-6, 1e-2)), min_size=1, max_size=6))
+def test_fit_is_the_best_non_negative_curve(points):
+    """Brute force over a grid of (a, c) >= 0: nothing beats the fit in relative squares."""
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    fit = fit_affine(xs, ts)
+    assert fit.a >= 0 and fit.c >= 0
+
+    def loss(a: float, c: float) -> float:
+        return sum(((a + c * x - t) / t) ** 2 for x, t in zip(xs, ts))
+    best = loss(fit.a, fit.c)
+    top = max(ts)
+    for i in range(21):
+        for j in range(21):
+            assert best <= loss(top * i / 20, top * j / 20) * (1 + 1e-9) + 1e-12
+    assert fit.error == pytest.approx(max(abs(fit(x) - t) / t for x, t in zip(xs, ts)))
+
+
+def test_microbatch_sizes_double_up_to_the_batch():
+    assert microbatch_sizes(1) == [1]
+    assert microbatch_sizes(8) == [1, 2, 4, 8]
+    assert microbatch_sizes(6) == [1, 2, 4, 6]
+
+
+def test_node_entry_fits_reproduce_the_samples():
+    samples = [Sample(b, 1e-5 + 1e-6 * b, 3e-5 + 2e-6 * b) for b in (1, 2, 4, 8)]
+    entry = node_entry("fc", "linear", samples)
+    assert entry["fit_error"] < 1e-9
+    for s in entry["samples"]:
+        for key, t in (("fwd", s["fwd_s"]), ("bwd", s["bwd_s"])):
+            f = entry["fit"][key]
+            assert f["a"] + f["c"] * s["mb"] == pytest.approx(t, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- timing
+def test_profile_has_every_node_with_positive_times_and_honest_fits(tmp_path):
+    from pipecc import driver
+    result = profile_model(MLP, "cpu,cpu,u250", model_args=TINY, batch_size=4, link=False,
+                           cache_directory=tmp_path, **FAST)
+    data = json.loads(json.dumps(result.data, allow_nan=False))  # plain JSON, no inf/NaN
+    assert not result.cache_hit
+    assert data["format"] == "pipecc.profile" and data["version"] == 1
+    assert data["model"]["args"] == TINY and len(data["model"]["sha256"]) == 64
+    assert data["torch_version"] == torch.__version__
+    assert data["microbatch_sizes"] == [1, 2, 4] and data["link"] is None
+    assert [d["name"] for d in data["devices"]] == ["cpu", "cpu", "u250"]
+    assert [d["torch_device"] for d in data["devices"]] == ["cpu", "cpu", None]
+    assert any("u250" in n and "analytic" in n for n in data["notes"])
+    [target] = data["targets"]  # cpu,cpu is one device kind here, timed once
+    assert target["torch_device"] == "cpu" and target["devices"] == ["cpu"]
+    graph = driver.analyze(MLP, model_args=TINY, batch_size=4).graph
+    expected = [n.meta["pipecc.name"] for n in graph.gm.graph.nodes if n.op in TIMED_OPS]
+    assert [n["name"] for n in target["nodes"]] == expected
+    for node in target["nodes"]:
+        assert [s["mb"] for s in node["samples"]] == [1, 2, 4]
+        for s in node["samples"]:
+            assert s["fwd_s"] > 0 and s["bwd_s"] > 0, node["name"]  # every MLP node has a backward
+            for key in ("fwd", "bwd"):
+                f = node["fit"][key]
+                assert f["a"] >= 0 and f["c"] >= 0
+                t = s[f"{key}_s"]
+                assert abs(f["a"] + f["c"] * s["mb"] - t) <= f["error"] * t * (1 + 1e-9)
+        assert node["fit_error"] == max(node["fit"]["fwd"]["error"], node["fit"]["bwd"]["error"])
+
+
+class _Noisy(nn.Module):
+    """BatchNorm (running statistics), dropout (random) and an in-place ReLU, in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.act(self.bn(self.fc(x)))).add_(1.0) * 2
+
+
+def test_profiling_leaves_the_model_bit_identical():
+    model = _Noisy().train()
+    gm = fx.symbolic_trace(model)
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.random.get_rng_state()
+    nodes = profile_graph(gm, lambda b: (torch.randn(b, 6),), "cpu", [2, 4], warmup=1, repeat=2)
+    assert {"fc", "bn", "act", "drop", "add_", "mul"} <= {n["name"] for n in nodes}
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:  # running_mean/var and num_batches_tracked included
+        assert torch.equal(before[k], after[k]), k
+    assert torch.equal(rng, torch.random.get_rng_state())  # dropout drew from a forked stream
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_profiling_the_zoo_mlp_keeps_its_state_dict():
+    from pipecc import driver
+    analysis = driver.analyze(MLP, model_args=TINY, batch_size=2)
+    before = {k: v.clone() for k, v in analysis.spec.model.state_dict().items()}
+    profile_graph(analysis.graph.gm, analysis.spec.make_inputs, "cpu", [1, 2], **FAST)
+    for k, v in analysis.spec.model.state_dict().items():
+        assert torch.equal(before[k], v), k
+
+
+# ---------------------------------------------------------------------------- cache
+def test_cache_is_hit_the_second_time_and_keyed(tmp_path):
+    first = profile_model(MLP, "cpu", model_args=TINY, batch_size=2, cache_directory=tmp_path, **FAST)
+    assert not first.cache_hit and first.cache_path is not None and first.cache_path.is_file()
+    again = profile_model(MLP, "cpu", model_args=TINY, batch_size=2, cache_directory=tmp_path, **FAST)
+    assert again.cache_hit and again.data == first.data
+    other_args = profile_model(MLP, "cpu", model_args={**TINY, "hidden": 24}, batch_size=2,
+                               cache_directory=tmp_path, **FAST)
+    other_batch = profile_model(MLP, "cpu", model_args=TINY, batch_size=4, cache_directory=tmp_path, **FAST)
+    assert not other_args.cache_hit and not other_batch.cache_hit
+    assert len({first.data["cache_key"], other_args.data["cache_key"], other_batch.data["cache_key"]}) == 3
+    forced = profile_model(MLP, "cpu", model_args=TINY, batch_size=2, cache_directory=tmp_path,
+                           use_cache=False, **FAST)
+    assert not forced.cache_hit
+    # the same hardware in another spec: the timings are reused, the spec's own parts are not
+    mixed = profile_model(MLP, "cpu,u250", model_args=TINY, batch_size=2, link=False,
+                          cache_directory=tmp_path, **FAST)
+    mixed_again = profile_model(MLP, "cpu,cpu", model_args=TINY, batch_size=2, link=False,
+                                cache_directory=tmp_path, **FAST)
+    assert mixed_again.cache_hit and mixed_again.data["targets"] == mixed.data["targets"]
+    assert [d["name"] for d in mixed_again.data["devices"]] == ["cpu", "cpu"]
+    assert mixed_again.data["notes"] == [] and mixed.data["notes"]
+    first.cache_path.write_text("{half a profi")  # a torn entry is a miss, not a crash
+    assert not profile_model(MLP, "cpu", model_args=TINY, batch_size=2, cache_directory=tmp_path,
+                             **FAST).cache_hit
+
+
+# ---------------------------------------------------------------------------- command line
+BAD_MODEL = """
+import torch
+from torch import nn
+
+class Fixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).view(4, 8)  # runs at batch 4 only
+
+def build_model(**_):
+    return Fixed()
+
+def example_inputs(batch_size=1, **_):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], int, str]]:
+    bad = tmp_path / "bad.py"
+    bad.write_text(BAD_MODEL)
+    cases = [
+        ([str(MLP), "--devices", "tpu9"], 2, "unknown device 'tpu9'"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2"], 2, "not supported yet"),
+        ([str(MLP), "--devices", "cpu", "--repeat", "0"], 2, "positive integer"),
+        ([str(MLP), "--devices", "u250"], 1, "no device in --devices can be timed"),
+        ([str(tmp_path / "missing.py"), "--devices", "cpu"], 1, "does not exist"),
+        ([str(MLP), "--devices", "cpu", "--model-arg", "depth=0"], 1, "depth must be >= 1"),
+        ([str(bad), "--devices", "cpu", "-b", "4"], 1, "node view failed on cpu at micro-batch 1"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([str(MLP), "--devices", "a100"], 1, "CUDA is not available here"))
+    return cases
+
+
+def test_bad_input_gets_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "profile.json"
+    for argv, code, message in _bad_inputs(tmp_path):
+        assert main(["profile", *TINY_ARGS, *argv, "-o", str(out), "--no-link"]) == code, argv
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pipecc: error: "), err
+        assert message in lines[0], lines[0]
+        assert not out.exists(), argv
+    assert not (tmp_path / "cache").exists()
+    assert main(["profile", str(MLP), "--devices", "cpu", "-o", str(tmp_path / "no" / "p.json")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_command_writes_the_profile_and_measures_the_link(tmp_path, monkeypatch, capsys):
+    """End to end with the gloo link between two CPU processes (a few seconds: one spawn)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr("pipecc.profile.profiler.measure_link", _quick_link)
+    out = tmp_path / "profile.json"
+    argv = ["profile", str(MLP), "--devices", "cpu,cpu", "-b", "2", *TINY_ARGS, "-o", str(out),
+            "--repeat", "1", "--warmup", "0", "-q"]
+    assert main([*argv, "--json"]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert json.loads(printed) == data  # --json: exactly one document on stdout
+    link = data["link"]
+    assert link["backend"] == "gloo" and link["devices"] == ["cpu", "cpu"]
+    assert link["latency_s"] > 0 and link["bandwidth_Bps"] > 0 and math.isfinite(link["bandwidth_Bps"])
+    assert [s["bytes"] for s in link["samples"]] == [4, 4096, 1 << 20]
+    assert all(s["seconds"] > 0 for s in link["samples"])
+    assert list((tmp_path / "cache" / "pipecc" / "profiles").glob("*.json"))
+    assert main(argv) == 0  # the table, from the cache
+    table = capsys.readouterr().out
+    assert "[from the cache]" in table and "link (gloo" in table and "linear" in table
+
+
+def _quick_link(backend, devices):
+    from pipecc.profile.link import measure_link
+    return measure_link(backend, devices, (4, 4096, 1 << 20), warmup=1, repeat=3)

@@ -100,8 +100,9 @@ from pipecc.targets.devices import Cluster, parse_devices  # noqa: E402
 from pipecc.errors import PipeccError  # noqa: E402
 from pipecc.passes import baselines as baseline_rules  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402
-from pipecc.passes.balance import MEMORY_HEADROOM, UNSUPPORTED_S, Balancer, PlanOptions  # noqa: E402
+from pipecc.passes.balance import Balancer, PlanOptions  # noqa: E402
 from pipecc.passes.partition import evaluate, lower_bound  # noqa: E402
+from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM  # noqa: E402
 
 BEGIN, END = "<!-- balance:begin -->", "<!-- balance:end -->"
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -231,7 +232,7 @@ def data_parallel(graph, cluster: Cluster, batch: int) -> dict[str, Any]:
     probe = Balancer(graph, cluster, PlanOptions(batch_size=batch))
     fwd1, _ = probe.times(probe.builder.at(1), 1)
     gpus = [d for d, dev in enumerate(cluster.devices) if dev.kind != "fpga"]
-    runs_all = all(bool(np.all(fwd1[d] < UNSUPPORTED_S)) for d in range(len(cluster.devices)))
+    runs_all = all(bool(np.all(fwd1[d] < CANNOT_RUN_S)) for d in range(len(cluster.devices)))
     options = [list(range(len(cluster.devices)))] if runs_all else []
     if len(gpus) < len(cluster.devices) and gpus:
         options.append(gpus)
@@ -338,7 +339,7 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
     bound = base_bal.bound_problem(base, order, mb)  # FPGA rows: the MAC floor (see Balancer)
     cost = np.asarray(bound.fwd) + np.asarray(bound.bwd)
     types = [cluster.devices[d].name for d in order]
-    planner_lb = lower_bound(bound, base_units.splittable, unusable=UNSUPPORTED_S)
+    planner_lb = lower_bound(bound, base_units.splittable)
     if not math.isclose(planner_lb, plan.lower_bound_s, rel_tol=1e-9):
         row["notes"].append(f"Plan.lower_bound_s {plan.lower_bound_s:.6g} s differs from the "
                             f"planner's bound on the analysed graph, {planner_lb:.6g} s")
@@ -364,7 +365,7 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
         if b is None or "error" in b:
             row["baselines"][name] = {"error": (b or {}).get("error", "missing")}
             continue
-        unsupported = b["bottleneck_s"] >= UNSUPPORTED_S
+        unsupported = b["bottleneck_s"] >= CANNOT_RUN_S
         row["baselines"][name] = {"bottleneck_s": b["bottleneck_s"], "ratio": b["bottleneck_s"] / lb,
                                   "fits_memory": bool(b["fits_memory"]), "unsupported": unsupported,
                                   "beats_pipecc": bool(b["fits_memory"]) and not unsupported

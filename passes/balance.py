@@ -4,46 +4,42 @@
     (passes.partition, exact) ─► simulate (passes.simulate) ─► the fastest that fits memory
     ─► intra-layer split of layers too heavy for a balanced cut (passes.split_layers) ─► Plan
 
-Time of a unit on a device is the device's roofline (`Device.compute_time`): forward on the
-forward FLOPs and bytes, backward on the backward FLOPs and twice the bytes (it reads the
-output gradient and the stash and writes the input gradient). On an FPGA a unit costs what
-the FPGA model (`pipecc.targets.fpga_model`, the one behind estimates.json) gives its processes,
-summed over a stage for the exact partitioner; the chosen partition's FPGA stages are then
-re-costed with the model's dataflow time of the whole stage (`Balancer.recost`), so the plan
-and estimates.json agree. Ops the FPGA backend cannot generate get an infinite time, and cuts
-next to an FPGA stage must carry exactly one float32 tensor (`PartitionProblem.blocked`),
-which keeps what the backend cannot build off FPGAs.
-Memory per stage: weights, gradients and optimizer state (Adam: 2 fp32 moments, so 4x the
-weights' bytes in training), plus the activations stashed per micro-batch in flight.
+What a unit costs on a device, in time and memory, is that device's cost model
+(`pipecc.targets.timing.DeviceCosts`, picked once per device by `device_costs`): the roofline
+for CPUs and GPUs, the FPGA model behind estimates.json for FPGA cards. The partitioner sums
+unit times; `Balancer.recost` then re-costs each stage of the chosen partition as a whole
+where the device's model says so (FPGA dataflow stages), so the plan and estimates.json agree.
+A unit a device cannot run costs CANNOT_RUN_S there, and a device whose stages take one
+float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from pipecc.targets.devices import Cluster
 from pipecc.errors import PipeccError, UsageError
-from pipecc.targets.fpga_model import parse_number
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.schedule import gpipe, interleaved_1f1b, one_f_one_b
+from pipecc.ir.schedule import by_name
 from pipecc.passes import baselines
-from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem, evaluate,
-                                     lower_bound, partition)
+from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
+                                     best_device_order, evaluate, lower_bound, partition)
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.units import Units, UnitBuilder
+from pipecc.targets.fpga_timing import FpgaCosts
+from pipecc.targets.hardware import Cluster, Device
+from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM, DeviceCosts, RooflineCosts
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-MEMORY_HEADROOM = 0.9  # framework workspace, allocator fragmentation: plan to 90% of capacity
-# NOTE: a finite stand-in for "cannot run here": the partitioner's bisection needs finite
-# costs; any placement whose bottleneck reaches it has put an unsupported op on an FPGA.
-UNSUPPORTED_S = 1e9
-BRAM18_BYTES = 18 * 1024 / 8  # one BRAM18 block: an FPGA stage's memory is counted in these
+# MEMORY_HEADROOM is re-exported: the reports import it from here
+__all__ = ["Balancer", "PlanOptions", "SCHEDULES", "MEMORY_HEADROOM", "device_costs"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what --schedule auto tries in training
 
 
 @dataclass
@@ -73,25 +69,25 @@ class _Candidate:
     timeline: Timeline
     virtual: int = 1
     notes: list[str] = field(default_factory=list)
-    raw: PartitionProblem | None = None   # before FPGA stages were re-costed (for baselines)
+    raw: PartitionProblem | None = None   # before stages were re-costed (for baselines)
 
 
-def _inflight(schedule: str, p: int, m: int, v: int) -> list[int]:
-    if schedule == "gpipe":
-        return [m] * p
-    if schedule == "1f1b":
-        return [min(p - k, m) for k in range(p)]
-    # interleaved: rank r holds its v stages' activations; spread over them evenly
-    prof = interleaved_1f1b(p // v, m, v).rank_stash_profile()
-    return [math.ceil(prof[k % (p // v)] / v) for k in range(p)]
+@functools.lru_cache(maxsize=256)  # NOTE: --choose-order asks once per device order
+def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """Micro-batches stashed at once by each of p stages (v per rank): the schedule's peak
+    stash per rank (gpipe: m; 1f1b: min(ranks - r, m)), spread evenly over a rank's stages."""
+    prof = by_name(schedule, p // v, m, v).rank_stash_profile()
+    return tuple(math.ceil(prof[k % (p // v)] / v) for k in range(p))
 
 
-def _schedule(schedule: str, p: int, m: int, v: int):
-    if schedule == "gpipe":
-        return gpipe(p, m)
-    if schedule == "1f1b":
-        return one_f_one_b(p, m)
-    return interleaved_1f1b(p, m, v)
+def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> DeviceCosts:
+    """The one place that picks a device's cost model: FPGA cards get the FPGA model of
+    estimates.json (in the plan's FPGA number format), everything else the roofline."""
+    if device.kind == "fpga":
+        return FpgaCosts(device, builder.graph, builder.groups,
+                         number=options.fpga_number or options.dtype, training=options.training)
+    return RooflineCosts(device, dtype=options.dtype, training=options.training,
+                         optimizer_states=options.optimizer_states)
 
 
 class Balancer:
@@ -103,95 +99,41 @@ class Balancer:
         self.builder = UnitBuilder(graph, coarse=options.coarse, splittable=splittable)
         self.p = len(cluster.devices)
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._cycles: dict[tuple[str, str], np.ndarray] = {}
+        # NOTE: one model per device type, shared by its devices: the FPGA model caches costs
+        models: dict[str, DeviceCosts] = {}
+        for dev in cluster.devices:
+            if dev.name not in models:
+                models[dev.name] = device_costs(dev, self.builder, options)
+        self.costs = [models[dev.name] for dev in cluster.devices]  # [device] its cost model
 
     # ------------------------------------------------------------------ costs
     def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
         """[device][unit] forward and backward seconds at micro-batch size mb."""
         if mb in self._times:
             return self._times[mb]
-        v = units.values
         fwd = np.zeros((self.p, units.n))
         bwd = np.zeros((self.p, units.n))
-        for d, dev in enumerate(self.cluster.devices):
-            if dev.kind == "fpga":
-                fwd[d], bwd[d] = self._fpga_times(dev, mb)
-                continue
-            for u in range(units.n):
-                fwd[d, u] = dev.compute_time(v["forward_flops"][u], v["forward_flops_matmul"][u],
-                                             v["bytes_moved"][u], self.opt.dtype)
-                bwd[d, u] = dev.compute_time(v["backward_flops"][u], v["backward_flops_matmul"][u],
-                                             2 * v["bytes_moved"][u], self.opt.dtype) \
-                    if self.opt.training else 0.0
+        for d, costs in enumerate(self.costs):
+            fwd[d], bwd[d] = costs.unit_times(units, mb)
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
 
-    def _fpga_number(self) -> str:
-        return self.opt.fpga_number or self.opt.dtype
-
-    def _fpga_cycles(self, dev: Any) -> np.ndarray:
-        """[unit] (latency, interval, floor, clock, bram18) of each unit on an FPGA card
-        (`fpga_model.unit_cycles`); NaN rows for units the FPGA backend cannot generate."""
-        from pipecc.targets import fpga_model
-        key = (dev.name, self._fpga_number())
-        if key not in self._cycles:
-            rows = np.full((len(self.builder.groups), 5), np.nan)
-            for u, g in enumerate(self.builder.groups):
-                nodes = [n for n in g if n.op != "get_attr"]
-                if not all(fpga_model.supported(n) for n in nodes):
-                    continue
-                try:  # lowering also judges a node in context (a broadcasting add, ...)
-                    rows[u] = fpga_model.unit_cycles(nodes, dev, self._fpga_number(),
-                                                     gm=self.graph.gm, point=self.graph.point)
-                except fpga_model.UnsupportedOpError:
-                    continue
-            self._cycles[key] = rows
-        return self._cycles[key]
-
-    def _fpga_times(self, dev: Any, mb: int, floor: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Per-unit seconds on an FPGA from the analytic model that writes estimates.json
-        (`pipecc.targets.fpga_model.unit_cycles`): (latency + (mb-1)·interval) / f_clk of the unit's
-        processes, additive over a stage (the partitioner needs that); `recost` replaces an
-        FPGA stage's sum with the model's real dataflow time of the stage. With `floor`, the
-        MAC floor (mb·floor / f_clk) the lower bound uses. Units with an op the FPGA backend
-        cannot generate get UNSUPPORTED_S. Backward (training) is costed as twice the
-        forward, as a dataflow design of the transposed products would take; the FPGA
-        backend itself generates inference only (see `pipecc run`)."""
-        c = self._fpga_cycles(dev)
-        fwd = mb * c[:, 2] / c[:, 3] if floor else (c[:, 0] + (mb - 1) * c[:, 1]) / c[:, 3]
-        fwd = np.where(np.isnan(fwd), UNSUPPORTED_S, fwd)
-        return fwd, (2 * fwd if self.opt.training else np.zeros_like(fwd))
-
-    def _fpga_stage_s(self, dev: Any, units: range, mb: int) -> float | None:
-        """The FPGA model's dataflow time of one stage (what estimates.json says), or None
-        when the stage cannot be lowered as a whole."""
-        from pipecc.targets import fpga_model
-        nodes = [n for u in units for n in self.builder.groups[u] if n.op != "get_attr"]
-        try:
-            return fpga_model.stage_time_s(nodes, dev, self._fpga_number(), mb,
-                                           gm=self.graph.gm, point=self.graph.point)
-        except fpga_model.UnsupportedOpError:
-            return None
-
     def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
                mb: int) -> tuple[PartitionProblem, Partition]:
-        """The partition at `bounds` with each FPGA stage's additive unit times scaled to the
-        FPGA model's dataflow time of the whole stage, so the plan's stage times are those of
-        `estimates.json`. Other stages are unchanged."""
+        """The partition at `bounds` with each stage's additive unit times replaced by its
+        device model's time of the whole stage where the model has one (`stage_times`: an
+        FPGA stage's dataflow time, as in `estimates.json`). Other stages are unchanged."""
         fwd = np.array(prob.fwd, dtype=float)
         bwd = np.array(prob.bwd, dtype=float)
         changed = False
         for k in range(len(bounds) - 1):
-            dev = self.cluster.devices[order[k % self.p]]
             a, e = bounds[k], bounds[k + 1]
-            if dev.kind != "fpga" or fwd[k, a:e].sum() >= UNSUPPORTED_S:
+            if fwd[k, a:e].sum() >= CANNOT_RUN_S:
                 continue
-            exact = self._fpga_stage_s(dev, range(a, e), mb)
-            total = fwd[k, a:e].sum()
-            if exact is None or total <= 0:
+            whole = self.costs[order[k % self.p]].stage_times(range(a, e), fwd[k, a:e], mb)
+            if whole is None:
                 continue
-            fwd[k, a:e] *= exact / total
-            bwd[k, a:e] = 2 * fwd[k, a:e] if self.opt.training else 0.0
+            fwd[k, a:e], bwd[k, a:e] = whole
             changed = True
         if not changed:
             return prob, evaluate(prob, bounds)
@@ -200,42 +142,32 @@ class Balancer:
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
                 v: int = 1) -> PartitionProblem:
-        """Stage k on device order[k % p]. An FPGA stage's memory is its on-chip BRAM (the
-        generated design keeps weights and frame buffers there): per unit what
-        `fpga_model.unit_cycles` says, against the card's BRAM18; activations stashed for a
-        training backward would live in the card's DDR and are not modelled."""
+        """Stage k on device order[k % p], with the memory its device's model counts
+        (`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards)."""
         fwd, bwd = self.times(units, mb)
         devs = [order[k % self.p] for k in range(self.p * v)]
-        states = (2 + self.opt.optimizer_states) if self.opt.training else 1
-        static = units.param_bytes * states
-        act = units.values["stash_bytes"] if self.opt.training else np.zeros(units.n)
-        caps = [self.cluster.devices[d].memory_bytes * MEMORY_HEADROOM / v for d in devs]
+        mems = [self.costs[d].memory(units, v) for d in devs]
         inflight = _inflight(schedule, self.p * v, m, v) if self.opt.training else [1] * (self.p * v)
+        inflight = [i if mem.inflight is None else mem.inflight for i, mem in zip(inflight, mems)]
         links = [self.cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
                  for k in range(len(devs) - 1)]
 
         def link_time(k: int, nbytes: float) -> float:
             return links[k].time(nbytes) if links[k] is not None and nbytes > 0 else 0.0
-        fpga = [self.cluster.devices[d].kind == "fpga" for d in devs]
+        one = [self.costs[d].one_tensor_boundaries for d in devs]
         blocked = None
-        if any(fpga):  # an FPGA stage takes one float32 tensor in and sends one out
+        if any(one):  # such a stage takes one float32 tensor in and sends one out
             bad = ~self.builder.one_tensor_cut
             none = np.zeros_like(bad)
-            blocked = [bad if fpga[k] or fpga[k + 1] else none for k in range(len(devs) - 1)]
-            static, act = np.tile(static, (len(devs), 1)), np.tile(act, (len(devs), 1))
-            inflight = list(inflight)
-            for k, d in enumerate(devs):
-                if fpga[k]:
-                    dev = self.cluster.devices[d]
-                    static[k] = np.nan_to_num(self._fpga_cycles(dev)[:, 4]) * BRAM18_BYTES
-                    act[k], inflight[k] = 0.0, 0
-                    caps[k] = dev.fpga["bram18"] * BRAM18_BYTES
+            blocked = [bad if one[k] or one[k + 1] else none for k in range(len(devs) - 1)]
         return PartitionProblem(
             fwd=fwd[devs], bwd=bwd[devs], out_bytes=units.values["output_bytes"],
-            last_use=units.last_use, static_mem=static, act_mem=act, mem_cap=caps,
+            last_use=units.last_use, static_mem=np.stack([mem.static for mem in mems]),
+            act_mem=np.stack([mem.act for mem in mems]), mem_cap=[mem.cap for mem in mems],
             inflight=inflight, link_time=link_time, blocked=blocked,
             labels=[f"device {k} ({self.cluster.devices[d].name}"
-                    + (", on-chip BRAM" if fpga[k] else "") + ")" for k, d in enumerate(devs)])
+                    + (f", {mem.what}" if mem.what else "") + ")"
+                    for k, (d, mem) in enumerate(zip(devs, mems))])
 
     # ------------------------------------------------------------------ search
     def candidates(self) -> list[tuple[str, int]]:
@@ -272,7 +204,7 @@ class Balancer:
             prob = self.problem(units, mb, schedule, m, order, v)
         else:
             part = partition(prob)
-        if part.bottleneck >= UNSUPPORTED_S:
+        if part.bottleneck >= CANNOT_RUN_S:
             raise InfeasibleError(self._unsupported_message(prob, order))
         raw = prob
         prob, part = self.recost(prob, part.bounds, order, mb)
@@ -280,7 +212,6 @@ class Balancer:
         return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw)
 
     def _best_order(self, units: Units, mb: int, schedule: str, m: int):
-        from pipecc.passes.partition import best_device_order
         types = [d.name for d in self.cluster.devices]
         return best_device_order(lambda order: self.problem(units, mb, schedule, m, order), types)
 
@@ -300,32 +231,27 @@ class Balancer:
                   for k in range(stages)]
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static)
-        if schedule == "inference":
-            from pipecc.ir.schedule import inference
-            sched = inference(stages, m)
-        else:
-            sched = _schedule(schedule, stages // v, m, v) if v > 1 else _schedule(schedule, stages, m, 1)
-        return simulate(sched, costs)
+        return simulate(by_name(schedule, stages // v, m, v), costs)
 
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
         """Why every placement puts something on an FPGA it cannot take: memory elsewhere,
-        no one-tensor boundary around the FPGA stage, or ops it cannot generate."""
-        from pipecc.targets import fpga_model
+        no one-tensor boundary around the FPGA stage, or ops it cannot generate.
+        NOTE: the FPGA cost model is the one that refuses units and cuts, hence the words."""
         fpgas = ", ".join(f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
-                          if self.cluster.devices[d].kind == "fpga")
-        bad = [n for g in self.builder.groups for n in g if not fpga_model.supported(n)]
+                          if self.costs[d].one_tensor_boundaries)
+        bad = next((b for c in self.costs if (b := c.unsupported_nodes())), [])
         example = f"{bad[0].meta['pipecc.op']} at node {bad[0].meta['pipecc.name']}" if bad else "?"
         fix = ("leave the FPGA out of --devices" if self.opt.choose_order and self.p > 1
                else "put a CPU/GPU there or use --choose-order")
         roomy = dataclasses.replace(prob, mem_cap=[math.inf] * len(prob.mem_cap))
-        if partition(roomy).bottleneck < UNSUPPORTED_S:
+        if partition(roomy).bottleneck < CANNOT_RUN_S:
             short = [f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
-                     if self.cluster.devices[d].kind != "fpga"]
+                     if not self.costs[d].one_tensor_boundaries]
             return (f"no placement fits memory: the only splits that fit put on FPGA device "
                     f"{fpgas} ops it cannot generate (e.g. {example}) or a boundary of more than "
                     f"one tensor, because device {', '.join(short)} cannot hold the rest; add "
                     f"devices with more memory or use more micro-batches")
-        if partition(dataclasses.replace(roomy, blocked=None)).bottleneck < UNSUPPORTED_S:
+        if partition(dataclasses.replace(roomy, blocked=None)).bottleneck < CANNOT_RUN_S:
             return (f"FPGA device {fpgas} needs a stage boundary of one float32 tensor on each "
                     f"side, and no such cut leaves it only ops it can generate; {fix}")
         return (f"FPGA device {fpgas} would have to run ops the FPGA backend cannot "
@@ -386,25 +312,24 @@ class Balancer:
     # ------------------------------------------------------------------ output
     def bound_problem(self, prob: PartitionProblem, order: Sequence[int],
                       mb: int) -> PartitionProblem:
-        """`prob` with the costs a lower bound may use: FPGA rows hold the FPGA model's MAC
-        floor (`_fpga_times(floor=True)`), which no stage holding the unit can beat (the
-        additive unit times the partitioner uses may exceed a dataflow stage's), and units
-        whose on-chip memory alone exceeds the card count as unable to run there."""
-        if not any(self.cluster.devices[d].kind == "fpga" for d in order):
+        """`prob` with the costs a lower bound may use: each device model's `floor_times`
+        where it has them (FPGA: the MAC floor, which no stage holding the unit can beat,
+        while the additive unit times the partitioner uses may exceed a dataflow stage's;
+        units whose on-chip memory alone exceeds the card count as unable to run there)."""
+        floors = [self.costs[order[k % self.p]].floor_times(mb)
+                  for k in range(len(prob.mem_cap))]
+        if all(f is None for f in floors):
             return prob
         fwd, bwd = np.array(prob.fwd, dtype=float), np.array(prob.bwd, dtype=float)
-        for k in range(fwd.shape[0]):
-            dev = self.cluster.devices[order[k % self.p]]
-            if dev.kind == "fpga":
-                fwd[k], bwd[k] = self._fpga_times(dev, mb, floor=True)
-                big = np.nan_to_num(self._fpga_cycles(dev)[:, 4]) > dev.fpga["bram18"]
-                fwd[k, big] = bwd[k, big] = UNSUPPORTED_S
+        for k, floor in enumerate(floors):
+            if floor is not None:
+                fwd[k], bwd[k] = floor
         return dataclasses.replace(prob, fwd=fwd, bwd=bwd)
 
     def lower_bound(self, cand: _Candidate) -> float:
         """`partition.lower_bound` on the candidate's devices, with `bound_problem`'s costs."""
         prob = self.bound_problem(cand.problem, cand.order, self.opt.batch_size // cand.microbatches)
-        return lower_bound(prob, cand.units.splittable, unusable=UNSUPPORTED_S)
+        return lower_bound(prob, cand.units.splittable)
 
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""
@@ -461,11 +386,5 @@ class Balancer:
             baselines=self.baselines(cand) if self.opt.compare else [],
             options={"coarse": self.opt.coarse, "choose_order": self.opt.choose_order,
                      "training": self.opt.training,
-                     **({"fpga_number": parse_number(self._fpga_number()).text}
-                        if any(d.kind == "fpga" for d in self.cluster.devices) else {})})
-
-
-def plan(graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions) -> Plan:
-    """Plan without layer splitting (see `pipecc.driver.plan` for the whole pipeline)."""
-    return Balancer(graph, cluster, options).run()[0]
+                     **{k: x for c in self.costs for k, x in c.plan_options().items()}})
 

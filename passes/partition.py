@@ -18,8 +18,9 @@ conservative on purpose. The first stage has no incoming term, the last no outgo
 on-chip memory, not the GPU-style weights/gradients/optimizer state.)
 (received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
 Blocked cuts: `blocked[k][s]` True forbids link k (stage k → k+1) from lying at boundary s
-(the FPGA backend takes one float32 tensor per stage boundary). A blocked cut costs BLOCKED_S
-on both stages, a finite stand-in for "impossible" that the bisection can handle: a result
+(the FPGA backend takes one float32 tensor per stage boundary). A blocked cut costs
+CANNOT_RUN_S (`pipecc.targets.timing`) on both stages, a finite stand-in for "impossible"
+that the bisection can handle, as is a node's cost on a device that cannot run it: a result
 at or above it means no allowed placement exists.
 """
 from __future__ import annotations
@@ -32,11 +33,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pipecc.targets.timing import CANNOT_RUN_S
+
 _MEM_RTOL = 1e-12  # NOTE: prefix and direct sums differ by ulps; never let that flip a fit
 _T_RTOL = 1e-13    # bisection stops when the bracket on the bottleneck is this tight
 _LB_STEPS = 200    # mirror-ascent steps for the fluid lower bound (every iterate is valid)
 _LB_ETA = 0.5      # its step size, / sqrt(step); tuned on random heterogeneous instances
-BLOCKED_S = 1e9    # seconds charged for a blocked cut (see the module docstring)
 
 
 class InfeasibleError(ValueError):
@@ -150,7 +152,7 @@ def _link2(pr: PartitionProblem, k: int, nbytes: float) -> float:
 
 
 def _penalty(pr: PartitionProblem, k: int, s: int) -> float:
-    return BLOCKED_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
+    return CANNOT_RUN_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
 
 
 def _fits(mem: float, cap: float, tol: float = 0.0) -> bool:
@@ -320,7 +322,7 @@ def _link_table(pr: PartitionProblem, ar: _Arrays) -> np.ndarray:
         table[k] = [_link2(pr, k, x) for x in uniq]
     table = table[:, inv.ravel()]
     if pr.blocked is not None and ar.p > 1:
-        table = table + BLOCKED_S * np.asarray(pr.blocked, dtype=bool)[: ar.p - 1]
+        table = table + CANNOT_RUN_S * np.asarray(pr.blocked, dtype=bool)[: ar.p - 1]
     return table
 
 
@@ -351,8 +353,7 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: np.ndarray) -> str:
             f"try more devices or fewer micro-batches")
 
 
-def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
-                unusable: float | None = None) -> float:
+def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
@@ -365,15 +366,14 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     devices) and take mirror-ascent steps along the supergradient (per-device loads of the
     cheapest assignment), keeping the best value seen. (2) A node that may not be split
     (splittable None: none may) runs whole on one device: T ≥ min_d c[d][i].
-    Costs ≥ `unusable` mean the device cannot run the node (x[d][i] = 0 is forced): they are
-    left out of both the fluid sum and the device's starting weight.
+    Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
+    are left out of both the fluid sum and the device's starting weight.
     Returns max of (1) and (2). O(steps · D · n) with steps = 200.
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
         return 0.0
-    if unusable is not None:  # "cannot run here": x[d][i] = 0 is forced, cost +inf
-        c = np.where(c >= unusable, np.inf, c)
+    c = np.where(c >= CANNOT_RUN_S, np.inf, c)  # "cannot run here": x[d][i] = 0 is forced
     whole = np.ones(c.shape[1], bool) if splittable is None else ~np.asarray(splittable, bool)
     item = float(c.min(axis=0)[whole].max(initial=0.0))
     usable = np.isfinite(c)

@@ -393,8 +393,4 @@ def totals(graph: AnnotatedGraph, symbolic: bool = False) -> dict[str, Any]:
     return out
 
 
-def expr_str(x: Any) -> str:
-    return str(x)
-
-
 __all__ = ["NodeCost", "annotate", "totals", "node_cost", "TOTAL_FIELDS"]

@@ -20,6 +20,7 @@ from pipecc.passes.partition import (
     lower_bound,
     partition,
 )
+from pipecc.targets.timing import CANNOT_RUN_S
 
 INF = math.inf
 
@@ -142,23 +143,21 @@ def constrained(draw) -> PartitionProblem:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(constrained())
 def test_partition_with_stage_memory_and_blocked_cuts_matches_brute_force(pr: PartitionProblem):
-    from pipecc.passes.partition import BLOCKED_S
     ref = _matches_brute_force(pr)
     if ref is None:
         return
     got = partition(pr)
-    if ref.bottleneck < BLOCKED_S:  # an allowed placement exists: no blocked cut is used
+    if ref.bottleneck < CANNOT_RUN_S:  # an allowed placement exists: no blocked cut is used
         assert not any(pr.blocked[k][s] for k, s in enumerate(got.bounds[1:-1]))
 
 
 def test_blocked_cut_moves_the_cut_and_costs_it_when_forced():
-    from pipecc.passes.partition import BLOCKED_S
     pr = _problem([[1.0] * 4, [1.0] * 4])
     assert partition(pr).bounds == (0, 2, 4)
     free = PartitionProblem(**{**pr.__dict__, "blocked": [[False, False, True, False, False]]})
     assert partition(free).bounds in {(0, 1, 4), (0, 3, 4)} and partition(free).bottleneck == 3.0
     stuck = PartitionProblem(**{**pr.__dict__, "blocked": [[True] * 5]})
-    assert partition(stuck).bottleneck >= BLOCKED_S
+    assert partition(stuck).bottleneck >= CANNOT_RUN_S
 
 
 def test_per_stage_memory_rows():
@@ -196,6 +195,13 @@ def test_lower_bound_fluid_split_on_unequal_speeds():
     pr = _problem([[1.0] * 10, [2.0] * 10])
     assert lower_bound(pr, [True] * 10) == pytest.approx(20 / 3, rel=1e-12)
     assert lower_bound(_problem([[9.0, 1.0], [9.0, 1.0]])) == 9.0  # a whole node bounds it
+
+
+def test_lower_bound_leaves_out_what_a_device_cannot_run():
+    # device 1 cannot run node 0: that node's whole cost (5) lands on device 0
+    pr = _problem([[5.0, 1.0], [CANNOT_RUN_S, 1.0]])
+    assert lower_bound(pr) == 5.0
+    assert lower_bound(pr, [True, True]) == pytest.approx(5.0, rel=1e-3)
 
 
 def test_lower_bound_near_fluid_optimum_on_two_devices():

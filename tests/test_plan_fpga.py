@@ -15,7 +15,7 @@ from pipecc.backends.torch import cut_stages
 from pipecc.targets.devices import parse_devices
 from pipecc.errors import PipeccError
 from pipecc.passes.balance import Balancer, PlanOptions
-from pipecc.passes.partition import BLOCKED_S
+from pipecc.targets.timing import CANNOT_RUN_S
 
 
 class ResidualMLP(nn.Module):
@@ -126,7 +126,7 @@ def test_lower_bound_holds_against_every_placement_on_an_fpga(training):
     n = len(bal.builder.groups)
     best = min(bal.recost(prob, (0, a, b, n), (0, 1, 2), mb)[1].bottleneck
                for a, b in itertools.combinations(range(1, n), 2))
-    assert best < BLOCKED_S
+    assert best < CANNOT_RUN_S
     assert plan.lower_bound_s <= best * (1 + 1e-12)
     assert plan.bottleneck_s <= 1.5 * best   # additive unit times steer the partitioner
 

@@ -298,11 +298,6 @@ def _with_grad(value: Any, rg: bool) -> Any:
     return value
 
 
-def _match(onnx_name: str, target: str) -> bool:
-    clean = "".join(c if c.isalnum() else "_" for c in onnx_name).strip("_") or "v"
-    return target == clean or target.startswith(clean) or target == "v_" + clean
-
-
 def _dedupe_names(gm: fx.GraphModule) -> None:
     seen: set[str] = set()
     for node in gm.graph.nodes:

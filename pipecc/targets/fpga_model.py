@@ -169,7 +169,7 @@ def layer_estimate(spec: LayerSpec, fmt: NumberFormat, card_fpga: Mapping[str, A
 
 
 def _card(card: Any) -> Any:
-    from pipecc.targets.devices import load_catalog
+    from pipecc.targets.catalog import load_catalog
     dev = load_catalog().device(str(card).lower()) if isinstance(card, str) else card
     if dev.kind != "fpga" or not dev.fpga:
         raise PipeccError(f"device '{dev.name}' is not an FPGA card")

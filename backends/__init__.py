@@ -1,1 +1,3 @@
-"""pipecc.backends."""
+"""pipecc.backends: code generation behind one interface (`base.Backend`): `torch` (readable
+stage files, the compiled folder, the drop-in module) and `fpga` (Vitis HLS projects, C
+simulation). The driver chooses them per plan."""

@@ -3,9 +3,10 @@
     pm = pipecc.compile(model, example_inputs, "cpu,cpu")   # a drop-in nn.Module
     loss_fn(pm(x), y).backward()                              # same grads on model's params
 
-Devices with FPGA cards ("cpu,u250,cpu"): each FPGA stage is written as its HLS project, built
-with g++ and run through the C simulation (pipecc.backends.fpga.pipeline); such pipelines are
-inference-only (forward in eval-mode semantics; a backward through an FPGA stage raises).
+`compile` runs the driver (`analyze_module`, `plan`, `compile_module`), which chooses the
+backends. Devices with FPGA cards ("cpu,u250,cpu"): each FPGA stage is written as its HLS
+project, built with g++ and run through the C simulation (the FPGA backend); such pipelines
+are inference-only (forward in eval-mode semantics; a backward through an FPGA stage raises).
 `pipecc.load` does the same for compiled folders holding `stage_<i>/hls/`.
 """
 
@@ -41,33 +42,26 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     """Plan `model` over `devices` and return the drop-in PipelinedModule.
 
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
-    choose_order, split_layers, training), plus, for FPGA devices, `fpga_number` ("float" or
-    "ap_fixed<W,I>") and `fpga_dir` (where to keep the HLS projects; default a temporary
-    folder removed with the module). The model's parameters are shared, not copied: an
-    optimizer built on `model.parameters()` before wrapping keeps working.
+    choose_order, split_layers, training; debug and dump_ir apply to every step), plus, for
+    FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
+    the HLS projects; default a temporary folder removed with the module). The model's
+    parameters are shared, not copied: an optimizer built on `model.parameters()` before
+    wrapping keeps working.
     """
-    from pipecc.backends.torch import cut_stages, pipelined_module
     fpga_number = plan_options.pop("fpga_number", "float")
     fpga_dir = plan_options.pop("fpga_dir", None)
+    debug, dump_ir = plan_options.get("debug", False), plan_options.get("dump_ir")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cluster = parse_devices(devices) if not isinstance(devices, Cluster) else devices
-    graph = driver.analyze_module(model, inputs, model_name=type(model).__name__)
+    graph = driver.analyze_module(model, inputs, model_name=type(model).__name__, debug=debug,
+                                  dump_ir=dump_ir)
     plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
-    stages = cut_stages(graph, plan.stage_of())
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     placement = torch_devices(cluster, order)
-    devs = [placement[s.device] for s in plan.stages]
-    if any(d.get("kind") == "fpga" for d in plan.devices):
-        from pipecc.backends.fpga.pipeline import mixed_pipelined_module
-        from pipecc.backends.fpga.output import fpga_stages
-        if fpga_stages(plan):
-            pm = mixed_pipelined_module(model, graph, plan, stages, inputs, devices=devs,
-                                        number=fpga_number, fpga_dir=fpga_dir)
-            pm.plan = plan  # type: ignore[attr-defined]
-            return pm
-    pm = pipelined_module(model, stages, microbatches=plan.microbatches, devices=devs)
-    pm.plan = plan  # type: ignore[attr-defined]  # for inspection: pm.plan.stages, ...
-    return pm
+    return driver.compile_module(model, graph, plan, inputs,
+                                 devices=[placement[s.device] for s in plan.stages],
+                                 fpga_number=fpga_number, fpga_dir=fpga_dir, debug=debug,
+                                 dump_ir=dump_ir)
 
 
 def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,

@@ -1,25 +1,43 @@
-"""The driver: the passes pipecc runs, top to bottom.
+"""The driver: the steps pipecc runs, top to bottom, each a named function over one `State`.
 
-    load model file ─► capture (fx → export fallback, or ONNX import) ─► shapes ─► ops/names
-                    ─► costs ─► [plan: balance ─► schedule] ─► [codegen]
+    analyze         build ─► capture ─► costs          (an ONNX file: import ─► costs)
+    analyze_module  capture ─► costs                   (an in-memory module)
+    plan            balance ─► split layers
+    compile         cut stages ─► report ─► check ─► write     (the compiled folder OUT)
+    compile_module  cut stages ─► check ─► module              (pipecc.compile's drop-in)
 
-Each step is a plain function in its own module; this file only sequences them and runs the
-IR verifier between them when `debug` is set (tests always set it).
+Each function builds its list of `Step`s and hands it to `Instruments`, which runs them and,
+around every step: shows progress (consecutive steps with one label share one progress line),
+times it, runs the IR verifier after it when `debug` is set (tests always set it) and, with
+`dump_ir=DIR`, writes `DIR/NNN_<step>.txt`: the graph's text with each node's name, kind,
+value and cost, then the plan JSON once there is a plan and the stages' ports once cut.
+
+Backends: torch always, FPGA when the plan puts stages on FPGA cards (`backends_for`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+from torch import nn
 
-from pipecc import cost
-from pipecc.frontend import torch_capture
+from pipecc import cost, progress
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir.graph import AnnotatedGraph, verify
+from pipecc.frontend import torch_capture
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
+from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.ir.plan import Plan
+from pipecc.ir.verify import verify, verify_plan
+
+if TYPE_CHECKING:  # the backends load only when a compile needs them
+    from pipecc.backends.base import Backend, Target
 
 
 @dataclass
@@ -30,6 +48,108 @@ class Analysis:
     spec: ModelSpec | None  # None for ONNX files
 
 
+@dataclass
+class Compiled:
+    """What `compile` wrote: the folder, the cut stages, and the lines to print after it."""
+
+    out: Path
+    stages: list[Any]
+    notes: list[str]
+
+
+# ----------------------------------------------------------------------------- instruments
+@dataclass
+class State:
+    """One compilation as far as it has got: what the steps read and write."""
+
+    model: nn.Module | None = None         # an in-memory model and its example inputs
+    inputs: tuple = ()
+    spec: ModelSpec | None = None          # a .py model file's
+    graph: AnnotatedGraph | None = None
+    costed: bool = False                   # every node carries META_COST
+    plan: Plan | None = None
+    candidate: Any = None                  # the balancer's choice the split search starts from
+    stages: list[Any] | None = None        # cut stages (pipecc.backends.torch.Stage)
+    backends: list[Backend] = field(default_factory=list)
+    extra_files: dict[str, str] = field(default_factory=dict)
+    module: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str                              # `NNN_<name>.txt` with dump_ir; the timing's key
+    run: Callable[[State], None]
+    label: str | None = None               # its progress line (None: none of its own)
+
+
+class Instruments:
+    """Runs steps in order with progress, timing, the verifier (`debug`) and IR dumps."""
+
+    def __init__(self, debug: bool = False, dump_ir: str | Path | None = None) -> None:
+        self.debug = debug
+        self.dump_dir = Path(dump_ir) if dump_ir is not None else None
+        self.timings: list[tuple[str, float]] = []
+
+    def run(self, steps: Sequence[Step], state: State) -> State:
+        for label, group in itertools.groupby(steps, key=lambda s: s.label):
+            with progress.step(label) if label else nullcontext():
+                for step in group:
+                    start = time.perf_counter()
+                    step.run(state)
+                    seconds = time.perf_counter() - start
+                    self.timings.append((step.name, seconds))
+                    if self.debug:
+                        verify_state(state)
+                    if self.dump_dir is not None:
+                        self.dump(step.name, state, seconds)
+        return state
+
+    def dump(self, name: str, state: State, seconds: float) -> Path:
+        """`NNN_<name>.txt`, numbered on from the dumps already in the folder (so analyze,
+        plan and compile, each with its own Instruments, number one sequence)."""
+        assert self.dump_dir is not None
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        done = [int(p.name[:3]) for p in self.dump_dir.glob("[0-9][0-9][0-9]_*.txt")]
+        path = self.dump_dir / f"{max(done, default=-1) + 1:03d}_{name.replace(' ', '_')}.txt"
+        path.write_text(f"# after step {name!r} ({seconds:.3f} s)\n{ir_text(state)}", encoding="utf-8")
+        return path
+
+
+def verify_state(state: State) -> None:
+    """The verifiers on what the steps have made so far (IRError names the first violation)."""
+    if state.graph is None:
+        return
+    verify(state.graph, costed=state.costed)
+    if state.plan is not None:
+        verify_plan(state.graph, state.plan, state.stages)
+
+
+def ir_text(state: State) -> str:
+    """The readable form `dump_ir` writes: the graph, the plan JSON, the stages' ports."""
+    g = state.graph
+    if g is None:
+        return "(no graph yet)\n"
+    point = ", ".join(f"{k}={g.point.get(s, '?')}" for k, s in g.symbols.items())
+    lines = [f"graph {g.model_name} (from {g.source}; {point})"]
+    for node in g.gm.graph.nodes:
+        meta = [str(node.meta.get(key)) for key in (META_NAME, META_KIND) if key in node.meta]
+        value = node.meta.get(META_VALUE)
+        if isinstance(value, TensorInfo):
+            meta.append(value.describe())
+        if META_COST in node.meta:
+            meta.append(f"fwd {node.meta[META_COST].forward_flops} FLOPs")
+        lines.append(f"{node.format_node()}" + (f"  # {', '.join(meta)}" if meta else ""))
+    if state.plan is not None:
+        lines += ["", "plan:", state.plan.dumps()]
+    for stage in state.stages or []:
+        recv = ", ".join(p.producer for p in stage.receives)
+        send = ", ".join(p.producer for p in stage.sends)
+        lines.append(f"stage {stage.index}: receives [{recv}] sends [{send}] "
+                     f"({len(stage.nodes)} nodes)")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- analyze
 def parse_symbols(items: Sequence[str] | None) -> list[torch_capture.SymbolSpec]:
     """`--symbol S=0:1` marks dim 1 of input 0 as the symbol S (inputs may be a+b lists)."""
     out = []
@@ -45,23 +165,49 @@ def parse_symbols(items: Sequence[str] | None) -> list[torch_capture.SymbolSpec]
     return out
 
 
-def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name: str = "model",
-                   symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False) -> AnnotatedGraph:
-    """Capture, annotate and cost an in-memory module."""
-    first = next((x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+def _build(state: State, *, path: Path, model_args: dict[str, Any] | None, batch_size: int) -> None:
+    state.spec = load_model_file(path, model_args, batch_size=batch_size)
+    state.model, state.inputs = state.spec.model, tuple(state.spec.example_inputs)
+
+
+def _import_onnx(state: State, *, path: Path, batch_size: int) -> None:
+    from pipecc.frontend import onnx_import
+    state.graph = onnx_import.from_onnx(path, batch_size=batch_size)
+
+
+def _capture(state: State, *, model_name: str, symbols: Sequence[torch_capture.SymbolSpec]) -> None:
+    first = next((x for x in state.inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1
-    syms = torch_capture.default_symbols(tuple(example_inputs), batch) + list(symbols)
-    graph = torch_capture.from_module(model, tuple(example_inputs), symbols=syms, model_name=model_name)
-    if debug:
-        verify(graph)
-    cost.annotate(graph)
-    if debug:
-        verify(graph, costed=True)
-    return graph
+    syms = torch_capture.default_symbols(state.inputs, batch) + list(symbols)
+    state.graph = torch_capture.from_module(state.model, state.inputs, symbols=syms,
+                                            model_name=model_name)
+
+
+def _costs(state: State) -> None:
+    assert state.graph is not None
+    cost.annotate(state.graph)
+    state.costed = True
+
+
+def _trace(model_name: str, symbols: Sequence[torch_capture.SymbolSpec],
+           label: str | None = None) -> list[Step]:
+    return [Step("capture", partial(_capture, model_name=model_name, symbols=symbols), label),
+            Step("costs", _costs, label)]
+
+
+def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name: str = "model",
+                   symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False,
+                   dump_ir: str | Path | None = None) -> AnnotatedGraph:
+    """Capture, annotate and cost an in-memory module."""
+    state = State(model=model, inputs=tuple(example_inputs))
+    Instruments(debug, dump_ir).run(_trace(model_name, symbols), state)
+    assert state.graph is not None
+    return state.graph
 
 
 def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch_size: int = 1,
-            symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False) -> Analysis:
+            symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False,
+            dump_ir: str | Path | None = None) -> Analysis:
     """Load a model file (.py or .onnx) and return its costed graph."""
     path = Path(path)
     if batch_size < 1:
@@ -69,36 +215,81 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if path.suffix == ".onnx":
         if model_args:
             raise UsageError("--model-arg applies to .py model files, not ONNX files")
-        from pipecc import progress
-        from pipecc.frontend import onnx_import
-        with progress.step(f"importing {path.name}"):
-            graph = onnx_import.from_onnx(path, batch_size=batch_size)
-        if debug:
-            verify(graph)
-        cost.annotate(graph)
-        if debug:
-            verify(graph, costed=True)
-        return Analysis(graph, None)
-    from pipecc import progress
-    with progress.step(f"building {path.name}"):
-        spec = load_model_file(path, model_args, batch_size=batch_size)
-    with progress.step(f"tracing {path.name}"):
-        graph = analyze_module(spec.model, spec.example_inputs, model_name=path.stem,
-                               symbols=symbols, debug=debug)
-    if graph.batch_size != batch_size and "B" in graph.symbols:
+        steps = [Step("import", partial(_import_onnx, path=path, batch_size=batch_size),
+                      f"importing {path.name}"),
+                 Step("costs", _costs)]
+    else:
+        steps = [Step("build", partial(_build, path=path, model_args=model_args,
+                                       batch_size=batch_size), f"building {path.name}"),
+                 *_trace(path.stem, symbols, f"tracing {path.name}")]
+    state = Instruments(debug, dump_ir).run(steps, State())
+    graph = state.graph
+    assert graph is not None
+    if state.spec is not None and graph.batch_size != batch_size and "B" in graph.symbols:
         raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
-    return Analysis(graph, spec)
+    return Analysis(graph, state.spec)
+
+
+# ----------------------------------------------------------------------------- plan
+def _balance(state: State, *, balancer: Any) -> None:
+    state.plan, state.candidate = balancer.run()
+
+
+def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, debug: bool) -> None:
+    """The split search from the best candidate of every schedule; the fastest result kept.
+
+    NOTE: splitting can reorder schedules (interleaved, with twice the stages, gains most: 20%
+    on GPT-2 at 8 devices), so each schedule's best candidate is split (at most three
+    searches). With `debug`, every graph clone the search rewrites is verified before it is
+    planned, and the plan made for it after.
+    """
+    from pipecc.passes import split_search
+    from pipecc.passes.balance import Balancer, PlanOptions
+    assert state.graph is not None and state.plan is not None
+    graph, result, cand = state.graph, state.plan, state.candidate
+    tried: list[tuple[Any, AnnotatedGraph]] = []
+    for cand_k in balancer.contenders():
+        plan_k = result if cand_k is cand else balancer.to_plan(cand_k, balancer.alternatives(cand_k))
+        notes: list[str] = []
+        fixed = dict(schedule=plan_k.schedule, microbatches=plan_k.microbatches)
+
+        def replan(g: AnnotatedGraph, keep: bool, fixed=fixed) -> Plan:
+            if debug:
+                verify(g, costed=True)
+            opts = PlanOptions(**{**options.__dict__, **(fixed if keep else {}), "compare": False})
+            planned = Balancer(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
+            if debug:
+                verify_plan(g, planned)
+            return planned
+
+        times = balancer.unit_times(cand_k)
+        with progress.step(f"splitting layers ({plan_k.schedule}, {plan_k.microbatches} "
+                           "micro-batches)"):
+            plan_k, graph_k = split_search.search(graph, plan_k, replan,
+                                                  lambda n, t=times: t.get(n, 0.0),
+                                                  note=notes.append)
+        plan_k.decisions += notes
+        tried.append((plan_k, graph_k))
+    tried.sort(key=lambda r: r[0].predicted_iteration_s)
+    result, graph = tried[0]
+    for other, _ in tried[1:]:
+        result.decisions.append(
+            f"after layer splitting, {other.schedule} with {other.microbatches} micro-batches "
+            f"predicts {other.predicted_iteration_s:.4g} s per iteration vs "
+            f"{result.predicted_iteration_s:.4g} s")
+    state.plan, state.graph = result, graph
 
 
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
-         debug: bool = False):
+         debug: bool = False, dump_ir: str | Path | None = None):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it."""
+    from pipecc.passes import split_search
+    from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
-    from pipecc.passes.balance import PlanOptions, Balancer
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     try:
         cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
@@ -113,41 +304,99 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
                           dtype=dtype, fpga_number=fpga_number)
-    from pipecc.passes import split_search
     splittable = split_search.splittable_names(graph) if split_layers else []
-    from pipecc import progress
     balancer = Balancer(graph, cluster, options, splittable=splittable)
-    with progress.step(f"planning on {len(cluster.devices)} devices"):
-        result, cand = balancer.run()
+    steps = [Step("balance", partial(_balance, balancer=balancer),
+                  f"planning on {len(cluster.devices)} devices")]
     if split_layers and splittable and len(cluster.devices) > 1:
-        # NOTE: splitting can reorder schedules (interleaved, with twice the stages, gains
-        # most: 20% on GPT-2 at 8 devices), so the best candidate of every schedule is
-        # split and the fastest result kept (at most three split searches)
-        tried: list[tuple[Any, AnnotatedGraph]] = []
-        for cand_k in balancer.contenders():
-            plan_k = result if cand_k is cand else balancer.to_plan(cand_k, balancer.alternatives(cand_k))
-            notes: list[str] = []
-            fixed = dict(schedule=plan_k.schedule, microbatches=plan_k.microbatches)
+        steps.append(Step("split layers", partial(_split_layers, balancer=balancer,
+                                                  cluster=cluster, options=options, debug=debug)))
+    state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
+    return state.plan, state.graph
 
-            def replan(g: AnnotatedGraph, keep: bool, fixed=fixed):
-                opts = PlanOptions(**{**options.__dict__, **(fixed if keep else {}), "compare": False})
-                return Balancer(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
 
-            times = balancer.unit_times(cand_k)
-            with progress.step(f"splitting layers ({plan_k.schedule}, {plan_k.microbatches} "
-                               "micro-batches)"):
-                plan_k, graph_k = split_search.search(graph, plan_k, replan,
-                                                      lambda n, t=times: t.get(n, 0.0),
-                                                      note=notes.append)
-            plan_k.decisions += notes
-            tried.append((plan_k, graph_k))
-        tried.sort(key=lambda r: r[0].predicted_iteration_s)
-        result, graph = tried[0]
-        for other, _ in tried[1:]:
-            result.decisions.append(
-                f"after layer splitting, {other.schedule} with {other.microbatches} micro-batches "
-                f"predicts {other.predicted_iteration_s:.4g} s per iteration vs "
-                f"{result.predicted_iteration_s:.4g} s")
-    if debug:
-        verify(graph, costed=True)
-    return result, graph
+# ----------------------------------------------------------------------------- compile
+def backends_for(plan: Plan) -> list[Backend]:
+    """The backends `plan` needs: torch always (the compiled folder, every stage's torch
+    form), FPGA when it places stages on FPGA cards. The last one builds the drop-in module."""
+    from pipecc.backends.torch.backend import TorchBackend
+    chosen: list[Backend] = [TorchBackend()]
+    if plan.fpga_stages():
+        from pipecc.backends.fpga.backend import FpgaBackend
+        chosen.append(FpgaBackend())
+    return chosen
+
+
+def _cut_stages(state: State) -> None:
+    from pipecc.backends.torch.stages import cut_stages
+    assert state.graph is not None and state.plan is not None
+    state.stages = cut_stages(state.graph, state.plan.stage_of())
+
+
+def _report(state: State) -> None:
+    """report.html and the data behind it (the graph and the schedule's timeline)."""
+    import json
+
+    from pipecc.report.compiled import graph_json, timeline_json
+    from pipecc.report.html import render_report, timeline_for
+    graph, plan = state.graph, state.plan
+    timeline = timeline_for(plan)
+    state.extra_files = {"graph.json": json.dumps(graph_json(graph, plan), indent=1),
+                         "timeline.json": json.dumps(timeline_json(timeline)),
+                         "report.html": render_report(graph, plan, timeline)}
+
+
+def _check(state: State, *, target: Target) -> None:
+    for backend in state.backends:
+        backend.check(state.graph, state.plan, state.stages, target)
+
+
+def _write(state: State, *, out: str | Path, force: bool, target: Target) -> None:
+    from pipecc.backends.torch.compile import write_output
+    writers = [w for b in state.backends for w in b.writers(state.graph, state.plan, state.stages, target)]
+    write_output(out, state.graph, state.plan, state.stages, force=force,
+                 extra_files=state.extra_files, writers=writers)
+
+
+def _module(state: State, *, model: nn.Module, target: Target) -> None:
+    state.module = state.backends[-1].module(model, state.graph, state.plan, state.stages, target)
+
+
+def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Path, *,  # noqa: A001
+            force: bool = False, fpga_number: str = "float", debug: bool = False,
+            dump_ir: str | Path | None = None) -> Compiled:
+    """Write the compiled folder `out` for `plan` over `graph` (what `driver.plan` returned):
+    every stage's torch code, report.html, and each backend's files (FPGA stages' HLS
+    projects). Every backend checks the plan first; a failure writes nothing (no OUT)."""
+    from pipecc.backends.base import Target
+    example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
+    target = Target(example_inputs=example, number=fpga_number)
+    steps = [Step("cut stages", _cut_stages),
+             Step("report", _report, "writing report"),
+             Step("check", partial(_check, target=target)),
+             Step("write", partial(_write, out=out, force=force, target=target))]
+    state = State(graph=graph, costed=True, plan=plan, backends=backends_for(plan))
+    Instruments(debug, dump_ir).run(steps, state)
+    assert state.stages is not None
+    return Compiled(Path(out), state.stages,
+                    [line for b in state.backends for line in b.notes(plan, out)])
+
+
+def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_inputs: tuple, *,
+                   devices: Sequence[str] | None = None, fpga_number: str = "float",
+                   fpga_dir: str | Path | None = None, debug: bool = False,
+                   dump_ir: str | Path | None = None) -> nn.Module:
+    """`compile`'s in-process counterpart (`pipecc.compile`): the drop-in module over
+    `model`'s own parameters, each stage on `devices[i]`; `module.plan` is `plan`."""
+    from pipecc.backends.base import Target
+    target = Target(example_inputs=tuple(example_inputs), number=fpga_number,
+                    fpga_dir=Path(fpga_dir) if fpga_dir is not None else None, devices=devices)
+    steps = [Step("cut stages", _cut_stages),
+             Step("check", partial(_check, target=target)),
+             Step("module", partial(_module, model=model, target=target))]
+    state = State(graph=graph, costed=True, plan=plan, backends=backends_for(plan))
+    Instruments(debug, dump_ir).run(steps, state)
+    module = state.module
+    assert module is not None
+    module.plan = plan  # type: ignore[assignment]  # for inspection: pm.plan.stages, ...
+    return module

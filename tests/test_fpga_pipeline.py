@@ -25,8 +25,9 @@ import pipecc
 from helpers import ROOT
 from pipecc import cli, driver
 from pipecc.cli import csim as csim_cmd
-from pipecc.backends.fpga import output as fpga_compile
+from pipecc.backends.base import Target
 from pipecc.backends.fpga import toolchain_problem
+from pipecc.backends.fpga.backend import FpgaBackend
 from pipecc.backends.fpga.pipeline import FpgaPipelineStage, check_boundary
 from pipecc.backends.torch import cut_stages, write_output
 from pipecc.errors import PipeccError
@@ -45,11 +46,6 @@ DEVICES = "cpu,u250,cpu"
 MODEL_ARGS = [f"--model-arg={k}={v}" for k, v in KW.items()]
 
 
-def _cli_compiles_fpga() -> bool:
-    """cmd_compile wired to pipecc.backends.fpga.output (else the test does what it would do)."""
-    return "fpga_compile" in Path(cli.__file__).read_text()
-
-
 def _csim(*args: str) -> int:
     """`pipecc csim ...` in-process: through the CLI once it knows the command."""
     known = "csim_cmd" in Path(cli.__file__).read_text()
@@ -57,17 +53,9 @@ def _csim(*args: str) -> int:
 
 
 def compile_out(out: Path) -> None:
-    if _cli_compiles_fpga():
-        rc = cli.main(["compile", str(ROOT / "models" / "mlp.py"), "-b", str(BATCH), "--inference",
-                       "--devices", DEVICES, "-o", str(out), "-q", *MODEL_ARGS])
-        assert rc == 0
-        return
-    # what cmd_compile does with the lines pipecc.backends.fpga.output documents
-    analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=KW, batch_size=BATCH)
-    plan, graph = driver.plan(analysis, DEVICES, training=False)
-    stages = cut_stages(graph, plan.stage_of())
-    writers = fpga_compile.writers(graph, plan, stages, analysis.spec.example_inputs)
-    write_output(out, graph, plan, stages, writers=writers)
+    rc = cli.main(["compile", str(ROOT / "models" / "mlp.py"), "-b", str(BATCH), "--inference",
+                   "--devices", DEVICES, "-o", str(out), "-q", *MODEL_ARGS])
+    assert rc == 0
 
 
 def reference_model(state: dict) -> nn.Module:
@@ -86,7 +74,7 @@ def out(tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------------- compile output
 def test_plan_puts_a_linear_on_the_fpga(out):
     plan = Plan.from_json(json.loads((out / "plan.json").read_text()))
-    assert fpga_compile.fpga_stages(plan) == {1: "u250"}
+    assert plan.fpga_stages() == {1: "u250"}
     marker = json.loads((out / "pipecc.json").read_text())
     assert marker["inference_only"] is True and marker["fpga_stages"]["1"]["card"] == "u250"
     hls = out / "stage_1" / "hls"
@@ -144,8 +132,10 @@ def test_csim_command_without_fpga_stages(tmp_path, capsys):
     analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=mlp.TINY, batch_size=2)
     plan, graph = driver.plan(analysis, "cpu,cpu", training=False)
     stages = cut_stages(graph, plan.stage_of())
-    assert fpga_compile.writers(graph, plan, stages, analysis.spec.example_inputs) == []
-    assert fpga_compile.notes(plan) == []
+    target = Target(example_inputs=analysis.spec.example_inputs)
+    FpgaBackend().check(graph, plan, stages, target)  # nothing to check without FPGA stages
+    assert FpgaBackend().writers(graph, plan, stages, target) == []
+    assert FpgaBackend().notes(plan) == []
     write_output(tmp_path / "cpu", graph, plan, stages)
     assert _csim(str(tmp_path / "cpu")) == 1
     err = capsys.readouterr().err
@@ -227,7 +217,8 @@ def test_forced_softmax_on_an_fpga_stage_writes_nothing(tmp_path):
     stages = cut_stages(graph, stage_of)
     assert any(n.meta.get(META_OP) == "softmax" for n in stages[1].gm.graph.nodes)
     plan = _fpga_plan(stages, ["cpu", "u250"])
-    writers = fpga_compile.writers(graph, plan, stages, x)
+    FpgaBackend().check(graph, plan, stages, Target(example_inputs=x))  # softmax: found on writing
+    writers = FpgaBackend().writers(graph, plan, stages, Target(example_inputs=x))
     with pytest.raises(UnsupportedOpError, match="softmax") as info:
         write_output(tmp_path / "out", graph, plan, stages, writers=writers)
     assert "\n" not in str(info.value)
@@ -255,5 +246,5 @@ def test_fpga_stage_boundary_must_be_one_tensor():
     with pytest.raises(PipeccError, match=r"FPGA stage 1 \(u250\): the FPGA stage boundary "
                        r"must be a single float32 tensor.*sends \['relu' \(tensor float32\), "
                        r"'b' \(tensor float32\)\]"):
-        fpga_compile.writers(graph, plan, stages, (torch.randn(2, 8),))
+        FpgaBackend().check(graph, plan, stages, Target(example_inputs=(torch.randn(2, 8),)))
     check_boundary(stages[0], "cpu")  # one tensor in, one out: fine

@@ -4,6 +4,10 @@ engineer takes over, proved by C simulation with g++.
     lower (fx stage -> layers, BN folded)  ─►  codegen (templates/ -> stage_<i>/)
     ─►  csim (g++ testbench + shared library; golden data from torch)  ─►  FpgaStageModule
 
+`pipeline` puts those stages into a compiled folder or a drop-in module; `backend.FpgaBackend`
+is that behind the driver's Backend interface (not imported here: the distributed runtime
+imports this package for an FPGA stage's rank and needs no compiler interface).
+
 The cost model and the op-support rules live in `pipecc.targets.fpga_model` so the planner (which
 must not import backends/) uses the same numbers as `estimates.json`.
 """

@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.backends.fpga.output import fpga_stages
 from pipecc.ir.graph import META_VALUE, TensorInfo
 
 from .codegen import write_fpga_stage
@@ -143,7 +142,7 @@ def compile_fpga_stages(folder: str | Path, graph: Any, plan: Any, stages: Seque
     `folder` is the compiled folder being written (write_output's temporary folder). Its
     `pipecc.json`, when present, gains "inference_only": true and "fpga_stages".
     """
-    cards = fpga_stages(plan)
+    cards = plan.fpga_stages()
     if not cards:
         return []
     by_index = {s.index: s for s in stages}
@@ -201,15 +200,16 @@ def _usable_hls(hls: Path) -> tuple[Path, Any]:
 
 
 def mixed_pipelined_module(model: nn.Module, graph: Any, plan: Any, stages: Sequence[Any],
-                           example_inputs: Sequence[Any], *, devices: Sequence[Any] | None = None,
-                           number: str = "float", fpga_dir: str | Path | None = None) -> Any:
+                           example_inputs: Sequence[Any] | None, *,
+                           devices: Sequence[Any] | None = None, number: str = "float",
+                           fpga_dir: str | Path | None = None) -> Any:
     """`pipecc.compile`'s drop-in module when the plan has FPGA stages: each FPGA stage's HLS
     project is written (into `fpga_dir`, else a temporary folder removed with the module),
     built with g++, and run in place of its torch stage."""
     from pipecc.backends.torch.stages import ports_json
     from pipecc.runtime.local import PipelinedModule
 
-    cards = fpga_stages(plan)
+    cards = plan.fpga_stages()
     keep = None
     if fpga_dir is None:
         root = Path(tempfile.mkdtemp(prefix="pipecc-fpga-"))
@@ -273,11 +273,6 @@ def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
     pm = PipelinedModule(modules, ports, owner=owner, microbatches=m, devices=devices)
     _mark_inference_only(pm, fpga)
     return pm
-
-
-def has_fpga_stages(out_dir: str | Path) -> bool:
-    out = Path(out_dir)
-    return any(p.is_dir() for p in out.glob(f"stage_*/{HLS_DIR}"))
 
 
 def _check_ports_json(index: int, spec: Mapping[str, Any]) -> None:

@@ -53,6 +53,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fpga-number", default="float", metavar="FORMAT",
                    help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
                    "the plan costs FPGA stages in it")
+    p.add_argument("--dump-ir", metavar="DIR",
+                   help="write the IR after each compiler step to DIR/NNN_<step>.txt (the graph "
+                   "with each node's name, kind and cost; the plan once planned)")
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from pipecc.cli.args import add_model_args, add_plan_args
@@ -24,29 +23,16 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from pipecc import progress
-    from pipecc.backends.fpga import output as fpga_compile
-    from pipecc.backends.torch import cut_stages, write_output
-    from pipecc.report.compiled import graph_json, timeline_json
-    from pipecc.report.html import render_report, timeline_for
+    from pipecc import driver, progress
     args.compare = True  # the report shows the baselines' figures
     analysis, plan, graph = plan_from_args(args)
     for decision in plan.decisions:
         progress.explain(decision)
-    timeline = timeline_for(plan)
-    stages = cut_stages(graph, plan.stage_of())
-    with progress.step("writing report"):
-        extra = {"graph.json": json.dumps(graph_json(graph, plan), indent=1),
-                 "timeline.json": json.dumps(timeline_json(timeline)),
-                 "report.html": render_report(graph, plan, timeline)}
-    writers = fpga_compile.writers(graph, plan, stages,
-                                   analysis.spec.example_inputs if analysis.spec else None,
-                                   number=args.fpga_number)
-    out = write_output(args.output, graph, plan, stages, force=args.force, extra_files=extra,
-                       writers=writers)
+    done = driver.compile(analysis, plan, graph, args.output, force=args.force,
+                          fpga_number=args.fpga_number, debug=args.debug, dump_ir=args.dump_ir)
     if not args.quiet:
-        print(f"wrote {out}: {len(stages)} stages, schedule {plan.schedule}, "
+        print(f"wrote {done.out}: {len(done.stages)} stages, schedule {plan.schedule}, "
               f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`")
-        for line in fpga_compile.notes(plan, args.output):
+        for line in done.notes:
             print(line)
     return 0

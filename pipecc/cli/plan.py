@@ -30,14 +30,15 @@ def plan_from_args(args: argparse.Namespace):
     from pipecc.frontend.modelfile import parse_model_args
     analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
                               batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
-                              debug=args.debug)
+                              debug=args.debug, dump_ir=args.dump_ir)
     plan, graph = driver.plan(analysis, args.devices, microbatches=args.microbatches,
                               schedule=args.schedule, coarse=args.coarse,
                               choose_order=args.choose_order,
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
                               training=not args.inference,
-                              fpga_number=args.fpga_number, debug=args.debug)
+                              fpga_number=args.fpga_number, debug=args.debug,
+                              dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
     return analysis, plan, graph

@@ -1,0 +1,37 @@
+"""The torch backend behind the driver's `Backend` interface.
+
+Its files are the compiled folder itself (`write_output`: a readable `stage.py`, weights and
+ports for every stage, which the driver writes with every backend's writers), so it adds no
+writer and no note; placement was already checked when the stages were cut (`cut_stages`).
+Its drop-in module runs the stage GraphModules over the model's own parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from torch import nn
+
+from pipecc.backends.base import Backend, Target, Writer
+from pipecc.backends.torch.compile import pipelined_module
+from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.plan import Plan
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
+        return None  # every graph node has a torch form; cut_stages checked the placement
+
+    def writers(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
+                target: Target) -> list[Writer]:
+        return []
+
+    def notes(self, plan: Plan, out: str | Path | None = None) -> list[str]:
+        return []
+
+    def module(self, model: nn.Module, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
+               target: Target) -> nn.Module:
+        return pipelined_module(model, stages, microbatches=plan.microbatches, devices=target.devices)

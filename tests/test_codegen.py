@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +21,14 @@ import torch.nn as nn
 
 from helpers import ZOO
 from pipecc import driver
+from pipecc.backends import names
 from pipecc.frontend import torch_capture as frontend
 from pipecc.backends.torch import codegen, compile as torch_compile
+from pipecc.backends.torch import names as torch_names
 from pipecc.backends.torch.codegen import emit_stage_source, load_stage, write_stage
 from pipecc.backends.torch.stages import Stage, cut_stages
 from pipecc.errors import PipeccError
-from pipecc.ir.graph import META_NAME, AnnotatedGraph
+from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
 from test_torch_stages import (analysed, one_thread, placeable, random_stage_of,  # noqa: F401
                                stage_of_at, stage_of_fractions, tiny)
@@ -113,6 +116,58 @@ def test_golden_stage_files(name: str) -> None:
             path.write_text(source)
         assert path.exists(), f"missing {path}; create it with PIPECC_UPDATE_GOLDEN=1"
         assert source == path.read_text(), f"{path} changed; review, then PIPECC_UPDATE_GOLDEN=1"
+
+
+# ----------------------------------------------------------------------------- names
+def forward_lines(source: str) -> list[tuple[str, str]]:
+    """(variable, human name in its comment) for each statement of forward."""
+    return re.findall(r"^        (\w+) = .*  # (\S+)", source, flags=re.M)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_locals_follow_human_names(name: str) -> None:
+    """`blocks.0.add` is `blocks_0_add`, not fx's `add_1`; a digit-only name is led by its op
+    (`linear_0`, not `_0`); a stage receiving a value calls it what the sending stage does."""
+    _, _, graph = analysed(name)
+    stages = cut_stages(graph, stage_of_fractions(graph, [0.5]))
+    sources = [emit_stage_source(s, name, s.index, "cpu", len(stages)) for s in stages]
+    ops = {n.meta[META_NAME]: n.meta[META_OP] for n in graph.gm.graph.nodes}
+    for source in sources:
+        lines = forward_lines(source)
+        assert lines
+        for var, human in lines:
+            spelled = human.replace(".", "_")
+            expected = f"{ops[human]}_{spelled}" if spelled[0].isdigit() else spelled
+            assert var in (expected, f"{expected}_"), (var, human)  # `_`: a builtin (getattr)
+    sent = re.findall(r"return \((.*)\)", sources[0])[0].rstrip(",").split(", ")
+    received = re.findall(r"def forward\(self, (.*)\) -> tuple", sources[1])[0]
+    assert [a.split(":")[0] for a in received.split(", ")] == sent
+    if name == "mlp":
+        assert ("linear_0", "0") in forward_lines(sources[0]) and "self.linear_0_weight" in sources[0]
+    else:
+        assert ("blocks_0_add", "blocks.0.add") in forward_lines(sources[0])
+
+
+def test_identifier_rule() -> None:
+    assert names.identifier("blocks.0.attn.proj") == "blocks_0_attn_proj"
+    assert names.identifier("0", "linear") == "linear_0"
+    assert names.identifier("3.shard0", "linear") == "linear_3_shard0"
+    assert names.identifier("7", "onnx.Relu") == "Relu_7"  # an op's last part leads
+    assert names.identifier("", "relu") == "relu" and names.identifier("ü€", "x::conv") == "conv"
+    assert names.identifier("2", "7up") == "v_2"  # a prefix that is no identifier either
+    long = "model.decoder.layers.11.encoder_attn.scaled_dot_product_attention"
+    assert names.identifier(long) == "layers_11_encoder_attn_scaled_dot_product_attention"
+    assert names.identifier("a" * 50 + ".layers.11.proj") == "layers_11_proj"  # index kept
+    assert len(names.identifier("x" * 500)) == names.MAX_LENGTH
+    python = torch_names.Identifiers()
+    got = [python.fresh(raw, "add") for raw in ("input", "input", "self", "if", "F", "a.b", "a_b",
+                                                 "match", HOSTILE)]
+    assert got == ["input_", "input_1", "self_", "if_", "F_", "a_b", "a_b_1", "match_",
+                   "a_import_os_os_system_x"]
+    c = names.Identifiers()
+    assert c.fresh("x_0") == "x_0" and c.fresh("x", also=["_0", "_1"]) == "x_1"
+    assert c.fresh("x_1_0") == "x_1_0_1"  # taken with the clone x_1's outputs
+    assert all(i.isidentifier() and i.isascii() for i in got)
 
 
 # ----------------------------------------------------------------------------- the zoo

@@ -6,9 +6,11 @@
              tb_data/input.bin output.bin   run_hls.tcl   estimates.json   stage.json
 
 Templates are data (templates/*.in, processes.txt; string.Template fields); this module only
-fills them. No raw model name reaches the code: identifiers come from `lower.c_identifier`,
-comments from `lower.comment_safe`. The stage is written to a temporary folder and renamed
-into place, so a failure never leaves half a stage.
+fills them. No raw model name reaches the code: identifiers come from `lower.c_identifiers`
+(`conv1`, `dense_4`: the human name, a digit-only one led by the layer kind), comments from
+`lower.comment_safe`; a process line whose identifier is not its human name ends with that
+name (`PIPECC_PROCESS(dense_4, ...)  // 4`). The stage is written to a temporary folder and
+renamed into place, so a failure never leaves half a stage.
 """
 
 from __future__ import annotations
@@ -158,17 +160,18 @@ def write_fpga_stage(out_dir: str | Path, stage_gm: fx.GraphModule, example_inpu
             fields = {"name": name, "out": outs[0], "outs": ", ".join(outs), "n": s.attrs["n"],
                       "approximate": s.attrs.get("approximate", "none"),
                       **{f"in{k}": v for k, v in enumerate(ins)}}
-            procs.append(f"  PIPECC_PROCESS({name}, {calls[kind].substitute(fields)})")
+            human = f"  // {layer.label}" if layer.label != name else ""  # dense_4  // 4
+            procs.append(f"  PIPECC_PROCESS({name}, {calls[kind].substitute(fields)}){human}")
             if s.kind in _CONSTANTS:
                 consts = "\n".join(f"  static const unsigned {k} = {v};"
                                    for k, v in _constants(layer, e, fmt).items())
-                comment = f"{layer.label} [{s.kind}] <- {', '.join(lowering.comment_safe(n) for n in s.nodes)}"
+                comment = f"{layer.label} [{s.kind}] <- {', '.join(layer.sources)}"
                 configs.append(_template("config.h.in").substitute(
                     comment=comment, name=name, constants=consts))
             for role, ctype in (("w", "weight_t"), ("b", "bias_t")):
                 if role in layer.weights:
                     inc, decl, load = _write_weights(fw, f"{role}_{name}", layer.weights[role],
-                                                     ctype, layer.label, banner)
+                                                     ctype, f"{layer.label} [{s.kind}]", banner)
                     includes.append(inc)
                     decls.append(decl)
                     loads.append(load)

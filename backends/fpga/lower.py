@@ -11,7 +11,6 @@ the model is in eval mode (BatchNorm uses running statistics). Unsupported nodes
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from pipecc.backends.names import Identifiers
 from pipecc.errors import PipeccError
+from pipecc.ir.graph import META_NAME
 from pipecc.targets.fpga_model import LayerSpec, NumberFormat, UnsupportedOpError, plan_layers
 
 GELU_LIPSCHITZ = 1.13  # max |gelu'(x)| = 1.1289 (erf and tanh forms)
@@ -32,8 +33,9 @@ class Layer:
     """One process: its structure, a C identifier, and the numbers it needs."""
 
     spec: LayerSpec
-    ident: str                      # unique C identifier, never the raw name
+    ident: str                      # unique C identifier (see `c_identifiers`), never the raw name
     label: str                      # the human name made safe for a // comment
+    sources: tuple[str, ...]        # human names of the nodes folded into it, comment-safe
     weights: dict[str, np.ndarray]  # "w" (MH, MW) or (C,), "b" (MH,) or (C,)
     in_absmax: float                # largest |input| in the golden run
     out_absmax: float
@@ -48,10 +50,15 @@ class LoweredStage:
     golden_output: torch.Tensor     # (B, *out_shape) float32, torch at the stage boundary
 
 
-def c_identifier(text: str, index: int) -> str:
-    """`l<index>_<text reduced to [A-Za-z0-9_], at most 40 chars>`: unique and always legal."""
-    body = re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_")[:40]
-    return f"l{index}_{body}" if body else f"l{index}"
+def c_identifiers(specs: list[LayerSpec]) -> list[str]:
+    """One C identifier per layer, from its human name by the rule of `pipecc.backends.names`
+    (`blocks.0.mlp.fc` -> `blocks_0_mlp_fc`, `4` -> `dense_4`: a digit-only name is led by the
+    layer kind). The code only ever writes it with a role prefix (`s_`, `config_`, `w_`, `b_`)
+    or as a process label, so no C keyword can clash; a clone's outputs are `s_<ident>_<k>`,
+    names kept free of every other layer's."""
+    scope = Identifiers()
+    return [scope.fresh(s.name, s.kind, [f"_{k}" for k in range(s.attrs.get("copies", 0))])
+            for s in specs]
 
 
 def comment_safe(text: str) -> str:
@@ -130,11 +137,13 @@ def lower(gm: fx.GraphModule, example_input: torch.Tensor) -> LoweredStage:
     with torch.no_grad():
         out = rec.run(example_input.to(torch.float32))
     out = out[0] if isinstance(out, (tuple, list)) else out
+    human = {n.name: str(n.meta.get(META_NAME, n.name)) for n in gm.graph.nodes}
     layers: list[Layer] = []
-    for i, spec in enumerate(specs):
+    for spec, ident in zip(specs, c_identifiers(specs)):
         src = rec.values.get(spec.inputs[0]) if spec.inputs else example_input
         dst = rec.values.get(spec.tensor) if spec.tensor else out
-        layer = Layer(spec, c_identifier(spec.name, i), comment_safe(spec.name),
+        layer = Layer(spec, ident, comment_safe(spec.name),
+                      tuple(comment_safe(human.get(n, n)) for n in spec.nodes),
                       _weights(gm, spec), float(src.abs().max()), float(dst.abs().max()))
         if spec.kind in ("dense", "conv2d"):
             layer.in_l1max, layer.in_l2max = _fan_in_max(spec, src, 1), _fan_in_max(spec, src, 2)

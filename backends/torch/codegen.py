@@ -34,7 +34,7 @@ from pipecc.backends.torch import lower_modules, render
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
-from pipecc.ir.graph import META_NAME, META_VALUE, ScalarInfo, TensorInfo
+from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo
 from pipecc.runtime.local import load_stage  # noqa: F401  (re-exported: the loader lives in the runtime)
 
 
@@ -102,6 +102,7 @@ class _Emitter:
         self._modules: dict[int, str] = {}     # id(instantiated module) -> attribute
         self._var: dict[fx.Node, str] = {}
         self._target = ""                      # qualified target of the node being lowered
+        self._op = ""                          # and its op (leads a digit-only name: linear_0)
 
     # -- the Context protocol of lower_modules
     def const(self, value: Any) -> str:
@@ -126,7 +127,7 @@ class _Emitter:
         if id(t) in self._attr_of:
             return f"self.{self._attr_of[id(t)]}"
         names = self.stage.tensor_names.get(id(t), (qualified,))
-        attr = self.attrs.fresh(names[0], "param")
+        attr = self.attrs.fresh(names[0], self._prefix(names[0]))
         self._declare(attr, t, names)
         return f"self.{attr}"
 
@@ -154,7 +155,7 @@ class _Emitter:
         start = (view.storage_offset() - base.storage_offset()) // base.stride(dim)
         key = (id(base), dim, start, view.shape[dim])
         if key not in self._attr_of:
-            attr = self.attrs.fresh(qualified, "shard")
+            attr = self.attrs.fresh(qualified, self._prefix(qualified))
             self._attr_of[key] = attr
             self.tensors[attr] = view
             self.shards[attr] = (self.stage.tensor_names[id(base)][0], dim, start, view.shape[dim])
@@ -162,10 +163,15 @@ class _Emitter:
             self.init.append(f"self.{attr} = torch.nn.Parameter({empty})")
         return f"self.{self._attr_of[key]}"
 
+    def _prefix(self, qualified: str) -> str:
+        """What leads a digit-only attribute name: the op of the module owning the tensor."""
+        owned = self._target and qualified.startswith(f"{self._target}.")
+        return self._op if owned and self._op else "param"
+
     def _instantiate(self, module: nn.Module, target: str) -> str:
         """A module kept whole: built in __init__, its tensors named by the module."""
         if id(module) not in self._modules:
-            attr = self.attrs.fresh(target, "module")
+            attr = self.attrs.fresh(target, self._op or "module")
             self.init.append(f"self.{attr} = {lower_modules.constructor(module, self.const)}")
             for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
                 for name, t in items:
@@ -185,8 +191,9 @@ class _Emitter:
         receives = iter(self.stage.receives)
         for node in self.stage.gm.graph.nodes:
             if node.op == "placeholder":
-                port = next(receives)
-                self._var[node] = self.locals.fresh(port.name, "input")
+                port = next(receives)  # a model input keeps its argument name, a value its producer's
+                self._var[node] = self.locals.fresh(port.name, "input") if port.stage < 0 \
+                    else self._local(node)
                 hint = ": torch.Tensor" if isinstance(port.value, TensorInfo) else ""
                 self.args.append(f"{self._var[node]}{hint}")
                 self.arg_names.append(self._var[node])
@@ -197,9 +204,15 @@ class _Emitter:
                 self.body.append(f"return {render.constant(tuple(node.args[0]), self._node_expr)}")
             else:
                 expr = self._expression(node)
-                var = self.locals.fresh(node.name)
+                var = self._local(node)
                 self._var[node] = var
                 self.body.append(f"{var} = {expr}{_comment(node)}")
+
+    def _local(self, node: fx.Node) -> str:
+        """The variable holding `node`'s value, named after its human name (`blocks.0.add` ->
+        `blocks_0_add`, `0` -> `linear_0`); a value received from an earlier stage has the
+        producer's meta, hence the name it has there."""
+        return self.locals.fresh(node.meta.get(META_NAME, node.name), node.meta.get(META_OP, node.op))
 
     def _get_attr(self, node: fx.Node) -> str:
         obj: Any = self.stage.gm
@@ -207,7 +220,7 @@ class _Emitter:
             obj = getattr(obj, part)
         if not isinstance(obj, torch.Tensor):
             raise PipeccError(f"get_attr {text(node.target)}: a {type(obj).__name__}, not a tensor")
-        self._target = ""
+        self._target, self._op = "", ""
         return self.tensor(obj, str(node.target))
 
     def _expression(self, node: fx.Node) -> str:
@@ -215,7 +228,7 @@ class _Emitter:
         kwargs = _kwargs(node.kwargs, self.const)
         if node.op == "call_module":
             module = self.stage.gm.get_submodule(str(node.target))
-            self._target = str(node.target)
+            self._target, self._op = str(node.target), str(node.meta.get(META_OP, ""))
             rule = lower_modules.rule_for(module)
             if rule is not None and len(node.args) == 1 and not node.kwargs:
                 return rule(module, self, args[0])

@@ -11,8 +11,8 @@ Nodes (28): blocks.0.mlp.proj, blocks.0.add_1, blocks.1.ln_1, blocks.1.attn.size
     lm_head
 
 Receives (forward's arguments, in order):
-    add_1: float32[B, 8, 32]  (blocks.0.add; computed by stage 0)
-    gelu: float32[B, 8, 128]  (blocks.0.mlp.gelu; computed by stage 0)
+    blocks_0_add: float32[B, 8, 32]  (port add_1; blocks.0.add; computed by stage 0)
+    blocks_0_mlp_gelu: float32[B, 8, 128]  (port gelu; blocks.0.mlp.gelu; computed by stage 0)
 Sends (forward's returned tuple, in order):
     lm_head: float32[B, 8, 101]  (lm_head; model output)
 
@@ -65,33 +65,33 @@ class Stage1(torch.nn.Module):
         self.ln_f_bias = torch.nn.Parameter(torch.empty((32,), dtype=torch.float32))
         self.lm_head_weight = torch.nn.Parameter(torch.empty((101, 32), dtype=torch.float32))
 
-    def forward(self, add_1: torch.Tensor, gelu: torch.Tensor) -> tuple:
-        blocks_0_mlp_proj = F.linear(gelu, self.blocks_0_mlp_proj_weight, self.blocks_0_mlp_proj_bias)  # blocks.0.mlp.proj float32[B, 8, 32]
-        add_2 = add_1 + blocks_0_mlp_proj  # blocks.0.add_1 float32[B, 8, 32]
-        blocks_1_ln_1 = F.layer_norm(add_2, (32,), self.blocks_1_ln_1_weight, self.blocks_1_ln_1_bias, 1e-05)  # blocks.1.ln_1 float32[B, 8, 32]
-        size_3 = blocks_1_ln_1.size(0)  # blocks.1.attn.size
-        size_4 = blocks_1_ln_1.size(1)  # blocks.1.attn.size_1
+    def forward(self, blocks_0_add: torch.Tensor, blocks_0_mlp_gelu: torch.Tensor) -> tuple:
+        blocks_0_mlp_proj = F.linear(blocks_0_mlp_gelu, self.blocks_0_mlp_proj_weight, self.blocks_0_mlp_proj_bias)  # blocks.0.mlp.proj float32[B, 8, 32]
+        blocks_0_add_1 = blocks_0_add + blocks_0_mlp_proj  # blocks.0.add_1 float32[B, 8, 32]
+        blocks_1_ln_1 = F.layer_norm(blocks_0_add_1, (32,), self.blocks_1_ln_1_weight, self.blocks_1_ln_1_bias, 1e-05)  # blocks.1.ln_1 float32[B, 8, 32]
+        blocks_1_attn_size = blocks_1_ln_1.size(0)  # blocks.1.attn.size
+        blocks_1_attn_size_1 = blocks_1_ln_1.size(1)  # blocks.1.attn.size_1
         blocks_1_attn_qkv = F.linear(blocks_1_ln_1, self.blocks_1_attn_qkv_weight, self.blocks_1_attn_qkv_bias)  # blocks.1.attn.qkv float32[B, 8, 96]
-        split_1 = blocks_1_attn_qkv.split(32, dim=2)  # blocks.1.attn.split
-        getitem_3 = split_1[0]  # blocks.1.attn.getitem float32[B, 8, 32]
-        view_3 = getitem_3.view((size_3, size_4, 2, 16))  # blocks.1.attn.view float32[B, 8, 2, 16]
-        transpose_4 = view_3.transpose(1, 2)  # blocks.1.attn.transpose float32[B, 2, 8, 16]
-        getitem_4 = split_1[1]  # blocks.1.attn.getitem_1 float32[B, 8, 32]
-        view_4 = getitem_4.view((size_3, size_4, 2, 16))  # blocks.1.attn.view_1 float32[B, 8, 2, 16]
-        transpose_5 = view_4.transpose(1, 2)  # blocks.1.attn.transpose_1 float32[B, 2, 8, 16]
-        getitem_5 = split_1[2]  # blocks.1.attn.getitem_2 float32[B, 8, 32]
-        view_5 = getitem_5.view((size_3, size_4, 2, 16))  # blocks.1.attn.view_2 float32[B, 8, 2, 16]
-        transpose_6 = view_5.transpose(1, 2)  # blocks.1.attn.transpose_2 float32[B, 2, 8, 16]
-        scaled_dot_product_attention_1 = F.scaled_dot_product_attention(transpose_4, transpose_5, transpose_6, is_causal=True)  # blocks.1.attn.scaled_dot_product_attention float32[B, 2, 8, 16]
-        transpose_7 = scaled_dot_product_attention_1.transpose(1, 2)  # blocks.1.attn.transpose_3 float32[B, 8, 2, 16]
-        reshape_1 = transpose_7.reshape(size_3, size_4, 32)  # blocks.1.attn.reshape float32[B, 8, 32]
-        blocks_1_attn_proj = F.linear(reshape_1, self.blocks_1_attn_proj_weight, self.blocks_1_attn_proj_bias)  # blocks.1.attn.proj float32[B, 8, 32]
-        add_3 = add_2 + blocks_1_attn_proj  # blocks.1.add float32[B, 8, 32]
-        blocks_1_ln_2 = F.layer_norm(add_3, (32,), self.blocks_1_ln_2_weight, self.blocks_1_ln_2_bias, 1e-05)  # blocks.1.ln_2 float32[B, 8, 32]
+        blocks_1_attn_split = blocks_1_attn_qkv.split(32, dim=2)  # blocks.1.attn.split
+        blocks_1_attn_getitem = blocks_1_attn_split[0]  # blocks.1.attn.getitem float32[B, 8, 32]
+        blocks_1_attn_view = blocks_1_attn_getitem.view((blocks_1_attn_size, blocks_1_attn_size_1, 2, 16))  # blocks.1.attn.view float32[B, 8, 2, 16]
+        blocks_1_attn_transpose = blocks_1_attn_view.transpose(1, 2)  # blocks.1.attn.transpose float32[B, 2, 8, 16]
+        blocks_1_attn_getitem_1 = blocks_1_attn_split[1]  # blocks.1.attn.getitem_1 float32[B, 8, 32]
+        blocks_1_attn_view_1 = blocks_1_attn_getitem_1.view((blocks_1_attn_size, blocks_1_attn_size_1, 2, 16))  # blocks.1.attn.view_1 float32[B, 8, 2, 16]
+        blocks_1_attn_transpose_1 = blocks_1_attn_view_1.transpose(1, 2)  # blocks.1.attn.transpose_1 float32[B, 2, 8, 16]
+        blocks_1_attn_getitem_2 = blocks_1_attn_split[2]  # blocks.1.attn.getitem_2 float32[B, 8, 32]
+        blocks_1_attn_view_2 = blocks_1_attn_getitem_2.view((blocks_1_attn_size, blocks_1_attn_size_1, 2, 16))  # blocks.1.attn.view_2 float32[B, 8, 2, 16]
+        blocks_1_attn_transpose_2 = blocks_1_attn_view_2.transpose(1, 2)  # blocks.1.attn.transpose_2 float32[B, 2, 8, 16]
+        blocks_1_attn_scaled_dot_product_attention = F.scaled_dot_product_attention(blocks_1_attn_transpose, blocks_1_attn_transpose_1, blocks_1_attn_transpose_2, is_causal=True)  # blocks.1.attn.scaled_dot_product_attention float32[B, 2, 8, 16]
+        blocks_1_attn_transpose_3 = blocks_1_attn_scaled_dot_product_attention.transpose(1, 2)  # blocks.1.attn.transpose_3 float32[B, 8, 2, 16]
+        blocks_1_attn_reshape = blocks_1_attn_transpose_3.reshape(blocks_1_attn_size, blocks_1_attn_size_1, 32)  # blocks.1.attn.reshape float32[B, 8, 32]
+        blocks_1_attn_proj = F.linear(blocks_1_attn_reshape, self.blocks_1_attn_proj_weight, self.blocks_1_attn_proj_bias)  # blocks.1.attn.proj float32[B, 8, 32]
+        blocks_1_add = blocks_0_add_1 + blocks_1_attn_proj  # blocks.1.add float32[B, 8, 32]
+        blocks_1_ln_2 = F.layer_norm(blocks_1_add, (32,), self.blocks_1_ln_2_weight, self.blocks_1_ln_2_bias, 1e-05)  # blocks.1.ln_2 float32[B, 8, 32]
         blocks_1_mlp_fc = F.linear(blocks_1_ln_2, self.blocks_1_mlp_fc_weight, self.blocks_1_mlp_fc_bias)  # blocks.1.mlp.fc float32[B, 8, 128]
-        gelu_1 = F.gelu(blocks_1_mlp_fc, approximate='tanh')  # blocks.1.mlp.gelu float32[B, 8, 128]
-        blocks_1_mlp_proj = F.linear(gelu_1, self.blocks_1_mlp_proj_weight, self.blocks_1_mlp_proj_bias)  # blocks.1.mlp.proj float32[B, 8, 32]
-        add_4 = add_3 + blocks_1_mlp_proj  # blocks.1.add_1 float32[B, 8, 32]
-        ln_f = F.layer_norm(add_4, (32,), self.ln_f_weight, self.ln_f_bias, 1e-05)  # ln_f float32[B, 8, 32]
+        blocks_1_mlp_gelu = F.gelu(blocks_1_mlp_fc, approximate='tanh')  # blocks.1.mlp.gelu float32[B, 8, 128]
+        blocks_1_mlp_proj = F.linear(blocks_1_mlp_gelu, self.blocks_1_mlp_proj_weight, self.blocks_1_mlp_proj_bias)  # blocks.1.mlp.proj float32[B, 8, 32]
+        blocks_1_add_1 = blocks_1_add + blocks_1_mlp_proj  # blocks.1.add_1 float32[B, 8, 32]
+        ln_f = F.layer_norm(blocks_1_add_1, (32,), self.ln_f_weight, self.ln_f_bias, 1e-05)  # ln_f float32[B, 8, 32]
         lm_head = F.linear(ln_f, self.lm_head_weight, None)  # lm_head float32[B, 8, 101]
         return (lm_head,)

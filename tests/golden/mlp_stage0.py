@@ -6,7 +6,7 @@ Nodes (2): 0, 1
 Receives (forward's arguments, in order):
     input_1: float32[B, 16]  (input.input; model input)
 Sends (forward's returned tuple, in order):
-    _1: float32[B, 32]  (1; to the next stage)
+    relu_1: float32[B, 32]  (port _1; 1; to the next stage)
 
 Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES
 maps each attribute to its name in the original model's state_dict.
@@ -18,16 +18,16 @@ import torch.nn.functional as F
 
 class Stage0(torch.nn.Module):
     PARAM_NAMES = {
-        '_0_weight': '0.weight',
-        '_0_bias': '0.bias',
+        'linear_0_weight': '0.weight',
+        'linear_0_bias': '0.bias',
     }
 
     def __init__(self) -> None:
         super().__init__()
-        self._0_weight = torch.nn.Parameter(torch.empty((32, 16), dtype=torch.float32))
-        self._0_bias = torch.nn.Parameter(torch.empty((32,), dtype=torch.float32))
+        self.linear_0_weight = torch.nn.Parameter(torch.empty((32, 16), dtype=torch.float32))
+        self.linear_0_bias = torch.nn.Parameter(torch.empty((32,), dtype=torch.float32))
 
     def forward(self, input_1: torch.Tensor) -> tuple:
-        _0 = F.linear(input_1, self._0_weight, self._0_bias)  # 0 float32[B, 32]
-        _1 = F.relu(_0)  # 1 float32[B, 32]
-        return (_1,)
+        linear_0 = F.linear(input_1, self.linear_0_weight, self.linear_0_bias)  # 0 float32[B, 32]
+        relu_1 = F.relu(linear_0)  # 1 float32[B, 32]
+        return (relu_1,)

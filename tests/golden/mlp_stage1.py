@@ -4,9 +4,9 @@ Device: cpu (cpu)
 Nodes (3): 2, 3, 4
 
 Receives (forward's arguments, in order):
-    _1: float32[B, 32]  (1; computed by stage 0)
+    relu_1: float32[B, 32]  (port _1; 1; computed by stage 0)
 Sends (forward's returned tuple, in order):
-    _4: float32[B, 5]  (4; model output)
+    linear_4: float32[B, 5]  (port _4; 4; model output)
 
 Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES
 maps each attribute to its name in the original model's state_dict.
@@ -18,21 +18,21 @@ import torch.nn.functional as F
 
 class Stage1(torch.nn.Module):
     PARAM_NAMES = {
-        '_2_weight': '2.weight',
-        '_2_bias': '2.bias',
-        '_4_weight': '4.weight',
-        '_4_bias': '4.bias',
+        'linear_2_weight': '2.weight',
+        'linear_2_bias': '2.bias',
+        'linear_4_weight': '4.weight',
+        'linear_4_bias': '4.bias',
     }
 
     def __init__(self) -> None:
         super().__init__()
-        self._2_weight = torch.nn.Parameter(torch.empty((32, 32), dtype=torch.float32))
-        self._2_bias = torch.nn.Parameter(torch.empty((32,), dtype=torch.float32))
-        self._4_weight = torch.nn.Parameter(torch.empty((5, 32), dtype=torch.float32))
-        self._4_bias = torch.nn.Parameter(torch.empty((5,), dtype=torch.float32))
+        self.linear_2_weight = torch.nn.Parameter(torch.empty((32, 32), dtype=torch.float32))
+        self.linear_2_bias = torch.nn.Parameter(torch.empty((32,), dtype=torch.float32))
+        self.linear_4_weight = torch.nn.Parameter(torch.empty((5, 32), dtype=torch.float32))
+        self.linear_4_bias = torch.nn.Parameter(torch.empty((5,), dtype=torch.float32))
 
-    def forward(self, _1: torch.Tensor) -> tuple:
-        _2 = F.linear(_1, self._2_weight, self._2_bias)  # 2 float32[B, 32]
-        _3 = F.relu(_2)  # 3 float32[B, 32]
-        _4 = F.linear(_3, self._4_weight, self._4_bias)  # 4 float32[B, 5]
-        return (_4,)
+    def forward(self, relu_1: torch.Tensor) -> tuple:
+        linear_2 = F.linear(relu_1, self.linear_2_weight, self.linear_2_bias)  # 2 float32[B, 32]
+        relu_3 = F.relu(linear_2)  # 3 float32[B, 32]
+        linear_4 = F.linear(relu_3, self.linear_4_weight, self.linear_4_bias)  # 4 float32[B, 5]
+        return (linear_4,)

@@ -1,0 +1,154 @@
+"""The layering, checked on the source (AST, nothing imported): no import cycles, `passes/`
+never imports `backends/`, the runtime never imports the compiler, and modules stay small
+enough to read in one sitting (over 600 lines only with a `# NOTE(size): why` comment).
+
+Every import counts, also those inside functions: a lazy import that closes a cycle is still
+a cycle a reader has to untangle (this is how `cli` <-> `run_cmd` and `inspect` <-> `report`
+hid before the re-layering)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+# installed name -> folder in the checkout (setup.cfg's package_dir)
+PACKAGE_DIRS = {"pipecc": ROOT / "pipecc", "pipecc.passes": ROOT / "passes",
+                "pipecc.backends": ROOT / "backends", "pipecc.models": ROOT / "models"}
+MAX_LINES = 600
+SIZE_NOTE = "# NOTE(size):"
+# What pipecc/runtime may import from pipecc: the schedule IR, errors, the model-file loader
+# (imports torch only) and, for an FPGA stage's rank, the FPGA backend's C-simulation module.
+RUNTIME_MAY_IMPORT = ("pipecc.errors", "pipecc.runtime", "pipecc.ir.schedule",
+                      "pipecc.frontend.modelfile", "pipecc.backends.fpga")
+# What the IR may import: nothing of the compiler around it.
+IR_MAY_IMPORT = ("pipecc.errors", "pipecc.ir")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module pipecc installs."""
+    out: dict[str, Path] = {}
+    for pkg, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            if "__pycache__" in path.parts or "templates" in path.parts:
+                continue
+            rel = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((pkg, *rel))
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The longest known module that `name` names (a.b.c -> a.b if c is an attribute)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The pipecc modules `module` imports (anywhere in the file)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module if is_pkg else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    parent = parent.rpartition(".")[0]
+                base = f"{parent}.{base}" if base else parent
+            targets = [f"{base}.{a.name}" for a in node.names]
+        for t in targets:
+            if t.split(".")[0] != "pipecc":
+                continue
+            hit = _resolve(t, known)
+            if hit and hit != module:
+                out.add(hit)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph = {m: imports_of(m, p, known) for m, p in known.items()}
+    # NOTE: the root package's __init__ only forwards attribute access lazily
+    # (`pipecc.compile` -> pipecc.api); importing `pipecc.x` runs it but not those imports.
+    graph["pipecc"] = set()
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (iterative DFS, three colours)."""
+    state: dict[str, int] = {}
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, children = stack[-1]
+            for child in children:
+                if state.get(child) == 1:
+                    return path[path.index(child):] + [child]
+                if not state.get(child):
+                    state[child] = 1
+                    path.append(child)
+                    stack.append((child, iter(sorted(graph.get(child, ())))))
+                    break
+            else:
+                state[node] = 2
+                path.pop()
+                stack.pop()
+    return None
+
+
+def test_the_checker_finds_cycles_and_lazy_imports(tmp_path: Path) -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from pipecc.passes import balance\n    import pipecc.ir.plan\n")
+    known = {"pipecc.passes.balance": f, "pipecc.ir.plan": f, "pipecc.x.m": f}
+    assert imports_of("pipecc.x.m", f, known) == {"pipecc.passes.balance", "pipecc.ir.plan"}
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _bad_edges(prefix: str, allowed: tuple[str, ...]) -> list[str]:
+    return sorted(f"{m} imports {t}" for m, ts in import_graph().items()
+                  if m == prefix or m.startswith(prefix + ".")
+                  for t in ts if not any(t == a or t.startswith(a + ".") for a in allowed))
+
+
+def test_passes_never_import_backends() -> None:
+    bad = sorted(f"{m} imports {t}" for m, ts in import_graph().items()
+                 if m.startswith("pipecc.passes") for t in ts if t.startswith("pipecc.backends"))
+    assert not bad, bad
+
+
+def test_runtime_never_imports_the_compiler() -> None:
+    bad = _bad_edges("pipecc.runtime", RUNTIME_MAY_IMPORT)
+    assert not bad, bad
+
+
+def test_ir_imports_nothing_around_it() -> None:
+    bad = _bad_edges("pipecc.ir", IR_MAY_IMPORT)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules() if not m.startswith("pipecc.runtime")))
+def test_modules_stay_readable(module: str) -> None:
+    path = modules()[module]
+    text = path.read_text()
+    lines = text.count("\n")
+    assert lines <= MAX_LINES or SIZE_NOTE in text, (
+        f"{path.relative_to(ROOT)} has {lines} lines: split it, or say why not in a "
+        f"'{SIZE_NOTE} ...' comment")

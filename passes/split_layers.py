@@ -1,10 +1,26 @@
-"""Intra-layer split (BaPipe): rewrite one Linear / Conv2d / Embedding node into shards plus a
+"""Intra-layer split (BaPipe): rewrite one linear / conv2d / embedding layer into shards plus a
 combine, so the balance pass can spread one heavy layer over neighbouring stages.
+
+Which nodes are layers, in fx, torch.export and ONNX graphs: `split_forms.recognise`, a rule
+that says why when it declines (`splittable` and `extent` are re-exported here).
+
+Two forms of shard:
+  module shards (`LinearShard`, `Conv2dShard`, `EmbeddingShard`) slice the parameters of a
+    parent module: the fx module itself or, for a call, a proxy module holding the very
+    Parameters the get_attr nodes read. The call, the weight's transposes and its get_attr
+    nodes are replaced, so the graph looks like a split fx module (stage code generation
+    writes each shard's slice as a parameter of its own).
+  call shards, for a weight stored [in, out] (x @ W, ONNX MatMul or Gemm transB=0 over a raw
+    parameter): a Linear shard's weight is [out, in] and a transpose of a slice is no slice,
+    so each shard repeats the original call on `W.narrow(...)` helper nodes. The get_attr node
+    stays and owns the whole weight: every stage holding a shard references it (a tied weight
+    for the stage cut), so that weight's memory is not split.
 
 Why each rewrite computes the same function (W: weight, b: bias, shard i owns [a_i, b_i)):
   Linear, dim 0 (output features). Output feature j of x·Wᵀ + b depends only on row j of W
     and b[j], so row block i gives exactly x·W[a_i:b_i]ᵀ + b[a_i:b_i]; concatenating the blocks
-    in order along the last dim is y. Each element is the same dot product as before.
+    in order along the last dim is y. Each element is the same dot product as before. (Stored
+    [in, out], the block is the column block W[:, a_i:b_i] of x·W.)
   Linear, dim 1 (input features). x·Wᵀ = Σ_i x[..., a_i:b_i]·W[:, a_i:b_i]ᵀ by linearity (a dot
     product over a partition of its terms is the sum of the partial dot products); b is added
     once, in shard 0. The partials are summed left to right by a chain of adds: a
@@ -17,9 +33,11 @@ Why each rewrite computes the same function (W: weight, b: bias, shard i owns [a
     NaN in a row the shard does not own cannot leak); the sum adds one exact row to zeros, so
     output and gradients are bit-exact. Difference: an id outside the table raises in
     nn.Embedding but gives a zero row here.
-Gradients reach the original parameters: a shard holds an unregistered reference to the
-original module and slices its Parameters (views) on every call, so `state_dict()` and
-`parameters()` of the graph module are unchanged and autograd accumulates into the parent.
+  Transposes. addmm(b, x, Wᵀ), mm(x, Wᵀ) and ONNX Gemm(x, W, b, transB=1) are x·Wᵀ + b with W
+    [out, in]: the Linear rewrite applies to W itself.
+Gradients reach the original parameters: shards slice the Parameters (views) on every call, a
+module shard through an unregistered reference to its parent, so `state_dict()` and
+`parameters()` of the graph module are unchanged and autograd accumulates into the originals.
 
 Extra traffic the rewrite creates: the input x is needed on every stage that holds a shard,
 and every shard output travels to the combine (for dim 1 and embeddings each partial is as
@@ -27,11 +45,11 @@ large as the whole output). Nothing here charges it: shard outputs and x are liv
 combine, so the partitioner's live-tensor cut model prices any cut between the shards.
 
 Graph layout after `split_node(graph, "fc", sizes)`: in place of the original node, for each
-shard i its helper `fc.shard<i>.in` (the narrow, Linear dim 1 only) then `fc.shard<i>`; after
-all shards the combine: one `torch.cat` named `fc.combine`, or a chain of adds named
-`fc.combine.2`, ..., `fc.combine` (the last one), which takes over the original's users.
-Preconditions: an fx-captured graph (call_module nodes; torch.export's aten.linear and ONNX
-Gemm are not split) whose node owns its parameters (META_PARAMS lists all of them).
+shard i its helpers `fc.shard<i>.in` (x narrowed, Linear dim 1 only), `fc.shard<i>.weight` and
+`fc.shard<i>.bias` (call shards only) then `fc.shard<i>`; after all shards the combine: one
+`torch.cat` named `fc.combine`, or a chain of adds named `fc.combine.2`, ..., `fc.combine` (the
+last one), which takes over the original's users.
+Preconditions: the graph is annotated (META_VALUE, META_OP, META_PARAMS) and verified.
 """
 from __future__ import annotations
 
@@ -46,8 +64,9 @@ import torch.nn.functional as F
 
 from pipecc import cost
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
-                       TensorInfo)
+                             TensorInfo)
 from pipecc.ir.ops import node_op, op_kind
+from pipecc.passes.split_forms import Layer, extent, recognise, splittable
 
 _COPIED_META = ("nn_module_stack", "stack_trace")  # for readable generated stage code
 
@@ -111,6 +130,9 @@ class EmbeddingShard(_Shard):
         return torch.where(inside.unsqueeze(-1), rows, 0.0)
 
 
+_SHARDS = {"linear": LinearShard, "conv2d": Conv2dShard, "embedding": EmbeddingShard}
+
+
 def shard_ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
     """[(start, end)] of consecutive parts with the given sizes: [2, 3] -> [(0, 2), (2, 5)]."""
     out, start = [], 0
@@ -120,57 +142,19 @@ def shard_ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _refusal(graph: AnnotatedGraph, node: fx.Node) -> str | None:
-    """Why `node` cannot be split at all, or None."""
-    if node.op != "call_module":
-        return f"it is a {node.op} node ({node.meta.get(META_OP)}); only calls of nn.Linear, " \
-               "nn.Conv2d and nn.Embedding modules split"
-    module = graph.gm.get_submodule(str(node.target))
-    if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
-        return f"it calls a {type(module).__name__}; only nn.Linear, nn.Conv2d and nn.Embedding split"
-    if isinstance(module, nn.Conv2d) and module.groups != 1:
-        return f"it is a grouped convolution (groups={module.groups})"
-    if isinstance(module, nn.Embedding) and (module.max_norm is not None
-                                             or module.scale_grad_by_freq or module.sparse):
-        return "max_norm, scale_grad_by_freq and sparse embeddings depend on the whole table"
-    if len(node.meta.get(META_PARAMS, [])) != len(list(module.parameters())):
-        return "it shares its parameters with another node (a reused or tied module) that owns them"
-    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node) \
-            or not isinstance(node.args[0].meta.get(META_VALUE), TensorInfo) \
-            or not isinstance(node.meta.get(META_VALUE), TensorInfo):
-        return "its input or output is not a single annotated tensor"
-    return None
-
-
-def _extent(module: nn.Module, dim: int) -> tuple[int, str]:
-    """Length of the split dimension and what it is called."""
-    if isinstance(module, nn.Linear):
-        return (module.out_features, "out_features") if dim == 0 else (module.in_features, "in_features")
-    if isinstance(module, nn.Conv2d):
-        return module.out_channels, "out_channels"
-    return module.num_embeddings, "num_embeddings"
-
-
-def splittable(graph: AnnotatedGraph, node: fx.Node) -> tuple[int, ...]:
-    """The dims `node` may be split along (length >= 2 only); () when it cannot be split."""
-    if _refusal(graph, node) is not None:
-        return ()
-    module = graph.gm.get_submodule(str(node.target))
-    dims = (0, 1) if isinstance(module, nn.Linear) else (0,)
-    return tuple(d for d in dims if _extent(module, d)[0] >= 2)
-
-
+# ----------------------------------------------------------------------------- the rewrite
 def _with_dim(shape: tuple, index: int, size: int) -> tuple:
     out = list(shape)
     out[index] = size
     return tuple(out)
 
 
-def _shard_params(node: fx.Node, a: int, b: int, dim: int, first: bool) -> list[tuple[str, TensorInfo]]:
-    """The shard's slices of the original node's META_PARAMS, named `fc.weight[0:128]`."""
+def _shard_params(params: list[tuple[str, str, TensorInfo]], a: int, b: int, dim: int,
+                  first: bool) -> list[tuple[str, TensorInfo]]:
+    """The shard's slices of the layer's parameters, named `fc.weight[0:128]`."""
     out = []
-    for qual, info in node.meta[META_PARAMS]:
-        if qual.endswith(".weight"):
+    for role, qual, info in params:
+        if role == "weight":
             index = f"[{a}:{b}]" if dim == 0 else f"[:, {a}:{b}]"
             out.append((qual + index, TensorInfo(_with_dim(info.shape, dim, b - a), info.dtype,
                                                  info.requires_grad)))
@@ -199,11 +183,67 @@ def _create(g: fx.Graph, op: str, target: Any, args: tuple, label: str,
     return g.create_node(op, target, args, kwargs or {}, name=label.replace(".", "_"))
 
 
+def _narrowed(graph: AnnotatedGraph, origin: fx.Node, src: fx.Node, dim: int, a: int, b: int,
+              label: str) -> fx.Node:
+    """`src.narrow(dim, a, b - a)`, annotated."""
+    info: TensorInfo = src.meta[META_VALUE]
+    node = _create(graph.gm.graph, "call_method", "narrow", (src, dim, a, b - a), label)
+    _annotate(graph, node, origin, label,
+              TensorInfo(_with_dim(info.shape, dim, b - a), info.dtype, info.requires_grad))
+    return node
+
+
 def _free_attr(gm: fx.GraphModule, base: str) -> str:
     name, k = base, 1
     while hasattr(gm, name):
         name, k = f"{base}_{k}", k + 1
     return name
+
+
+def _module_shard(graph: AnnotatedGraph, node: fx.Node, layer: Layer, parent: nn.Module,
+                  arg: fx.Node, i: int, a: int, b: int, dim: int, label: str) -> fx.Node:
+    target = _free_attr(graph.gm, f"{layer.attr}__shard{i}")
+    graph.gm.add_submodule(target, _SHARDS[layer.kind](parent, layer.label, a, b - a, dim))
+    shard = _create(graph.gm.graph, "call_module", target, (arg,), label)
+    params = _shard_params(layer.params, a, b, dim, first=i == 0)
+    grad = arg.meta[META_VALUE].requires_grad or any(p.requires_grad for _, p in params)
+    _annotate(graph, shard, node, label, _shard_value(node, layer, dim, b - a, grad),
+              op=layer.kind, params=params)
+    return shard
+
+
+def _call_shard(graph: AnnotatedGraph, node: fx.Node, layer: Layer, arg: fx.Node, i: int,
+                a: int, b: int, dim: int, label: str) -> fx.Node:
+    """The original call over slices of its [in, out] weight (and bias): helper nodes first."""
+    assert layer.weight is not None
+    weight = _narrowed(graph, node, layer.weight, 1 if dim == 0 else 0, a, b, f"{label}.weight")
+    bias = layer.bias
+    if bias is not None and dim == 0:
+        bias = _narrowed(graph, node, bias, 0, a, b, f"{label}.bias")
+    elif dim == 1 and i > 0:
+        bias = None  # input-feature split: bias once, in shard 0
+    swap = {layer.x: arg, layer.weight: weight, layer.bias: bias}
+    target, args, kwargs = node.target, fx.map_arg(node.args, lambda n: swap.get(n, n)), \
+        fx.map_arg(node.kwargs, lambda n: swap.get(n, n))
+    if node.meta[META_OP] == "addmm" and bias is None:  # addmm takes no None bias
+        aten = isinstance(target, torch._ops.OpOverload)
+        target, args, kwargs = torch.ops.aten.mm.default if aten else torch.mm, (arg, weight), {}
+    shard = _create(graph.gm.graph, "call_function", target, tuple(args), label, dict(kwargs))
+    grad = any(n.meta[META_VALUE].requires_grad for n in shard.all_input_nodes)
+    _annotate(graph, shard, node, label, _shard_value(node, layer, dim, b - a, grad))
+    return shard
+
+
+def _out_dim(layer: Layer, dim: int) -> int | None:
+    """The output dim the shards cut (None: every shard produces the whole output shape)."""
+    return -1 if layer.kind == "linear" and dim == 0 else -3 if layer.kind == "conv2d" else None
+
+
+def _shard_value(node: fx.Node, layer: Layer, dim: int, size: int, grad: bool) -> TensorInfo:
+    out: TensorInfo = node.meta[META_VALUE]
+    out_dim = _out_dim(layer, dim)
+    shape = out.shape if out_dim is None else _with_dim(out.shape, out_dim, size)
+    return TensorInfo(shape, out.dtype, grad)
 
 
 def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int = 0) -> list[str]:
@@ -216,55 +256,41 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
     node = graph.by_name().get(name)
     if node is None:
         raise ValueError(f"cannot split {name!r}: no node has that name")
-    why = _refusal(graph, node)
-    if why is not None:
-        raise ValueError(f"cannot split {name!r}: {why}")
-    module = graph.gm.get_submodule(str(node.target))
-    if dim not in splittable(graph, node):
-        raise ValueError(f"cannot split {name!r} along dim {dim}: {type(module).__name__} "
-                         f"{str(node.target)!r} splits along dims {splittable(graph, node)}")
-    total, what = _extent(module, dim)
+    layer = recognise(graph, node)
+    if isinstance(layer, str):
+        raise ValueError(f"cannot split {name!r}: {layer}")
+    if dim not in layer.dims():
+        raise ValueError(f"cannot split {name!r} along dim {dim}: {layer.describe} splits along "
+                         f"dims {layer.dims()}")
+    total, what = layer.extents[dim]
     if len(sizes) < 2 or any(not isinstance(s, numbers.Integral) or s <= 0 for s in sizes) \
             or sum(sizes) != total:
         raise ValueError(f"cannot split {name!r}: sizes {list(sizes)} must be two or more positive "
-                         f"integers summing to {total} ({what} of {str(node.target)!r})")
+                         f"integers summing to {total} ({what} of {layer.label!r})")
     n = len(sizes)
-    new_names = [f"{name}.shard{i}{suffix}" for i in range(n) for suffix in ("", ".in")] \
+    new_names = [f"{name}.shard{i}{suffix}" for i in range(n)
+                 for suffix in ("", ".in", ".weight", ".bias")] \
         + [f"{name}.combine"] + [f"{name}.combine.{k}" for k in range(2, n)]
     clash = sorted(set(new_names) & set(graph.by_name()))
     if clash:
         raise ValueError(f"cannot split {name!r}: nodes named {clash} already exist")
 
     gm, g = graph.gm, graph.gm.graph
-    x: fx.Node = node.args[0]  # type: ignore[assignment]
-    x_info: TensorInfo = x.meta[META_VALUE]
-    out: TensorInfo = node.meta[META_VALUE]
-    shard_cls, op = {nn.Linear: (LinearShard, "linear"), nn.Conv2d: (Conv2dShard, "conv2d"),
-                     nn.Embedding: (EmbeddingShard, "embedding")}[next(
-                         c for c in (nn.Linear, nn.Conv2d, nn.Embedding) if isinstance(module, c))]
-    # the output dim that the shards cut (None: every shard produces the whole output shape)
-    out_dim = -1 if isinstance(module, nn.Linear) and dim == 0 else \
-        -3 if isinstance(module, nn.Conv2d) else None
+    parent = layer.parent() if layer.parent is not None else None
     shards: list[fx.Node] = []
     with g.inserting_before(node):
         for i, (a, b) in enumerate(shard_ranges(sizes)):
-            arg, arg_info = x, x_info
-            if isinstance(module, nn.Linear) and dim == 1:
-                arg_info = TensorInfo(_with_dim(x_info.shape, -1, b - a), x_info.dtype,
-                                      x_info.requires_grad)
-                arg = _create(g, "call_method", "narrow", (x, -1, a, b - a), f"{name}.shard{i}.in")
-                _annotate(graph, arg, node, f"{name}.shard{i}.in", arg_info)
-            target = _free_attr(gm, f"{str(node.target).replace('.', '_')}__shard{i}")
-            gm.add_submodule(target, shard_cls(module, str(node.target), a, b - a, dim))
-            shard = _create(g, "call_module", target, (arg,), f"{name}.shard{i}")
-            params = _shard_params(node, a, b, dim, first=i == 0)
-            grad = arg_info.requires_grad or any(p.requires_grad for _, p in params)
-            shape = out.shape if out_dim is None else _with_dim(out.shape, out_dim, b - a)
-            _annotate(graph, shard, node, f"{name}.shard{i}", TensorInfo(shape, out.dtype, grad),
-                      op=op, params=params)
-            shards.append(shard)
-        grad = any(s.meta[META_VALUE].requires_grad for s in shards)
-        combined = TensorInfo(out.shape, out.dtype, grad)
+            label, arg = f"{name}.shard{i}", layer.x
+            if layer.kind == "linear" and dim == 1:
+                arg = _narrowed(graph, node, layer.x, -1, a, b, f"{label}.in")
+            if parent is not None:
+                shards.append(_module_shard(graph, node, layer, parent, arg, i, a, b, dim, label))
+            else:
+                shards.append(_call_shard(graph, node, layer, arg, i, a, b, dim, label))
+        out: TensorInfo = node.meta[META_VALUE]
+        combined = TensorInfo(out.shape, out.dtype,
+                              any(s.meta[META_VALUE].requires_grad for s in shards))
+        out_dim = _out_dim(layer, dim)
         if out_dim is not None:
             combine = _create(g, "call_function", torch.cat, (shards,), f"{name}.combine",
                               {"dim": out_dim})
@@ -276,7 +302,10 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
                 combine = _create(g, "call_function", operator.add, (combine, shard), label)
                 _annotate(graph, combine, node, label, combined)
     node.replace_all_uses_with(combine)
-    g.erase_node(node)  # NOTE: the module stays registered: its Parameters are the real ones
+    g.erase_node(node)  # NOTE: modules and parameters stay registered: they are the real ones
+    for dead in reversed([n for n in g.nodes if n in layer.dead]):  # users before their inputs
+        if not dead.users:  # (call shards still read the weight)
+            g.erase_node(dead)
     gm.recompile()
     _recost(graph)
     return [s.meta[META_NAME] for s in shards]
@@ -289,5 +318,5 @@ def _recost(graph: AnnotatedGraph) -> None:
     graph.warnings[:] = before + [w for w in graph.warnings[len(before):] if w not in before]
 
 
-__all__ = ["LinearShard", "Conv2dShard", "EmbeddingShard", "splittable", "split_node",
+__all__ = ["LinearShard", "Conv2dShard", "EmbeddingShard", "splittable", "extent", "split_node",
            "shard_ranges"]

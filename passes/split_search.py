@@ -23,7 +23,7 @@ import torch.fx as fx
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, AnnotatedGraph
 from pipecc.ir.plan import Plan, SplitLayer
-from pipecc.passes.split_layers import split_node, splittable
+from pipecc.passes.split_layers import extent, split_node, splittable
 
 IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound
 ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%: moving the
@@ -31,8 +31,10 @@ ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%
 
 
 def splittable_names(graph: AnnotatedGraph) -> list[str]:
-    return [n.meta[META_NAME] for n in graph.compute_nodes() if n.op == "call_module"
-            and splittable(graph, n)]
+    """Nodes `split_node` can split: fx layer modules, and linear / conv2d / embedding calls
+    on parameters (torch.export, ONNX); `split_layers.recognise` says which and why not."""
+    return [n.meta[META_NAME] for n in graph.compute_nodes()
+            if n.op in ("call_module", "call_function") and splittable(graph, n)]
 
 
 def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
@@ -43,12 +45,7 @@ def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
 
 
 def _extent(graph: AnnotatedGraph, name: str) -> int:
-    node = graph.by_name()[name]
-    module = graph.gm.get_submodule(node.target)
-    for attr in ("out_features", "out_channels", "num_embeddings"):
-        if hasattr(module, attr):
-            return int(getattr(module, attr))
-    raise ValueError(name)
+    return extent(graph, graph.by_name()[name], 0)
 
 
 def _even(total: int, parts: int) -> list[int]:

@@ -12,7 +12,9 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from pipecc import cost, driver
-from pipecc.ir.graph import META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph, verify
+from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
+                             verify)
+from pipecc.passes.split_forms import recognise
 from pipecc.passes.split_layers import (Conv2dShard, EmbeddingShard, LinearShard, shard_ranges,
                                         split_node, splittable)
 
@@ -53,17 +55,26 @@ def _grads(model: nn.Module, inputs: tuple, out: torch.Tensor) -> dict[str, torc
     return grads
 
 
-def check_split(model: nn.Module, inputs: tuple, name: str, sizes: list[int],
-                dim: int = 0) -> AnnotatedGraph:
-    """Build → verify → split → verify → structure → costs → numerics and gradients."""
+def check_split(model: nn.Module, inputs: tuple, name: str, sizes: list[int], dim: int = 0,
+                graph: AnnotatedGraph | None = None) -> AnnotatedGraph:
+    """Build → verify → split → verify → structure → costs → numerics and gradients.
+
+    `graph` defaults to the fx capture of `model`; a graph given instead (torch.export, ONNX)
+    must run on the same parameter objects as `model` (its own graph module, for ONNX)."""
     ref = model(*inputs)
     ref_grads = _grads(model, inputs, ref)
-    graph = driver.analyze_module(model, inputs, debug=True)
+    graph = graph or driver.analyze_module(model, inputs, debug=True)
+    verify(graph, costed=True)
     gm = graph.gm
-    # fx shares the parameter objects with the model, so gradients land on the model's
+    # the graph shares the parameter objects with the model, so gradients land on the model's
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
     before, keys = cost.totals(graph), set(gm.state_dict())
-    target = str(graph.by_name()[name].target)
+    layer = recognise(graph, graph.by_name()[name])
+    assert not isinstance(layer, str), layer
+    original = graph.by_name()[name]
+    target, op, weight = original.target, original.meta[META_OP], layer.params[:1]
+    dead = {n.name for n in layer.dead}  # a call's transposes and get_attr nodes
+    dropped = [n for n in layer.dead if n.op == "call_function" and n.meta[META_KIND] != "shape"]
 
     names = split_node(graph, name, sizes, dim)
     verify(graph, costed=True)
@@ -71,27 +82,36 @@ def check_split(model: nn.Module, inputs: tuple, name: str, sizes: list[int],
     assert names == [f"{name}.shard{i}" for i in range(len(sizes))]
     order = [n.meta[META_NAME] for n in gm.graph.nodes]
     assert name not in order
-    helper = dim == 1 and isinstance(gm.get_submodule(target), nn.Linear)
-    expected = [x for s in names for x in ([f"{s}.in", s] if helper else [s])]
+    by_name = graph.by_name()
+    helpers = [".in"] if dim == 1 and layer.kind == "linear" else []
+    if layer.parent is None:  # call shards: slices of the [in, out] weight (and bias) first
+        helpers += [".weight"] + ([".bias"] if layer.bias is not None and dim == 0 else [])
+    else:  # module shards replace a call's transposes and get_attr nodes too
+        assert not dead & {n.name for n in gm.graph.nodes}
+    expected = [x for s in names for x in [s + h for h in helpers] + [s]]
     start = order.index(expected[0])
     assert order[start:start + len(expected)] == expected
     combine = order[start + len(expected):order.index(f"{name}.combine") + 1]
     assert combine and all(c.startswith(f"{name}.combine") for c in combine)
-    by_name = graph.by_name()
     for i, ((a, b), s) in enumerate(zip(shard_ranges(sizes), names)):
         node = by_name[s]
-        shard = gm.get_submodule(str(node.target))
-        assert shard.pipecc_shard_of == target and (shard.start, shard.size) == (a, b - a)
-        assert list(shard.parameters()) == []
-        index = f"[{a}:{b}]" if dim == 0 else f"[:, {a}:{b}]"
-        assert node.meta[META_PARAMS][0][0] == f"{target}.weight{index}"
+        if layer.parent is None:
+            assert node.op == "call_function" and node.meta[META_PARAMS] == []
+            assert node.target is target or (op == "addmm" and i > 0 and dim == 1)
+        else:
+            shard = gm.get_submodule(str(node.target))
+            assert shard.pipecc_shard_of == layer.label and (shard.start, shard.size) == (a, b - a)
+            assert list(shard.parameters()) == []
+            index = f"[{a}:{b}]" if dim == 0 else f"[:, {a}:{b}]"
+            assert node.meta[META_PARAMS][0][0] == f"{weight[0][1]}{index}"
         if "B" in graph.symbols:  # the batch dim stays symbolic in every shard
             assert node.meta[META_VALUE].shape[0] == graph.symbols["B"]
     assert set(gm.state_dict()) == keys  # shards register no parameters of their own
 
     after = cost.totals(graph)
     assert {f: after[f] for f in UNCHANGED} == {f: before[f] for f in UNCHANGED}
-    assert after["forward_flops"] >= before["forward_flops"]
+    if not dropped:  # the combine adds work (unless a computed zero bias went with the call)
+        assert after["forward_flops"] >= before["forward_flops"]
 
     out = gm(*inputs)
     torch.testing.assert_close(out, ref.detach())

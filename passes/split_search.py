@@ -19,6 +19,7 @@ import copy
 from typing import Callable
 
 import torch.fx as fx
+from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, AnnotatedGraph
@@ -40,8 +41,44 @@ def splittable_names(graph: AnnotatedGraph) -> list[str]:
 def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
     """A copy of the graph structure and annotations over the same modules and parameters."""
     gm = fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph), class_name=type(graph.gm).__name__)
+    # NOTE: GraphModule copies only what the graph references; a split layer's parameters
+    # are referenced by none (its shards read them through an unregistered parent), so the
+    # clone re-registers whatever the graph's module owns: it must own the same tensors.
+    _adopt_missing(gm, graph.gm)
     return AnnotatedGraph(gm=gm, symbols=graph.symbols, point=graph.point, source=graph.source,
                           model_name=graph.model_name, warnings=list(graph.warnings))
+
+
+def _adopt_missing(gm: fx.GraphModule, source: fx.GraphModule) -> None:
+    """Register in `gm` every parameter and buffer of `source` it lacks, at the same path
+    (the outermost missing module, or the tensor itself on the root)."""
+    have = {n for n, _ in gm.named_parameters()} | {n for n, _ in gm.named_buffers()}
+    wanted = [n for n, _ in source.named_parameters()] + [n for n, _ in source.named_buffers()]
+    for name in wanted:
+        if name in have:
+            continue
+        parts = name.split(".")
+        for k in range(1, len(parts)):
+            prefix = ".".join(parts[:k])
+            if not _has_submodule(gm, prefix):
+                gm.add_submodule(prefix, source.get_submodule(prefix))
+                break
+        else:
+            if len(parts) == 1 and not hasattr(gm, name):
+                tensor = getattr(source, name)
+                if isinstance(tensor, nn.Parameter):
+                    gm.register_parameter(name, tensor)
+                else:
+                    gm.register_buffer(name, tensor)
+        have = {n for n, _ in gm.named_parameters()} | {n for n, _ in gm.named_buffers()}
+
+
+def _has_submodule(gm: fx.GraphModule, name: str) -> bool:
+    try:
+        gm.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _extent(graph: AnnotatedGraph, name: str) -> int:

@@ -234,3 +234,21 @@ def test_refusals_name_the_node_and_the_reason() -> None:
 
 def test_shard_ranges() -> None:
     assert shard_ranges([2, 3, 1]) == [(0, 2), (2, 5), (5, 6)]
+
+
+def test_a_clone_of_a_split_graph_owns_the_same_parameters():
+    """split_search clones graphs between rounds; a split layer's module is called by no node
+    (its shards read it), so the clone must register it again, or a later round's stages and
+    state_dict would lose those weights."""
+    from pipecc import driver
+    from pipecc.passes import split_layers, split_search
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    graph = driver.analyze_module(model, (torch.randn(2, 8),))
+    split_layers.split_node(graph, "0", [8, 8], 0)
+    twice = split_search.clone(split_search.clone(graph))
+    assert dict(twice.gm.named_parameters()).keys() == dict(graph.gm.named_parameters()).keys()
+    for name, p in twice.gm.named_parameters():
+        assert p is graph.gm.get_parameter(name)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(twice.gm(x), model(x))

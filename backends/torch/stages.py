@@ -50,7 +50,9 @@ BEFORE_FIRST = -1  # the "stage" that produces model inputs
 
 @dataclass(frozen=True)
 class Port:
-    """One value crossing a cut.
+    """One value crossing a cut, as the compiler sees it (written to `ports.json`, which the
+    runtime reads back as its own `pipecc.runtime.ports.Port`: the same value, seen from the
+    other side of the file).
 
     `name` is the fx name of the node that computes it in the captured graph (unique, used to match
     a send with a receive), `producer` that node's human name (`META_NAME`, what plans list) and

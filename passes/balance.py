@@ -34,6 +34,7 @@ from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.units import Units, UnitBuilder
 from pipecc.targets.fpga_timing import FpgaCosts
 from pipecc.targets.hardware import Cluster, Device
+from pipecc.targets.profiled import Profile, ProfiledCosts, profile_decisions, time_source
 from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM, DeviceCosts, RooflineCosts
 
 # MEMORY_HEADROOM is re-exported: the reports import it from here
@@ -56,6 +57,7 @@ class PlanOptions:
     virtual_stages: int = 2           # for interleaved
     compare: bool = False
     fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
+    profile: Profile | None = None    # measured costs (`pipecc.targets.profiled.use_profile`)
 
 
 @dataclass
@@ -82,12 +84,17 @@ def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
 
 def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> DeviceCosts:
     """The one place that picks a device's cost model: FPGA cards get the FPGA model of
-    estimates.json (in the plan's FPGA number format), everything else the roofline."""
+    estimates.json (in the plan's FPGA number format), a device the profile timed its
+    measured curves (the roofline for nodes without one), everything else the roofline."""
     if device.kind == "fpga":
         return FpgaCosts(device, builder.graph, builder.groups,
                          number=options.fpga_number or options.dtype, training=options.training)
-    return RooflineCosts(device, dtype=options.dtype, training=options.training,
-                         optimizer_states=options.optimizer_states)
+    roofline = RooflineCosts(device, dtype=options.dtype, training=options.training,
+                             optimizer_states=options.optimizer_states)
+    target = options.profile.target_for(device) if options.profile is not None else None
+    if target is not None:
+        return ProfiledCosts(roofline, builder.graph, builder.groups, options.profile, target)
+    return roofline
 
 
 class Balancer:
@@ -164,7 +171,7 @@ class Balancer:
             fwd=fwd[devs], bwd=bwd[devs], out_bytes=units.values["output_bytes"],
             last_use=units.last_use, static_mem=np.stack([mem.static for mem in mems]),
             act_mem=np.stack([mem.act for mem in mems]), mem_cap=[mem.cap for mem in mems],
-            inflight=inflight, link_time=link_time, blocked=blocked,
+            inflight=inflight, link_time=link_time, blocked=blocked, training=self.opt.training,
             labels=[f"device {k} ({self.cluster.devices[d].name}"
                     + (f", {mem.what}" if mem.what else "") + ")"
                     for k, (d, mem) in enumerate(zip(devs, mems))])
@@ -209,6 +216,22 @@ class Balancer:
         raw = prob
         prob, part = self.recost(prob, part.bounds, order, mb)
         timeline = self._simulate(part, prob, schedule, m, v)
+        # NOTE: the partitioner is exact for its model: the 1F1B steady state with transfers
+        # overlapped. With few micro-batches, or GPipe's two one-way streams, fill and drain
+        # weigh more, and cuts exact for the stream model (training=False) or for the old
+        # model (comm charged to both stages) can simulate faster: the simulator chooses.
+        tried = {tuple(part.bounds)}
+        for other in (dataclasses.replace(raw, training=False), dataclasses.replace(raw, comm="charged")):
+            if other == raw:
+                continue
+            alt = partition(other)
+            if alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
+                continue
+            tried.add(tuple(alt.bounds))
+            prob2, part2 = self.recost(raw, alt.bounds, order, mb)
+            timeline2 = self._simulate(part2, prob2, schedule, m, v)
+            if timeline2.iteration_s < timeline.iteration_s:
+                prob, part, timeline = prob2, part2, timeline2
         return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw)
 
     def _best_order(self, units: Units, mb: int, schedule: str, m: int):
@@ -326,10 +349,11 @@ class Balancer:
                 fwd[k], bwd[k] = floor
         return dataclasses.replace(prob, fwd=fwd, bwd=bwd)
 
-    def lower_bound(self, cand: _Candidate) -> float:
-        """`partition.lower_bound` on the candidate's devices, with `bound_problem`'s costs."""
+    def lower_bound(self, cand: _Candidate, comm: bool = True) -> float:
+        """`partition.lower_bound` on the candidate's devices, with `bound_problem`'s costs;
+        comm=False: the comm-blind bound of earlier releases (reported next to it)."""
         prob = self.bound_problem(cand.problem, cand.order, self.opt.batch_size // cand.microbatches)
-        return lower_bound(prob, cand.units.splittable)
+        return lower_bound(prob, cand.units.splittable, comm=comm)
 
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""
@@ -351,28 +375,32 @@ class Balancer:
     def to_plan(self, cand: _Candidate, lost: list[dict[str, Any]]) -> Plan:
         part, units, prob = cand.part, cand.units, cand.problem
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
-        lb = self.lower_bound(cand)
+        lb, lb_compute = self.lower_bound(cand), self.lower_bound(cand, comm=False)
         stages = []
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
+            names = [nm for u in range(a, e) for nm in units.names[u]]
             recv = part.cut_bytes[k - 1] if k > 0 else 0.0
             send = part.cut_bytes[k] if k < len(part.cut_bytes) else 0.0
             comm = 2 * prob.link_time(k - 1, recv) if k > 0 else 0.0
             comm += 2 * prob.link_time(k, send) if k < len(part.bounds) - 2 else 0.0
             stages.append(StagePlan(
-                index=k, device=k % self.p, nodes=[nm for u in range(a, e) for nm in units.names[u]],
+                index=k, device=k % self.p, nodes=names,
                 forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
                 send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
                 peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % self.p])
                 if cand.virtual == 1 else int(part.stage_memory[k]),
                 forward_flops=int(units.values["forward_flops"][a:e].sum()),
-                param_bytes=int(units.param_bytes[a:e].sum())))
+                param_bytes=int(units.param_bytes[a:e].sum()),
+                time_source=time_source(self.costs[cand.order[k % self.p]], names)))
         decisions = [f"schedule {cand.schedule} with {cand.microbatches} micro-batches of "
                      f"{self.opt.batch_size // cand.microbatches}: predicted "
                      f"{cand.timeline.iteration_s:.4g} s per iteration, bubble "
                      f"{cand.timeline.bubble_fraction:.1%}"]
         if cand.order != tuple(range(self.p)):
             decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
+        decisions += profile_decisions(self.costs, self.cluster,
+                                       self.opt.batch_size // cand.microbatches)
         return Plan(
             model=self.graph.model_name, batch_size=self.opt.batch_size,
             microbatches=cand.microbatches, schedule=cand.schedule,
@@ -380,7 +408,8 @@ class Balancer:
                       "placement": self.cluster.devices[d].placement, "given_index": d}
                      for d in cand.order],
             stages=stages, split_layers=[], bottleneck_s=float(part.bottleneck),
-            lower_bound_s=float(lb), predicted_iteration_s=float(cand.timeline.iteration_s),
+            lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
+            predicted_iteration_s=float(cand.timeline.iteration_s),
             bubble_fraction=float(cand.timeline.bubble_fraction), dtype=self.opt.dtype,
             virtual_stages=cand.virtual, decisions=decisions, alternatives=lost,
             baselines=self.baselines(cand) if self.opt.compare else [],

@@ -8,18 +8,31 @@ Cost model. Stage k runs on device k and holds nodes a..e-1 (a = bounds[k], e = 
 X[s] is the bytes crossing the boundary before node s: every tensor produced before s and
 consumed at or after s, counted once per boundary it crosses (a skip over two cuts is relayed
 through the middle stage and paid twice). X[0] = 0 (model input is not charged) and X[n] = 0
-(outputs feed the loss on the last stage).
-    T_k = Σ (fwd + bwd)[k][a:e] + 2·link_time(k-1, X[a]) + 2·link_time(k, X[e])
-The factor 2 is forward activations plus backward gradients of the same size. Communication
-is charged on both the sending and the receiving stage and never overlapped with compute —
-conservative on purpose. The first stage has no incoming term, the last no outgoing term.
+(outputs feed the loss on the last stage). Per micro-batch, stage k computes and link k
+(stage k → k+1) carries one message each way (activation forward, its gradient back):
+    T_k = Σ (fwd + bwd)[k][a:e]          t_k = link_time(k, X[e])   (t_{p-1} = 0)
+Communication is modelled as the runtime runs it (`pipecc.runtime.wire`): a SEND is an
+`isend`, so the sender computes on while the link carries the tensor; the link carries one
+message at a time per direction; the receiver's RECV waits until the data has arrived. The
+bottleneck is the steady-state time per micro-batch of that machine under 1F1B (what
+`passes.simulate` measures; tests/test_comm_model.py checks them against each other):
+    B = max over windows of consecutive stages k ≤ l of
+            (Σ_{i=k..l} T_i + 2 Σ_{i=k..l-1} t_i) / (l - k + 1),   and max_k t_k.
+Why windows: in 1F1B stage k's forward of micro-batch j and its backward of j are l-k+1
+steady-state periods apart when the backward waits on stage l; in between the micro-batch
+crosses every link of the window twice (activation down, gradient up) and every stage of it
+computes once, and those transfers cannot overlap with that chain (a max-plus cycle of
+weight Σ T + 2 Σ t over l-k+1 periods; the transfers only overlap with *other* micro-batches'
+compute). l = k is T_k; max_k t_k is the link as a resource (already implied by the pair
+window when training). Forward-only problems (`training=False`, inference) have no way back:
+transfers stream fully overlapped, B = max(max_k T_k, max_k t_k) with t one way.
     M_k = Σ static_mem[a:e] + inflight[k] · (Σ act_mem[a:e] + X[a])
 (static_mem and act_mem may differ per stage: [stage][node]; an FPGA stage counts its
 on-chip memory, not the GPU-style weights/gradients/optimizer state.)
 (received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
 Blocked cuts: `blocked[k][s]` True forbids link k (stage k → k+1) from lying at boundary s
-(the FPGA backend takes one float32 tensor per stage boundary). A blocked cut costs
-CANNOT_RUN_S (`pipecc.targets.timing`) on both stages, a finite stand-in for "impossible"
+(the FPGA backend takes one float32 tensor per stage boundary). A blocked cut adds
+CANNOT_RUN_S (`pipecc.targets.timing`) to T of both stages, a finite stand-in for "impossible"
 that the bisection can handle, as is a node's cost on a device that cannot run it: a result
 at or above it means no allowed placement exists.
 """
@@ -63,6 +76,12 @@ class PartitionProblem:
     input_bytes: float = 0.0        # model input bytes reaching stage 0 (not charged)
     blocked: Sequence[Sequence[bool]] | None = None  # [link k][boundary 0..n]: cut forbidden
     labels: Sequence[str] | None = None  # [stage] how messages name its device ("device k")
+    training: bool = True  # gradients travel back (1F1B windows); False: forward-only stream
+    # "overlapped": transfers as the runtime runs them (module docstring); "charged": the
+    # model of earlier releases, each transfer added to the compute of both its stages
+    # (x2 when training: activation and gradient) and no link resource. The planner tries
+    # both (the simulator chooses), so it never places worse than before.
+    comm: str = "overlapped"
 
 
 @dataclass(frozen=True)
@@ -73,8 +92,9 @@ class Partition:
     stage_time: tuple[float, ...]
     stage_memory: tuple[float, ...]
     cut_bytes: tuple[float, ...]  # one direction, per cut between consecutive stages
-    bottleneck: float
+    bottleneck: float             # steady-state time per micro-batch (module docstring)
     fits: bool = True             # every stage within its mem_cap (baselines may not fit)
+    link_time: tuple[float, ...] = ()  # t_k one way, per cut; stage_time is T_k (compute)
 
 
 def cut_bytes(out_bytes: Sequence[float], last_use: Sequence[int]) -> list[float]:
@@ -146,17 +166,41 @@ def _arrays(pr: PartitionProblem) -> _Arrays:
     return _Arrays(n, p, cost, static, act, inflight, np.asarray(pr.mem_cap, dtype=float), X)
 
 
-def _link2(pr: PartitionProblem, k: int, nbytes: float) -> float:
-    """Forward send + backward send over link k; no bytes, no message."""
-    return 0.0 if nbytes <= 0 else 2.0 * float(pr.link_time(k, float(nbytes)))
+def _link1(pr: PartitionProblem, k: int, nbytes: float) -> float:
+    """One message over link k; no bytes, no message."""
+    return 0.0 if nbytes <= 0 else float(pr.link_time(k, float(nbytes)))
 
 
-def _penalty(pr: PartitionProblem, k: int, s: int) -> float:
-    return CANNOT_RUN_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
+def _penalty(pr: PartitionProblem, k: int, s: int, X: Sequence[float]) -> float:
+    """What a cut of link k at boundary s adds to both its stages: CANNOT_RUN_S if blocked,
+    plus, under comm="charged", the transfer itself."""
+    pen = CANNOT_RUN_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
+    if pr.comm == "charged":
+        pen += (2.0 if pr.training else 1.0) * _link1(pr, k, X[s])
+    return pen
+
+
+def _charged(pr: PartitionProblem) -> bool:
+    if pr.comm not in ("overlapped", "charged"):
+        raise ValueError(f"comm={pr.comm!r}: 'overlapped' or 'charged'")
+    return pr.comm == "charged"
 
 
 def _fits(mem: float, cap: float, tol: float = 0.0) -> bool:
     return mem <= cap + _MEM_RTOL * abs(cap) + tol
+
+
+def bottleneck(stage_time: Sequence[float], link_time: Sequence[float], training: bool = True) -> float:
+    """B of the module docstring from T_k (p stages) and one-way t_k (p-1 links). O(p²)."""
+    T, t = np.asarray(stage_time, dtype=float), np.asarray(link_time, dtype=float)
+    out = max(float(T.max(initial=0.0)), float(t.max(initial=0.0)))
+    if not training or len(T) < 2:
+        return out
+    S = np.concatenate(([0.0], np.cumsum(T)))                 # S[l+1] - S[k] = Σ T[k..l]
+    L = np.concatenate(([0.0], np.cumsum(2.0 * t)))           # L[l] - L[k] = 2 Σ t[k..l-1]
+    k, l = np.triu_indices(len(T))
+    windows = (S[l + 1] - S[k] + L[l] - L[k]) / (l - k + 1)
+    return max(out, float(windows.max()))
 
 
 def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Partition:
@@ -167,18 +211,20 @@ def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Parti
     for k in range(ar.p):
         a, e = b[k], b[k + 1]
         t = float(ar.cost[k, a:e].sum())
-        t += _link2(pr, k - 1, ar.X[a]) + _penalty(pr, k - 1, a) if k > 0 else 0.0
-        t += _link2(pr, k, ar.X[e]) + _penalty(pr, k, e) if k < ar.p - 1 else 0.0
+        t += _penalty(pr, k - 1, a, ar.X) if k > 0 else 0.0
+        t += _penalty(pr, k, e, ar.X) if k < ar.p - 1 else 0.0
         times.append(t)
         mems.append(float(ar.static[k, a:e].sum() + ar.inflight[k] * (ar.act[k, a:e].sum() + ar.X[a])))
     tol = ar.mem_tol
     fits = all(_fits(m, c, tol) for m, c in zip(mems, ar.caps))
     cuts = tuple(float(ar.X[s]) for s in b[1:-1])
-    return Partition(b, tuple(times), tuple(mems), cuts, max(times), fits)
+    links = tuple(0.0 if _charged(pr) else _link1(pr, k, x) for k, x in enumerate(cuts))
+    return Partition(b, tuple(times), tuple(mems), cuts, bottleneck(times, links, pr.training),
+                     fits, links)
 
 
 def evaluate(problem: PartitionProblem, bounds: Sequence[int]) -> Partition:
-    """Cost of a given placement under the module's cost model. O(p·n)."""
+    """Cost of a given placement under the module's cost model. O(p·n + p²)."""
     return _evaluate(_arrays(problem), problem, bounds)
 
 
@@ -196,17 +242,28 @@ def brute_force(problem: PartitionProblem) -> Partition:
 
 
 # ---- exact partitioner -------------------------------------------------------------------
-# Stage k from a to e costs v_k[e] - w_k[a] with w = P - c_in, v = P + c_out (P: prefix sums),
-# and fits iff e ≤ hi_k[a] (memory grows with e for a fixed start; it is NOT monotone in a,
-# because X[a] is arbitrary, so feasible starts for an end need not be an interval).
-# Reachability for a bound T: R_k[e] ⇔ max{w_k[a] : R_{k-1}[a], a < e ≤ hi_k[a]} ≥ v_k[e] - T.
-# The max over the intervals (a, hi_k[a]] covering e is painted with a doubling table:
-# each interval is two power-of-two blocks, pushed down level by level — O(n log n) numpy.
+# B ≤ T iff every window sum Σ_{k..l} (T_i - T) + 2 Σ_{k..l-1} t_i ≤ 0 and every t_k ≤ T.
+# Q_l, the largest window sum ending at stage l, obeys Q_l = (T_l - T) + carry_{l-1} with
+# carry = max(0, Q + 2t) (0 when forward-only): the prefix matters to the rest only through
+# its last boundary and Q, and Q_l is nondecreasing in Q_{l-1}. So for a bound T it suffices
+# to know, per stage l and end e, the least Q_l over feasible prefixes (all their windows ≤ 0):
+#     Q_l[e] = v_l[e] - max{w_l[a] : R_{l-1}[a], a < e ≤ hi_l[a]} - T,
+#     w_l[a] = P_l[a] - pen_{l-1}[a] - carry_{l-1}[a],  v_l[e] = P_l[e] + pen_l[e]
+# (P: prefix sums of stage l's device; pen: blocked-cut penalties), and R_l[e] ⇔ Q_l[e] ≤ 0
+# and t_l[e] ≤ T. B ≤ T is monotone in T, so bisection on T with this exact test finds the
+# optimum; any placement whose windows are ≤ 0 is found (exchange argument: replacing its
+# prefix by the least-Q prefix to the same boundary keeps every later window ≤ 0).
+# w depends on T through the carry, so it is rebuilt per probe. Stage l fits iff e ≤ hi_l[a]
+# (memory grows with e for a fixed start; it is NOT monotone in a, because X[a] is arbitrary,
+# so feasible starts for an end need not be an interval). The max over the intervals
+# (a, hi_l[a]] covering e is painted with a doubling table: each interval is two power-of-two
+# blocks, pushed down level by level — O(n log n) numpy per stage and probe.
 
 @dataclass
 class _Stage:
-    w: np.ndarray
-    v: np.ndarray
+    w: np.ndarray              # P - incoming penalty (the carry is subtracted per probe)
+    v: np.ndarray              # P + outgoing penalty
+    t: np.ndarray              # [e] one-way time of the outgoing link at boundary e (0: last)
     hi: np.ndarray             # [a] last feasible end for start a; -1 if none
     src: np.ndarray | None     # start a of each painted block, grouped by cell; None: prefix max
     starts: np.ndarray | None  # first entry of each cell group
@@ -214,13 +271,15 @@ class _Stage:
     levels: int
 
 
-def _stages(ar: _Arrays, links: np.ndarray, caps: np.ndarray) -> list[_Stage]:
+def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray) -> list[_Stage]:
     n, p = ar.n, ar.p
+    t, pen = links
     pos, zero = np.arange(n + 1), np.zeros(n + 1)
     stages = []
     for k in range(p):
         P = np.concatenate(([0.0], np.cumsum(ar.cost[k])))
-        w, v = P - (links[k - 1] if k > 0 else zero), P + (links[k] if k < p - 1 else zero)
+        w, v = P - (pen[k - 1] if k > 0 else zero), P + (pen[k] if k < p - 1 else zero)
+        tk = t[k] if k < p - 1 else zero
         f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
         G = np.concatenate(([0.0], np.cumsum(ar.static[k] + f * ar.act[k])))
         thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
@@ -228,14 +287,14 @@ def _stages(ar: _Arrays, links: np.ndarray, caps: np.ndarray) -> list[_Stage]:
         hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
         a = np.flatnonzero(hi >= 0)
         if np.all(hi[a] == last):
-            stages.append(_Stage(w, v, hi, None, None, None, 0))
+            stages.append(_Stage(w, v, tk, hi, None, None, None, 0))
             continue
         j = np.frexp((hi[a] - a).astype(float))[1] - 1  # floor(log2(interval length)), exact
         cell = np.concatenate((j * (n + 1) + a + 1, j * (n + 1) + hi[a] - np.left_shift(1, j) + 1))
         order = np.argsort(cell, kind="stable")
         cell, src = cell[order], np.concatenate((a, a))[order]
         starts = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]])
-        stages.append(_Stage(w, v, hi, src, starts, cell[starts], int(j.max()) + 1))
+        stages.append(_Stage(w, v, tk, hi, src, starts, cell[starts], int(j.max()) + 1))
     return stages
 
 
@@ -256,32 +315,40 @@ def _cover_max(wm: np.ndarray, st: _Stage, n: int) -> np.ndarray:
     return M[0]
 
 
-def _reach(stages: list[_Stage], T: float, n: int) -> list[np.ndarray] | None:
+def _reach(stages: list[_Stage], T: float, n: int,
+           training: bool) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Per stage (R_l, w_l with the carry in): which ends are reachable within T."""
     R = np.zeros(n + 1, dtype=bool)
     R[0] = True
+    carry = np.zeros(n + 1)
     out = []
     for st in stages:
-        W = _cover_max(np.where(R & (st.hi >= 0), st.w, -np.inf), st, n)
-        R = (W > -np.inf) & (st.v - W <= T)
+        wm = np.where(R & (st.hi >= 0), st.w - carry, -np.inf)
+        W = _cover_max(wm, st, n)
+        with np.errstate(invalid="ignore"):  # inf - inf where nothing reaches e
+            Q = st.v - W - T
+            R = (W > -np.inf) & (st.v - W <= T) & (st.t <= T)
+            carry = np.maximum(0.0, Q + 2.0 * st.t) if training and T < math.inf else carry
         if not R.any():
             return None
-        out.append(R)
-    return out if out[-1][n] else None
+        out.append((R, wm))
+    return out if out[-1][0][n] else None
 
 
-def _backtrack(stages: list[_Stage], R: list[np.ndarray], T: float, n: int) -> tuple[int, ...]:
+def _backtrack(stages: list[_Stage], R: list[tuple[np.ndarray, np.ndarray]], T: float,
+               n: int) -> tuple[int, ...]:
     pos, e, bounds = np.arange(n + 1), n, [n]
     for k in range(len(stages) - 1, -1, -1):
-        st = stages[k]
-        prev = R[k - 1] if k > 0 else pos == 0
-        cand = np.flatnonzero(prev & (st.hi >= e) & (pos < e) & (st.v[e] - st.w <= T))
-        e = int(cand[np.argmax(st.w[cand])])  # same arithmetic as _reach: one always exists
+        st, wm = stages[k], R[k][1]
+        prev = R[k - 1][0] if k > 0 else pos == 0
+        cand = np.flatnonzero(prev & (st.hi >= e) & (pos < e) & (st.v[e] - wm <= T))
+        e = int(cand[np.argmax(wm[cand])])  # same arithmetic as _reach: one always exists
         bounds.append(e)
     return tuple(reversed(bounds))
 
 
 def partition(problem: PartitionProblem) -> Partition:
-    """Contiguous placement minimising the bottleneck max_k T_k subject to memory.
+    """Contiguous placement minimising the bottleneck B (module docstring) subject to memory.
 
     Preconditions: non-negative costs; j ≤ last_use[j] ≤ n; p = len(mem_cap) ≤ n.
     Bisection on the bottleneck T with an exact feasibility test (reachability above);
@@ -296,7 +363,7 @@ def partition(problem: PartitionProblem) -> Partition:
                               f"use ≤ {ar.n} devices")
     links = _link_table(problem, ar)
     stages = _stages(ar, links, ar.caps)
-    R = _reach(stages, math.inf, ar.n)
+    R = _reach(stages, math.inf, ar.n, problem.training)
     if R is None:
         raise InfeasibleError(_memory_report(ar, problem, links))
     best = _evaluate(ar, problem, _backtrack(stages, R, math.inf, ar.n))
@@ -304,7 +371,7 @@ def partition(problem: PartitionProblem) -> Partition:
     lo = min(hi, float(ar.cost.min(axis=0).sum()) / ar.p)  # fluid bound with equal weights
     while hi - lo > _T_RTOL * hi:
         mid = 0.5 * (lo + hi)
-        R = _reach(stages, mid, ar.n)
+        R = _reach(stages, mid, ar.n, problem.training)
         if R is None:
             lo = mid
             continue
@@ -314,23 +381,27 @@ def partition(problem: PartitionProblem) -> Partition:
     return best
 
 
-def _link_table(pr: PartitionProblem, ar: _Arrays) -> np.ndarray:
-    """[link k, boundary s] = 2·link_time(k, X[s]); one call per distinct byte count."""
+def _link_table(pr: PartitionProblem, ar: _Arrays) -> tuple[np.ndarray, np.ndarray]:
+    """[link k, boundary s]: one-way link_time(k, X[s]) (one call per distinct byte count),
+    and the blocked-cut penalty."""
     uniq, inv = np.unique(ar.X, return_inverse=True)
     table = np.zeros((max(ar.p - 1, 0), len(uniq)))
     for k in range(ar.p - 1):
-        table[k] = [_link2(pr, k, x) for x in uniq]
+        table[k] = [_link1(pr, k, x) for x in uniq]
     table = table[:, inv.ravel()]
+    pen = np.zeros_like(table)
     if pr.blocked is not None and ar.p > 1:
-        table = table + CANNOT_RUN_S * np.asarray(pr.blocked, dtype=bool)[: ar.p - 1]
-    return table
+        pen = CANNOT_RUN_S * np.asarray(pr.blocked, dtype=float)[: ar.p - 1]
+    if _charged(pr):  # the transfer joins both stages' compute; the link is no resource
+        pen, table = pen + (2.0 if pr.training else 1.0) * table, np.zeros_like(table)
+    return table, pen
 
 
-def _memory_report(ar: _Arrays, pr: PartitionProblem, links: np.ndarray) -> str:
+def _memory_report(ar: _Arrays, pr: PartitionProblem, links: tuple[np.ndarray, np.ndarray]) -> str:
     """Smallest extra memory per device that admits a placement, and who needs it most."""
     def bounds_with(extra: float) -> tuple[int, ...] | None:
         stages = _stages(ar, links, ar.caps + extra)
-        R = _reach(stages, math.inf, ar.n)
+        R = _reach(stages, math.inf, ar.n, pr.training)
         return None if R is None else _backtrack(stages, R, math.inf, ar.n)
 
     even = tuple(k * ar.n // ar.p for k in range(ar.p + 1))
@@ -353,29 +424,46 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: np.ndarray) -> str:
             f"try more devices or fewer micro-batches")
 
 
-def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None) -> float:
+def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
+                comm: bool = True) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
     fraction x[d][i] ≥ 0 on device d (Σ_d x[d][i] = 1) at cost ≥ x[d][i]·c[d][i] (no
-    superlinear speedup from splitting). Any placement with bottleneck T has per-device
-    compute loads L_d ≤ T (stage time ≥ compute; communication is ignored, so this only
-    helps the adversary). (1) Fluid bound, by weak duality: for any λ ≥ 0 with Σ λ_d = 1,
-        T = Σ_d λ_d T ≥ Σ_d λ_d L_d = Σ_i Σ_d x[d][i] λ_d c[d][i] ≥ Σ_i min_d λ_d c[d][i].
-    Every λ gives a valid bound; we start from λ_d ∝ 1/Σ_i c[d][i] (exact for identical
-    devices) and take mirror-ascent steps along the supergradient (per-device loads of the
-    cheapest assignment), keeping the best value seen. (2) A node that may not be split
-    (splittable None: none may) runs whole on one device: T ≥ min_d c[d][i].
+    superlinear speedup from splitting). Stage d runs on device d with compute load L_d.
+    (1) Fluid bound: B ≥ T_d ≥ L_d for every d (a one-stage window), so for any λ ≥ 0 with
+    Σ λ_d = 1, by weak duality
+        B ≥ Σ_d λ_d L_d = Σ_i Σ_d x[d][i] λ_d c[d][i] ≥ Σ_i min_d λ_d c[d][i] =: F(λ).
+    (2) A node that may not be split (splittable None: none may) runs whole on one device:
+    B ≥ min_d c[d][i].
+    Communication (comm=True). With p stages there are p-1 cuts, and every possible cut
+    point s ∈ 1..n-1 carries at least x0 = min_s X[s] bytes; a cut inside a split layer
+    carries the later shards' input, so it is taken to carry something (> 0 bytes) when the
+    boundary before the layer does and possibly nothing otherwise: x0 drops to "one byte's
+    worth" (5e-324) or 0 accordingly. link_time is nondecreasing in bytes, so every cut of
+    link k costs t_k ≥ τ_k = link_time(k, x0) one way (0 when x0 = 0: no message).
+    (3) The link is a resource: B ≥ max_k τ_k.
+    (4) Training: mix the one-stage windows with weight μ_d ≥ 0 and the whole-pipeline window
+    with weight ν (Σ μ + ν = 1): B ≥ Σ_d μ_d T_d + ν (Σ_d T_d + 2 Σ_k t_k) / p. Put
+    λ_d = μ_d + ν/p and ν = p · min_d λ_d (so μ ≥ 0); then for every λ as in (1)
+        B ≥ F(λ) + 2 · min_d λ_d · Σ_k τ_k,
+    exact for identical devices (λ = 1/p: total work over p plus every round trip over p).
+    We start from λ_d ∝ 1/Σ_i c[d][i] (exact for identical devices), also try λ = 1/p, and
+    take mirror-ascent steps along the supergradient of F (per-device loads of the cheapest
+    assignment), keeping the best value of (4) seen: every λ gives a valid bound.
+    comm=False gives the comm-blind bound max(F, (2)) of earlier releases.
     Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
     are left out of both the fluid sum and the device's starting weight.
-    Returns max of (1) and (2). O(steps · D · n) with steps = 200.
+    Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200.
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
         return 0.0
+    tau = _link_floor(problem, splittable) if comm else np.zeros(0)
+    ring = 2.0 * float(tau.sum()) if problem.training else 0.0
     c = np.where(c >= CANNOT_RUN_S, np.inf, c)  # "cannot run here": x[d][i] = 0 is forced
     whole = np.ones(c.shape[1], bool) if splittable is None else ~np.asarray(splittable, bool)
-    item = float(c.min(axis=0)[whole].max(initial=0.0))
+    item = max(float(c.min(axis=0)[whole].max(initial=0.0)), float(tau.max(initial=0.0)))
     usable = np.isfinite(c)
     total = np.where(usable, c, 0.0).sum(axis=1)
     runs_some = usable.any(axis=1)
@@ -383,16 +471,32 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
         return item
     inv = np.where(runs_some, 1.0 / np.where(total > 0, total, 1.0), 0.0)
     cols, lam, best = np.arange(c.shape[1]), inv / inv.sum(), 0.0
+    if ring > 0 and runs_some.all():  # equal weights: F(1/p) + 2 Σ τ / p
+        best = float(c.min(axis=0).sum()) / len(lam) + ring / len(lam)
     for t in range(1, _LB_STEPS + 1):
         scaled = np.where(usable, lam[:, None] * np.where(usable, c, 0.0), np.inf)
         arg = scaled.argmin(axis=0)
-        best = max(best, float(scaled[arg, cols].sum()))
+        best = max(best, float(scaled[arg, cols].sum()) + ring * float(lam.min()))
         load = np.bincount(arg, weights=c[arg, cols], minlength=len(lam))
         if load.max() <= 0:
             break
         lam = lam * np.exp(_LB_ETA * load / load.max() / math.sqrt(t))  # raise the price of busy devices
         lam /= lam.sum()
     return max(item, best)
+
+
+def _link_floor(pr: PartitionProblem, splittable: Sequence[bool] | None) -> np.ndarray:
+    """τ_k of `lower_bound`: one-way time of the smallest message any cut of link k sends."""
+    n, p = len(pr.out_bytes), len(pr.mem_cap)
+    if p < 2 or n < 2:
+        return np.zeros(0)
+    X = np.zeros(n + 1)
+    X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
+    x0 = float(X[1:n].min())
+    if splittable is not None and np.any(splittable):
+        inside = X[:n][np.asarray(splittable, bool)]  # boundary before each splittable node
+        x0 = min(x0, 0.0 if np.any(inside <= 0) else 5e-324)
+    return np.array([_link1(pr, k, x0) for k in range(p - 1)])
 
 
 def best_device_order(

@@ -13,7 +13,12 @@ Model:
   reaches it and the link is free (one transfer at a time per direction, FIFO); the data
   is at the receiver when the transfer ends. With ``overlap_comm=True`` (default,
   NCCL-style async) the sender goes on at once; with ``False`` the sender is occupied
-  until the transfer ends. A RECV blocks its rank until the data has arrived.
+  until the transfer ends. A RECV blocks its rank until the data has arrived. This is
+  the runtime's machine (``pipecc.runtime.wire``: ``isend``, one process group per
+  direction, receives that wait); the partitioner's bottleneck is this simulator's
+  steady-state time per micro-batch under 1F1B (``passes.partition``, checked by
+  tests/test_comm_model.py): a transfer hides behind other micro-batches' compute, but not
+  behind the round trip of its own micro-batch.
 - Memory on a rank: static bytes of its stages plus the activations stashed from the
   start of each F until the end of its B. Forward-only schedules hold an activation only
   during its F. Compute on a rank is sequential, so walking the row in order gives the

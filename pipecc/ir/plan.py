@@ -25,6 +25,9 @@ class StagePlan:
     peak_memory_bytes: int = 0
     forward_flops: int = 0
     param_bytes: int = 0
+    # where forward_s/backward_s came from: "profile" (measured curves), "roofline",
+    # "mixed" (measured where the profile has the node), "fpga-model"; "" in older plans
+    time_source: str = ""
 
 
 @dataclass
@@ -57,10 +60,19 @@ class Plan:
     model_args: dict[str, Any] = field(default_factory=dict)
     model_path: str = ""
     options: dict[str, Any] = field(default_factory=dict)
+    # the comm-blind bound of earlier releases, shown next to lower_bound_s for one release
+    # (0.0: a plan written before it)
+    lower_bound_compute_s: float = 0.0
 
     @property
     def balance_ratio(self) -> float:
         return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else float("inf")
+
+    @property
+    def balance_ratio_compute(self) -> float:
+        """bottleneck / the comm-blind bound (the ratio earlier releases reported)."""
+        lb = self.lower_bound_compute_s
+        return self.bottleneck_s / lb if lb > 0 else float("inf")
 
     def stage_of(self) -> dict[str, int]:
         """Node name -> stage index."""
@@ -78,6 +90,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["balance_ratio"] = self.balance_ratio
+        data["balance_ratio_compute"] = self.balance_ratio_compute
         return data
 
     def dumps(self) -> str:
@@ -87,6 +100,7 @@ class Plan:
     def from_json(cls, data: dict[str, Any]) -> "Plan":
         data = dict(data)
         data.pop("balance_ratio", None)
+        data.pop("balance_ratio_compute", None)
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
         return cls(**data)

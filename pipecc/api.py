@@ -44,12 +44,21 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
     choose_order, split_layers, training; debug and dump_ir apply to every step), plus, for
     FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
-    the HLS projects; default a temporary folder removed with the module). The model's
+    the HLS projects; default a temporary folder removed with the module), and `profile`
+    (a `pipecc profile` JSON file or its loaded dict; its node names must be the model's):
+    measured costs for the devices it timed. The model's
     parameters are shared, not copied: an optimizer built on `model.parameters()` before
-    wrapping keeps working.
+    wrapping keeps working, and the analysis leaves the model's parameters, buffers, train
+    flags and RNG state as it found them.
+
+    BatchNorm in training mode normalises each micro-batch with its own statistics (as GPipe
+    and torchgpipe do): with more than one micro-batch its outputs differ from the model's,
+    which `compile` warns about; `microbatches=1` gives equal outputs, and
+    `strict_batchnorm=True` refuses such a pipeline instead of warning.
     """
     fpga_number = plan_options.pop("fpga_number", "float")
     fpga_dir = plan_options.pop("fpga_dir", None)
+    strict_batchnorm = bool(plan_options.pop("strict_batchnorm", False))
     debug, dump_ir = plan_options.get("debug", False), plan_options.get("dump_ir")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cluster = parse_devices(devices) if not isinstance(devices, Cluster) else devices
@@ -60,17 +69,23 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     placement = torch_devices(cluster, order)
     return driver.compile_module(model, graph, plan, inputs,
                                  devices=[placement[s.device] for s in plan.stages],
-                                 fpga_number=fpga_number, fpga_dir=fpga_dir, debug=debug,
-                                 dump_ir=dump_ir)
+                                 fpga_number=fpga_number, fpga_dir=fpga_dir,
+                                 strict_batchnorm=strict_batchnorm, debug=debug, dump_ir=dump_ir)
 
 
 def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
          microbatches: int | None = None) -> PipelinedModule:
     """A PipelinedModule over a compiled folder (see `pipecc.runtime.local.load`); stages with
     an HLS project (`stage_<i>/hls/`, FPGA stages) run through the C simulation, built with
-    g++ on first use. Such pipelines are inference-only."""
+    g++ on first use. Such pipelines are inference-only. `module.plan` is the folder's
+    plan.json (a `pipecc.ir.plan.Plan`), as for `pipecc.compile`."""
     from pathlib import Path
+
+    from pipecc.report.compiled import read_plan
     if any(p.is_dir() for p in Path(out_dir).glob("stage_*/hls")):
         from pipecc.backends.fpga.pipeline import load_mixed
-        return load_mixed(out_dir, devices=devices, microbatches=microbatches)
-    return local.load(out_dir, devices=devices, microbatches=microbatches)
+        module = load_mixed(out_dir, devices=devices, microbatches=microbatches)
+    else:
+        module = local.load(out_dir, devices=devices, microbatches=microbatches)
+    module.plan = read_plan(out_dir)  # type: ignore[assignment]  # for inspection: pm.plan.stages
+    return module

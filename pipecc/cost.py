@@ -15,8 +15,10 @@ Conventions (CONTRACT §5):
   * other work (norms, softmax, activations, elementwise, reductions) has a per-element
     constant below; its backward costs the same again when any input needs a gradient;
   * views and reshapes cost no FLOPs and hold no memory; cat/copies move bytes;
-  * ops the table does not know cost one FLOP per output element, move all their bytes, and
-    are listed in a warning, never silently zero.
+  * ops the table does not know cost one FLOP per output element and move all their bytes: a
+    guess, which can be far below their real work, so they are listed in a warning that says
+    so, never silently zero. (Composite torch.nn modules such as nn.TransformerEncoderLayer
+    are not such ops: the frontend traces into them, see `frontend.fx_tracer`.)
 """
 
 from __future__ import annotations
@@ -367,8 +369,9 @@ def annotate(graph: AnnotatedGraph) -> list[str]:
     notes = []
     if unknown:
         listed = ", ".join(f"{op} (x{n})" for op, n in sorted(unknown.items()))
-        notes.append(f"no cost formula for {listed}: costed conservatively as one FLOP per "
-                     "output element plus all bytes moved")
+        notes.append(f"no cost formula for {listed}: guessed as one FLOP per output element "
+                     "plus all bytes moved, which can be far below their real work (the plan "
+                     "may be unbalanced around them)")
     graph.warnings.extend(notes)
     return notes
 

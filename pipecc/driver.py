@@ -13,12 +13,20 @@ times it, runs the IR verifier after it when `debug` is set (tests always set it
 value and cost, then the plan JSON once there is a plan and the stages' ports once cut.
 
 Backends: torch always, FPGA when the plan puts stages on FPGA cards (`backends_for`).
+
+Analysis leaves an in-memory model as it found it (weights, buffers, train flags, RNG:
+`model_state.preserved_state` around the capture step). What analysis and compile refuse, each
+with its reason: a forward that returns no tensor or exits, a `--symbol` naming a missing input
+or dim (the frontend), a training pipeline for a model with nothing to train (`_trainable`),
+and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would change
+(`batchnorm_note`; by default a warning).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,8 +39,10 @@ from torch import nn
 from pipecc import cost, progress
 from pipecc.errors import PipeccError, UsageError
 from pipecc.frontend import torch_capture
+from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
-from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE,
+                             AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
 from pipecc.ir.verify import verify, verify_plan
 
@@ -179,8 +189,10 @@ def _capture(state: State, *, model_name: str, symbols: Sequence[torch_capture.S
     first = next((x for x in state.inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1
     syms = torch_capture.default_symbols(state.inputs, batch) + list(symbols)
-    state.graph = torch_capture.from_module(state.model, state.inputs, symbols=syms,
-                                            model_name=model_name)
+    assert state.model is not None
+    with preserved_state(state.model):  # the user's model, as it was before the analysis
+        state.graph = torch_capture.from_module(state.model, state.inputs, symbols=syms,
+                                                model_name=model_name)
 
 
 def _costs(state: State) -> None:
@@ -215,6 +227,9 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if path.suffix == ".onnx":
         if model_args:
             raise UsageError("--model-arg applies to .py model files, not ONNX files")
+        if symbols:
+            raise UsageError("--symbol applies to .py model files, not ONNX files (an ONNX "
+                             "file's symbolic dims are its batch dim B)")
         steps = [Step("import", partial(_import_onnx, path=path, batch_size=batch_size),
                       f"importing {path.name}"),
                  Step("costs", _costs)]
@@ -284,9 +299,10 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
-         debug: bool = False, dump_ir: str | Path | None = None):
+         profile: Any = None, debug: bool = False, dump_ir: str | Path | None = None):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
-    rewritten by intra-layer splitting, and the plan's node names refer to it."""
+    rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
+    (a `pipecc profile` file or its loaded dict) gives measured costs where it has them."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -300,10 +316,13 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
+    if profile is not None:  # checked against the model and devices; its links measured
+        from pipecc.targets.profiled import use_profile
+        profile, cluster = use_profile(profile, analysis, cluster)
     options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
-                          dtype=dtype, fpga_number=fpga_number)
+                          dtype=dtype, fpga_number=fpga_number, profile=profile)
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),
@@ -362,13 +381,73 @@ def _module(state: State, *, model: nn.Module, target: Target) -> None:
     state.module = state.backends[-1].module(model, state.graph, state.plan, state.stages, target)
 
 
+_BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                             "_native_batch_norm_legit_functional", "_batch_norm_with_update"})
+
+
+def batchnorm_note(graph: AnnotatedGraph, plan: Plan) -> str | None:
+    """Why the pipeline's BatchNorm outputs can differ from the model's, or None.
+
+    NOTE: a training pipeline runs each micro-batch through BatchNorm on its own, so in training
+    mode (and always, for BatchNorm without running statistics) it normalises with the
+    micro-batch's mean and variance, not the whole batch's, and updates its running statistics
+    once per micro-batch: GPipe's and torchgpipe's behaviour. With one micro-batch they are the
+    model's. Eval mode with running statistics is not affected, nor is ONNX
+    BatchNormalization (inference-only: running statistics).
+    """
+    if plan.microbatches <= 1 or plan.schedule == "inference" or graph.source == "onnx":
+        return None
+    names = []
+    for node in graph.gm.graph.nodes:
+        if node.meta.get(META_OP) not in _BATCH_NORM_OPS or node.op not in ("call_module", "call_function"):
+            continue
+        if node.op == "call_function":  # F.batch_norm / aten.batch_norm: training is arg 5
+            training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
+            if training is False:  # eval-mode statistics, fixed when traced
+                continue
+        names.append(str(node.meta.get(META_NAME, node.name)))
+    if not names:
+        return None
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return (f"BatchNorm ({names[0]}{more}) in training mode normalises each of the "
+            f"{plan.microbatches} micro-batches with its own statistics")
+
+
+def _trainable(graph: AnnotatedGraph) -> bool:
+    """Whether training changes anything: a parameter that requires a gradient."""
+    return any(info.requires_grad for node in graph.gm.graph.nodes
+               for _, info in node.meta.get(META_PARAMS, []))
+
+
+def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool) -> str | None:
+    """The BatchNorm warning, or None; with `strict` a PipeccError instead of the warning."""
+    note = batchnorm_note(graph, plan)
+    if note is None:
+        return None
+    if strict:
+        raise PipeccError(f"strict_batchnorm: {note}, so its outputs would differ from the "
+                          "model's; use microbatches=1 (or eval mode)")
+    return (f"{note} (as GPipe and torchgpipe do), so outputs and running statistics differ "
+            "from the unpipelined model's; microbatches=1 gives equal outputs "
+            "(strict_batchnorm refuses instead of warning)")
+
+
 def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Path, *,  # noqa: A001
-            force: bool = False, fpga_number: str = "float", debug: bool = False,
-            dump_ir: str | Path | None = None) -> Compiled:
+            force: bool = False, fpga_number: str = "float", strict_batchnorm: bool = False,
+            debug: bool = False, dump_ir: str | Path | None = None) -> Compiled:
     """Write the compiled folder `out` for `plan` over `graph` (what `driver.plan` returned):
     every stage's torch code, report.html, and each backend's files (FPGA stages' HLS
-    projects). Every backend checks the plan first; a failure writes nothing (no OUT)."""
+    projects). Every backend checks the plan first; a failure writes nothing (no OUT).
+
+    Refused: a training pipeline (`pipecc run` trains) of a model with no trainable
+    parameters, and BatchNorm over several micro-batches with `strict_batchnorm` (by default
+    that is a warning among the returned notes)."""
     from pipecc.backends.base import Target
+    if plan.schedule != "inference" and not _trainable(graph):
+        raise PipeccError("the model has no trainable parameters, so a training pipeline has "
+                          "nothing to train (`pipecc run` would fail): compile it with "
+                          "--inference for a forward-only pipeline")
+    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
     steps = [Step("cut stages", _cut_stages),
@@ -378,17 +457,23 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     state = State(graph=graph, costed=True, plan=plan, backends=backends_for(plan))
     Instruments(debug, dump_ir).run(steps, state)
     assert state.stages is not None
+    notes = [f"warning: {batchnorm}"] if batchnorm else []
     return Compiled(Path(out), state.stages,
-                    [line for b in state.backends for line in b.notes(plan, out)])
+                    notes + [line for b in state.backends for line in b.notes(plan, out)])
 
 
 def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_inputs: tuple, *,
                    devices: Sequence[str] | None = None, fpga_number: str = "float",
-                   fpga_dir: str | Path | None = None, debug: bool = False,
-                   dump_ir: str | Path | None = None) -> nn.Module:
+                   fpga_dir: str | Path | None = None, strict_batchnorm: bool = False,
+                   debug: bool = False, dump_ir: str | Path | None = None) -> nn.Module:
     """`compile`'s in-process counterpart (`pipecc.compile`): the drop-in module over
-    `model`'s own parameters, each stage on `devices[i]`; `module.plan` is `plan`."""
+    `model`'s own parameters, each stage on `devices[i]`; `module.plan` is `plan`. BatchNorm
+    over several micro-batches: a warning (`warnings.warn`), or refused with
+    `strict_batchnorm`."""
     from pipecc.backends.base import Target
+    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
+    if batchnorm:
+        warnings.warn(batchnorm, UserWarning, stacklevel=3)
     target = Target(example_inputs=tuple(example_inputs), number=fpga_number,
                     fpga_dir=Path(fpga_dir) if fpga_dir is not None else None, devices=devices)
     steps = [Step("cut stages", _cut_stages),

@@ -7,6 +7,7 @@
     with progress.step("writing weights", total=8) as s:         # a counter: 3/8
         for ...: s.advance()
     progress.explain("split lm_head: ...")                        # only with -v
+    progress.notice("kept notes.txt in OUT: pipecc did not write it")   # always, in the CLI
 
 Progress lines appear only when stderr is a terminal and `--quiet` is not set: piped or
 captured output (tests, `--json`, CI logs) never sees a spinner. A finished step leaves one
@@ -14,7 +15,12 @@ line (`✓ tracing gpt  1.2 s`) so a long compile reads as a log afterwards; a f
 leaves `✗ ...`. Steps nest: the inner label is shown after the outer one.
 
 `explain` is different: `-v` is an explicit request, so it prints whether or not stderr is
-a terminal (still stderr: stdout stays for results and JSON).
+a terminal (still stderr: stdout stays for results and JSON). `notice` is for what the user
+must hear even with `--quiet` (pipecc kept or replaced files it did not write); it prints
+once the CLI has configured the reporter, never for library callers that did not.
+
+Labels and messages may carry names from model files: they are escaped
+(`pipecc.report.formatting.printable`) so they cannot drive the terminal.
 
 NOTE: the state is one `Progress` object per process, replaced by `configure`; nothing is
 set at import beyond a quiet default, and library callers that never configure see nothing.
@@ -28,7 +34,9 @@ import time
 from contextlib import contextmanager
 from typing import IO, Iterator
 
-__all__ = ["Progress", "Step", "configure", "current", "explain", "step"]
+from pipecc.report.formatting import printable, terminal_text
+
+__all__ = ["Progress", "Step", "configure", "current", "explain", "notice", "step"]
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 REDRAW_S = 0.1
@@ -38,7 +46,7 @@ class Step:
     """One running step; `advance()` moves its counter (when it has a total)."""
 
     def __init__(self, label: str, total: int | None) -> None:
-        self.label, self.total, self.done = label, total, 0
+        self.label, self.total, self.done = printable(label), total, 0
         self.start = time.monotonic()
 
     def advance(self, n: int = 1) -> None:
@@ -53,9 +61,10 @@ class Progress:
     """Draws the running steps on `stream` when it is a terminal and `quiet` is off."""
 
     def __init__(self, stream: IO[str] | None = None, *, quiet: bool = False,
-                 verbose: bool = False, force: bool | None = None) -> None:
+                 verbose: bool = False, force: bool | None = None, notices: bool = False) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.verbose = verbose
+        self.notices = notices
         tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.enabled = (tty if force is None else force) and not quiet
         self._stack: list[Step] = []
@@ -93,7 +102,17 @@ class Progress:
         with self._lock:
             if self.enabled and self._stack:
                 self._write("\r\033[K")
-            self._write(f"  {message}\n")
+            self._write(f"  {terminal_text(message)}\n")
+            self._draw()
+
+    def notice(self, message: str) -> None:
+        """Something the user must hear (see the module docstring); not silenced by quiet."""
+        if not self.notices:
+            return
+        with self._lock:
+            if self.enabled and self._stack:
+                self._write("\r\033[K")
+            self._write(f"pipecc: {terminal_text(message)}\n")
             self._draw()
 
     # ------------------------------------------------------------------ drawing
@@ -138,9 +157,10 @@ _current = Progress(quiet=True)
 
 def configure(*, quiet: bool = False, verbose: bool = False, stream: IO[str] | None = None,
               force: bool | None = None) -> Progress:
-    """Set the process's progress reporter (the CLI calls this once per command)."""
+    """Set the process's progress reporter (the CLI calls this once per command); notices
+    are on from here."""
     global _current
-    _current = Progress(stream, quiet=quiet, verbose=verbose, force=force)
+    _current = Progress(stream, quiet=quiet, verbose=verbose, force=force, notices=True)
     return _current
 
 
@@ -155,3 +175,7 @@ def step(label: str, total: int | None = None):
 
 def explain(message: str) -> None:
     _current.explain(message)
+
+
+def notice(message: str) -> None:
+    _current.notice(message)

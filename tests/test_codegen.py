@@ -335,6 +335,8 @@ def test_write_output_layout_and_entry(tmp_path: Path) -> None:
 
 
 def test_write_output_refuses_foreign_folders(tmp_path: Path) -> None:
+    """A folder pipecc did not write needs --force; even then its files are kept (the ones in
+    the way replaced); a pipecc folder is rewritten freely, keeping the user's files too."""
     graph, stages = mlp_stages()
     out = tmp_path / "out"
     out.mkdir()
@@ -343,9 +345,11 @@ def test_write_output_refuses_foreign_folders(tmp_path: Path) -> None:
         torch_compile.write_output(out, graph, make_plan(stages), stages)
     assert (out / "mine.txt").read_text() == "keep" and leftovers(tmp_path) == []
     torch_compile.write_output(out, graph, make_plan(stages), stages, force=True)
-    assert not (out / "mine.txt").exists() and (out / "pipecc.json").exists()
-    torch_compile.write_output(out, graph, make_plan(stages), stages)  # ours: replaced freely
-    assert leftovers(tmp_path) == []
+    assert (out / "mine.txt").read_text() == "keep" and (out / "pipecc.json").exists()
+    torch_compile.write_output(out, graph, make_plan(stages), stages)  # ours now: no --force
+    assert (out / "mine.txt").read_text() == "keep" and leftovers(tmp_path) == []
+    files = __import__("json").loads((out / "pipecc.json").read_text())["files"]
+    assert "mine.txt" not in files and "stage_1/stage.py" in files and "pipecc.json" in files
 
 
 def test_failed_compile_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,11 +2,14 @@
 original parameters, its state_dict keys, train/eval, and an optimizer built before wrapping.
 
 BatchNorm: micro-batches normalise with their own statistics in train mode, so models with
-BatchNorm are compared in eval mode whenever m > 1 (and in train mode with m = 1).
+BatchNorm are compared in eval mode whenever m > 1 (and in train mode with m = 1); `pipecc.compile`
+warns about it (or refuses, with strict_batchnorm), and the tests below hold it to what it says.
+Composite torch.nn modules (nn.TransformerEncoderLayer, ...) compile and match the model.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +17,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+import pipecc
 from helpers import ZOO
-from pipecc import driver
+from pipecc import cli, driver
 from pipecc.backends.torch import compile as torch_compile
 from pipecc.backends.torch.compile import pipelined_module
 from pipecc.backends.torch.stages import cut_stages
@@ -214,3 +218,85 @@ def test_runtime_does_not_import_the_compiler() -> None:
             "print(sorted(m for m in sys.modules if m.startswith(('sympy', 'pipecc.backends', 'pipecc.passes'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# ----------------------------------------------------------------------------- BatchNorm, composites
+def test_batchnorm_with_microbatches_warns_and_is_what_the_warning_says() -> None:
+    """Issue #14 item 3: per-micro-batch statistics in train mode, stated as such at compile
+    time; microbatches=1 is exact and says nothing; strict_batchnorm refuses."""
+    _, model, _ = tiny("tiny_cnn")
+    reference = copy.deepcopy(model)
+    inputs, _, _ = batch("tiny_cnn")
+    with pytest.warns(UserWarning, match=r"normalises each of the 2 micro-batches with its own "
+                                         r"statistics.*microbatches=1 gives equal outputs"):
+        pm = pipecc.compile(model, inputs, "cpu,cpu", microbatches=2)
+    (x,) = inputs
+    halves = torch.cat([reference(x[:BATCH // 2]), reference(x[BATCH // 2:])])
+    torch.testing.assert_close(pm(x), halves, rtol=1e-5, atol=1e-5)  # per micro-batch, as warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact = pipecc.compile(model, inputs, "cpu,cpu", microbatches=1)
+    reference.load_state_dict(model.state_dict())
+    torch.testing.assert_close(exact(x), reference(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(PipeccError, match="strict_batchnorm: BatchNorm .* micro-batches"):
+        pipecc.compile(model, inputs, "cpu,cpu", microbatches=2, strict_batchnorm=True)
+
+
+def test_batchnorm_warning_in_compile_output(tmp_path: Path, capsys) -> None:
+    from helpers import ROOT
+    argv = ["compile", str(ROOT / "models" / "tiny_cnn.py"), "--devices", "2xcpu", "-b", "4",
+            "-m", "2", "-o", str(tmp_path / "out")]
+    assert cli.main(argv + ["-q"]) == 0  # a warning reaches stderr even with -q
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pipecc: warning:")]
+    assert len(notes) == 1 and "own statistics" in notes[0], notes
+    assert cli.main(argv + ["-q", "--force", "--strict-batchnorm"]) == 1
+    assert "strict_batchnorm" in capsys.readouterr().err
+
+
+def transformer_models() -> list[tuple[str, nn.Module, tuple]]:
+    """Composite torch.nn modules that fx keeps whole unless told otherwise (dropout 0: the
+    train-mode comparison must not depend on random masks)."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, 6, 16)
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 4)
+            self.dec = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.out(self.dec(h, h))
+
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return [
+        ("encoder_layer", nn.Sequential(nn.Linear(16, 32), layer, nn.Linear(32, 4)), (x,)),
+        ("encoder_layer_gelu_norm_first", nn.Sequential(
+            nn.Linear(16, 32), nn.TransformerEncoderLayer(32, 4, 64, 0.0, "gelu", batch_first=True,
+                                                         norm_first=True),
+            nn.Linear(32, 4)), (x,)),
+        ("encoder", nn.Sequential(nn.Linear(16, 32), nn.TransformerEncoder(
+            copy.deepcopy(layer), 2, enable_nested_tensor=False), nn.Linear(32, 4)), (x,)),
+        ("decoder_layer", Decoder(), (x,)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=[n for n, _, _ in transformer_models()])
+def test_transformer_modules_compile_and_match(index: int) -> None:
+    """Issue #14 item 8: traced into, not rebuilt from attributes; forward and gradients equal
+    the model's in train and eval mode, and the fused fast path's (eval without grad)."""
+    _, model, inputs = transformer_models()[index]
+    graph = driver.analyze_module(model, inputs)
+    assert graph.source == "fx" and not graph.warnings
+    assert not any(node.meta["pipecc.op"].startswith("module:") for node in graph.gm.graph.nodes)
+    pm = pipecc.compile(model, inputs, "cpu,cpu", microbatches=2)
+    params = dict(model.named_parameters())
+    loss = lambda out, _: out.square().mean()  # noqa: E731
+    for mode in (True, False):
+        model.train(mode)
+        pm.train(mode)
+        assert_same(outputs_and_grads(pm, params, inputs, loss, None),
+                    outputs_and_grads(model, params, inputs, loss, None))
+    with torch.no_grad():  # eval without grad: the model takes torch's fused fast path
+        torch.testing.assert_close(pm(*inputs), model(*inputs), rtol=1e-5, atol=1e-5)

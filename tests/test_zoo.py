@@ -119,3 +119,49 @@ def test_gpt_explicit_kwargs_override_preset() -> None:
     assert gpt.example_inputs(1, block_size=16)[0].shape == (1, 16)
     with pytest.raises(ValueError, match="seq_len"):
         gpt.example_inputs(1, block_size=16, seq_len=32)
+
+
+# ----------------------------------------------------------------------------- analysis is pure
+def model_state(model: torch.nn.Module) -> dict:
+    """Everything analysis could change: every parameter and buffer (non-persistent ones
+    included) as raw bytes with its dtype, shape and identity, every module's train flag, and
+    the RNG states."""
+    import random
+    tensors = {}
+    for kind, named in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, t in named:
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+            tensors[f"{kind}:{name}"] = (id(t), t.dtype, tuple(t.shape), raw)
+    return {"tensors": tensors,
+            "training": [(name, m.training) for name, m in model.named_modules()],
+            "rng": (torch.get_rng_state(), random.getstate())}
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert got["tensors"].keys() == want["tensors"].keys()
+    for key, (ident, dtype, shape, raw) in want["tensors"].items():
+        g_ident, g_dtype, g_shape, g_raw = got["tensors"][key]
+        assert (g_ident, g_dtype, g_shape) == (ident, dtype, shape), key
+        assert torch.equal(g_raw, raw), f"{key} changed"
+    assert got["training"] == want["training"]
+    assert torch.equal(got["rng"][0], want["rng"][0]) and got["rng"][1] == want["rng"][1]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_analysis_and_compile_leave_the_model_as_they_found_it(name: str) -> None:
+    """Issue #14 item 3: analysis runs forward several times (BatchNorm counted 0 -> 4 batches);
+    the user's model must come back bit for bit, in train mode and with one submodule in eval
+    mode, with its non-persistent buffers and its RNG state."""
+    import pipecc
+    from pipecc import driver
+    zoo = load(name)
+    model = build_tiny(zoo)
+    model.register_buffer("pipecc_test_scratch", torch.arange(3.0), persistent=False)
+    next(m for m in model.modules() if m is not model).eval()  # a mixed train/eval model
+    inputs = zoo.example_inputs(2, **zoo.TINY)
+    before = model_state(model)
+    driver.analyze_module(model, inputs)
+    assert_same_state(model_state(model), before)
+    pipecc.compile(model, inputs, "cpu,cpu")
+    assert_same_state(model_state(model), before)

@@ -2,7 +2,8 @@
 
 `write_output(OUT, graph, plan, stages)` writes, atomically:
 
-    OUT/pipecc.json          marker: format version, model, schedule, micro-batches, stages
+    OUT/pipecc.json          marker: format version, model (and its file's sha256), schedule,
+                             micro-batches, stages, and the list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -13,9 +14,21 @@
                              fails the whole compile, leaving no OUT
 
 Everything is written into a temporary folder beside OUT, which replaces OUT by rename only
-when complete: a failed compile leaves no OUT (an existing pipecc OUT stays as it was) and no
-temporary folder. An existing OUT without `pipecc.json` is not ours and is replaced only with
-`force=True`.
+when complete: a failed compile leaves no OUT (an existing pipecc OUT stays as it was), no
+temporary folder and no parent folder it created.
+
+Never delete what pipecc did not write. The marker lists every file the compile wrote
+(`"files"`); a folder from before that list counts the files matching pipecc's layout
+(`LAYOUT`) as pipecc's. Recompiling into OUT replaces those (and the caches made from them,
+`CACHE`); every other file of OUT is carried into the new OUT (a hard link, so a kill at any
+moment loses nothing) and named on stderr (`progress.notice`). One that sits where the new OUT
+has a file is an error naming it, or with `force=True` replaced and named. A folder without a
+marker is written into only with `force=True` (or when empty); a file or a symbolic link as
+OUT never.
+
+Temporary names carry the host and pid of their writer (`temp_prefix`); the next write of the
+same OUT removes those of dead processes (and any older than an hour), so a SIGKILL leaves
+litter only until then (`clean_stale_temps`).
 
 `pipelined_module(model, stages, ...)` is the in-memory counterpart (`pipecc.compile`): the stage
 GraphModules over the model's own parameters, wrapped in `pipecc.runtime.PipelinedModule`.
@@ -23,14 +36,22 @@ GraphModules over the model's own parameters, wrapped in `pipecc.runtime.Pipelin
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Mapping, Sequence
 
 import torch
+
+from pipecc import progress
 
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.stages import Stage, ports_json
@@ -42,6 +63,18 @@ from pipecc.runtime.local import PipelinedModule
 FORMAT = "pipecc-compile"
 FORMAT_VERSION = 1
 MARKER = "pipecc.json"
+# NOTE: `pipecc run` imports the model file only when its hash is this one (pipecc.runtime.trust)
+MODEL_HASH = "model_sha256"
+NAME_MAX = 255                 # bytes in one file name (ext4, xfs, btrfs, tmpfs, APFS)
+TEMP_TAG = ".pipecc-"          # temporary files and folders beside OUT: .<OUT>.pipecc-...
+TEMP_NAME = re.compile(r"(new|old|file)-([0-9a-f]{8})-(\d+)-")
+HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+STALE_AFTER_S = 3600.0         # a temporary of another host (or an older pipecc) is stale after
+# What pipecc writes, for folders compiled before the marker listed its files; and the caches
+# made from them later (Python's bytecode, an FPGA stage's C-simulation build).
+LAYOUT = re.compile(r"(pipecc\.json|plan\.json|run_stage\.py|report\.html|graph\.json|timeline\.json"
+                    r"|stage_\d+/(stage\.py|weights\.safetensors|ports\.json|estimates\.json|hls/.+))")
+CACHE = re.compile(r"(^|/)__pycache__/|^stage_\d+/hls/csim_build/")
 
 RUN_STAGE = '''"""Entry point of a compiled pipeline: `torchrun --nproc-per-node P run_stage.py [--steps N]`.
 
@@ -72,19 +105,30 @@ def write_output(out_dir: str | Path, graph: AnnotatedGraph, plan: Plan, stages:
     """Write the compiled folder `out_dir` atomically (see the module docstring); returns it.
 
     Each of `writers` is called, in order, with the complete temporary folder before it
-    replaces `out_dir`.
+    replaces `out_dir`. Any OSError (a parent that is a file, a folder that cannot be
+    written, a name too long) becomes a one-line PipeccError; nothing is left on disk.
     """
     out = Path(out_dir)
-    _check_replaceable(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.pipecc-", dir=out.parent))
+    check_output_folder(out, force)
+    clean_stale_temps(out)
+    created: list[Path] = []
+    tmp: Path | None = None
     try:
+        _make_parents(out.parent, created)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "new"), dir=out.parent))
         _write_all(tmp, graph, plan, stages, extra_files or {})
         for writer in writers:
             writer(tmp)
+        _add_manifest(tmp)
         _replace(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(exc, OSError):
+            raise PipeccError(f"cannot write {out}: {_why(exc)}") from exc
         raise
     return out
 
@@ -112,8 +156,20 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
               "source": graph.source, "torch": torch.__version__,
               "model_inputs": stages[0].model_inputs if stages else [],
-              "model_output": stages[-1].model_output if stages else None}
+              "model_output": stages[-1].model_output if stages else None,
+              MODEL_HASH: _sha256(plan.model_path)}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+
+
+def _sha256(path: str) -> str | None:
+    """Hex sha256 of the model file compiled, or None (no file: a module compiled in memory)."""
+    if not path or not Path(path).is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _device_desc(plan: Plan, index: int) -> str:
@@ -131,27 +187,292 @@ def _inside(root: Path, rel: str) -> Path:
     return root.joinpath(*parts)
 
 
-def _check_replaceable(out: Path, force: bool) -> None:
-    if out.exists() and not force and not (out.is_dir() and (out / MARKER).is_file()):
-        raise PipeccError(f"{out} exists and was not written by pipecc; use --force to replace it")
+# ----------------------------------------------------------------------------- replacing OUT
+def check_output_folder(out: str | Path, force: bool = False) -> None:
+    """Refuse, with a one-line PipeccError, an OUT that cannot be written or must not be
+    replaced: a name too long, a parent that is a file or cannot be written, an OUT that is a
+    file or a symbolic link, or a non-empty folder pipecc did not write (unless `force`).
+    Cheap: the CLI calls it before the analysis, `write_output` again before writing."""
+    out = Path(out)
+    check_writable_target(out)
+    if out.is_symlink():
+        raise PipeccError(f"{out} is a symbolic link; give the folder it points to as -o")
+    if out.exists() and not out.is_dir():
+        raise PipeccError(f"{out} exists and is not a folder; pipecc will not replace it")
+    if out.is_dir() and not force and _read_marker(out) is None and any(out.iterdir()):
+        raise PipeccError(f"{out} exists and was not written by pipecc; use --force to write into "
+                          "it (files pipecc did not write are kept)")
+
+
+def check_writable_target(path: str | Path) -> None:
+    """A one-line PipeccError unless `path` (a file or folder to create) can be created: every
+    name within the file system's limit, and its nearest existing folder writable (probed by
+    creating and removing a temporary folder there, which also catches /proc and /sys)."""
+    path = Path(path)
+    for name in path.parts:
+        size = len(os.fsencode(name))
+        if size > NAME_MAX:
+            raise PipeccError(f"the name {name[:24]!r}... is {size} bytes, over the {NAME_MAX} a "
+                              "file system allows; choose a shorter one")
+    base = path.parent
+    while not base.exists() and base != base.parent:
+        if base.is_symlink():  # a dangling link: mkdir would fail on it
+            break
+        base = base.parent
+    if not base.is_dir():
+        raise PipeccError(f"{path}: {base} is not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=".pipecc-probe-", dir=base)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise PipeccError(f"{path}: cannot write in {base} ({exc.strerror or exc})") from None
+
+
+def _why(exc: OSError) -> str:
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{exc.strerror or exc}"
+
+
+def _make_parents(folder: Path, created: list[Path]) -> None:
+    """mkdir -p `folder`, appending each folder it creates to `created` (outermost first) as
+    it goes, so a failure half-way still knows what to remove."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for f in reversed(missing):
+        f.mkdir()
+        created.append(f)
+
+
+def _read_marker(out: Path) -> dict | None:
+    """OUT/pipecc.json when it is a pipecc compile marker, else None (not pipecc's folder)."""
+    try:
+        marker = json.loads((out / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("format") == FORMAT else None
+
+
+def _add_manifest(tmp: Path) -> None:
+    """Record in the marker every file this compile wrote: a later compile replaces only those."""
+    marker = json.loads((tmp / MARKER).read_text(encoding="utf-8"))
+    marker["files"] = sorted(rel for rel, kind in _entries(tmp) if kind != "dir")
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+
+
+def _entries(root: Path) -> list[tuple[str, str]]:
+    """(relative POSIX path, "file" | "link" | "dir") under `root`; links are not followed and
+    only folders without entries are listed (the others are implied by their files). A folder
+    that cannot be listed is an error: what cannot be seen cannot be kept."""
+    def unreadable(exc: OSError) -> None:
+        raise exc
+
+    out: list[tuple[str, str]] = []
+    for folder, dirs, files in os.walk(root, onerror=unreadable):
+        rel = Path(folder).relative_to(root)
+        for name in list(dirs):
+            if (Path(folder) / name).is_symlink():
+                dirs.remove(name)
+                files.append(name)
+        for name in files:
+            out.append(((rel / name).as_posix(), "link" if (Path(folder) / name).is_symlink() else "file"))
+        if not dirs and not files and rel != Path("."):
+            out.append((rel.as_posix(), "dir"))
+    return out
+
+
+def pipecc_wrote(marker: dict | None) -> Callable[[str], bool]:
+    """Whether a file of OUT (a relative POSIX path) is pipecc's: one the marker's manifest
+    lists; in an older folder without a manifest, one matching pipecc's own layout; in both,
+    a cache pipecc or Python made from them (`__pycache__/`, an FPGA stage's `csim_build/`).
+    Nothing is pipecc's in a folder without a marker."""
+    if marker is None:
+        return lambda rel: False
+    files = marker.get("files")
+    listed = set(files) if isinstance(files, list) else None
+
+    def wrote(rel: str) -> bool:
+        if CACHE.search(rel):
+            return True
+        return rel in listed if listed is not None else bool(LAYOUT.fullmatch(rel))
+    return wrote
+
+
+@dataclass
+class Merge:
+    """What replacing OUT by a new compile does with OUT's files pipecc did not write."""
+
+    keep: list[tuple[str, str]] = field(default_factory=list)   # carried into the new OUT
+    in_the_way: list[str] = field(default_factory=list)         # where the new OUT has a file
+
+
+def plan_merge(out: Path, new: Path) -> Merge:
+    """Sort OUT's entries that pipecc did not write into kept and in-the-way (a path the new
+    folder `new` uses for a file, or one inside such a path, or a file where it needs a folder)."""
+    wrote = pipecc_wrote(_read_marker(out))
+    new_files = {rel for rel, kind in _entries(new) if kind != "dir"}
+    new_dirs = {str(PurePosixPath(rel).parents[k]) for rel in new_files
+                for k in range(len(PurePosixPath(rel).parents) - 1)}
+    merge = Merge()
+    for rel, kind in _entries(out):
+        if wrote(rel):
+            continue
+        above = {str(p) for p in PurePosixPath(rel).parents}
+        if rel in new_files or (rel in new_dirs and kind != "dir") or above & new_files:
+            merge.in_the_way.append(rel)
+        else:
+            merge.keep.append((rel, kind))
+    return merge
+
+
+def _carry(out: Path, tmp: Path, keep: Sequence[tuple[str, str]]) -> None:
+    """Put the kept entries of OUT into the new folder: hard links (a copy where the file system
+    has none), so OUT keeps them too until the swap, and a kill at any point loses nothing."""
+    for rel, kind in keep:
+        src, dst = out / rel, tmp / rel
+        if kind == "dir":
+            dst.mkdir(parents=True, exist_ok=True)
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "link":
+            os.symlink(os.readlink(src), dst)
+            continue
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _listing(names: Sequence[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _replace(tmp: Path, out: Path, force: bool) -> None:
-    """Move `tmp` to `out`; an existing `out` is moved aside first and deleted after."""
-    _check_replaceable(out, force)  # again: it may have appeared while we were writing
-    if not out.exists() and not out.is_symlink():
+    """Move `tmp` to `out`. An existing `out` keeps the entries pipecc did not write (carried
+    into `tmp`); one in the way is an error unless `force`, which replaces it and says so. The
+    old `out` is moved aside first and deleted after."""
+    check_output_folder(out, force)  # again: it may have appeared while we were writing
+    if not out.exists():
         os.replace(tmp, out)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.pipecc-old-", dir=out.parent))
+    merge = plan_merge(out, tmp)
+    if merge.in_the_way and not force:
+        raise PipeccError(f"{out}: {len(merge.in_the_way)} file(s) pipecc did not write are where "
+                          f"it writes: {_listing(merge.in_the_way)}; move them away, or use --force "
+                          "to replace them")
+    _carry(out, tmp, merge.keep)
+    old = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "old"), dir=out.parent))
     aside = old / "previous"
     os.replace(out, aside)
     try:
         os.replace(tmp, out)
     except BaseException:
-        os.replace(aside, out)
-        shutil.rmtree(old, ignore_errors=True)
+        os.replace(aside, out)  # if even this fails, `old` keeps it: the next write puts it back
+        old.rmdir()
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # the kept files live on in OUT (linked or copied)
+    kept = [rel for rel, kind in merge.keep if kind != "dir"]
+    if kept:
+        progress.notice(f"kept {len(kept)} file(s) in {out} that pipecc did not write: {_listing(kept)}")
+    if merge.in_the_way:
+        progress.notice(f"replaced {len(merge.in_the_way)} file(s) in {out} that pipecc did not write "
+                        f"(--force): {_listing(merge.in_the_way)}")
+
+
+# ----------------------------------------------------------------------------- temporary folders
+def temp_prefix(target: Path, kind: str) -> str:
+    """`.<name>.pipecc-<kind>-<host>-<pid>-` for a temporary file or folder beside `target`: the
+    host and pid say whose it is, so a later write can tell a killed one from a running one."""
+    return f".{_short(target.name)}{TEMP_TAG}{kind}-{HOST}-{os.getpid()}-"
+
+
+def _short(name: str) -> str:
+    """`name`, shortened (with a hash) when the temporary name would exceed NAME_MAX."""
+    if len(os.fsencode(name)) <= NAME_MAX - 80:
+        return name
+    digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:10]
+    return os.fsencode(name)[:100].decode("utf-8", errors="ignore") + "~" + digest
+
+
+def clean_stale_temps(target: str | Path) -> None:
+    """Remove the temporary files and folders a killed write of `target` left beside it: those
+    of a process on this host that is gone, or older than STALE_AFTER_S (other hosts, and
+    names from before the pid was recorded). A stale `old` folder whose `target` is missing
+    (killed between the two renames of `_replace`) is put back as `target` first; files in it
+    that pipecc did not write and the new `target` lacks are never deleted."""
+    target = Path(target)
+    prefix = f".{_short(target.name)}{TEMP_TAG}"
+    try:
+        names = [n for n in os.listdir(target.parent) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in sorted(names, key=lambda n: not n[len(prefix):].startswith("old-")):  # restore first
+        path = target.parent / name
+        kind, stale = _stale(path, name[len(prefix):])
+        if not stale:
+            continue
+        with contextlib.suppress(OSError):
+            if kind == "old":
+                _settle_old(path, target)
+            elif path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def _stale(path: Path, rest: str) -> tuple[str, bool]:
+    """(kind, whether `path` is stale) from the part of its name after `.pipecc-`."""
+    m = TEMP_NAME.match(rest)
+    kind = m.group(1) if m else ("old" if rest.startswith("old-") else "new")
+    if m and m.group(2) == HOST:
+        return kind, not _alive(int(m.group(3)))
+    try:
+        age = time.time() - path.lstat().st_mtime
+    except OSError:
+        return kind, False
+    return kind, age > STALE_AFTER_S
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: someone else's, alive
+        return True
+    return True
+
+
+def _settle_old(old: Path, target: Path) -> None:
+    """A stale folder holding a replaced OUT (`old/previous`): back in place if OUT is missing;
+    else deleted, except entries pipecc did not write that OUT does not hold (then kept)."""
+    previous = old / "previous"
+    if not previous.is_dir():
+        shutil.rmtree(old)
+        return
+    if not target.exists() and not target.is_symlink():
+        os.replace(previous, target)
+        shutil.rmtree(old)
+        return
+    wrote = pipecc_wrote(_read_marker(previous))
+    orphans = [rel for rel, kind in _entries(previous) if kind != "dir" and not wrote(rel)
+               and not _same_file(previous / rel, target / rel)]
+    if orphans:
+        progress.notice(f"left {old}: it holds {len(orphans)} file(s) pipecc did not write that "
+                        f"{target} lacks: {_listing(orphans)}")
+        return
+    shutil.rmtree(old)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samestat(a.lstat(), b.lstat())
+    except OSError:
+        return False
 
 
 def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microbatches: int = 1,

@@ -1,7 +1,10 @@
 """The `pipecc` command line: the parser of every subcommand and `main`.
 
 Every command exits 0 on success, 2 on a usage error and 1 on any other error, printing one
-`pipecc: error: ...` line on stderr; `--debug` shows the traceback instead. Each subcommand
+`pipecc: error: ...` line on stderr; `--debug` shows the traceback as well. An OSError that
+reaches `main` (a disk full, a folder that cannot be written) is the environment's, not a
+bug: it gets the same one line. Everything printed here is escaped for the terminal
+(`pipecc.report.formatting.terminal_text`): messages may quote hostile names. Each subcommand
 lives in its own module of this package (`add_parser(sub, common)` + `cmd_<name>(args)`).
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 from pipecc.cli.args import Parser
@@ -41,25 +45,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         args = parser.parse_args(argv)
         from pipecc import progress
         progress.configure(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
         if not getattr(args, "func", None):
-            parser.print_help(sys.stderr)
-            return 2
+            sys.stderr.write(parser.format_usage())
+            return _error("no command given; try `pipecc --help`", 2)
         func: Callable[[argparse.Namespace], Any] = args.func
         return int(func(args) or 0)
     except PipeccError as exc:
         if debug:
-            traceback.print_exc()
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"pipecc: error: {message}", file=sys.stderr)
-        return exc.exit_code
+            _traceback()
+        return _error(_first_line(exc), exc.exit_code)
     except BrokenPipeError:  # `pipecc ... | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the environment's: a full disk, a folder that cannot be written
+        if debug:
+            _traceback()
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _error(f"{where}{exc.strerror or _first_line(exc)}", 1)
     except KeyboardInterrupt:
-        print("pipecc: error: interrupted", file=sys.stderr)
-        return 130
+        return _error("interrupted", 130)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _first_line(exc: BaseException) -> str:
+    # NOTE: split on "\n" only: str.splitlines would also cut at a "\r" inside a quoted name
+    text = str(exc).strip()
+    return text.split("\n")[0].strip() if text else type(exc).__name__
+
+
+def _traceback() -> None:
+    from pipecc.report.formatting import terminal_text
+    sys.stderr.write(terminal_text(traceback.format_exc()))
+
+
+def _error(message: str, code: int) -> int:
+    from pipecc.report.formatting import printable
+    print(f"pipecc: error: {printable(message)}", file=sys.stderr)
+    return code
+
+
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """Python warnings on stderr, escaped like everything else pipecc prints."""
+    from pipecc.report.formatting import terminal_text
+    return f"{filename}:{lineno}: {category.__name__}: {terminal_text(message)}\n"
 

@@ -53,22 +53,56 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fpga-number", default="float", metavar="FORMAT",
                    help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
                    "the plan costs FPGA stages in it")
+    p.add_argument("--profile", metavar="PROFILE_JSON",
+                   help="measured costs from `pipecc profile`: the plan uses its curves for the "
+                   "devices it timed, the roofline elsewhere")
     p.add_argument("--dump-ir", metavar="DIR",
                    help="write the IR after each compiler step to DIR/NNN_<step>.txt (the graph "
                    "with each node's name, kind and cost; the plan once planned)")
 
 
+def check_output_file(path: str) -> None:
+    """A one-line PipeccError now, before minutes of analysis, unless `path` can be written:
+    not a folder, a name within the file system's limit, in a folder that can be written."""
+    from pathlib import Path
+
+    from pipecc.backends.torch.compile import check_writable_target
+    from pipecc.errors import PipeccError
+    check_writable_target(path)
+    if Path(path).is_dir():
+        raise PipeccError(f"{path} is a folder; give a file name (e.g. {Path(path) / 'plan.json'})")
+
+
 def write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file beside it, so a failure leaves nothing."""
+    """Write `text` to `path` through a temporary file beside it, so a failure leaves nothing
+    (not even the parent folders it created); an OSError becomes a one-line PipeccError. The
+    temporary's name records its writer, so a later write removes one a kill left behind."""
+    import contextlib
     import os
     import tempfile
     from pathlib import Path
+
+    from pipecc.backends.torch.compile import clean_stale_temps, temp_prefix
+    from pipecc.errors import PipeccError
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".pipecc-", dir=target.parent if str(target.parent) else ".")
+    check_output_file(path)
+    clean_stale_temps(target)
+    missing = [p for p in target.parents if not p.exists()]
+    tmp: str | None = None
     try:
-        with os.fdopen(fd, "w") as fh:
+        for folder in reversed(missing):
+            folder.mkdir()
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target, "file"), dir=target.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(exc, OSError):
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise PipeccError(f"cannot write {path}: {where}{exc.strerror or exc}") from exc
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from pipecc.cli.args import add_model_args, add_plan_args
@@ -17,22 +18,35 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     add_model_args(p)
     add_plan_args(p)
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
-    p.add_argument("--force", action="store_true", help="replace OUT even if pipecc did not write it")
+    p.add_argument("--force", action="store_true",
+                   help="write into OUT even if pipecc did not write it, replacing the files in the "
+                   "way (named on stderr); files pipecc did not write are never deleted otherwise")
+    p.add_argument("--strict-batchnorm", action="store_true",
+                   help="refuse BatchNorm in training mode over several micro-batches (each "
+                   "micro-batch is normalised with its own statistics) instead of warning")
     p.set_defaults(func=cmd_compile)
     return p
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipecc import driver, progress
+    from pipecc.backends.torch.compile import check_output_folder
+    from pipecc.report.formatting import terminal_text
+    check_output_folder(args.output, args.force)  # now, not after minutes of analysis
     args.compare = True  # the report shows the baselines' figures
     analysis, plan, graph = plan_from_args(args)
     for decision in plan.decisions:
         progress.explain(decision)
     done = driver.compile(analysis, plan, graph, args.output, force=args.force,
-                          fpga_number=args.fpga_number, debug=args.debug, dump_ir=args.dump_ir)
+                          fpga_number=args.fpga_number, strict_batchnorm=args.strict_batchnorm,
+                          debug=args.debug, dump_ir=args.dump_ir)
+    for line in done.notes:  # warnings reach stderr even with -q
+        if line.startswith("warning:"):
+            print(terminal_text(f"pipecc: {line}"), file=sys.stderr)
     if not args.quiet:
-        print(f"wrote {done.out}: {len(done.stages)} stages, schedule {plan.schedule}, "
-              f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`")
+        print(terminal_text(f"wrote {done.out}: {len(done.stages)} stages, schedule {plan.schedule}, "
+                            f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`"))
         for line in done.notes:
-            print(line)
+            if not line.startswith("warning:"):
+                print(terminal_text(line))
     return 0

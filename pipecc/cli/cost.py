@@ -24,6 +24,7 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
 def cmd_cost(args: argparse.Namespace) -> int:
     from pipecc import driver
     from pipecc.frontend.modelfile import parse_model_args
+    from pipecc.report.formatting import terminal_text
     from pipecc.report.tables import cost_json, cost_table
 
     analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
@@ -32,5 +33,5 @@ def cmd_cost(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(cost_json(analysis.graph), indent=1))
     else:
-        print(cost_table(analysis.graph, by_module=args.by_module))
+        print(terminal_text(cost_table(analysis.graph, by_module=args.by_module)))
     return 0

@@ -1,6 +1,8 @@
-"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR]` (CONTRACT §4).
+"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR]`.
 
 Wiring in `pipecc.cli.build_parser`: `add_parser(sub, common)`; it sets `func=cmd_inspect`.
+OUT is read as untrusted data (`pipecc.report.compiled.load_compiled` checks it): a damaged
+folder is a one-line error, and names in it are escaped before they reach the terminal.
 """
 
 from __future__ import annotations
@@ -44,34 +46,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from pipecc.errors import UsageError
     from pipecc.report import compiled as insp
     from pipecc.report.dot import dot_text
+    from pipecc.report.formatting import terminal_text
 
+    if args.format == "dot" and args.stage is not None and not args.onnx:
+        raise UsageError("--format dot draws the whole pipeline; leave out --stage")
     compiled = insp.load_compiled(args.out)
     if args.onnx:
         return _export_onnx(args, compiled)
-    if args.format == "json":
-        data = (insp.stage_json(compiled, args.stage) if args.stage is not None
-                else insp.summary_json(compiled))
-        print(json.dumps(data, indent=1, default=str))
-    elif args.format == "dot":
-        if args.stage is not None:
-            raise UsageError("--format dot draws the whole pipeline; leave out --stage")
-        print(dot_text(compiled.plan, compiled.graph))
-    elif args.stage is not None:
-        print(insp.stage_text(compiled, args.stage))
-    else:
-        print(insp.summary_text(compiled, verbose=args.verbose))
+    with insp.damaged(compiled):
+        if args.format == "json":
+            data = (insp.stage_json(compiled, args.stage) if args.stage is not None
+                    else insp.summary_json(compiled))
+            text = json.dumps(data, indent=1, default=str)  # ensure_ascii: no raw control characters
+        elif args.format == "dot":
+            text = terminal_text(dot_text(compiled.plan, compiled.graph))
+        elif args.stage is not None:
+            text = terminal_text(insp.stage_text(compiled, args.stage))
+        else:
+            text = terminal_text(insp.summary_text(compiled, verbose=args.verbose))
+    print(text)
     return 0
 
 
 def _export_onnx(args: argparse.Namespace, compiled: Any) -> int:
     from pipecc import progress
     from pipecc.errors import PipeccError
-    from pipecc.report.stage_onnx import check_stages
+    from pipecc.report.formatting import terminal_text
+    from pipecc.report.stage_onnx import check_destination, check_stages
 
     n = len(compiled.plan.stages)
     if args.stage is not None and args.stage >= n:
         raise PipeccError(f"--stage {args.stage}: {compiled.path} has stages 0..{n - 1}")
     stages = [args.stage] if args.stage is not None else list(range(n))
+    check_destination(args.onnx)
     results = []
     with progress.step("exporting stages to ONNX", total=len(stages)) as step:
         for result in check_stages(compiled.path, args.onnx, stages):
@@ -81,7 +88,7 @@ def _export_onnx(args: argparse.Namespace, compiled: Any) -> int:
         print(json.dumps([r.to_json() for r in results], indent=1))
     else:
         for r in results:
-            print(r.describe())
+            print(terminal_text(r.describe()))
     bad = [r for r in results if not r.ok]
     if bad:
         raise PipeccError(f"{len(bad)} stage(s) differ from torch beyond tolerance "

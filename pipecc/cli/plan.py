@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli.args import add_model_args, add_plan_args, write_atomic
+from pipecc.cli.args import add_model_args, add_plan_args, check_output_file, write_atomic
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,8 +37,8 @@ def plan_from_args(args: argparse.Namespace):
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
                               training=not args.inference,
-                              fpga_number=args.fpga_number, debug=args.debug,
-                              dump_ir=args.dump_ir)
+                              fpga_number=args.fpga_number, profile=args.profile,
+                              debug=args.debug, dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
     return analysis, plan, graph
@@ -46,7 +46,10 @@ def plan_from_args(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipecc import progress
+    from pipecc.report.formatting import terminal_text
     from pipecc.report.text import plan_table
+    if args.output:
+        check_output_file(args.output)  # now, not after minutes of analysis
     _, plan, _ = plan_from_args(args)
     for decision in plan.decisions:
         progress.explain(decision)
@@ -55,5 +58,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.dumps())
     else:
-        print(plan_table(plan, verbose=args.verbose))
+        print(terminal_text(plan_table(plan, verbose=args.verbose)))
     return 0

@@ -71,15 +71,23 @@ def import_model_file(path: Path) -> Any:
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        raise _exited(f"importing {path.name}", exc) from None
     except Exception as exc:  # the user's code: report, don't crash
         raise PipeccError(f"importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
     missing = [n for n in REQUIRED if not callable(getattr(module, n, None))]
     if missing:
         raise PipeccError(
             f"{path.name} does not define {', '.join(missing)}; a model file needs "
-            "build_model(**kwargs) and example_inputs(batch_size=1) (see CONTRACT §2)"
+            "build_model(**kwargs) and example_inputs(batch_size=1) (see the README's Command line section)"
         )
     return module
+
+
+def _exited(what: str, exc: SystemExit) -> PipeccError:
+    """User code that calls sys.exit (or exit()) must not end pipecc silently with its code."""
+    return PipeccError(f"{what} called sys.exit({exc.code!r}); a model file must return its "
+                       "model and inputs, not exit")
 
 
 def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
@@ -90,6 +98,8 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
     module = import_model_file(path)
     try:
         model = module.build_model(**model_args)
+    except SystemExit as exc:
+        raise _exited(f"build_model in {path.name}", exc) from None
     except TypeError as exc:
         raise PipeccError(f"build_model in {path.name} rejected the model arguments: {exc}") from exc
     except Exception as exc:
@@ -103,6 +113,8 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
 
     try:
         inputs = make_inputs(batch_size)
+    except SystemExit as exc:
+        raise _exited(f"example_inputs in {path.name}", exc) from None
     except Exception as exc:
         raise PipeccError(f"example_inputs in {path.name} failed: {type(exc).__name__}: {exc}") from exc
     make_target = None

@@ -9,6 +9,8 @@ batch dimension (`dim_param`) becomes the symbol B, other named dims become symb
 
 from __future__ import annotations
 
+import builtins
+import keyword
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +53,14 @@ def _dtype(elem_type: int) -> torch.dtype:
 
 
 def _sanitize(name: str, taken: set[str]) -> str:
-    base = "".join(c if c.isalnum() else "_" for c in name).strip("_") or "v"
+    """An ONNX name as an fx name: an ASCII identifier that is no keyword, builtin or
+    nn.Module attribute (ONNX names are any strings: `in`, `None`, `²`, CR, ESC...)."""
+    base = "".join(c if c.isascii() and c.isalnum() else "_" for c in name).strip("_") or "v"
     if base[0].isdigit():
         base = "v_" + base
+    if keyword.iskeyword(base) or keyword.issoftkeyword(base) or hasattr(builtins, base) \
+            or hasattr(torch.nn.Module, base) or base in ("self", "torch", "F"):
+        base += "_"
     out, k = base, 1
     while out in taken:
         out, k = f"{base}_{k}", k + 1

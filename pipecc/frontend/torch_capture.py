@@ -1,8 +1,14 @@
 """PyTorch frontend: capture an nn.Module as an fx graph and annotate shapes symbolically.
 
-Capture: `torch.fx.symbolic_trace` first (fast, keeps leaf modules such as nn.Linear and
-nn.LSTM as single nodes with their module path); when it fails (Python control flow on
-shapes, Hugging Face models) fall back to `torch.export` and say so in a warning.
+Capture: torch.fx first (`fx_tracer.trace`: fast, keeps leaf modules such as nn.Linear and
+nn.LSTM as single nodes with their module path, and traces into composite ones such as
+nn.TransformerEncoderLayer); when it fails (Python control flow on shapes, Hugging Face
+models) fall back to `torch.export` and say so in a warning.
+
+The user's model is never changed: every run of its forward here is over fake copies of its
+weights (`model_state.fake_weights`), and the one real run (a forward that fake tensors cannot
+run) restores what it changed (`model_state.preserved_state`). torch's own loggers are muted
+while we capture: a forward that fails is reported once, in one line, by us.
 
 Symbolic shapes by fitting, not by symbolic tracing: shapes are propagated with fake tensors
 (no memory, no FLOPs) at a few values of each symbol, and every dimension is fitted as a
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import warnings as pywarnings
@@ -28,9 +35,11 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pipecc.errors import CaptureError, PipeccError
+from pipecc.errors import CaptureError, PipeccError, UsageError
+from pipecc.frontend import fx_tracer
+from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
-                       ScalarInfo, TensorInfo)
+                       ScalarInfo, TensorInfo, tensors_in)
 from pipecc.ir.ops import node_op, op_kind
 
 
@@ -52,8 +61,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     """
     notes: list[str] = []
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx_tracer.trace(model)
         return gm, "fx", notes
+    except PipeccError:  # names fx cannot write: torch.export writes code the same way
+        raise
     except Exception as fx_exc:  # fx raises many types (TraceError, TypeError, ...)
         fx_error = f"{type(fx_exc).__name__}: {_first_line(fx_exc)}"
     try:
@@ -70,6 +81,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
                 exported = torch.export.export(model, tuple(example_inputs), strict=False)
             gm = exported.module()
     except Exception as exp_exc:
+        opaque = [name for name, m in model.named_modules() if fx_tracer.sees_into(m)]
+        if opaque:  # last resort: keep them whole (costed by a guess, not compilable)
+            with contextlib.suppress(Exception):
+                gm = fx.symbolic_trace(model)
+                notes.append(f"could not trace into {', '.join(opaque[:3])} ({fx_error}); they "
+                             "are kept as opaque modules")
+                return gm, "fx", notes
         raise CaptureError(
             f"could not capture the model: torch.fx failed ({fx_error}) and torch.export failed "
             f"({type(exp_exc).__name__}: {_first_line(exp_exc)}); remove data-dependent Python "
@@ -98,6 +116,23 @@ def _quiet_torch_logs() -> Iterator[None]:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_torch_logging() -> Iterator[None]:
+    """Mute torch's loggers (fake tensors log every failing kernel at ERROR, with its
+    traceback); their levels are restored after."""
+    manager = logging.Logger.manager
+    names = ["torch"] + [n for n in list(manager.loggerDict) if n.startswith("torch.")]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL + 1)
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -150,7 +185,7 @@ def _run_fake(gm: fx.GraphModule, inputs: tuple, sizes: dict[tuple[int, int], in
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_inputs(mode, inputs, sizes)
     rec = _Recorder(gm)
-    with mode, pywarnings.catch_warnings():
+    with fake_weights(gm, mode), shape_safe_batchnorm(gm), mode, pywarnings.catch_warnings():
         pywarnings.simplefilter("ignore")
         rec.run(*fake)
     return rec.values
@@ -321,28 +356,60 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
                 batch_size: int | None = None) -> AnnotatedGraph:
     """Capture and annotate (shapes, ops, names). Costs are added by `pipecc.cost.annotate`."""
     example_inputs = tuple(example_inputs)
-    _check_forward(model, example_inputs)
     if symbols is None:
         b = batch_size
         if b is None:
             first = next((x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
             b = int(first.shape[0]) if first is not None else 1
         symbols = default_symbols(example_inputs, b)
-    gm, source, notes = capture(model, example_inputs, symbols)
-    try:
-        syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
-    except Exception as exc:
-        if not symbols:
-            raise PipeccError(f"shape propagation failed on the captured graph: "
-                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
-        # the graph only runs at the example sizes (e.g. export specialised them)
-        syms, point, shape_notes = propagate_shapes(gm, example_inputs, [])
-        shape_notes.append(f"the captured graph only runs at the example sizes "
-                           f"({type(exc).__name__}); costs are numbers, not expressions in "
-                           f"{', '.join(s.name for s in symbols)}")
+    check_symbols(symbols, example_inputs)
+    with quiet_torch_logging():
+        _check_forward(model, example_inputs)
+        gm, source, notes = capture(model, example_inputs, symbols)
+        try:
+            syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
+        except Exception as exc:
+            if not symbols:
+                raise PipeccError(f"shape propagation failed on the captured graph: "
+                                  f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            # the graph only runs at the example sizes (e.g. export specialised them)
+            syms, point, shape_notes = propagate_shapes(gm, example_inputs, [])
+            shape_notes.append(f"the captured graph only runs at the example sizes "
+                               f"({type(exc).__name__}); costs are numbers, not expressions in "
+                               f"{', '.join(s.name for s in symbols)}")
+    _check_output(gm)
     annotate_ops_and_names(gm)
     return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source,
                           model_name=model_name, warnings=notes + shape_notes)
+
+
+def check_symbols(symbols: Sequence[SymbolSpec], inputs: tuple) -> None:
+    """Every symbol names a dim of a tensor input that exists (UsageError otherwise)."""
+    for s in symbols:
+        where = f"--symbol {s.name}={'+'.join(map(str, s.inputs))}:{s.dim}"
+        for i in s.inputs:
+            if not 0 <= i < len(inputs):
+                raise UsageError(f"{where}: the model's forward takes {len(inputs)} input"
+                                 f"{'s' if len(inputs) != 1 else ''}, so there is no input {i} "
+                                 f"(inputs count from 0)")
+            x = inputs[i]
+            if not isinstance(x, torch.Tensor):
+                raise UsageError(f"{where}: input {i} is a {type(x).__name__}, not a tensor")
+            if not 0 <= s.dim < x.dim():
+                raise UsageError(f"{where}: input {i} has {x.dim()} dims, so there is no dim "
+                                 f"{s.dim} (dims count from 0)")
+
+
+def _check_output(gm: fx.GraphModule) -> None:
+    """A pipeline passes tensors between stages and returns the last stage's: a forward that
+    returns no tensor (None, a number) has nothing to pipeline."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned: list[fx.Node] = []
+    fx.node.map_arg(out.args, returned.append)
+    if not any(next(tensors_in(n.meta.get(META_VALUE)), None) is not None for n in returned):
+        what = "None" if out.args[0] is None else "no tensor"
+        raise PipeccError(f"the model's forward returns {what}; pipecc pipelines a forward that "
+                          "returns a tensor (or a tuple, list or dict of tensors)")
 
 
 def _check_forward(model: torch.nn.Module, inputs: tuple) -> None:
@@ -350,10 +417,13 @@ def _check_forward(model: torch.nn.Module, inputs: tuple) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_inputs(mode, inputs, {})
     try:
-        with mode, pywarnings.catch_warnings():
+        with fake_weights(model, mode), shape_safe_batchnorm(model), mode, \
+                pywarnings.catch_warnings():
             pywarnings.simplefilter("ignore")
             model(*fake)
         return
+    except SystemExit as exc:
+        raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:
         fake_exc = exc
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -362,8 +432,10 @@ def _check_forward(model: torch.nn.Module, inputs: tuple) -> None:
                                  GuardOnDataDependentSymNode, NotImplementedError, RuntimeError)):
         raise PipeccError(f"the model's forward raised {type(fake_exc).__name__}: "
                           f"{_first_line(fake_exc)}") from fake_exc
-    try:  # data-dependent code needs real values: check for real
-        with torch.no_grad():
+    try:  # data-dependent code needs real values: check for real (and undo what it changes)
+        with preserved_state(model, weights=True), torch.no_grad():
             model(*inputs)
+    except SystemExit as exc:
+        raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise PipeccError(f"the model's forward raised {type(exc).__name__}: {_first_line(exc)}") from exc

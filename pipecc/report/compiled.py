@@ -14,17 +14,19 @@ them; node costs are given both at the compile batch (like `pipecc cost`) and pe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
+from numbers import Real
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
 from pipecc.report.artifacts import graph_json  # noqa: F401 - old path (driver.py, docs/screenshot.sh)
-from pipecc.report.figures import bottleneck_stage, device_capacities, first_last
+from pipecc.report.figures import bottleneck_stage, device_capacities, first_last, memory_kind
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 
 INSPECT_FORMAT = "pipecc-inspect"
@@ -66,10 +68,10 @@ def load_compiled(out: str | Path) -> Compiled:
     marker = _read_json(path / "pipecc.json", "compile marker")
     if not isinstance(marker, dict) or marker.get("format") != "pipecc-compile":
         raise PipeccError(f"{path}/pipecc.json is not a pipecc compile marker")
-    try:
-        plan = Plan.from_json(_read_json(path / "plan.json", "plan"))
-    except (TypeError, KeyError) as exc:
-        raise PipeccError(f"{path}/plan.json does not match this pipecc's plan format ({exc})") from None
+    plan = read_plan(path)
+    problem = plan_problem(plan)
+    if problem:
+        raise PipeccError(f"{path}/plan.json is damaged: {problem}; recompile the folder")
     ports = [_read_json(path / f"stage_{i}" / "ports.json", "stage ports")
              if (path / f"stage_{i}" / "ports.json").is_file() else {}
              for i in range(len(plan.stages))]
@@ -85,6 +87,69 @@ def load_compiled(out: str | Path) -> Compiled:
     return compiled
 
 
+def read_plan(out: str | Path) -> Plan:
+    """OUT/plan.json as a Plan; a missing, unreadable or malformed file is a PipeccError (its
+    figures are not checked: see `plan_problem`)."""
+    path = Path(out)
+    try:
+        return Plan.from_json(_read_json(path / "plan.json", "plan"))
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise PipeccError(f"{path}/plan.json does not match this pipecc's plan format ({exc})") from None
+
+
+def plan_problem(plan: Plan) -> str | None:
+    """What makes a plan read from disk unusable by the views, in words, or None. The views
+    index devices by `stage.device` and stages by `stage.index`, and do arithmetic on the
+    figures: a plan.json edited by hand (or cut short) must not reach them."""
+    def number(x: Any) -> bool:
+        return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if not isinstance(plan.devices, list) or not all(
+            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("kind"), str)
+            for d in plan.devices):
+        return "devices must be a list of {name, kind}"
+    if not isinstance(plan.stages, list) or not plan.stages:
+        return "it has no stages"
+    for k, s in enumerate(plan.stages):
+        if s.index != k or isinstance(s.index, bool):
+            return (f"stage {k} says index {s.index!r}; stages are numbered 0..{len(plan.stages) - 1} "
+                    "in order")
+        if not isinstance(s.device, int) or isinstance(s.device, bool) \
+                or not 0 <= s.device < len(plan.devices):
+            have = f"devices 0..{len(plan.devices) - 1}" if plan.devices else "no devices"
+            return f"stage {k} is on device {s.device!r}, but the plan has {have}"
+        if not isinstance(s.nodes, list) or not all(isinstance(n, str) for n in s.nodes):
+            return f"stage {k}'s nodes must be a list of names"
+        for f in ("forward_s", "backward_s", "comm_s", "send_bytes", "recv_bytes", "peak_memory_bytes",
+                  "forward_flops", "param_bytes"):
+            if not number(getattr(s, f)):
+                return f"stage {k}'s {f} is {getattr(s, f)!r}, not a number >= 0"
+    for f in ("batch_size", "microbatches", "virtual_stages"):
+        if not count(getattr(plan, f)):
+            return f"{f} is {getattr(plan, f)!r}, not a positive integer"
+    for f in ("bottleneck_s", "lower_bound_s", "predicted_iteration_s", "bubble_fraction"):
+        if not number(getattr(plan, f)):
+            return f"{f} is {getattr(plan, f)!r}, not a number >= 0"
+    if not isinstance(plan.model, str) or not isinstance(plan.schedule, str):
+        return "model and schedule must be names"
+    return None
+
+
+@contextlib.contextmanager
+def damaged(c: Compiled) -> Iterator[None]:
+    """Rendering OUT: a file of it that does not have the shape this pipecc wrote (graph.json,
+    ports.json, timeline.json edited or from another version) is a one-line error, not a
+    traceback. NOTE: the folder is data from disk, like a model file; `--debug` shows where."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise PipeccError(f"{c.path} is damaged or from another pipecc version "
+                          f"({type(exc).__name__}: {exc}); recompile it") from exc
+
+
 def _split_shards(plan: Plan, stage: int) -> list[str]:
     """'lm_head 1/2' for every split layer with a shard in `stage`."""
     names = set(plan.stages[stage].nodes)
@@ -98,9 +163,10 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     microbatches, microbatch_size, schedule, virtual_stages, devices, stages[] (index, device,
     device_name, device_kind, first_node, last_node, num_nodes, forward_flops, param_bytes,
     forward_s, backward_s, comm_s, recv_bytes, send_bytes, peak_memory_bytes,
-    memory_capacity_bytes, split_layers, receives, sends, bottleneck, fpga_estimates),
+    memory_capacity_bytes, memory_kind, split_layers, receives, sends, bottleneck, fpga_estimates),
     bottleneck_stage, bottleneck_s, lower_bound_s, balance_ratio, predicted_iteration_s,
-    bubble_fraction, split_layers, baselines, decisions, has_graph."""
+    bubble_fraction, split_layers, baselines, decisions, has_graph. An FPGA stage's memory and
+    its capacity are on-chip BRAM (memory_kind "BRAM"; else "DRAM")."""
     plan = c.plan
     worst = bottleneck_stage(plan)
     caps = device_capacities(plan)
@@ -117,6 +183,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "recv_bytes": s.recv_bytes, "send_bytes": s.send_bytes,
             "peak_memory_bytes": s.peak_memory_bytes,
             "memory_capacity_bytes": caps[s.device] if s.device < len(caps) else None,
+            "memory_kind": memory_kind(dev),
             "split_layers": _split_shards(plan, s.index),
             "receives": [p["name"] for p in ports.get("receives", [])],
             "sends": [p["name"] for p in ports.get("sends", [])],
@@ -201,7 +268,8 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
     rows = []
     for s in data["stages"]:
         cap = s["memory_capacity_bytes"]
-        mem = human(s["peak_memory_bytes"], "B") + (f" / {human(cap, 'B')}" if cap else "")
+        mem = human(s["peak_memory_bytes"], "B") + (f" / {human(cap, 'B')}" if cap else "") \
+            + (" BRAM" if s["memory_kind"] == "BRAM" else "")
         rows.append([f"{s['index']}{' *' if s['bottleneck'] else ''}",
                      f"{s['device']} {s['device_name']}", f"{s['first_node']} .. {s['last_node']}",
                      str(s["num_nodes"]), human(s["forward_flops"]), human(s["param_bytes"], "B"),

@@ -10,14 +10,16 @@ from typing import Any
 
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import MODEL_INPUT
-from pipecc.report.formatting import human, shapes_text
+from pipecc.report.formatting import human, printable, shapes_text
 
 DOT_TIMEOUT_S = 60
 
 
 def _q(text: Any) -> str:
-    text = str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return '"' + text + '"'
+    """A DOT string; control characters escaped (`printable`), newlines as DOT's `\\n`."""
+    lines = [printable(line).replace("\\", "\\\\").replace('"', '\\"')
+             for line in str(text).split("\n")]
+    return '"' + "\\n".join(lines) + '"'
 
 
 def dot_text(plan: Plan, graph: dict[str, Any] | None) -> str:

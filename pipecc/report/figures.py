@@ -15,15 +15,30 @@ def bottleneck_stage(plan: Plan) -> int:
 
 
 def device_capacities(plan: Plan, cluster: Any = None) -> list[float | None]:
-    """Memory bytes of each plan device: from `cluster` if given, else the built-in catalog by
-    name (None for a device the catalog does not know, e.g. one defined in a cluster file)."""
+    """Memory bytes of each plan device, as the planner counts a stage's memory against it:
+    DRAM (or HBM) for CPUs and GPUs, on-chip BRAM for FPGA cards (`memory_kind`). From
+    `cluster` if given, else the built-in catalog by name (None for a device the catalog does
+    not know, e.g. one defined in a cluster file)."""
     if cluster is not None:
-        return [float(cluster.devices[d.get("given_index", i)].memory_bytes)
+        return [_capacity(cluster.devices[d.get("given_index", i)].memory_bytes,
+                          cluster.devices[d.get("given_index", i)].fpga)
                 for i, d in enumerate(plan.devices)]
     from pipecc.targets.devices import load_catalog
     catalog = load_catalog()
-    return [float(catalog.devices[d["name"]]["memory_bytes"]) if d.get("name") in catalog.devices
-            else None for d in plan.devices]
+    return [_capacity(catalog.devices[d["name"]]["memory_bytes"], catalog.devices[d["name"]].get("fpga"))
+            if d.get("name") in catalog.devices else None for d in plan.devices]
+
+
+def memory_kind(device: dict[str, Any]) -> str:
+    """What a device's stage memory is: "BRAM" for an FPGA card (on-chip), else "DRAM"."""
+    return "BRAM" if device.get("kind") == "fpga" else "DRAM"
+
+
+def _capacity(memory_bytes: float, fpga: Any) -> float:
+    if fpga and fpga.get("bram18"):
+        from pipecc.targets.fpga_timing import BRAM18_BYTES
+        return float(fpga["bram18"]) * BRAM18_BYTES
+    return float(memory_bytes)
 
 
 def first_last(nodes: list[str]) -> tuple[str, str]:

@@ -1,6 +1,8 @@
 """How figures are written in pipecc's text output: SI numbers, durations, shape lists and
 plain-text tables. Every text view (`pipecc cost`, `plan`, `inspect`) and the HTML report share
-these, so a number reads the same everywhere."""
+these, so a number reads the same everywhere. `printable` / `terminal_text` escape control
+characters in every human-readable output (names from model files and ONNX graphs may be
+hostile)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ def shapes_text(shapes: list[str]) -> str:
 
 def text_table(headers: list[str], rows: list[list[str]], left: int = 2, right_from: int = 0) -> str:
     """A plain-text table: the first `left` columns and those from `right_from` on (when
-    set) align left, the numbers between align right."""
+    set) align left, the numbers between align right. Cells are escaped with `printable`, so
+    a hostile name can neither drive the terminal nor break the columns."""
+    headers = [printable(h) for h in headers]
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def is_left(i: int) -> bool:
@@ -42,3 +47,33 @@ def text_table(headers: list[str], rows: list[list[str]], left: int = 2, right_f
         return "  ".join(c.ljust(w) if is_left(i) else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+# ----------------------------------------------------------------------------- terminal safety
+# NOTE: names come from model files and ONNX graphs, which may be hostile: an ESC or CSI in a
+# node name would drive the terminal (`\x1b[2J` clears it, `\r` overwrites a line). Every
+# human-readable output escapes them with these two functions; JSON output needs nothing
+# (json.dumps escapes control characters, and pipecc keeps ensure_ascii on).
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _NAMED:
+        return _NAMED[ch]
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(text: object) -> str:
+    """`text` on one line with every non-printable character escaped as Python writes it:
+    C0 and C1 controls (`\\r`, `\\x1b`, `\\x9b`, ...), DEL, line and paragraph separators,
+    format characters such as bidi overrides (`\\u202e`), unassigned code points."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in s)
+
+
+def terminal_text(text: object) -> str:
+    """Multi-line `text` for a terminal: as `printable`, but newlines stay newlines."""
+    return "\n".join(printable(line) for line in str(text).split("\n"))

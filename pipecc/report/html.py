@@ -1,4 +1,4 @@
-"""OUT/report.html: one self-contained page about a compiled pipeline (CONTRACT §6).
+"""OUT/report.html: one self-contained page about a compiled pipeline, written by every compile.
 
     render_report(graph, plan, timeline)  at compile time (the driver passes its timeline)
     report_from_folder(OUT)               the same page from a compiled folder's JSON files

@@ -173,14 +173,35 @@ def export_stage(module: nn.Module, ports: dict[str, Any], args: Sequence[Any], 
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with _quiet_exporter():
-            torch.onnx.export(wrapper.eval(), tensors, str(path), dynamo=True, input_names=names_in,
-                              output_names=names_out, verbose=False,
-                              external_data=weight_bytes > EXTERNAL_DATA_BYTES)
+            program = torch.onnx.export(wrapper.eval(), tensors, dynamo=True, verbose=False)
+            _name_ports(program.model.graph, names_in, names_out)
+            program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
     except Exception as exc:  # the exporter's failure is the user's answer: say which stage
         first = (str(exc).strip().splitlines() or [""])[0]
         raise PipeccError(f"stage {ports.get('stage')}: ONNX export failed: "
                           f"{type(exc).__name__}: {first}") from exc
     return wrapper, names_in, names_out, constants
+
+
+def _name_ports(graph: Any, names_in: Sequence[str], names_out: Sequence[str]) -> None:
+    """Name the ONNX graph's inputs and outputs after the stage's ports. The exporter names
+    its own values after their ops (`add_1`), which can be a port's name too: such a value is
+    renamed first (`add_1__1`), so every name is defined once."""
+    ports = dict(zip(graph.inputs, names_in))
+    ports.update(zip(graph.outputs, names_out))
+    wanted = set(ports.values())
+    used = {v.name for v in graph.inputs} | {v.name for node in graph for v in node.outputs}
+    used |= set(graph.initializers) | wanted
+    for node in graph:
+        for value in node.outputs:
+            if value.name in wanted and value not in ports:
+                k = 1
+                while f"{value.name}__{k}" in used:
+                    k += 1
+                value.name = f"{value.name}__{k}"
+                used.add(value.name)
+    for value, name in ports.items():
+        value.name = name
 
 
 @contextlib.contextmanager
@@ -202,11 +223,15 @@ def run_onnx(path: str | Path, names_in: Sequence[str], tensors: Sequence[torch.
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), tensors)}
-    if [i.name for i in session.get_inputs()] != list(names_in):
-        feeds = {n: t.detach().cpu().numpy() for n, t in zip(names_in, tensors)}
-    return session.run(None, feeds)
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(session.get_inputs(), tensors)}
+        if [i.name for i in session.get_inputs()] != list(names_in):
+            feeds = {n: t.detach().cpu().numpy() for n, t in zip(names_in, tensors)}
+        return session.run(None, feeds)
+    except Exception as exc:  # onnxruntime's own errors: one line, naming the file
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise PipeccError(f"onnxruntime cannot run {path}: {first}") from exc
 
 
 def compare(reference: Sequence[torch.Tensor], got: Sequence[Any]) -> tuple[bool, float, str]:
@@ -233,6 +258,17 @@ def compare(reference: Sequence[torch.Tensor], got: Sequence[Any]) -> tuple[bool
     return ok, worst, msg
 
 
+def check_destination(dest: str | Path) -> None:
+    """A one-line PipeccError unless DEST is a folder, or can be created as one."""
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise PipeccError(f"--onnx {dest}: it is a file, not a folder; give a folder for the "
+                          "stage_<i>.onnx files")
+    if not dest.is_dir():
+        from pipecc.backends.torch.compile import check_writable_target
+        check_writable_target(dest)
+
+
 def export_and_check(out: str | Path, stage: int, dest: str | Path) -> OnnxCheck:
     """Export stage `stage` of OUT to DEST/stage_<i>.onnx and compare it with the torch stage."""
     return next(check_stages(out, dest, [stage]))
@@ -241,6 +277,7 @@ def export_and_check(out: str | Path, stage: int, dest: str | Path) -> OnnxCheck
 def check_stages(out: str | Path, dest: str | Path, stages: Sequence[int] | None = None
                  ) -> Iterator[OnnxCheck]:
     """`export_and_check` for several stages (default all), running the chain once."""
+    check_destination(dest)
     chain = stage_modules_and_inputs(out, max(stages) if stages else None)
     for i in (stages if stages is not None else range(len(chain))):
         module, ports, args = chain[i]

@@ -1,4 +1,4 @@
-"""`pipecc cost` output: the contract's JSON (CONTRACT §5) and a readable table."""
+"""`pipecc cost` output: the JSON document (its fields are a stable interface) and a readable table."""
 
 from __future__ import annotations
 

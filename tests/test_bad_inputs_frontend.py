@@ -1,0 +1,160 @@
+"""Bad model files and analysis-time refusals (issue #14, frontend side): every case ends with
+exactly one `pipecc: error: ...` line (exit 1, 2 for a usage error), no traceback, no log
+lines from torch, and no OUT folder — or compiles correctly.
+
+One table: each row is a model file (its source), the command-line flags, and what must come
+of `pipecc compile` (an exit code and the words the one error line must hold, or success).
+The rows run in process (`pipecc.cli.main`) with the file descriptors captured, so whatever
+torch's loggers write to stderr is seen too.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pipecc
+from pipecc import cli
+
+HEAD = "import sys\nimport torch\nfrom torch import nn\n\n"
+INPUTS = "def example_inputs(batch_size=1):\n    return (torch.randn(batch_size, 4),)\n"
+
+
+def forward_file(*body: str, init: str = "self.lin = nn.Linear(4, 4)") -> str:
+    """A model file whose module's forward(x) runs the lines `body`."""
+    lines = "".join(f"        {line}\n" for line in body)
+    return (HEAD + "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            f"        {init}\n\n    def forward(self, x):\n{lines}\n\n"
+            "def build_model():\n    return M()\n\n\n" + INPUTS)
+
+
+def build_file(build: str, inputs: str = INPUTS) -> str:
+    return HEAD + f"def build_model():\n    {build}\n\n\n" + inputs
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    source: str                      # the model file (.py)
+    flags: tuple[str, ...] = ()
+    exit_code: int = 1               # 0: compiles (correct behaviour)
+    says: tuple[str, ...] = ()       # words the one error line holds
+
+
+CASES = [
+    # item 1: one line, not a 145-line DataDependentOutputException: it compiles
+    Case("batchnorm momentum=None", build_file(
+        "return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), "
+        "nn.Linear(8, 2))"), exit_code=0),
+    # item 1: fake tensors log 19 `E... fake_tensor` lines for a failing kernel: muted
+    Case("forward fails in a kernel", forward_file("return self.lin(x) @ torch.ones(5, 3)"),
+         says=("the model's forward raised RuntimeError", "cannot be multiplied")),
+    Case("forward raises", forward_file("raise ValueError('broken on purpose')"),
+         says=("the model's forward raised ValueError: broken on purpose",)),
+    Case("forward raises after data-dependent code",
+         forward_file("if x.sum() > 1e9:", "    return x", "raise RuntimeError('bad')"),
+         says=("the model's forward raised RuntimeError: bad",)),
+    # item 1: sys.exit in user code was exit 3 with no message
+    Case("build_model calls sys.exit(3)", build_file("sys.exit(3)"),
+         says=("build_model in model.py called sys.exit(3)",)),
+    Case("model file exits on import", HEAD + "sys.exit(4)\n",
+         says=("importing model.py called sys.exit(4)",)),
+    Case("example_inputs calls exit()", build_file(
+        "return nn.Linear(4, 4)", "def example_inputs(batch_size=1):\n    exit()\n"),
+         says=("example_inputs in model.py called sys.exit(None)",)),
+    Case("forward calls sys.exit", forward_file("sys.exit('bye')"),
+         says=("the model's forward called sys.exit('bye')",)),
+    # item 2: accepted, broken at run: refused at compile time with the reason
+    Case("forward returns None", forward_file("self.lin(x)", "return None"),
+         says=("forward returns None",)),
+    Case("forward returns no tensor", forward_file("return x.shape[0]"),
+         says=("forward returns no tensor",)),
+    Case("no parameters", build_file("return nn.Sequential(nn.ReLU(), nn.Tanh())"),
+         says=("no trainable parameters", "--inference")),
+    Case("no parameters, --inference", build_file("return nn.Sequential(nn.ReLU(), nn.Tanh())"),
+         flags=("--inference",), exit_code=0),
+    Case("--symbol input out of range", build_file("return nn.Linear(4, 4)"),
+         flags=("--symbol", "S=5:1"), exit_code=2, says=("--symbol S=5:1", "no input 5")),
+    Case("--symbol dim out of range", build_file("return nn.Linear(4, 4)"),
+         flags=("--symbol", "S=0:3"), exit_code=2, says=("--symbol S=0:3", "no dim 3")),
+    # item 8: TransformerEncoderLayer: "cannot rebuild ... 'd_model' is not an attribute"
+    Case("TransformerEncoderLayer", build_file(
+        "return nn.Sequential(nn.Linear(4, 16), nn.TransformerEncoderLayer(16, 2, 32, "
+        "batch_first=True), nn.Linear(16, 2))",
+        "def example_inputs(batch_size=1):\n    return (torch.randn(batch_size, 5, 4),)\n"),
+         exit_code=0),
+    # hostile names torch.fx cannot write as Python: one line naming the path (see test_fuzz_names)
+    Case("ModuleDict key that is a keyword", forward_file(
+        "return self.blocks['in'](x)", init="self.blocks = nn.ModuleDict({'in': nn.Linear(4, 4)})"),
+         says=("'blocks.in'", "rename it")),
+]
+
+
+def compile_case(case: Case, tmp_path: Path, capfd) -> tuple[int, str, str, Path]:
+    path = tmp_path / "model.py"
+    path.write_text(case.source)
+    out = tmp_path / "out"
+    code = cli.main(["compile", str(path), "--devices", "2xcpu", "-b", "4", "-o", str(out), "-q",
+                     *case.flags])
+    captured = capfd.readouterr()
+    return code, captured.out, captured.err, out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_compile_bad_model_file(case: Case, tmp_path: Path, capfd) -> None:
+    code, out, err, folder = compile_case(case, tmp_path, capfd)
+    if case.exit_code == 0:
+        assert code == 0, err
+        assert (folder / "plan.json").is_file() and not err.strip(), err
+        return
+    lines = err.strip().splitlines()
+    assert code == case.exit_code, err
+    assert len(lines) == 1 and lines[0].startswith("pipecc: error: "), err
+    for words in case.says:
+        assert words in lines[0], lines[0]
+    assert "Traceback" not in err and "fake_tensor" not in err
+    assert not folder.exists(), "a failed compile leaves no OUT"
+
+
+def test_symbol_on_an_onnx_file_is_a_usage_error(tmp_path: Path, capfd) -> None:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    code = cli.main(["cost", str(path), "--symbol", "S=0:1"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--symbol applies to .py model files" in err[0]
+
+
+def test_torch_logger_levels_are_restored_after_a_failed_capture(tmp_path: Path, capfd) -> None:
+    names = ["torch", "torch._subclasses.fake_tensor", "torch.fx"]
+    logging.getLogger("torch.fx").setLevel(logging.DEBUG)
+    before = [logging.getLogger(n).level for n in names]
+    case = next(c for c in CASES if c.id == "forward fails in a kernel")
+    assert compile_case(case, tmp_path, capfd)[0] == 1
+    assert [logging.getLogger(n).level for n in names] == before
+    logging.getLogger("torch.fx").setLevel(logging.NOTSET)
+
+
+def test_batchnorm_momentum_none_trains_like_the_model() -> None:
+    """BatchNorm(momentum=None) keeps a cumulative average; the pipeline's update equals it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    pm = pipecc.compile(model, (x,), "cpu,cpu", microbatches=1)
+    assert int(model[1].num_batches_tracked) == 0  # analysis counted no batches
+    for _ in range(2):
+        torch.testing.assert_close(pm(x), reference(x))
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+    assert int(model[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == 2

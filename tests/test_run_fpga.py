@@ -9,6 +9,7 @@ where the cost model puts a Linear(256, 256) + ReLU on the u250.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -124,3 +125,24 @@ def test_one_process_verify_catches_a_planted_bug(cpu_out: Path, tmp_path: Path,
     captured = capsys.readouterr()
     assert re.search(r"pipecc: error: verify: rank 0 stage 1 output \S+ differs: ", captured.err), captured.err
     assert "step 0" not in captured.out
+
+
+@needs_gxx
+def test_csim_library_is_rebuilt_unless_this_machine_built_it(mixed_out: Path, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A shipped csim_build/ (another machine's key) or a swapped library is rebuilt, never loaded."""
+    csim = importlib.import_module("pipecc.backends.fpga.csim")  # the module; the package's `csim` is a function
+    hls = tmp_path / "hls"
+    shutil.copytree(mixed_out / "stage_1" / "hls", hls)
+    monkeypatch.setenv("PIPECC_CACHE_DIR", str(tmp_path / "machine_a"))
+    csim.build(hls)
+    assert csim.build(hls).cached  # built here: reused
+    monkeypatch.setenv("PIPECC_CACHE_DIR", str(tmp_path / "machine_b"))  # the folder shipped to another machine
+    shipped = csim.build(hls)
+    assert not shipped.cached
+    assert (tmp_path / "machine_b" / "csim-build.key").stat().st_mode & 0o077 == 0  # the key is private
+    stamp = (hls / "csim_build" / "stamp").read_text()
+    assert stamp == csim._stamp(stamp.split()[0], shipped.exe, shipped.lib)  # what build() checks to reuse
+    with open(shipped.lib, "ab") as f:  # the library swapped after the build
+        f.write(b"\0")
+    assert stamp != csim._stamp(stamp.split()[0], shipped.exe, shipped.lib)  # so build() would rebuild it

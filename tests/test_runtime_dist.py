@@ -24,8 +24,10 @@ from safetensors.torch import load_file
 
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule import interleaved_1f1b, one_f_one_b
+from pipecc.runtime.checkpoints import RunCheckpoints
 from pipecc.runtime.dist import main
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
+from pipecc.runtime.launcher import root_cause
 from pipecc.runtime.ports import from_json, to_json
 from pipecc.runtime.wire import check_fifo, send_release
 
@@ -266,6 +268,9 @@ def test_main_runs_a_compiled_folder_in_one_process(tmp_path: Path, monkeypatch,
     monkeypatch.setitem(sys.modules, "pipecc.runtime.local", types.SimpleNamespace(load_stage=load_stage))
     monkeypatch.delenv("RANK", raising=False)
     argv = [str(tmp_path), "--steps", "2", "--verify", "--schedule", "interleaved", "--microbatches", "3"]
+    assert main(argv) == 1  # no model file to compare with
+    assert "cannot verify: there is no" in capsys.readouterr().err
+    argv[argv.index("--verify")] = "--verify-stages-only"
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "verify: pipeline outputs match" in out and "step 1: loss" in out
@@ -291,3 +296,89 @@ def test_json_values_round_trip() -> None:
     assert from_json(encoded, tensors)["state"][0]["step"].item() == 3.0
     with pytest.raises(PipeccError, match="not JSON-able"):
         to_json(object())
+
+
+# ---------------------------------------------------------------------------- issue #14: faults, checkpoints
+
+
+def exited(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("lost", ["agent", "launcher"])
+def test_worker_stops_when_its_agent_or_launcher_is_gone(lost: str, tmp_path: Path) -> None:
+    """A worker (lifeline running) whose parent, or whose `pipecc run`, is killed stops within a second."""
+    from pipecc.runtime.lifeline import ENV, launcher_id
+
+    worker = ("import time; from pipecc.runtime import lifeline; lifeline.start('rank 0'); "
+              "print('ready', flush=True); time.sleep(60)")
+    parent_code = ("import subprocess, sys, time; "
+                   "w = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stderr=open(sys.argv[2], 'w')); "
+                   "print(w.pid, flush=True); time.sleep(60)")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, worker, str(tmp_path / "err")], cwd=ROOT,
+                              env={**env(), ENV: launcher_id(launcher.pid)}, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert parent.stdout.readline() == "ready\n"
+        (parent if lost == "agent" else launcher).kill()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 5 and not exited(pid):
+            time.sleep(0.05)
+        assert time.monotonic() - killed < 3
+        gone = "the torchrun agent" if lost == "agent" else f"pipecc run (pid {launcher.pid})"
+        err = (tmp_path / "err").read_text()
+        assert f"pipecc: error: rank 0: {gone}" in err and "is gone; stopping" in err, err
+    finally:
+        for p in (parent, launcher):
+            p.kill()
+            p.wait()
+
+
+def test_root_cause_names_the_rank_at_fault() -> None:
+    timed_out = "rank 0: timed out after 4.0 s waiting for RECV_B mb 0 from rank 1"
+    assert root_cause([timed_out]) == "rank 1 hung: rank 0 timed out after 4.0 s waiting for RECV_B mb 0 from it"
+    chain = ["rank 1: timed out after 4.0 s waiting for RECV_B mb 0 from rank 2",
+             "rank 0: RECV_B mb 0 from rank 1 failed, the peer exited or crashed (Connection reset by peer)"]
+    assert root_cause(chain).startswith("rank 2 hung: rank 1 timed out")
+    crashed = ["rank 1: RECV_F mb 0 from rank 0 failed, the peer exited or crashed (Connection closed)"]
+    assert root_cause(crashed) == "rank 0 stopped without a message (rank 1: RECV_F mb 0 from rank 0 failed)"
+    real = "rank 1: stage 1 receives (x) but stage 0 on rank 0 sends something else"
+    assert root_cause([crashed[0], real]) == real  # a consequence never hides the cause
+    assert root_cause([real, "rank 0: verify: rank 0 stage 0 gradient of w differs"]).startswith("rank 0: verify:")
+
+
+def test_run_checkpoints_are_atomic_pruned_and_refuse_other_folders(tmp_path: Path) -> None:
+    def runtime() -> PipelineRuntime:
+        stages, ports = pm.build_stages(2)
+        opt = torch.optim.Adam([p for s in stages for p in s.parameters()], lr=1e-2)
+        return PipelineRuntime(stages, ports, 0, 1, RunConfig("interleaved", 2), pm.loss_fn, opt)
+
+    def train(rt: PipelineRuntime, steps: range, ckpt: RunCheckpoints | None = None) -> list[float]:
+        out = []
+        for i in steps:
+            rt.optimizer.zero_grad()
+            out.append(rt.step(*pm.batch(0)))
+            rt.optimizer.step()
+            if ckpt is not None and ckpt.due(i + 1, 5):
+                ckpt.save(i + 1)
+        return out
+
+    straight = train(runtime(), range(5))
+    first = runtime()
+    saving = RunCheckpoints(tmp_path, first, "fp", every=2)
+    assert [saving.due(i, 5) for i in range(1, 6)] == [False, True, False, True, True]
+    train(first, range(3), saving)  # checkpoint at step 2; "killed" during step 3
+    (tmp_path / ".latest.json.0.1.tmp").write_text("{")  # a rename that never happened
+    assert json.loads((tmp_path / "latest.json").read_text())["step"] == 2
+    second = runtime()
+    resuming = RunCheckpoints(tmp_path, second, "fp", every=2)
+    assert resuming.resume() == 2
+    assert train(second, range(2, 5), resuming) == straight[2:]  # bit-identical
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
+        ["latest.json", "step_4", "step_5"]  # the two newest are kept
+    with pytest.raises(PipeccError, match="another compiled folder"):
+        RunCheckpoints(tmp_path, runtime(), "other", every=2).resume()

@@ -8,16 +8,25 @@
 
 The ap_types headers come from `$PIPECC_AP_TYPES`, else `$XILINX_HLS/include`, else the
 hls4ml wheel (Apache-2.0; found without importing hls4ml). `hls_stream.h` is pipecc's own
-(csim_include/ comes first on the include path). Builds are cached on the sources' hash.
+(csim_include/ comes first on the include path).
+
+Builds are cached on the sources' hash, but a cached build is reused only when this machine
+built it: `csim_build/stamp` holds the sources' hash and an HMAC, under a key that never leaves
+this machine (`host_key`, in pipecc's cache folder), of the sha256 of the library and the
+testbench. A `csim_build/` shipped in a folder from elsewhere, or a library swapped after the
+build, fails the check and is rebuilt from the sources (a compiled folder is code, like a
+pickle: only run folders you trust — but a prebuilt binary is never taken on trust).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import importlib.util
 import json
 import math
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -111,16 +120,67 @@ def build(stage_dir: str | Path) -> Build:
                        for p in (stage_dir / d).glob("*.*")):
         digest.update(path.name.encode() + path.read_bytes())
     stamp = out / "stamp"
-    if stamp.is_file() and stamp.read_text() == digest.hexdigest() and exe.is_file() and lib.is_file():
+    if stamp.is_file() and stamp.read_text() == _stamp(digest.hexdigest(), exe, lib):
         return Build(exe, lib, 0.0, True)
+    stamp.unlink(missing_ok=True)
     start = time.perf_counter()
     _run_all([[cxx, *CXXFLAGS, "-fPIC", "-pthread", *inc, "-c", str(src), "-o", str(out / f"{k}.o")]
               for k, src in units.items()])
     objs = [str(out / f"{k}.o") for k in ("bridge", "top")]
     _run_all([[cxx, "-pthread", str(out / "tb.o"), *objs, "-o", str(exe)],
               [cxx, "-shared", "-pthread", *objs, "-o", str(lib)]])
-    stamp.write_text(digest.hexdigest())
+    stamp.write_text(_stamp(digest.hexdigest(), exe, lib))
     return Build(exe, lib, time.perf_counter() - start, False)
+
+
+def cache_dir() -> Path:
+    """pipecc's per-user cache: `$PIPECC_CACHE_DIR`, else `$XDG_CACHE_HOME/pipecc`, else ~/.cache/pipecc."""
+    if os.environ.get("PIPECC_CACHE_DIR"):
+        return Path(os.environ["PIPECC_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipecc"
+
+
+_SESSION_KEY = secrets.token_bytes(32)  # when the cache folder cannot hold a key: reuse within this process only
+
+
+def host_key() -> bytes:
+    """This machine's secret for build stamps (32 random bytes, created on first use, mode 0600)."""
+    path = cache_dir() / "csim-build.key"
+    try:
+        key = path.read_bytes()
+        if len(key) == 32:
+            return key
+    except OSError:
+        pass
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+        try:
+            os.link(tmp, path)  # NOTE: never replaces a key another process made meanwhile
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here
+            if not path.exists():
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        key = path.read_bytes()
+        return key if len(key) == 32 else _SESSION_KEY
+    except OSError:
+        return _SESSION_KEY
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+
+
+def _stamp(sources: str, exe: Path, lib: Path) -> str:
+    """The stamp of a build of `sources` whose outputs are `exe` and `lib`, as this machine signs it."""
+    body = f"{sources} {_file_sha256(exe)} {_file_sha256(lib)}"
+    return f"{sources} {hmac.new(host_key(), body.encode(), hashlib.sha256).hexdigest()}"
 
 
 def _run_all(commands: list[list[str]]) -> None:

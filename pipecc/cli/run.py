@@ -28,10 +28,25 @@ the store at HOST:PORT; `--rdzv-backend c10d` for torchrun's elastic one, which 
 nodes in arrival order and ignores --node-rank); OUT must be at the same path on every node.
 `--print-command` prints the command of every node instead of running anything.
 
+Before anything starts, the folder is checked without running any of its code (every ports.json
+parses and fits its neighbour's, every weights.safetensors is readable, -m fits the batch, the
+schedule fits the ranks, --verify has its model file, the model file is the one recorded by hash):
+a problem is one `pipecc: error:` line and no process is started.
+
+Trust. A compiled folder is code, like a pickle: its stage.py files run in every rank, and the
+model file pipecc.json names is imported for the data and loss. Only run folders you trust. The
+model file is imported only when its sha256 is the one `pipecc compile` recorded in pipecc.json
+(`pipecc.runtime.trust`); the C simulation of an FPGA stage is rebuilt unless this machine built it.
+
 The children get OMP_NUM_THREADS=1 unless it is set (one process per stage on one machine must
-not each take every core). Their output streams through; torchrun's own log lines are held
-back and shown only when a run fails without a `pipecc: error:` line from a worker (or always
-with --verbose/--debug). A failed run exits 1 with one line naming the failing rank when known.
+not each take every core). `pipecc.runtime.launcher` supervises them: their output streams
+through, worker `pipecc: error:` lines and torchrun's own log are held back (shown with
+--verbose/--debug), and a failed run exits 1 with exactly one line naming the rank at fault (the
+one that hung, not the one that timed out waiting for it). Every process of the run is stopped
+when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130) and when the torchrun agent dies;
+workers also stop by themselves when the agent or `pipecc run` is gone (`pipecc.runtime.lifeline`).
+
+Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
 """
 
 from __future__ import annotations
@@ -39,23 +54,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
-import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 from pipecc.cli.args import positive_int
 from pipecc.errors import PipeccError, UsageError
+from pipecc.runtime import lifeline
+from pipecc.runtime.launcher import supervise
 
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
 
 DEFAULT_STEPS = 5
-# torchrun's own log lines: "W1129 08:45:56.813000 20508 torch/distributed/run.py:874] ..."
-_TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
-_WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
+TRUST = ("A compiled folder is code, like a pickle: its stage.py files run, and the .py model file "
+         "its pipecc.json names is imported (only when its sha256 matches the one recorded at compile "
+         "time; a C-simulation library in the folder is rebuilt unless this machine built it). Only run "
+         "folders you trust.")
 
 
 def _nonnegative_int(text: str) -> int:
@@ -94,25 +109,40 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
         "the iteration's wall time on the last rank, no barrier). --verify first checks outputs, loss and "
         "every gradient against the original model in one process. An inference-only folder (FPGA stages, "
         "or compiled with --inference) runs N forward passes instead (FPGA stages through their C "
-        "simulation); --verify then compares the outputs.")
+        "simulation); --verify then compares the outputs. " + TRUST)
     p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile -o OUT`")
     p.add_argument("--steps", type=_nonnegative_int, default=DEFAULT_STEPS, metavar="N",
                    help=f"training steps (default {DEFAULT_STEPS})")
     p.add_argument("--verify", action="store_true",
                    help="compare outputs, loss and gradients of the first step with the original model "
-                   "run in one process from the same weights; exit 1 on a mismatch")
+                   "run in one process from the same weights; exit 1 on a mismatch, and when the model "
+                   "file is missing (cannot verify)")
+    p.add_argument("--verify-stages-only", action="store_true",
+                   help="compare the pipeline's forward with its own stages chained in one process: "
+                   "needs no model file, but cannot catch a stage that differs from the original model")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "inference"],
                    help="override the compiled schedule (inference: forward passes only)")
     p.add_argument("--microbatches", "-m", type=positive_int, metavar="M",
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=_positive_float, metavar="S",
-                   help="seconds a rank waits for a peer before failing (default 60)")
+                   help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
+                   "naming the rank that hung")
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
     p.add_argument("--lr", type=_positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
     p.add_argument("--rtol", type=float, default=1e-4, help="--verify relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
+    c = p.add_argument_group("checkpoints (training only)")
+    c.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save model, optimizer and RNG state of every rank here, atomically: every "
+                   "--checkpoint-every steps and after the last step (DIR/step_<S>/, DIR/latest.json)")
+    c.add_argument("--checkpoint-every", type=positive_int, metavar="N",
+                   help="steps between checkpoints (default: only after the last step)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir: --steps counts from the "
+                   "start, so the run does the steps left; losses and weights are bit-identical to a run "
+                   "that was never interrupted")
     g = p.add_argument_group("several machines (passed to torchrun)")
     g.add_argument("--nnodes", type=positive_int, default=1, metavar="N", help="number of machines")
     g.add_argument("--node-rank", type=_nonnegative_int, metavar="R", help="this machine's index, 0 .. N-1")
@@ -162,6 +192,9 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
         missing.insert(0, "run_stage.py")
     if missing:
         raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
+    from pipecc.runtime.stagefile import check_folder  # NOTE: lazy, as torch is: `pipecc --help` stays fast
+
+    specs = check_folder(out, num_stages)  # runs none of the folder's code
     plan = _read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
     forward = _forward_only(args, marker, out, num_stages)
     schedule = "inference" if forward else args.schedule or str(marker.get("schedule") or "1f1b")
@@ -169,6 +202,7 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     if virtual < 1 or num_stages % virtual:
         raise PipeccError(f"{num_stages} stages do not divide into {virtual} virtual stages per rank")
     ranks = num_stages // virtual
+    _check_run(args, marker, specs, forward, schedule, ranks, virtual)
     nnodes = args.nnodes
     if nnodes > 1 and not args.rdzv_endpoint:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port there)")
@@ -188,6 +222,26 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
                          f"); --nnodes {nnodes} x --nproc-per-node {nproc} gives {nproc * nnodes}")
     return {"out": out, "ranks": ranks, "nnodes": nnodes, "nproc": nproc, "num_stages": num_stages,
             "schedule": schedule, "inference_only": forward}
+
+
+def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dict[str, Any]], forward: bool,
+               schedule: str, ranks: int, virtual: int) -> None:
+    """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
+    micro-batches against the batch, the schedule, --verify's model file, the model file's hash,
+    the checkpoint options."""
+    from pipecc.runtime.dist import check_options
+    from pipecc.runtime.engine import build_schedule
+    from pipecc.runtime.ports import StagePorts
+    from pipecc.runtime.trust import model_file
+
+    m = args.microbatches or int(marker.get("microbatches") or 4)
+    batch = int(marker.get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+    check_options(args, marker, forward, m, batch, "an inference-only pipeline")
+    model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
+    try:
+        build_schedule(schedule, ranks, m, virtual)
+    except ValueError as e:
+        raise UsageError(f"--schedule {schedule} with {ranks} ranks and {m} micro-batches: {e}") from None
 
 
 def _forward_only(args: argparse.Namespace, marker: dict[str, Any], out: Path, num_stages: int) -> bool:
@@ -219,8 +273,14 @@ def _forward_only(args: argparse.Namespace, marker: dict[str, Any], out: Path, n
 def _worker_args(args: argparse.Namespace) -> list[str]:
     """run_stage.py's arguments (pipecc.runtime.dist.main): only what differs from its defaults."""
     argv = ["--steps", str(args.steps)]
-    if args.verify:
-        argv.append("--verify")
+    for flag, on in (("--verify", args.verify), ("--verify-stages-only", args.verify_stages_only),
+                     ("--resume", args.resume), ("--debug", getattr(args, "debug", False))):
+        if on:
+            argv.append(flag)
+    if args.checkpoint_dir is not None:
+        argv += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
+    if args.checkpoint_every is not None:
+        argv += ["--checkpoint-every", str(args.checkpoint_every)]
     for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
                         ("--timeout", args.timeout), ("--backend", args.backend)):
         if value is not None:
@@ -261,6 +321,7 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    env[lifeline.ENV] = lifeline.launcher_id()  # workers stop when this process is gone
     # NOTE: run_stage.py puts OUT, not the cwd, on sys.path: make this pipecc importable there
     # when it runs from a source checkout rather than an installed package.
     import pipecc
@@ -293,98 +354,4 @@ def cmd_run(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False) or getattr(args, "debug", False))
     if verbose:
         print("pipecc run: " + shlex.join(cmd), file=sys.stderr, flush=True)
-    return _supervise(cmd, verbose)
-
-
-class _Watch:
-    """Scans the children's stderr: worker errors, torchrun's failure summary."""
-
-    def __init__(self, verbose: bool) -> None:
-        self.verbose = verbose
-        self.errors: list[str] = []  # worker `pipecc: error:` messages, in arrival order
-        self.held: list[str] = []  # torchrun's own lines, and everything after it saw a child fail
-        self.launcher_failed = False
-
-    def line(self, text: str) -> None:
-        found = _WORKER_ERROR.search(text)
-        if found:
-            self.errors.append(found.group(1).strip())
-            _write(sys.stderr, text)
-        elif _TORCHRUN_LOG.match(text) or self.launcher_failed:
-            # NOTE: after "failed (exitcode" comes the launcher's ChildFailedError traceback
-            self.launcher_failed = self.launcher_failed or "failed (exitcode" in text
-            self.held.append(text)
-            if self.verbose:
-                _write(sys.stderr, text)
-        else:
-            _write(sys.stderr, text)
-
-    def failed_rank(self) -> int | None:
-        """The root-cause rank of torchrun's failure summary, else the first listed."""
-        text = "".join(self.held)
-        root = text.split("Root Cause", 1)
-        for part in (root[1] if len(root) > 1 else "", text):
-            found = re.search(r"^\s*rank\s*:\s*(\d+)", part, re.MULTILINE)
-            if found:
-                return int(found.group(1))
-        return None
-
-    def exit_code(self) -> str | None:
-        found = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", "".join(self.held).split("Root Cause")[-1], re.MULTILINE)
-        return found.group(1) if found else None
-
-
-def _write(stream: Any, text: str) -> None:
-    try:
-        stream.write(text)
-        stream.flush()
-    except (BrokenPipeError, ValueError):
-        pass
-
-
-def _supervise(cmd: list[str], verbose: bool) -> int:
-    """Run torchrun, stream its output, turn a failure into one PipeccError line."""
-    try:
-        proc = subprocess.Popen(cmd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, bufsize=1, errors="replace")
-    except OSError as exc:
-        raise PipeccError(f"cannot start torchrun ({exc})") from None
-    watch = _Watch(verbose)
-
-    def pump_stderr() -> None:
-        assert proc.stderr is not None
-        for text in proc.stderr:
-            watch.line(text)
-
-    thread = threading.Thread(target=pump_stderr, daemon=True)
-    thread.start()
-    try:
-        assert proc.stdout is not None
-        for text in proc.stdout:
-            _write(sys.stdout, text)
-        rc = proc.wait()
-        thread.join()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        raise
-    if rc == 0:
-        return 0
-    if watch.errors:
-        message = next((e for e in watch.errors if e.startswith("verify:")), watch.errors[0])
-        if not re.search(r"\brank \d+", message):
-            rank = watch.failed_rank()
-            message = f"rank {rank}: {message}" if rank is not None else message
-        raise PipeccError(f"run failed: {message}")
-    if not verbose:
-        for text in watch.held:
-            _write(sys.stderr, text)
-    rank = watch.failed_rank()
-    if rank is not None:
-        code = watch.exit_code()
-        raise PipeccError(f"run failed: rank {rank} exited with code {code if code is not None else rc}")
-    raise PipeccError(f"run failed: torchrun exited with code {rc}")
+    return supervise(cmd, _child_env(), verbose)

@@ -38,9 +38,13 @@ from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule import SCHEDULES
+from pipecc.runtime import lifeline
+from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
 from pipecc.runtime.ports import Port, StagePorts
 from pipecc.runtime.rundata import RunData, TiedGradients
+from pipecc.runtime.stagefile import check_folder
+from pipecc.runtime.trust import verify_problem
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
 from pipecc.runtime.wire import check_fifo, directed_groups, send_release
 
@@ -96,8 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     (``--rtol``/``--atol``), the last rank also the outputs and the loss; a mismatch prints
     ``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1. With
     BatchNorm and several micro-batches (or active dropout) only eval-mode outputs are compared,
-    before training. Without a model file, ``--verify`` checks the pipeline's forward against all
+    before training. ``--verify`` needs the model file (imported only when its sha256 is the one
+    ``pipecc.json`` records, ``pipecc.runtime.trust``): without one it is an error ("cannot verify:
+    ...") unless ``--verify-stages-only``, which checks the pipeline's forward against all its
     stages chained on the last rank.
+
+    Checkpoints (``pipecc.runtime.checkpoints``): ``--checkpoint-dir DIR`` saves every rank's
+    model, optimizer and RNG state every ``--checkpoint-every N`` steps and after the last,
+    atomically; ``--resume`` continues from the newest one (``--steps`` counts from the start).
 
     Inference-only folders (``pipecc.json``: ``"inference_only": true`` — the plan has FPGA
     stages, which have no backward pass — or schedule "inference", compiled with --inference;
@@ -108,19 +118,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     the first pass's outputs with the original model's eval-mode forward (``verify: outputs match
     the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
     and so is a training ``--schedule`` for a folder with FPGA stages.
+
+    Errors: one ``pipecc: error: rank R: ...`` line per failing rank (a traceback only with
+    ``--debug``), exit 1 (2 for usage). Under torchrun a rank stops by itself when the torchrun
+    agent or ``pipecc run`` is gone (``pipecc.runtime.lifeline``).
     """
     args = _parser().parse_args(argv)
+    rank = os.environ.get("RANK")
+    under_torchrun = rank is not None and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        lifeline.start(f"rank {rank}")
+    code = _main(args)
+    if code and under_torchrun:
+        # NOTE: a failed rank ends at once: interpreter teardown may wait on a dead or hung peer's socket
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return run_compiled(args)
     except PeerFailed:
         return 1  # another rank reported the problem
     except PipeccError as e:
-        message = str(e)
-        rank = os.environ.get("RANK")
-        if rank is not None and not re.search(r"\brank \d+", message):
-            message = f"rank {rank}: {message}"
-        print(f"pipecc: error: {message}", file=sys.stderr, flush=True)
-        return e.exit_code
+        if args.debug:
+            raise
+        return _report(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, e.exit_code)
+    except KeyboardInterrupt:
+        return _report("interrupted", 130)
+    except Exception as e:  # a bug, or the user's code (model file, loss) failing: one line unless --debug
+        if args.debug:
+            raise
+        text = str(e).strip().splitlines()
+        return _report(f"{type(e).__name__}: {text[0] if text else ''} (rerun with --debug for the traceback)", 1)
+
+
+def _report(message: str, code: int) -> int:
+    rank = os.environ.get("RANK")
+    if rank is not None and not re.search(r"\brank \d+", message):
+        message = f"rank {rank}: {message}"
+    print(f"pipecc: error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,6 +177,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true", help="compare with the original model in one process")
     parser.add_argument("--rtol", type=float, default=1e-4, help="--verify: relative tolerance")
     parser.add_argument("--atol", type=float, default=1e-5, help="--verify: absolute tolerance")
+    parser.add_argument("--verify-stages-only", action="store_true",
+                        help="compare the pipeline with its stages chained in one process (no model file)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (pipecc.runtime.checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: at the end)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return parser
 
 
@@ -243,6 +289,7 @@ def run_compiled(args: argparse.Namespace) -> int:
         from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
     except ImportError:
         raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
+    specs = check_folder(args.out, len(stage_dirs), files=False)
     forward, never_trains, why = inference_only(meta, stage_dirs)
     if args.schedule in TRAINING_SCHEDULES and never_trains:
         raise UsageError(f"{args.out} is an inference-only pipeline ({why}): FPGA stages have no backward "
@@ -255,6 +302,8 @@ def run_compiled(args: argparse.Namespace) -> int:
                          f"so {asked} would train it")
     schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
     m = args.microbatches or int((meta or {}).get("microbatches") or 4)
+    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+    check_options(args, meta, forward, m, batch, why)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_guess = int(os.environ["WORLD_SIZE"]) if under_torchrun else 1
     if forward:
@@ -268,8 +317,7 @@ def run_compiled(args: argparse.Namespace) -> int:
     schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [p for _, p in loaded]
-    specs = [json.loads((d / "ports.json").read_text()) for d in stage_dirs]
-    data = RunData.load(meta, specs, args.seed)
+    data = RunData.load(meta, specs, args.seed, args.out)
     if forward:
         for i, s in enumerate(schedule.stages_of(rank)):
             if (stage_dirs[s] / "hls").is_dir():
@@ -285,10 +333,9 @@ def run_compiled(args: argparse.Namespace) -> int:
     tied = TiedGradients(runtime, modules, specs)
     inputs = data.inputs if 0 in runtime.stage_ids else None
     target = data.target if is_last else None
-    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
 
     verifier = None
-    if args.verify and data.module is None:
+    if args.verify_stages_only:
         outputs = runtime.infer(inputs)
         if outputs is not None:
             verify_chained(outputs, data.inputs, [load_stage(d)[0].to(runtime.device) for d in stage_dirs])
@@ -316,13 +363,60 @@ def run_compiled(args: argparse.Namespace) -> int:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
             print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
 
+    checkpoints, first = None, 0
+    if args.checkpoint_dir is not None:
+        checkpoints = RunCheckpoints(args.checkpoint_dir, runtime, folder_fingerprint(stage_dirs),
+                                     args.checkpoint_every)
+        if args.resume:
+            first = checkpoints.resume()
+            if is_last:
+                print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
+                      flush=True)
     if verifier is not None and args.steps < 1:
         train_step(0, update=False)  # --verify --steps 0: check one step, train none
-    for i in range(args.steps):
+    for i in range(first, args.steps):
         train_step(i, update=True)
+        if checkpoints is not None and checkpoints.due(i + 1, args.steps):
+            where = checkpoints.save(i + 1)
+            if is_last:
+                print(f"checkpoint: step {i + 1} saved in {where}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
+                  why: str) -> None:
+    """Refuse, before any process group exists, what the run could only fail at later (one line).
+
+    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``)."""
+    if batch and m > batch:
+        raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
+                         f"for; give --microbatches {batch} or fewer")
+    if args.verify and not args.verify_stages_only:
+        problem = verify_problem(meta, args.out)
+        if problem:
+            raise PipeccError(problem)
+    ckpt = [flag for flag, given in (("--checkpoint-every", args.checkpoint_every is not None),
+                                     ("--resume", args.resume)) if given]
+    if args.checkpoint_dir is None and ckpt:
+        raise UsageError(f"{' and '.join(ckpt)} need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if args.checkpoint_dir is None:
+        return
+    if forward:
+        raise UsageError(f"{args.out} runs forward passes only ({why}): there is no training state to checkpoint")
+    if args.resume and (args.verify or args.verify_stages_only):
+        raise UsageError("--verify checks the first step from the compiled weights; it cannot be combined "
+                         "with --resume")
+    latest = read_latest(Path(args.checkpoint_dir))
+    if latest is None and args.resume:
+        raise PipeccError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no {LATEST}); run without --resume "
+                          "to start one")
+    if latest is not None and not args.resume:
+        raise PipeccError(f"{args.checkpoint_dir} already holds a checkpoint (step {latest['step']}): give --resume "
+                          "to continue from it, or another --checkpoint-dir to start over")
 
 
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
@@ -339,7 +433,8 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
     if is_last:
         print(f"inference-only pipeline ({why}): running forward passes", flush=True)
     verifier = None
-    if args.verify and data.module is not None:
+    verify = args.verify or args.verify_stages_only
+    if args.verify and not args.verify_stages_only:
         verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
 
     def check(outputs: Any) -> None:
@@ -352,12 +447,12 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
         start = time.perf_counter()
         outputs = runtime.infer(inputs)
         elapsed = time.perf_counter() - start
-        if args.verify and i == 0:
+        if verify and i == 0:
             check(outputs)
         if is_last:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
             print(f"step {i}: forward only{rate}", flush=True)
-    if args.verify and args.steps < 1:
+    if verify and args.steps < 1:
         check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
     if dist.is_initialized():
         dist.destroy_process_group()

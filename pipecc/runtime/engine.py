@@ -20,8 +20,10 @@ when the connection broke) instead of a hang. The process group is created with 
 (``init_distributed``).
 
 Checkpoints: ``stage_<rank>.safetensors`` (module state as ``model.<stage>.<key>``, optimizer
-tensors as ``optim.<path>``) and ``stage_<rank>.json`` (step, placement, the optimizer's
-non-tensor state); no pickle anywhere.
+tensors as ``optim.<path>``, the RNG state as ``rng.cpu``/``rng.cuda``) and ``stage_<rank>.json``
+(step, placement, the optimizer's non-tensor state); no pickle anywhere. Each file is written
+under a temporary name and renamed; ``pipecc.runtime.checkpoints`` makes a set of them atomic
+across ranks (``pipecc run --checkpoint-dir``).
 
 The NCCL path is written to the same contract but is only exercised on machines with several
 GPUs; the tests run gloo on CPU.
@@ -461,6 +463,10 @@ class PipelineRuntime:
         for s, module in zip(self.stage_ids, self.modules):
             for key, t in module.state_dict().items():
                 tensors[f"model.{s}.{key}"] = t.detach().cpu().clone(memory_format=torch.contiguous_format)
+        # NOTE: the RNG state too, so dropout masks after a resume are those of an uninterrupted run
+        tensors["rng.cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
         meta: dict[str, Any] = {"format": "pipecc-checkpoint/1", "step": step, "rank": self.rank,
                                 "world": self.world, "stages": self.stage_ids}
         if self.optimizer is not None:
@@ -490,6 +496,10 @@ class PipelineRuntime:
         for s, module in zip(self.stage_ids, self.modules):
             prefix = f"model.{s}."
             module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        if "rng.cpu" in tensors:
+            torch.set_rng_state(tensors["rng.cpu"])
+        if "rng.cuda" in tensors and self.device.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng.cuda"], self.device)
         if self.optimizer is not None:
             if "optimizer" not in meta:
                 raise PipeccError(f"checkpoint {base}.json has no optimizer state")

@@ -5,7 +5,8 @@ file, or seeded random inputs and a smoke loss) and the tied weights' gradient s
 
 Imports torch, ``pipecc.errors``, ``pipecc.runtime`` and, when a ``.py`` model file is given,
 ``pipecc.frontend.modelfile`` (which imports the file without building the model) — never the
-compiler.
+compiler. The model file is imported only when its sha256 is the one ``pipecc.json`` records
+(``pipecc.runtime.trust``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
+from pipecc.runtime.trust import model_file
 
 __all__ = ["RunData", "TiedGradients"]
 
@@ -67,21 +69,13 @@ class RunData:
     send_names: tuple[str, ...] = ()
 
     @classmethod
-    def load(cls, meta: dict[str, Any] | None, specs: list[dict[str, Any]], seed: int) -> RunData:
+    def load(cls, meta: dict[str, Any] | None, specs: list[dict[str, Any]], seed: int,
+             out: str | Path | None = None) -> RunData:
         first = StagePorts.from_json(specs[0])
         if meta is None:
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs)
-        raw_path = str(meta.get("model_path") or "")
-        path = Path(raw_path)
-        if not raw_path:
-            why = "pipecc.json names no model file"
-        elif path.suffix != ".py":
-            why = f"the model file {path.name} is not a .py model file"
-        elif not path.is_file():
-            why = f"the model file {raw_path} is not on this machine"
-        else:
-            why = ""
-        if why:
+        path, why = model_file(meta, out)  # NOTE: raises unless the file is the one recorded by hash
+        if path is None:
             note = f"note: {why}; training on seeded random inputs with the mean of the outputs as the loss"
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs, note=note)
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only

@@ -11,7 +11,11 @@ model under their original qualified names (each generated class maps attribute 
     sets the attribute to `full.narrow(dim, start, size)` on the stage's device), so gradients
     and optimizer steps act on the one full parameter.
 
-This module imports torch, safetensors and `pipecc.errors` only — never the compiler.
+`check_folder` checks a folder before a run without executing any of its code (a compiled folder
+is code, like a pickle: `stage.py` runs when a stage loads; only run folders you trust).
+
+This module imports torch, safetensors, `pipecc.errors` and `pipecc.runtime` only — never the
+compiler.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 
+RECOMPILE = "compile the folder again"  # the fix for a damaged folder
+
+
+def _gist(error: BaseException) -> str:
+    """``TypeName: first line of the message``."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
 
 def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     """(module, ports) from a compiled stage folder; the module's weights are the saved ones."""
@@ -36,38 +48,113 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         ports = json.loads((folder / "ports.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise PipeccError(f"{folder}: cannot read ports.json ({exc}); is this a pipecc stage folder?") from None
+    if not isinstance(ports, dict):
+        raise PipeccError(f"{folder / 'ports.json'} is not a port spec; {RECOMPILE}")
     name = f"pipecc_stage_{uuid.uuid4().hex}"
     spec = importlib.util.spec_from_file_location(name, folder / "stage.py")
     if spec is None or spec.loader is None or not (folder / "stage.py").is_file():
-        raise PipeccError(f"{folder}: no stage.py")
+        raise PipeccError(f"{folder}: no stage.py; {RECOMPILE}")
     source = importlib.util.module_from_spec(spec)
     sys.modules[name] = source  # so inspect/torch tooling can find the class's module
-    spec.loader.exec_module(source)
-    cls = getattr(source, str(ports.get("class", f"Stage{ports['stage']}")), None)
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise PipeccError(f"{folder}/stage.py defines no stage module class")
-    module = cls()
+    try:
+        spec.loader.exec_module(source)
+        cls = getattr(source, str(ports.get("class", f"Stage{ports.get('stage')}")), None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise PipeccError(f"{folder}/stage.py defines no stage module class; {RECOMPILE}")
+        module = cls()
+    except PipeccError:
+        raise
+    except (Exception, SystemExit) as e:  # generated code that was edited, or needs another environment
+        raise PipeccError(f"{folder / 'stage.py'} fails to import ({_gist(e)}); it was changed after compile or "
+                          f"needs another environment: {RECOMPILE}") from e
     load_weights(module, folder / "weights.safetensors")
     return module, ports
+
+
+def check_weights_file(path: str | Path) -> None:
+    """Raise a one-line ``PipeccError`` unless ``path`` is a readable safetensors file (its
+    header is parsed and must cover the file: truncation is caught, flipped data bytes are not)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except FileNotFoundError:
+        raise PipeccError(f"{path} is missing; {RECOMPILE}") from None
+    except Exception as e:  # safetensors' SafetensorError: corrupt or truncated
+        raise PipeccError(f"{path} is not a readable safetensors file ({_gist(e)}): it is corrupt or "
+                          f"truncated; {RECOMPILE}") from None
 
 
 def load_weights(module: nn.Module, path: str | Path) -> None:
     """Copy a safetensors file into `module`'s parameters and buffers (every one, by state key)."""
     from safetensors.torch import load_file
 
-    tensors = load_file(str(path))
+    check_weights_file(path)
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise PipeccError(f"{path} cannot be read ({_gist(e)}); {RECOMPILE}") from None
     expected = dict(module.named_parameters(remove_duplicate=False))
     expected.update(module.named_buffers(remove_duplicate=False))
     missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
     if missing or unexpected:
         raise PipeccError(f"{path}: weights do not match the stage module "
-                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+                          f"(missing {missing[:5]}, unexpected {unexpected[:5]}); {RECOMPILE}")
     with torch.no_grad():
         for key, value in tensors.items():
             if tuple(expected[key].shape) != tuple(value.shape):
                 raise PipeccError(f"{path}: {key!r} has shape {tuple(value.shape)}, the module "
-                                  f"expects {tuple(expected[key].shape)}")
+                                  f"expects {tuple(expected[key].shape)}; {RECOMPILE}")
             expected[key].copy_(value)
+
+
+def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[dict[str, Any]]:
+    """Every stage's ``ports.json`` (parsed, ready for ``StagePorts``), after checking what can be
+    checked without running any of the folder's code: each ``ports.json`` parses, every stage
+    receives what the stage before it sends and (``files``) each ``stage.py`` is there and each
+    ``weights.safetensors`` is readable. One-line ``PipeccError``s naming the file and the fix."""
+    from pipecc.runtime.ports import StagePorts
+    from pipecc.runtime.wire import fingerprint
+
+    out = Path(out)
+    specs, parsed = [], []
+    for i in range(num_stages):
+        folder = out / f"stage_{i}"
+        path = folder / "ports.json"
+        try:
+            spec = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise PipeccError(f"cannot read {path} ({e.strerror or e}); {RECOMPILE}") from None
+        except ValueError as e:
+            raise PipeccError(f"{path} is not valid JSON ({e}); {RECOMPILE}") from None
+        try:
+            if not isinstance(spec, dict):
+                raise TypeError(f"a JSON {type(spec).__name__}, not an object")
+            parsed.append(StagePorts.from_json(spec))
+        except PipeccError as e:
+            raise PipeccError(f"{path}: {e}; {RECOMPILE}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise PipeccError(f"{path} is not a valid port spec ({_gist(e)}); {RECOMPILE}") from None
+        if files and not (folder / "stage.py").is_file():
+            raise PipeccError(f"{folder / 'stage.py'} is missing; {RECOMPILE}")
+        if files:
+            check_weights_file(folder / "weights.safetensors")
+        specs.append(spec)
+    for k in range(1, num_stages):
+        sent, received = parsed[k - 1].out_leaves, parsed[k].in_leaves
+        if not bool((fingerprint(sent) == fingerprint(received)).all()):
+            raise PipeccError(f"{out / f'stage_{k}' / 'ports.json'} does not fit {out / f'stage_{k - 1}' / 'ports.json'}"
+                              f" (stage {k} receives {_ports_text(received)}, stage {k - 1} sends "
+                              f"{_ports_text(sent)}): one was changed after compile; {RECOMPILE}")
+    return specs
+
+
+def _ports_text(leaves: Sequence[Any]) -> str:
+    from pipecc.runtime.ports import describe
+
+    text = ", ".join(f"{p.name}:{describe(p)}" for p in leaves[:4])
+    return f"({text}{', ...' if len(leaves) > 4 else ''})"
 
 
 # ----------------------------------------------------------------------------- original names

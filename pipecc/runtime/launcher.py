@@ -1,0 +1,298 @@
+"""Supervising a torchrun launch (``pipecc run``): stream its output, stop every process it
+started, and turn a failure into one line.
+
+    pipecc run ──► torchrun agent ──► worker rank 0 (own session) ──► its stages
+                                  └─► worker rank 1 (own session) ...
+
+What ``supervise`` guarantees:
+
+  * Output. The workers' stdout and stderr stream through, except ``pipecc: error:`` lines and
+    torchrun's own log (held back; shown with --verbose/--debug): a failed run ends with exactly
+    one ``pipecc: error: run failed: ...`` line, chosen by ``root_cause``: a ``verify:`` mismatch,
+    else the first error that is not a consequence of another rank's failure, else the rank the
+    others were waiting for ("rank 1 hung: rank 0 timed out after 10 s waiting for RECV_B mb 0
+    from it").
+  * Prompt failure. From the first worker error the others get ``GRACE_S`` to finish on their
+    own; then every process of the launch is stopped (SIGTERM, then SIGKILL ``GRACE_S`` later).
+    torchrun alone would give a rank that ignores SIGTERM (or is stopped) 30 s more.
+  * No orphans. The workers live in sessions of their own, so the descendants of the agent are
+    recorded while it lives (``ProcessTree``, from /proc) and stopped when it ends, also when it
+    was killed; the workers also watch for it themselves (``pipecc.runtime.lifeline``).
+  * Ctrl-C (SIGINT) or SIGTERM stops every process of the launch and raises KeyboardInterrupt
+    (the CLI prints ``pipecc: error: interrupted`` and exits 130) or ``Terminated`` (143), with
+    nothing of the children's shutdown chatter shown.
+
+Imports ``pipecc.errors`` and the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from pipecc.errors import PipeccError
+
+__all__ = ["GRACE_S", "ProcessTree", "Terminated", "root_cause", "supervise"]
+
+GRACE_S = 0.5
+# torchrun's own log lines: "W1129 08:45:56.813000 20508 torch/distributed/run.py:874] ..."
+_TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
+_WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
+_RANK = re.compile(r"^rank (\d+)\b")
+_TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) from rank (\d+)")
+_PEER_GONE = re.compile(r"^rank (\d+): (.+? (?:from|to)) rank (\d+) failed, the peer exited or crashed")
+_LAUNCH_GONE = re.compile(r"^rank \d+: (?:the torchrun agent|pipecc run) \(pid \d+\) is gone")
+
+
+class Terminated(PipeccError):
+    """``pipecc run`` got SIGTERM: the launch was stopped."""
+
+    exit_code = 143
+
+
+# ----------------------------------------------------------------------------- choosing the line
+
+
+def root_cause(errors: list[str]) -> str:
+    """The one error to report of the workers' ``pipecc: error:`` messages (see the module doc)."""
+    verify = [e for e in errors if e.startswith("verify:") or re.match(r"^rank \d+: verify:", e)]
+    if verify:
+        return verify[0]
+    primary = [e for e in errors if not (_TIMED_OUT.match(e) or _PEER_GONE.match(e) or _LAUNCH_GONE.match(e))]
+    if primary:
+        return primary[0]
+    reported = {int(m.group(1)) for m in map(_RANK.match, errors) if m}
+    for e in errors:
+        found = _TIMED_OUT.match(e)
+        if found and int(found.group(4)) not in reported:
+            waiter, seconds, what, culprit = found.groups()
+            return f"rank {culprit} hung: rank {waiter} timed out after {seconds} s waiting for {what} from it"
+    for e in errors:
+        found = _PEER_GONE.match(e)
+        if found and int(found.group(3)) not in reported:
+            return f"rank {found.group(3)} stopped without a message (rank {found.group(1)}: {found.group(2)} " \
+                   f"rank {found.group(3)} failed)"
+    return errors[0]
+
+
+class _Watch:
+    """Scans the children's stderr: worker errors, torchrun's failure summary."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.errors: list[str] = []  # worker `pipecc: error:` messages, in arrival order
+        self.first_error_at: float | None = None
+        self.held: list[str] = []  # torchrun's own lines, and everything after it saw a child fail
+        self.launcher_failed = False
+        self.muted = False  # set on SIGINT/SIGTERM: the children's shutdown is not shown
+
+    def line(self, text: str) -> None:
+        found = _WORKER_ERROR.search(text)
+        if found:
+            self.errors.append(found.group(1).strip())
+            if self.first_error_at is None:
+                self.first_error_at = time.monotonic()
+            if self.verbose:
+                _write(sys.stderr, text, self)
+        elif _TORCHRUN_LOG.match(text) or self.launcher_failed:
+            # NOTE: after "failed (exitcode" comes the launcher's ChildFailedError traceback
+            self.launcher_failed = self.launcher_failed or "failed (exitcode" in text
+            self.held.append(text)
+            if self.verbose:
+                _write(sys.stderr, text, self)
+        else:
+            _write(sys.stderr, text, self)
+
+    def failed_rank(self) -> int | None:
+        """The root-cause rank of torchrun's failure summary, else the first listed."""
+        text = "".join(self.held)
+        root = text.split("Root Cause", 1)
+        for part in (root[1] if len(root) > 1 else "", text):
+            found = re.search(r"^\s*rank\s*:\s*(\d+)", part, re.MULTILINE)
+            if found:
+                return int(found.group(1))
+        return None
+
+    def exit_code(self) -> str | None:
+        found = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", "".join(self.held).split("Root Cause")[-1], re.MULTILINE)
+        return found.group(1) if found else None
+
+
+def _write(stream: Any, text: str, watch: _Watch | None = None) -> None:
+    if watch is not None and watch.muted:
+        return
+    try:
+        stream.write(text)
+        stream.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+
+
+# ----------------------------------------------------------------------------- the process tree
+
+
+def _stat(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, state, start time) of ``pid`` from /proc; None when it is gone (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[1]), fields[0], fields[19]) if len(fields) > 19 else None
+
+
+class ProcessTree:
+    """The descendants of ``root`` (pid and start time, so a reused pid is never signalled),
+    remembered while ``refresh`` can still find them through their parents."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.known: dict[int, str] = {}
+
+    def refresh(self) -> None:
+        children: dict[int, list[int]] = {}
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            return
+        for entry in entries:
+            if entry.isdigit():
+                stat = _stat(int(entry))
+                if stat:
+                    children.setdefault(stat[0], []).append(int(entry))
+        todo = list(children.get(self.root, ()))
+        while todo:
+            pid = todo.pop()
+            stat = _stat(pid)
+            if stat and pid not in self.known:
+                self.known[pid] = stat[2]
+            todo += children.get(pid, ())
+
+    def alive(self) -> list[int]:
+        """Remembered descendants that still run (not zombies, not a reused pid)."""
+        out = []
+        for pid, start in self.known.items():
+            stat = _stat(pid)
+            if stat and stat[2] == start and stat[1] != "Z":
+                out.append(pid)
+        return out
+
+    def stop(self, agent: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+        """SIGTERM the agent and every remembered descendant, SIGKILL what is left after ``grace_s``."""
+        if agent.poll() is None:
+            self.refresh()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.alive():
+                _kill(pid, sig)
+            if agent.poll() is None:
+                _kill(agent.pid, sig)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and (agent.poll() is None or self.alive()):
+                time.sleep(0.02)
+            if agent.poll() is not None and not self.alive():
+                return
+        agent.wait()
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def supervise(cmd: list[str], env: dict[str, str], verbose: bool) -> int:
+    """Run torchrun with ``env``, stream its output, return 0 or raise one ``PipeccError`` line."""
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, bufsize=1, errors="replace")
+    except OSError as exc:
+        raise PipeccError(f"cannot start torchrun ({exc})") from None
+    watch, tree = _Watch(verbose), ProcessTree(proc.pid)
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, lambda t: _write(sys.stdout, t, watch)), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, watch.line), daemon=True)]
+    for thread in pumps:
+        thread.start()
+    stopped_it = False
+    with _Signals(watch) as signals:
+        try:
+            next_refresh = 0.0
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now >= next_refresh:
+                    tree.refresh()
+                    next_refresh = now + 0.5
+                if watch.first_error_at is not None and now - watch.first_error_at > GRACE_S:
+                    stopped_it = watch.muted = True  # the run failed: stop the ranks still waiting (or hung)
+                    break
+                time.sleep(0.05)
+            tree.stop(proc)  # also the orphans of an agent that was killed
+        except BaseException:
+            watch.muted = True
+            signals.ignore()
+            tree.stop(proc)
+            raise
+    for thread in pumps:
+        thread.join(timeout=5)
+    rc = proc.returncode
+    if rc == 0 and not watch.errors:
+        return 0
+    if rc < 0 and not stopped_it:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
+        raise PipeccError(f"run failed: the torchrun agent (pid {proc.pid}) was killed by {name}; "
+                          "its workers were stopped")
+    if watch.errors:
+        message = root_cause(watch.errors)
+        if not re.search(r"\brank \d+", message):
+            rank = watch.failed_rank()
+            message = f"rank {rank}: {message}" if rank is not None else message
+        raise PipeccError(f"run failed: {message}")
+    hint = "" if verbose else " (rerun with --verbose for torchrun's log)"
+    rank = watch.failed_rank()
+    if rank is not None:
+        code = watch.exit_code()
+        raise PipeccError(f"run failed: rank {rank} exited with code {code if code is not None else rc}{hint}")
+    raise PipeccError(f"run failed: torchrun exited with code {rc}{hint}")
+
+
+def _pump(stream: Any, sink: Any) -> None:
+    for text in stream:
+        sink(text)
+
+
+class _Signals:
+    """SIGINT and SIGTERM mute the children at once and raise in the main thread."""
+
+    def __init__(self, watch: _Watch) -> None:
+        self.watch = watch
+        self.saved: dict[int, Any] = {}
+
+    def _on(self, signum: int, frame: Any) -> None:
+        self.watch.muted = True
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated("terminated (SIGTERM); stopped every process of the run")
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.saved[sig] = signal.signal(sig, self._on)
+        return self
+
+    def ignore(self) -> None:
+        """While the launch is being stopped: a second Ctrl-C must not cut that short."""
+        for sig in self.saved:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,211 @@
+"""`pipecc run` on bad inputs (issue #14): every case ends with exactly one `pipecc: error: ...`
+line (exit 1, 2 for usage) and no traceback, or runs correctly.
+
+One table, three ways through it: `pipecc run` in process (the checks made before torchrun
+starts: nothing is launched), the worker itself (`pipecc.runtime.dist.main` with every stage in
+this process, as torchrun started by hand would run it: the same damage must still be one line
+per rank), and one real launch for what only a worker can find (a stage.py that fails to import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipecc import cli
+from pipecc.runtime import dist
+from pipecc.runtime.trust import HASH_KEY, file_sha256
+
+pytestmark = pytest.mark.xdist_group(name="bad_inputs_run")
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPECC = [sys.executable, "-c", "import sys; from pipecc.cli import main; sys.exit(main())"]
+MLP_ARGS = ["in_features=16", "hidden=32", "depth=3", "num_classes=5"]
+
+
+@pytest.fixture(scope="module")
+def mlp_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bad_run") / "mlp"
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "-o", str(out), "-b", "8", "-m", "2",
+            "-q", *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
+    assert cli.main(argv) == 0
+    return out
+
+
+# ---------------------------------------------------------------------------- damage
+
+
+def _marker(out: Path, **changes) -> None:
+    marker = json.loads((out / "pipecc.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            marker.pop(key, None)
+        else:
+            marker[key] = value
+    (out / "pipecc.json").write_text(json.dumps(marker))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garble(path: Path) -> None:
+    path.write_bytes(b"\xff" * 8 + path.read_bytes()[8:])
+
+
+def _tamper_shape(path: Path) -> None:
+    spec = json.loads(path.read_text())
+    spec["receives"][0]["shape"] = [7, *spec["receives"][0]["shape"]]
+    path.write_text(json.dumps(spec))
+
+
+def _plant(out: Path) -> None:
+    """pipecc.json's model_path edited to name another file, which must never run."""
+    planted = out / "planted.py"
+    planted.write_text((ROOT / "models" / "mlp.py").read_text() +
+                       f"\nopen({str(out / 'PLANTED_RAN')!r}, 'w').write('ran')\n")
+    _marker(out, model_path=str(planted))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    damage: Callable[[Path], None]
+    argv: tuple[str, ...]
+    code: int
+    message: str  # regex the one error line must match (after "pipecc: error: ")
+    worker: bool = True  # the worker (dist.main) must give one line for it too
+
+
+CASES = [
+    Case("weights missing", lambda o: (o / "stage_1" / "weights.safetensors").unlink(), (), 1,
+         r"stage_1/weights.safetensors is missing; compile the folder again"),
+    Case("weights truncated", lambda o: _truncate(o / "stage_1" / "weights.safetensors"), (), 1,
+         r"stage_1/weights.safetensors is not a readable safetensors file \(.*\): it is corrupt or truncated"),
+    Case("weights corrupt", lambda o: _garble(o / "stage_0" / "weights.safetensors"), (), 1,
+         r"stage_0/weights.safetensors is not a readable safetensors file"),
+    Case("ports.json not JSON", lambda o: (o / "stage_1" / "ports.json").write_text("{"), (), 1,
+         r"stage_1/ports.json is not valid JSON .*; compile the folder again"),
+    Case("ports.json not a spec", lambda o: (o / "stage_0" / "ports.json").write_text("[1]"), (), 1,
+         r"stage_0/ports.json is not a valid port spec"),
+    Case("ports.json tampered", lambda o: _tamper_shape(o / "stage_1" / "ports.json"), (), 1,
+         r"stage_1/ports.json does not fit .*stage_0/ports.json \(stage 1 receives .*\): one was changed"),
+    Case("more micro-batches than the batch", lambda o: None, ("-m", "1000"), 2,
+         r"--microbatches 1000 is more than the batch of 8 rows .*; give --microbatches 8 or fewer"),
+    Case("model hash not recorded", lambda o: _marker(o, **{HASH_KEY: None}), (), 1,
+         r"pipecc.json records no model_sha256 for the model file .*mlp.py .* so pipecc will not import "
+         r"that file: compile again"),
+    Case("model_path edited to a planted file", _plant, (), 1,
+         r"the model file .*planted.py is not the one this folder was compiled from .* will not import it"),
+    Case("verify without the model file", lambda o: _marker(o, model_path=str(o / "gone.py")), ("--verify",), 1,
+         r"cannot verify: the model file .*gone.py is missing.* give --verify-stages-only"),
+    Case("--resume without --checkpoint-dir", lambda o: None, ("--resume",), 2,
+         r"--resume needs --checkpoint-dir DIR"),
+    Case("--resume with an empty --checkpoint-dir", lambda o: (o / "ckpt").mkdir(),
+         ("--checkpoint-dir", "{out}/ckpt", "--resume"), 1, r"--resume: .*ckpt holds no checkpoint"),
+    Case("stage.py fails to import", lambda o: (o / "stage_0" / "stage.py").write_text("import no_such_module\n"),
+         (), 1, r"stage_0/stage.py fails to import \(ModuleNotFoundError: No module named 'no_such_module'\)"),
+    Case("stage.py raises in forward", lambda o: _raise_in_forward(o / "stage_1" / "stage.py"), (), 1,
+         r"ValueError: planted \(rerun with --debug for the traceback\)"),
+]
+PREFLIGHT = [c for c in CASES if not c.name.startswith("stage.py")]  # found before torchrun starts
+
+
+def _raise_in_forward(path: Path) -> None:
+    text, n = re.subn(r"(def forward\(self[^\n]*\n)", r"\1        raise ValueError('planted')\n", path.read_text())
+    assert n == 1
+    path.write_text(text)
+
+
+def damaged(mlp_out: Path, tmp_path: Path, case: Case) -> tuple[Path, list[str]]:
+    out = tmp_path / "out"
+    shutil.copytree(mlp_out, out)
+    case.damage(out)
+    return out, [a.replace("{out}", str(out)) for a in case.argv]
+
+
+def one_error_line(err: str, case: Case) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipecc: error: "), err[-3000:]
+    assert re.search(case.message, lines[0]), lines[0]
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+@pytest.mark.parametrize("case", PREFLIGHT, ids=[c.name for c in PREFLIGHT])
+def test_run_refuses_before_launching(mlp_out: Path, tmp_path: Path, case: Case, capsys) -> None:
+    out, argv = damaged(mlp_out, tmp_path, case)
+    assert cli.main(["run", str(out), "--steps", "1", *argv]) == case.code
+    captured = capsys.readouterr()
+    one_error_line(captured.err, case)
+    assert captured.out == ""  # nothing was started
+    assert not (out / "PLANTED_RAN").exists()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.worker], ids=[c.name for c in CASES if c.worker])
+def test_worker_gives_one_line(mlp_out: Path, tmp_path: Path, case: Case, monkeypatch, capsys) -> None:
+    """torchrun started by hand skips `pipecc run`'s checks: the worker must still give one line."""
+    monkeypatch.delenv("RANK", raising=False)
+    out, argv = damaged(mlp_out, tmp_path, case)
+    argv = [a if a != "-m" else "--microbatches" for a in argv]
+    assert dist.main([str(out), "--steps", "1", "--schedule", "interleaved", *argv]) == case.code
+    one_error_line(capsys.readouterr().err, case)
+    assert not (out / "PLANTED_RAN").exists()
+
+
+def test_worker_debug_shows_the_traceback(mlp_out: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    out, _ = damaged(mlp_out, tmp_path, next(c for c in CASES if c.name == "stage.py raises in forward"))
+    with pytest.raises(ValueError, match="planted"):
+        dist.main([str(out), "--steps", "1", "--schedule", "interleaved", "--debug"])
+
+
+def test_launch_with_a_broken_stage_is_one_line(mlp_out: Path, tmp_path: Path) -> None:
+    """A real launch: rank 0 cannot import its stage.py; rank 1 waits for it. One line, no traceback."""
+    case = next(c for c in CASES if c.name == "stage.py fails to import")
+    out, _ = damaged(mlp_out, tmp_path, case)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([*PIPECC, "run", str(out), "--steps", "1", "--timeout", "20"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    one_error_line(result.stderr, Case(case.name, case.damage, (), 1, r"^pipecc: error: run failed: rank 0: \S*" +
+                                       case.message))
+
+
+def test_verify_stages_only_needs_no_model_file(mlp_out: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(mlp_out, out)
+    _marker(out, model_path=str(out / "gone.py"))
+    monkeypatch.delenv("RANK", raising=False)
+    assert dist.main([str(out), "--steps", "1", "--schedule", "interleaved", "--verify-stages-only"]) == 0
+    captured = capsys.readouterr()
+    assert "verify: pipeline outputs match the chained stages" in captured.out
+    assert "the model file" in captured.out and "gone.py is missing" in captured.out  # the note on the data
+
+
+def test_compile_records_the_model_hash(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "-o", str(out), "-b", "8", "-q",
+            *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
+    assert cli.main(argv) == 0
+    marker = json.loads((out / "pipecc.json").read_text())
+    assert marker.get(HASH_KEY) == file_sha256(ROOT / "models" / "mlp.py")
+
+
+def test_help_says_a_folder_is_code(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "A compiled folder is code, like a pickle" in text and "Only run folders you trust" in text
+    assert "--verify-stages-only" in text and "--checkpoint-dir" in text and "--resume" in text

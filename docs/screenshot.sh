@@ -15,8 +15,8 @@ trap 'rm -rf "$work"' EXIT
 import json, sys
 from pipecc import driver
 from pipecc.backends.torch import cut_stages, write_output
-from pipecc.report.compiled import graph_json, timeline_json
-from pipecc.report.html import render_report, timeline_for
+from pipecc.report.artifacts import graph_json, timeline_for, timeline_json
+from pipecc.report.html import render_report
 
 analysis = driver.analyze("models/vgg16.py", batch_size=8)
 plan, graph = driver.plan(analysis, "4xa100", compare=True)

@@ -35,10 +35,9 @@ from pipecc.passes.units import Units, UnitBuilder
 from pipecc.targets.fpga_timing import FpgaCosts
 from pipecc.targets.hardware import Cluster, Device
 from pipecc.targets.profiled import Profile, ProfiledCosts, profile_decisions, time_source
-from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM, DeviceCosts, RooflineCosts
+from pipecc.targets.timing import CANNOT_RUN_S, DeviceCosts, RooflineCosts
 
-# MEMORY_HEADROOM is re-exported: the reports import it from here
-__all__ = ["Balancer", "PlanOptions", "SCHEDULES", "MEMORY_HEADROOM", "device_costs"]
+__all__ = ["Balancer", "PlanOptions", "SCHEDULES", "device_costs"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what --schedule auto tries in training
 

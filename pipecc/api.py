@@ -18,7 +18,6 @@ import torch
 
 from pipecc import driver
 from pipecc.targets.devices import Cluster, parse_devices
-from pipecc.errors import UsageError
 from pipecc.runtime import local
 from pipecc.runtime.local import PipelinedModule
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import sympy
-import torch
 import torch.fx as fx
 
-from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE,
+from pipecc.ir.graph import (META_COST, META_KIND, META_OP, META_PARAMS, META_VALUE,
                        AnnotatedGraph, Dim, TensorInfo, tensors_in, value_bytes)
 from pipecc.ir.ops import VIEW_OPS
 

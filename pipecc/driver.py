@@ -356,8 +356,8 @@ def _report(state: State) -> None:
     """report.html and the data behind it (the graph and the schedule's timeline)."""
     import json
 
-    from pipecc.report.compiled import graph_json, timeline_json
-    from pipecc.report.html import render_report, timeline_for
+    from pipecc.report.artifacts import graph_json, timeline_for, timeline_json
+    from pipecc.report.html import render_report
     graph, plan = state.graph, state.plan
     timeline = timeline_for(plan)
     state.extra_files = {"graph.json": json.dumps(graph_json(graph, plan), indent=1),

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +57,37 @@ def reference_flops(model: torch.nn.Module, inputs: tuple, loss=None, target=Non
         else:
             out.float().sum().backward()
     return forward, fc.get_total_flops() - forward
+
+
+# ----------------------------------------------------------------------------- the CLI in tests
+# The console script's entry point, run by this interpreter (the `pipecc` script may not be on
+# PATH in a venv that was not activated).
+PIPECC = [sys.executable, "-c", "import sys; from pipecc.cli import main; sys.exit(main())"]
+MLP_TINY = {"in_features": 16, "hidden": 32, "depth": 3, "num_classes": 5}  # models/mlp.py TINY
+
+
+def model_args(kwargs: dict[str, Any]) -> list[str]:
+    """`--model-arg` values (KEY=VALUE) for a dict of build_model arguments."""
+    return [f"{k}={v}" for k, v in kwargs.items()]
+
+
+def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`pipecc ARGV` in a child process (one thread per process, unbuffered output)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*PIPECC, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`pipecc ARGV` in this process: (exit code, stdout, stderr)."""
+    from pipecc import cli
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for rendezvous endpoints)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

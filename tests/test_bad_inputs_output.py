@@ -20,7 +20,7 @@ from typing import Callable
 
 import pytest
 
-from helpers import ROOT, zoo_path
+from helpers import ROOT, run_cli, zoo_path
 from pipecc import cli, driver, progress
 from pipecc.backends.torch import compile as torch_compile
 from pipecc.backends.torch import cut_stages
@@ -60,12 +60,6 @@ def write(out: Path, mlp_plan, stages_of: int = 2, **kwargs) -> Path:
     for i, s in enumerate(plan.stages):
         s.device = i
     return torch_compile.write_output(out, graph, plan, cut_stages(graph, plan.stage_of()), **kwargs)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def snapshot(root: Path) -> list[str]:

@@ -14,22 +14,20 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from helpers import MLP_TINY, PIPECC, ROOT, model_args
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.trust import HASH_KEY, file_sha256
 
 pytestmark = pytest.mark.xdist_group(name="bad_inputs_run")
 
-ROOT = Path(__file__).resolve().parents[1]
-PIPECC = [sys.executable, "-c", "import sys; from pipecc.cli import main; sys.exit(main())"]
-MLP_ARGS = ["in_features=16", "hidden=32", "depth=3", "num_classes=5"]
+MLP_ARGS = model_args(MLP_TINY)
 
 
 @pytest.fixture(scope="module")

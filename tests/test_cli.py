@@ -15,6 +15,7 @@ GPT_TINY = [f"--model-arg={k}={v}" for k, v in zoo_module("gpt").TINY.items()]
 
 
 def pipecc(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Through `python -m pipecc.cli` on purpose: that entry must keep working too."""
     return subprocess.run([sys.executable, "-m", "pipecc.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 

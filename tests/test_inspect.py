@@ -5,7 +5,6 @@ Compiled folders are made the way `pipecc compile` makes them: driver.analyze ->
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import re
@@ -15,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import zoo_module, zoo_path
-from pipecc import cli, driver, progress
+from helpers import run_cli, zoo_module, zoo_path
+from pipecc import driver, progress
 from pipecc.backends.torch import cut_stages, write_output
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
 from pipecc.report.compiled import load_compiled, stage_json, summary_json
@@ -52,28 +51,6 @@ def mlp_out(tmp_path_factory) -> Path:
     # no model file recorded: the ONNX check must make the inputs from the ports
     return compile_folder(tmp_path_factory.mktemp("mlp") / "out", "mlp", MLP_ARGS, "2xcpu",
                           with_model_file=False)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """`pipecc ...` in process; adds the inspect command if cli.py does not have it yet."""
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "inspect" not in sub.choices:
-        from pipecc.cli.inspect import add_parser
-        common = argparse.ArgumentParser(add_help=False)
-        for flags in (["--debug"], ["-v", "--verbose"], ["-q", "--quiet"]):
-            common.add_argument(*flags, action="store_true")
-        add_parser(sub, common)
-        original = cli.build_parser
-        cli.build_parser = lambda: parser
-        try:
-            code = cli.main(argv)
-        finally:
-            cli.build_parser = original
-    else:
-        code = cli.main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # ----------------------------------------------------------------------------- text

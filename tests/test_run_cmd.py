@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import MLP_TINY, PIPECC, free_port, model_args
+from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.launcher import ProcessTree
@@ -32,12 +33,11 @@ from pipecc.runtime.launcher import ProcessTree
 pytestmark = pytest.mark.xdist_group(name="run_cmd")
 
 ROOT = Path(__file__).resolve().parents[1]
-MLP_ARGS = ["in_features=16", "hidden=32", "depth=3", "num_classes=5"]
+MLP_ARGS = model_args(MLP_TINY)
 # batch 16 makes the planner cut the tiny GPT between its blocks, so the tied embedding/head
 # weight lands on both ranks and its gradient is summed across them
 GPT_ARGS = ["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=101", "block_size=16", "seq_len=8",
             "tie_weights=True"]
-PIPECC = [sys.executable, "-c", "import sys; from pipecc.cli import main; sys.exit(main())"]  # the entry point
 STEP = re.compile(r"^step (\d+): loss (\S+), (\S+) samples/s$", re.MULTILINE)
 
 
@@ -50,20 +50,8 @@ def compile_model(model: str, out: Path, model_args: list[str], batch: int) -> P
     return out
 
 
-def pipecc(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*PIPECC, *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def losses(stdout: str) -> list[str]:
     return [loss for _, loss, _ in STEP.findall(stdout)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

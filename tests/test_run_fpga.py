@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import MLP_TINY, ROOT
+from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.backends.fpga import toolchain_problem
 from pipecc.runtime import dist
@@ -30,8 +28,7 @@ PROBLEM = toolchain_problem()
 needs_gxx = pytest.mark.skipif(PROBLEM is not None, reason=f"FPGA C simulation: {PROBLEM}")
 
 KW = dict(in_features=64, hidden=256, depth=6)
-TINY = dict(in_features=16, hidden=32, depth=3, num_classes=5)
-PIPECC = [sys.executable, "-c", "import sys; from pipecc.cli import main; sys.exit(main())"]
+TINY = dict(MLP_TINY)
 STEP = re.compile(r"^step (\d+): forward only, (\S+) samples/s$", re.MULTILINE)
 VERIFIED = "verify: outputs match the single-process run (forward only)"
 
@@ -41,11 +38,6 @@ def compile_mlp(out: Path, devices: str, kw: dict, batch: int) -> Path:
             "-o", str(out), "-q", *[f"--model-arg={k}={v}" for k, v in kw.items()]]
     assert cli.main(argv) == 0
     return out
-
-
-def pipecc(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*PIPECC, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import free_port
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule import interleaved_1f1b, one_f_one_b
 from pipecc.runtime.checkpoints import RunCheckpoints
@@ -47,12 +47,6 @@ def _load_model_module():
 
 
 pm = _load_model_module()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int, *worker_args: str, port: int | None = None, nnodes: int = 1) -> list[str]:

@@ -70,7 +70,6 @@ def _sanitize(name: str, taken: set[str]) -> str:
 
 def from_onnx(path: str | Path, batch_size: int = 1) -> AnnotatedGraph:
     """Import an ONNX file. `batch_size` is the value of B when the batch dim is symbolic."""
-    import onnx
     from onnx import numpy_helper
     path = Path(path)
     model = _load(path)

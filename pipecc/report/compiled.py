@@ -25,7 +25,6 @@ from typing import Any, Iterator
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.artifacts import graph_json  # noqa: F401 - old path (driver.py, docs/screenshot.sh)
 from pipecc.report.figures import bottleneck_stage, device_capacities, first_last, memory_kind
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
-# timeline_for is also imported from here (driver.py, docs/screenshot.sh): the old path
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
 from pipecc.report.compiled import load_compiled
 from pipecc.report.dot import dot_text, graphviz_svg

@@ -11,7 +11,7 @@ import math
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
-from pipecc.passes.balance import MEMORY_HEADROOM
+from pipecc.targets.timing import MEMORY_HEADROOM
 from pipecc.report.figures import bottleneck_stage, first_last
 from pipecc.report.formatting import human, seconds
 

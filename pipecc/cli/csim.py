@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipecc.errors import PipeccError, UsageError
+from pipecc.report.formatting import printable, terminal_text
 
 
 def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -156,8 +157,8 @@ def cmd_csim(args: argparse.Namespace) -> int:
     rows = [check_stage(out, i, d, threaded=threaded, fifo_depth=args.fifo_depth,
                         timeout_s=args.timeout) for i, d in sorted(stages.items())]
     mode = "threaded, bounded FIFOs" if threaded else "sequential"
-    print(f"C simulation of {len(rows)} FPGA stage(s) in {out} with g++ ({mode}):")
-    print(format_table(rows, threaded))
+    print(terminal_text(f"C simulation of {len(rows)} FPGA stage(s) in {out} with g++ ({mode}):"))
+    print(terminal_text(format_table(rows, threaded)))
     failed = [r for r in rows if not r["passed"]]
     if failed:
         what = ", ".join(f"stage {r['stage']} " + ("deadlocked" if r["deadlock"] else
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipeccError as exc:
         if "--debug" in argv:
             raise
-        print(f"pipecc: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        print(f"pipecc: error: {printable(str(exc).strip().splitlines()[0])}", file=sys.stderr)
         return exc.exit_code
 
 

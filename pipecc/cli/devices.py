@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+from pipecc.report.formatting import terminal_text
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -20,5 +21,5 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(devices.catalog_json(), indent=1))
     else:
-        print(devices.format_catalog())
+        print(terminal_text(devices.format_catalog()))
     return 0

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipecc.cli.args import add_model_args, positive_int, write_atomic
 from pipecc.errors import PipeccError, UsageError
+from pipecc.report.formatting import terminal_text
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,7 +74,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(profile_table(result.data, cached=result.cache_hit))
+        print(terminal_text(profile_table(result.data, cached=result.cache_hit)))
     return 0
 
 

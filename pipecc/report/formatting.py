@@ -6,6 +6,10 @@ hostile)."""
 
 from __future__ import annotations
 
+from pipecc.errors import printable
+
+__all__ = ["human", "printable", "seconds", "shapes_text", "terminal_text", "text_table"]  # printable: from pipecc.errors
+
 
 def human(n: float, unit: str = "") -> str:
     """1234567 -> '1.23M' (SI prefixes; bytes use the same decimal prefixes)."""
@@ -54,26 +58,6 @@ def text_table(headers: list[str], rows: list[list[str]], left: int = 2, right_f
 # node name would drive the terminal (`\x1b[2J` clears it, `\r` overwrites a line). Every
 # human-readable output escapes them with these two functions; JSON output needs nothing
 # (json.dumps escapes control characters, and pipecc keeps ensure_ascii on).
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(ch: str) -> str:
-    if ch in _NAMED:
-        return _NAMED[ch]
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
-def printable(text: object) -> str:
-    """`text` on one line with every non-printable character escaped as Python writes it:
-    C0 and C1 controls (`\\r`, `\\x1b`, `\\x9b`, ...), DEL, line and paragraph separators,
-    format characters such as bidi overrides (`\\u202e`), unassigned code points."""
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in s)
-
-
 def terminal_text(text: object) -> str:
     """Multi-line `text` for a terminal: as `printable`, but newlines stay newlines."""
     return "\n".join(printable(line) for line in str(text).split("\n"))

@@ -1,6 +1,7 @@
 """`pipecc run OUT`: train a compiled pipeline with one process per rank, through torchrun.
 
     pipecc run OUT [--steps N] [--verify] [--schedule S] [--microbatches M] [--timeout S] ...
+    pipecc run OUT --json [--warmup-steps W]
     pipecc run OUT --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT [--nproc-per-node P]
     pipecc run OUT [--nnodes 2 --rdzv-endpoint HOST:PORT] --print-command
 
@@ -47,6 +48,13 @@ when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130) and when the t
 workers also stop by themselves when the agent or `pipecc run` is gone (`pipecc.runtime.lifeline`).
 
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
+
+Measured against predicted: `--json` prints one JSON document on stdout at the end and nothing
+else there (the step lines go to stderr; an error is still one `pipecc: error:` line on stderr):
+each stage's median forward and backward time per micro-batch and its rank's receive wait per
+step, the median step time and samples/s, each next to plan.json's prediction
+(`pipecc.runtime.timing` describes every key). The first `--warmup-steps` steps (default 1) are
+left out of the statistics.
 """
 
 from __future__ import annotations
@@ -132,6 +140,12 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
     p.add_argument("--rtol", type=float, default=1e-4, help="--verify relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
+    p.add_argument("--json", action="store_true",
+                   help="at the end print one JSON document on stdout, nothing else there (the step lines "
+                   "go to stderr): per stage the measured median forward and backward per micro-batch and "
+                   "receive wait per step, the median step time, each next to plan.json's prediction")
+    p.add_argument("--warmup-steps", type=_nonnegative_int, default=1, metavar="W",
+                   help="--json: the first W steps are left out of the statistics (default 1)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
     c = p.add_argument_group("checkpoints (training only)")
     c.add_argument("--checkpoint-dir", metavar="DIR",
@@ -274,7 +288,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     """run_stage.py's arguments (pipecc.runtime.dist.main): only what differs from its defaults."""
     argv = ["--steps", str(args.steps)]
     for flag, on in (("--verify", args.verify), ("--verify-stages-only", args.verify_stages_only),
-                     ("--resume", args.resume), ("--debug", getattr(args, "debug", False))):
+                     ("--resume", args.resume), ("--debug", getattr(args, "debug", False)),
+                     ("--json", args.json)):
         if on:
             argv.append(flag)
     if args.checkpoint_dir is not None:
@@ -289,7 +304,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
         argv += ["--optimizer", args.optimizer]
     if args.lr is not None:
         argv += ["--lr", repr(args.lr)]
-    for flag, value, default in (("--seed", args.seed, 0),
+    for flag, value, default in (("--seed", args.seed, 0), ("--warmup-steps", args.warmup_steps, 1),
                                  ("--rtol", args.rtol, 1e-4), ("--atol", args.atol, 1e-5)):
         if value != default:
             argv += [flag, repr(value)]
@@ -354,4 +369,4 @@ def cmd_run(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False) or getattr(args, "debug", False))
     if verbose:
         print("pipecc run: " + shlex.join(cmd), file=sys.stderr, flush=True)
-    return supervise(cmd, _child_env(), verbose)
+    return supervise(cmd, _child_env(), verbose, json_only=args.json)

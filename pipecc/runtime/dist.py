@@ -23,6 +23,7 @@ exception is the rank of an FPGA stage, whose executable is its C simulation, bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -30,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, in
 from pipecc.runtime.ports import Port, StagePorts
 from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder
+from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
 from pipecc.runtime.trust import verify_problem
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
 from pipecc.runtime.wire import check_fifo, directed_groups, send_release
@@ -119,6 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
     and so is a training ``--schedule`` for a folder with FPGA stages.
 
+    ``--json`` (``pipecc.runtime.timing``): every rank times its stages' forward and backward
+    actions and its receive waits, from step ``--warmup-steps`` (default 1) on; at the end the
+    ranks' figures are gathered to the last rank, which prints one JSON document (measured next
+    to ``plan.json``'s predictions) on stdout. Everything else this process prints to stdout (the
+    step lines, verify's and checkpoints' lines) goes to stderr instead.
+
     Errors: one ``pipecc: error: rank R: ...`` line per failing rank (a traceback only with
     ``--debug``), exit 1 (2 for usage). Under torchrun a rank stops by itself when the torchrun
     agent or ``pipecc run`` is gone (``pipecc.runtime.lifeline``).
@@ -128,7 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     under_torchrun = rank is not None and "WORLD_SIZE" in os.environ
     if under_torchrun:
         lifeline.start(f"rank {rank}")
-    code = _main(args)
+    stdout = sys.stdout  # --json: the document's only; everything else printed goes to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        code = _main(args, stdout)
     if code and under_torchrun:
         # NOTE: a failed rank ends at once: interpreter teardown may wait on a dead or hung peer's socket
         sys.stdout.flush()
@@ -137,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, stdout: TextIO) -> int:
     try:
-        return run_compiled(args)
+        return run_compiled(args, stdout)
     except PeerFailed:
         return 1  # another rank reported the problem
     except PipeccError as e:
@@ -182,6 +192,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (pipecc.runtime.checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document of measured vs predicted times (pipecc.runtime.timing)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="--json: steps left out of the statistics")
     parser.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return parser
 
@@ -281,8 +294,9 @@ def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float) -> torch.o
     return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
 
 
-def run_compiled(args: argparse.Namespace) -> int:
-    """The body of ``main``: load this rank's stages and data, verify, train."""
+def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
+    """The body of ``main``: load this rank's stages and data, verify, train; ``--json``'s
+    document goes to ``stdout`` (default: ``sys.stdout``)."""
     stage_dirs = _stage_dirs(args.out)
     meta = _read_marker(args.out)
     try:
@@ -323,10 +337,11 @@ def run_compiled(args: argparse.Namespace) -> int:
             if (stage_dirs[s] / "hls").is_dir():
                 modules[i] = _load_fpga_stage(stage_dirs[s], s)
         return _run_forward(args, meta, stage_dirs, specs, data, modules, ports, rank, world, config,
-                            load_stage, why)
+                            load_stage, why, stdout)
     params = [p for mod in modules for p in mod.parameters()]
     optimizer = _make_optimizer(args.optimizer or "sgd", params, 1e-3 if args.lr is None else args.lr)
     runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer)
+    timer = _timer(args, runtime)
     is_last = runtime.last_stage in runtime.stage_ids
     if is_last and data.note:
         print(data.note, flush=True)
@@ -346,6 +361,8 @@ def run_compiled(args: argparse.Namespace) -> int:
             verifier = None
 
     def train_step(i: int, update: bool) -> None:
+        if timer is not None and update:
+            timer.begin_step()
         start = time.perf_counter()
         if optimizer is not None:
             optimizer.zero_grad()
@@ -359,6 +376,8 @@ def run_compiled(args: argparse.Namespace) -> int:
         if optimizer is not None and update:
             optimizer.step()
         elapsed = time.perf_counter() - start
+        if timer is not None and update:
+            timer.end_step(elapsed)
         if loss is not None and update:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
             print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
@@ -380,9 +399,30 @@ def run_compiled(args: argparse.Namespace) -> int:
             where = checkpoints.save(i + 1)
             if is_last:
                 print(f"checkpoint: step {i + 1} saved in {where}", flush=True)
+    if timer is not None:
+        _print_times(runtime, timer, args.out, schedule_name, batch, stdout or sys.stdout)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | None:
+    """With ``--json``: the runtime's action timer, set."""
+    if not getattr(args, "json", False):
+        return None
+    runtime.timer = ActionTimer(runtime.rank, runtime.device, getattr(args, "warmup_steps", 1))
+    return runtime.timer
+
+
+def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedule: str, batch: int,
+                 stdout: TextIO) -> None:
+    """``--json``: gather every rank's times to the last stage's rank, which prints the document
+    (collective: every rank calls it)."""
+    dst = runtime.schedule.stage_to_rank[runtime.last_stage]
+    summaries = gather(timer.summary(runtime.stage_ids), dst, runtime.device)
+    if summaries is not None:
+        document = run_document(summaries, read_plan(out), schedule, runtime.m, batch)
+        print(json.dumps(document), file=stdout, flush=True)
 
 
 def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
@@ -403,6 +443,12 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
         raise UsageError(f"{' and '.join(ckpt)} need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    warmup = getattr(args, "warmup_steps", 1)
+    if warmup < 0:
+        raise UsageError(f"--warmup-steps must be >= 0, got {warmup}")
+    if getattr(args, "json", False) and args.steps <= warmup:
+        raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
+                         f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")
     if args.checkpoint_dir is None:
         return
     if forward:
@@ -421,12 +467,14 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
 
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
                  specs: list[dict[str, Any]], data: RunData, modules: list[nn.Module], ports: list[dict],
-                 rank: int, world: int, config: RunConfig, load_stage: Callable, why: str) -> int:
+                 rank: int, world: int, config: RunConfig, load_stage: Callable, why: str,
+                 stdout: TextIO | None = None) -> int:
     """An inference-only folder: ``--steps`` forward passes (eval mode) of the model's example
     inputs; ``--verify`` compares the first one's outputs with the original model's forward."""
     for module in modules:
         module.eval()  # inference semantics: what an FPGA stage computes (BatchNorm folded, no dropout)
     runtime = PipelineRuntime(modules, ports, rank, world, config)
+    timer = _timer(args, runtime)
     is_last = runtime.last_stage in runtime.stage_ids
     inputs = data.inputs if 0 in runtime.stage_ids else None
     batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
@@ -444,9 +492,13 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
             verify_chained(outputs, data.inputs, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs])
 
     for i in range(args.steps):
+        if timer is not None:
+            timer.begin_step()
         start = time.perf_counter()
         outputs = runtime.infer(inputs)
         elapsed = time.perf_counter() - start
+        if timer is not None:
+            timer.end_step(elapsed)
         if verify and i == 0:
             check(outputs)
         if is_last:
@@ -454,6 +506,8 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
             print(f"step {i}: forward only{rate}", flush=True)
     if verify and args.steps < 1:
         check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
+    if timer is not None:
+        _print_times(runtime, timer, args.out, "inference", batch, stdout or sys.stdout)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -25,6 +25,9 @@ tensors as ``optim.<path>``, the RNG state as ``rng.cpu``/``rng.cuda``) and ``st
 under a temporary name and renamed; ``pipecc.runtime.checkpoints`` makes a set of them atomic
 across ranks (``pipecc run --checkpoint-dir``).
 
+Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
+it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.
+
 The NCCL path is written to the same contract but is only exercised on machines with several
 GPUs; the tests run gloo on CPU.
 """
@@ -36,6 +39,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,7 @@ from pipecc.runtime.ports import (
     to_json,
     unflatten,
 )
+from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
     Wire,
     check_fifo,
@@ -176,6 +181,7 @@ class PipelineRuntime:
             self._wire = Wire(rank, config.timeout_s)
         self.peak_stash = 0  # most microbatches stashed at once during the last step
         self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
+        self.timer: ActionTimer | None = None  # set: every action runs through it (pipecc run --json)
         if world > 1:
             self._handshake()
 
@@ -256,7 +262,10 @@ class PipelineRuntime:
         self.peak_stash = self._wire.peak_inflight = 0
         release = send_release(schedule, self.rank)
         for action in schedule.actions[self.rank]:
-            self._execute(action, training)
+            if self.timer is None:
+                self._execute(action, training)
+            else:
+                self.timer.run(action, partial(self._execute, action, training))
             self._wire.release(release.get(action, ()))
         self._wire.flush()
         leftover = self._stash or self._inbox or self._outbox

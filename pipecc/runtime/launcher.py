@@ -18,6 +18,9 @@ What ``supervise`` guarantees:
   * No orphans. The workers live in sessions of their own, so the descendants of the agent are
     recorded while it lives (``ProcessTree``, from /proc) and stopped when it ends, also when it
     was killed; the workers also watch for it themselves (``pipecc.runtime.lifeline``).
+  * ``json_only`` (``pipecc run --json``): stdout carries the run's one JSON document (a line
+    starting ``{"format": "pipecc-run"``) and nothing else; any other line a worker writes to
+    its stdout (also from C code, which Python's redirection does not catch) goes to stderr.
   * Ctrl-C (SIGINT) or SIGTERM stops every process of the launch and raises KeyboardInterrupt
     (the CLI prints ``pipecc: error: interrupted`` and exits 130) or ``Terminated`` (143), with
     nothing of the children's shutdown chatter shown.
@@ -48,6 +51,7 @@ _RANK = re.compile(r"^rank (\d+)\b")
 _TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) from rank (\d+)")
 _PEER_GONE = re.compile(r"^rank (\d+): (.+? (?:from|to)) rank (\d+) failed, the peer exited or crashed")
 _LAUNCH_GONE = re.compile(r"^rank \d+: (?:the torchrun agent|pipecc run) \(pid \d+\) is gone")
+_DOCUMENT = '{"format": "pipecc-run"'  # how pipecc.runtime.timing's document starts (json.dumps)
 
 
 class Terminated(PipeccError):
@@ -210,15 +214,20 @@ def _kill(pid: int, sig: int) -> None:
 # ----------------------------------------------------------------------------- running
 
 
-def supervise(cmd: list[str], env: dict[str, str], verbose: bool) -> int:
-    """Run torchrun with ``env``, stream its output, return 0 or raise one ``PipeccError`` line."""
+def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: bool = False) -> int:
+    """Run torchrun with ``env``, stream its output, return 0 or raise one ``PipeccError`` line;
+    ``json_only``: only the run's JSON document goes to stdout, every other line to stderr."""
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, bufsize=1, errors="replace")
     except OSError as exc:
         raise PipeccError(f"cannot start torchrun ({exc})") from None
     watch, tree = _Watch(verbose), ProcessTree(proc.pid)
-    pumps = [threading.Thread(target=_pump, args=(proc.stdout, lambda t: _write(sys.stdout, t, watch)), daemon=True),
+
+    def out(text: str) -> None:
+        _write(sys.stderr if json_only and not text.startswith(_DOCUMENT) else sys.stdout, text, watch)
+
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True),
              threading.Thread(target=_pump, args=(proc.stderr, watch.line), daemon=True)]
     for thread in pumps:
         thread.start()

@@ -1,0 +1,180 @@
+"""Measured times of a run (``pipecc run --json``): each stage's forward and backward per
+micro-batch, each rank's receive waits, the step time; next to the plan's predictions.
+
+``ActionTimer`` is what the engine calls around every schedule action (``PipelineRuntime.timer``):
+F and B are timed around their compute (on CUDA the stream is synchronised before and after,
+so the time is the kernels', not their launch), RECV_F/RECV_B as time blocked waiting for the
+peer. Only actions inside a step the caller marked (``begin_step`` .. ``end_step``) after the
+first ``warmup_steps`` count: start-up, allocator growth and ``--verify``'s comparison stay out
+of the statistics (the verifier's own passes run outside any step).
+
+At the end every rank's ``ActionTimer.summary()`` is gathered to one rank (``gather``, as JSON
+over the run's process group) and ``run_document`` turns them, with ``plan.json`` read as plain JSON (the
+runtime never imports the compiler), into the one document ``pipecc run --json`` prints::
+
+    {"format": "pipecc-run", "version": 1, "schedule", "microbatches", "batch_size", "steps",
+     "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "samples_per_s",
+     "stages": [{"index", "rank", "device", "forward_s", "backward_s", "forward_samples",
+                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}]}
+
+Statistics are medians (robust to the odd descheduled action on a shared machine). The step
+time of step i is the longest of the ranks' own wall times of step i (from ``zero_grad`` to
+``optimizer.step`` on each rank, no barrier: coupled by their messages, every rank's iteration
+takes the pipeline's period in steady state). ``comm_wait_s`` is the median over timed steps of
+the rank's total receive wait in the step; a rank holding several stages (interleaved) reports
+the same figure for each of them. A forward-only run reports backward 0.0 with 0 samples.
+Predictions are the plan's, per micro-batch of the compiled micro-batch count (a run with
+another ``--microbatches`` splits the batch differently than the plan assumed); null where the
+folder has no ``plan.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipecc.ir.schedule import Action, ActionKind
+
+__all__ = ["ActionTimer", "gather", "read_plan", "run_document"]
+
+FORMAT, VERSION = "pipecc-run", 1
+
+
+class ActionTimer:
+    """One rank's timings; the engine calls ``run`` for every action (see the module docstring)."""
+
+    def __init__(self, rank: int, device: torch.device, warmup_steps: int = 1):
+        self.rank, self.device, self.warmup_steps = rank, device, warmup_steps
+        self.forward: dict[int, list[float]] = {}  # stage -> seconds per micro-batch, timed steps
+        self.backward: dict[int, list[float]] = {}
+        self.step_s: list[float] = []  # this rank's wall time of each timed step
+        self.recv_wait_s: list[float] = []  # this rank's total receive wait in each timed step
+        self.steps_done = 0  # steps ended, warm-up included
+        self._counting = False  # inside a timed step
+        self._wait = 0.0
+
+    def begin_step(self) -> None:
+        self._counting = self.steps_done >= self.warmup_steps
+        self._wait = 0.0
+
+    def end_step(self, wall_s: float) -> None:
+        """End the step begun last; ``wall_s`` is its wall time as the caller measured it."""
+        if self._counting:
+            self.step_s.append(wall_s)
+            self.recv_wait_s.append(self._wait)
+        self._counting = False
+        self.steps_done += 1
+
+    def run(self, action: Action, execute: Callable[[], None]) -> None:
+        """``execute()`` the action, timing it when it is a compute or a receive of a timed step."""
+        kind = action.kind
+        if not self._counting or not (kind in (ActionKind.F, ActionKind.B) or kind.is_recv):
+            execute()
+            return
+        compute = kind in (ActionKind.F, ActionKind.B)
+        if compute:
+            self._sync()
+        start = time.perf_counter()
+        execute()
+        if compute:
+            self._sync()
+        elapsed = time.perf_counter() - start
+        if kind is ActionKind.F:
+            self.forward.setdefault(action.stage, []).append(elapsed)
+        elif kind is ActionKind.B:
+            self.backward.setdefault(action.stage, []).append(elapsed)
+        else:
+            self._wait += elapsed
+
+    def _sync(self) -> None:
+        # NOTE: CUDA kernels run asynchronously; without a sync the time would be their launch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def summary(self, stage_ids: Sequence[int]) -> dict[str, Any]:
+        """Plain data (to gather): this rank, its stages' samples, its step and wait times."""
+        return {"rank": self.rank, "stages": list(stage_ids),
+                "forward": [self.forward.get(s, []) for s in stage_ids],
+                "backward": [self.backward.get(s, []) for s in stage_ids],
+                "step_s": self.step_s, "recv_wait_s": self.recv_wait_s,
+                "warmup": min(self.warmup_steps, self.steps_done)}
+
+
+def gather(summary: dict[str, Any], dst: int, device: torch.device) -> list[dict[str, Any]] | None:
+    """Every rank's ``summary`` on rank ``dst`` (None elsewhere); collective over the run's
+    process group when there is one, else just this one.
+
+    NOTE: as JSON in uint8 tensors, not ``gather_object``: like the wire's object ports, a peer's
+    message is never unpickled. All-gathers (lengths, then padded payloads) work on gloo and NCCL.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [summary]
+    world = dist.get_world_size()
+    data = torch.frombuffer(bytearray(json.dumps(summary).encode()), dtype=torch.uint8).to(device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    payloads = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(payloads, padded)
+    if dist.get_rank() != dst:
+        return None
+    return [json.loads(bytes(p[:int(n.item())].cpu().tolist()).decode()) for p, n in zip(payloads, lengths)]
+
+
+def read_plan(out: Path) -> dict[str, Any]:
+    """``OUT/plan.json`` as plain JSON ({} when missing or unreadable: predictions are then null)."""
+    try:
+        plan = json.loads((out / "plan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], schedule: str, microbatches: int,
+                 batch_size: int) -> dict[str, Any]:
+    """The ``pipecc run --json`` document from every rank's ``summary`` and the plan."""
+    steps = min((len(s["step_s"]) for s in summaries), default=0)
+    step_s = [max(s["step_s"][i] for s in summaries) for i in range(steps)]
+    median = _median(step_s)
+    plan_stages = {st.get("index"): st for st in plan.get("stages") or [] if isinstance(st, dict)}
+    devices = plan.get("devices") or []
+    stages = []
+    for summary in summaries:
+        wait = _median(summary["recv_wait_s"])
+        for s, forward, backward in zip(summary["stages"], summary["forward"], summary["backward"]):
+            planned = plan_stages.get(s, {})
+            index = planned.get("device")
+            device = devices[index] if isinstance(index, int) and 0 <= index < len(devices) else {}
+            stages.append({
+                "index": s, "rank": summary["rank"],
+                "device": str(device.get("name", "")) if isinstance(device, dict) else "",
+                "forward_s": _median(forward), "backward_s": _median(backward),
+                "forward_samples": len(forward), "backward_samples": len(backward),
+                "predicted_forward_s": _number(planned.get("forward_s")),
+                "predicted_backward_s": _number(planned.get("backward_s")),
+                "comm_wait_s": wait})
+    stages.sort(key=lambda st: st["index"])
+    return {"format": FORMAT, "version": VERSION, "schedule": schedule, "microbatches": microbatches,
+            "batch_size": batch_size, "steps": steps, "warmup_steps": max(s["warmup"] for s in summaries),
+            "step_s": {"median": median, "all": step_s},
+            "predicted_step_s": _number(plan.get("predicted_iteration_s")),
+            "samples_per_s": batch_size / median if median > 0 else 0.0,
+            "stages": stages}

@@ -59,6 +59,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.runtime.local import PipelinedModule
+from pipecc.runtime.trust import file_sha256
 
 FORMAT = "pipecc-compile"
 FORMAT_VERSION = 1
@@ -163,13 +164,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
 
 def _sha256(path: str) -> str | None:
     """Hex sha256 of the model file compiled, or None (no file: a module compiled in memory)."""
-    if not path or not Path(path).is_file():
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path) if path and Path(path).is_file() else None
 
 
 def _device_desc(plan: Plan, index: int) -> str:

@@ -22,20 +22,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipecc.runtime.trust import file_sha256  # the hash pipecc.json records too
+
 __all__ = ["cache_dir", "cache_key", "file_sha256", "load", "store"]
 
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pipecc" / "profiles"
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def cache_key(parts: Mapping[str, Any]) -> str:

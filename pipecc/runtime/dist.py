@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecc.errors import PipeccError, UsageError
+from pipecc.errors import PipeccError, UsageError, printable
 from pipecc.ir.schedule import SCHEDULES
 from pipecc.runtime import lifeline
 from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
@@ -169,7 +169,7 @@ def _report(message: str, code: int) -> int:
     rank = os.environ.get("RANK")
     if rank is not None and not re.search(r"\brank \d+", message):
         message = f"rank {rank}: {message}"
-    print(f"pipecc: error: {message}", file=sys.stderr, flush=True)
+    print(f"pipecc: error: {printable(message)}", file=sys.stderr, flush=True)
     return code
 
 

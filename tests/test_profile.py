@@ -1,11 +1,14 @@
 """`pipecc profile`: the curve fit against brute force, node timing on the tiny MLP (every node,
 positive times, fits that match their samples, the model left bit-identical), the cache
-(hit, and keyed), one-line errors that write nothing, and the gloo link measurement."""
+(hit, and keyed), one-line errors that write nothing, the gloo link measurement, and the
+cross-host link between two `pipecc profile --nnodes 2` launchers meeting on 127.0.0.1."""
 from __future__ import annotations
 
 import copy
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from helpers import zoo_module, zoo_path
+from helpers import MLP_TINY, PIPECC, ROOT, free_port, model_args, zoo_module, zoo_path
 from pipecc.cli.app import main
+from pipecc.cli.profile import profile_table
 from pipecc.profile.fit import fit_affine
 from pipecc.profile.measure import TIMED_OPS, Sample, microbatch_sizes
 from pipecc.profile.profiler import node_entry, profile_graph, profile_model
@@ -201,7 +205,18 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], int, str]]:
     bad.write_text(BAD_MODEL)
     cases = [
         ([str(MLP), "--devices", "tpu9"], 2, "unknown device 'tpu9'"),
-        ([str(MLP), "--devices", "cpu", "--nnodes", "2"], 2, "not supported yet"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2"], 2, "needs --rdzv-endpoint HOST:PORT"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500"], 2,
+         "needs --node-rank R"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint",
+          "127.0.0.1:29500"], 2, "--node-rank 2 is not below --nnodes 2"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+          "127.0.0.1"], 2, "expected HOST:PORT"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+          "127.0.0.1:0"], 2, "expected HOST:PORT"),
+        ([str(MLP), "--devices", "cpu", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+          "127.0.0.1:29500"], 2, "--no-link with --nnodes 2"),  # the test adds --no-link
+        ([str(MLP), "--devices", "cpu", "--timeout", "0"], 2, "must be > 0"),
         ([str(MLP), "--devices", "cpu", "--repeat", "0"], 2, "positive integer"),
         ([str(MLP), "--devices", "u250"], 1, "no device in --devices can be timed"),
         ([str(tmp_path / "missing.py"), "--devices", "cpu"], 1, "does not exist"),
@@ -241,6 +256,7 @@ def test_command_writes_the_profile_and_measures_the_link(tmp_path, monkeypatch,
     assert json.loads(printed) == data  # --json: exactly one document on stdout
     link = data["link"]
     assert link["backend"] == "gloo" and link["devices"] == ["cpu", "cpu"]
+    assert link["scope"] == "in-host" and data["links"] == [link]
     assert link["latency_s"] > 0 and link["bandwidth_Bps"] > 0 and math.isfinite(link["bandwidth_Bps"])
     assert [s["bytes"] for s in link["samples"]] == [4, 4096, 1 << 20]
     assert all(s["seconds"] > 0 for s in link["samples"])
@@ -253,3 +269,66 @@ def test_command_writes_the_profile_and_measures_the_link(tmp_path, monkeypatch,
 def _quick_link(backend, devices):
     from pipecc.profile.link import measure_link
     return measure_link(backend, devices, (4, 4096, 1 << 20), warmup=1, repeat=3)
+
+
+# ---------------------------------------------------------------------------- across hosts
+def test_two_launchers_measure_the_cross_host_link(tmp_path):
+    """Node 0 and node 1 as two `pipecc profile` processes meeting at 127.0.0.1:PORT: node 0
+    writes the profile with the cross-host link in `links`; node 1 prints one line, writes
+    nothing (not even with -o); the planner still reads the profile."""
+    from pipecc.targets.profiled import load_profile
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = [tmp_path / f"node{r}.json" for r in (0, 1)]
+    argv = ["profile", str(MLP), "--devices", "cpu", *[f"--model-arg={a}" for a in model_args(MLP_TINY)],
+            "--nnodes", "2", "--rdzv-endpoint", endpoint, "--no-cache", "-q", "--repeat", "1",
+            "--warmup", "0", "--timeout", "30"]
+    nodes = [subprocess.Popen([*PIPECC, *argv, "--node-rank", str(r), "-o", str(out[r])], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        results = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    for n, (stdout, stderr) in zip(nodes, results):
+        assert n.returncode == 0, stderr
+    data = json.loads(out[0].read_text())
+    assert not out[1].exists()
+    assert data["link"] is None  # one device per host: no in-host link
+    [link] = data["links"]
+    assert link["scope"] == "cross-host" and link["endpoint"] == endpoint
+    assert link["nodes"] == [0, 1] and link["backend"] == "gloo" and link["devices"] == ["cpu", "cpu"]
+    assert link["latency_s"] > 0 and link["bandwidth_Bps"] > 0 and math.isfinite(link["bandwidth_Bps"])
+    assert all(s["seconds"] > 0 for s in link["samples"]) and len(link["samples"]) >= 3
+    assert any("cross-host" in n and "in-host link only" in n for n in data["notes"])
+    assert "cross-host, node 0 <-> node 1" in results[0][0]
+    line = results[1][0].strip()
+    assert "\n" not in line and line.startswith("node 1: cross-host gloo link to node 0") \
+        and endpoint in line, line
+    assert load_profile(out[0]).measured_link() is None  # the planner: in-host figures only
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_node_that_never_shows_up_is_one_line_naming_the_endpoint(tmp_path, monkeypatch, capsys,
+                                                                     rank):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    endpoint = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "profile.json"
+    code = main(["profile", str(MLP), "--devices", "cpu", *TINY_ARGS, "--nnodes", "2",
+                 "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--timeout", "1",
+                 "-o", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pipecc: error: "), lines
+    assert endpoint in lines[0] and ("did not join" if rank == 0 else "no rendezvous") in lines[0]
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_older_profiles_without_links_or_scope_still_print_and_load():
+    link = {"backend": "gloo", "devices": ["cpu", "cpu"], "latency_s": 2e-5, "bandwidth_Bps": 1e9,
+            "fit_error": 0.1, "samples": []}
+    data = {"model": {"name": "mlp"}, "batch_size": 1, "microbatch_sizes": [1], "targets": [],
+            "link": link, "notes": []}
+    assert "link (gloo, cpu <-> cpu): latency 20.0 us, bandwidth 1 GB/s" in profile_table(data)

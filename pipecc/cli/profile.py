@@ -4,6 +4,13 @@ Times every node forward and backward at micro-batch sizes 1, 2, 4, ..., B on th
 SPEC that this machine has, fits t(b) = a + c*b per node, measures the point-to-point link,
 and prints a table (or `--json`); `-o FILE` writes the profile JSON. Profiles are cached
 (`pipecc.profile.cache`); `--no-cache` times again.
+
+Several hosts: the same command on each, with `--nnodes N --node-rank R --rdzv-endpoint
+HOST:PORT` (the names and checks of `pipecc run`; node 0 hosts the store at HOST:PORT). Node 0
+measures its link to every other node in turn (`pipecc.profile.crosshost`), then times the
+model as on one host and writes the profile with the cross-host links in `links`; node R > 0
+times nothing, prints its link's one line (or its record with `--json`) and writes nothing,
+even with `-o`. `--timeout S` bounds the rendezvous.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli.args import add_model_args, positive_int, write_atomic
+from pipecc.cli.args import (add_model_args, endpoint, nonnegative_int, positive_float, positive_int,
+                             write_atomic)
+# NOTE: `pipecc run`'s argument types, so both commands read the multi-node flags alike
 from pipecc.errors import PipeccError, UsageError
 from pipecc.report.formatting import terminal_text
 
@@ -27,39 +36,60 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     add_model_args(p)
     p.add_argument("--devices", "-d", required=True, metavar="SPEC",
                    help="devices as for `pipecc plan`: cpu,cpu | 2xa100 | a100@cuda:1 | @cluster.toml")
-    p.add_argument("-o", "--output", metavar="PROFILE_JSON", help="write the profile JSON here")
+    p.add_argument("-o", "--output", metavar="PROFILE_JSON",
+                   help="write the profile JSON here (with --nnodes: node 0 only)")
     p.add_argument("--json", action="store_true", help="print the profile JSON")
     p.add_argument("--repeat", type=positive_int, default=5, metavar="N",
                    help="timed runs per node and size; the median is kept (default 5)")
-    p.add_argument("--warmup", type=_non_negative_int, default=2, metavar="N",
+    p.add_argument("--warmup", type=nonnegative_int, default=2, metavar="N",
                    help="untimed runs before them (default 2)")
     p.add_argument("--no-link", action="store_true", help="do not measure the link")
     p.add_argument("--no-cache", action="store_true", help="time again even if a profile is cached")
-    p.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
-                   help="hosts in the cluster (only 1 is supported yet)")
+    g = p.add_argument_group("several hosts (run the same command on each)")
+    g.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                   help="hosts in the cluster (default 1); node 0 also measures its link to "
+                   "every other node, in turn")
+    g.add_argument("--node-rank", type=nonnegative_int, metavar="R",
+                   help="this host's index, 0 .. N-1; node 0 times the model and writes the profile")
+    g.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
+                   help="node 0's address and a free port on it")
+    g.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
+                   help="seconds to wait for the other hosts at the rendezvous (default 60)")
     p.set_defaults(func=cmd_profile)
     return p
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+def _rendezvous(args: argparse.Namespace) -> Any:
+    """The Rendezvous of --nnodes N > 1, None for one host; usage errors as `pipecc run`'s."""
+    from pipecc.profile import Rendezvous
+    nnodes = args.nnodes
+    if args.node_rank is not None and args.node_rank >= nnodes:
+        raise UsageError(f"--node-rank {args.node_rank} is not below --nnodes {nnodes}")
+    if nnodes == 1:
+        return None
+    if not args.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a "
+                         "free port there)")
+    if args.node_rank is None:
+        raise UsageError("--nnodes > 1 needs --node-rank R on each machine (0 on the host of "
+                         "--rdzv-endpoint)")
+    if args.no_link:
+        raise UsageError(f"--no-link with --nnodes {nnodes}: the other hosts are there only to "
+                         "measure the links; profile one host with --nnodes 1")
+    return Rendezvous(args.rdzv_endpoint, nnodes, args.node_rank, args.timeout)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from pipecc import driver
     from pipecc.frontend.modelfile import parse_model_args
-    from pipecc.profile import profile_model
+    from pipecc.profile import cross_host_side, profile_model, summary_line
 
-    if args.nnodes > 1:
-        raise UsageError(f"--nnodes {args.nnodes}: measuring links across hosts needs pipecc "
-                         "profile launched on each host, which is not supported yet; profile "
-                         "one host (--nnodes 1)")
+    rendezvous = _rendezvous(args)
+    if rendezvous is not None and rendezvous.node_rank > 0:
+        record = cross_host_side(args.devices, rendezvous)
+        print(json.dumps(record, indent=1) if args.json else
+              terminal_text(summary_line(record, rendezvous.node_rank)))
+        return 0
     if args.output:
         parent = Path(args.output).parent
         if not parent.is_dir():  # fail before minutes of timing, not after
@@ -67,7 +97,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     result = profile_model(args.model, args.devices, model_args=parse_model_args(args.model_arg),
                            batch_size=args.batch_size, warmup=args.warmup, repeat=args.repeat,
                            link=not args.no_link, use_cache=not args.no_cache,
-                           symbols=driver.parse_symbols(args.symbol), debug=args.debug)
+                           symbols=driver.parse_symbols(args.symbol), debug=args.debug,
+                           rendezvous=rendezvous)
     text = json.dumps(result.data, indent=1)
     if args.output:
         write_atomic(args.output, text + "\n")
@@ -92,9 +123,13 @@ def profile_table(data: dict[str, Any], cached: bool = False) -> str:
             rows.append([n["name"], n["op"], _curve(f), _curve(b), f"{100 * n['fit_error']:.0f}%"])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    link = data.get("link")
-    if link:
-        lines.append(f"\nlink ({link['backend']}, {' <-> '.join(link['devices'])}): latency "
+    links = data.get("links", [data["link"]] if data.get("link") else [])  # older: "link" only
+    if links:
+        lines.append("")
+    for link in links:
+        where = "" if link.get("scope", "in-host") == "in-host" else \
+            f"cross-host, node {link['nodes'][0]} <-> node {link['nodes'][1]}, "
+        lines.append(f"link ({link['backend']}, {where}{' <-> '.join(link['devices'])}): latency "
                      f"{link['latency_s'] * 1e6:.1f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.3g} GB/s")
     lines += [f"note: {n}" for n in data.get("notes", [])]
     return "\n".join(lines)

@@ -67,7 +67,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli.args import positive_int
+from pipecc.cli.args import endpoint, nonnegative_int, positive_float, positive_int
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime import lifeline
 from pipecc.runtime.launcher import supervise
@@ -81,33 +81,6 @@ TRUST = ("A compiled folder is code, like a pickle: its stage.py files run, and 
          "folders you trust.")
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _endpoint(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 10.0.0.1:29500), got {text!r}")
-    return text
-
-
 def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Register `pipecc run` on the CLI's subparsers (with the common --debug/-v/-q options)."""
     p = subparsers.add_parser(
@@ -119,7 +92,7 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
         "or compiled with --inference) runs N forward passes instead (FPGA stages through their C "
         "simulation); --verify then compares the outputs. " + TRUST)
     p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile -o OUT`")
-    p.add_argument("--steps", type=_nonnegative_int, default=DEFAULT_STEPS, metavar="N",
+    p.add_argument("--steps", type=nonnegative_int, default=DEFAULT_STEPS, metavar="N",
                    help=f"training steps (default {DEFAULT_STEPS})")
     p.add_argument("--verify", action="store_true",
                    help="compare outputs, loss and gradients of the first step with the original model "
@@ -132,11 +105,11 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="override the compiled schedule (inference: forward passes only)")
     p.add_argument("--microbatches", "-m", type=positive_int, metavar="M",
                    help="override the compiled number of micro-batches")
-    p.add_argument("--timeout", type=_positive_float, metavar="S",
+    p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
                    "naming the rank that hung")
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
-    p.add_argument("--lr", type=_positive_float, help="learning rate (default 1e-3; training only)")
+    p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
     p.add_argument("--rtol", type=float, default=1e-4, help="--verify relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
@@ -144,7 +117,7 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="at the end print one JSON document on stdout, nothing else there (the step lines "
                    "go to stderr): per stage the measured median forward and backward per micro-batch and "
                    "receive wait per step, the median step time, each next to plan.json's prediction")
-    p.add_argument("--warmup-steps", type=_nonnegative_int, default=1, metavar="W",
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=1, metavar="W",
                    help="--json: the first W steps are left out of the statistics (default 1)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
     c = p.add_argument_group("checkpoints (training only)")
@@ -159,8 +132,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    "that was never interrupted")
     g = p.add_argument_group("several machines (passed to torchrun)")
     g.add_argument("--nnodes", type=positive_int, default=1, metavar="N", help="number of machines")
-    g.add_argument("--node-rank", type=_nonnegative_int, metavar="R", help="this machine's index, 0 .. N-1")
-    g.add_argument("--rdzv-endpoint", type=_endpoint, metavar="HOST:PORT",
+    g.add_argument("--node-rank", type=nonnegative_int, metavar="R", help="this machine's index, 0 .. N-1")
+    g.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
                    help="node 0's address and a free port on it")
     g.add_argument("--rdzv-backend", choices=["static", "c10d"], default="static",
                    help="static (default): ranks follow --node-rank; c10d: elastic rendezvous")

@@ -8,6 +8,7 @@ profile in place of the roofline figures; that is its business, not this package
     measure.py   time every call node, forward and backward, at one micro-batch size
     fit.py       t(b) = a + c*b per node (overhead a >= 0, slope c >= 0), relative error
     link.py      latency + bytes/bandwidth between two ranks (gloo; NCCL between GPUs)
+    crosshost.py the same between hosts: one process per host around node 0's store
     cache.py     profiles keyed by model file hash, arguments, batch, devices, versions
     profiler.py  `profile_model`: the steps above, in order, into one JSON document
 
@@ -23,17 +24,26 @@ The profile JSON (format "pipecc.profile", version 1)::
                   "nodes": [{"name", "op", "samples": [{"mb", "fwd_s", "bwd_s"}],
                              "fit": {"fwd": {"a", "c", "error"}, "bwd": {"a", "c", "error"}},
                              "fit_error": float}]}],
-     "link": {"backend", "devices", "latency_s", "bandwidth_Bps", "fit_error",
+     "link": {"scope": "in-host", "backend", "devices", "latency_s", "bandwidth_Bps",
+              "fit_error", "statistic", "warmup", "repeat",
               "samples": [{"bytes", "seconds"}]} | null,
+     "links": [the "link" above if any, then with --nnodes N one per node r = 1 .. N-1:
+               {"scope": "cross-host", "endpoint": "HOST:PORT", "nodes": [0, r],
+                "hosts": [str, str], "backend", "devices", "latency_s", ... as "link"}],
      "notes": [str]}
 
 Times are seconds. A node's time at micro-batch b is `a + c*b` of its fit; `error` is the
 largest relative residual of the fit over its samples. `nodes` lists every call node
 (call_module, call_function, call_method) by its human name, as in `pipecc cost --json`;
 placeholders and attribute reads do no work and are left out. `link` is null with one
-device, or with `--no-link`.
+device, or with `--no-link`. Older profiles have no `links` and no `scope` (their `link` is
+in-host); readers take `links` when present, else `[link]`. The planner
+(`pipecc.targets.profiled`) reads `link` only: its cluster model has no hosts, so it plans
+with the in-host figure and the cross-host ones are recorded, not used.
 """
 
-from pipecc.profile.profiler import FORMAT, VERSION, ProfileResult, profile_model
+from pipecc.profile.crosshost import Rendezvous, summary_line
+from pipecc.profile.profiler import FORMAT, VERSION, ProfileResult, cross_host_side, profile_model
 
-__all__ = ["FORMAT", "VERSION", "ProfileResult", "profile_model"]
+__all__ = ["FORMAT", "VERSION", "ProfileResult", "Rendezvous", "cross_host_side", "profile_model",
+           "summary_line"]

@@ -14,8 +14,9 @@ NOTE: the ranks talk through a private process group object, never
 `init_process_group`: the caller's default group (if a script has one) stays untouched,
 and the parent, with torch already imported, needs no second start-up. Rank 1 is spawned,
 not forked (a fork of a process with CUDA or OpenMP state is unsafe), so it pays one torch
-import, about two seconds. One host only: a cross-host measurement needs `pipecc profile`
-started on each host around a shared store, which is not supported yet.
+import, about two seconds. This measures within one host; across hosts (`pipecc profile
+--nnodes N`, started on every host around node 0's store) is `pipecc.profile.crosshost`,
+which reuses this module's `pair_group`, `ping_pong` and `link_record`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Sequence
 from pipecc.errors import PipeccError
 from pipecc.profile.fit import fit_affine
 
-__all__ = ["DEFAULT_SIZES", "measure_link"]
+__all__ = ["DEFAULT_SIZES", "link_record", "measure_link", "pair_group", "ping_pong"]
 
 DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 4 * 2 ** 20, 16 * 2 ** 20)  # 4 B .. 16 MiB
 HOST = "127.0.0.1"
@@ -37,7 +38,8 @@ HOST = "127.0.0.1"
 def measure_link(backend: str = "gloo", devices: Sequence[str] = ("cpu", "cpu"),
                  sizes: Sequence[int] = DEFAULT_SIZES, *, warmup: int = 2, repeat: int = 5,
                  timeout_s: float = 60.0) -> dict[str, Any]:
-    """{backend, devices, latency_s, bandwidth_Bps, fit_error, samples: [{bytes, seconds}]}.
+    """{scope: "in-host", backend, devices, latency_s, bandwidth_Bps, fit_error, statistic,
+    warmup, repeat, samples: [{bytes, seconds}]}.
 
     Raises PipeccError (one line) when rank 1 fails or the ranks do not meet in `timeout_s`."""
     import torch
@@ -56,8 +58,8 @@ def measure_link(backend: str = "gloo", devices: Sequence[str] = ("cpu", "cpu"),
                                nprocs=1, join=False, start_method="spawn")
     try:
         device = torch.device(devices[0])
-        group = _group(backend, store, 0, timeout, device)
-        samples = _ping_pong(group, 0, device, sizes, warmup, repeat)
+        group = pair_group(backend, store, 0, timeout, device)
+        samples = ping_pong(group, 0, device, sizes, warmup, repeat)
         child.join(timeout=timeout_s)
     except mp.ProcessRaisedException as exc:
         raise PipeccError(f"measuring the {backend} link failed in rank 1: {_last_line(exc)}") from exc
@@ -69,6 +71,13 @@ def measure_link(backend: str = "gloo", devices: Sequence[str] = ("cpu", "cpu"),
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+    return {"scope": "in-host", **link_record(backend, devices, samples, warmup, repeat)}
+
+
+def link_record(backend: str, devices: Sequence[str], samples: list[dict[str, float]],
+                warmup: int, repeat: int) -> dict[str, Any]:
+    """The ping-pong samples (rank 0's) fitted to latency + bytes / bandwidth:
+    {backend, devices, latency_s, bandwidth_Bps, fit_error, statistic, warmup, repeat, samples}."""
     fit = fit_affine([s["bytes"] for s in samples], [s["seconds"] for s in samples])
     # NOTE: a zero slope (noise made the largest message no slower per byte than the
     # smallest) would be an infinite bandwidth; fall back to the largest message's rate
@@ -80,8 +89,11 @@ def measure_link(backend: str = "gloo", devices: Sequence[str] = ("cpu", "cpu"),
             "warmup": warmup, "repeat": repeat, "samples": samples}
 
 
-def _group(backend: str, store: Any, rank: int, timeout: timedelta, device: Any) -> Any:
-    """A two-rank process group that is not the default group."""
+def pair_group(backend: str, store: Any, rank: int, timeout: timedelta, device: Any,
+               hostname: str = HOST, interface: str | None = None) -> Any:
+    """A two-rank process group that is not the default group; gloo binds to `interface`
+    if given, else to `hostname` (loopback here; for a cross-host link, the address this
+    host reaches the other through)."""
     import torch
     import torch.distributed as dist
     if backend == "nccl":
@@ -90,13 +102,14 @@ def _group(backend: str, store: Any, rank: int, timeout: timedelta, device: Any)
     if backend != "gloo":
         raise PipeccError(f"unknown link backend {backend!r}; pipecc profile uses gloo or nccl")
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]  # stay on loopback
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                        else dist.ProcessGroupGloo.create_device(hostname=hostname)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-def _ping_pong(group: Any, rank: int, device: Any, sizes: Sequence[int], warmup: int,
-               repeat: int) -> list[dict[str, float]]:
+def ping_pong(group: Any, rank: int, device: Any, sizes: Sequence[int], warmup: int,
+              repeat: int) -> list[dict[str, float]]:
     """Rank 0 sends and times the round trip; rank 1 echoes. Samples on rank 0 only."""
     import torch
     cuda = device.type == "cuda"
@@ -137,7 +150,7 @@ def _rank1(_index: int, backend: str, port: int, device: str, sizes: list[int], 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(HOST, port, 2, False, timeout=timeout)
     dev = torch.device(device)
-    _ping_pong(_group(backend, store, 1, timeout, dev), 1, dev, sizes, warmup, repeat)
+    ping_pong(pair_group(backend, store, 1, timeout, dev), 1, dev, sizes, warmup, repeat)
 
 
 def _child_failure(child: Any) -> str | None:

@@ -4,6 +4,11 @@
     ─► per target: time every node at micro-batch sizes 1, 2, 4, ..., B ─► fit curves
     ─► [link ping-pong] ─► profile JSON ─► cache store
 
+With `--nnodes N` (a `Rendezvous`), node 0 first measures its links to the other hosts
+(`crosshost`, right after the cheap checks: the other nodes wait at the rendezvous) and adds
+them to `links` after the cache lookup or store: the cache keeps one host's measurements
+only. The other nodes call `cross_host_side` and time nothing.
+
 A *target* is one torch device that stands for one or more devices of the spec: `cpu,cpu`
 is timed once on `cpu`; `2xa100` once on `cuda:0`; `a100@cuda:1` on `cuda:1`; `a100@cpu`
 (an A100 modelled, the CPU running it) on `cpu`. FPGA devices are not timed: their costs
@@ -25,12 +30,13 @@ import torch
 from pipecc import progress
 from pipecc.errors import PipeccError, UsageError
 from pipecc.profile import cache
+from pipecc.profile.crosshost import Rendezvous, link_device, measure_cross_host
 from pipecc.profile.fit import fit_affine
 from pipecc.profile.link import measure_link
 from pipecc.profile.measure import TIMED_OPS, Sample, microbatch_sizes, time_nodes
 
-__all__ = ["FORMAT", "VERSION", "Target", "ProfileResult", "profile_model", "profile_graph",
-           "resolve_targets"]
+__all__ = ["FORMAT", "VERSION", "Target", "ProfileResult", "Rendezvous", "cross_host_side",
+           "profile_model", "profile_graph", "resolve_targets"]
 
 FORMAT = "pipecc.profile"
 VERSION = 1
@@ -139,17 +145,17 @@ def _link_plan(targets: Sequence[Target]) -> tuple[str, tuple[str, str], str | N
 def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] | None = None,
                   batch_size: int = 1, warmup: int = 2, repeat: int = 5, link: bool = True,
                   use_cache: bool = True, cache_directory: Path | None = None,
-                  symbols: Sequence[Any] = (), debug: bool = False) -> ProfileResult:
+                  symbols: Sequence[Any] = (), debug: bool = False,
+                  rendezvous: Rendezvous | None = None) -> ProfileResult:
     """Profile a .py model file on the devices of `devices` (a spec string or Cluster).
 
-    `symbols` (`--symbol`) only shape the analysis; the timings do not depend on them."""
+    `symbols` (`--symbol`) only shape the analysis; the timings do not depend on them.
+    `rendezvous` (node 0 of several hosts) adds the cross-host links to `links`."""
     from pipecc import __version__, driver
-    from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
 
-    try:
-        cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
-    except DeviceSpecError as exc:
-        raise UsageError(str(exc)) from exc
+    cluster = _cluster(devices)
+    if rendezvous is not None and rendezvous.node_rank != 0:
+        raise ValueError("profile_model runs on node 0; the other nodes call cross_host_side")
     if warmup < 0 or repeat < 1:
         raise UsageError(f"need --warmup >= 0 and --repeat >= 1, got {warmup} and {repeat}")
     path = Path(path)
@@ -159,6 +165,11 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
         raise PipeccError(f"pipecc profile needs a .py model file, got {path.name}: an ONNX "
                           "file has no example_inputs(batch) to make micro-batches with")
     targets, notes = resolve_targets(cluster)
+    cross: list[dict[str, Any]] = []
+    if rendezvous is not None and rendezvous.nnodes > 1:
+        with progress.step(f"measuring the links to {rendezvous.nnodes - 1} other host(s) "
+                           f"(rendezvous {rendezvous.endpoint})"):
+            cross = measure_cross_host(rendezvous, *link_device([t.torch_device for t in targets]))
     link_spec = _link_plan(targets) if link and len(cluster.devices) > 1 else None
     if link_spec and link_spec[2]:
         notes.append(link_spec[2])
@@ -183,7 +194,7 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
             progress.explain(f"profile of {path.name} from the cache ({where})")
             hit["model"]["path"] = str(path.resolve())
             hit.update(spec_part)
-            return ProfileResult(hit, True, where)
+            return ProfileResult(_with_cross_host(hit, cross), True, where)
 
     analysis = driver.analyze(path, model_args=model_args, batch_size=batch_size,
                               symbols=symbols, debug=debug)
@@ -207,11 +218,40 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
         "devices": spec_part["devices"],
         "timing": {"warmup": warmup, "repeat": repeat, "statistic": "median",
                    "curve": "t(b) = a + c*b, a >= 0, c >= 0, least relative squares"},
-        "targets": timings, "link": link_data, "notes": notes}
+        "targets": timings, "link": link_data, "links": [link_data] if link_data else [],
+        "notes": notes}
     stored = cache.store(key, data, cache_directory) if use_cache else None
     if stored:
         progress.explain(f"profile cached as {stored}")
-    return ProfileResult(data, False, stored)
+    return ProfileResult(_with_cross_host(data, cross), False, stored)
+
+
+def _cluster(devices: Any) -> Any:
+    from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
+    try:
+        return devices if isinstance(devices, Cluster) else parse_devices(devices)
+    except DeviceSpecError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _with_cross_host(data: dict[str, Any], cross: list[dict[str, Any]]) -> dict[str, Any]:
+    """`data` with `links` = its in-host link (if any), then the cross-host ones (also for a
+    cached profile from before `links` existed), and a note when there are cross-host ones."""
+    data["links"] = ([data["link"]] if data.get("link") else []) + cross
+    if cross:
+        data["notes"] = [*data.get("notes", []),
+                         "links: the cross-host links are recorded in \"links\" (scope "
+                         "cross-host); `pipecc plan --profile` plans with the in-host link only, "
+                         "as its cluster model has no hosts"]
+    return data
+
+
+def cross_host_side(devices: Any, rendezvous: Rendezvous) -> dict[str, Any]:
+    """Node r > 0 of several hosts: its end of the link to node 0 (the GPU of `devices` if
+    it has one and NCCL is there, else the CPU); returns node 0's record of it."""
+    targets, _ = resolve_targets(_cluster(devices))
+    with progress.step(f"measuring the link to node 0 (rendezvous {rendezvous.endpoint})"):
+        return measure_cross_host(rendezvous, *link_device([t.torch_device for t in targets]))[0]
 
 
 def profile_graph(gm: torch.fx.GraphModule, make_inputs: Any, torch_device: str,

@@ -25,6 +25,7 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import warnings
 from contextlib import nullcontext
@@ -97,7 +98,7 @@ class Instruments:
 
     def __init__(self, debug: bool = False, dump_ir: str | Path | None = None) -> None:
         self.debug = debug
-        self.dump_dir = Path(dump_ir) if dump_ir is not None else None
+        self.dump_dir = _dump_folder(dump_ir) if dump_ir is not None else None
         self.timings: list[tuple[str, float]] = []
 
     def run(self, steps: Sequence[Step], state: State) -> State:
@@ -118,11 +119,24 @@ class Instruments:
         """`NNN_<name>.txt`, numbered on from the dumps already in the folder (so analyze,
         plan and compile, each with its own Instruments, number one sequence)."""
         assert self.dump_dir is not None
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
         done = [int(p.name[:3]) for p in self.dump_dir.glob("[0-9][0-9][0-9]_*.txt")]
         path = self.dump_dir / f"{max(done, default=-1) + 1:03d}_{name.replace(' ', '_')}.txt"
         path.write_text(f"# after step {name!r} ({seconds:.3f} s)\n{ir_text(state)}", encoding="utf-8")
         return path
+
+
+def _dump_folder(dump_ir: str | Path) -> Path:
+    """`--dump-ir DIR`, created now (before any step runs), or one line saying why it cannot be."""
+    folder = Path(dump_ir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as exc:
+        why = "it is a file" if folder.is_file() else (exc.strerror or str(exc)).lower()
+        raise UsageError(f"--dump-ir {dump_ir}: cannot write dumps there ({why}); give a folder "
+                         "pipecc can create or write") from None
+    return folder
 
 
 def verify_state(state: State) -> None:

@@ -94,6 +94,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import replace_section  # noqa: E402
 
 from pipecc import driver  # noqa: E402
 from pipecc.targets.devices import Cluster, parse_devices  # noqa: E402
@@ -619,17 +621,8 @@ def _dp_summary(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace what lies between the balance markers; keep everything else in the file."""
-    block = f"{BEGIN}\n{text}{END}"
-    if not path.exists():
-        path.write_text(f"# Benchmark results\n\n{block}\n", encoding="utf-8")
-        return
-    old = path.read_text(encoding="utf-8")
-    a, b = old.find(BEGIN), old.find(END)
-    if a < 0 or b < a:
-        path.write_text(old.rstrip("\n") + f"\n\n{block}\n", encoding="utf-8")
-        return
-    path.write_text(old[:a] + block + old[b + len(END):], encoding="utf-8")
+    """Rewrite this bench's section of `path` (bench/results.py)."""
+    replace_section(path, "balance", text)
 
 
 # ---------------------------------------------------------------------------- main

@@ -19,6 +19,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import replace_section  # noqa: E402
 from helpers import reference_flops  # noqa: E402
 
 from pipecc import cost, driver  # noqa: E402
@@ -61,15 +63,8 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def write_section(text: str, key: str = "cost") -> None:
-    path = ROOT / "bench" / "RESULTS.md"
-    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    block = f"{begin}\n{text.rstrip()}\n{end}"
-    if begin in old and end in old:
-        new = old[:old.index(begin)] + block + old[old.index(end) + len(end):]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    path.write_text(new)
+    """Rewrite section `key` of bench/RESULTS.md (bench/results.py)."""
+    replace_section(ROOT / "bench" / "RESULTS.md", key, text)
 
 
 def main() -> None:

@@ -51,6 +51,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import replace_section  # noqa: E402
 PIPECC = [sys.executable, "-m", "pipecc.cli"]
 
 # name -> model file, build_model/example_inputs arguments, batch. Small enough that one
@@ -299,14 +301,8 @@ BEGIN, END = "<!-- fidelity:begin -->", "<!-- fidelity:end -->"
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace the text between the fidelity markers of `path` (appended if missing)."""
-    section = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    old = path.read_text(encoding="utf-8") if path.exists() else "# Results\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + section + "\n"
-    path.write_text(new, encoding="utf-8")
+    """Rewrite this bench's section of `path` (bench/results.py)."""
+    replace_section(path, "fidelity", text)
 
 
 # ----------------------------------------------------------------------------- measuring

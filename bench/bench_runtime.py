@@ -45,6 +45,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import replace_section  # noqa: E402
 
 from pipecc import driver  # noqa: E402
 from pipecc.backends.torch.stages import cut_stages, ports_json  # noqa: E402
@@ -391,14 +393,8 @@ BEGIN, END = "<!-- runtime:begin -->", "<!-- runtime:end -->"
 
 
 def write_section(path: Path, text: str) -> None:
-    """Replace the text between the runtime markers of `path` (created, or appended, if missing)."""
-    section = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    old = path.read_text(encoding="utf-8") if path.exists() else "# Results\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + section + "\n"
-    path.write_text(new, encoding="utf-8")
+    """Rewrite this bench's section of `path` (bench/results.py)."""
+    replace_section(path, "runtime", text)
 
 
 def main(argv: list[str] | None = None) -> int:

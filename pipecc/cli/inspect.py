@@ -11,15 +11,7 @@ import argparse
 import json
 from typing import Any
 
-
-def _stage_index(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a stage index, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a stage index is >= 0, got {value}")
-    return value
+from pipecc.cli.args import stage_index
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,7 +24,7 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
         "(pipecc inspect OUT --format dot | dot -Tsvg > graph.svg). --onnx DIR also writes each "
         "stage as an ONNX file and checks it with onnxruntime against the torch stage.")
     p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile`")
-    p.add_argument("--stage", type=_stage_index, metavar="I", help="details of stage I")
+    p.add_argument("--stage", type=stage_index, metavar="I", help="details of stage I")
     p.add_argument("--format", choices=["text", "json", "dot"], default="text",
                    help="output format (default text)")
     p.add_argument("--onnx", metavar="DIR",

@@ -412,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # NOTE: skip interpreter teardown: torch's C++ destructors abort a finished rank now and then
     report = run(args)
     command = "python bench/bench_runtime.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(report, command.strip())

@@ -146,7 +146,9 @@ def main() -> int:
         print(f"pipecc: error: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # NOTE: skip interpreter teardown, which may wait on the dead peer's socket
     dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # NOTE: skip interpreter teardown: torch's C++ destructors abort a finished rank now and then
 
 
 if __name__ == "__main__":

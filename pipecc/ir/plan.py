@@ -28,6 +28,11 @@ class StagePlan:
     # where forward_s/backward_s came from: "profile" (measured curves), "roofline",
     # "mixed" (measured where the profile has the node), "fpga-model"; "" in older plans
     time_source: str = ""
+    # PP x DP (Plan.replicas > 1): the plan-device indices of the group running this stage, replica
+    # r on replica_devices[r] (= rank); each replica takes 1/replicas of every micro-batch and the
+    # group all-reduces the stage's gradients. [] in a plan without replication (= [device]).
+    replica_devices: list[int] = field(default_factory=list)
+    allreduce_s: float = 0.0      # predicted seconds of the group's gradient all-reduce per iteration
 
 
 @dataclass
@@ -63,6 +68,10 @@ class Plan:
     # the comm-blind bound of earlier releases, shown next to lower_bound_s for one release
     # (0.0: a plan written before it)
     lower_bound_compute_s: float = 0.0
+    # PP x DP: every stage runs on `replicas` devices (1: plain pipeline; replicas == number of
+    # devices with one stage: plain data parallelism). Pipeline rank j, replica r is rank
+    # j * replicas + r and runs on devices[j * replicas + r]; see StagePlan.replica_devices.
+    replicas: int = 1
 
     @property
     def balance_ratio(self) -> float:
@@ -73,6 +82,10 @@ class Plan:
         """bottleneck / the comm-blind bound (the ratio earlier releases reported)."""
         lb = self.lower_bound_compute_s
         return self.bottleneck_s / lb if lb > 0 else float("inf")
+
+    def stage_devices(self, stage: StagePlan) -> list[int]:
+        """The plan-device indices running `stage` (its replica group; [device] without one)."""
+        return list(stage.replica_devices) or [stage.device]
 
     def stage_of(self) -> dict[str, int]:
         """Node name -> stage index."""

@@ -179,6 +179,27 @@ def test_cache_is_hit_the_second_time_and_keyed(tmp_path):
                              **FAST).cache_hit
 
 
+def test_nodes_are_timed_with_the_threads_of_a_run_rank(tmp_path, monkeypatch):
+    """One intra-op thread (what `pipecc run` gives each rank) unless $OMP_NUM_THREADS says
+    otherwise; recorded, keyed, and torch's setting restored afterwards."""
+    from pipecc.profile import profiler
+    seen: list[int] = []
+    real = profiler.profile_graph
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(profiler, "profile_graph", spy)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    one = profile_model(MLP, "cpu", model_args=TINY, batch_size=2, link=False, cache_directory=tmp_path, **FAST)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    two = profile_model(MLP, "cpu", model_args=TINY, batch_size=2, link=False, cache_directory=tmp_path, **FAST)
+    assert seen == [1, 2] and torch.get_num_threads() == before
+    assert one.data["timing"]["cpu_threads"] == 1 and two.data["timing"]["cpu_threads"] == 2
+    assert not two.cache_hit and one.data["cache_key"] != two.data["cache_key"]
+
+
 # ---------------------------------------------------------------------------- command line
 BAD_MODEL = """
 import torch

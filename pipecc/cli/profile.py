@@ -3,7 +3,8 @@
 Times every node forward and backward at micro-batch sizes 1, 2, 4, ..., B on the devices of
 SPEC that this machine has, fits t(b) = a + c*b per node, measures the point-to-point link,
 and prints a table (or `--json`); `-o FILE` writes the profile JSON. Profiles are cached
-(`pipecc.profile.cache`); `--no-cache` times again.
+(`pipecc.profile.cache`); `--no-cache` times again. Nodes are timed with one intra-op thread
+($OMP_NUM_THREADS when set), as each rank of `pipecc run` runs.
 
 Several hosts: the same command on each, with `--nnodes N --node-rank R --rdzv-endpoint
 HOST:PORT` (the names and checks of `pipecc run`; node 0 hosts the store at HOST:PORT). Node 0

@@ -15,15 +15,21 @@ is timed once on `cpu`; `2xa100` once on `cuda:0`; `a100@cuda:1` on `cuda:1`; `a
 come from the analytic FPGA model (`pipecc devices`), and the profile says so in `notes`.
 A GPU in the spec on a machine without CUDA is an error, not a silent CPU fallback: the
 numbers would describe the wrong hardware.
+
+Threads: nodes are timed with torch's intra-op threads at $OMP_NUM_THREADS, else 1 (`cpu_threads`),
+the count each rank of `pipecc run` gets, so a profiled plan predicts what a run does; the
+profile records it in `timing.cpu_threads` and the cache keys on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -176,11 +182,13 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
     model_args = dict(model_args or {})
     sizes = microbatch_sizes(batch_size)
     sha = cache.file_sha256(path)
+    threads = cpu_threads()
     key = cache.cache_key({
         "format": FORMAT, "version": VERSION, "pipecc": __version__, "torch": torch.__version__,
         "model_sha256": sha, "model_args": model_args, "batch_size": batch_size,
         "targets": [t.to_json() for t in targets], "host_cpu": host_cpu_name(),
-        "warmup": warmup, "repeat": repeat, "link": link_spec[:2] if link_spec else None})
+        "warmup": warmup, "repeat": repeat, "link": link_spec[:2] if link_spec else None,
+        "cpu_threads": threads})
     # NOTE: what describes this spec rather than the measurements (its device list, the
     # notes on it) is not in the key: `cpu,cpu` and `cpu,u250` share one cached timing
     spec_part = {"devices": [{"name": d.name, "kind": d.kind, "placement": d.placement,
@@ -199,10 +207,11 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
     analysis = driver.analyze(path, model_args=model_args, batch_size=batch_size,
                               symbols=symbols, debug=debug)
     assert analysis.spec is not None  # a .py file
-    timings = [dict(t.to_json(), nodes=profile_graph(analysis.graph.gm, analysis.spec.make_inputs,
-                                                     t.torch_device, sizes, warmup=warmup,
-                                                     repeat=repeat))
-               for t in targets]
+    with torch_threads(threads):
+        timings = [dict(t.to_json(), nodes=profile_graph(analysis.graph.gm, analysis.spec.make_inputs,
+                                                         t.torch_device, sizes, warmup=warmup,
+                                                         repeat=repeat))
+                   for t in targets]
     link_data = None
     if link_spec:
         backend, pair, _ = link_spec
@@ -216,7 +225,7 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
         "torch_version": torch.__version__, "pipecc_version": __version__,
         "host": {"cpu": host_cpu_name(), "platform": platform.platform()},
         "devices": spec_part["devices"],
-        "timing": {"warmup": warmup, "repeat": repeat, "statistic": "median",
+        "timing": {"warmup": warmup, "repeat": repeat, "statistic": "median", "cpu_threads": threads,
                    "curve": "t(b) = a + c*b, a >= 0, c >= 0, least relative squares"},
         "targets": timings, "link": link_data, "links": [link_data] if link_data else [],
         "notes": notes}
@@ -224,6 +233,28 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
     if stored:
         progress.explain(f"profile cached as {stored}")
     return ProfileResult(_with_cross_host(data, cross), False, stored)
+
+
+def cpu_threads() -> int:
+    """The intra-op threads `pipecc run` gives each rank: $OMP_NUM_THREADS, else 1
+    (`pipecc.cli.run` sets OMP_NUM_THREADS=1 for its children unless it is set). The nodes
+    are timed with as many, so a profiled plan predicts what a run does."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    try:
+        return max(1, int(value)) if value else 1
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cluster(devices: Any) -> Any:

@@ -313,10 +313,12 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
-         profile: Any = None, debug: bool = False, dump_ir: str | Path | None = None):
+         profile: Any = None, debug: bool = False, dump_ir: str | Path | None = None,
+         recompute: str = "none"):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
-    (a `pipecc profile` file or its loaded dict) gives measured costs where it has them."""
+    (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
+    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -327,6 +329,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         raise UsageError(str(exc)) from exc
     if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
+    if recompute not in ("none", "full", "auto"):
+        raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
@@ -336,7 +340,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
-                          dtype=dtype, fpga_number=fpga_number, profile=profile)
+                          dtype=dtype, fpga_number=fpga_number, profile=profile,
+                          recompute=recompute)
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),

@@ -86,9 +86,16 @@ def evaluate_candidate(bal: "Balancer", schedule: str, m: int) -> "_Candidate":
     """The candidate (schedule, m) under the balancer's recompute mode (module docstring)."""
     check(bal)
     mode = bal.opt.recompute
-    if mode == "none":
-        return bal.evaluate_candidate(schedule, m)
     n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    if mode == "none":
+        try:
+            return bal.evaluate_candidate(schedule, m)
+        except InfeasibleError as exc:
+            if not bal.opt.training or not str(exc).startswith("no split fits memory"):
+                raise
+            if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)))) is None:
+                raise
+            raise InfeasibleError(f"{exc}, or recompute activations (--recompute auto)") from None
     if mode == "full":
         cand = bal.evaluate_candidate(schedule, m, recompute=[True] * n)
         cand.notes.append("every stage recomputes its activations (--recompute full)")

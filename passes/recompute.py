@@ -28,14 +28,15 @@ its running statistics a second time; "auto" never picks a stage that holds one)
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 from pipecc.errors import UsageError
 from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
 
-if TYPE_CHECKING:
-    from pipecc.passes.balance import Balancer, _Candidate
+# NOTE: `Balancer` and its `_Candidate` (passes.balance) are typed Any here: balance calls this
+# module, so importing them back, even for type checking only, is an import cycle.
+Balancer = _Candidate = Any
 
 MODES = ("none", "full", "auto")
 
@@ -58,7 +59,7 @@ def training_batchnorm_names(graph: AnnotatedGraph) -> list[str]:
     return names
 
 
-def check(bal: "Balancer") -> None:
+def check(bal: Balancer) -> None:
     """UsageError (one line) for a `--recompute` mode these devices or this model cannot take."""
     mode = bal.opt.recompute
     if mode not in MODES:
@@ -82,7 +83,7 @@ def check(bal: "Balancer") -> None:
                          "auto, which recomputes only stages without BatchNorm")
 
 
-def evaluate_candidate(bal: "Balancer", schedule: str, m: int) -> "_Candidate":
+def evaluate_candidate(bal: Balancer, schedule: str, m: int) -> _Candidate:
     """The candidate (schedule, m) under the balancer's recompute mode (module docstring)."""
     check(bal)
     mode = bal.opt.recompute
@@ -103,7 +104,7 @@ def evaluate_candidate(bal: "Balancer", schedule: str, m: int) -> "_Candidate":
     return _auto(bal, schedule, m, n)
 
 
-def _auto(bal: "Balancer", schedule: str, m: int, n: int) -> "_Candidate":
+def _auto(bal: Balancer, schedule: str, m: int, n: int) -> _Candidate:
     base: _Candidate | None = None
     error: InfeasibleError | None = None
     try:
@@ -134,12 +135,12 @@ def _auto(bal: "Balancer", schedule: str, m: int, n: int) -> "_Candidate":
     return best
 
 
-def _allowed(bal: "Balancer", n: int, order: Sequence[int]) -> list[bool]:
+def _allowed(bal: Balancer, n: int, order: Sequence[int]) -> list[bool]:
     """Stages that may recompute: on a CPU/GPU (FPGA stages are hardware dataflow)."""
     return [bal.cluster.devices[order[k % bal.p]].kind != "fpga" for k in range(n)]
 
 
-def _over_cap_roomy(bal: "Balancer", schedule: str, m: int, n: int) -> list[bool]:
+def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int) -> list[bool]:
     """Stages that overflow their memory at the cuts a memory-blind partition chooses."""
     v = n // bal.p
     mb = bal.opt.batch_size // m
@@ -152,7 +153,7 @@ def _over_cap_roomy(bal: "Balancer", schedule: str, m: int, n: int) -> list[bool
     return [mem > cap for mem, cap in zip(part.stage_memory, prob.mem_cap)]
 
 
-def _feasible(bal: "Balancer", schedule: str, m: int, flags: list[bool]) -> "_Candidate | None":
+def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool]) -> _Candidate | None:
     """The candidate with `flags` recomputing, minus recomputation on BatchNorm stages (a stage
     holding training-mode BatchNorm must not recompute); None if nothing fits."""
     bn = set(training_batchnorm_names(bal.graph))
@@ -172,7 +173,7 @@ def _feasible(bal: "Balancer", schedule: str, m: int, flags: list[bool]) -> "_Ca
     return None
 
 
-def _fewer(bal: "Balancer", schedule: str, m: int, cand: "_Candidate") -> "_Candidate":
+def _fewer(bal: Balancer, schedule: str, m: int, cand: _Candidate) -> _Candidate:
     """`cand` with recomputation only on the stages whose memory at its cuts needs it, when that
     plan is feasible and no slower."""
     need = [r and over for r, over in zip(cand.recompute, _over_without(cand))]
@@ -184,23 +185,23 @@ def _fewer(bal: "Balancer", schedule: str, m: int, cand: "_Candidate") -> "_Cand
     return cand
 
 
-def _memory_without(cand: "_Candidate") -> tuple[float, ...]:
+def _memory_without(cand: _Candidate) -> tuple[float, ...]:
     """Each stage's memory at `cand`'s cuts if no stage recomputed."""
     return evaluate(dataclasses.replace(cand.problem, recompute=None), cand.part.bounds).stage_memory
 
 
-def _over_without(cand: "_Candidate") -> list[bool]:
+def _over_without(cand: _Candidate) -> list[bool]:
     caps = cand.problem.mem_cap
     return [mem > cap for mem, cap in zip(_memory_without(cand), caps)]
 
 
-def _stage_names(cand: "_Candidate") -> list[list[str]]:
+def _stage_names(cand: _Candidate) -> list[list[str]]:
     b = cand.part.bounds
     return [[nm for u in range(b[k], b[k + 1]) for nm in cand.units.names[u]]
             for k in range(len(b) - 1)]
 
 
-def _why(cand: "_Candidate", base: "_Candidate | None") -> list[str]:
+def _why(cand: _Candidate, base: _Candidate | None) -> list[str]:
     """One decision line per recomputing stage, and what the plan without it would have done."""
     gb = lambda x: f"{x / 1e9:.3g} GB"  # noqa: E731
     out = []

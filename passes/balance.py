@@ -11,6 +11,9 @@ unit times; `Balancer.recost` then re-costs each stage of the chosen partition a
 where the device's model says so (FPGA dataflow stages), so the plan and estimates.json agree.
 A unit a device cannot run costs CANNOT_RUN_S there, and a device whose stages take one
 float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
+Which stages recompute their activations (`PlanOptions.recompute`) is `passes.recompute`'s
+choice per candidate; `problem(..., recompute=)` charges them (one more forward in backward,
+one micro-batch's activations plus the received inputs in memory).
 """
 
 from __future__ import annotations

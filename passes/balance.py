@@ -160,6 +160,11 @@ class Balancer:
         activations (`passes.recompute`)."""
         fwd, bwd = self.times(units, mb)
         devs = [order[k % self.p] for k in range(self.p * v)]
+        if recompute is not None and len(recompute) != len(devs):
+            raise ValueError(f"recompute needs one flag per stage ({len(devs)}), got {len(recompute)}")
+        if recompute is not None:  # never on an FPGA card (a device order may put one anywhere)
+            recompute = [bool(r) and self.cluster.devices[d].kind != "fpga"
+                         for r, d in zip(recompute, devs)]
         if recompute is not None and any(recompute):  # the re-run forward joins the backward
             bwd = bwd[devs] + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd[devs], 0.0)
             fwd, devs_t = fwd[devs], list(range(len(devs)))

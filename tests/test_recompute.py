@@ -124,6 +124,17 @@ def test_recomputed_backward_pays_one_more_forward(big_mlp) -> None:
     np.testing.assert_allclose(np.asarray(redo.bwd)[1], np.asarray(plain.bwd)[1] + np.asarray(plain.fwd)[1])
 
 
+def test_an_fpga_stage_never_recomputes() -> None:
+    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.targets.devices import parse_devices
+    graph = driver.analyze(MLP, model_args=MLP_TINY, batch_size=2).graph
+    for order in ((0, 1), (1, 0)):  # --choose-order may put the card at either end
+        bal = Balancer(graph, parse_devices("cpu,u250"), PlanOptions(batch_size=2, recompute="auto"))
+        units = bal.builder.at(1)
+        prob = bal.problem(units, 1, "gpipe", 2, order, recompute=[True, True])
+        assert prob.recompute == tuple(bal.cluster.devices[d].kind != "fpga" for d in order)
+
+
 # ---------------------------------------------------------------------------- planner
 def test_auto_fits_where_none_cannot_and_says_why(big_mlp, tmp_path) -> None:
     devices = small_cluster(tmp_path, 34e6)  # 30.6 MB usable: both stages need ~34-37 MB without

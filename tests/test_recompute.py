@@ -135,6 +135,18 @@ def test_an_fpga_stage_never_recomputes() -> None:
         assert prob.recompute == tuple(bal.cluster.devices[d].kind != "fpga" for d in order)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_partitioner_memory_equals_simulated_peak_for_recomputed_stages(big_mlp, schedule) -> None:
+    """Two models of one memory: M_k (inputs of every micro-batch in flight + one working set)
+    and the simulator's walk over the schedule's rows agree exactly."""
+    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.targets.devices import parse_devices
+    bal = Balancer(big_mlp.graph, parse_devices("3xcpu"), PlanOptions(batch_size=4096))
+    cand = bal.evaluate_candidate(schedule, 8, recompute=[True, True, True])
+    assert cand.recompute == (True, True, True)
+    assert list(cand.part.stage_memory) == pytest.approx(cand.timeline.peak_memory_bytes, rel=1e-12)
+
+
 # ---------------------------------------------------------------------------- planner
 def test_auto_fits_where_none_cannot_and_says_why(big_mlp, tmp_path) -> None:
     devices = small_cluster(tmp_path, 34e6)  # 30.6 MB usable: both stages need ~34-37 MB without

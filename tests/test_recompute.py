@@ -333,6 +333,11 @@ def test_plan_text_and_inspect_show_recomputing_stages(tmp_path, capsys) -> None
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0
     capsys.readouterr()
+    plan_argv = ["plan" if a == "compile" else a for a in argv if a not in ("-o", str(out), "-q")]
+    assert cli.main(plan_argv + ["-v"]) == 0
+    shown = capsys.readouterr()
+    assert "recompute       every stage (activations re-created in backward" in shown.out, shown.out
+    assert "every stage recomputes its activations (--recompute full)" in shown.out + shown.err
     assert cli.main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     assert "recompute       every stage (activations re-created in backward" in text, text

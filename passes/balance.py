@@ -322,6 +322,8 @@ class Balancer:
                 lost.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
+            if lost:  # would recomputing activations fit it? (only with --recompute none)
+                reason = recompute_pass.hint(self, lost[0]["schedule"], lost[0]["microbatches"], reason)
             if "on-chip BRAM" in reason:
                 reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")

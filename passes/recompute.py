@@ -89,19 +89,23 @@ def evaluate_candidate(bal: Balancer, schedule: str, m: int) -> _Candidate:
     mode = bal.opt.recompute
     n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
     if mode == "none":
-        try:
-            return bal.evaluate_candidate(schedule, m)
-        except InfeasibleError as exc:
-            if not bal.opt.training or not str(exc).startswith("no split fits memory"):
-                raise
-            if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)))) is None:
-                raise
-            raise InfeasibleError(f"{exc}, or recompute activations (--recompute auto)") from None
+        return bal.evaluate_candidate(schedule, m)
     if mode == "full":
         cand = bal.evaluate_candidate(schedule, m, recompute=[True] * n)
         cand.notes.append("every stage recomputes its activations (--recompute full)")
         return cand
     return _auto(bal, schedule, m, n)
+
+
+def hint(bal: Balancer, schedule: str, m: int, reason: str) -> str:
+    """`reason` (why (schedule, m) fits no memory) plus "or recompute activations" when the
+    mode is "none" and recomputing every stage that may would fit it."""
+    if bal.opt.recompute != "none" or not bal.opt.training or "no split fits memory" not in reason:
+        return reason
+    n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)))) is None:
+        return reason
+    return f"{reason}, or recompute activations (--recompute auto)"
 
 
 def _auto(bal: Balancer, schedule: str, m: int, n: int) -> _Candidate:

@@ -11,6 +11,9 @@ unit times; `Balancer.recost` then re-costs each stage of the chosen partition a
 where the device's model says so (FPGA dataflow stages), so the plan and estimates.json agree.
 A unit a device cannot run costs CANNOT_RUN_S there, and a device whose stages take one
 float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
+Which stages recompute their activations (`PlanOptions.recompute`) is `passes.recompute`'s
+choice per candidate; `problem(..., recompute=)` charges them (one more forward in backward,
+one micro-batch's activations plus the received inputs in memory).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule import by_name
 from pipecc.passes import baselines
+from pipecc.passes import recompute as recompute_pass
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, lower_bound, partition)
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
@@ -57,6 +61,7 @@ class PlanOptions:
     compare: bool = False
     fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
     profile: Profile | None = None    # measured costs (`pipecc.targets.profiled.use_profile`)
+    recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
 
 
 @dataclass
@@ -71,6 +76,7 @@ class _Candidate:
     virtual: int = 1
     notes: list[str] = field(default_factory=list)
     raw: PartitionProblem | None = None   # before stages were re-costed (for baselines)
+    recompute: tuple[bool, ...] = ()      # [stage] recomputes its activations; (): none does
 
 
 @functools.lru_cache(maxsize=256)  # NOTE: --choose-order asks once per device order
@@ -147,11 +153,23 @@ class Balancer:
         return prob, evaluate(prob, bounds)
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
-                v: int = 1) -> PartitionProblem:
+                v: int = 1, recompute: Sequence[bool] | None = None) -> PartitionProblem:
         """Stage k on device order[k % p], with the memory its device's model counts
-        (`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards)."""
+        (`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards). A stage with
+        `recompute[k]` pays one more forward in its backward and holds one micro-batch's
+        activations (`passes.recompute`)."""
         fwd, bwd = self.times(units, mb)
         devs = [order[k % self.p] for k in range(self.p * v)]
+        if recompute is not None and len(recompute) != len(devs):
+            raise ValueError(f"recompute needs one flag per stage ({len(devs)}), got {len(recompute)}")
+        if recompute is not None:  # never on an FPGA card (a device order may put one anywhere)
+            recompute = [bool(r) and self.cluster.devices[d].kind != "fpga"
+                         for r, d in zip(recompute, devs)]
+        if recompute is not None and any(recompute):  # the re-run forward joins the backward
+            bwd = bwd[devs] + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd[devs], 0.0)
+            fwd, devs_t = fwd[devs], list(range(len(devs)))
+        else:
+            recompute, devs_t = None, devs
         mems = [self.costs[d].memory(units, v) for d in devs]
         inflight = _inflight(schedule, self.p * v, m, v) if self.opt.training else [1] * (self.p * v)
         inflight = [i if mem.inflight is None else mem.inflight for i, mem in zip(inflight, mems)]
@@ -167,10 +185,11 @@ class Balancer:
             none = np.zeros_like(bad)
             blocked = [bad if one[k] or one[k + 1] else none for k in range(len(devs) - 1)]
         return PartitionProblem(
-            fwd=fwd[devs], bwd=bwd[devs], out_bytes=units.values["output_bytes"],
+            fwd=fwd[devs_t], bwd=bwd[devs_t], out_bytes=units.values["output_bytes"],
             last_use=units.last_use, static_mem=np.stack([mem.static for mem in mems]),
             act_mem=np.stack([mem.act for mem in mems]), mem_cap=[mem.cap for mem in mems],
             inflight=inflight, link_time=link_time, blocked=blocked, training=self.opt.training,
+            recompute=None if recompute is None else tuple(bool(r) for r in recompute),
             labels=[f"device {k} ({self.cluster.devices[d].name}"
                     + (f", {mem.what}" if mem.what else "") + ")"
                     for k, (d, mem) in enumerate(zip(devs, mems))])
@@ -199,15 +218,17 @@ class Balancer:
                              f"{self.p} devices")
         return out
 
-    def evaluate_candidate(self, schedule: str, m: int) -> _Candidate:
+    def evaluate_candidate(self, schedule: str, m: int,
+                           recompute: Sequence[bool] | None = None) -> _Candidate:
+        """The best partition for (schedule, m), with `recompute[k]` stages recomputing."""
         mb = self.opt.batch_size // m
         units = self.builder.at(mb)
         v = self.opt.virtual_stages if schedule == "interleaved" else 1
         order = tuple(range(self.p))
-        prob = self.problem(units, mb, schedule, m, order, v)
+        prob = self.problem(units, mb, schedule, m, order, v, recompute)
         if self.opt.choose_order and v == 1 and self.p > 1:
-            order, part = self._best_order(units, mb, schedule, m)
-            prob = self.problem(units, mb, schedule, m, order, v)
+            order, part = self._best_order(units, mb, schedule, m, recompute)
+            prob = self.problem(units, mb, schedule, m, order, v, recompute)
         else:
             part = partition(prob)
         if part.bottleneck >= CANNOT_RUN_S:
@@ -231,11 +252,14 @@ class Balancer:
             timeline2 = self._simulate(part2, prob2, schedule, m, v)
             if timeline2.iteration_s < timeline.iteration_s:
                 prob, part, timeline = prob2, part2, timeline2
-        return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw)
+        return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw,
+                          recompute=tuple(bool(r) for r in prob.recompute or ()))
 
-    def _best_order(self, units: Units, mb: int, schedule: str, m: int):
+    def _best_order(self, units: Units, mb: int, schedule: str, m: int,
+                    recompute: Sequence[bool] | None = None):
         types = [d.name for d in self.cluster.devices]
-        return best_device_order(lambda order: self.problem(units, mb, schedule, m, order), types)
+        return best_device_order(
+            lambda order: self.problem(units, mb, schedule, m, order, 1, recompute), types)
 
     def _simulate(self, part: Partition, prob: PartitionProblem, schedule: str, m: int,
                   v: int) -> Timeline:
@@ -251,8 +275,14 @@ class Balancer:
         act = [float(act_mem[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
         static = [float(static_mem[k, part.bounds[k]:part.bounds[k + 1]].sum())
                   for k in range(stages)]
+        redo = None
+        if prob.recompute is not None:  # stash the received inputs; re-create `act` in each B
+            redo = [a if r else 0.0 for a, r in zip(act, prob.recompute)]
+            received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
+            act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
-                                     activation_bytes=act, static_bytes=static)
+                                     activation_bytes=act, static_bytes=static,
+                                     recompute_bytes=redo)
         return simulate(by_name(schedule, stages // v, m, v), costs)
 
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
@@ -287,11 +317,13 @@ class Balancer:
         lost: list[dict[str, Any]] = []
         for schedule, m in self.candidates():
             try:
-                results.append(self.evaluate_candidate(schedule, m))
+                results.append(recompute_pass.evaluate_candidate(self, schedule, m))
             except InfeasibleError as exc:
                 lost.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
+            if lost:  # would recomputing activations fit it? (only with --recompute none)
+                reason = recompute_pass.hint(self, lost[0]["schedule"], lost[0]["microbatches"], reason)
             if "on-chip BRAM" in reason:
                 reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
@@ -391,7 +423,8 @@ class Balancer:
                 if cand.virtual == 1 else int(part.stage_memory[k]),
                 forward_flops=int(units.values["forward_flops"][a:e].sum()),
                 param_bytes=int(units.param_bytes[a:e].sum()),
-                time_source=time_source(self.costs[cand.order[k % self.p]], names)))
+                time_source=time_source(self.costs[cand.order[k % self.p]], names),
+                recompute=bool(cand.recompute[k]) if cand.recompute else False))
         decisions = [f"schedule {cand.schedule} with {cand.microbatches} micro-batches of "
                      f"{self.opt.batch_size // cand.microbatches}: predicted "
                      f"{cand.timeline.iteration_s:.4g} s per iteration, bubble "
@@ -400,6 +433,7 @@ class Balancer:
             decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
         decisions += profile_decisions(self.costs, self.cluster,
                                        self.opt.batch_size // cand.microbatches)
+        decisions += cand.notes  # e.g. which stages recompute their activations, and why
         return Plan(
             model=self.graph.model_name, batch_size=self.opt.batch_size,
             microbatches=cand.microbatches, schedule=cand.schedule,
@@ -413,6 +447,6 @@ class Balancer:
             virtual_stages=cand.virtual, decisions=decisions, alternatives=lost,
             baselines=self.baselines(cand) if self.opt.compare else [],
             options={"coarse": self.opt.coarse, "choose_order": self.opt.choose_order,
-                     "training": self.opt.training,
+                     "training": self.opt.training, "recompute": self.opt.recompute,
                      **{k: x for c in self.costs for k, x in c.plan_options().items()}})
 

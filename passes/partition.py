@@ -30,6 +30,12 @@ transfers stream fully overlapped, B = max(max_k T_k, max_k t_k) with t one way.
 (static_mem and act_mem may differ per stage: [stage][node]; an FPGA stage counts its
 on-chip memory, not the GPU-style weights/gradients/optimizer state.)
 (received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
+A recomputed stage (`recompute[k]`, activation checkpointing) stashes only what it received and
+re-runs its forward during each backward, so only one micro-batch's internal activations live
+at once (GPipe's rematerialisation, PAPERS-SPEC §1.4; Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost"):
+    M_k = Σ static_mem[a:e] + Σ act_mem[a:e] + inflight[k] · X[a]
+(its backward time, which includes the second forward, is the caller's: `bwd` as given).
 Blocked cuts: `blocked[k][s]` True forbids link k (stage k → k+1) from lying at boundary s
 (the FPGA backend takes one float32 tensor per stage boundary). A blocked cut adds
 CANNOT_RUN_S (`pipecc.targets.timing`) to T of both stages, a finite stand-in for "impossible"
@@ -82,6 +88,8 @@ class PartitionProblem:
     # (x2 when training: activation and gradient) and no link resource. The planner tries
     # both (the simulator chooses), so it never places worse than before.
     comm: str = "overlapped"
+    # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
+    recompute: Sequence[bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,11 @@ class _Arrays:
     inflight: np.ndarray
     caps: np.ndarray
     X: np.ndarray         # [boundary 0..n] bytes crossing it
+    act_times: np.ndarray | None = None  # [stage] multiplier of Σ act: inflight, or 1 if recomputed
+
+    def act_factor(self, k: int) -> float:
+        """How many micro-batches' internal activations stage k holds at its peak."""
+        return float(self.inflight[k] if self.act_times is None else self.act_times[k])
 
     @property
     def mem_tol(self) -> float:
@@ -163,7 +176,13 @@ def _arrays(pr: PartitionProblem) -> _Arrays:
     X = np.zeros(n + 1)
     X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
     static, act = np.broadcast_to(static, (p, n)), np.broadcast_to(act, (p, n))
-    return _Arrays(n, p, cost, static, act, inflight, np.asarray(pr.mem_cap, dtype=float), X)
+    act_times = None
+    if pr.recompute is not None:
+        if len(pr.recompute) != p:
+            raise ValueError(f"recompute needs one flag per stage ({p}), got {len(pr.recompute)}")
+        act_times = np.where(np.asarray(pr.recompute, dtype=bool), np.minimum(inflight, 1.0), inflight)
+    return _Arrays(n, p, cost, static, act, inflight, np.asarray(pr.mem_cap, dtype=float), X,
+                   act_times)
 
 
 def _link1(pr: PartitionProblem, k: int, nbytes: float) -> float:
@@ -214,7 +233,8 @@ def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Parti
         t += _penalty(pr, k - 1, a, ar.X) if k > 0 else 0.0
         t += _penalty(pr, k, e, ar.X) if k < ar.p - 1 else 0.0
         times.append(t)
-        mems.append(float(ar.static[k, a:e].sum() + ar.inflight[k] * (ar.act[k, a:e].sum() + ar.X[a])))
+        mems.append(float(ar.static[k, a:e].sum() + ar.act_factor(k) * ar.act[k, a:e].sum()
+                          + ar.inflight[k] * ar.X[a]))
     tol = ar.mem_tol
     fits = all(_fits(m, c, tol) for m, c in zip(mems, ar.caps))
     cuts = tuple(float(ar.X[s]) for s in b[1:-1])
@@ -281,7 +301,7 @@ def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray)
         w, v = P - (pen[k - 1] if k > 0 else zero), P + (pen[k] if k < p - 1 else zero)
         tk = t[k] if k < p - 1 else zero
         f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
-        G = np.concatenate(([0.0], np.cumsum(ar.static[k] + f * ar.act[k])))
+        G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
         thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
         hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
         hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1

@@ -22,7 +22,9 @@ Model:
 - Memory on a rank: static bytes of its stages plus the activations stashed from the
   start of each F until the end of its B. Forward-only schedules hold an activation only
   during its F. Compute on a rank is sequential, so walking the row in order gives the
-  exact peak over time.
+  exact peak over time. A stage that recomputes its activations (activation checkpointing)
+  stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
+  that micro-batch's re-created internal activations (`recompute_bytes`).
 - Stage costs are per microbatch, so unequal micro-batch sizes (UMPIPE) plug in as cost
   arrays without touching the simulator.
 
@@ -62,6 +64,9 @@ class StageCosts:
     send_backward_s: list[list[float]]
     activation_bytes: list[list[float]]
     static_bytes: list[float]
+    # [stage] bytes a recomputed stage re-creates during each B (its internal activations of
+    # one micro-batch); [] or 0: the stage does not recompute
+    recompute_bytes: list[float] = field(default_factory=list)
 
     @classmethod
     def per_stage(
@@ -73,6 +78,7 @@ class StageCosts:
         send_backward_s: Sequence[float] | None = None,
         activation_bytes: Sequence[float] | None = None,
         static_bytes: Sequence[float] | None = None,
+        recompute_bytes: Sequence[float] | None = None,
     ) -> StageCosts:
         """Costs that are equal for every microbatch; omitted arrays are zero."""
         n = len(forward_s)
@@ -90,6 +96,7 @@ class StageCosts:
             rows(send_backward_s),
             rows(activation_bytes),
             [0.0] * n if static_bytes is None else [float(x) for x in static_bytes],
+            [] if recompute_bytes is None else [float(x) for x in recompute_bytes],
         )
 
     @classmethod
@@ -124,6 +131,9 @@ class StageCosts:
                 raise ValueError(f"StageCosts.{name} must be [{num_stages}][{num_microbatches}], got {shape}")
         if len(self.static_bytes) != num_stages:
             raise ValueError(f"StageCosts.static_bytes must have {num_stages} entries, got {len(self.static_bytes)}")
+        if self.recompute_bytes and len(self.recompute_bytes) != num_stages:
+            raise ValueError(f"StageCosts.recompute_bytes must have {num_stages} entries, got "
+                             f"{len(self.recompute_bytes)}")
 
 
 @dataclass(frozen=True)
@@ -263,7 +273,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
 
 
 def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: bool) -> float:
-    """Static bytes of the rank's stages plus the most activation bytes held at once."""
+    """Static bytes of the rank's stages plus the most activation bytes held at once
+    (with a recomputed stage's re-created activations during its B)."""
     static = sum(costs.static_bytes[s] for s in schedule.stages_of(rank))
     held = peak = 0.0
     for a in schedule.actions[rank]:
@@ -273,5 +284,7 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
             if training:
                 held += size
         elif a.kind is ActionKind.B:
+            if costs.recompute_bytes:
+                peak = max(peak, held + costs.recompute_bytes[a.stage])
             held -= size
     return static + peak

@@ -41,7 +41,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     """Plan `model` over `devices` and return the drop-in PipelinedModule.
 
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
-    choose_order, split_layers, training; debug and dump_ir apply to every step), plus, for
+    choose_order, split_layers, training, recompute="none"|"full"|"auto"; debug and dump_ir
+    apply to every step), plus, for
     FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
     the HLS projects; default a temporary folder removed with the module), and `profile`
     (a `pipecc profile` JSON file or its loaded dict; its node names must be the model's):

@@ -42,7 +42,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.frontend import torch_capture
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
-from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE,
+from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
                              AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
 from pipecc.ir.verify import verify, verify_plan
@@ -313,10 +313,12 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
-         profile: Any = None, debug: bool = False, dump_ir: str | Path | None = None):
+         profile: Any = None, debug: bool = False, dump_ir: str | Path | None = None,
+         recompute: str = "none"):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
-    (a `pipecc profile` file or its loaded dict) gives measured costs where it has them."""
+    (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
+    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -327,6 +329,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         raise UsageError(str(exc)) from exc
     if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
+    if recompute not in ("none", "full", "auto"):
+        raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
@@ -336,7 +340,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
-                          dtype=dtype, fpga_number=fpga_number, profile=profile)
+                          dtype=dtype, fpga_number=fpga_number, profile=profile,
+                          recompute=recompute)
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),
@@ -395,10 +400,6 @@ def _module(state: State, *, model: nn.Module, target: Target) -> None:
     state.module = state.backends[-1].module(model, state.graph, state.plan, state.stages, target)
 
 
-_BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-                             "_native_batch_norm_legit_functional", "_batch_norm_with_update"})
-
-
 def batchnorm_note(graph: AnnotatedGraph, plan: Plan) -> str | None:
     """Why the pipeline's BatchNorm outputs can differ from the model's, or None.
 
@@ -409,22 +410,41 @@ def batchnorm_note(graph: AnnotatedGraph, plan: Plan) -> str | None:
     model's. Eval mode with running statistics is not affected, nor is ONNX
     BatchNormalization (inference-only: running statistics).
     """
+    from pipecc.passes.recompute import training_batchnorm_names
     if plan.microbatches <= 1 or plan.schedule == "inference" or graph.source == "onnx":
         return None
-    names = []
-    for node in graph.gm.graph.nodes:
-        if node.meta.get(META_OP) not in _BATCH_NORM_OPS or node.op not in ("call_module", "call_function"):
-            continue
-        if node.op == "call_function":  # F.batch_norm / aten.batch_norm: training is arg 5
-            training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
-            if training is False:  # eval-mode statistics, fixed when traced
-                continue
-        names.append(str(node.meta.get(META_NAME, node.name)))
+    names = training_batchnorm_names(graph)
     if not names:
         return None
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (f"BatchNorm ({names[0]}{more}) in training mode normalises each of the "
             f"{plan.microbatches} micro-batches with its own statistics")
+
+
+def check_recompute(graph: AnnotatedGraph, plan: Plan) -> None:
+    """A PipeccError (one line) for a plan whose recomputed stage the runtime cannot run as the
+    model does: one on an FPGA card (dataflow hardware, no torch forward to re-run), one in a
+    forward-only plan, or one holding BatchNorm in training mode (recomputing it would update
+    its running statistics twice). `pipecc plan` never makes such a plan; an edited one can."""
+    from pipecc.passes.recompute import training_batchnorm_names
+    marked = [s for s in plan.stages if s.recompute]
+    if not marked:
+        return
+    if plan.schedule == "inference":
+        raise PipeccError(f"stage {marked[0].index} recomputes activations in an inference plan, "
+                          "which has no backward pass; plan it without --recompute")
+    fpga = plan.fpga_stages()
+    for s in marked:
+        if s.index in fpga:
+            raise PipeccError(f"stage {s.index} on FPGA {fpga[s.index]} cannot recompute "
+                              "activations; plan with --recompute auto or none")
+    bn = set(training_batchnorm_names(graph))
+    for s in marked:
+        held = [n for n in s.nodes if n in bn]
+        if held:
+            raise PipeccError(f"stage {s.index} recomputes activations but holds BatchNorm "
+                              f"{held[0]} in training mode, whose running statistics would be "
+                              "updated twice; plan with --recompute auto or none")
 
 
 def _trainable(graph: AnnotatedGraph) -> bool:
@@ -461,6 +481,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
         raise PipeccError("the model has no trainable parameters, so a training pipeline has "
                           "nothing to train (`pipecc run` would fail): compile it with "
                           "--inference for a forward-only pipeline")
+    check_recompute(graph, plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
@@ -485,6 +506,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     over several micro-batches: a warning (`warnings.warn`), or refused with
     `strict_batchnorm`."""
     from pipecc.backends.base import Target
+    check_recompute(graph, plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)

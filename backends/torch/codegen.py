@@ -12,6 +12,10 @@ A generated file imports torch only (plus `math`/`operator` if the graph calls t
   * class attributes `PARAM_NAMES` (attribute -> qualified name in the original model's
     state_dict, for parameters and buffers), `PARAM_ALIASES` (further names of a tied tensor) and
     `SHARDS` (attribute -> (original name, dim, start, size) for a split layer's weight slice).
+  * a stage that recomputes its activations (the plan's `StagePlan.recompute`) has its
+    straight-line code in `stage_forward`, and `forward` runs it under
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: backward keeps only the
+    stage's inputs and re-runs `stage_forward`, with the RNG state restored (same dropout masks).
 
 Every identifier is derived through `names.Identifiers`; untrusted names appear only inside
 string literals (`ascii()`) and escaped comment/docstring text (see `names.py`).
@@ -48,15 +52,17 @@ class GeneratedStage:
 
 
 def emit_stage_source(stage: Stage, model_name: str, stage_index: int | None = None,
-                      device_desc: str = "cpu", num_stages: int | None = None) -> str:
+                      device_desc: str = "cpu", num_stages: int | None = None,
+                      recompute: bool = False) -> str:
     """The text of `stage.py` for `stage` (see the module docstring)."""
-    return generate_stage(stage, model_name, stage_index, device_desc, num_stages).source
+    return generate_stage(stage, model_name, stage_index, device_desc, num_stages, recompute).source
 
 
 def generate_stage(stage: Stage, model_name: str, stage_index: int | None = None,
-                   device_desc: str = "cpu", num_stages: int | None = None) -> GeneratedStage:
+                   device_desc: str = "cpu", num_stages: int | None = None,
+                   recompute: bool = False) -> GeneratedStage:
     index = stage.index if stage_index is None else stage_index
-    emitter = _Emitter(stage)
+    emitter = _Emitter(stage, recompute)
     emitter.run()
     cls = f"Stage{int(index)}"
     header = _header(stage, emitter, model_name, index, device_desc, num_stages)
@@ -64,13 +70,13 @@ def generate_stage(stage: Stage, model_name: str, stage_index: int | None = None
 
 
 def write_stage(out_dir: str | Path, stage: Stage, *, model_name: str, num_stages: int,
-                device_desc: str = "cpu") -> Path:
+                device_desc: str = "cpu", recompute: bool = False) -> Path:
     """Write `stage.py`, `weights.safetensors` and `ports.json` into `out_dir` (created)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gen = generate_stage(stage, model_name, stage.index, device_desc, num_stages)
+    gen = generate_stage(stage, model_name, stage.index, device_desc, num_stages, recompute)
     (out / "stage.py").write_text(gen.source, encoding="utf-8")
     tensors = {k: t.detach().to("cpu").contiguous().clone() for k, t in gen.tensors.items()}
     save_file(tensors, str(out / "weights.safetensors"),
@@ -84,9 +90,10 @@ def write_stage(out_dir: str | Path, stage: Stage, *, model_name: str, num_stage
 class _Emitter:
     """Walks the stage graph once, collecting `__init__` lines, forward lines and tensors."""
 
-    def __init__(self, stage: Stage) -> None:
+    def __init__(self, stage: Stage, recompute: bool = False) -> None:
         self.stage = stage
-        self.attrs = Identifiers(set(dir(nn.Module)) | RESERVED)
+        self.recompute = recompute
+        self.attrs = Identifiers(set(dir(nn.Module)) | RESERVED | ({_BODY} if recompute else set()))
         self.locals = Identifiers(set(RESERVED))
         self.init: list[str] = []
         self.body: list[str] = []
@@ -255,6 +262,7 @@ class _Emitter:
     # -- assembly
     def assemble(self, cls: str, header: str) -> str:
         lines = [header, "", "import torch", "import torch.nn.functional as F"]
+        lines += ["import torch.utils.checkpoint"] if self.recompute else []
         lines += [f"import {m}" for m in sorted(self.imports - {"onnx_ops"})]
         if "onnx_ops" in self.imports:
             lines.append("from pipecc.frontend import onnx_ops  # torch implementations of ONNX operators")
@@ -263,9 +271,21 @@ class _Emitter:
         lines += _mapping("PARAM_ALIASES", self.aliases) + _mapping("SHARDS", self.shards)
         lines += ["", "    def __init__(self) -> None:", "        super().__init__()"]
         lines += [f"        {line}" for line in self.init]
-        lines += ["", f"    def forward({', '.join(['self'] + self.args)}) -> tuple:"]
+        signature = ', '.join(['self'] + self.args)
+        if self.recompute:
+            call = ", ".join([f"self.{_BODY}"] + self.arg_names + ["use_reentrant=False"])
+            lines += ["", f"    def forward({signature}) -> tuple:",
+                      "        # Activation recomputation (pipecc --recompute): backward keeps only this",
+                      "        # stage's inputs and re-runs stage_forward to rebuild its activations, one",
+                      "        # more forward for less memory; checkpoint restores the RNG state for the",
+                      "        # re-run, so dropout draws the same masks.",
+                      f"        return torch.utils.checkpoint.checkpoint({call})"]
+        lines += ["", f"    def {_BODY if self.recompute else 'forward'}({signature}) -> tuple:"]
         lines += [f"        {line}" for line in self.body]
         return "\n".join(lines) + "\n"
+
+
+_BODY = "stage_forward"  # a recomputed stage's straight-line code, run under checkpoint
 
 
 def _kwargs(kwargs: dict[str, Any], const: Any) -> list[str]:
@@ -327,6 +347,8 @@ def _header(stage: Stage, emitter: _Emitter, model_name: str, index: int, device
         lines += ["", "Tied weights (other stages use them too; sum their gradients across stages):",
                   *textwrap.wrap(", ".join(text(t) for t in stage.tied), 92,
                                  initial_indent="    ", subsequent_indent="    ")]
+    if emitter.recompute:
+        lines += ["", "Recomputes its activations in backward (torch.utils.checkpoint; pipecc --recompute)."]
     lines += ["", "Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES",
               "maps each attribute to its name in the original model's state_dict.", '"""']
     return "\n".join(lines)

@@ -142,7 +142,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
     for stage, planned in zip(stages, plan.stages):
         write_stage(tmp / f"stage_{stage.index}", stage, model_name=graph.model_name, num_stages=n,
-                    device_desc=_device_desc(plan, planned.device))
+                    device_desc=_device_desc(plan, planned.device), recompute=planned.recompute)
     (tmp / "run_stage.py").write_text(RUN_STAGE, encoding="utf-8")
     for rel, content in extra_files.items():
         path = _inside(tmp, rel)
@@ -471,9 +471,25 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microbatches: int = 1,
-                     devices: Sequence[str | torch.device] | None = None) -> PipelinedModule:
-    """The drop-in module over `stages` cut from `model`'s own graph (parameters shared)."""
+                     devices: Sequence[str | torch.device] | None = None,
+                     recompute: Sequence[bool] = ()) -> PipelinedModule:
+    """The drop-in module over `stages` cut from `model`'s own graph (parameters shared);
+    stage k runs under activation recomputation when `recompute[k]` (as its stage.py does)."""
     ports = [ports_json(s, len(stages)) for s in stages]
-    return PipelinedModule([s.gm for s in stages], ports, owner=model, microbatches=microbatches,
-                           devices=devices)
+    modules = [Recomputed(s.gm) if k < len(recompute) and recompute[k] else s.gm
+               for k, s in enumerate(stages)]
+    return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices)
+
+
+class Recomputed(torch.nn.Module):
+    """A stage module run under torch.utils.checkpoint (non-reentrant): backward keeps only its
+    inputs and re-runs it, with the RNG state restored. The generated stage.py does the same."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: object) -> tuple:
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, *args, use_reentrant=False)
 

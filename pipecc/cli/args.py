@@ -79,6 +79,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="let pipecc order the devices (interchangeable types)")
     p.add_argument("--no-split-layers", action="store_true", help="never split a layer across devices")
     p.add_argument("--inference", action="store_true", help="plan forward passes only")
+    p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
+                   help="activation recomputation (torch.utils.checkpoint per stage): none (default), "
+                   "full (every stage) or auto (only the stages that need it to fit memory)")
     p.add_argument("--fpga-number", default="float", metavar="FORMAT",
                    help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
                    "the plan costs FPGA stages in it")

@@ -36,7 +36,7 @@ def plan_from_args(args: argparse.Namespace):
                               choose_order=args.choose_order,
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
-                              training=not args.inference,
+                              training=not args.inference, recompute=args.recompute,
                               fpga_number=args.fpga_number, profile=args.profile,
                               debug=args.debug, dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())

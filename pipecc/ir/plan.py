@@ -33,6 +33,10 @@ class StagePlan:
     # group all-reduces the stage's gradients. [] in a plan without replication (= [device]).
     replica_devices: list[int] = field(default_factory=list)
     allreduce_s: float = 0.0      # predicted seconds of the group's gradient all-reduce per iteration
+    # activation recomputation (`--recompute`): the stage keeps only its received inputs per
+    # micro-batch and re-runs its forward during backward (torch.utils.checkpoint in its
+    # generated forward); backward_s then includes that second forward. False in older plans.
+    recompute: bool = False
 
 
 @dataclass

@@ -25,7 +25,8 @@ from typing import Any, Iterator
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import bottleneck_stage, device_capacities, first_last, memory_kind
+from pipecc.report.figures import (bottleneck_stage, device_capacities, first_last, memory_kind,
+                                   recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 
 INSPECT_FORMAT = "pipecc-inspect"
@@ -162,7 +163,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     microbatches, microbatch_size, schedule, virtual_stages, devices, stages[] (index, device,
     device_name, device_kind, first_node, last_node, num_nodes, forward_flops, param_bytes,
     forward_s, backward_s, comm_s, recv_bytes, send_bytes, peak_memory_bytes,
-    memory_capacity_bytes, memory_kind, split_layers, receives, sends, bottleneck, fpga_estimates),
+    memory_capacity_bytes, memory_kind, split_layers, receives, sends, bottleneck, fpga_estimates,
+    recompute: whether the stage recomputes its activations in backward),
     bottleneck_stage, bottleneck_s, lower_bound_s, balance_ratio, predicted_iteration_s,
     bubble_fraction, split_layers, baselines, decisions, has_graph. An FPGA stage's memory and
     its capacity are on-chip BRAM (memory_kind "BRAM"; else "DRAM")."""
@@ -187,7 +189,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "receives": [p["name"] for p in ports.get("receives", [])],
             "sends": [p["name"] for p in ports.get("sends", [])],
             "bottleneck": s.index == worst,
-            "fpga_estimates": c.estimates.get(s.index)})
+            "fpga_estimates": c.estimates.get(s.index), "recompute": s.recompute})
     return {"format": INSPECT_FORMAT, "version": FORMAT_VERSION, "out": str(c.path),
             "model": plan.model, "batch_size": plan.batch_size, "microbatches": plan.microbatches,
             "microbatch_size": plan.batch_size // max(plan.microbatches, 1),
@@ -295,6 +297,8 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
     ]
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
+    if recompute_line(plan):
+        lines.append(recompute_line(plan))
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"
@@ -338,6 +342,8 @@ def stage_text(c: Compiled, stage: int) -> str:
              f"{seconds(s['comm_s'])}, peak memory {human(s['peak_memory_bytes'], 'B')}, "
              f"params {human(s['param_bytes'], 'B')} (per micro-batch of "
              f"{c.plan.batch_size // max(c.plan.microbatches, 1)})", ""]
+    if s.get("recompute"):
+        lines[1:1] = ["recomputes its activations in backward (bwd includes one more forward)"]
     n = len(c.plan.stages)
     lines.append("receives:" if data["receives"] else "receives: nothing")
     for p in data["receives"]:

@@ -1,5 +1,6 @@
 """Figures read off a plan that several views show: the bottleneck stage (`pipecc plan`,
-`pipecc inspect`, report.html), each device's memory capacity, a stage's first and last node."""
+`pipecc inspect`, report.html), each device's memory capacity, a stage's first and last node,
+which stages recompute their activations."""
 
 from __future__ import annotations
 
@@ -44,3 +45,14 @@ def _capacity(memory_bytes: float, fpga: Any) -> float:
 def first_last(nodes: list[str]) -> tuple[str, str]:
     """A stage's first and last node names, ("-", "-") for a stage without nodes."""
     return (nodes[0], nodes[-1]) if nodes else ("-", "-")
+
+
+def recompute_line(plan: Plan) -> str:
+    """Which stages recompute their activations ("" when none does)."""
+    marked = [str(s.index) for s in plan.stages if s.recompute]
+    if not marked:
+        return ""
+    which = "every stage" if len(marked) == len(plan.stages) else \
+        f"stage{'s' if len(marked) > 1 else ''} {', '.join(marked)}"
+    return (f"recompute       {which} (activations re-created in backward: bwd includes one "
+            "more forward, memory holds the received inputs)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import bottleneck_stage, first_last
+from pipecc.report.figures import bottleneck_stage, first_last, recompute_line
 from pipecc.report.formatting import human, seconds, text_table
 
 
@@ -37,6 +37,8 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
     ]
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
+    if recompute_line(plan):
+        lines.append(recompute_line(plan))
     if any(d.get("kind") == "fpga" for d in plan.devices):  # any FPGA device, with a stage or not
         lines.append(f"FPGA stages     {plan.options.get('fpga_number', 'float')}, timed by the "
                      "FPGA model of estimates.json; memory is on-chip BRAM")

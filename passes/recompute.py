@@ -1,0 +1,225 @@
+"""Activation recomputation: which stages re-run their forward during backward (`--recompute`).
+
+A recomputed stage keeps only what it received per micro-batch in flight and re-creates its
+internal activations during each backward (torch.utils.checkpoint in its generated forward;
+GPipe's rematerialisation, PAPERS-SPEC §1.4; Chen et al. 2016, "Training Deep Nets with
+Sublinear Memory Cost"). The cost model: its backward costs its backward plus one more forward,
+its memory is `static + Σ act (one micro-batch, while recomputing) + inflight · received bytes`
+instead of `static + inflight · (Σ act + received bytes)` (`passes.partition`'s M_k, the
+simulator's `recompute_bytes`).
+
+Modes (`PlanOptions.recompute`):
+  * "none": no stage recomputes (the default).
+  * "full": every stage recomputes.
+  * "auto": per (schedule, micro-batches) candidate, the plan without recomputation first;
+    where memory binds (the cuts a memory-blind partition would choose overflow some stage, or
+    nothing fits at all) the stages over their cap recompute, falling back to every stage when
+    that is not enough; recomputing stages that then fit without it are dropped again when the
+    plan stays feasible and no slower. The faster of the two plans wins, and `decisions` say
+    which stages recompute and why ("stage 2 recomputes its activations: 41.2 GB > 36 GB
+    without").
+
+Refused (one line): recomputation in a forward-only plan (nothing to recompute for), "full"
+with an FPGA device (its stages are dataflow hardware without a torch forward to re-run; "auto"
+never picks them) and "full" on a model with BatchNorm in training mode (recomputing updates
+its running statistics a second time; "auto" never picks a stage that holds one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from pipecc.errors import UsageError
+from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
+from pipecc.passes.partition import InfeasibleError, evaluate, partition
+
+# NOTE: `Balancer` and its `_Candidate` (passes.balance) are typed Any here: balance calls this
+# module, so importing them back, even for type checking only, is an import cycle.
+Balancer = _Candidate = Any
+
+MODES = ("none", "full", "auto")
+
+BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                            "_native_batch_norm_legit_functional", "_batch_norm_with_update"})
+
+
+def training_batchnorm_names(graph: AnnotatedGraph) -> list[str]:
+    """Human names of the BatchNorm nodes that normalise with batch statistics (training mode,
+    or no running statistics), in graph order: recomputing them updates running statistics twice."""
+    names = []
+    for node in graph.gm.graph.nodes:
+        if node.meta.get(META_OP) not in BATCH_NORM_OPS or node.op not in ("call_module", "call_function"):
+            continue
+        if node.op == "call_function":  # F.batch_norm / aten.batch_norm: training is arg 5
+            training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
+            if training is False:  # eval-mode statistics, fixed when traced
+                continue
+        names.append(str(node.meta.get(META_NAME, node.name)))
+    return names
+
+
+def check(bal: Balancer) -> None:
+    """UsageError (one line) for a `--recompute` mode these devices or this model cannot take."""
+    mode = bal.opt.recompute
+    if mode not in MODES:
+        raise UsageError(f"--recompute {mode!r}: choose none, full or auto")
+    if mode == "none":
+        return
+    if not bal.opt.training:
+        raise UsageError(f"--recompute {mode} with --inference: a forward-only plan has no backward "
+                         "pass to recompute activations for; drop --recompute")
+    if mode != "full":
+        return
+    fpgas = [f"{d} ({dev.name})" for d, dev in enumerate(bal.cluster.devices) if dev.kind == "fpga"]
+    if fpgas:
+        raise UsageError(f"--recompute full: FPGA device {', '.join(fpgas)} cannot recompute "
+                         "activations (its stage is dataflow hardware, not a torch forward); use "
+                         "--recompute auto, which recomputes only CPU/GPU stages")
+    bn = training_batchnorm_names(bal.graph)
+    if bn:
+        raise UsageError(f"--recompute full: BatchNorm {bn[0]} in training mode would update its "
+                         "running statistics twice when its stage recomputes; use --recompute "
+                         "auto, which recomputes only stages without BatchNorm")
+
+
+def evaluate_candidate(bal: Balancer, schedule: str, m: int) -> _Candidate:
+    """The candidate (schedule, m) under the balancer's recompute mode (module docstring)."""
+    check(bal)
+    mode = bal.opt.recompute
+    n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    if mode == "none":
+        return bal.evaluate_candidate(schedule, m)
+    if mode == "full":
+        cand = bal.evaluate_candidate(schedule, m, recompute=[True] * n)
+        cand.notes.append("every stage recomputes its activations (--recompute full)")
+        return cand
+    return _auto(bal, schedule, m, n)
+
+
+def hint(bal: Balancer, schedule: str, m: int, reason: str) -> str:
+    """`reason` (why (schedule, m) fits no memory) plus "or recompute activations" when the
+    mode is "none" and recomputing every stage that may would fit it."""
+    if bal.opt.recompute != "none" or not bal.opt.training or "no split fits memory" not in reason:
+        return reason
+    n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)))) is None:
+        return reason
+    return f"{reason}, or recompute activations (--recompute auto)"
+
+
+def _auto(bal: Balancer, schedule: str, m: int, n: int) -> _Candidate:
+    base: _Candidate | None = None
+    error: InfeasibleError | None = None
+    try:
+        base = bal.evaluate_candidate(schedule, m)
+    except InfeasibleError as exc:
+        error = exc
+    allowed = _allowed(bal, n, base.order if base is not None else tuple(range(bal.p)))
+    over = _over_cap_roomy(bal, schedule, m, n)
+    want = [o and a for o, a in zip(over, allowed)]
+    if base is not None and not any(want):
+        return base  # memory does not bind: nothing to gain
+    best = None
+    for flags in (want, allowed):
+        if not any(flags):
+            continue
+        best = _feasible(bal, schedule, m, flags)
+        if best is not None:
+            break
+    if best is not None:  # drop recomputation where the chosen cuts fit without it
+        best = _fewer(bal, schedule, m, best)
+    if best is None:
+        if error is not None:
+            raise error
+        return base  # type: ignore[return-value]
+    if base is not None and base.timeline.iteration_s <= best.timeline.iteration_s:
+        return base
+    best.notes += _why(best, base)
+    return best
+
+
+def _allowed(bal: Balancer, n: int, order: Sequence[int]) -> list[bool]:
+    """Stages that may recompute: on a CPU/GPU (FPGA stages are hardware dataflow)."""
+    return [bal.cluster.devices[order[k % bal.p]].kind != "fpga" for k in range(n)]
+
+
+def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int) -> list[bool]:
+    """Stages that overflow their memory at the cuts a memory-blind partition chooses."""
+    v = n // bal.p
+    mb = bal.opt.batch_size // m
+    prob = bal.problem(bal.builder.at(mb), mb, schedule, m, tuple(range(bal.p)), v)
+    roomy = dataclasses.replace(prob, mem_cap=[float("inf")] * len(prob.mem_cap))
+    try:
+        part = evaluate(prob, partition(roomy).bounds)
+    except InfeasibleError:
+        return [False] * n
+    return [mem > cap for mem, cap in zip(part.stage_memory, prob.mem_cap)]
+
+
+def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool]) -> _Candidate | None:
+    """The candidate with `flags` recomputing, minus recomputation on BatchNorm stages (a stage
+    holding training-mode BatchNorm must not recompute); None if nothing fits."""
+    bn = set(training_batchnorm_names(bal.graph))
+    flags = list(flags)
+    for _ in range(len(flags) + 1):
+        try:
+            cand = bal.evaluate_candidate(schedule, m, recompute=flags)
+        except InfeasibleError:
+            return None
+        bad = [k for k, names in enumerate(_stage_names(cand)) if flags[k] and bn & set(names)]
+        if not bad:
+            return cand
+        for k in bad:
+            flags[k] = False
+        if not any(flags):
+            return None
+    return None
+
+
+def _fewer(bal: Balancer, schedule: str, m: int, cand: _Candidate) -> _Candidate:
+    """`cand` with recomputation only on the stages whose memory at its cuts needs it, when that
+    plan is feasible and no slower."""
+    need = [r and over for r, over in zip(cand.recompute, _over_without(cand))]
+    if list(need) == list(cand.recompute) or not any(need):
+        return cand
+    fewer = _feasible(bal, schedule, m, need)
+    if fewer is not None and fewer.timeline.iteration_s <= cand.timeline.iteration_s:
+        return fewer
+    return cand
+
+
+def _memory_without(cand: _Candidate) -> tuple[float, ...]:
+    """Each stage's memory at `cand`'s cuts if no stage recomputed."""
+    return evaluate(dataclasses.replace(cand.problem, recompute=None), cand.part.bounds).stage_memory
+
+
+def _over_without(cand: _Candidate) -> list[bool]:
+    caps = cand.problem.mem_cap
+    return [mem > cap for mem, cap in zip(_memory_without(cand), caps)]
+
+
+def _stage_names(cand: _Candidate) -> list[list[str]]:
+    b = cand.part.bounds
+    return [[nm for u in range(b[k], b[k + 1]) for nm in cand.units.names[u]]
+            for k in range(len(b) - 1)]
+
+
+def _why(cand: _Candidate, base: _Candidate | None) -> list[str]:
+    """One decision line per recomputing stage, and what the plan without it would have done."""
+    gb = lambda x: f"{x / 1e9:.3g} GB"  # noqa: E731
+    out = []
+    for k, (r, mem, cap) in enumerate(zip(cand.recompute, _memory_without(cand), cand.problem.mem_cap)):
+        if not r:
+            continue
+        if mem > cap:
+            out.append(f"stage {k} recomputes its activations: {gb(mem)} > {gb(cap)} without")
+        else:
+            out.append(f"stage {k} recomputes its activations ({gb(mem)} of {gb(cap)} without): "
+                       "recomputing fewer stages did not fit or was slower")
+    if base is None:
+        out.append("without recomputation no placement fits memory (--recompute auto)")
+    else:
+        out.append(f"recomputation is faster here: {cand.timeline.iteration_s:.4g} s per iteration "
+                   f"vs {base.timeline.iteration_s:.4g} s without (memory forced its cuts)")
+    return out

@@ -325,8 +325,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
     except DeviceSpecError as exc:
         raise UsageError(str(exc)) from exc
-    if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
-        raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
+    if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
+        raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b, interleaved or zb-h1")
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices

@@ -108,12 +108,12 @@ def two_ranks(tmp_path_factory) -> Path:
     the order-matching that NCCL relies on is checked here; the other launches match by tag.
     """
     out = tmp_path_factory.mktemp("two_ranks")
-    launch(2, "numeric", str(out), "--schedules", "gpipe,1f1b,interleaved,inference", "--microbatches", "4",
+    launch(2, "numeric", str(out), "--schedules", "gpipe,1f1b,interleaved,inference,zb-h1", "--microbatches", "4",
            "--ckpt-save", "--nccl-like")
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "inference"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "inference", "zb-h1"])
 def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
     results = load_results(two_ranks, schedule, 2)
     assert_matches_reference(results, schedule, training=schedule != "inference")
@@ -124,9 +124,10 @@ def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
 
 
 def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
-    """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches."""
-    launch(3, "numeric", str(tmp_path), "--schedules", "gpipe,1f1b", "--microbatches", "5")
-    for schedule in ("gpipe", "1f1b"):
+    """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches.
+    zb-h1: input gradients (I) of several tensors crossing a cut, weight gradients (W) later."""
+    launch(3, "numeric", str(tmp_path), "--schedules", "gpipe,1f1b,zb-h1", "--microbatches", "5")
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         results = load_results(tmp_path, schedule, 3)
         assert_matches_reference(results, schedule)
         assert_stash_profile(results, schedule, 3, 5)

@@ -7,6 +7,17 @@ list from ``pipecc.ir.schedule`` (``build_schedule``) literally, so a schedule's
 is real: GPipe stashes m microbatches per stage, 1F1B at most p - r. What a stage receives and
 sends is ``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
 
+Zero-bubble (I and W actions, ``zb-h1``). I computes the gradient of the stage's received
+inputs only (``torch.autograd.grad(outputs, inputs, grads, retain_graph=True)``), so SEND_B can
+go upstream at once; the graph and the stash stay until W, which computes the parameters'
+gradients (``torch.autograd.backward(outputs, grads, inputs=params)``, accumulated into
+``.grad``) and frees the graph. NOTE (what W costs here): W walks the autograd graph again from
+the outputs, so it recomputes the input-gradient chain down to the stage's first parameter use;
+only the first op's own input gradient is skipped. I + W therefore costs more than one B (on
+CPU, an MLP stage: about 1.6x, see the zero-bubble README section), unlike the paper's split,
+which saves the intermediate gradients for W. Stage 0 has no input gradient to send, so its I
+does nothing and its W is one plain backward (no extra cost there).
+
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
 loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal splits); the
@@ -257,6 +268,7 @@ class PipelineRuntime:
         self._inbox: dict[tuple[str, int, int], list] = {}
         self._outbox: dict[tuple[str, int, int], list] = {}
         self._stash: dict[tuple[int, int], tuple[list, Any]] = {}  # (stage, mb) -> (input leaves, outputs)
+        self._roots: dict[tuple[int, int], tuple[list, list | None]] = {}  # after I: (outputs, grads) for W
         self._losses: list[torch.Tensor] = []
         self._results: dict[int, list] = {}
         self.peak_stash = self._wire.peak_inflight = 0
@@ -268,7 +280,7 @@ class PipelineRuntime:
                 self.timer.run(action, partial(self._execute, action, training))
             self._wire.release(release.get(action, ()))
         self._wire.flush()
-        leftover = self._stash or self._inbox or self._outbox
+        leftover = self._stash or self._inbox or self._outbox or self._roots
         assert not leftover, f"rank {self.rank}: schedule left {sorted(leftover)} unconsumed"
         self._inputs = self._targets = None
 
@@ -278,6 +290,10 @@ class PipelineRuntime:
             self._forward(s, mb, training)
         elif a.kind is ActionKind.B:
             self._backward(s, mb)
+        elif a.kind is ActionKind.I:
+            self._backward_input(s, mb)
+        elif a.kind is ActionKind.W:
+            self._backward_weight(s, mb)
         elif a.kind is ActionKind.SEND_F:
             self._send(a, self._outbox.pop(("F", s, mb)), self._ports(s).out_leaves)
         elif a.kind is ActionKind.SEND_B:
@@ -338,6 +354,46 @@ class PipelineRuntime:
             self._inbox[("B", s - 1, mb)] = input_grads
         else:
             self._outbox[("B", s, mb)] = input_grads
+
+    def _output_grads(self, s: int, mb: int, outs: Any) -> tuple[list, list | None]:
+        """The backward's roots and their gradients: the scaled loss on the last stage (no
+        gradient), else the outputs that carry one with the gradients received for them."""
+        if s == self.last_stage:
+            return [outs], None
+        grads = iter(self._inbox.pop(("B", s, mb)))
+        pairs = [(o, next(grads)) for o, p in zip(outs, self._ports(s).out_leaves) if p.carries_grad]
+        pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_input(self, s: int, mb: int) -> None:
+        """Zero-bubble I: the gradient of the stage's inputs, handed to stage s - 1; the graph
+        is kept for W (module docstring)."""
+        in_leaves, outs = self._stash[(s, mb)]
+        roots, grads = self._output_grads(s, mb, outs)
+        self._roots[(s, mb)] = (roots, grads)
+        if s == 0:
+            return  # no input gradient: W runs the whole backward once
+        ports = self._ports(s)
+        wanted = [x for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad]
+        need = [x for x in wanted if isinstance(x, torch.Tensor) and x.requires_grad]
+        got: Sequence[Any] = ()
+        if roots and need:
+            got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True)
+        found = {id(x): g for x, g in zip(need, got)}
+        input_grads = [found[id(x)] if found.get(id(x)) is not None else torch.zeros_like(x) for x in wanted]
+        if s - 1 in self.stage_ids:
+            self._inbox[("B", s - 1, mb)] = input_grads
+        else:
+            self._outbox[("B", s, mb)] = input_grads
+
+    def _backward_weight(self, s: int, mb: int) -> None:
+        """Zero-bubble W: the parameters' gradients, accumulated into ``.grad``; frees the graph
+        and the stash of (s, mb)."""
+        self._stash.pop((s, mb))
+        roots, grads = self._roots.pop((s, mb))
+        params = [q for q in self._module(s).parameters() if q.requires_grad]
+        if roots and params:
+            torch.autograd.backward(roots, grads, inputs=params)
 
     def _loss(self, outs: tuple, mb: int) -> torch.Tensor:
         value = outs[0] if len(outs) == 1 else outs

@@ -8,17 +8,19 @@ is real: GPipe stashes m microbatches per stage, 1F1B at most p - r. What a stag
 sends is ``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
 
 Zero-bubble (I and W actions, ``zb-h1``). I computes the gradient of the stage's received
-inputs only (``torch.autograd.grad(outputs, inputs, grads, retain_graph=True)``), so SEND_B can
-go upstream at once; the graph and the stash stay until W, which computes the parameters'
-gradients (``torch.autograd.backward(outputs, grads, inputs=params)``, accumulated into
-``.grad``) and frees the graph. NOTE (what W costs here): W walks the autograd graph again from
-the outputs, so it recomputes the input-gradient chain down to the stage's first parameter use;
-only the first op's own input gradient is skipped. I + W therefore costs more than one B
-(measured on this CPU, one thread, a middle stage of 4 to 8 Linear+ReLU layers: I 0.36-0.38 B,
-W 0.83-0.96 B, I + W 1.2-1.3 B), unlike the paper's split, whose W starts from gradients saved
-during I (I + W = B). The planner prices I + W as one B, so on such stages a zb-h1 plan is
-optimistic by that excess. Stage 0 has no input gradient to send, so its I
-does nothing and its W is one plain backward (no extra cost there).
+inputs only, so SEND_B can go upstream at once; the stash stays until W, which computes the
+parameters' gradients (accumulated into ``.grad``) and frees the graph. Both go through torch's
+own split (``torch.distributed.pipelining._backward``: I saves, by autograd pre-hooks, the
+gradient reaching every graph node where a weight's branch joins the input's path; W starts
+there). Parameters that split cannot reach (all of them on stage 0,
+whose inputs take no gradient, where W is then one plain backward; a weight whose branch never
+meets the input's path) get theirs in W by a second walk from the outputs,
+``torch.autograd.backward(outputs, grads, inputs=params)``, which recomputes the input-gradient
+chain down to the first use of those parameters. NOTE (what the split costs): measured on this
+CPU (one thread; a middle stage of 4 x Linear(512)+ReLU, batch 64, and 8 x Linear(1024)+ReLU,
+batch 32; best of 30): torch's split I 0.60-0.62 B, W 0.54-0.67 B, I + W 1.14-1.29 B (the
+graph analysis and hooks are Python, per micro-batch); the walk for every parameter would be
+I + W 1.41-1.62 B. The planner prices I + W as one B, so it is optimistic by that excess.
 
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
@@ -270,7 +272,8 @@ class PipelineRuntime:
         self._inbox: dict[tuple[str, int, int], list] = {}
         self._outbox: dict[tuple[str, int, int], list] = {}
         self._stash: dict[tuple[int, int], tuple[list, Any]] = {}  # (stage, mb) -> (input leaves, outputs)
-        self._roots: dict[tuple[int, int], tuple[list, list | None]] = {}  # after I: (outputs, grads) for W
+        # after I, for W: (outputs, their grads, torch's param groups, parameters left to a walk)
+        self._roots: dict[tuple[int, int], tuple[list, list | None, list, list]] = {}
         self._losses: list[torch.Tensor] = []
         self._results: dict[int, list] = {}
         self.peak_stash = self._wire.peak_inflight = 0
@@ -368,19 +371,26 @@ class PipelineRuntime:
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward_input(self, s: int, mb: int) -> None:
-        """Zero-bubble I: the gradient of the stage's inputs, handed to stage s - 1; the graph
-        is kept for W (module docstring)."""
+        """Zero-bubble I: the gradient of the stage's inputs, handed to stage s - 1; what W
+        needs is kept (module docstring)."""
         in_leaves, outs = self._stash[(s, mb)]
         roots, grads = self._output_grads(s, mb, outs)
-        self._roots[(s, mb)] = (roots, grads)
-        if s == 0:
-            return  # no input gradient: W runs the whole backward once
+        params = [q for q in self._module(s).parameters() if q.requires_grad]
         ports = self._ports(s)
-        wanted = [x for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad]
+        wanted = [x for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad] if s > 0 else []
         need = [x for x in wanted if isinstance(x, torch.Tensor) and x.requires_grad]
         got: Sequence[Any] = ()
+        groups: list = []
+        walk = params  # stage 0, or nothing to differentiate: W walks for every parameter
         if roots and need:
-            got = torch.autograd.grad(roots, need, grads, retain_graph=True, allow_unused=True)
+            got, groups, walk = _split_input_backward(roots, grads, need, params)
+        if walk:
+            self._roots[(s, mb)] = (roots, grads, groups, walk)
+        else:  # NOTE: W starts from torch's saved gradients: let go of the rest of the graph
+            self._roots[(s, mb)] = ([], None, groups, walk)
+            self._stash[(s, mb)] = ([], None)
+        if s == 0:
+            return  # no input gradient to send
         found = {id(x): g for x, g in zip(need, got)}
         input_grads = [found[id(x)] if found.get(id(x)) is not None else torch.zeros_like(x) for x in wanted]
         if s - 1 in self.stage_ids:
@@ -392,10 +402,12 @@ class PipelineRuntime:
         """Zero-bubble W: the parameters' gradients, accumulated into ``.grad``; frees the graph
         and the stash of (s, mb)."""
         self._stash.pop((s, mb))
-        roots, grads = self._roots.pop((s, mb))
-        params = [q for q in self._module(s).parameters() if q.requires_grad]
-        if roots and params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        roots, grads, groups, walk = self._roots.pop((s, mb))
+        if roots and walk:
+            torch.autograd.backward(roots, grads, inputs=walk, retain_graph=bool(groups))
+        if groups:
+            from torch.distributed.pipelining._backward import stage_backward_weight
+            stage_backward_weight([q for q in self._module(s).parameters() if q.requires_grad], groups)
 
     def _loss(self, outs: tuple, mb: int) -> torch.Tensor:
         value = outs[0] if len(outs) == 1 else outs
@@ -596,3 +608,23 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
             kwargs["device_id"] = device
         dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _split_input_backward(roots: list, grads: list | None, inputs: list,
+                          params: list) -> tuple[Sequence[Any], list, list]:
+    """Zero-bubble I through torch's split (module docstring): (gradients of `inputs`, torch's
+    param groups for W, the parameters W must reach by walking from `roots` instead).
+
+    NOTE: torch detaches the outputs it is given (to free the graph W no longer needs); it gets
+    clones, so `roots` keep their graph for the walk, when there is one.
+    """
+    try:
+        from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
+    except ImportError:  # a torch without the split: the walk does every parameter
+        got = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+        return got, [], params
+    accumulators = {_get_grad_fn_or_grad_acc(q): q for q in params}
+    got, groups = stage_backward_input([r.clone() for r in roots], grads, inputs, iter(params))
+    covered = {node for g in groups for node in g["params"]}
+    walk = [q for node, q in accumulators.items() if node not in covered]
+    return got, groups, walk

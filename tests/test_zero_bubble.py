@@ -176,7 +176,7 @@ def test_runtime_split_reaches_every_parameter(weight_only_output: bool) -> None
     Either way the gradients equal one plain backward."""
     from torch.distributed.pipelining._backward import stage_backward_weight
 
-    from pipecc.runtime.engine import _split_input_backward
+    from pipecc.runtime.split_backward import input_backward
 
     torch.manual_seed(0)
     lin, gate = nn.Linear(6, 6), nn.Parameter(torch.randn(6))
@@ -194,7 +194,7 @@ def test_runtime_split_reaches_every_parameter(weight_only_output: bool) -> None
         q.grad = None
     x2 = x.detach().requires_grad_()
     roots = stage(x2)
-    got, groups, walk = _split_input_backward(roots, grads[:n], [x2], params)
+    got, groups, walk = input_backward(roots, grads[:n], [x2], params)
     assert groups and [q is gate for q in walk] == ([True] if weight_only_output else [])
     torch.testing.assert_close(got[0], want_x)
     if walk:

@@ -7,20 +7,9 @@ list from ``pipecc.ir.schedule`` (``build_schedule``) literally, so a schedule's
 is real: GPipe stashes m microbatches per stage, 1F1B at most p - r. What a stage receives and
 sends is ``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
 
-Zero-bubble (I and W actions, ``zb-h1``). I computes the gradient of the stage's received
-inputs only, so SEND_B can go upstream at once; the stash stays until W, which computes the
-parameters' gradients (accumulated into ``.grad``) and frees the graph. Both go through torch's
-own split (``torch.distributed.pipelining._backward``: I saves, by autograd pre-hooks, the
-gradient reaching every graph node where a weight's branch joins the input's path; W starts
-there). Parameters that split cannot reach (all of them on stage 0,
-whose inputs take no gradient, where W is then one plain backward; a weight whose branch never
-meets the input's path) get theirs in W by a second walk from the outputs,
-``torch.autograd.backward(outputs, grads, inputs=params)``, which recomputes the input-gradient
-chain down to the first use of those parameters. NOTE (what the split costs): measured on this
-CPU (one thread; a middle stage of 4 x Linear(512)+ReLU, batch 64, and 8 x Linear(1024)+ReLU,
-batch 32; best of 30): torch's split I 0.60-0.62 B, W 0.54-0.67 B, I + W 1.14-1.29 B (the
-graph analysis and hooks are Python, per micro-batch); the walk for every parameter would be
-I + W 1.41-1.62 B. The planner prices I + W as one B, so it is optimistic by that excess.
+Zero-bubble (I and W actions, ``zb-h1``): I computes the gradient of the stage's received inputs
+only, so SEND_B can go upstream at once; the stash stays until W, which accumulates the
+parameters' gradients and frees the graph (how, and what it costs: ``pipecc.runtime.split_backward``).
 
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
@@ -77,6 +66,7 @@ from pipecc.runtime.ports import (
     to_json,
     unflatten,
 )
+from pipecc.runtime.split_backward import input_backward, weight_backward
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
     Wire,
@@ -383,7 +373,7 @@ class PipelineRuntime:
         groups: list = []
         walk = params  # stage 0, or nothing to differentiate: W walks for every parameter
         if roots and need:
-            got, groups, walk = _split_input_backward(roots, grads, need, params)
+            got, groups, walk = input_backward(roots, grads, need, params)
         if walk:
             self._roots[(s, mb)] = (roots, grads, groups, walk)
         else:  # NOTE: W starts from torch's saved gradients: let go of the rest of the graph
@@ -406,8 +396,7 @@ class PipelineRuntime:
         if roots and walk:
             torch.autograd.backward(roots, grads, inputs=walk, retain_graph=bool(groups))
         if groups:
-            from torch.distributed.pipelining._backward import stage_backward_weight
-            stage_backward_weight([q for q in self._module(s).parameters() if q.requires_grad], groups)
+            weight_backward([q for q in self._module(s).parameters() if q.requires_grad], groups)
 
     def _loss(self, outs: tuple, mb: int) -> torch.Tensor:
         value = outs[0] if len(outs) == 1 else outs
@@ -609,22 +598,3 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
         dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
-
-def _split_input_backward(roots: list, grads: list | None, inputs: list,
-                          params: list) -> tuple[Sequence[Any], list, list]:
-    """Zero-bubble I through torch's split (module docstring): (gradients of `inputs`, torch's
-    param groups for W, the parameters W must reach by walking from `roots` instead).
-
-    NOTE: torch detaches the outputs it is given (to free the graph W no longer needs); it gets
-    clones, so `roots` keep their graph for the walk, when there is one.
-    """
-    try:
-        from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
-    except ImportError:  # a torch without the split: the walk does every parameter
-        got = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
-        return got, [], params
-    accumulators = {_get_grad_fn_or_grad_acc(q): q for q in params}
-    got, groups = stage_backward_input([r.clone() for r in roots], grads, inputs, iter(params))
-    covered = {node for g in groups for node in g["params"]}
-    walk = [q for node, q in accumulators.items() if node not in covered]
-    return got, groups, walk

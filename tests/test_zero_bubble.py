@@ -245,3 +245,18 @@ def test_compiled_zb_h1_reports_i_and_w(zb_run) -> None:
     assert "block W" in (out / "report.html").read_text()
     shown = run_pipecc("inspect", str(out))
     assert "I backward for the input, W for the weights" in shown.stdout
+
+
+def test_a_profiled_backward_splits_by_the_flop_fraction() -> None:
+    """A measured backward has no I/W split: each node's curve is split by its FLOP fraction."""
+    from test_plan_profile import MLP, TINY, curve, synthetic
+
+    analysis = driver.analyze(MLP, model_args=TINY, batch_size=8)
+    plan, graph = driver.plan(analysis, "cpu,cpu", profile=synthetic(), microbatches=2,
+                              schedule="zb-h1", split_layers=False)
+    values = {n.meta[META_NAME]: n.meta[META_COST].values for n in graph.gm.graph.nodes}
+    for s in plan.stages:
+        assert s.time_source == "profile"
+        want = sum(curve(n, 4)[1] * values[n]["backward_weight_flops"] / values[n]["backward_flops"]
+                   for n in s.nodes if values[n]["backward_flops"])
+        assert s.backward_weight_s == pytest.approx(want, rel=1e-9) and 0 < want < s.backward_s

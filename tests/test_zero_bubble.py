@@ -260,3 +260,27 @@ def test_a_profiled_backward_splits_by_the_flop_fraction() -> None:
         want = sum(curve(n, 4)[1] * values[n]["backward_weight_flops"] / values[n]["backward_flops"]
                    for n in s.nodes if values[n]["backward_flops"])
         assert s.backward_weight_s == pytest.approx(want, rel=1e-9) and 0 < want < s.backward_s
+
+
+# ---------------------------------------------------------------------------- ZB-V (IR only)
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_zb_v_is_valid_and_holds_1f1b_memory(p: int, m: int) -> None:
+    from pipecc.ir.schedule import zb_v
+
+    s = zb_v(p, m)
+    validate(s)
+    assert s.stage_to_rank == tuple(list(range(p)) + list(reversed(range(p))))
+    # each stage is half a 1F1B stage: 2 min(p, m) halves are 1F1B's peak of min(p, m) stages
+    assert max(s.rank_stash_profile()) <= 2 * min(p, m)
+    assert parse(format(s)) == s
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_bubble_is_only_the_ramp(p: int, m: int) -> None:
+    from pipecc.ir.schedule import zb_v
+
+    half = simulate(zb_v(p, m), StageCosts.uniform(2 * p, m, 0.5, 1.0))   # F = I = W = 0.5 a half
+    h1 = simulate(zb_h1(p, m), StageCosts.uniform(p, m, 1.0, 2.0))
+    assert half.iteration_s < h1.iteration_s
+    assert half.iteration_s == pytest.approx(3 * m + (p - 1) * 0.5)      # m (F+I+W) + the ramp

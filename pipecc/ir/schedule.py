@@ -32,6 +32,10 @@ simulator and the distributed runtime import it.
 
 from __future__ import annotations
 
+# NOTE(size): the IR, its text form, its validator and every generator stay together: the
+# generators share the private comm placement (_place_comms, _build), and the validator is the
+# contract they are tested against; splitting would export those internals.
+
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +59,7 @@ __all__ = [
     "parse_action",
     "validate",
     "zb_h1",
+    "zb_v",
 ]
 
 
@@ -439,6 +444,55 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
         row += [_W(r, i) for i in range(max(m - r, 0), m)]
         compute.append(row)
     return _build(p, m, tuple(range(p)), compute)
+
+
+def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., ICLR 2024, section 6): 2p stages in a V, rank r holding stage r (down
+    the V) and 2p-1-r (back up), each B split into I and W. Ranks p-1's two stages meet at the
+    point of the V and hand over locally; the loss is on rank 0.
+
+    Rank r: 2(p-r)-1 forwards down; r pairs (F up, F down); p-r triples (F, I, W up); then
+    rounds of (F down while forwards remain, I and W down, F, I and W up) until every forward
+    ran; then r pairs of I's (down, up) whose W's wait, p-r pairs (I, W down), and the W's
+    left, up first. Planned for max(m, 2p-1) micro-batches, then the missing ones dropped
+    (the order of torch's ScheduleZBVZeroBubble). With F = I = W per stage and m >= 2p-1 the
+    only bubble is the ramp; a rank holds at most 2p stage-micro-batches of half a 1F1B
+    stage, i.e. 1F1B's peak. Not planned or compiled yet: only as a schedule (text or object).
+    """
+    p, m = num_ranks, num_microbatches
+    _check_sizes(p, m)
+    n = max(m, 2 * p - 1)
+    compute = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        row: list[Action] = []
+        count = {(k, s): 0 for k in (ActionKind.F, ActionKind.I, ActionKind.W) for s in (down, up)}
+
+        def run(kind: ActionKind, stage: int) -> None:
+            row.append(Action(kind, stage, count[(kind, stage)]))
+            count[(kind, stage)] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            run(ActionKind.F, down)
+        for _ in range(r):
+            run(ActionKind.F, up), run(ActionKind.F, down)
+        for _ in range(p - r):
+            run(ActionKind.F, up), run(ActionKind.I, up), run(ActionKind.W, up)
+        while count[(ActionKind.F, up)] < count[(ActionKind.F, down)] or count[(ActionKind.F, down)] < n:
+            if count[(ActionKind.F, down)] < n:
+                run(ActionKind.F, down)
+            run(ActionKind.I, down), run(ActionKind.W, down)
+            run(ActionKind.F, up), run(ActionKind.I, up), run(ActionKind.W, up)
+        for _ in range(r):
+            run(ActionKind.I, down), run(ActionKind.I, up)
+        for _ in range(p - r):
+            run(ActionKind.I, down), run(ActionKind.W, down)
+        for stage in (up, down):
+            while count[(ActionKind.W, stage)] < count[(ActionKind.I, stage)]:
+                run(ActionKind.W, stage)
+        compute.append([a for a in row if a.microbatch < m])
+    placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return _build(p, m, placement, compute)
 
 
 def inference(num_stages: int, num_microbatches: int) -> Schedule:

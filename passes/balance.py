@@ -14,6 +14,12 @@ float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
 Which stages recompute their activations (`PlanOptions.recompute`) is `passes.recompute`'s
 choice per candidate; `problem(..., recompute=)` charges them (one more forward in backward,
 one micro-batch's activations plus the received inputs in memory).
+
+Zero-bubble schedules (`ZERO_BUBBLE`: zb-h1) split each stage's backward into I (input
+gradient) and W (weight gradient); the simulator gets both, each stage's W being the sum over
+its units of the backward seconds times the device model's `weight_share`. The partitioner
+itself still balances F + B per stage (the 1F1B steady state, which ZB-H1 shares). No FPGA
+plan uses them: the FPGA backend has no separate weight-gradient pass.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from pipecc.targets.timing import CANNOT_RUN_S, DeviceCosts, RooflineCosts
 
 __all__ = ["Balancer", "PlanOptions", "SCHEDULES", "device_costs"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what --schedule auto tries in training
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # what --schedule auto tries in training
+ZERO_BUBBLE = ("zb-h1",)  # schedules with a split backward (I and W actions)
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Balancer:
             if dev.name not in models:
                 models[dev.name] = device_costs(dev, self.builder, options)
         self.costs = [models[dev.name] for dev in cluster.devices]  # [device] its cost model
+        self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
 
     # ------------------------------------------------------------------ costs
     def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
@@ -207,6 +215,13 @@ class Balancer:
         if not self.opt.training:
             return [("inference", m) for m in ms]
         scheds = SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
+        fpgas = [d.name for d in self.cluster.devices if d.kind == "fpga"]
+        if fpgas and self.opt.schedule in ZERO_BUBBLE:
+            raise UsageError(f"--schedule {self.opt.schedule} splits every stage's backward into "
+                             f"input and weight gradients, which the FPGA backend cannot run "
+                             f"({fpgas[0]} in --devices); use --schedule 1f1b, or leave the FPGA out")
+        if fpgas:  # auto: the zero-bubble schedules are not candidates (see above)
+            scheds = tuple(s for s in scheds if s not in ZERO_BUBBLE)
         out = []
         for s in scheds:
             for m in ms:
@@ -235,7 +250,7 @@ class Balancer:
             raise InfeasibleError(self._unsupported_message(prob, order))
         raw = prob
         prob, part = self.recost(prob, part.bounds, order, mb)
-        timeline = self._simulate(part, prob, schedule, m, v)
+        timeline = self._simulate(part, prob, schedule, m, v, order=order)
         # NOTE: the partitioner is exact for its model: the 1F1B steady state with transfers
         # overlapped. With few micro-batches, or GPipe's two one-way streams, fill and drain
         # weigh more, and cuts exact for the stream model (training=False) or for the old
@@ -249,7 +264,7 @@ class Balancer:
                 continue
             tried.add(tuple(alt.bounds))
             prob2, part2 = self.recost(raw, alt.bounds, order, mb)
-            timeline2 = self._simulate(part2, prob2, schedule, m, v)
+            timeline2 = self._simulate(part2, prob2, schedule, m, v, order=order)
             if timeline2.iteration_s < timeline.iteration_s:
                 prob, part, timeline = prob2, part2, timeline2
         return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw,
@@ -261,8 +276,24 @@ class Balancer:
         return best_device_order(
             lambda order: self.problem(units, mb, schedule, m, order, 1, recompute), types)
 
+    def weight_times(self, part: Partition, prob: PartitionProblem, order: Sequence[int],
+                     mb: int) -> list[float]:
+        """[stage] seconds of the stage's backward that compute weight gradients (zero-bubble
+        W): its units' backward seconds in `prob` times their device's `weight_share`."""
+        if mb not in self._shares:
+            units = self.builder.at(mb)
+            self._shares[mb] = np.stack([c.weight_share(units, mb) for c in self.costs])
+        share, bwd = self._shares[mb], np.array(prob.bwd, dtype=float)
+        redo = prob.recompute or []
+        out = []
+        for k in range(len(part.bounds) - 1):
+            a, e = part.bounds[k], part.bounds[k + 1]
+            own = bwd[k, a:e] - (np.asarray(prob.fwd)[k, a:e] if k < len(redo) and redo[k] else 0.0)
+            out.append(float((own * share[order[k % self.p], a:e]).sum()))  # a re-run forward is I's
+        return out
+
     def _simulate(self, part: Partition, prob: PartitionProblem, schedule: str, m: int,
-                  v: int) -> Timeline:
+                  v: int, order: Sequence[int] | None = None) -> Timeline:
         stages = len(part.bounds) - 1
         fwd = np.asarray(prob.fwd)
         bwd = np.asarray(prob.bwd)
@@ -280,9 +311,13 @@ class Balancer:
             redo = [a if r else 0.0 for a, r in zip(act, prob.recompute)]
             received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
             act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
+        split: dict[str, list[float]] = {}
+        if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
+            w = self.weight_times(part, prob, order or tuple(range(self.p)), self.opt.batch_size // m)
+            split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)]}
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static,
-                                     recompute_bytes=redo)
+                                     recompute_bytes=redo, **split)
         return simulate(by_name(schedule, stages // v, m, v), costs)
 
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
@@ -407,6 +442,7 @@ class Balancer:
         part, units, prob = cand.part, cand.units, cand.problem
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         lb, lb_compute = self.lower_bound(cand), self.lower_bound(cand, comm=False)
+        weights = self.weight_times(part, prob, cand.order, self.opt.batch_size // cand.microbatches)
         stages = []
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
@@ -418,6 +454,7 @@ class Balancer:
             stages.append(StagePlan(
                 index=k, device=k % self.p, nodes=names,
                 forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
+                backward_weight_s=weights[k],
                 send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
                 peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % self.p])
                 if cand.virtual == 1 else int(part.stage_memory[k]),

@@ -5,7 +5,9 @@ and bytes per stage and microbatch). Output: a ``Timeline`` with one ``Event`` p
 action, the makespan, the bubble fraction, busy time and peak memory per rank.
 
 Model:
-- Each rank executes its actions in order, one compute (F/B) at a time.
+- Each rank executes its actions in order, one compute (F/B/I/W) at a time. A zero-bubble
+  schedule's I costs ``backward_input_s`` and its W ``backward_weight_s`` (each half of
+  ``backward_s`` when not given); its I, like a B, produces the gradient stage s-1 needs.
 - F of (s, mb) needs the output of F(s-1, mb): local if stage s-1 is on the same rank,
   otherwise delivered by a transfer. B of (s, mb) needs F(s, mb) and the gradient of
   B(s+1, mb), likewise local or transferred.
@@ -20,7 +22,7 @@ Model:
   tests/test_comm_model.py): a transfer hides behind other micro-batches' compute, but not
   behind the round trip of its own micro-batch.
 - Memory on a rank: static bytes of its stages plus the activations stashed from the
-  start of each F until the end of its B. Forward-only schedules hold an activation only
+  start of each F until the end of its B (or W). Forward-only schedules hold an activation only
   during its F. Compute on a rank is sequential, so walking the row in order gives the
   exact peak over time. A stage that recomputes its activations (activation checkpointing)
   stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
@@ -56,6 +58,9 @@ class StageCosts:
     ``send_forward_s[s]`` is the transfer time of stage s's activation to stage s+1 and
     ``send_backward_s[s]`` that of stage s's input gradient to stage s-1; both are only
     used when the neighbour sits on another rank (0 for the last / first stage).
+    ``backward_input_s`` and ``backward_weight_s`` are the two parts of a split backward
+    (zero-bubble I and W actions); ``None`` means half of ``backward_s`` each (only
+    zero-bubble schedules read them).
     """
 
     forward_s: list[list[float]]
@@ -67,6 +72,17 @@ class StageCosts:
     # [stage] bytes a recomputed stage re-creates during each B (its internal activations of
     # one micro-batch); [] or 0: the stage does not recompute
     recompute_bytes: list[float] = field(default_factory=list)
+    backward_input_s: list[list[float]] | None = None
+    backward_weight_s: list[list[float]] | None = None
+
+    def split_backward_s(self, stage: int, microbatch: int) -> tuple[float, float]:
+        """(I, W) seconds of a split backward of ``stage`` on ``microbatch``."""
+        b = self.backward_s[stage][microbatch]
+        i = self.backward_input_s[stage][microbatch] if self.backward_input_s is not None else None
+        w = self.backward_weight_s[stage][microbatch] if self.backward_weight_s is not None else None
+        if i is None and w is None:
+            return b / 2, b / 2
+        return (b - w if i is None else i), (b - i if w is None else w)
 
     @classmethod
     def per_stage(
@@ -79,8 +95,11 @@ class StageCosts:
         activation_bytes: Sequence[float] | None = None,
         static_bytes: Sequence[float] | None = None,
         recompute_bytes: Sequence[float] | None = None,
+        backward_input_s: Sequence[float] | None = None,
+        backward_weight_s: Sequence[float] | None = None,
     ) -> StageCosts:
-        """Costs that are equal for every microbatch; omitted arrays are zero."""
+        """Costs that are equal for every microbatch; omitted arrays are zero (the split
+        backward's: half of ``backward_s`` each)."""
         n = len(forward_s)
 
         def rows(values: Sequence[float] | None) -> list[list[float]]:
@@ -97,6 +116,8 @@ class StageCosts:
             rows(activation_bytes),
             [0.0] * n if static_bytes is None else [float(x) for x in static_bytes],
             [] if recompute_bytes is None else [float(x) for x in recompute_bytes],
+            None if backward_input_s is None else rows(backward_input_s),
+            None if backward_weight_s is None else rows(backward_weight_s),
         )
 
     @classmethod
@@ -124,8 +145,11 @@ class StageCosts:
 
     def check(self, num_stages: int, num_microbatches: int) -> None:
         """Raise ``ValueError`` unless every array is [num_stages][num_microbatches] (static: [num_stages])."""
-        for name in ("forward_s", "backward_s", "send_forward_s", "send_backward_s", "activation_bytes"):
+        for name in ("forward_s", "backward_s", "send_forward_s", "send_backward_s", "activation_bytes",
+                     "backward_input_s", "backward_weight_s"):
             table = getattr(self, name)
+            if table is None:
+                continue
             if len(table) != num_stages or any(len(row) != num_microbatches for row in table):
                 shape = (len(table), sorted({len(row) for row in table}))
                 raise ValueError(f"StageCosts.{name} must be [{num_stages}][{num_microbatches}], got {shape}")
@@ -139,7 +163,7 @@ class StageCosts:
 @dataclass(frozen=True)
 class Event:
     """One executed action. For a SEND, [start, end) is the transfer on the link to
-    ``peer``; for a RECV, the time the rank waited; for F/B, the compute."""
+    ``peer``; for a RECV, the time the rank waited; for F/B/I/W, the compute."""
 
     rank: int
     kind: ActionKind
@@ -160,7 +184,7 @@ class Event:
 
 @dataclass
 class Timeline:
-    """Result of ``simulate``. ``busy_s`` counts compute (F/B) only."""
+    """Result of ``simulate``. ``busy_s`` counts compute (F/B/I/W) only."""
 
     num_ranks: int
     events: list[Event]
@@ -174,12 +198,12 @@ class Timeline:
         self.bubble_fraction = 1.0 - sum(self.busy_s) / capacity if capacity > 0 else 0.0
 
     def compute_events(self, rank: int | None = None) -> list[Event]:
-        """F/B events, optionally of one rank, in start order."""
+        """F/B/I/W events, optionally of one rank, in start order."""
         chosen = [e for e in self.events if e.is_compute and (rank is None or e.rank == rank)]
         return sorted(chosen, key=lambda e: (e.start, e.rank))
 
     def to_text(self, width: int = 72) -> str:
-        """A small ASCII Gantt chart: one row per rank, ``F``/``B`` busy, ``.`` idle.
+        """A small ASCII Gantt chart: one row per rank, ``F``/``B``/``I``/``W`` busy, ``.`` idle.
 
         Each column covers ``iteration_s / width`` seconds and shows what runs at its
         midpoint, so very short actions can disappear.
@@ -213,7 +237,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
     link_free: dict[tuple[int, int], float] = {}
     arrival: dict[tuple[str, int, int], float] = {}  # message key -> time data is at the receiver
     f_end: dict[tuple[int, int], float] = {}
-    b_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}  # B or I: the input gradient is ready
     events: list[Event] = []
 
     def input_ready(a: Action, r: int) -> float:
@@ -222,6 +246,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
             if s == 0:
                 return 0.0
             return f_end[(s - 1, mb)] if owner[s - 1] == r else arrival[("F", s, mb)]
+        if a.kind is ActionKind.W:  # after its own I (validate: same rank, earlier)
+            return b_end[(s, mb)]
         ready = f_end[(s, mb)]
         if s < schedule.num_stages - 1:
             ready = max(ready, b_end[(s + 1, mb)] if owner[s + 1] == r else arrival[("B", s, mb)])
@@ -231,8 +257,15 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         s, mb, k = a.stage, a.microbatch, a.kind
         if k.is_compute:
             start = max(clock[r], input_ready(a, r))
-            end = start + (costs.forward_s if k is ActionKind.F else costs.backward_s)[s][mb]
-            (f_end if k is ActionKind.F else b_end)[(s, mb)] = end
+            if k is ActionKind.F:
+                took = costs.forward_s[s][mb]
+            elif k is ActionKind.B:
+                took = costs.backward_s[s][mb]
+            else:
+                took = costs.split_backward_s(s, mb)[0 if k is ActionKind.I else 1]
+            end = start + took
+            if k is not ActionKind.W:
+                (f_end if k is ActionKind.F else b_end)[(s, mb)] = end
             busy[r] += end - start
             events.append(Event(r, k, s, mb, start, end))
         elif k.is_send:
@@ -283,8 +316,11 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
             peak = max(peak, held + size)
             if training:
                 held += size
-        elif a.kind is ActionKind.B:
-            if costs.recompute_bytes:
+        elif a.kind in (ActionKind.B, ActionKind.I):
+            if costs.recompute_bytes:  # a recomputed stage re-creates its activations first
                 peak = max(peak, held + costs.recompute_bytes[a.stage])
+            if a.kind.frees_stash:
+                held -= size
+        elif a.kind.frees_stash:
             held -= size
     return static + peak

@@ -23,7 +23,9 @@ import torch.fx as fx
 from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 
 FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
-          "output_bytes", "stash_bytes", "bytes_moved")
+          "output_bytes", "stash_bytes", "bytes_moved",
+          # the weight-gradient part of the backward (zero-bubble W; the rest is I)
+          "backward_weight_flops", "backward_weight_flops_matmul")
 
 
 @dataclass

@@ -15,6 +15,15 @@ Conventions (CONTRACT §5):
   * other work (norms, softmax, activations, elementwise, reductions) has a per-element
     constant below; its backward costs the same again when any input needs a gradient;
   * views and reshapes cost no FLOPs and hold no memory; cat/copies move bytes;
+  * the backward splits into an input-gradient part and a weight-gradient part
+    (`backward_weight_flops`; the input part is the rest), as zero-bubble schedules run them
+    (Qi et al., ICLR 2024: B = dX, W = dW). For matmul-class ops that is one product per
+    operand: dX = dY·Wᵀ is input work, dW = Xᵀ·dY (and the bias's Σ dY) weight work, where a
+    *weight* is an operand computed from parameters alone (a `get_attr`, or a view of one).
+    Recurrent layers: the gate-weight products are weight work, the hidden-state and input
+    gradients input work. Norms with an affine weight: dγ = Σ dY·x̂ and dβ = Σ dY, 3 FLOPs per
+    output element (the rest of the norm's backward is input work). Embeddings: all weight
+    work (the indices take no gradient). Ops without weights: all input work;
   * ops the table does not know cost one FLOP per output element and move all their bytes: a
     guess, which can be far below their real work, so they are listed in a warning that says
     so, never silently zero. (Composite torch.nn modules such as nn.TransformerEncoderLayer
@@ -60,9 +69,14 @@ class NodeCost:
     stash_bytes: Any = 0       # memory it holds for backward (0 for views)
     bytes_moved: Any = 0       # memory traffic of the forward (inputs + params + outputs)
     values: dict[str, int] | None = None
+    # the part of backward_flops (of backward_flops_matmul) that computes weight gradients;
+    # the rest is the input gradient (module docstring)
+    backward_weight_flops: Any = 0
+    backward_weight_flops_matmul: Any = 0
 
     FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul",
-              "backward_flops_matmul", "param_bytes", "output_bytes", "stash_bytes", "bytes_moved")
+              "backward_flops_matmul", "param_bytes", "output_bytes", "stash_bytes", "bytes_moved",
+              "backward_weight_flops", "backward_weight_flops_matmul")
 
     def value(self, field: str) -> int:
         assert self.values is not None, "cost not evaluated"
@@ -78,6 +92,11 @@ class _Operands:
     output: list[TensorInfo]
     module: Any                     # the nn.Module for call_module, else None
     node: fx.Node
+    weights: frozenset[int] = frozenset()  # id() of the inputs computed from parameters alone
+
+    def is_weight(self, t: TensorInfo | None) -> bool:
+        """True for one of the node's own parameters or an input computed from weights alone."""
+        return t is not None and (any(t is p for p in self.params) or id(t) in self.weights)
 
 
 def _prod(xs) -> Dim:
@@ -248,20 +267,71 @@ def _unknown(o: _Operands):
     return n, (n if any_grad else 0), 0, 0
 
 
+def _weight_backward(o: _Operands, fwd_mm: Any, bwd: Any) -> tuple[Any, Any]:
+    """(weight-gradient FLOPs, of which matmul-class) of the node's backward `bwd`: the
+    products whose operand is a weight (module docstring); never more than `bwd`."""
+    kind = o.kind
+    if kind in ("linear", "conv", "conv_transpose"):
+        if o.op == "addmm":
+            bias, w = o.inputs[0], o.inputs[2]
+        elif o.params:
+            w, bias = o.params[0], (o.params[1] if len(o.params) > 1 else None)
+        else:
+            w = o.inputs[1] if len(o.inputs) > 1 else None
+            bias = o.inputs[2] if len(o.inputs) > 2 else None
+        mm = fwd_mm if o.is_weight(w) and w.requires_grad else 0
+        extra = o.output[0].numel if o.is_weight(bias) and bias.requires_grad else 0
+        return mm + extra, mm
+    if kind == "matmul":
+        a, b = o.inputs[-2], o.inputs[-1]
+        if len(a.shape) == 1 or len(b.shape) == 1:  # the matrix's gradient is an outer product
+            mat, vec = (b, a) if len(a.shape) == 1 else (a, b)
+            mm = fwd_mm if o.is_weight(vec) and vec.requires_grad else 0
+            return mm + (mat.numel if o.is_weight(mat) and mat.requires_grad else 0), mm
+        n = sum(1 for t in (a, b) if o.is_weight(t) and t.requires_grad)
+        return fwd_mm * n, fwd_mm * n
+    if kind == "rnn" and o.module is not None:  # the gate-weight products of every layer
+        x = o.inputs[0]
+        gates = {"lstm": 4, "gru": 3}.get(o.op, 1)
+        hidden, dirs, layers, batch_first, input_size = _rnn_config(o)
+        batch, steps = (x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0])
+        w = 0
+        for layer in range(layers):
+            in_size = input_size if layer == 0 else hidden * dirs
+            w = w + dirs * 2 * batch * steps * gates * hidden * (in_size + hidden)
+        return w, w
+    if kind == "mha" and o.module is not None:  # the four projections' weight gradients
+        q, k = o.inputs[0], o.inputs[1]
+        e = o.module.embed_dim
+        b, length, s = ((q.shape[0], q.shape[1], k.shape[1]) if o.module.batch_first
+                        else (q.shape[1], q.shape[0], k.shape[0]))
+        proj = 2 * b * e * e * (length + 2 * s) + 2 * b * length * e * e
+        return proj, proj
+    if kind == "embedding":
+        return (bwd, 0) if any(o.is_weight(t) for t in o.params + o.inputs) else (0, 0)
+    if kind == "norm" and any(p.requires_grad for p in o.params):
+        return 3 * sum((t.numel for t in o.output), 0), 0
+    return 0, 0
+
+
 _RULES: dict[str, Callable[[_Operands], tuple]] = {
     "linear": _linear, "matmul": _matmul, "conv": _conv, "conv_transpose": _conv,
     "attention": _attention, "rnn": _rnn, "mha": _mha,
 }
 
 
-def _operands(node: fx.Node, gm: fx.GraphModule) -> _Operands:
+def _operands(node: fx.Node, gm: fx.GraphModule, data: set[fx.Node] | None = None) -> _Operands:
     inputs = [t for a in node.all_input_nodes for t in tensors_in(a.meta.get(META_VALUE))]
     # keep argument order (all_input_nodes dedups; positional order matters for matmul)
     ordered = []
+    weights: set[int] = set()
     for a in list(node.args) + list(node.kwargs.values()):
         for leaf in _flatten(a):
             if isinstance(leaf, fx.Node):
-                ordered.extend(tensors_in(leaf.meta.get(META_VALUE)))
+                got = list(tensors_in(leaf.meta.get(META_VALUE)))
+                ordered.extend(got)
+                if leaf.op == "get_attr" or (data is not None and leaf not in data):
+                    weights.update(id(t) for t in got)
     inputs = ordered or inputs
     module = gm.get_submodule(node.target) if node.op == "call_module" else None
     params = [info for _, info in node.meta.get(META_PARAMS, [])] if module is not None else []
@@ -269,7 +339,8 @@ def _operands(node: fx.Node, gm: fx.GraphModule) -> _Operands:
         params = [TensorInfo(tuple(p.shape), p.dtype, p.requires_grad)
                   for p in module.parameters(recurse=False)]
     output = list(tensors_in(node.meta.get(META_VALUE)))
-    return _Operands(node.meta[META_OP], node.meta[META_KIND], inputs, params, output, module, node)
+    return _Operands(node.meta[META_OP], node.meta[META_KIND], inputs, params, output, module, node,
+                     frozenset(weights))
 
 
 def _flatten(a: Any):
@@ -283,8 +354,11 @@ def _flatten(a: Any):
         yield a
 
 
-def node_cost(node: fx.Node, gm: fx.GraphModule) -> tuple[NodeCost, bool]:
-    """Cost of one node; the flag says whether the op was unknown to the table."""
+def node_cost(node: fx.Node, gm: fx.GraphModule,
+              data: set[fx.Node] | None = None) -> tuple[NodeCost, bool]:
+    """Cost of one node; the flag says whether the op was unknown to the table. `data`: the
+    nodes computed from a graph input (`annotate` passes them); an operand outside it is a
+    weight for the backward split (without it, only `get_attr` operands are)."""
     kind = node.meta[META_KIND]
     value = node.meta.get(META_VALUE)
     param_bytes = sum(int(info.nbytes) for _, info in node.meta.get(META_PARAMS, []))
@@ -292,7 +366,7 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> tuple[NodeCost, bool]:
     if node.op in ("placeholder", "get_attr", "output"):
         return NodeCost(param_bytes=param_bytes,
                         output_bytes=out_bytes if node.op == "placeholder" else 0), False
-    o = _operands(node, gm)
+    o = _operands(node, gm, data)
     unknown = kind == "unknown"
     try:
         if kind in _RULES:
@@ -304,13 +378,18 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> tuple[NodeCost, bool]:
     except (IndexError, AttributeError, TypeError, ZeroDivisionError):
         fwd, bwd, fwd_mm, bwd_mm = _unknown(o)
         unknown = True
+    try:
+        bwd_w, bwd_w_mm = (0, 0) if unknown else _weight_backward(o, fwd_mm, bwd)
+    except (IndexError, AttributeError, TypeError, ZeroDivisionError):
+        bwd_w, bwd_w_mm = 0, 0  # NOTE: a shape the split cannot read: all input work
     is_view = o.op in VIEW_OPS or (kind == "shape" and o.op not in _BYTES_ONLY_SHAPE_OPS)
     in_bytes = sum((t.nbytes for t in o.inputs), 0)
     moved = 0 if is_view else in_bytes + out_bytes + param_bytes
     stash = 0 if is_view or not any(t.requires_grad for t in tensors_in(value)) else out_bytes
     return NodeCost(forward_flops=fwd, backward_flops=bwd, forward_flops_matmul=fwd_mm,
                     backward_flops_matmul=bwd_mm, param_bytes=param_bytes,
-                    output_bytes=out_bytes, stash_bytes=stash, bytes_moved=moved), unknown
+                    output_bytes=out_bytes, stash_bytes=stash, bytes_moved=moved,
+                    backward_weight_flops=bwd_w, backward_weight_flops_matmul=bwd_w_mm), unknown
 
 
 def _reaches_output(graph: fx.Graph) -> set[fx.Node]:
@@ -354,11 +433,15 @@ def annotate(graph: AnnotatedGraph) -> list[str]:
     live = _reaches_output(graph.gm.graph)
     data = _depends_on_inputs(graph.gm.graph)
     for node in graph.gm.graph.nodes:
-        cost, is_unknown = node_cost(node, graph.gm)
+        cost, is_unknown = node_cost(node, graph.gm, data)
         if node not in live:  # its result never reaches the loss: autograd skips it
             cost.backward_flops = cost.backward_flops_matmul = 0
+            cost.backward_weight_flops = cost.backward_weight_flops_matmul = 0
         if node not in data:  # computed from weights alone (weight norm, exporter's concats)
             cost.stash_bytes = 0
+            # NOTE: its gradient flows only to weights: all of its backward is weight work
+            cost.backward_weight_flops = cost.backward_flops
+            cost.backward_weight_flops_matmul = cost.backward_flops_matmul
         for f in NodeCost.FIELDS:
             setattr(cost, f, _simplify(getattr(cost, f)))
         cost.values = {f: _evaluate(getattr(cost, f), graph.point) for f in NodeCost.FIELDS}

@@ -327,8 +327,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
     except DeviceSpecError as exc:
         raise UsageError(str(exc)) from exc
-    if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
-        raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b or interleaved")
+    if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
+        raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b, interleaved or zb-h1")
     if recompute not in ("none", "full", "auto"):
         raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
     if fpga_number is not None:

@@ -3,7 +3,7 @@
 One 2-rank torchrun launch (gloo, CPU) runs ScheduleGPipe through both routes — torch's tracer
 cut at pipecc's split markers (route 1) and pipecc's own stage modules in PipelineStage
 (route 2) — for an MLP, a small GPT and a model whose input is used after the cut (relayed by
-stage 0). This file is also the worker: `torchrun --nproc-per-node 2 tests/test_interop.py OUT`.
+stage 0), and route 2 under ScheduleInterleavedZeroBubble (pipecc's zb-h1, order checked). This file is also the worker: `torchrun --nproc-per-node 2 tests/test_interop.py OUT`.
 In-process tests check the cut mapping, the refusals and route 2 with both stages on one rank.
 """
 
@@ -91,15 +91,18 @@ def reference(name: str) -> tuple[float, dict[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------- the worker
 
 def run_route(name: str, route: str, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """One ScheduleGPipe step of `name` through `route`; this rank's loss (last rank) and grads."""
+    """One ScheduleGPipe step of `name` through `route`; this rank's loss (last rank) and grads.
+    Route "zb": pipecc's stages under torch's ScheduleInterleavedZeroBubble (pipecc's zb-h1)."""
     model, inputs, target, loss_fn = case(name)
+    zero_bubble = route == "zb"
+    route = "stages" if zero_bubble else route
     plan, graph = plan_for(name, copy.deepcopy(model) if route == "policy" else model, inputs)
     if route == "policy":  # torch traces the model itself; pipecc's analysis ran on a copy
         pipe = torch_pipe(model, tuple(x[:BATCH // MICROBATCHES] for x in inputs), plan, graph)
         stages = [pipe.build_stage(rank, torch.device("cpu"))]
     else:
         stages = pipeline_stages(plan, graph, rank, "cpu")
-    schedule = torch_schedule(plan, stages, loss_fn)
+    schedule = torch_schedule(plan, stages, loss_fn, schedule="zb-h1" if zero_bubble else None)
     losses: list[torch.Tensor] = []
     if rank == 0:
         schedule.step(*inputs)
@@ -119,7 +122,7 @@ def worker(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for name, route in [("mlp", "stages"), ("mlp", "policy"), ("gpt", "stages"), ("gpt", "policy"),
-                        ("skip", "stages")]:
+                        ("skip", "stages"), ("gpt", "zb"), ("skip", "zb")]:
         save_file(run_route(name, route, rank, world), os.path.join(out_dir, f"{name}_{route}_rank{rank}.safetensors"))
     dist.destroy_process_group()
 
@@ -144,7 +147,7 @@ def two_ranks(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name, route", [("mlp", "stages"), ("mlp", "policy"), ("gpt", "stages"),
-                                         ("gpt", "policy"), ("skip", "stages")])
+                                         ("gpt", "policy"), ("skip", "stages"), ("gpt", "zb"), ("skip", "zb")])
 def test_gpipe_on_two_ranks_matches_one_process(two_ranks: Path, name: str, route: str) -> None:
     from safetensors.torch import load_file
 

@@ -351,14 +351,16 @@ def test_plan_text_and_inspect_show_recomputing_stages(tmp_path, capsys) -> None
 
 @pytest.mark.xdist_group(name="run_cmd")
 def test_run_verify_with_recompute(tmp_path) -> None:
-    """One torchrun launch: the checkpointed stage.py files train like the model."""
+    """One torchrun launch: the checkpointed stage.py files train like the model, under the
+    zero-bubble schedule (the re-run forward inside the split backward's I; plain backwards of
+    checkpointed stages are the drop-in tests')."""
     out = tmp_path / "out"
     argv = ["compile", MLP, "--devices", "2xcpu", "-b", "8", "-m", "2", "--recompute", "full",
             "-o", str(out), "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0
-    run = pipecc_cmd("run", str(out), "--steps", "2", "--verify", "--timeout", "60")
+    run = pipecc_cmd("run", str(out), "--steps", "2", "--verify", "--schedule", "zb-h1", "--timeout", "60")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"^verify: outputs, loss and \d+ gradients match the single-process run$",
                      run.stdout, re.MULTILINE), run.stdout

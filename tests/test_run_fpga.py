@@ -89,6 +89,9 @@ def test_training_options_say_inference_only(mixed_out: Path, cpu_out: Path, cap
     assert cli.main(["run", str(mixed_out), "--schedule", "1f1b"]) == 2
     err = capsys.readouterr().err
     assert "inference-only" in err and "backward" in err and "--schedule 1f1b" in err
+    assert cli.main(["run", str(mixed_out), "--schedule", "zb-h1"]) == 2  # zero-bubble: one line too
+    err = capsys.readouterr().err
+    assert "inference-only" in err and "--schedule zb-h1" in err and len(err.strip().splitlines()) == 1
     assert cli.main(["run", str(cpu_out), "--lr", "0.1"]) == 2
     err = capsys.readouterr().err
     assert "inference-only pipeline (compiled with --inference)" in err and "--schedule gpipe" in err

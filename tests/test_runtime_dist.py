@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from helpers import free_port
 from pipecc.errors import PipeccError
-from pipecc.ir.schedule import interleaved_1f1b, one_f_one_b
+from pipecc.ir.schedule import format as schedule_text, interleaved_1f1b, one_f_one_b, zb_v
 from pipecc.runtime.checkpoints import RunCheckpoints
 from pipecc.runtime.dist import main
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
@@ -92,8 +92,9 @@ def assert_matches_reference(results: dict[str, torch.Tensor], schedule: str, tr
 
 def assert_stash_profile(results: dict[str, torch.Tensor], schedule: str, world: int, m: int) -> None:
     """The runtime held exactly as many microbatches as the schedule says (GPipe m, 1F1B p - r)."""
-    chunks = 2 if schedule == "interleaved" else 1
-    expected = build_schedule(schedule, world, m, chunks).rank_stash_profile()
+    chunks = 2 if schedule in ("interleaved", "zb-v") else 1
+    text = schedule_text(zb_v(world, m)) if schedule == "zb-v" else schedule
+    expected = build_schedule(text, world, m, chunks).rank_stash_profile()
     assert [int(results[f"peak_stash.{r}"]) for r in range(world)] == expected
 
 
@@ -108,12 +109,12 @@ def two_ranks(tmp_path_factory) -> Path:
     the order-matching that NCCL relies on is checked here; the other launches match by tag.
     """
     out = tmp_path_factory.mktemp("two_ranks")
-    launch(2, "numeric", str(out), "--schedules", "gpipe,1f1b,interleaved,inference", "--microbatches", "4",
+    launch(2, "numeric", str(out), "--schedules", "gpipe,1f1b,interleaved,inference,zb-h1", "--microbatches", "4",
            "--ckpt-save", "--nccl-like")
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "inference"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "inference", "zb-h1"])
 def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
     results = load_results(two_ranks, schedule, 2)
     assert_matches_reference(results, schedule, training=schedule != "inference")
@@ -124,12 +125,23 @@ def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
 
 
 def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
-    """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches."""
-    launch(3, "numeric", str(tmp_path), "--schedules", "gpipe,1f1b", "--microbatches", "5")
-    for schedule in ("gpipe", "1f1b"):
+    """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches.
+    zb-h1: input gradients (I) of several tensors crossing a cut, weight gradients (W) later."""
+    launch(3, "numeric", str(tmp_path), "--schedules", "gpipe,1f1b,zb-h1", "--microbatches", "5")
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         results = load_results(tmp_path, schedule, 3)
         assert_matches_reference(results, schedule)
         assert_stash_profile(results, schedule, 3, 5)
+
+
+def test_zb_v_on_two_ranks_matches_single_process(tmp_path: Path) -> None:
+    """ZB-V as schedule text: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (the V's point hands
+    over locally), I and W split, skip/ids/objects relayed, 5 uneven micro-batches. Gloo tags:
+    ZB-V's two directions share a rank pair out of order, which the NCCL wire refuses."""
+    launch(2, "numeric", str(tmp_path), "--schedules", "zb-v", "--microbatches", "5")
+    results = load_results(tmp_path, "zb-v", 2)
+    assert_matches_reference(results, "zb-v")
+    assert_stash_profile(results, "zb-v", 2, 5)
 
 
 def test_runtime_imports_no_compiler(two_ranks: Path) -> None:

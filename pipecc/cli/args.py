@@ -73,7 +73,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", "-d", required=True, metavar="SPEC",
                    help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml")
     p.add_argument("--microbatches", "-m", type=microbatches, default="auto", metavar="M|auto")
-    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved"], default="auto")
+    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved", "zb-h1"], default="auto")
     p.add_argument("--coarse", action="store_true", help="cut only at block boundaries")
     p.add_argument("--choose-order", action="store_true",
                    help="let pipecc order the devices (interchangeable types)")

@@ -101,7 +101,7 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--verify-stages-only", action="store_true",
                    help="compare the pipeline's forward with its own stages chained in one process: "
                    "needs no model file, but cannot catch a stage that differs from the original model")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "inference"],
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "inference"],
                    help="override the compiled schedule (inference: forward passes only)")
     p.add_argument("--microbatches", "-m", type=positive_int, metavar="M",
                    help="override the compiled number of micro-batches")

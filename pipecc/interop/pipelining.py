@@ -13,6 +13,14 @@ Two routes, both from a plan and the (possibly rewritten) annotated graph `drive
      `PipelineStage`, so `ScheduleGPipe`/`Schedule1F1B`/`ScheduleInterleaved1F1B`
      (`torch_schedule`) run exactly pipecc's split, split layers included.
 
+Zero-bubble: pipecc's `zb-h1` is the compute order of torch's `ScheduleInterleavedZeroBubble`
+with one stage per rank (torch's ZB1P at v = 1: warm-up p-1-r forwards, then F, I and, after
+rank r's first r backwards, the oldest W; the rest of the W's at the end). `torch_schedule`
+hands the stages to that class and checks, before it returns, that torch's `pipeline_order`
+(F, I, W per rank, bubbles left out) is pipecc's `zb_h1` action for action; a torch whose order
+differs is refused (`InteropError`), so a comparison never runs a different schedule. Torch runs
+I and W with its own split (`pipelining._backward`), the same one pipecc's runtime uses.
+
 Mapping cuts to markers (route 1). Torch's tracer and pipecc's name nodes differently, but both
 record the module each op runs in (`nn_module_stack`). Walking pipecc's tensor-producing nodes in
 program order, cut k lies before the first node of stage k+1. It is *on a module boundary* when
@@ -367,16 +375,38 @@ def pipeline_stages(plan: Plan, graph: AnnotatedGraph, rank: int, device: torch.
 
 def torch_schedule(plan: Plan, stages: Sequence[Any], loss_fn: Callable, *,
                    microbatches: int | None = None, schedule: str | None = None) -> Any:
-    """PyTorch's schedule named by the plan (gpipe, 1f1b, interleaved) over this rank's stages."""
+    """PyTorch's schedule named by the plan (gpipe, 1f1b, interleaved, zb-h1) over this rank's
+    stages; zb-h1 is checked against torch's order (module docstring)."""
     from torch.distributed import pipelining as pp
 
     name = schedule or plan.schedule
     m = microbatches or plan.microbatches
     if name == "interleaved":
         return pp.ScheduleInterleaved1F1B(list(stages), m, loss_fn=loss_fn)
+    if name == "zb-h1":
+        if len(stages) != 1:
+            raise InteropError(f"zb-h1 runs one stage per rank; this rank holds {len(stages)}")
+        torch_sched = pp.ScheduleInterleavedZeroBubble(list(stages), m, loss_fn=loss_fn)
+        _same_order(torch_sched.pipeline_order, stages[0].num_stages, m)
+        return torch_sched
     classes = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}
     if name not in classes:
         raise InteropError(f"schedule {name!r} has no torch.distributed.pipelining counterpart here")
     if len(stages) != 1:
         raise InteropError(f"{name} runs one stage per rank; this rank holds {len(stages)}")
     return classes[name](stages[0], m, loss_fn=loss_fn)
+
+
+def _same_order(pipeline_order: dict[int, list[Any]], num_stages: int, m: int) -> None:
+    """Refuse unless torch's compute order (bubbles dropped) is pipecc's zb-h1, rank by rank."""
+    from pipecc.ir.schedule import zb_h1
+
+    ours = zb_h1(num_stages, m)
+    for rank in range(num_stages):
+        want = [f"{a.stage}{a.kind.value}{a.microbatch}" for a in ours.actions[rank] if a.kind.is_compute]
+        got = [f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}"
+               for a in pipeline_order.get(rank, []) if a is not None]
+        if got != want:
+            raise InteropError(f"torch's ScheduleInterleavedZeroBubble orders rank {rank} as "
+                               f"{' '.join(got[:12])}... but pipecc's zb-h1 as {' '.join(want[:12])}...; "
+                               "not the same schedule")

@@ -19,6 +19,9 @@ class StagePlan:
     nodes: list[str]
     forward_s: float = 0.0
     backward_s: float = 0.0
+    # the part of backward_s that computes weight gradients (a zero-bubble schedule's W; the
+    # rest is its I); 0.0 in plans written before the split
+    backward_weight_s: float = 0.0
     send_bytes: int = 0           # bytes this stage sends forward per micro-batch
     recv_bytes: int = 0           # bytes it receives per micro-batch
     comm_s: float = 0.0           # its communication time per micro-batch (fwd + bwd)

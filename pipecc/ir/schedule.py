@@ -6,12 +6,18 @@ always the *local* (virtual) stage doing the work, as in torch.distributed.pipel
 
     F        forward of ``stage`` on ``microbatch``
     B        backward (input and weight gradients together)
+    I        backward for the stage's input only (zero-bubble: the gradient it sends back)
+    W        backward for the stage's weights only (zero-bubble: after its I, any time later)
     SEND_F   ``stage`` sends its activation to ``stage + 1``
     RECV_F   ``stage`` receives its input activation from ``stage - 1``
     SEND_B   ``stage`` sends the gradient of its input to ``stage - 1``
     RECV_B   ``stage`` receives the gradient of its output from ``stage + 1``
 
-Text form: an action is ``{stage}{kind}{microbatch}`` (``0F3``, ``2RECV_B1``); a schedule
+A training schedule runs, for every (stage, microbatch), either one B or an I and a later W
+(Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024: splitting B lets the gradient go
+upstream after I and moves W into what would be bubbles).
+
+Text form: an action is ``{stage}{kind}{microbatch}`` (``0F3``, ``2RECV_B1``, ``1I0``); a schedule
 is one line per rank, ``rank 0: 0F0 0SEND_F0 0F1 ...``. ``parse(format(s)) == s`` and
 ``format(parse(t)) == t`` for canonical text.
 
@@ -25,6 +31,10 @@ simulator and the distributed runtime import it.
 """
 
 from __future__ import annotations
+
+# NOTE(size): the IR, its text form, its validator and every generator stay together: the
+# generators share the private comm placement (_place_comms, _build), and the validator is the
+# contract they are tested against; splitting would export those internals.
 
 import re
 from collections.abc import Sequence
@@ -48,6 +58,8 @@ __all__ = [
     "parse",
     "parse_action",
     "validate",
+    "zb_h1",
+    "zb_v",
 ]
 
 
@@ -60,10 +72,22 @@ class ActionKind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    I = "I"
+    W = "W"
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B)
+        return self in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+
+    @property
+    def is_backward(self) -> bool:
+        """B, I or W: a training schedule's backward work."""
+        return self in (ActionKind.B, ActionKind.I, ActionKind.W)
+
+    @property
+    def frees_stash(self) -> bool:
+        """B or W: the last backward action of a (stage, microbatch), which frees its stash."""
+        return self in (ActionKind.B, ActionKind.W)
 
     @property
     def is_send(self) -> bool:
@@ -141,8 +165,8 @@ class Schedule:
 
     @property
     def is_training(self) -> bool:
-        """True when the schedule has backward actions."""
-        return any(a.kind is ActionKind.B for row in self.actions for a in row)
+        """True when the schedule has backward actions (B, or I and W)."""
+        return any(a.kind.is_backward for row in self.actions for a in row)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages held by ``rank``, ascending."""
@@ -151,7 +175,7 @@ class Schedule:
     def stash_profile(self) -> list[int]:
         """Per stage, the most microbatches whose activations are held at once.
 
-        A microbatch is held on stage ``s`` from its F until its B on that stage. Ranks
+        A microbatch is held on stage ``s`` from its F until its B (or W) on that stage. Ranks
         run their actions in order, so counting along the row is exact in time too.
         Forward-only schedules stash nothing (0 everywhere). 1F1B gives
         ``min(p - s, m)``, GPipe ``m``. O(total actions).
@@ -164,7 +188,7 @@ class Schedule:
                 if a.kind is ActionKind.F:
                     held[a.stage] += 1
                     peak[a.stage] = max(peak[a.stage], held[a.stage])
-                elif a.kind is ActionKind.B:
+                elif a.kind.frees_stash:
                     held[a.stage] -= 1
         return peak
 
@@ -183,7 +207,7 @@ class Schedule:
                 if a.kind is ActionKind.F:
                     held += 1
                     peak = max(peak, held)
-                elif a.kind is ActionKind.B:
+                elif a.kind.frees_stash:
                     held -= 1
             peaks.append(peak)
         return peaks
@@ -206,7 +230,7 @@ class ScheduleError(ValueError):
 
 # ---------------------------------------------------------------------------- text form
 
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
 _ROW_RE = re.compile(r"rank (\d+):(.*)")
 
 
@@ -281,7 +305,9 @@ def _place_comms(compute: list[list[Action]], stage_to_rank: tuple[int, ...]) ->
                 out.append(a)
                 if s < last and stage_to_rank[s + 1] != rank:
                     out.append(Action(ActionKind.SEND_F, s, mb))
-            else:
+            elif a.kind is ActionKind.W:  # weights only: nothing to receive or send
+                out.append(a)
+            else:  # B or I: needs the output gradient, produces the input gradient
                 if s < last and stage_to_rank[s + 1] != rank:
                     out.append(Action(ActionKind.RECV_B, s, mb))
                 out.append(a)
@@ -306,6 +332,14 @@ def _F(stage: int, mb: int) -> Action:
 
 def _B(stage: int, mb: int) -> Action:
     return Action(ActionKind.B, stage, mb)
+
+
+def _I(stage: int, mb: int) -> Action:
+    return Action(ActionKind.I, stage, mb)
+
+
+def _W(stage: int, mb: int) -> Action:
+    return Action(ActionKind.W, stage, mb)
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -380,6 +414,87 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages_per_r
     return _build(p, m, tuple(s % p for s in range(p * v)), compute)
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024, section 3.1): 1F1B
+    with each B split into I and W, the W's deferred to fill the drain bubbles.
+
+    Rank r warms up with w = min(p-r-1, m) forwards, as 1F1B; then for i = 0..m-1 it runs
+    F(w+i) (while forwards remain), I(i), and after I(i) with i >= r also W(i-r): rank r
+    holds back r weight gradients, which run after its last I. Stage r on rank r.
+
+    Memory: a micro-batch is stashed from F to W, so rank r peaks at min(w + 1 + r, m) =
+    min(p, m) micro-batches: every rank holds what 1F1B's first rank holds, so the peak over
+    ranks equals 1F1B's (the paper's "same peak memory as 1F1B"), while ranks r > 0 hold
+    more than under 1F1B (min(p-r, m)). With equal F, I and W times the bubble is
+    (p-1)(F + I - W) instead of 1F1B's (p-1)(F + I + W). This is the compute order of torch's
+    ScheduleInterleavedZeroBubble with one stage per rank (its ZB1P with v = 1).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    compute = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        row = [_F(r, i) for i in range(warmup)]
+        for i in range(m):
+            if warmup + i < m:
+                row.append(_F(r, warmup + i))
+            row.append(_I(r, i))
+            if i >= r:
+                row.append(_W(r, i - r))
+        row += [_W(r, i) for i in range(max(m - r, 0), m)]
+        compute.append(row)
+    return _build(p, m, tuple(range(p)), compute)
+
+
+def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., ICLR 2024, section 6): 2p stages in a V, rank r holding stage r (down
+    the V) and 2p-1-r (back up), each B split into I and W. Ranks p-1's two stages meet at the
+    point of the V and hand over locally; the loss is on rank 0.
+
+    Rank r: 2(p-r)-1 forwards down; r pairs (F up, F down); p-r triples (F, I, W up); then
+    rounds of (F down while forwards remain, I and W down, F, I and W up) until every forward
+    ran; then r pairs of I's (down, up) whose W's wait, p-r pairs (I, W down), and the W's
+    left, up first. Planned for max(m, 2p-1) micro-batches, then the missing ones dropped
+    (the order of torch's ScheduleZBVZeroBubble). With F = I = W per stage and m >= 2p-1 the
+    only bubble is the ramp; a rank holds at most 2p stage-micro-batches of half a 1F1B
+    stage, i.e. 1F1B's peak. Not planned or compiled yet: only as a schedule (text or object).
+    """
+    p, m = num_ranks, num_microbatches
+    _check_sizes(p, m)
+    n = max(m, 2 * p - 1)
+    compute = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        row: list[Action] = []
+        count = {(k, s): 0 for k in (ActionKind.F, ActionKind.I, ActionKind.W) for s in (down, up)}
+
+        def run(kind: ActionKind, stage: int) -> None:
+            row.append(Action(kind, stage, count[(kind, stage)]))
+            count[(kind, stage)] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            run(ActionKind.F, down)
+        for _ in range(r):
+            run(ActionKind.F, up), run(ActionKind.F, down)
+        for _ in range(p - r):
+            run(ActionKind.F, up), run(ActionKind.I, up), run(ActionKind.W, up)
+        while count[(ActionKind.F, up)] < count[(ActionKind.F, down)] or count[(ActionKind.F, down)] < n:
+            if count[(ActionKind.F, down)] < n:
+                run(ActionKind.F, down)
+            run(ActionKind.I, down), run(ActionKind.W, down)
+            run(ActionKind.F, up), run(ActionKind.I, up), run(ActionKind.W, up)
+        for _ in range(r):
+            run(ActionKind.I, down), run(ActionKind.I, up)
+        for _ in range(p - r):
+            run(ActionKind.I, down), run(ActionKind.W, down)
+        for stage in (up, down):
+            while count[(ActionKind.W, stage)] < count[(ActionKind.I, stage)]:
+                run(ActionKind.W, stage)
+        compute.append([a for a in row if a.microbatch < m])
+    placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return _build(p, m, placement, compute)
+
+
 def inference(num_stages: int, num_microbatches: int) -> Schedule:
     """Forwards only: rank s runs F(s, 0..m-1)."""
     _check_sizes(num_stages, num_microbatches)
@@ -400,10 +515,11 @@ def validate(schedule: Schedule) -> None:
 
     Checks, in order: (1) every action is in range, on the rank owning its stage, and
     appears once; SEND/RECV only cross ranks; every (stage, mb) has one F and, if the
-    schedule trains, one B; (2) every SEND has its RECV and vice versa; (3) along each
-    row, local inputs come first: F after its RECV_F (or the local F of stage-1), B after
-    its own F and its RECV_B (or the local B of stage+1), a SEND after the compute it
-    sends; (4) running all rows with async sends and blocking receives finishes.
+    schedule trains, either one B or one I and one W (never B with I or W); (2) every SEND
+    has its RECV and vice versa; (3) along each row, local inputs come first: F after its
+    RECV_F (or the local F of stage-1), B or I after its own F and its RECV_B (or the local
+    B or I of stage+1), W after its own I, SEND_F after the F, SEND_B after the B or I;
+    (4) running all rows with async sends and blocking receives finishes.
     The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice).
     """
     S, m = schedule.num_stages, schedule.num_microbatches
@@ -436,8 +552,18 @@ def validate(schedule: Schedule) -> None:
         for mb in range(m):
             if _F(s, mb) not in where:
                 fail(f"missing {_F(s, mb)}: forward of stage {s} microbatch {mb} never runs")
-            if training and _B(s, mb) not in where:
+            if not training:
+                continue
+            split = [x for x in (_I(s, mb), _W(s, mb)) if x in where]
+            if _B(s, mb) in where and split:
+                fail(f"{_B(s, mb)} and {split[0]}: stage {s} microbatch {mb} runs its backward twice "
+                     f"(either B, or I then W)", where[_B(s, mb)], where[split[0]])
+            if _B(s, mb) not in where and not split:
                 fail(f"missing {_B(s, mb)}: backward of stage {s} microbatch {mb} never runs", where[_F(s, mb)])
+            for x, y in ((_I(s, mb), _W(s, mb)), (_W(s, mb), _I(s, mb))):
+                if x in where and y not in where:
+                    fail(f"missing {y}: stage {s} microbatch {mb} has {x} but not {y} "
+                         f"(a split backward needs both I and W)", where[x])
 
     # (2) matching
     sends = {a.message(): where[a] for a in where if a.kind.is_send}
@@ -451,6 +577,10 @@ def validate(schedule: Schedule) -> None:
             fail(f"rank {r} step {i}: {schedule.actions[r][i]} has no matching send on rank {owner[src]}", (r, i))
 
     # (3) per-row order of local dependencies
+    def grad_of(stage: int, mb: int) -> Action:
+        """The action that produces stage's input gradient: its B, or its I when split."""
+        return _I(stage, mb) if _I(stage, mb) in where else _B(stage, mb)
+
     def before(need: Action, r: int, i: int, a: Action, why: str) -> None:
         got = where.get(need)
         if got is None or got[0] != r or got[1] > i:
@@ -463,15 +593,17 @@ def validate(schedule: Schedule) -> None:
             if k is ActionKind.F and s > 0:
                 need = Action(ActionKind.RECV_F, s, mb) if prev_remote else _F(s - 1, mb)
                 before(need, r, i, a, "its input")
-            elif k is ActionKind.B:
+            elif k in (ActionKind.B, ActionKind.I):
                 before(_F(s, mb), r, i, a, "backward needs its forward")
                 if s < S - 1:
-                    need = Action(ActionKind.RECV_B, s, mb) if next_remote else _B(s + 1, mb)
+                    need = Action(ActionKind.RECV_B, s, mb) if next_remote else grad_of(s + 1, mb)
                     before(need, r, i, a, "its output gradient")
+            elif k is ActionKind.W:
+                before(_I(s, mb), r, i, a, "the weight gradient comes after the input gradient")
             elif k is ActionKind.SEND_F:
                 before(_F(s, mb), r, i, a, "sends the forward's output")
             elif k is ActionKind.SEND_B:
-                before(_B(s, mb), r, i, a, "sends the backward's input gradient")
+                before(grad_of(s, mb), r, i, a, "sends the backward's input gradient")
 
     # (4) deadlock: advance every row until it blocks on a receive whose send has not run
     pc = [0] * schedule.num_ranks
@@ -495,7 +627,7 @@ def validate(schedule: Schedule) -> None:
 
 
 # Every schedule by its name, as plans, `pipecc run --schedule` and the simulator spell it.
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "inference")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "inference", "zb-h1")
 
 
 def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
@@ -512,5 +644,5 @@ def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: in
     if virtual_stages != 1:
         raise ValueError(f"schedule {name!r} puts one stage on each rank, got {virtual_stages} per "
                             "rank; use the interleaved schedule")
-    builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "inference": inference}[name]
+    builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "inference": inference, "zb-h1": zb_h1}[name]
     return builder(num_ranks, num_microbatches)

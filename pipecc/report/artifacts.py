@@ -121,5 +121,6 @@ def timeline_for(plan: Plan) -> Any:
         send.append(t)
         prev = t
     costs = StageCosts.per_stage(m, [s.forward_s for s in plan.stages],
-                                 [s.backward_s for s in plan.stages], send, [0.0] + send[:-1])
+                                 [s.backward_s for s in plan.stages], send, [0.0] + send[:-1],
+                                 backward_weight_s=[s.backward_weight_s for s in plan.stages])
     return simulate(by_name(plan.schedule, n // v, m, v), costs)

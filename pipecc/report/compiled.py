@@ -318,13 +318,15 @@ def _timeline(c: Compiled) -> dict[str, Any]:
 
 
 def _ascii_timeline(t: dict[str, Any], width: int = 72) -> str:
+    split = any(e["kind"] in ("I", "W") for e in t["events"])
+    keys = "F forward, I backward for the input, W for the weights" if split else "F forward, B backward"
     lines = [f"schedule: iteration {seconds(t['iteration_s'])}, bubble {t['bubble_fraction']:.1%} "
-             "(F forward, B backward, . idle)"]
+             f"({keys}, . idle)"]
     step = t["iteration_s"] / width if t["iteration_s"] > 0 else 0.0
     for r in range(t["num_ranks"]):
         cells = ["."] * width
         for e in t["events"]:
-            if e["rank"] == r and e["kind"] in ("F", "B"):
+            if e["rank"] == r and e["kind"] in ("F", "B", "I", "W"):
                 for col in range(width):
                     if e["start"] <= (col + 0.5) * step < e["end"]:
                         cells[col] = e["kind"]

@@ -24,7 +24,7 @@ from pipecc.report.compiled import load_compiled
 from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import bottleneck_stage, device_capacities, first_last
 from pipecc.report.formatting import human, seconds
-from pipecc.report.svg import (B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, balance_svg, device_label, esc,
+from pipecc.report.svg import (B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg, device_label, esc,
                                gantt_svg, memory_svg, stage_flow_svg, stage_time_svg)
 
 DOT_MAX_NODES = 1500
@@ -37,7 +37,10 @@ def _legend(plan: Plan) -> str:
     for c in range(max(plan.virtual_stages, 1)):
         which = (f" (stages {c * p}–{c * p + p - 1})" if plan.virtual_stages > 1 else "")
         items.append((F_COLORS[c % 4], f"forward{which}"))
-        if plan.schedule != "inference":
+        if plan.schedule == "zb-h1":  # the backward split: input gradient, then weights
+            items.append((B_COLORS[c % 4], f"backward for the input (I){which}"))
+            items.append((W_COLORS[c % 4], f"backward for the weights (W){which}"))
+        elif plan.schedule != "inference":
             items.append((B_COLORS[c % 4], f"backward{which}"))
     items += [(COMM_F, "send activation"), (COMM_B, "send gradient")]
     extra = ('<span class="key"><span class="swatch hatch"></span>idle (bubble)</span>'

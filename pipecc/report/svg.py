@@ -16,7 +16,8 @@ from pipecc.report.figures import bottleneck_stage, first_last
 from pipecc.report.formatting import human, seconds
 
 F_COLORS = ("#4c78a8", "#9ecae9", "#2f4b7c", "#6baed6")   # forward, by interleaved chunk
-B_COLORS = ("#f58518", "#ffbf79", "#b35806", "#fdae6b")   # backward
+B_COLORS = ("#f58518", "#ffbf79", "#b35806", "#fdae6b")   # backward (zero-bubble: its I part)
+W_COLORS = ("#54a24b", "#a1d99b", "#31752b", "#74c476")   # zero-bubble weight gradient (W)
 COMM_F, COMM_B, COMM_C = "#7b4fa0", "#c39bd3", "#7b4fa0"
 
 
@@ -108,20 +109,21 @@ def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
 
 def _event(e: dict[str, Any], y: float, x: Any, scale: float, unit: str, bar_h: float,
            per_chunk: int) -> list[str]:
-    """SVG for one timeline event: a compute block (class `block F|B`) or a send on the strip."""
+    """SVG for one timeline event: a compute block (class `block F|B|I|W`) or a send on the strip."""
     kind = e["kind"]
     x0, x1 = x(e["start"]), x(e["end"])
     chunk = e["stage"] // per_chunk if per_chunk else 0
     when = f"{e['start'] * scale:.4g}–{e['end'] * scale:.4g} {unit}"
     data = f' data-stage="{e["stage"]}" data-microbatch="{e["microbatch"]}"'
-    if kind in ("F", "B"):
-        color = (F_COLORS if kind == "F" else B_COLORS)[chunk % 4]
-        word = "forward" if kind == "F" else "backward"
+    if kind in ("F", "B", "I", "W"):
+        color = {"F": F_COLORS, "B": B_COLORS, "I": B_COLORS, "W": W_COLORS}[kind][chunk % 4]
+        word = {"F": "forward", "B": "backward", "I": "backward for the input (I)",
+                "W": "backward for the weights (W)"}[kind]
         out = [_rect(x0, y, x1 - x0, bar_h, color,
                      f"{word} of stage {e['stage']}, micro-batch {e['microbatch']}: {when}",
                      f' class="block {kind}"{data} stroke="#ffffff" stroke-width="0.8"')]
         if x1 - x0 >= 11:
-            dark = color in ("#9ecae9", "#ffbf79", "#6baed6", "#fdae6b")
+            dark = color in ("#9ecae9", "#ffbf79", "#6baed6", "#fdae6b", "#a1d99b", "#74c476")
             out.append(_text((x0 + x1) / 2, y + bar_h / 2 + 4, e["microbatch"],
                              "blocklabel" + (" dark" if dark else ""), "middle"))
         return out

@@ -9,7 +9,8 @@ from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE
 from pipecc.report.formatting import human, text_table
 
 NODE_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
-               "param_bytes", "output_bytes", "bytes_moved")
+               "param_bytes", "output_bytes", "bytes_moved",
+               "backward_weight_flops")  # the weight-gradient part of backward_flops (zero-bubble W)
 
 
 def cost_json(graph: AnnotatedGraph) -> dict[str, Any]:

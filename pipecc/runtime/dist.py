@@ -236,7 +236,7 @@ def _compiled_device(meta: dict[str, Any] | None) -> str | None:
     return None
 
 
-TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "inference")  # gpipe, 1f1b, interleaved
+TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "inference")  # gpipe, 1f1b, interleaved, zb-h1
 
 
 def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:

@@ -7,6 +7,10 @@ list from ``pipecc.ir.schedule`` (``build_schedule``) literally, so a schedule's
 is real: GPipe stashes m microbatches per stage, 1F1B at most p - r. What a stage receives and
 sends is ``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
 
+Zero-bubble (I and W actions, ``zb-h1``): I computes the gradient of the stage's received inputs
+only, so SEND_B can go upstream at once; the stash stays until W, which accumulates the
+parameters' gradients and frees the graph (how, and what it costs: ``pipecc.runtime.split_backward``).
+
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
 loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal splits); the
@@ -62,6 +66,7 @@ from pipecc.runtime.ports import (
     to_json,
     unflatten,
 )
+from pipecc.runtime.split_backward import input_backward, weight_backward
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
     Wire,
@@ -257,6 +262,8 @@ class PipelineRuntime:
         self._inbox: dict[tuple[str, int, int], list] = {}
         self._outbox: dict[tuple[str, int, int], list] = {}
         self._stash: dict[tuple[int, int], tuple[list, Any]] = {}  # (stage, mb) -> (input leaves, outputs)
+        # after I, for W: (outputs, their grads, torch's param groups, parameters left to a walk)
+        self._roots: dict[tuple[int, int], tuple[list, list | None, list, list]] = {}
         self._losses: list[torch.Tensor] = []
         self._results: dict[int, list] = {}
         self.peak_stash = self._wire.peak_inflight = 0
@@ -268,7 +275,7 @@ class PipelineRuntime:
                 self.timer.run(action, partial(self._execute, action, training))
             self._wire.release(release.get(action, ()))
         self._wire.flush()
-        leftover = self._stash or self._inbox or self._outbox
+        leftover = self._stash or self._inbox or self._outbox or self._roots
         assert not leftover, f"rank {self.rank}: schedule left {sorted(leftover)} unconsumed"
         self._inputs = self._targets = None
 
@@ -278,6 +285,10 @@ class PipelineRuntime:
             self._forward(s, mb, training)
         elif a.kind is ActionKind.B:
             self._backward(s, mb)
+        elif a.kind is ActionKind.I:
+            self._backward_input(s, mb)
+        elif a.kind is ActionKind.W:
+            self._backward_weight(s, mb)
         elif a.kind is ActionKind.SEND_F:
             self._send(a, self._outbox.pop(("F", s, mb)), self._ports(s).out_leaves)
         elif a.kind is ActionKind.SEND_B:
@@ -338,6 +349,54 @@ class PipelineRuntime:
             self._inbox[("B", s - 1, mb)] = input_grads
         else:
             self._outbox[("B", s, mb)] = input_grads
+
+    def _output_grads(self, s: int, mb: int, outs: Any) -> tuple[list, list | None]:
+        """The backward's roots and their gradients: the scaled loss on the last stage (no
+        gradient), else the outputs that carry one with the gradients received for them."""
+        if s == self.last_stage:
+            return [outs], None
+        grads = iter(self._inbox.pop(("B", s, mb)))
+        pairs = [(o, next(grads)) for o, p in zip(outs, self._ports(s).out_leaves) if p.carries_grad]
+        pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_input(self, s: int, mb: int) -> None:
+        """Zero-bubble I: the gradient of the stage's inputs, handed to stage s - 1; what W
+        needs is kept (module docstring)."""
+        in_leaves, outs = self._stash[(s, mb)]
+        roots, grads = self._output_grads(s, mb, outs)
+        params = [q for q in self._module(s).parameters() if q.requires_grad]
+        ports = self._ports(s)
+        wanted = [x for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad] if s > 0 else []
+        need = [x for x in wanted if isinstance(x, torch.Tensor) and x.requires_grad]
+        got: Sequence[Any] = ()
+        groups: list = []
+        walk = params  # stage 0, or nothing to differentiate: W walks for every parameter
+        if roots and need:
+            got, groups, walk = input_backward(roots, grads, need, params)
+        if walk:
+            self._roots[(s, mb)] = (roots, grads, groups, walk)
+        else:  # NOTE: W starts from torch's saved gradients: let go of the rest of the graph
+            self._roots[(s, mb)] = ([], None, groups, walk)
+            self._stash[(s, mb)] = ([], None)
+        if s == 0:
+            return  # no input gradient to send
+        found = {id(x): g for x, g in zip(need, got)}
+        input_grads = [found[id(x)] if found.get(id(x)) is not None else torch.zeros_like(x) for x in wanted]
+        if s - 1 in self.stage_ids:
+            self._inbox[("B", s - 1, mb)] = input_grads
+        else:
+            self._outbox[("B", s, mb)] = input_grads
+
+    def _backward_weight(self, s: int, mb: int) -> None:
+        """Zero-bubble W: the parameters' gradients, accumulated into ``.grad``; frees the graph
+        and the stash of (s, mb)."""
+        self._stash.pop((s, mb))
+        roots, grads, groups, walk = self._roots.pop((s, mb))
+        if roots and walk:
+            torch.autograd.backward(roots, grads, inputs=walk, retain_graph=bool(groups))
+        if groups:
+            weight_backward([q for q in self._module(s).parameters() if q.requires_grad], groups)
 
     def _loss(self, outs: tuple, mb: int) -> torch.Tensor:
         value = outs[0] if len(outs) == 1 else outs
@@ -538,3 +597,4 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
             kwargs["device_id"] = device
         dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
+

@@ -4,7 +4,8 @@ micro-batch, each rank's receive waits, the step time; next to the plan's predic
 ``ActionTimer`` is what the engine calls around every schedule action (``PipelineRuntime.timer``):
 F and B are timed around their compute (on CUDA the stream is synchronised before and after,
 so the time is the kernels', not their launch), RECV_F/RECV_B as time blocked waiting for the
-peer. Only actions inside a step the caller marked (``begin_step`` .. ``end_step``) after the
+peer. A zero-bubble schedule's I and W are timed alike and count together as the micro-batch's
+backward (one ``backward_s`` sample when its W ends). Only actions inside a step the caller marked (``begin_step`` .. ``end_step``) after the
 first ``warmup_steps`` count: start-up, allocator growth and ``--verify``'s comparison stay out
 of the statistics (the verifier's own passes run outside any step).
 
@@ -59,6 +60,7 @@ class ActionTimer:
         self.steps_done = 0  # steps ended, warm-up included
         self._counting = False  # inside a timed step
         self._wait = 0.0
+        self._input_s: dict[tuple[int, int], float] = {}  # zero-bubble I times awaiting their W
 
     def begin_step(self) -> None:
         self._counting = self.steps_done >= self.warmup_steps
@@ -75,10 +77,10 @@ class ActionTimer:
     def run(self, action: Action, execute: Callable[[], None]) -> None:
         """``execute()`` the action, timing it when it is a compute or a receive of a timed step."""
         kind = action.kind
-        if not self._counting or not (kind in (ActionKind.F, ActionKind.B) or kind.is_recv):
+        if not self._counting or not (kind.is_compute or kind.is_recv):
             execute()
             return
-        compute = kind in (ActionKind.F, ActionKind.B)
+        compute = kind.is_compute
         if compute:
             self._sync()
         start = time.perf_counter()
@@ -90,6 +92,11 @@ class ActionTimer:
             self.forward.setdefault(action.stage, []).append(elapsed)
         elif kind is ActionKind.B:
             self.backward.setdefault(action.stage, []).append(elapsed)
+        elif kind is ActionKind.I:  # NOTE: its W completes the sample (I + W = one backward)
+            self._input_s[(action.stage, action.microbatch)] = elapsed
+        elif kind is ActionKind.W:
+            before = self._input_s.pop((action.stage, action.microbatch), 0.0)
+            self.backward.setdefault(action.stage, []).append(before + elapsed)
         else:
             self._wait += elapsed
 

@@ -292,6 +292,29 @@ class ProfiledCosts(DeviceCosts):
             fwd[u], bwd[u] = f, b
         return fwd, bwd
 
+    def weight_share(self, units: UnitNumbers, mb: int) -> np.ndarray:
+        """Per unit, the weight-gradient share of its backward seconds. NOTE: the profile
+        times each node's backward as a whole (input and weight gradients together), so a
+        node's measured backward is split by the cost model's FLOP fraction
+        (`backward_weight_flops / backward_flops`, `pipecc.cost`), then summed over the unit;
+        units without any curve keep the roofline's share."""
+        share = self.roofline.weight_share(units, mb)
+        for u, group in enumerate(self.groups):
+            work = [n for n in group if n.op != "get_attr"]
+            if not any(n.meta[META_NAME] in self.curves for n in work):
+                continue
+            total = weight = 0.0
+            for n in work:
+                curve = self.curves.get(n.meta[META_NAME])
+                nb = self.node_roofline(n, mb)[1] if curve is None else curve[2] * curve[1](mb)
+                values = n.meta[META_COST].values or {}
+                whole = float(values.get("backward_flops", 0))
+                part = float(values.get("backward_weight_flops", 0))
+                total += nb
+                weight += nb * min(part / whole, 1.0) if whole > 0 else 0.0
+            share[u] = weight / total if total > 0 else 0.0
+        return share
+
     def node_roofline(self, node: fx.Node, mb: int) -> tuple[float, float]:
         """The roofline forward and backward seconds of one node at micro-batch size mb."""
         key = (node.meta[META_NAME], mb)

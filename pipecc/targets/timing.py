@@ -3,6 +3,8 @@ balance pass asks, and its roofline implementation for CPUs and GPUs.
 
     DeviceCosts              one device's answers, whatever the kind of device:
       unit_times(units, mb)    [unit] forward and backward seconds per micro-batch of mb
+      weight_share(units, mb)  [unit] the share of the backward seconds that computes weight
+                               gradients (a zero-bubble schedule's W; the rest is its I)
       floor_times(mb)          times no stage holding the unit can beat (for the lower bound),
                                None when unit_times already are such a floor
       stage_times(...)         a stage's unit times re-costed as a whole, None when the sum
@@ -14,7 +16,9 @@ balance pass asks, and its roofline implementation for CPUs and GPUs.
     fpga_timing.FpgaCosts    FPGA cards: the FPGA model behind estimates.json, memory in BRAM
 
 Roofline: forward on the forward FLOPs and bytes, backward on the backward FLOPs and twice the
-bytes (it reads the output gradient and the stash and writes the input gradient). Memory per
+bytes (it reads the output gradient and the stash and writes the input gradient); a split
+backward's W share is the roofline of the weight-gradient FLOPs over the roofline of the
+input- and weight-gradient FLOPs, each with the bytes in proportion to its FLOPs. Memory per
 stage: weights, gradients and optimizer state (Adam: 2 fp32 moments, so 4x the weights' bytes
 in training), plus the activations stashed per micro-batch in flight, against the device's
 memory less headroom.
@@ -76,6 +80,12 @@ class DeviceCosts(ABC):
     def memory(self, units: UnitNumbers, stages_per_device: int) -> StageMemory:
         """What a stage of these units holds on the device (one of `stages_per_device`)."""
 
+    def weight_share(self, units: UnitNumbers, mb: int) -> np.ndarray:
+        """[unit] share (0..1) of the unit's backward seconds that is weight-gradient work.
+        Default: the cost model's FLOP fraction (`pipecc.cost`: dW products over all)."""
+        v = units.values
+        return _fraction(v["backward_weight_flops"], v["backward_flops"])
+
     def floor_times(self, mb: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Per-unit times no stage holding the unit beats; None: `unit_times` are that."""
         return None
@@ -116,8 +126,35 @@ class RooflineCosts(DeviceCosts):
                 if self.training else 0.0
         return fwd, bwd
 
+    def weight_share(self, units: UnitNumbers, mb: int) -> np.ndarray:
+        """The roofline of the weight-gradient part over the roofline of both parts (module
+        docstring): matmul-class and other FLOPs run at different peaks on a GPU, so this can
+        differ from the FLOP fraction."""
+        v, dev = units.values, self.device
+        share = np.zeros(len(units.param_bytes))
+        for u in range(len(share)):
+            total, weight = float(v["backward_flops"][u]), float(v["backward_weight_flops"][u])
+            if total <= 0 or weight <= 0:
+                continue
+            moved = 2 * float(v["bytes_moved"][u])  # as unit_times' backward
+            w = dev.compute_time(weight, v["backward_weight_flops_matmul"][u],
+                                 moved * weight / total, self.dtype)
+            i = dev.compute_time(total - weight,
+                                 max(float(v["backward_flops_matmul"][u])
+                                     - float(v["backward_weight_flops_matmul"][u]), 0.0),
+                                 moved * (total - weight) / total, self.dtype)
+            share[u] = w / (w + i) if w + i > 0 else 0.0
+        return share
+
     def memory(self, units: UnitNumbers, stages_per_device: int) -> StageMemory:
         states = (2 + self.optimizer_states) if self.training else 1
         act = units.values["stash_bytes"] if self.training else np.zeros(len(units.param_bytes))
         return StageMemory(static=units.param_bytes * states, act=act,
                            cap=self.device.memory_bytes * MEMORY_HEADROOM / stages_per_device)
+
+
+def _fraction(part: np.ndarray, whole: np.ndarray) -> np.ndarray:
+    """part / whole elementwise, 0 where whole is 0, clipped to [0, 1]."""
+    part, whole = np.asarray(part, dtype=float), np.asarray(whole, dtype=float)
+    out = np.divide(part, whole, out=np.zeros_like(whole), where=whole > 0)
+    return np.clip(out, 0.0, 1.0)

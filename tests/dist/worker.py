@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 import pipeline_model as pm
 from pipecc.errors import PipeccError
+from pipecc.ir.schedule import format as format_schedule, zb_v
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, init_distributed
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
@@ -37,10 +38,13 @@ NCCL_LIKE = False  # --nccl-like: the NCCL wire (a group per direction, order ma
 
 def make_runtime(rank: int, world: int, schedule: str, microbatches: int, seed: int = 0,
                  timeout: float = 30.0, adam: bool = False) -> PipelineRuntime:
-    """This rank's stages (stage r, or r, r+world for interleaved) wrapped in a runtime."""
-    chunks = 2 if schedule == "interleaved" else 1
+    """This rank's stages (stage r, or r, r+world for interleaved, or r, 2*world-1-r for zb-v,
+    run as its schedule text) wrapped in a runtime."""
+    chunks = 2 if schedule in ("interleaved", "zb-v") else 1
     stages, ports = pm.build_stages(world * chunks, seed)
     mine = list(range(rank, world * chunks, world))
+    if schedule == "zb-v":
+        mine, schedule = sorted({rank, 2 * world - 1 - rank}), format_schedule(zb_v(world, microbatches))
     modules = [stages[s] for s in mine]
     optimizer = torch.optim.Adam([p for m in modules for p in m.parameters()], lr=0.01) if adam else None
     runtime = PipelineRuntime(modules, [ports[s] for s in mine], rank, world,

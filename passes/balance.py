@@ -35,7 +35,7 @@ import numpy as np
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.schedule import by_name
+from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
 from pipecc.passes import baselines
 from pipecc.passes import recompute as recompute_pass
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
@@ -50,7 +50,6 @@ from pipecc.targets.timing import CANNOT_RUN_S, DeviceCosts, RooflineCosts
 __all__ = ["Balancer", "PlanOptions", "SCHEDULES", "device_costs"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # what --schedule auto tries in training
-ZERO_BUBBLE = ("zb-h1",)  # schedules with a split backward (I and W actions)
 
 
 @dataclass
@@ -314,7 +313,8 @@ class Balancer:
         split: dict[str, list[float]] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             w = self.weight_times(part, prob, order or tuple(range(self.p)), self.opt.batch_size // m)
-            split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)]}
+            split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)],
+                     "split_cost": SPLIT_BACKWARD_COST}  # what the runtime's split measured
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static,
                                      recompute_bytes=redo, **split)
@@ -380,7 +380,7 @@ class Balancer:
                                       f"{chosen.timeline.iteration_s:.4g} s"})
         return out
 
-    def contenders(self, within: float = math.inf, most: int = 3) -> list[_Candidate]:
+    def contenders(self, within: float = math.inf, most: int = len(SCHEDULES)) -> list[_Candidate]:
         """The fastest candidate of each schedule within `within` of the best (at most
         `most`, best first): layer splitting may reorder these, so each gets split."""
         out: list[_Candidate] = []

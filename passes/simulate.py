@@ -74,15 +74,19 @@ class StageCosts:
     recompute_bytes: list[float] = field(default_factory=list)
     backward_input_s: list[list[float]] | None = None
     backward_weight_s: list[list[float]] | None = None
+    # I and W each cost this many times their share of B (1.0: the paper's split; the planner
+    # passes pipecc.ir.schedule.SPLIT_BACKWARD_COST, what the runtime's split measured)
+    split_cost: float = 1.0
 
     def split_backward_s(self, stage: int, microbatch: int) -> tuple[float, float]:
         """(I, W) seconds of a split backward of ``stage`` on ``microbatch``."""
         b = self.backward_s[stage][microbatch]
         i = self.backward_input_s[stage][microbatch] if self.backward_input_s is not None else None
         w = self.backward_weight_s[stage][microbatch] if self.backward_weight_s is not None else None
+        k = self.split_cost
         if i is None and w is None:
-            return b / 2, b / 2
-        return (b - w if i is None else i), (b - i if w is None else w)
+            return k * b / 2, k * b / 2
+        return k * (b - w if i is None else i), k * (b - i if w is None else w)
 
     @classmethod
     def per_stage(
@@ -97,6 +101,7 @@ class StageCosts:
         recompute_bytes: Sequence[float] | None = None,
         backward_input_s: Sequence[float] | None = None,
         backward_weight_s: Sequence[float] | None = None,
+        split_cost: float = 1.0,
     ) -> StageCosts:
         """Costs that are equal for every microbatch; omitted arrays are zero (the split
         backward's: half of ``backward_s`` each)."""
@@ -118,6 +123,7 @@ class StageCosts:
             [] if recompute_bytes is None else [float(x) for x in recompute_bytes],
             None if backward_input_s is None else rows(backward_input_s),
             None if backward_weight_s is None else rows(backward_weight_s),
+            float(split_cost),
         )
 
     @classmethod

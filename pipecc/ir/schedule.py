@@ -628,6 +628,15 @@ def validate(schedule: Schedule) -> None:
 
 # Every schedule by its name, as plans, `pipecc run --schedule` and the simulator spell it.
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "inference", "zb-h1")
+ZERO_BUBBLE = ("zb-h1",)  # the schedules whose backward is split into I and W actions
+
+# What pipecc's runtime pays for the split: its I and W together cost SPLIT_BACKWARD_COST times
+# one plain backward B, each part scaled alike. Measured on CPU (one thread, middle stages of
+# Linear+ReLU chains, best of 30; pipecc.runtime.split_backward's docstring): I + W = 1.14-1.29 B
+# through torch's split, whose graph analysis and hooks run in Python per micro-batch; the
+# paper's split costs 1.0 B. The planner, the report's timeline and `run --json`'s predictions
+# all use it; re-measure on another machine (`pipecc run --json` shows backward_s per stage).
+SPLIT_BACKWARD_COST = 1.2
 
 
 def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:

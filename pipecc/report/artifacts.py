@@ -109,7 +109,7 @@ def timeline_for(plan: Plan) -> Any:
     Equal to the planner's own (same stage costs, same schedule generator): the per-direction
     transfer times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
     """
-    from pipecc.ir.schedule import by_name
+    from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
     from pipecc.passes.simulate import StageCosts, simulate
 
     n, m = len(plan.stages), plan.microbatches
@@ -122,5 +122,6 @@ def timeline_for(plan: Plan) -> Any:
         prev = t
     costs = StageCosts.per_stage(m, [s.forward_s for s in plan.stages],
                                  [s.backward_s for s in plan.stages], send, [0.0] + send[:-1],
-                                 backward_weight_s=[s.backward_weight_s for s in plan.stages])
+                                 backward_weight_s=[s.backward_weight_s for s in plan.stages],
+                                 split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
     return simulate(by_name(plan.schedule, n // v, m, v), costs)

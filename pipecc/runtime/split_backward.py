@@ -14,7 +14,8 @@ NOTE (what the split costs): measured on this CPU (one thread; a middle stage of
 4 x Linear(512)+ReLU at batch 64, and of 8 x Linear(1024)+ReLU at batch 32; best of 30):
 torch's split I 0.60-0.62 B, W 0.54-0.67 B, I + W 1.14-1.29 B (its graph analysis and hooks run
 in Python for every micro-batch); the walk for every parameter would give I + W 1.41-1.62 B.
-The planner prices I + W as one B (the paper's split), so it is optimistic by that excess.
+The planner, the report and `run --json` price I + W at `pipecc.ir.schedule.SPLIT_BACKWARD_COST`
+(1.2) times B from these figures, not at the paper's 1.0.
 
 ``input_backward`` is I, ``weight_backward`` the W of what torch's split saved; the engine runs
 the walk itself (``torch.autograd.backward(..., inputs=walk)``) before ``weight_backward``.

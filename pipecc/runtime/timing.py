@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecc.ir.schedule import Action, ActionKind
+from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, Action, ActionKind
 
 __all__ = ["ActionTimer", "gather", "read_plan", "run_document"]
 
@@ -155,6 +155,10 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
 def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], schedule: str, microbatches: int,
                  batch_size: int) -> dict[str, Any]:
     """The ``pipecc run --json`` document from every rank's ``summary`` and the plan."""
@@ -162,6 +166,7 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
     step_s = [max(s["step_s"][i] for s in summaries) for i in range(steps)]
     median = _median(step_s)
     plan_stages = {st.get("index"): st for st in plan.get("stages") or [] if isinstance(st, dict)}
+    split = SPLIT_BACKWARD_COST if schedule in ZERO_BUBBLE else 1.0  # I + W, as the planner prices them
     devices = plan.get("devices") or []
     stages = []
     for summary in summaries:
@@ -176,7 +181,7 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
                 "forward_s": _median(forward), "backward_s": _median(backward),
                 "forward_samples": len(forward), "backward_samples": len(backward),
                 "predicted_forward_s": _number(planned.get("forward_s")),
-                "predicted_backward_s": _number(planned.get("backward_s")),
+                "predicted_backward_s": _scaled(_number(planned.get("backward_s")), split),
                 "comm_wait_s": wait})
     stages.sort(key=lambda st: st["index"])
     return {"format": FORMAT, "version": VERSION, "schedule": schedule, "microbatches": microbatches,

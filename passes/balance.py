@@ -27,7 +27,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule import by_name
-from pipecc.passes import baselines
+from pipecc.passes import baselines, replicas as rep
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, lower_bound, partition)
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
@@ -57,6 +57,7 @@ class PlanOptions:
     compare: bool = False
     fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
     profile: Profile | None = None    # measured costs (`pipecc.targets.profiled.use_profile`)
+    replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
 
 
 @dataclass
@@ -71,6 +72,13 @@ class _Candidate:
     virtual: int = 1
     notes: list[str] = field(default_factory=list)
     raw: PartitionProblem | None = None   # before stages were re-costed (for baselines)
+    replicas: int = 1                     # d: every stage on a group of d devices
+    allreduce: list[float] = field(default_factory=list)  # [stage] group all-reduce seconds
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks P (replica groups)."""
+        return len(self.order) // self.replicas
 
 
 @functools.lru_cache(maxsize=256)  # NOTE: --choose-order asks once per device order
@@ -119,13 +127,18 @@ class Balancer:
             return self._times[mb]
         fwd = np.zeros((self.p, units.n))
         bwd = np.zeros((self.p, units.n))
+        done: dict[int, int] = {}  # NOTE: devices of one type share their model: time it once
         for d, costs in enumerate(self.costs):
+            if id(costs) in done:
+                fwd[d], bwd[d] = fwd[done[id(costs)]], bwd[done[id(costs)]]
+                continue
             fwd[d], bwd[d] = costs.unit_times(units, mb)
+            done[id(costs)] = d
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
 
     def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
-               mb: int) -> tuple[PartitionProblem, Partition]:
+               mb: int, d: int = 1) -> tuple[PartitionProblem, Partition]:
         """The partition at `bounds` with each stage's additive unit times replaced by its
         device model's time of the whole stage where the model has one (`stage_times`: an
         FPGA stage's dataflow time, as in `estimates.json`). Other stages are unchanged."""
@@ -136,7 +149,8 @@ class Balancer:
             a, e = bounds[k], bounds[k + 1]
             if fwd[k, a:e].sum() >= CANNOT_RUN_S:
                 continue
-            whole = self.costs[order[k % self.p]].stage_times(range(a, e), fwd[k, a:e], mb)
+            # NOTE: replica groups (d > 1) hold no FPGA: the group's first device speaks for it
+            whole = self.costs[order[(k % (self.p // d)) * d]].stage_times(range(a, e), fwd[k, a:e], mb)
             if whole is None:
                 continue
             fwd[k, a:e], bwd[k, a:e] = whole
@@ -147,9 +161,15 @@ class Balancer:
         return prob, evaluate(prob, bounds)
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
-                v: int = 1) -> PartitionProblem:
+                v: int = 1, d: int = 1) -> PartitionProblem:
         """Stage k on device order[k % p], with the memory its device's model counts
-        (`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards)."""
+        (`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards). With d > 1
+        replicas, stage k on replica group k % (p/d) and `mb` is a replica's slice
+        (`passes.replicas.group_problem`)."""
+        if d > 1:
+            P = self.p // d
+            inflight = _inflight(schedule, P * v, m, v) if self.opt.training else [1] * (P * v)
+            return rep.group_problem(self, units, mb, inflight, order, d, v)
         fwd, bwd = self.times(units, mb)
         devs = [order[k % self.p] for k in range(self.p * v)]
         mems = [self.costs[d].memory(units, v) for d in devs]
@@ -176,7 +196,10 @@ class Balancer:
                     for k, (d, mem) in enumerate(zip(devs, mems))])
 
     # ------------------------------------------------------------------ search
-    def candidates(self) -> list[tuple[str, int]]:
+    def candidates(self) -> list[tuple[str, int, int]]:
+        """(schedule, micro-batches, replicas) to try: every schedule and m as before, each
+        with every replication degree d allowed (`passes.replicas.allowed`); P = n/d pipeline
+        ranks. One rank (plain data parallelism) has one meaningful schedule: 1f1b."""
         b = self.opt.batch_size
         if self.opt.microbatches == "auto":
             ms = [m for m in range(1, b + 1) if b % m == 0 and m <= 64]
@@ -185,27 +208,45 @@ class Balancer:
             if m < 1 or b % m:
                 raise UsageError(f"--microbatches {m} must divide the batch size {b}")
             ms = [m]
+        fpga = [dev.name for dev in self.cluster.devices if dev.kind == "fpga"]
+        rep.check_requested(self.opt.replicas, self.p, fpga)
+        rep.check_slices(self.opt.replicas, b, ms)
+        n_units = self.builder.at(1).n
+
+        allowed = {m: rep.allowed(self.opt.replicas, self.p, b // m, bool(fpga)) for m in ms}
+        if not any(self.p // d <= n_units for ds in allowed.values() for d in ds):
+            groups = [d for d in rep.allowed("auto", self.p, b // min(ms), bool(fpga))
+                      if self.p // d <= n_units]  # would replica groups fit?
+            raise PipeccError(f"{self.p} devices but only {n_units} units to place; use fewer "
+                              "devices" + (" or --replicas auto" if groups else ""))
+
+        def degrees(m: int) -> list[int]:
+            return [d for d in allowed[m] if self.p // d <= n_units]
         if not self.opt.training:
-            return [("inference", m) for m in ms]
+            return [("inference", m, d) for m in ms for d in degrees(m)]
         scheds = SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
         out = []
         for s in scheds:
             for m in ms:
-                if s == "interleaved" and (m % self.p or self.opt.virtual_stages < 2):
-                    continue
-                out.append((s, m))
+                for d in degrees(m):
+                    P = self.p // d
+                    if s == "interleaved" and (m % P or self.opt.virtual_stages < 2 or P == 1):
+                        continue
+                    if P == 1 and s != "1f1b" and self.opt.schedule == "auto":
+                        continue  # one rank: gpipe is 1f1b holding every micro-batch at once
+                    out.append((s, m, d))
         if not out:
             raise UsageError(f"--schedule interleaved needs a micro-batch count divisible by "
                              f"{self.p} devices")
         return out
 
-    def evaluate_candidate(self, schedule: str, m: int) -> _Candidate:
-        mb = self.opt.batch_size // m
+    def evaluate_candidate(self, schedule: str, m: int, d: int = 1) -> _Candidate:
+        mb = self.opt.batch_size // m // d  # NOTE: with d replicas, each runs a slice of mb/d
         units = self.builder.at(mb)
         v = self.opt.virtual_stages if schedule == "interleaved" else 1
         order = tuple(range(self.p))
-        prob = self.problem(units, mb, schedule, m, order, v)
-        if self.opt.choose_order and v == 1 and self.p > 1:
+        prob = self.problem(units, mb, schedule, m, order, v, d)
+        if self.opt.choose_order and v == 1 and self.p > 1 and d == 1:
             order, part = self._best_order(units, mb, schedule, m)
             prob = self.problem(units, mb, schedule, m, order, v)
         else:
@@ -213,8 +254,9 @@ class Balancer:
         if part.bottleneck >= CANNOT_RUN_S:
             raise InfeasibleError(self._unsupported_message(prob, order))
         raw = prob
-        prob, part = self.recost(prob, part.bounds, order, mb)
-        timeline = self._simulate(part, prob, schedule, m, v)
+        prob, part = self.recost(prob, part.bounds, order, mb, d)
+        allreduce = rep.stage_allreduce_s(self, units, part.bounds, order, d) if d > 1 else None
+        timeline = self._simulate(part, prob, schedule, m, v, allreduce)
         # NOTE: the partitioner is exact for its model: the 1F1B steady state with transfers
         # overlapped. With few micro-batches, or GPipe's two one-way streams, fill and drain
         # weigh more, and cuts exact for the stream model (training=False) or for the old
@@ -227,18 +269,22 @@ class Balancer:
             if alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
                 continue
             tried.add(tuple(alt.bounds))
-            prob2, part2 = self.recost(raw, alt.bounds, order, mb)
-            timeline2 = self._simulate(part2, prob2, schedule, m, v)
+            prob2, part2 = self.recost(raw, alt.bounds, order, mb, d)
+            allreduce2 = rep.stage_allreduce_s(self, units, part2.bounds, order, d) if d > 1 else None
+            timeline2 = self._simulate(part2, prob2, schedule, m, v, allreduce2)
             if timeline2.iteration_s < timeline.iteration_s:
-                prob, part, timeline = prob2, part2, timeline2
-        return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw)
+                prob, part, timeline, allreduce = prob2, part2, timeline2, allreduce2
+        return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw,
+                          replicas=d, allreduce=list(allreduce or []))
 
     def _best_order(self, units: Units, mb: int, schedule: str, m: int):
         types = [d.name for d in self.cluster.devices]
         return best_device_order(lambda order: self.problem(units, mb, schedule, m, order), types)
 
     def _simulate(self, part: Partition, prob: PartitionProblem, schedule: str, m: int,
-                  v: int) -> Timeline:
+                  v: int, allreduce: Sequence[float] | None = None) -> Timeline:
+        """The candidate's timeline; `allreduce` [stage]: replica groups' all-reduce seconds
+        (summed per rank), None without replication."""
         stages = len(part.bounds) - 1
         fwd = np.asarray(prob.fwd)
         bwd = np.asarray(prob.bwd)
@@ -253,7 +299,13 @@ class Balancer:
                   for k in range(stages)]
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static)
-        return simulate(by_name(schedule, stages // v, m, v), costs)
+        sched = by_name(schedule, stages // v, m, v)
+        if allreduce is not None:
+            per_rank = [0.0] * sched.num_ranks
+            for k, t in enumerate(allreduce):
+                per_rank[sched.stage_to_rank[k]] += t
+            costs.allreduce_s = per_rank
+        return simulate(sched, costs)
 
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
         """Why every placement puts something on an FPGA it cannot take: memory elsewhere,
@@ -280,16 +332,14 @@ class Balancer:
                 f"generate (e.g. {example}); {fix}")
 
     def run(self) -> tuple[Plan, _Candidate]:
-        if self.p > self.builder.at(1).n:
-            raise PipeccError(f"{self.p} devices but only {self.builder.at(1).n} units to place; "
-                              "use fewer devices" + ("" if self.opt.coarse else ""))
         results: list[_Candidate] = []
         lost: list[dict[str, Any]] = []
-        for schedule, m in self.candidates():
+        for schedule, m, d in self.candidates():
             try:
-                results.append(self.evaluate_candidate(schedule, m))
+                results.append(self.evaluate_candidate(schedule, m, d))
             except InfeasibleError as exc:
-                lost.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
+                lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
+                             "reason": str(exc)})
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
             if "on-chip BRAM" in reason:
@@ -297,7 +347,7 @@ class Balancer:
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
             raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
                               else f"no schedule fits memory: {reason}")
-        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches))
+        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
         self.results, self.infeasible = results, lost
         best = results[0]
         return self.to_plan(best, self.alternatives(best)), best
@@ -308,6 +358,7 @@ class Balancer:
         for c in self.results:
             if c is not chosen:
                 out.append({"schedule": c.schedule, "microbatches": c.microbatches,
+                            "replicas": c.replicas,
                             "reason": f"slower: {c.timeline.iteration_s:.4g} s per iteration "
                                       f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
                                       f"{chosen.timeline.iteration_s:.4g} s"})
@@ -315,7 +366,8 @@ class Balancer:
 
     def contenders(self, within: float = math.inf, most: int = 3) -> list[_Candidate]:
         """The fastest candidate of each schedule within `within` of the best (at most
-        `most`, best first): layer splitting may reorder these, so each gets split."""
+        `most`, best first): layer splitting may reorder these, so each gets split. (A
+        replicated candidate competes under its schedule's name like any other.)"""
         out: list[_Candidate] = []
         top = self.results[0].timeline.iteration_s
         for c in self.results:
@@ -327,7 +379,7 @@ class Balancer:
 
     def unit_times(self, cand: _Candidate) -> dict[str, float]:
         """Each single-node unit's fwd+bwd time on its fastest device, by node name."""
-        fwd, bwd = self.times(cand.units, self.opt.batch_size // cand.microbatches)
+        fwd, bwd = self.times(cand.units, self.opt.batch_size // cand.microbatches // cand.replicas)
         best = (fwd + bwd).min(axis=0)
         return {names[-1]: float(best[u]) for u, names in enumerate(cand.units.names)}
 
@@ -349,15 +401,36 @@ class Balancer:
         return dataclasses.replace(prob, fwd=fwd, bwd=bwd)
 
     def lower_bound(self, cand: _Candidate, comm: bool = True) -> float:
-        """`partition.lower_bound` on the candidate's devices, with `bound_problem`'s costs;
-        comm=False: the comm-blind bound of earlier releases (reported next to it)."""
-        prob = self.bound_problem(cand.problem, cand.order, self.opt.batch_size // cand.microbatches)
-        return lower_bound(prob, cand.units.splittable, comm=comm)
+        """A bottleneck no plan with the candidate's micro-batch count beats, whatever its cuts,
+        layer splits or replication degree: the least over every degree d the devices and the
+        micro-batch allow (`passes.replicas.allowed`, whatever --replicas asked) of
+        `partition.lower_bound` on that degree's problem (P = n/d groups at a slice of mb/d,
+        `passes.replicas.group_problem`; d = 1: the candidate's devices with `bound_problem`'s
+        costs). Each is valid for its d because the group problem *is* the partitioner's
+        model of every d-replicated plan, so the least is valid for all. comm=False: the
+        comm-blind bound of earlier releases (reported next to it)."""
+        mb = self.opt.batch_size // cand.microbatches
+        has_fpga = any(dev.kind == "fpga" for dev in self.cluster.devices)
+        best = math.inf
+        for d in rep.allowed("auto", self.p, mb, has_fpga):
+            if d == cand.replicas:
+                units, prob = cand.units, cand.problem
+            elif self.p // d > cand.units.n:
+                continue
+            else:
+                units = self.builder.at(mb // d)
+                order = cand.order if d == 1 else tuple(range(self.p))
+                # NOTE: the schedule only sets in-flight counts (memory), which no bound uses
+                prob = self.problem(units, mb // d, "1f1b", cand.microbatches, order, 1, d)
+            if d == 1:
+                prob = self.bound_problem(prob, cand.order, mb)
+            best = min(best, lower_bound(prob, units.splittable, comm=comm))
+        return best
 
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""
         units, prob = cand.units, cand.raw or cand.problem
-        p = len(prob.mem_cap)
+        p, mb = len(prob.mem_cap), self.opt.batch_size // cand.microbatches // cand.replicas
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         ref_times = fwd[0] + bwd[0]
         out = []
@@ -366,15 +439,23 @@ class Balancer:
             ("equal-params (DeepSpeed parameters)", baselines.equal_params(units.param_bytes, p)),
             ("block-partition by time (torchgpipe)", baselines.block_partition(ref_times, p)),
         ]:
-            _, part = self.recost(prob, bounds, cand.order, self.opt.batch_size // cand.microbatches)
+            _, part = self.recost(prob, bounds, cand.order, mb, cand.replicas)
             out.append({"name": name, "bounds": list(part.bounds), "bottleneck_s": part.bottleneck,
                         "fits_memory": bool(getattr(part, "fits", True))})
         return out
 
     def to_plan(self, cand: _Candidate, lost: list[dict[str, Any]]) -> Plan:
+        """The Plan of `cand`. With replicas d > 1, stage k runs on pipeline rank j = k % P
+        (P = n/d): devices j*d .. j*d+d-1 (`StagePlan.replica_devices`, `device` = j*d), its
+        forward_s/backward_s a replica's (slice of mb/d, slowest member), `allreduce_s` its
+        group's gradient all-reduce per iteration. `bottleneck_s` stays the steady-state
+        seconds per micro-batch of B/m samples (the P-rank pipeline of groups; the all-reduce,
+        once per iteration, is in `predicted_iteration_s`), so it and `lower_bound_s` compare
+        across d."""
         part, units, prob = cand.part, cand.units, cand.problem
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         lb, lb_compute = self.lower_bound(cand), self.lower_bound(cand, comm=False)
+        d, P = cand.replicas, cand.ranks
         stages = []
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
@@ -384,22 +465,25 @@ class Balancer:
             comm = 2 * prob.link_time(k - 1, recv) if k > 0 else 0.0
             comm += 2 * prob.link_time(k, send) if k < len(part.bounds) - 2 else 0.0
             stages.append(StagePlan(
-                index=k, device=k % self.p, nodes=names,
+                index=k, device=(k % P) * d, nodes=names,
                 forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
                 send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
-                peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % self.p])
+                peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])
                 if cand.virtual == 1 else int(part.stage_memory[k]),
                 forward_flops=int(units.values["forward_flops"][a:e].sum()),
                 param_bytes=int(units.param_bytes[a:e].sum()),
-                time_source=time_source(self.costs[cand.order[k % self.p]], names)))
+                time_source=time_source(self.costs[cand.order[(k % P) * d]], names),
+                replica_devices=list(range((k % P) * d, (k % P) * d + d)) if d > 1 else [],
+                allreduce_s=float(cand.allreduce[k]) if cand.allreduce else 0.0))
         decisions = [f"schedule {cand.schedule} with {cand.microbatches} micro-batches of "
                      f"{self.opt.batch_size // cand.microbatches}: predicted "
                      f"{cand.timeline.iteration_s:.4g} s per iteration, bubble "
                      f"{cand.timeline.bubble_fraction:.1%}"]
         if cand.order != tuple(range(self.p)):
             decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
+        decisions += self.replica_decisions(cand)
         decisions += profile_decisions(self.costs, self.cluster,
-                                       self.opt.batch_size // cand.microbatches)
+                                       self.opt.batch_size // cand.microbatches // d)
         return Plan(
             model=self.graph.model_name, batch_size=self.opt.batch_size,
             microbatches=cand.microbatches, schedule=cand.schedule,
@@ -410,9 +494,43 @@ class Balancer:
             lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
             predicted_iteration_s=float(cand.timeline.iteration_s),
             bubble_fraction=float(cand.timeline.bubble_fraction), dtype=self.opt.dtype,
-            virtual_stages=cand.virtual, decisions=decisions, alternatives=lost,
+            virtual_stages=cand.virtual, decisions=decisions, alternatives=lost, replicas=d,
             baselines=self.baselines(cand) if self.opt.compare else [],
             options={"coarse": self.opt.coarse, "choose_order": self.opt.choose_order,
-                     "training": self.opt.training,
+                     "training": self.opt.training, "replicas_requested": self.opt.replicas,
                      **{k: x for c in self.costs for k, x in c.plan_options().items()}})
 
+
+    def replica_decisions(self, cand: _Candidate) -> list[str]:
+        """Why this replication degree: the best plan of every other degree tried (nothing
+        when --replicas is 1 and the plan is the plain pipeline)."""
+        if self.opt.replicas != "auto" and cand.replicas == 1:
+            return []
+        d, P = cand.replicas, cand.ranks
+
+        def shape(x: int) -> str:
+            return (f"{x} replicas per stage x {self.p // x} stage{'s' if self.p // x > 1 else ''}"
+                    if x > 1 else f"no replication ({self.p} stages)")
+        order_note = ["--choose-order orders the devices of the plain pipeline (1 replica) only: "
+                      "replica groups are consecutive devices in the given order"] \
+            if self.opt.choose_order and self.p > 1 else []
+        if self.opt.replicas != "auto":
+            return [f"{shape(d)} (--replicas {d}): predicted {cand.timeline.iteration_s:.4g} s "
+                    f"per iteration, all-reduce up to {max(cand.allreduce, default=0.0):.4g} s "
+                    "overlapped with the last backward"] + order_note
+        best: dict[int, _Candidate] = {}
+        for c in getattr(self, "results", []):
+            best.setdefault(c.replicas, c)
+        others = []
+        for x in sorted(best):
+            if x == d:
+                continue
+            what = ("the plain pipeline" if x == 1 else "pure data parallelism" if x == self.p
+                    else f"{x} replicas per stage x {self.p // x} stages")
+            others.append(f"{best[x].timeline.iteration_s:.4g} s for {what}")
+        out = [f"{shape(d)}: predicted {cand.timeline.iteration_s:.4g} s per iteration"
+               + (" vs " + ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + others[-1]
+                  if others else "")]
+        if d == 1 and any(dev.kind == "fpga" for dev in self.cluster.devices):
+            out.append("replicas 1: FPGA devices are never replicated")
+        return out + order_note

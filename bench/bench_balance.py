@@ -66,6 +66,19 @@ FPGA cannot run some op, else on the faster of {all devices, GPUs alone}. Speedu
 iteration time / pipecc `predicted_iteration_s` (which includes the pipeline bubble and
 stage-to-stage traffic).
 
+PP x DP (hybrid column): `driver.plan(..., replicas="auto")` (schedule, m, replication degree
+d and cuts searched together; `pipecc.passes.replicas`). Its d = n, one-stage, m = 1 candidate
+is the DP model above exactly: units at batch/n, the slowest device's fwd + max(bwd, t_ar) with
+the same ring formula over the same links (the planner's all-reduce overlaps the last
+backward, as the "overlapped" DP column does), memory 4 × param bytes + activations at batch/n
+against 90% of the smallest device (tests/test_hybrid_plan.py checks the equality). Where the
+two still differ: (1) with an FPGA in the cluster the planner never replicates (FPGA stages are
+never replicated and every device gets a stage), while DP here may leave the FPGA out and run
+on the GPUs alone; (2) DP splits the batch as batch/n even when n does not divide it, the
+planner only uses d with (batch/m) % d == 0; (3) heterogeneous groups: the planner takes the
+slowest member per unit (Σ max), DP the slowest device's total (max Σ), equal when one device
+type is slower on every unit.
+
 The 20k-node graph: a synthetic chain of 5000 blocks x → x + LayerNorm(ReLU(Linear(x))),
 width 128, input [32, 512, 128] (4 graph nodes per block); `driver.plan` on 16xa100 is timed
 end to end (fixed 1f1b, m = 32; unit construction included).
@@ -320,6 +333,16 @@ def run_case(analysis, model: str, kind: str, p: int, batch: int, auto: bool = T
                            "plan_s": time.perf_counter() - t0}
         except Exception as exc:  # noqa: BLE001
             row["auto"] = {"error": f"{type(exc).__name__}: {exc}"}
+        t0 = time.perf_counter()
+        try:  # PP x DP: the same, with the replication degree searched with the cuts
+            hp, _ = driver.plan(analysis, cluster, choose_order=choose, replicas="auto")
+            row["hybrid"] = {"schedule": hp.schedule, "microbatches": hp.microbatches,
+                             "replicas": hp.replicas, "stages": len(hp.stages),
+                             "iteration_s": hp.predicted_iteration_s,
+                             "memory_bytes": max(s.peak_memory_bytes for s in hp.stages),
+                             "plan_s": time.perf_counter() - t0}
+        except Exception as exc:  # noqa: BLE001
+            row["hybrid"] = {"error": f"{type(exc).__name__}: {exc}"}
     return row
 
 
@@ -562,8 +585,10 @@ def render(rows: list[dict[str, Any]], big: dict[str, Any] | None, command: str,
             "(pipecc: the largest stage's peak).", "",
             "| model | devices | DP on (ring link) | DP s/iter serial / overlapped | DP GB/dev "
             "| pipecc s/iter 1f1b / auto | speedup 1f1b vs serial / overlapped | "
-            "speedup auto vs overlapped | pipecc GB/dev | memory DP ÷ pipecc |",
-            "|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+            "speedup auto vs overlapped | pipecc GB/dev | memory DP ÷ pipecc "
+            "| hybrid (replicas=auto): d×stages sched m s/iter | speedup hybrid vs overlapped "
+            "| hybrid GB/dev |",
+            "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in ok:
         dp, a = r["dp"], r.get("auto", {})
         on = f"{dp['n']}× ({dp['ring_link']})" + (" GPUs only" if dp["fpga_excluded"] else "")
@@ -579,9 +604,17 @@ def render(rows: list[dict[str, Any]], big: dict[str, Any] | None, command: str,
             mem = (f"{dp['memory_bytes'] / GB:.1f} > {dp['short_cap'] / GB:.1f} "
                    f"({dp['short_device']})")
         pipe = f"{r['iteration_s']:.4g} / " + (f"{auto_s:.4g}" if auto_s else "—")
+        h = r.get("hybrid", {})
+        if "iteration_s" in h:
+            hyb = (f"{h['replicas']}×{h['stages']} {h['schedule']} {h['microbatches']} "
+                   f"{h['iteration_s']:.4g}")
+            sp_h = f"{dp['overlapped_s'] / h['iteration_s']:.2f}×" if dp["fits"] else "—"
+            mem_h = f"{h['memory_bytes'] / GB:.1f}"
+        else:
+            hyb, sp_h, mem_h = (h.get("error", "—")[:40] or "—"), "—", "—"
         out.append(f"| {r['model']} | {r['devices']} | {on} | {dp_cell} | {mem} | {pipe} | {sp} | "
                    f"{sp_auto} | {r['pipe_memory_bytes'] / GB:.1f} | "
-                   f"{dp['memory_bytes'] / r['pipe_memory_bytes']:.1f}× |")
+                   f"{dp['memory_bytes'] / r['pipe_memory_bytes']:.1f}× | {hyb} | {sp_h} | {mem_h} |")
     if big:
         out += ["", f"### Plan time on a {big['nodes']:,}-node graph", "",
                 f"Synthetic chain of {big['depth']} blocks x + LayerNorm(ReLU(Linear(x))), width "
@@ -617,6 +650,19 @@ def _dp_summary(rows: list[dict[str, Any]]) -> list[str]:
                       f"(faster in {sum(x > 1 for x in spo)} of {len(spo)})" if spo else "")
                    + f"; per-device memory DP ÷ pipecc median {statistics.median(mem):.1f}× "
                    f"(range {min(mem):.1f}–{max(mem):.1f}×)")
+        hy = [r for r in fits if "iteration_s" in r.get("hybrid", {})]
+        if hy:
+            sph = [r["dp"]["overlapped_s"] / r["hybrid"]["iteration_s"] for r in hy]
+            memh = [r["hybrid"]["memory_bytes"] / r["dp"]["memory_bytes"] for r in hy]
+            lose = [f"{r['model']} {r['devices']} {x:.2f}×" for r, x in zip(hy, sph) if x < 1 - 1e-9]
+            out.append(f"- PP x DP (pipecc auto with replicas=auto) vs overlapped DP where DP fits: "
+                       f"median {statistics.median(sph):.2f}×, min {min(sph):.2f}×, at least as "
+                       f"fast in {sum(x >= 1 - 1e-9 for x in sph)} of {len(sph)}"
+                       + (f" (slower: {', '.join(lose)})" if lose else "")
+                       + f"; per-device memory hybrid ÷ DP median {statistics.median(memh):.2f}× "
+                       f"(max {max(memh):.2f}×, at most DP's in "
+                       f"{sum(x <= 1 + 1e-9 for x in memh)} of {len(memh)}); replication chosen "
+                       f"(d > 1) in {sum(r['hybrid']['replicas'] > 1 for r in hy)} of {len(hy)}")
     return out
 
 

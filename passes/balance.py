@@ -36,7 +36,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
-from pipecc.passes import baselines
+from pipecc.passes import baselines, replicas as rep
 from pipecc.passes import recompute as recompute_pass
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, lower_bound, partition)
@@ -68,6 +68,7 @@ class PlanOptions:
     fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
     profile: Profile | None = None    # measured costs (`pipecc.targets.profiled.use_profile`)
     recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
+    replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
 
 
 @dataclass
@@ -83,6 +84,25 @@ class _Candidate:
     notes: list[str] = field(default_factory=list)
     raw: PartitionProblem | None = None   # before stages were re-costed (for baselines)
     recompute: tuple[bool, ...] = ()      # [stage] recomputes its activations; (): none does
+    replicas: int = 1                     # d: every stage on a group of d devices
+    allreduce: list[float] = field(default_factory=list)  # [stage] group all-reduce seconds
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks P (replica groups)."""
+        return len(self.order) // self.replicas
+
+
+def _recomputing(prob: PartitionProblem, recompute: Sequence[bool] | None) -> PartitionProblem:
+    """`prob` with `recompute[k]` stages paying one more forward in their backward (and marked,
+    for the memory model) — what `Balancer.problem` does on its own devices."""
+    if recompute is None or not any(recompute):
+        return prob
+    if len(recompute) != len(prob.mem_cap):
+        raise ValueError(f"recompute needs one flag per stage ({len(prob.mem_cap)}), got {len(recompute)}")
+    fwd = np.asarray(prob.fwd, dtype=float)
+    bwd = np.asarray(prob.bwd, dtype=float) + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd, 0.0)
+    return dataclasses.replace(prob, bwd=bwd, recompute=tuple(bool(r) for r in recompute))
 
 
 @functools.lru_cache(maxsize=256)  # NOTE: --choose-order asks once per device order
@@ -132,13 +152,18 @@ class Balancer:
             return self._times[mb]
         fwd = np.zeros((self.p, units.n))
         bwd = np.zeros((self.p, units.n))
+        done: dict[int, int] = {}  # NOTE: devices of one type share their model: time it once
         for d, costs in enumerate(self.costs):
+            if id(costs) in done:
+                fwd[d], bwd[d] = fwd[done[id(costs)]], bwd[done[id(costs)]]
+                continue
             fwd[d], bwd[d] = costs.unit_times(units, mb)
+            done[id(costs)] = d
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
 
     def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
-               mb: int) -> tuple[PartitionProblem, Partition]:
+               mb: int, d: int = 1) -> tuple[PartitionProblem, Partition]:
         """The partition at `bounds` with each stage's additive unit times replaced by its
         device model's time of the whole stage where the model has one (`stage_times`: an
         FPGA stage's dataflow time, as in `estimates.json`). Other stages are unchanged."""
@@ -149,7 +174,8 @@ class Balancer:
             a, e = bounds[k], bounds[k + 1]
             if fwd[k, a:e].sum() >= CANNOT_RUN_S:
                 continue
-            whole = self.costs[order[k % self.p]].stage_times(range(a, e), fwd[k, a:e], mb)
+            # NOTE: replica groups (d > 1) hold no FPGA: the group's first device speaks for it
+            whole = self.costs[order[(k % (self.p // d)) * d]].stage_times(range(a, e), fwd[k, a:e], mb)
             if whole is None:
                 continue
             fwd[k, a:e], bwd[k, a:e] = whole
@@ -160,11 +186,17 @@ class Balancer:
         return prob, evaluate(prob, bounds)
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
-                v: int = 1, recompute: Sequence[bool] | None = None) -> PartitionProblem:
+                v: int = 1, recompute: Sequence[bool] | None = None, d: int = 1) -> PartitionProblem:
         """Stage k on device order[k % p], with the memory its device's model counts
         (`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards). A stage with
         `recompute[k]` pays one more forward in its backward and holds one micro-batch's
-        activations (`passes.recompute`)."""
+        activations (`passes.recompute`). With d > 1 replicas, stage k on replica group
+        k % (p/d) and `mb` is a replica's slice (`passes.replicas.group_problem`)."""
+        if d > 1:
+            P = self.p // d
+            inflight = _inflight(schedule, P * v, m, v) if self.opt.training else [1] * (P * v)
+            prob = rep.group_problem(self, units, mb, inflight, order, d, v)
+            return _recomputing(prob, recompute)  # NOTE: no FPGA is ever replicated
         fwd, bwd = self.times(units, mb)
         devs = [order[k % self.p] for k in range(self.p * v)]
         if recompute is not None and len(recompute) != len(devs):
@@ -202,7 +234,10 @@ class Balancer:
                     for k, (d, mem) in enumerate(zip(devs, mems))])
 
     # ------------------------------------------------------------------ search
-    def candidates(self) -> list[tuple[str, int]]:
+    def candidates(self) -> list[tuple[str, int, int]]:
+        """(schedule, micro-batches, replicas) to try: every schedule and m as before, each
+        with every replication degree d allowed (`passes.replicas.allowed`); P = n/d pipeline
+        ranks. One rank (plain data parallelism) has one meaningful schedule: 1f1b."""
         b = self.opt.batch_size
         if self.opt.microbatches == "auto":
             ms = [m for m in range(1, b + 1) if b % m == 0 and m <= 64]
@@ -211,8 +246,22 @@ class Balancer:
             if m < 1 or b % m:
                 raise UsageError(f"--microbatches {m} must divide the batch size {b}")
             ms = [m]
+        fpga = [dev.name for dev in self.cluster.devices if dev.kind == "fpga"]
+        rep.check_requested(self.opt.replicas, self.p, fpga)
+        rep.check_slices(self.opt.replicas, b, ms)
+        n_units = self.builder.at(1).n
+
+        allowed = {m: rep.allowed(self.opt.replicas, self.p, b // m, bool(fpga)) for m in ms}
+        if not any(self.p // d <= n_units for ds in allowed.values() for d in ds):
+            groups = [d for d in rep.allowed("auto", self.p, b // min(ms), bool(fpga))
+                      if self.p // d <= n_units]  # would replica groups fit?
+            raise PipeccError(f"{self.p} devices but only {n_units} units to place; use fewer "
+                              "devices" + (" or --replicas auto" if groups else ""))
+
+        def degrees(m: int) -> list[int]:
+            return [d for d in allowed[m] if self.p // d <= n_units]
         if not self.opt.training:
-            return [("inference", m) for m in ms]
+            return [("inference", m, d) for m in ms for d in degrees(m)]
         scheds = SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
         fpgas = [d.name for d in self.cluster.devices if d.kind == "fpga"]
         if fpgas and self.opt.schedule in ZERO_BUBBLE:
@@ -224,23 +273,28 @@ class Balancer:
         out = []
         for s in scheds:
             for m in ms:
-                if s == "interleaved" and (m % self.p or self.opt.virtual_stages < 2):
-                    continue
-                out.append((s, m))
+                for d in degrees(m):
+                    P = self.p // d
+                    if s == "interleaved" and (m % P or self.opt.virtual_stages < 2 or P == 1):
+                        continue
+                    if P == 1 and s != "1f1b" and self.opt.schedule == "auto":
+                        continue  # one rank: gpipe is 1f1b holding every micro-batch at once
+                    out.append((s, m, d))
         if not out:
             raise UsageError(f"--schedule interleaved needs a micro-batch count divisible by "
                              f"{self.p} devices")
         return out
 
-    def evaluate_candidate(self, schedule: str, m: int,
-                           recompute: Sequence[bool] | None = None) -> _Candidate:
-        """The best partition for (schedule, m), with `recompute[k]` stages recomputing."""
-        mb = self.opt.batch_size // m
+    def evaluate_candidate(self, schedule: str, m: int, recompute: Sequence[bool] | None = None,
+                           d: int = 1) -> _Candidate:
+        """The best partition for (schedule, m, d replicas), with `recompute[k]` stages
+        recomputing."""
+        mb = self.opt.batch_size // m // d  # NOTE: with d replicas, each runs a slice of mb/d
         units = self.builder.at(mb)
         v = self.opt.virtual_stages if schedule == "interleaved" else 1
         order = tuple(range(self.p))
-        prob = self.problem(units, mb, schedule, m, order, v, recompute)
-        if self.opt.choose_order and v == 1 and self.p > 1:
+        prob = self.problem(units, mb, schedule, m, order, v, recompute, d)
+        if self.opt.choose_order and v == 1 and self.p > 1 and d == 1:
             order, part = self._best_order(units, mb, schedule, m, recompute)
             prob = self.problem(units, mb, schedule, m, order, v, recompute)
         else:
@@ -248,8 +302,9 @@ class Balancer:
         if part.bottleneck >= CANNOT_RUN_S:
             raise InfeasibleError(self._unsupported_message(prob, order))
         raw = prob
-        prob, part = self.recost(prob, part.bounds, order, mb)
-        timeline = self._simulate(part, prob, schedule, m, v, order=order)
+        prob, part = self.recost(prob, part.bounds, order, mb, d)
+        allreduce = rep.stage_allreduce_s(self, units, part.bounds, order, d) if d > 1 else None
+        timeline = self._simulate(part, prob, schedule, m, v, order=order, allreduce=allreduce)
         # NOTE: the partitioner is exact for its model: the 1F1B steady state with transfers
         # overlapped. With few micro-batches, or GPipe's two one-way streams, fill and drain
         # weigh more, and cuts exact for the stream model (training=False) or for the old
@@ -262,12 +317,14 @@ class Balancer:
             if alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
                 continue
             tried.add(tuple(alt.bounds))
-            prob2, part2 = self.recost(raw, alt.bounds, order, mb)
-            timeline2 = self._simulate(part2, prob2, schedule, m, v, order=order)
+            prob2, part2 = self.recost(raw, alt.bounds, order, mb, d)
+            allreduce2 = rep.stage_allreduce_s(self, units, part2.bounds, order, d) if d > 1 else None
+            timeline2 = self._simulate(part2, prob2, schedule, m, v, order=order, allreduce=allreduce2)
             if timeline2.iteration_s < timeline.iteration_s:
-                prob, part, timeline = prob2, part2, timeline2
+                prob, part, timeline, allreduce = prob2, part2, timeline2, allreduce2
         return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw,
-                          recompute=tuple(bool(r) for r in prob.recompute or ()))
+                          recompute=tuple(bool(r) for r in prob.recompute or ()),
+                          replicas=d, allreduce=list(allreduce or []))
 
     def _best_order(self, units: Units, mb: int, schedule: str, m: int,
                     recompute: Sequence[bool] | None = None):
@@ -276,9 +333,10 @@ class Balancer:
             lambda order: self.problem(units, mb, schedule, m, order, 1, recompute), types)
 
     def weight_times(self, part: Partition, prob: PartitionProblem, order: Sequence[int],
-                     mb: int) -> list[float]:
+                     mb: int, d: int = 1) -> list[float]:
         """[stage] seconds of the stage's backward that compute weight gradients (zero-bubble
-        W): its units' backward seconds in `prob` times their device's `weight_share`."""
+        W): its units' backward seconds in `prob` times their device's `weight_share` (with d
+        replicas, `mb` is a replica's slice and stage k's device the first of group k % (p/d))."""
         if mb not in self._shares:
             units = self.builder.at(mb)
             self._shares[mb] = np.stack([c.weight_share(units, mb) for c in self.costs])
@@ -288,11 +346,15 @@ class Balancer:
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
             own = bwd[k, a:e] - (np.asarray(prob.fwd)[k, a:e] if k < len(redo) and redo[k] else 0.0)
-            out.append(float((own * share[order[k % self.p], a:e]).sum()))  # a re-run forward is I's
+            dev = order[(k % (self.p // d)) * d]
+            out.append(float((own * share[dev, a:e]).sum()))  # a re-run forward is I's
         return out
 
     def _simulate(self, part: Partition, prob: PartitionProblem, schedule: str, m: int,
-                  v: int, order: Sequence[int] | None = None) -> Timeline:
+                  v: int, order: Sequence[int] | None = None,
+                  allreduce: Sequence[float] | None = None) -> Timeline:
+        """The candidate's timeline; `allreduce` [stage]: replica groups' all-reduce seconds
+        (summed per rank), None without replication."""
         stages = len(part.bounds) - 1
         fwd = np.asarray(prob.fwd)
         bwd = np.asarray(prob.bwd)
@@ -312,13 +374,20 @@ class Balancer:
             act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
         split: dict[str, list[float]] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
-            w = self.weight_times(part, prob, order or tuple(range(self.p)), self.opt.batch_size // m)
+            d = self.p * v // stages  # replicas per stage group
+            w = self.weight_times(part, prob, order or tuple(range(self.p)), self.opt.batch_size // m // d, d)
             split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)],
                      "split_cost": SPLIT_BACKWARD_COST}  # what the runtime's split measured
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static,
                                      recompute_bytes=redo, **split)
-        return simulate(by_name(schedule, stages // v, m, v), costs)
+        sched = by_name(schedule, stages // v, m, v)
+        if allreduce is not None:
+            per_rank = [0.0] * sched.num_ranks
+            for k, t in enumerate(allreduce):
+                per_rank[sched.stage_to_rank[k]] += t
+            costs.allreduce_s = per_rank
+        return simulate(sched, costs)
 
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
         """Why every placement puts something on an FPGA it cannot take: memory elsewhere,
@@ -345,26 +414,25 @@ class Balancer:
                 f"generate (e.g. {example}); {fix}")
 
     def run(self) -> tuple[Plan, _Candidate]:
-        if self.p > self.builder.at(1).n:
-            raise PipeccError(f"{self.p} devices but only {self.builder.at(1).n} units to place; "
-                              "use fewer devices" + ("" if self.opt.coarse else ""))
         results: list[_Candidate] = []
         lost: list[dict[str, Any]] = []
-        for schedule, m in self.candidates():
+        for schedule, m, d in self.candidates():
             try:
-                results.append(recompute_pass.evaluate_candidate(self, schedule, m))
+                results.append(recompute_pass.evaluate_candidate(self, schedule, m, d))
             except InfeasibleError as exc:
-                lost.append({"schedule": schedule, "microbatches": m, "reason": str(exc)})
+                lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
+                             "reason": str(exc)})
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
             if lost:  # would recomputing activations fit it? (only with --recompute none)
-                reason = recompute_pass.hint(self, lost[0]["schedule"], lost[0]["microbatches"], reason)
+                reason = recompute_pass.hint(self, lost[0]["schedule"], lost[0]["microbatches"], reason,
+                                             lost[0].get("replicas", 1))
             if "on-chip BRAM" in reason:
                 reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
             raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
                               else f"no schedule fits memory: {reason}")
-        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches))
+        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
         self.results, self.infeasible = results, lost
         best = results[0]
         return self.to_plan(best, self.alternatives(best)), best
@@ -375,6 +443,7 @@ class Balancer:
         for c in self.results:
             if c is not chosen:
                 out.append({"schedule": c.schedule, "microbatches": c.microbatches,
+                            "replicas": c.replicas,
                             "reason": f"slower: {c.timeline.iteration_s:.4g} s per iteration "
                                       f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
                                       f"{chosen.timeline.iteration_s:.4g} s"})
@@ -382,7 +451,8 @@ class Balancer:
 
     def contenders(self, within: float = math.inf, most: int = len(SCHEDULES)) -> list[_Candidate]:
         """The fastest candidate of each schedule within `within` of the best (at most
-        `most`, best first): layer splitting may reorder these, so each gets split."""
+        `most`, best first): layer splitting may reorder these, so each gets split. (A
+        replicated candidate competes under its schedule's name like any other.)"""
         out: list[_Candidate] = []
         top = self.results[0].timeline.iteration_s
         for c in self.results:
@@ -394,7 +464,7 @@ class Balancer:
 
     def unit_times(self, cand: _Candidate) -> dict[str, float]:
         """Each single-node unit's fwd+bwd time on its fastest device, by node name."""
-        fwd, bwd = self.times(cand.units, self.opt.batch_size // cand.microbatches)
+        fwd, bwd = self.times(cand.units, self.opt.batch_size // cand.microbatches // cand.replicas)
         best = (fwd + bwd).min(axis=0)
         return {names[-1]: float(best[u]) for u, names in enumerate(cand.units.names)}
 
@@ -416,15 +486,36 @@ class Balancer:
         return dataclasses.replace(prob, fwd=fwd, bwd=bwd)
 
     def lower_bound(self, cand: _Candidate, comm: bool = True) -> float:
-        """`partition.lower_bound` on the candidate's devices, with `bound_problem`'s costs;
-        comm=False: the comm-blind bound of earlier releases (reported next to it)."""
-        prob = self.bound_problem(cand.problem, cand.order, self.opt.batch_size // cand.microbatches)
-        return lower_bound(prob, cand.units.splittable, comm=comm)
+        """A bottleneck no plan with the candidate's micro-batch count beats, whatever its cuts,
+        layer splits or replication degree: the least over every degree d the devices and the
+        micro-batch allow (`passes.replicas.allowed`, whatever --replicas asked) of
+        `partition.lower_bound` on that degree's problem (P = n/d groups at a slice of mb/d,
+        `passes.replicas.group_problem`; d = 1: the candidate's devices with `bound_problem`'s
+        costs). Each is valid for its d because the group problem *is* the partitioner's
+        model of every d-replicated plan, so the least is valid for all. comm=False: the
+        comm-blind bound of earlier releases (reported next to it)."""
+        mb = self.opt.batch_size // cand.microbatches
+        has_fpga = any(dev.kind == "fpga" for dev in self.cluster.devices)
+        best = math.inf
+        for d in rep.allowed("auto", self.p, mb, has_fpga):
+            if d == cand.replicas:
+                units, prob = cand.units, cand.problem
+            elif self.p // d > cand.units.n:
+                continue
+            else:
+                units = self.builder.at(mb // d)
+                order = cand.order if d == 1 else tuple(range(self.p))
+                # NOTE: the schedule only sets in-flight counts (memory), which no bound uses
+                prob = self.problem(units, mb // d, "1f1b", cand.microbatches, order, 1, d=d)
+            if d == 1:
+                prob = self.bound_problem(prob, cand.order, mb)
+            best = min(best, lower_bound(prob, units.splittable, comm=comm))
+        return best
 
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""
         units, prob = cand.units, cand.raw or cand.problem
-        p = len(prob.mem_cap)
+        p, mb = len(prob.mem_cap), self.opt.batch_size // cand.microbatches // cand.replicas
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         ref_times = fwd[0] + bwd[0]
         out = []
@@ -433,16 +524,24 @@ class Balancer:
             ("equal-params (DeepSpeed parameters)", baselines.equal_params(units.param_bytes, p)),
             ("block-partition by time (torchgpipe)", baselines.block_partition(ref_times, p)),
         ]:
-            _, part = self.recost(prob, bounds, cand.order, self.opt.batch_size // cand.microbatches)
+            _, part = self.recost(prob, bounds, cand.order, mb, cand.replicas)
             out.append({"name": name, "bounds": list(part.bounds), "bottleneck_s": part.bottleneck,
                         "fits_memory": bool(getattr(part, "fits", True))})
         return out
 
     def to_plan(self, cand: _Candidate, lost: list[dict[str, Any]]) -> Plan:
+        """The Plan of `cand`. With replicas d > 1, stage k runs on pipeline rank j = k % P
+        (P = n/d): devices j*d .. j*d+d-1 (`StagePlan.replica_devices`, `device` = j*d), its
+        forward_s/backward_s a replica's (slice of mb/d, slowest member), `allreduce_s` its
+        group's gradient all-reduce per iteration. `bottleneck_s` stays the steady-state
+        seconds per micro-batch of B/m samples (the P-rank pipeline of groups; the all-reduce,
+        once per iteration, is in `predicted_iteration_s`), so it and `lower_bound_s` compare
+        across d."""
         part, units, prob = cand.part, cand.units, cand.problem
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         lb, lb_compute = self.lower_bound(cand), self.lower_bound(cand, comm=False)
-        weights = self.weight_times(part, prob, cand.order, self.opt.batch_size // cand.microbatches)
+        d, P = cand.replicas, cand.ranks
+        weights = self.weight_times(part, prob, cand.order, self.opt.batch_size // cand.microbatches // d, d)
         stages = []
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
@@ -452,24 +551,27 @@ class Balancer:
             comm = 2 * prob.link_time(k - 1, recv) if k > 0 else 0.0
             comm += 2 * prob.link_time(k, send) if k < len(part.bounds) - 2 else 0.0
             stages.append(StagePlan(
-                index=k, device=k % self.p, nodes=names,
+                index=k, device=(k % P) * d, nodes=names,
                 forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
                 backward_weight_s=weights[k],
                 send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
-                peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % self.p])
+                peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])
                 if cand.virtual == 1 else int(part.stage_memory[k]),
                 forward_flops=int(units.values["forward_flops"][a:e].sum()),
                 param_bytes=int(units.param_bytes[a:e].sum()),
-                time_source=time_source(self.costs[cand.order[k % self.p]], names),
-                recompute=bool(cand.recompute[k]) if cand.recompute else False))
+                time_source=time_source(self.costs[cand.order[(k % P) * d]], names),
+                recompute=bool(cand.recompute[k]) if cand.recompute else False,
+                replica_devices=list(range((k % P) * d, (k % P) * d + d)) if d > 1 else [],
+                allreduce_s=float(cand.allreduce[k]) if cand.allreduce else 0.0))
         decisions = [f"schedule {cand.schedule} with {cand.microbatches} micro-batches of "
                      f"{self.opt.batch_size // cand.microbatches}: predicted "
                      f"{cand.timeline.iteration_s:.4g} s per iteration, bubble "
                      f"{cand.timeline.bubble_fraction:.1%}"]
         if cand.order != tuple(range(self.p)):
             decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
+        decisions += rep.decisions(self, cand)
         decisions += profile_decisions(self.costs, self.cluster,
-                                       self.opt.batch_size // cand.microbatches)
+                                       self.opt.batch_size // cand.microbatches // d)
         decisions += cand.notes  # e.g. which stages recompute their activations, and why
         return Plan(
             model=self.graph.model_name, batch_size=self.opt.batch_size,
@@ -481,9 +583,9 @@ class Balancer:
             lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
             predicted_iteration_s=float(cand.timeline.iteration_s),
             bubble_fraction=float(cand.timeline.bubble_fraction), dtype=self.opt.dtype,
-            virtual_stages=cand.virtual, decisions=decisions, alternatives=lost,
+            virtual_stages=cand.virtual, decisions=decisions, alternatives=lost, replicas=d,
             baselines=self.baselines(cand) if self.opt.compare else [],
             options={"coarse": self.opt.coarse, "choose_order": self.opt.choose_order,
                      "training": self.opt.training, "recompute": self.opt.recompute,
+                     "replicas_requested": self.opt.replicas,
                      **{k: x for c in self.costs for k, x in c.plan_options().items()}})
-

@@ -83,40 +83,41 @@ def check(bal: Balancer) -> None:
                          "auto, which recomputes only stages without BatchNorm")
 
 
-def evaluate_candidate(bal: Balancer, schedule: str, m: int) -> _Candidate:
-    """The candidate (schedule, m) under the balancer's recompute mode (module docstring)."""
+def evaluate_candidate(bal: Balancer, schedule: str, m: int, d: int = 1) -> _Candidate:
+    """The candidate (schedule, m, d replicas) under the balancer's recompute mode (module
+    docstring)."""
     check(bal)
     mode = bal.opt.recompute
-    n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    n = bal.p // d * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
     if mode == "none":
-        return bal.evaluate_candidate(schedule, m)
+        return bal.evaluate_candidate(schedule, m, d=d)
     if mode == "full":
-        cand = bal.evaluate_candidate(schedule, m, recompute=[True] * n)
+        cand = bal.evaluate_candidate(schedule, m, recompute=[True] * n, d=d)
         cand.notes.append("every stage recomputes its activations (--recompute full)")
         return cand
-    return _auto(bal, schedule, m, n)
+    return _auto(bal, schedule, m, n, d)
 
 
-def hint(bal: Balancer, schedule: str, m: int, reason: str) -> str:
+def hint(bal: Balancer, schedule: str, m: int, reason: str, d: int = 1) -> str:
     """`reason` (why (schedule, m) fits no memory) plus "or recompute activations" when the
     mode is "none" and recomputing every stage that may would fit it."""
     if bal.opt.recompute != "none" or not bal.opt.training or "no split fits memory" not in reason:
         return reason
-    n = bal.p * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
-    if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)))) is None:
+    n = bal.p // d * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)), d), d) is None:
         return reason
     return f"{reason}, or recompute activations (--recompute auto)"
 
 
-def _auto(bal: Balancer, schedule: str, m: int, n: int) -> _Candidate:
+def _auto(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> _Candidate:
     base: _Candidate | None = None
     error: InfeasibleError | None = None
     try:
-        base = bal.evaluate_candidate(schedule, m)
+        base = bal.evaluate_candidate(schedule, m, d=d)
     except InfeasibleError as exc:
         error = exc
-    allowed = _allowed(bal, n, base.order if base is not None else tuple(range(bal.p)))
-    over = _over_cap_roomy(bal, schedule, m, n)
+    allowed = _allowed(bal, n, base.order if base is not None else tuple(range(bal.p)), d)
+    over = _over_cap_roomy(bal, schedule, m, n, d)
     want = [o and a for o, a in zip(over, allowed)]
     if base is not None and not any(want):
         return base  # memory does not bind: nothing to gain
@@ -124,11 +125,11 @@ def _auto(bal: Balancer, schedule: str, m: int, n: int) -> _Candidate:
     for flags in (want, allowed):
         if not any(flags):
             continue
-        best = _feasible(bal, schedule, m, flags)
+        best = _feasible(bal, schedule, m, flags, d)
         if best is not None:
             break
     if best is not None:  # drop recomputation where the chosen cuts fit without it
-        best = _fewer(bal, schedule, m, best)
+        best = _fewer(bal, schedule, m, best, d)
     if best is None:
         if error is not None:
             raise error
@@ -139,16 +140,19 @@ def _auto(bal: Balancer, schedule: str, m: int, n: int) -> _Candidate:
     return best
 
 
-def _allowed(bal: Balancer, n: int, order: Sequence[int]) -> list[bool]:
-    """Stages that may recompute: on a CPU/GPU (FPGA stages are hardware dataflow)."""
+def _allowed(bal: Balancer, n: int, order: Sequence[int], d: int = 1) -> list[bool]:
+    """Stages that may recompute: on a CPU/GPU (FPGA stages are hardware dataflow; replica
+    groups, d > 1, never hold one)."""
+    if d > 1:
+        return [True] * n
     return [bal.cluster.devices[order[k % bal.p]].kind != "fpga" for k in range(n)]
 
 
-def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int) -> list[bool]:
+def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> list[bool]:
     """Stages that overflow their memory at the cuts a memory-blind partition chooses."""
-    v = n // bal.p
-    mb = bal.opt.batch_size // m
-    prob = bal.problem(bal.builder.at(mb), mb, schedule, m, tuple(range(bal.p)), v)
+    v = n // (bal.p // d)
+    mb = bal.opt.batch_size // m // d
+    prob = bal.problem(bal.builder.at(mb), mb, schedule, m, tuple(range(bal.p)), v, d=d)
     roomy = dataclasses.replace(prob, mem_cap=[float("inf")] * len(prob.mem_cap))
     try:
         part = evaluate(prob, partition(roomy).bounds)
@@ -157,14 +161,14 @@ def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int) -> list[bool]:
     return [mem > cap for mem, cap in zip(part.stage_memory, prob.mem_cap)]
 
 
-def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool]) -> _Candidate | None:
+def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool], d: int = 1) -> _Candidate | None:
     """The candidate with `flags` recomputing, minus recomputation on BatchNorm stages (a stage
     holding training-mode BatchNorm must not recompute); None if nothing fits."""
     bn = set(training_batchnorm_names(bal.graph))
     flags = list(flags)
     for _ in range(len(flags) + 1):
         try:
-            cand = bal.evaluate_candidate(schedule, m, recompute=flags)
+            cand = bal.evaluate_candidate(schedule, m, recompute=flags, d=d)
         except InfeasibleError:
             return None
         bad = [k for k, names in enumerate(_stage_names(cand)) if flags[k] and bn & set(names)]
@@ -177,13 +181,13 @@ def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool]) -> _Candi
     return None
 
 
-def _fewer(bal: Balancer, schedule: str, m: int, cand: _Candidate) -> _Candidate:
+def _fewer(bal: Balancer, schedule: str, m: int, cand: _Candidate, d: int = 1) -> _Candidate:
     """`cand` with recomputation only on the stages whose memory at its cuts needs it, when that
     plan is feasible and no slower."""
     need = [r and over for r, over in zip(cand.recompute, _over_without(cand))]
     if list(need) == list(cand.recompute) or not any(need):
         return cand
-    fewer = _feasible(bal, schedule, m, need)
+    fewer = _feasible(bal, schedule, m, need, d)
     if fewer is not None and fewer.timeline.iteration_s <= cand.timeline.iteration_s:
         return fewer
     return cand

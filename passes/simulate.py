@@ -29,6 +29,11 @@ Model:
   that micro-batch's re-created internal activations (`recompute_bytes`).
 - Stage costs are per microbatch, so unequal micro-batch sizes (UMPIPE) plug in as cost
   arrays without touching the simulator.
+- PP x DP (``StageCosts.allreduce_s``, per rank, optional): a rank whose stage runs on a
+  replica group all-reduces its gradients once per iteration, launched during its last
+  backward and overlapped with it (the runtime's post-accumulate-grad hooks); the rank
+  ends at start(last B) + max(that B's seconds, allreduce_s). The all-reduce is no event
+  and not busy time: an exposed all-reduce counts as bubble.
 
 NOTE (Bi-Partition): forward and backward cut at different layers means the forward
 stage s and the backward stage s hold different layers, i.e. a separate stage->rank map
@@ -87,6 +92,8 @@ class StageCosts:
         if i is None and w is None:
             return k * b / 2, k * b / 2
         return k * (b - w if i is None else i), k * (b - i if w is None else w)
+    # [rank] seconds of the rank's gradient all-reduce per iteration (replica groups); None: none
+    allreduce_s: list[float] | None = None
 
     @classmethod
     def per_stage(
@@ -198,6 +205,8 @@ class Timeline:
     busy_s: list[float]
     peak_memory_bytes: list[float]
     bubble_fraction: float = field(init=False)
+    # [rank] when its gradient all-reduce ends (StageCosts.allreduce_s); [] without one
+    allreduce_end_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         capacity = self.num_ranks * self.iteration_s
@@ -308,7 +317,24 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
     training = schedule.is_training
     peak = [_peak_memory(schedule, costs, r, training) for r in range(R)]
     iteration = max((e.end for e in events), default=0.0)
-    return Timeline(R, events, iteration, busy, peak)
+    reduced = _allreduce_ends(events, costs.allreduce_s, R)
+    return Timeline(R, events, max([iteration] + reduced), busy, peak, allreduce_end_s=reduced)
+
+
+def _allreduce_ends(events: list[Event], allreduce_s: Sequence[float] | None, ranks: int) -> list[float]:
+    """[rank] start(last B or W) + max(its seconds, allreduce_s[rank]); [] without all-reduces
+    (the stage's weight gradients are final in that action, where the runtime starts reducing)."""
+    if allreduce_s is None:
+        return []
+    if len(allreduce_s) != ranks:
+        raise ValueError(f"StageCosts.allreduce_s must have {ranks} entries (one per rank), "
+                         f"got {len(allreduce_s)}")
+    last: dict[int, Event] = {}
+    for e in events:
+        if e.kind.frees_stash and (e.rank not in last or e.start >= last[e.rank].start):  # B, or W
+            last[e.rank] = e
+    return [last[r].start + max(last[r].duration, float(allreduce_s[r])) if r in last else 0.0
+            for r in range(ranks)]
 
 
 def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: bool) -> float:

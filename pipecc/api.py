@@ -41,8 +41,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     """Plan `model` over `devices` and return the drop-in PipelinedModule.
 
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
-    choose_order, split_layers, training, recompute="none"|"full"|"auto"; debug and dump_ir
-    apply to every step), plus, for
+    choose_order, split_layers, training, recompute="none"|"full"|"auto", replicas: "auto" or N
+    devices per stage; debug and dump_ir apply to every step), plus, for
     FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
     the HLS projects; default a temporary folder removed with the module), and `profile`
     (a `pipecc profile` JSON file or its loaded dict; its node names must be the model's):
@@ -65,6 +65,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     graph = driver.analyze_module(model, inputs, model_name=type(model).__name__, debug=debug,
                                   dump_ir=dump_ir)
     plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
+    # NOTE: in one process a replicated stage runs once, on its group's first device, over the
+    # whole micro-batch: the same numbers as its replicas together (PP x DP is `pipecc run`'s)
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     placement = torch_devices(cluster, order)
     return driver.compile_module(model, graph, plan, inputs,

@@ -279,8 +279,12 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
     tried: list[tuple[Any, AnnotatedGraph]] = []
     for cand_k in balancer.contenders():
         plan_k = result if cand_k is cand else balancer.to_plan(cand_k, balancer.alternatives(cand_k))
+        if len(plan_k.stages) == 1:  # one stage (plain data parallelism): no cut to refine
+            tried.append((plan_k, graph))
+            continue
         notes: list[str] = []
-        fixed = dict(schedule=plan_k.schedule, microbatches=plan_k.microbatches)
+        fixed = dict(schedule=plan_k.schedule, microbatches=plan_k.microbatches,
+                     replicas=plan_k.replicas)
 
         def replan(g: AnnotatedGraph, keep: bool, fixed=fixed) -> Plan:
             if debug:
@@ -313,11 +317,13 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
-         profile: Any = None, debug: bool = False, dump_ir: str | Path | None = None,
-         recompute: str = "none"):
+         profile: Any = None, replicas: int | str = 1, debug: bool = False,
+         dump_ir: str | Path | None = None, recompute: str = "none"):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
     (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
+    `replicas` ("auto" or N): every stage on a group of that many devices splitting its
+    micro-batches (PP x DP, `pipecc.passes.replicas`); 1: the plain pipeline.
     `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
@@ -331,6 +337,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b, interleaved or zb-h1")
     if recompute not in ("none", "full", "auto"):
         raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
+    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int)
+                               or replicas < 1):
+        raise UsageError(f"--replicas {replicas!r}: use auto or a positive integer")
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
@@ -341,7 +350,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
                           dtype=dtype, fpga_number=fpga_number, profile=profile,
-                          recompute=recompute)
+                          recompute=recompute, replicas=replicas)
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
-from pipecc.backends.torch.compile import pipelined_module
+from pipecc.backends.torch.compile import check_replicas, pipelined_module
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 
@@ -23,6 +23,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
+        check_replicas(plan)  # PP x DP groups the runtime can execute
         return None  # every graph node has a torch form; cut_stages checked the placement
 
     def writers(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],

@@ -3,7 +3,9 @@
 `write_output(OUT, graph, plan, stages)` writes, atomically:
 
     OUT/pipecc.json          marker: format version, model (and its file's sha256), schedule,
-                             micro-batches, stages, and the list of files written ("files")
+                             micro-batches, stages, "replicas" (PP x DP: devices per stage, each
+                             replica loading the same stage_<i>/; `pipecc run` starts one rank
+                             per device) and the list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -59,6 +61,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.runtime.local import PipelinedModule
+from pipecc.runtime.replicas import replica_problem
 from pipecc.runtime.trust import file_sha256
 
 FORMAT = "pipecc-compile"
@@ -139,6 +142,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     n = len(stages)
     if n != len(plan.stages):
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
+    check_replicas(plan)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
     for stage, planned in zip(stages, plan.stages):
         write_stage(tmp / f"stage_{stage.index}", stage, model_name=graph.model_name, num_stages=n,
@@ -155,11 +159,41 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_path": plan.model_path, "model_args": plan.model_args,
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
+              "replicas": plan.replicas,
               "source": graph.source, "torch": torch.__version__,
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
               MODEL_HASH: _sha256(plan.model_path)}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+
+
+def check_replicas(plan: Plan) -> None:
+    """Refuse a replicated plan (PP x DP) the runtime cannot execute (`pipecc.runtime.replicas`):
+    stage j's group must be devices j*d .. j*d+d-1 (rank = device), no FPGA stage replicated, and
+    every micro-batch must split into d equal slices."""
+    d = plan.replicas
+    if not isinstance(d, int) or d < 1:
+        raise PipeccError(f"the plan says replicas {d!r}; it must be a positive integer")
+    groups = {s.index: plan.stage_devices(s) for s in plan.stages}
+    if d == 1:
+        bad = [i for i, g in groups.items() if len(g) != 1]
+        if bad:
+            raise PipeccError(f"stage {bad[0]} has the replica group {groups[bad[0]]} but the plan says replicas 1")
+        return
+    if len(plan.devices) % d:
+        raise PipeccError(f"replicas {d} does not divide the plan's {len(plan.devices)} devices")
+    for s in plan.stages:
+        want = list(range(s.device, s.device + d))
+        if s.device % d or groups[s.index] != want:
+            raise PipeccError(f"stage {s.index} runs on devices {groups[s.index]}; with replicas {d} a stage's group "
+                              f"must be {d} consecutive devices from a multiple of {d} (the runtime's rank order)")
+    fpga = plan.fpga_stages()
+    if fpga:
+        raise PipeccError(f"stage {min(fpga)} runs on an FPGA ({fpga[min(fpga)]}), which is never replicated; "
+                          "plan it with --replicas 1")
+    problem = replica_problem(plan.batch_size, plan.microbatches, d)
+    if problem:
+        raise PipeccError(problem.replace("use --microbatches", "plan with --microbatches"))
 
 
 def _sha256(path: str) -> str | None:

@@ -44,7 +44,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         if line.startswith("warning:"):
             print(terminal_text(f"pipecc: {line}"), file=sys.stderr)
     if not args.quiet:
-        print(terminal_text(f"wrote {done.out}: {len(done.stages)} stages, schedule {plan.schedule}, "
+        groups = f" x {plan.replicas} replicas" if plan.replicas > 1 else ""
+        print(terminal_text(f"wrote {done.out}: {len(done.stages)} stages{groups}, schedule {plan.schedule}, "
                             f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`"))
         for line in done.notes:
             if not line.startswith("warning:"):

@@ -20,7 +20,9 @@ training --schedule) on such a folder are a usage error that says it is inferenc
 compiled with --inference for CPUs/GPUs only still trains when given `--schedule gpipe|1f1b`.
 
 Processes. A pipeline of S stages needs S ranks, or S / v for the interleaved schedule with v
-virtual stages per rank (`plan.json`'s `virtual_stages`). One machine: `--standalone`, whose
+virtual stages per rank (`plan.json`'s `virtual_stages`); a folder whose stages are replicated
+(`pipecc.json`'s `replicas` d > 1, PP x DP) needs d times as many, one per device of the plan
+(rank g = pipeline rank g // d, replica g % d; `pipecc.runtime.replicas`). One machine: `--standalone`, whose
 rendezvous store takes a free port, so concurrent runs never collide. Several machines: the
 same `pipecc run` on every node with `--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`
 (node 0's address and a free port there) and `--nproc-per-node P` (default ranks / N), passed
@@ -188,8 +190,9 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     virtual = int(plan.get("virtual_stages") or 1) if schedule == "interleaved" else 1
     if virtual < 1 or num_stages % virtual:
         raise PipeccError(f"{num_stages} stages do not divide into {virtual} virtual stages per rank")
-    ranks = num_stages // virtual
-    _check_run(args, marker, specs, forward, schedule, ranks, virtual)
+    replicas = _replicas(marker, out)
+    _check_run(args, marker, specs, forward, schedule, num_stages // virtual, virtual)
+    ranks = num_stages // virtual * replicas  # PP x DP: every pipeline rank on `replicas` processes
     nnodes = args.nnodes
     if nnodes > 1 and not args.rdzv_endpoint:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port there)")
@@ -206,9 +209,18 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     if nproc * nnodes != ranks:
         raise UsageError(f"the pipeline needs {ranks} processes ({num_stages} stages" +
                          (f", {virtual} per rank" if virtual > 1 else "") +
+                         (f", each on {replicas} replicas" if replicas > 1 else "") +
                          f"); --nnodes {nnodes} x --nproc-per-node {nproc} gives {nproc * nnodes}")
     return {"out": out, "ranks": ranks, "nnodes": nnodes, "nproc": nproc, "num_stages": num_stages,
-            "schedule": schedule, "inference_only": forward}
+            "schedule": schedule, "inference_only": forward, "replicas": replicas}
+
+
+def _replicas(marker: dict[str, Any], out: Path) -> int:
+    """``pipecc.json``'s ``replicas`` (1 when absent: a folder compiled before PP x DP)."""
+    value = marker.get("replicas", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PipeccError(f"{out / 'pipecc.json'} says replicas {value!r}; compile again")
+    return value
 
 
 def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dict[str, Any]], forward: bool,

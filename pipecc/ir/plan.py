@@ -60,7 +60,11 @@ class Plan:
     devices: list[dict[str, Any]]
     stages: list[StagePlan]
     split_layers: list[SplitLayer]
+    # steady-state seconds per micro-batch (B/m samples) of the pipeline, whose ranks are replica
+    # groups when replicas > 1 (the all-reduce, once per iteration, is in predicted_iteration_s)
     bottleneck_s: float
+    # no plan with this micro-batch count beats bottleneck_s = lower_bound_s: any cuts, layer
+    # splits or replication degree the devices allow (`passes.balance.Balancer.lower_bound`)
     lower_bound_s: float
     predicted_iteration_s: float
     bubble_fraction: float
@@ -89,6 +93,11 @@ class Plan:
         """bottleneck / the comm-blind bound (the ratio earlier releases reported)."""
         lb = self.lower_bound_compute_s
         return self.bottleneck_s / lb if lb > 0 else float("inf")
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """P = devices / replicas: the pipeline's ranks (replica groups when replicas > 1)."""
+        return max(len(self.devices) // max(self.replicas, 1), 1)
 
     def stage_devices(self, stage: StagePlan) -> list[int]:
         """The plan-device indices running `stage` (its replica group; [device] without one)."""

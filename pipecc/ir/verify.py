@@ -3,7 +3,8 @@ naming the first violation: a failure is a bug in a pass, not a user error.
 
     verify(graph, costed=False)          fx lint; every node annotated (and costed)
     verify_plan(graph, plan)             every node placed once, stages non-empty, on valid
-                                         devices and acyclic (no value flows backwards)
+                                         devices and acyclic (no value flows backwards);
+                                         replica groups consistent (below)
     verify_plan(graph, plan, stages)     and the cut stages' ports: every value crossing a
                                          cut is sent once and received once, in matching order
 
@@ -18,6 +19,11 @@ is produced; a value produced at stage a and used at stage b > a is relayed: sen
 stage a..b-1 and received by every stage a+1..b. Stages and ports are read by duck typing
 (`index`, `nodes`, `receives`, `sends`; ports' `name`, `producer`, `stage`), so the IR
 imports no backend.
+
+Replica groups (PP x DP, `Plan.replicas` = d): d divides the n devices, P = n/d pipeline
+ranks; stage k sits on rank j = k % P (the schedule's round robin: one stage per rank, v with
+interleaving), `device` = j*d and `replica_devices` = [j*d .. j*d+d-1] (global rank
+g = j*d + r); with d = 1 `replica_devices` is [] or [device]. No FPGA stage is replicated.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def verify_plan(graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any] | None 
     """Check that `plan` places `graph` soundly and, given the cut `stages`, that their ports
     match (see the module docstring). Raises IRError naming the first violation."""
     stage_of = _placement(graph, plan)
+    _replica_groups(plan)
     _acyclic(graph, stage_of)
     if stages is not None:
         _ports(graph, plan, stages)
@@ -67,6 +74,31 @@ def _placement(graph: AnnotatedGraph, plan: Plan) -> dict[str, int]:
         if node.op != "get_attr" and name not in stage_of:
             raise IRError(f"node {name!r} is placed in no stage")
     return stage_of
+
+
+def _replica_groups(plan: Plan) -> None:
+    """The replica-group rules of the module docstring."""
+    d, n = plan.replicas, len(plan.devices)
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1 or n % d:
+        raise IRError(f"plan replicas {d!r} must be a positive divisor of its {n} devices")
+    ranks = n // d
+    for k, stage in enumerate(plan.stages):
+        group = list(stage.replica_devices)
+        if d == 1:
+            if group not in ([], [stage.device]):
+                raise IRError(f"stage {k} lists replica devices {group} in a plan without "
+                              "replication")
+            continue
+        j = k % ranks
+        want = list(range(j * d, j * d + d))
+        if stage.device != j * d or group != want:
+            raise IRError(f"stage {k} runs on device {stage.device} with replicas {group}; with "
+                          f"{d} replicas per stage and {ranks} pipeline ranks it belongs on "
+                          f"rank {j}: devices {want}")
+        kinds = {plan.devices[g].get("kind") for g in group}
+        if "fpga" in kinds:
+            raise IRError(f"stage {k} replicates an FPGA stage (devices {group}); FPGA stages "
+                          "are never replicated")
 
 
 def _follows_tuple(node: fx.Node) -> fx.Node | None:

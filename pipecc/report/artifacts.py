@@ -94,10 +94,12 @@ def graph_json(graph: Any, plan: Plan) -> dict[str, Any]:
 
 def timeline_json(timeline: Any) -> dict[str, Any]:
     """The simulator's Timeline as OUT/timeline.json: events (rank, kind, stage, microbatch,
-    start, end, peer), iteration_s, bubble_fraction, busy_s and peak_memory_bytes per rank."""
+    start, end, peer), iteration_s, bubble_fraction, busy_s and peak_memory_bytes per rank,
+    allreduce_end_s per rank (replica groups' gradient all-reduce; [] without replication)."""
     return {"num_ranks": timeline.num_ranks, "iteration_s": timeline.iteration_s,
             "bubble_fraction": timeline.bubble_fraction, "busy_s": list(timeline.busy_s),
             "peak_memory_bytes": list(timeline.peak_memory_bytes),
+            "allreduce_end_s": list(getattr(timeline, "allreduce_end_s", [])),
             "events": [{"rank": e.rank, "kind": e.kind.value, "stage": e.stage,
                         "microbatch": e.microbatch, "start": e.start, "end": e.end,
                         "peer": e.peer} for e in timeline.events]}
@@ -124,4 +126,9 @@ def timeline_for(plan: Plan) -> Any:
                                  [s.backward_s for s in plan.stages], send, [0.0] + send[:-1],
                                  backward_weight_s=[s.backward_weight_s for s in plan.stages],
                                  split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
-    return simulate(by_name(plan.schedule, n // v, m, v), costs)
+    schedule = by_name(plan.schedule, n // v, m, v)
+    if plan.replicas > 1:  # replica groups: each rank's gradient all-reduce, as the planner has it
+        costs.allreduce_s = [0.0] * schedule.num_ranks
+        for k, s in enumerate(plan.stages):
+            costs.allreduce_s[schedule.stage_to_rank[k]] += s.allreduce_s
+    return simulate(schedule, costs)

@@ -28,6 +28,7 @@ from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, t
 from pipecc.report.figures import (bottleneck_stage, device_capacities, first_last, memory_kind,
                                    recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
+from pipecc.report.text import replica_group
 
 INSPECT_FORMAT = "pipecc-inspect"
 
@@ -127,12 +128,20 @@ def plan_problem(plan: Plan) -> str | None:
                   "forward_flops", "param_bytes"):
             if not number(getattr(s, f)):
                 return f"stage {k}'s {f} is {getattr(s, f)!r}, not a number >= 0"
-    for f in ("batch_size", "microbatches", "virtual_stages"):
+    for f in ("batch_size", "microbatches", "virtual_stages", "replicas"):
         if not count(getattr(plan, f)):
             return f"{f} is {getattr(plan, f)!r}, not a positive integer"
     for f in ("bottleneck_s", "lower_bound_s", "predicted_iteration_s", "bubble_fraction"):
         if not number(getattr(plan, f)):
             return f"{f} is {getattr(plan, f)!r}, not a number >= 0"
+    if len(plan.devices) % plan.replicas:
+        return f"replicas {plan.replicas} does not divide its {len(plan.devices)} devices"
+    for k, s in enumerate(plan.stages):
+        group = s.replica_devices
+        if not isinstance(group, list) or not all(
+                isinstance(g, int) and not isinstance(g, bool) and 0 <= g < len(plan.devices)
+                for g in group):
+            return f"stage {k}'s replica_devices {group!r} are not devices of the plan"
     if not isinstance(plan.model, str) or not isinstance(plan.schedule, str):
         return "model and schedule must be names"
     return None
@@ -166,7 +175,9 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     memory_capacity_bytes, memory_kind, split_layers, receives, sends, bottleneck, fpga_estimates,
     recompute: whether the stage recomputes its activations in backward),
     bottleneck_stage, bottleneck_s, lower_bound_s, balance_ratio, predicted_iteration_s,
-    bubble_fraction, split_layers, baselines, decisions, has_graph. An FPGA stage's memory and
+    bubble_fraction, split_layers, baselines, decisions, has_graph; PP x DP: replicas, and per
+    stage replica_devices (its group; [device] without replication) and allreduce_s. An FPGA
+    stage's memory and
     its capacity are on-chip BRAM (memory_kind "BRAM"; else "DRAM")."""
     plan = c.plan
     worst = bottleneck_stage(plan)
@@ -189,12 +200,13 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "receives": [p["name"] for p in ports.get("receives", [])],
             "sends": [p["name"] for p in ports.get("sends", [])],
             "bottleneck": s.index == worst,
-            "fpga_estimates": c.estimates.get(s.index), "recompute": s.recompute})
+            "fpga_estimates": c.estimates.get(s.index), "recompute": s.recompute,
+            "replica_devices": plan.stage_devices(s), "allreduce_s": s.allreduce_s})
     return {"format": INSPECT_FORMAT, "version": FORMAT_VERSION, "out": str(c.path),
             "model": plan.model, "batch_size": plan.batch_size, "microbatches": plan.microbatches,
             "microbatch_size": plan.batch_size // max(plan.microbatches, 1),
             "schedule": plan.schedule, "virtual_stages": plan.virtual_stages,
-            "devices": plan.devices, "stages": stages, "bottleneck_stage": worst,
+            "replicas": plan.replicas, "devices": plan.devices, "stages": stages, "bottleneck_stage": worst,
             "bottleneck_s": plan.bottleneck_s, "lower_bound_s": plan.lower_bound_s,
             "balance_ratio": plan.balance_ratio if math.isfinite(plan.balance_ratio) else None,
             "predicted_iteration_s": plan.predicted_iteration_s,
@@ -272,7 +284,8 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         mem = human(s["peak_memory_bytes"], "B") + (f" / {human(cap, 'B')}" if cap else "") \
             + (" BRAM" if s["memory_kind"] == "BRAM" else "")
         rows.append([f"{s['index']}{' *' if s['bottleneck'] else ''}",
-                     f"{s['device']} {s['device_name']}", f"{s['first_node']} .. {s['last_node']}",
+                     replica_group(plan, plan.stages[s['index']]) if plan.replicas > 1
+                     else f"{s['device']} {s['device_name']}", f"{s['first_node']} .. {s['last_node']}",
                      str(s["num_nodes"]), human(s["forward_flops"]), human(s["param_bytes"], "B"),
                      seconds(s["forward_s"]), seconds(s["backward_s"]), mem,
                      human(s["recv_bytes"], "B"), human(s["send_bytes"], "B"),
@@ -283,7 +296,9 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages} stages per device)"
                                        if plan.virtual_stages > 1 else "")
         + f", {plan.microbatches} micro-batches of {mb} (batch {plan.batch_size}); "
-        f"figures per micro-batch",
+        + (f"{plan.replicas} replicas per stage, each on {mb // plan.replicas} samples of every "
+           "micro-batch; figures per replica and micro-batch" if plan.replicas > 1
+           else "figures per micro-batch"),
         "",
         text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd",
                     "peak mem / capacity", "in", "out", "split-layer shards"], rows, left=3,
@@ -295,6 +310,9 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
     ]
+    if plan.replicas > 1:
+        lines.append(f"all-reduce      {seconds(max(s.allreduce_s for s in plan.stages))} per "
+                     "iteration at most (each stage's gradients in its replica group)")
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):

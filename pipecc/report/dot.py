@@ -11,6 +11,7 @@ from typing import Any
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import MODEL_INPUT
 from pipecc.report.formatting import human, printable, shapes_text
+from pipecc.report.text import replica_group
 
 DOT_TIMEOUT_S = 60
 
@@ -34,6 +35,7 @@ def dot_text(plan: Plan, graph: dict[str, Any] | None) -> str:
     if not graph:
         for s in plan.stages:
             dev = plan.devices[s.device]["name"] if s.device < len(plan.devices) else "?"
+            dev = replica_group(plan, s) if plan.replicas > 1 else dev
             lines.append(f"  subgraph cluster_{s.index} {{ label={_q(f'stage {s.index} · {dev}')}; "
                          f"s{s.index} [label={_q(f'{len(s.nodes)} nodes')}]; }}")
         for s in plan.stages[:-1]:
@@ -48,7 +50,8 @@ def dot_text(plan: Plan, graph: dict[str, Any] | None) -> str:
     for s in plan.stages:
         dev = plan.devices[s.device]["name"] if s.device < len(plan.devices) else "?"
         lines.append(f"  subgraph cluster_{s.index} {{")
-        lines.append(f"    label={_q(f'stage {s.index} · device {s.device} {dev}')}; style=rounded; "
+        where = f"device {s.device} {dev}" if plan.replicas == 1 else replica_group(plan, s)
+        lines.append(f"    label={_q(f'stage {s.index} · {where}')}; style=rounded; "
                      'color="#7a8ca3";')
         members = [n for n in nodes if n["stage"] == s.index]
         for n in members:

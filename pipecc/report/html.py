@@ -24,15 +24,16 @@ from pipecc.report.compiled import load_compiled
 from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import bottleneck_stage, device_capacities, first_last
 from pipecc.report.formatting import human, seconds
-from pipecc.report.svg import (B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg, device_label, esc,
-                               gantt_svg, memory_svg, stage_flow_svg, stage_time_svg)
+from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
+                               esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
+                               stage_time_svg)
 
 DOT_MAX_NODES = 1500
 
 
 # ----------------------------------------------------------------------------- legends
 def _legend(plan: Plan) -> str:
-    p = max(len(plan.devices), 1)
+    p = pipeline_ranks(plan)
     items = []
     for c in range(max(plan.virtual_stages, 1)):
         which = (f" (stages {c * p}–{c * p + p - 1})" if plan.virtual_stages > 1 else "")
@@ -43,6 +44,8 @@ def _legend(plan: Plan) -> str:
         elif plan.schedule != "inference":
             items.append((B_COLORS[c % 4], f"backward{which}"))
     items += [(COMM_F, "send activation"), (COMM_B, "send gradient")]
+    if plan.replicas > 1:
+        items.append((ALLREDUCE, "gradient all-reduce in each replica group"))
     extra = ('<span class="key"><span class="swatch hatch"></span>idle (bubble)</span>'
              '<span class="key">numbers: micro-batch</span>')
     return _keys(items, extra)
@@ -81,7 +84,7 @@ def stage_lists_html(plan: Plan, graph: dict[str, Any] | None) -> str:
                      "".join(f"<tr><td>{esc(name)}</td><td></td><td></td></tr>" for name in s.nodes))
         port = lambda d, way: "".join(  # noqa: E731
             f"<li><code>{esc(k)}</code> {way} {esc(v)}</li>" for k, v in d.items())
-        cards.append(f'<div class="card"><h4>stage {s.index} · {esc(device_label(plan, s.device))}</h4>'
+        cards.append(f'<div class="card"><h4>stage {s.index} · {esc(stage_label(plan, s))}</h4>'
                      f'<ul class="ports">{port(ins, "⟵ from")}</ul>'
                      f'<div class="scroll"><table class="nodes"><colgroup><col class="n"><col class="o">'
                      f'<col class="s"></colgroup><tr><th>node</th><th>op</th>'
@@ -103,7 +106,7 @@ def stage_table_html(plan: Plan, capacities: Sequence[float | None]) -> str:
         split = sorted({shards[x] for x in s.nodes if x in shards})
         first, last = first_last(s.nodes)
         body.append(f"<tr{' class=worst' if s.index == worst else ''}><td>{s.index}"
-                    f"{' ◀' if s.index == worst else ''}</td><td>{esc(device_label(plan, s.device))}</td>"
+                    f"{' ◀' if s.index == worst else ''}</td><td>{esc(stage_label(plan, s))}</td>"
                     f"<td>{esc(first)} … {esc(last)} ({len(s.nodes)})</td>"
                     f"<td>{human(s.forward_flops)}</td><td>{human(s.param_bytes, 'B')}</td>"
                     f"<td>{seconds(s.forward_s)}</td><td>{seconds(s.backward_s)}</td>"
@@ -316,4 +319,9 @@ def _device_summary(plan: Plan) -> str:
             groups[-1][1] += 1
         else:
             groups.append([d["name"], 1])
-    return f"{len(plan.devices)} devices: " + ", ".join(f"{k}× {n}" if k > 1 else n for n, k in groups)
+    out = f"{len(plan.devices)} devices: " + ", ".join(f"{k}× {n}" if k > 1 else n for n, k in groups)
+    if plan.replicas > 1:  # PP x DP: each pipeline rank is a group of consecutive devices
+        p = pipeline_ranks(plan)
+        out += (f" in {p} replica group{'s' if p > 1 else ''} of {plan.replicas} (each stage's "
+                "gradients all-reduced in its group)")
+    return out

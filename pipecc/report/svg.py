@@ -19,6 +19,7 @@ F_COLORS = ("#4c78a8", "#9ecae9", "#2f4b7c", "#6baed6")   # forward, by interlea
 B_COLORS = ("#f58518", "#ffbf79", "#b35806", "#fdae6b")   # backward (zero-bubble: its I part)
 W_COLORS = ("#54a24b", "#a1d99b", "#31752b", "#74c476")   # zero-bubble weight gradient (W)
 COMM_F, COMM_B, COMM_C = "#7b4fa0", "#c39bd3", "#7b4fa0"
+ALLREDUCE = "#5aa469"  # replica groups' gradient all-reduce (PP x DP)
 
 
 def esc(x: Any) -> str:
@@ -62,6 +63,27 @@ def device_label(plan: Plan, d: int) -> str:
     return f"device {d} · {name}"
 
 
+def pipeline_ranks(plan: Plan) -> int:
+    """Pipeline ranks: devices, or replica groups of `plan.replicas` devices."""
+    return max(len(plan.devices) // max(plan.replicas, 1), 1)
+
+
+def rank_label(plan: Plan, r: int) -> str:
+    """Pipeline rank r: its device, or its replica group `devices 0-1 · 2× a100`."""
+    d = max(plan.replicas, 1)
+    if d == 1:
+        return device_label(plan, r)
+    names = [plan.devices[g]["name"] if g < len(plan.devices) else "?" for g in range(r * d, r * d + d)]
+    what = f"{d}× {names[0]}" if len(set(names)) == 1 else "+".join(names)
+    return f"devices {r * d}-{r * d + d - 1} · {what}"
+
+
+def stage_label(plan: Plan, stage: Any) -> str:
+    """Where a stage runs: its device, or its replica group."""
+    d = max(plan.replicas, 1)
+    return device_label(plan, stage.device) if d == 1 else rank_label(plan, stage.device // d)
+
+
 # ----------------------------------------------------------------------------- Gantt
 def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
     """One row per device: F and B blocks labelled with their micro-batch, sends below them on
@@ -72,7 +94,7 @@ def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
     scale, unit = _time_unit(span)
     plot_w = width - left - right
     height = top + ranks * row_h + 40
-    p = max(len(plan.devices), 1)
+    p = pipeline_ranks(plan)
 
     def x(t: float) -> float:
         return left + t / span * plot_w
@@ -96,12 +118,13 @@ def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
         y = top + r * row_h
         busy = timeline["busy_s"][r] if r < len(timeline.get("busy_s", [])) else 0.0
         out.append(f'<g class="gantt-row" data-device="{r}">')
-        out.append(_text(8, y + bar_h / 2 + 4, device_label(plan, r), "rowlabel"))
+        out.append(_text(8, y + bar_h / 2 + 4, rank_label(plan, r), "rowlabel"))
         out.append(_text(8, y + bar_h / 2 + 18, f"busy {busy / span:.0%}", "small"))
         out.append(_rect(left, y, plot_w, bar_h, "url(#idle-hatch)",
-                         f"{device_label(plan, r)}: idle where hatched"))
+                         f"{rank_label(plan, r)}: idle where hatched"))
         for e in (e for e in timeline["events"] if e["rank"] == r):
             out += _event(e, y, x, scale, unit, bar_h, p if plan.virtual_stages > 1 else 0)
+        out += _allreduce(timeline, r, y, x, scale, unit, bar_h)
         out.append("</g>")
     out.append("</svg>")
     return "\n".join(out)
@@ -133,6 +156,20 @@ def _event(e: dict[str, Any], y: float, x: Any, scale: float, unit: str, bar_h: 
                       f"{what} of stage {e['stage']}, micro-batch {e['microbatch']} to device "
                       f"{e['peer']}: {when}", f' class="send"{data}')]
     return []  # a RECV is the receiver waiting: it shows as idle time
+
+
+def _allreduce(timeline: dict[str, Any], r: int, y: float, x: Any, scale: float, unit: str,
+               bar_h: float) -> list[str]:
+    """Replica groups: rank r's gradient all-reduce on the strip below, from its last backward's
+    start (when the runtime's hooks launch it) to its end (`allreduce_end_s`)."""
+    ends = timeline.get("allreduce_end_s") or []
+    starts = [e["start"] for e in timeline["events"] if e["rank"] == r and e["kind"] == "B"]
+    if r >= len(ends) or not starts or ends[r] <= 0:
+        return []
+    t0, t1 = max(starts), ends[r]
+    return [_rect(x(t0), y + bar_h + 12, max(x(t1) - x(t0), 1.0), 5, ALLREDUCE,
+                  f"gradient all-reduce in the replica group: {t0 * scale:.4g}–{t1 * scale:.4g} "
+                  f"{unit} (overlapped with the last backward)", ' class="allreduce"')]
 
 
 # ----------------------------------------------------------------------------- bars
@@ -174,7 +211,7 @@ def stage_time_svg(plan: Plan) -> str:
     rows = []
     for s in plan.stages:
         total = s.forward_s + s.backward_s + s.comm_s
-        rows.append({"label": f"stage {s.index} · {device_label(plan, s.device)}",
+        rows.append({"label": f"stage {s.index} · {stage_label(plan, s)}",
                      "bold": s.index == worst,
                      "note": seconds(total) + ("  ◀ bottleneck" if s.index == worst else ""),
                      "segments": [(s.forward_s, F_COLORS[0], f"forward {seconds(s.forward_s)}"),
@@ -190,12 +227,12 @@ def memory_svg(plan: Plan, capacities: Sequence[float | None]) -> str:
     """Per device: its stages' peak memory stacked, against capacity (100%) and the 90% plan line."""
     rows, peaks = [], []
     for d in range(len(plan.devices)):
-        stages = [s for s in plan.stages if s.device == d]
+        stages = [s for s in plan.stages if d in plan.stage_devices(s)]  # replicas: each holds a copy
         peak = float(sum(s.peak_memory_bytes for s in stages))
         cap = capacities[d] if d < len(capacities) else None
         peaks.append(peak)
         segs = [(float(s.peak_memory_bytes) / cap if cap else float(s.peak_memory_bytes),
-                 F_COLORS[(s.index // max(len(plan.devices), 1)) % 4],
+                 F_COLORS[(s.index // pipeline_ranks(plan)) % 4],
                  f"stage {s.index}: {human(s.peak_memory_bytes, 'B')}") for s in stages]
         note = human(peak, "B") + (f" of {human(cap, 'B')} ({peak / cap:.1%})" if cap
                                    else " (capacity unknown)")
@@ -249,7 +286,7 @@ def stage_flow_svg(plan: Plan, graph: dict[str, Any] | None) -> str:
         out.append(_rect(x, y, box_w, box_h, "#f5f7fa", f"stage {s.index}: {', '.join(s.nodes[:8])}"
                          + (" …" if len(s.nodes) > 8 else ""), ' rx="6" stroke="#7a8ca3"'))
         out.append(_text(x + box_w / 2, y + 18, f"stage {s.index}", "rowlabel bold", "middle"))
-        out.append(_text(x + box_w / 2, y + 34, device_label(plan, s.device), "small", "middle"))
+        out.append(_text(x + box_w / 2, y + 34, stage_label(plan, s), "small", "middle"))
         out.append(_text(x + box_w / 2, y + 50, f"{ops} nodes, {human(s.forward_flops)}FLOP fwd",
                          "small", "middle"))
         first, last = first_last(s.nodes)

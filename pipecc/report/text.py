@@ -7,15 +7,25 @@ from pipecc.report.figures import bottleneck_stage, first_last, recompute_line
 from pipecc.report.formatting import human, seconds, text_table
 
 
+def replica_group(plan: Plan, stage) -> str:
+    """`a100` or, for a replicated stage, `2x a100 [devices 0-1]` (its replica group)."""
+    group = plan.stage_devices(stage)
+    names = [plan.devices[g]["name"] if 0 <= g < len(plan.devices) else "?" for g in group]
+    if len(group) == 1:
+        return names[0]
+    kinds = sorted(set(names), key=names.index)
+    what = f"{len(group)}x {names[0]}" if len(kinds) == 1 else "+".join(names)
+    return f"{what} [devices {group[0]}-{group[-1]}]"
+
+
 def plan_table(plan: Plan, verbose: bool = False) -> str:
     rows = []
     slowest = bottleneck_stage(plan)
     on_fpga = plan.fpga_stages()
     split_nodes = {sh: sl.node for sl in plan.split_layers for sh in sl.shards}
     for s in plan.stages:
-        dev = plan.devices[s.device] if s.device < len(plan.devices) else {"name": "?"}
         shards = sorted({split_nodes[n] for n in s.nodes if n in split_nodes})
-        rows.append([f"{s.index}{' *' if s.index == slowest else ''}", dev["name"],
+        rows.append([f"{s.index}{' *' if s.index == slowest else ''}", replica_group(plan, s),
                      *first_last(s.nodes),
                      human(s.forward_flops), seconds(s.forward_s), seconds(s.backward_s),
                      human(s.send_bytes, "B"), seconds(s.comm_s),
@@ -23,7 +33,11 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                      ", ".join(shards) or "-"])
     lines = [
         f"{plan.model}: batch {plan.batch_size}, {plan.microbatches} micro-batches, "
-        f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else ""),
+        f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
+        + (f", {plan.replicas} replicas per stage (each on "
+           f"{plan.batch_size // plan.microbatches // plan.replicas} of every micro-batch's "
+           f"{plan.batch_size // plan.microbatches} samples)"
+           if plan.replicas > 1 else ""),
         "",
         text_table(["stage", "device", "first node", "last node", "fwd FLOPs", "fwd", "bwd",
                     "sends", "comm", "peak mem", "split layers"], rows),
@@ -35,6 +49,10 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
     ]
+    if plan.replicas > 1:
+        lines.append(f"all-reduce      {seconds(max(s.allreduce_s for s in plan.stages))} per "
+                     "iteration at most (a stage's gradients in its replica group, overlapped "
+                     "with its last backward)")
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):
@@ -52,6 +70,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                                  for b in plan.baselines]))
     if verbose:
         lines += ["", "decisions:"] + [f"  {d}" for d in plan.decisions]
-        lines += [f"  rejected {a['schedule']} m={a['microbatches']}: {a['reason']}"
-                  for a in plan.alternatives]
+        lines += [f"  rejected {a['schedule']} m={a['microbatches']}"
+                  + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
+                  + f": {a['reason']}" for a in plan.alternatives]
     return "\n".join(lines)

@@ -5,6 +5,9 @@
     DIR/step_<S>/stage_<r>.safetensors, stage_<r>.json   rank r's state after S steps
                                                           (``PipelineRuntime.save_checkpoint``)
 
+``r`` is the global rank: with replicated stages (PP x DP) every replica writes its own files
+(their weights are equal; each also has its own RNG state), so a resume restores every rank.
+
 Atomic. Every file is written under a temporary name and renamed. A checkpoint becomes the
 newest only when every rank has written its files: the ranks meet (a collective) after saving,
 and only then rewrite ``latest.json`` (temporary name, rename). A run killed at any moment leaves
@@ -88,9 +91,9 @@ class RunCheckpoints:
         if latest is not None and latest.get("folder") != self.fingerprint:
             raise PipeccError(f"--resume: the checkpoint in {self.directory} was written by a run of another "
                               "compiled folder (its stages or ports differ); give the --checkpoint-dir of this one")
-        if latest is not None and latest.get("world") != self.runtime.world:
+        if latest is not None and latest.get("world") != self.runtime.global_world:
             raise PipeccError(f"--resume: the checkpoint in {self.directory} is of a {latest.get('world')}-rank "
-                              f"run, this one has {self.runtime.world} ranks")
+                              f"run, this one has {self.runtime.global_world} ranks")
         return self.runtime.load_checkpoint(self.directory / f"step_{step}")
 
     def save(self, step: int) -> Path:
@@ -98,8 +101,8 @@ class RunCheckpoints:
         target = self.directory / f"step_{step}"
         self.runtime.save_checkpoint(target, step)
         self._agree(0)  # every rank's files are in place
-        latest = {"format": FORMAT, "step": step, "world": self.runtime.world, "folder": self.fingerprint}
-        tmp = self.directory / f".{LATEST}.{self.runtime.rank}.{os.getpid()}.tmp"
+        latest = {"format": FORMAT, "step": step, "world": self.runtime.global_world, "folder": self.fingerprint}
+        tmp = self.directory / f".{LATEST}.{self.runtime.global_rank}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(latest, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.directory / LATEST)
         self._prune(step)
@@ -112,7 +115,7 @@ class RunCheckpoints:
         for old in steps[:-KEEP]:
             folder = self.directory / f"step_{old}"
             for suffix in (".safetensors", ".json"):
-                (folder / f"stage_{self.runtime.rank}{suffix}").unlink(missing_ok=True)
+                (folder / f"stage_{self.runtime.global_rank}{suffix}").unlink(missing_ok=True)
             try:
                 folder.rmdir()  # only once every rank removed its files
             except OSError:
@@ -120,7 +123,7 @@ class RunCheckpoints:
 
     def _agree(self, value: int) -> int:
         """The smallest ``value`` over all ranks (and a barrier)."""
-        if self.runtime.world == 1:
+        if self.runtime.global_world == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.runtime.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

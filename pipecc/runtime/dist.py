@@ -12,6 +12,8 @@ the generated ``run_stage.py`` calls ``main``. This module reads the folder (``s
   * ``pipecc.runtime.engine``: ``PipelineRuntime``, which runs a rank's stages by the schedule
     (loss, faults, checkpoints), and ``init_distributed``;
   * ``pipecc.runtime.rundata``: the model's data (inputs, target, loss) and tied weights;
+  * ``pipecc.runtime.replicas``: replicated stages (PP x DP): rank mapping, data slices, the
+    gradient all-reduce;
   * ``pipecc.runtime.verify``: ``--verify``.
 
 The runtime imports torch, ``pipecc.ir.schedule`` and ``pipecc.errors`` (and safetensors when
@@ -42,7 +44,8 @@ from pipecc.ir.schedule import SCHEDULES
 from pipecc.runtime import lifeline
 from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
-from pipecc.runtime.ports import Port, StagePorts
+from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, unflatten
+from pipecc.runtime.replicas import Replicas, replica_inputs, replica_ports, replica_problem, replica_target
 from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
@@ -110,6 +113,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     Checkpoints (``pipecc.runtime.checkpoints``): ``--checkpoint-dir DIR`` saves every rank's
     model, optimizer and RNG state every ``--checkpoint-every N`` steps and after the last,
     atomically; ``--resume`` continues from the newest one (``--steps`` counts from the start).
+
+    Replicated stages (``pipecc.json``: ``"replicas": d > 1``, ``pipecc.runtime.replicas``): under
+    torchrun with n ranks, global rank g runs pipeline rank g // d (its stages, the schedule built
+    for n // d ranks) as replica g % d: it feeds and uses its slice of every micro-batch (stage 0's
+    inputs, the target), talks to the same replica of its neighbours, weights its loss by its
+    share and all-reduces its stages' gradients with the other replicas (overlapped with the
+    step's last backward, waited before the optimizer step; tied weights are summed after, among
+    the same replica's ranks). The printed loss is the replicas' sum (the full-batch loss), and
+    only replica 0 of the last stage prints; ``--verify`` checks every rank (its rows of the
+    outputs); ``--json`` has a row per rank with its ``replica``; checkpoints are one file set per
+    rank. Without torchrun one process runs the folder unreplicated (same numerics).
 
     Inference-only folders (``pipecc.json``: ``"inference_only": true`` — the plan has FPGA
     stages, which have no backward pass — or schedule "inference", compiled with --inference;
@@ -322,41 +336,46 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     check_options(args, meta, forward, m, batch, why)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_guess = int(os.environ["WORLD_SIZE"]) if under_torchrun else 1
+    count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
+    world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
     if forward:
         # one stage per rank: the inference schedule; several (one process): interleaved, which
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
     config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
+    replicas = Replicas.create(count, rank, world)  # collective when replicated
+    rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
     schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
-    modules, ports = [mod for mod, _ in loaded], [p for _, p in loaded]
+    modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count) for _, p in loaded]
     data = RunData.load(meta, specs, args.seed, args.out)
+    rows, target = _replica_data(data, specs, m, replicas)
     if forward:
         for i, s in enumerate(schedule.stages_of(rank)):
             if (stage_dirs[s] / "hls").is_dir():
                 modules[i] = _load_fpga_stage(stage_dirs[s], s)
         return _run_forward(args, meta, stage_dirs, specs, data, modules, ports, rank, world, config,
-                            load_stage, why, stdout)
+                            load_stage, why, stdout, replicas, rows)
     params = [p for mod in modules for p in mod.parameters()]
     optimizer = _make_optimizer(args.optimizer or "sgd", params, 1e-3 if args.lr is None else args.lr)
-    runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer)
+    runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer, replicas)
     timer = _timer(args, runtime)
     is_last = runtime.last_stage in runtime.stage_ids
-    if is_last and data.note:
+    speaks = is_last and replicas.index == 0  # replicas: one of the last stage's prints
+    if speaks and data.note:
         print(data.note, flush=True)
     tied = TiedGradients(runtime, modules, specs)
-    inputs = data.inputs if 0 in runtime.stage_ids else None
-    target = data.target if is_last else None
+    inputs = rows if 0 in runtime.stage_ids else None
+    target = target if is_last else None
 
     verifier = None
     if args.verify_stages_only:
         outputs = runtime.infer(inputs)
         if outputs is not None:
-            verify_chained(outputs, data.inputs, [load_stage(d)[0].to(runtime.device) for d in stage_dirs])
+            verify_chained(outputs, rows, [load_stage(d)[0].to(runtime.device) for d in stage_dirs], speaks)
     elif args.verify:
         verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
         if verifier.eval_only:
@@ -381,7 +400,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         elapsed = time.perf_counter() - start
         if timer is not None and update:
             timer.end_step(elapsed)
-        if loss is not None and update:
+        if loss is not None and update and speaks:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
             print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
 
@@ -391,7 +410,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
                                      args.checkpoint_every)
         if args.resume:
             first = checkpoints.resume()
-            if is_last:
+            if speaks:
                 print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
                       flush=True)
     if verifier is not None and args.steps < 1:
@@ -400,7 +419,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         train_step(i, update=True)
         if checkpoints is not None and checkpoints.due(i + 1, args.steps):
             where = checkpoints.save(i + 1)
-            if is_last:
+            if speaks:
                 print(f"checkpoint: step {i + 1} saved in {where}", flush=True)
     if timer is not None:
         _print_times(runtime, timer, args.out, schedule_name, batch, stdout or sys.stdout)
@@ -413,11 +432,35 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     return 0
 
 
+def _replica_count(meta: dict[str, Any] | None) -> int:
+    """How many replicas run every stage (``pipecc.json``'s ``replicas``; 1 when absent)."""
+    try:
+        count = int((meta or {}).get("replicas") or 1)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1:
+        raise PipeccError(f"pipecc.json says replicas {(meta or {}).get('replicas')!r}; compile again")
+    return count
+
+
+def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: Replicas) -> tuple[tuple, Any]:
+    """Stage 0's inputs and the target as this replica feeds them (its slice of every
+    micro-batch, ``pipecc.runtime.replicas``); the full batch without replicas."""
+    if replicas.count == 1:
+        return data.inputs, data.target
+    first = StagePorts.from_json(specs[0])
+    leaves = flatten(as_tuple(data.inputs), first.receives, "inputs")
+    dims = [p.batch_dim if p.kind == "tensor" else None for p in first.in_leaves]
+    rows = tuple(unflatten(replica_inputs(leaves, dims, m, replicas.count, replicas.index), first.receives))
+    return rows, replica_target(data.target, m, replicas.count, replicas.index)
+
+
 def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | None:
     """With ``--json``: the runtime's action timer, set."""
     if not getattr(args, "json", False):
         return None
-    runtime.timer = ActionTimer(runtime.rank, runtime.device, getattr(args, "warmup_steps", 1))
+    runtime.timer = ActionTimer(runtime.global_rank, runtime.device, getattr(args, "warmup_steps", 1),
+                                replica=runtime.replicas.index)
     return runtime.timer
 
 
@@ -425,7 +468,7 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
                  stdout: TextIO) -> None:
     """``--json``: gather every rank's times to the last stage's rank, which prints the document
     (collective: every rank calls it)."""
-    dst = runtime.schedule.stage_to_rank[runtime.last_stage]
+    dst = runtime.replicas.rank_of(runtime.schedule.stage_to_rank[runtime.last_stage], 0)
     summaries = gather(timer.summary(runtime.stage_ids), dst, runtime.device)
     if summaries is not None:
         document = run_document(summaries, read_plan(out), schedule, runtime.m, batch)
@@ -440,6 +483,9 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
     if batch and m > batch:
         raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
                          f"for; give --microbatches {batch} or fewer")
+    problem = replica_problem(batch, m, _replica_count(meta))
+    if problem:
+        raise UsageError(f"--microbatches {m}: {problem}")
     if args.verify and not args.verify_stages_only:
         problem = verify_problem(meta, args.out)
         if problem:
@@ -475,15 +521,16 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
                  specs: list[dict[str, Any]], data: RunData, modules: list[nn.Module], ports: list[dict],
                  rank: int, world: int, config: RunConfig, load_stage: Callable, why: str,
-                 stdout: TextIO | None = None) -> int:
+                 stdout: TextIO | None = None, replicas: Replicas | None = None, rows: tuple | None = None) -> int:
     """An inference-only folder: ``--steps`` forward passes (eval mode) of the model's example
     inputs; ``--verify`` compares the first one's outputs with the original model's forward."""
     for module in modules:
         module.eval()  # inference semantics: what an FPGA stage computes (BatchNorm folded, no dropout)
-    runtime = PipelineRuntime(modules, ports, rank, world, config)
+    runtime = PipelineRuntime(modules, ports, rank, world, config, replicas=replicas)
     timer = _timer(args, runtime)
-    is_last = runtime.last_stage in runtime.stage_ids
-    inputs = data.inputs if 0 in runtime.stage_ids else None
+    is_last = runtime.last_stage in runtime.stage_ids and runtime.replicas.index == 0  # the one that prints
+    rows = data.inputs if rows is None else rows  # replicas: this replica's rows
+    inputs = rows if 0 in runtime.stage_ids else None
     batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     if is_last:
         print(f"inference-only pipeline ({why}): running forward passes", flush=True)
@@ -496,7 +543,7 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
         if verifier is not None:
             verifier.check_forward(outputs)
         elif outputs is not None:  # no model file: against all (torch) stages chained here
-            verify_chained(outputs, data.inputs, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs])
+            verify_chained(outputs, rows, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs], is_last)
 
     for i in range(args.steps):
         if timer is not None:

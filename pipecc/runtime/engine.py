@@ -29,6 +29,13 @@ tensors as ``optim.<path>``, the RNG state as ``rng.cpu``/``rng.cuda``) and ``st
 under a temporary name and renamed; ``pipecc.runtime.checkpoints`` makes a set of them atomic
 across ranks (``pipecc run --checkpoint-dir``).
 
+Replicas (PP x DP, ``pipecc.runtime.replicas``): with ``replicas`` given, ``rank``/``world`` are
+this process's pipeline rank and the number of pipeline ranks; messages go to the same replica of
+the neighbouring ranks (``global_rank``/``global_world`` are the process group's), each
+micro-batch loss is weighted by the replica's share of the batch, ``step`` all-reduces the
+stages' gradients over the replicas (started from the last backward, overlapping it) and
+returns the full-batch loss. The caller gives replica-sized ports, inputs and target.
+
 Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
 it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.
 
@@ -66,6 +73,7 @@ from pipecc.runtime.ports import (
     to_json,
     unflatten,
 )
+from pipecc.runtime.replicas import GradientAllReduce, Replicas, loss_share
 from pipecc.runtime.split_backward import input_backward, weight_backward
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
@@ -80,6 +88,10 @@ from pipecc.runtime.wire import (
 )
 
 __all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "forward_only", "init_distributed"]
+
+# NOTE(size): PipelineRuntime is the interpreter of the schedule IR, one method per action kind
+# (F, B, I, W, SEND/RECV) around one shared state (inbox, outbox, stash); the zero-bubble split and
+# the replica groups' arithmetic already live in split_backward.py and replicas.py.
 
 MAX_PORTS = 1024  # values crossing one stage boundary
 
@@ -153,7 +165,7 @@ class PipelineRuntime:
 
     def __init__(self, stage: nn.Module | Sequence[nn.Module], ports: dict | Sequence[dict], rank: int,
                  world: int, config: RunConfig, loss_fn: Callable | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, replicas: Replicas | None = None):
         self.modules = [stage] if isinstance(stage, nn.Module) else list(stage)
         port_list = [ports] if isinstance(ports, dict) else list(ports)
         if len(port_list) != len(self.modules):
@@ -167,11 +179,13 @@ class PipelineRuntime:
         if self.backend == "gloo" and self.device.type != "cpu":
             raise PipeccError(f"the gloo backend sends CPU tensors only, device is {self.device}; use --backend nccl")
         self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules))
-        if world > 1:
+        self.replicas = replicas or Replicas()
+        self.global_rank, self.global_world = self.replicas.rank_of(rank), world * self.replicas.count
+        if self.global_world > 1:
             init_distributed(config)
-            if (dist.get_rank(), dist.get_world_size()) != (rank, world):
-                raise PipeccError(f"runtime built for rank {rank} of {world}, process group says "
-                                  f"{dist.get_rank()} of {dist.get_world_size()}")
+            if (dist.get_rank(), dist.get_world_size()) != (self.global_rank, self.global_world):
+                raise PipeccError(f"runtime built for rank {self.global_rank} of {self.global_world}, process group "
+                                  f"says {dist.get_rank()} of {dist.get_world_size()}")
         self.stage_ids = self.schedule.stages_of(rank)
         if len(self.stage_ids) != len(self.modules):
             raise PipeccError(f"rank {rank} holds stages {self.stage_ids} in this schedule but got "
@@ -181,9 +195,12 @@ class PipelineRuntime:
             module.to(self.device)
         if world > 1 and self.backend == "nccl":
             check_fifo(self.schedule)
-            self._wire = Wire(rank, config.timeout_s, nccl=True, groups=directed_groups(self.schedule), by_order=True)
+            groups = directed_groups(self.schedule, self.replicas.count, self.replicas.index)
+            self._wire = Wire(self.global_rank, config.timeout_s, nccl=True, groups=groups, by_order=True)
         else:
-            self._wire = Wire(rank, config.timeout_s)
+            self._wire = Wire(self.global_rank, config.timeout_s)
+        self.grad_sync = None if self.replicas.count == 1 else GradientAllReduce(
+            self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
         self.peak_stash = 0  # most microbatches stashed at once during the last step
         self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
         self.timer: ActionTimer | None = None  # set: every action runs through it (pipecc run --json)
@@ -202,7 +219,13 @@ class PipelineRuntime:
         if not self.schedule.is_training:
             raise PipeccError(f"schedule {self.config.schedule!r} has no backward; use infer()")
         self._run(self.schedule, inputs, target, training=True)
+        if self.grad_sync is not None:
+            self.grad_sync.wait()  # before the caller's optimizer step
         if self.last_stage in self.stage_ids:
+            if self.replicas.count > 1:  # each replica's loss is its share: the sum is the full batch's
+                total = torch.stack(self._losses).sum().reshape(1)
+                dist.all_reduce(total, group=self.replicas.group(self.rank))
+                return float(total)
             return float(sum(self._losses))
         return None
 
@@ -239,18 +262,18 @@ class PipelineRuntime:
         """
         for s in self.stage_ids:
             if s < self.last_stage and s + 1 not in self.stage_ids:
-                peer = self.schedule.stage_to_rank[s + 1]
+                peer = self.replicas.rank_of(self.schedule.stage_to_rank[s + 1])
                 digest = fingerprint(self._ports(s).out_leaves).to(self.device)
                 self._wire.send(digest, peer, self._tag(2, s + 1, 0, 0), "the port handshake", key=s)
         for s in self.stage_ids:
             if s > 0 and s - 1 not in self.stage_ids:
-                peer = self.schedule.stage_to_rank[s - 1]
+                peer = self.replicas.rank_of(self.schedule.stage_to_rank[s - 1])
                 got = torch.empty(32, dtype=torch.uint8, device=self.device)
                 self._wire.recv([got], peer, [self._tag(2, s, 0, 0)], "the port handshake")
                 if not torch.equal(got.cpu(), fingerprint(self._ports(s).in_leaves)):
                     ports = ", ".join(f"{p.name}:{describe(p)}" for p in self._ports(s).in_leaves)
-                    raise PipeccError(f"rank {self.rank}: stage {s} receives ({ports}) but stage {s - 1} on rank "
-                                      f"{peer} sends something else; are both from the same compilation?")
+                    raise PipeccError(f"rank {self.global_rank}: stage {s} receives ({ports}) but stage {s - 1} "
+                                      f"on rank {peer} sends something else; are both from the same compilation?")
         self._wire.flush()
 
     # -- execution -----------------------------------------------------------------------
@@ -268,16 +291,30 @@ class PipelineRuntime:
         self._results: dict[int, list] = {}
         self.peak_stash = self._wire.peak_inflight = 0
         release = send_release(schedule, self.rank)
+        reduce_after = self._last_gradient_actions(schedule) if training and self.grad_sync is not None else {}
         for action in schedule.actions[self.rank]:
+            if action in reduce_after:
+                self.grad_sync.arm(self._module(action.stage).parameters())
             if self.timer is None:
                 self._execute(action, training)
             else:
                 self.timer.run(action, partial(self._execute, action, training))
+            if action in reduce_after:
+                self.grad_sync.disarm()
             self._wire.release(release.get(action, ()))
         self._wire.flush()
         leftover = self._stash or self._inbox or self._outbox or self._roots
-        assert not leftover, f"rank {self.rank}: schedule left {sorted(leftover)} unconsumed"
+        assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
         self._inputs = self._targets = None
+
+    def _last_gradient_actions(self, schedule: Schedule) -> set[Action]:
+        """Replicas: each stage's last action of this rank that accumulates parameter gradients
+        (B; W where a schedule splits the weight gradient off), whose gradients are final."""
+        last: dict[int, Action] = {}
+        for a in schedule.actions[self.rank]:
+            if a.kind.name in ("B", "W"):
+                last[a.stage] = a
+        return set(last.values())
 
     def _execute(self, a: Action, training: bool) -> None:
         s, mb = a.stage, a.microbatch
@@ -308,7 +345,7 @@ class PipelineRuntime:
         leaves = self._inputs[mb] if s == 0 else self._inbox.pop(("F", s, mb))
         with torch.set_grad_enabled(training):
             outs = as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
-        out_leaves = flatten(outs, ports.sends, f"rank {self.rank} stage {s} output")
+        out_leaves = flatten(outs, ports.sends, f"rank {self.global_rank} stage {s} output")
         self._check(s, mb, out_leaves, ports.out_leaves)
         if s == self.last_stage:
             if not training:
@@ -402,11 +439,11 @@ class PipelineRuntime:
         value = outs[0] if len(outs) == 1 else outs
         loss = self.loss_fn(value, self._targets[mb]) if self.loss_fn is not None else outs[0]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise PipeccError(f"rank {self.rank}: the loss must be a scalar tensor, got "
+            raise PipeccError(f"rank {self.global_rank}: the loss must be a scalar tensor, got "
                               f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
         n = self._ports(self.last_stage).batch_size
         share = split_sizes(n, self.m)[mb] / n if n is not None else 1.0 / self.m
-        return loss.reshape(()) * share
+        return loss.reshape(()) * (share * loss_share(self.replicas.count))
 
     # -- communication -------------------------------------------------------------------
 
@@ -422,7 +459,7 @@ class PipelineRuntime:
         return tag
 
     def _send(self, a: Action, values: Sequence[Any], ports: Sequence[Port]) -> None:
-        peer = peer_rank(self.schedule, a)
+        peer = self.replicas.rank_of(peer_rank(self.schedule, a))
         forward = a.kind is ActionKind.SEND_F
         receiver = a.stage + 1 if forward else a.stage - 1
         what = f"{a.kind.value} mb {a.microbatch}"
@@ -440,7 +477,7 @@ class PipelineRuntime:
             self._wire.send(data, peer, tag, what, key=a)
 
     def _recv(self, a: Action, ports: Sequence[Port]) -> list[Any]:
-        peer = peer_rank(self.schedule, a)
+        peer = self.replicas.rank_of(peer_rank(self.schedule, a))
         direction = 0 if a.kind is ActionKind.RECV_F else 1
         what = f"{a.kind.value} mb {a.microbatch}" + (f" of stage {a.stage}" if len(self.stage_ids) > 1 else "")
         batch = self._ports(a.stage).batch_size
@@ -481,15 +518,15 @@ class PipelineRuntime:
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != port.dtype:
                 got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
                     else type(v).__name__
-                raise PipeccError(f"rank {self.rank} stage {s} mb {mb}: output {port.name!r} is {got}, ports.json "
-                                  f"says {list(shape)} {str(port.dtype).removeprefix('torch.')}")
+                raise PipeccError(f"rank {self.global_rank} stage {s} mb {mb}: output {port.name!r} is {got}, "
+                                  f"ports.json says {list(shape)} {str(port.dtype).removeprefix('torch.')}")
 
     def _split_inputs(self, inputs: Sequence[Any] | None) -> list[list[Any]]:
         """Stage 0's inputs as leaves, one list per microbatch (batched leaves split, others shared)."""
         ports = self._ports(0)
         inputs = as_tuple(inputs) if inputs is not None else ()
         if len(inputs) != len(ports.receives):
-            raise PipeccError(f"rank {self.rank}: stage 0 takes {len(ports.receives)} inputs "
+            raise PipeccError(f"rank {self.global_rank}: stage 0 takes {len(ports.receives)} inputs "
                               f"({', '.join(p.name for p in ports.receives)}), got {len(inputs)}")
         per_leaf = []
         for v, port in zip(flatten(inputs, ports.receives, "inputs"), ports.in_leaves):
@@ -535,12 +572,12 @@ class PipelineRuntime:
         tensors["rng.cpu"] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors["rng.cuda"] = torch.cuda.get_rng_state(self.device)
-        meta: dict[str, Any] = {"format": "pipecc-checkpoint/1", "step": step, "rank": self.rank,
-                                "world": self.world, "stages": self.stage_ids}
+        meta: dict[str, Any] = {"format": "pipecc-checkpoint/1", "step": step, "rank": self.global_rank,
+                                "world": self.global_world, "stages": self.stage_ids}
         if self.optimizer is not None:
             meta["optimizer"] = {"class": type(self.optimizer).__name__,
                                  "state": to_json(self.optimizer.state_dict(), tensors, "optim")}
-        base = directory / f"stage_{self.rank}"
+        base = directory / f"stage_{self.global_rank}"  # one file per rank, each replica its own
         save_file(tensors, f"{base}.safetensors.tmp")
         os.replace(f"{base}.safetensors.tmp", f"{base}.safetensors")
         Path(f"{base}.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
@@ -551,13 +588,13 @@ class PipelineRuntime:
         """Restore module (and optimizer) state saved by ``save_checkpoint``; returns its step."""
         from safetensors.torch import load_file
 
-        base = Path(directory) / f"stage_{self.rank}"
+        base = Path(directory) / f"stage_{self.global_rank}"
         if not Path(f"{base}.json").exists():
-            raise PipeccError(f"no checkpoint for rank {self.rank} in {directory} (expected {base.name}.json)")
+            raise PipeccError(f"no checkpoint for rank {self.global_rank} in {directory} (expected {base.name}.json)")
         meta = json.loads(Path(f"{base}.json").read_text())
-        if (meta["world"], meta["stages"]) != (self.world, self.stage_ids):
+        if (meta["world"], meta["stages"]) != (self.global_world, self.stage_ids):
             raise PipeccError(f"checkpoint {base}.json holds stages {meta['stages']} of a {meta['world']}-rank run, "
-                              f"this rank runs stages {self.stage_ids} of {self.world}")
+                              f"this rank runs stages {self.stage_ids} of {self.global_world}")
         # NOTE: on the CPU: load_state_dict copies into the parameters' devices, and optimizers
         # want their `step` counters on the CPU unless capturable.
         tensors = load_file(f"{base}.safetensors", device="cpu")

@@ -137,6 +137,10 @@ class TiedGradients:
     holding stage has its own copy, ``ports.json``'s ``tied``) over the holders, so every copy
     gets the original parameter's gradient and the copies stay equal under the optimizer.
 
+    With replicated stages (PP x DP) the sum runs among the holders of the same replica, after
+    the replicas' all-reduce (``PipelineRuntime.step``): both are sums, so every copy on every
+    replica gets the full-batch gradient.
+
     Construction is collective (``dist.new_group`` for every tied weight spanning ranks, in
     the same order on every rank).
     """
@@ -149,7 +153,11 @@ class TiedGradients:
         self.entries: list[tuple[str, Any, list[nn.Parameter]]] = []
         for name in sorted(holders):
             ranks = sorted({runtime.schedule.stage_to_rank[k] for k in holders[name]})
-            group = dist.new_group(ranks) if len(ranks) > 1 and runtime.world > 1 else None
+            group = None
+            if len(ranks) > 1 and runtime.world > 1:  # replicas: one group per replica, made by all in order
+                for r in range(runtime.replicas.count):
+                    made = dist.new_group([runtime.replicas.rank_of(j, r) for j in ranks])
+                    group = made if r == runtime.replicas.index else group
             local = [p for s, module in zip(runtime.stage_ids, modules) if s in holders[name]
                      for p in _named_param(module, name)]
             if local and (len(local) > 1 or group is not None):

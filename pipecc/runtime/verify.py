@@ -12,6 +12,10 @@ inference-only run compares the first pass's outputs with the model's eval-mode 
 check is collective: every rank learns whether all passed, and those whose own check passed
 stop with ``PeerFailed``.
 
+Replicated stages (PP x DP): every replica compares its stages' gradients after the replicas'
+all-reduce (the full-batch gradients), the last stage's replicas the combined loss and their
+own rows of the outputs (``_replica_rows``); one of them prints.
+
 Without a model file (``verify_chained``) the pipeline's forward is checked against all stages
 chained on the last rank.
 """
@@ -29,6 +33,7 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import as_tuple, output_ports
+from pipecc.runtime.replicas import replica_slice
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
 
@@ -39,8 +44,9 @@ class PeerFailed(PipeccError):
     """Raised on the ranks that agree to stop because another rank's check failed."""
 
 
-def verify_chained(outputs: Any, inputs: tuple, modules: list[nn.Module]) -> None:
-    """Without a model file: the pipeline's forward against all stages chained in this process."""
+def verify_chained(outputs: Any, inputs: tuple, modules: list[nn.Module], say: bool = True) -> None:
+    """Without a model file: the pipeline's forward against all stages chained in this process
+    (``say``: print the verdict; replicas: only one of them does)."""
     values: Any = inputs
     with torch.no_grad():
         for module in modules:
@@ -50,7 +56,8 @@ def verify_chained(outputs: Any, inputs: tuple, modules: list[nn.Module]) -> Non
         torch.testing.assert_close(outputs, expected)
     except AssertionError as e:
         raise PipeccError(f"verify: pipeline outputs differ from the chained stages: {str(e).splitlines()[0]}") from None
-    print("verify: pipeline outputs match the chained stages", flush=True)
+    if say:
+        print("verify: pipeline outputs match the chained stages", flush=True)
 
 
 class Verifier:
@@ -60,6 +67,7 @@ class Verifier:
                  load_stage: Callable, rtol: float, atol: float):
         self.runtime, self.data, self.rtol, self.atol = runtime, data, rtol, atol
         self.is_last = runtime.last_stage in runtime.stage_ids
+        self.speaks = self.is_last and runtime.replicas.index == 0  # replicas: one of them prints
         file = Path(str(meta.get("model_path"))).name
         try:
             model = data.module.build_model(**dict(meta.get("model_args") or {}))
@@ -81,7 +89,8 @@ class Verifier:
             raise PipeccError(f"verify: the stage weights do not fit the model built from {file}: "
                               f"{str(e).strip().splitlines()[-1].strip()}") from None
         self.model = model.to(runtime.device)
-        self.eval_only = self._eval_only_reason(model, runtime.m)
+        # NOTE: replicas cut every micro-batch again: m * d pieces that BatchNorm normalises apart
+        self.eval_only = self._eval_only_reason(model, runtime.m * runtime.replicas.count)
 
     @staticmethod
     def _eval_only_reason(model: nn.Module, m: int) -> str | None:
@@ -112,7 +121,7 @@ class Verifier:
         finally:
             for module in self.runtime.modules:
                 module.train()
-        if self.is_last:
+        if self.speaks:
             print(f"verify: {self.eval_only}; compared eval-mode outputs only", flush=True)
         self.check_forward(outputs, "verify: eval-mode outputs match the single-process run")
 
@@ -126,7 +135,7 @@ class Verifier:
                 expected = self.model(*self._inputs())
             failures += self._compare_outputs(outputs, expected)
         self._agree(failures, 0)
-        if self.is_last:
+        if self.speaks:
             print(done, flush=True)
         del self.model
 
@@ -158,7 +167,8 @@ class Verifier:
                 else:
                     continue
                 if name not in grads:
-                    failures.append(f"verify: rank {self.runtime.rank} stage {s} parameter {attr} maps to {name!r}, "
+                    failures.append(f"verify: rank {self.runtime.global_rank} stage {s} parameter {attr} maps to "
+                                    f"{name!r}, "
                                     "which the original model does not have")
                     continue
                 count += 1
@@ -166,17 +176,18 @@ class Verifier:
                 ref = ref if ref is not None else torch.zeros_like(p)
                 problem = self._differs(got, ref.to(got.device))
                 if problem:
-                    failures.append(f"verify: rank {self.runtime.rank} stage {s} gradient of {label} "
+                    failures.append(f"verify: rank {self.runtime.global_rank} stage {s} gradient of {label} "
                                     f"differs: {problem}")
         if self.is_last:
             got_loss = float(loss) if loss is not None else float("nan")
             want = float(ref_loss.detach())
             if not abs(got_loss - want) <= self.atol + self.rtol * abs(want):
-                failures.append(f"verify: rank {self.runtime.rank} stage {self.runtime.last_stage} loss {got_loss:.8g} "
+                failures.append(f"verify: rank {self.runtime.global_rank} stage {self.runtime.last_stage} loss "
+                                f"{got_loss:.8g} "
                                 f"differs from the single-process {want:.8g}")
             failures += self._compare_outputs(self.runtime.last_outputs(), outputs)
         total = self._agree(failures, count)
-        if self.is_last:
+        if self.speaks:
             print(f"verify: outputs, loss and {total} gradients match the single-process run", flush=True)
         del self.model
         model.zero_grad(set_to_none=True)
@@ -184,7 +195,7 @@ class Verifier:
     def _compare_outputs(self, sends: Any, expected: Any) -> list[str]:
         names = self.data.send_names
         got = dict(zip(names, (sends,) if len(names) == 1 else tuple(sends)))
-        want = output_ports(self.data.model_output, expected, {})
+        want = self._replica_rows(output_ports(self.data.model_output, expected, {}))
         failures = []
         for name, value in got.items():
             if name not in want:
@@ -197,9 +208,21 @@ class Verifier:
             else:
                 problem = None if value == ref else f"{value!r} != {ref!r}"
             if problem:
-                failures.append(f"verify: rank {self.runtime.rank} stage {self.runtime.last_stage} output {name} "
+                failures.append(f"verify: rank {self.runtime.global_rank} stage {self.runtime.last_stage} "
+                                f"output {name} "
                                 f"differs: {problem}")
         return failures
+
+    def _replica_rows(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Replicas: the single-process outputs cut to this replica's rows (its slice of every
+        micro-batch), which are what its pipeline produced."""
+        replicas = self.runtime.replicas
+        if replicas.count == 1:
+            return values
+        ports = self.runtime.ports[self.runtime.stage_ids.index(self.runtime.last_stage)]
+        dims = {p.name: p.batch_dim for p in ports.sends if p.kind == "tensor"}
+        return {name: replica_slice(v, dims[name], self.runtime.m, replicas.count, replicas.index)
+                if isinstance(v, torch.Tensor) and dims.get(name) is not None else v for name, v in values.items()}
 
     def _differs(self, got: torch.Tensor, want: torch.Tensor) -> str | None:
         """None when close, else a one-line summary (how many elements, the largest difference)."""
@@ -220,11 +243,11 @@ class Verifier:
         """Every rank learns whether all passed (so all stop together); returns the gradient count."""
         flags = torch.tensor([0.0 if failures else 1.0, float(count)], dtype=torch.float64,
                              device=self.runtime.device)
-        if self.runtime.world > 1:
+        if self.runtime.global_world > 1:
             dist.all_reduce(flags)
         if failures:
             more = f" (and {len(failures) - 1} more mismatches)" if len(failures) > 1 else ""
             raise PipeccError(failures[0] + more)
-        if int(flags[0]) != self.runtime.world:
+        if int(flags[0]) != self.runtime.global_world:
             raise PeerFailed("verify failed on another rank")
         return int(flags[1])

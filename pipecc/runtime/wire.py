@@ -148,7 +148,7 @@ class Wire:
             raise PipeccError(f"rank {self.rank}: {what} failed, the peer exited or crashed ({_gist(e)})") from None
 
 
-def directed_groups(schedule: Schedule) -> dict[tuple[int, int], Any]:
+def directed_groups(schedule: Schedule, replicas: int = 1, replica: int = 0) -> dict[tuple[int, int], Any]:
     """NCCL: one two-rank process group per direction of every pair of ranks that exchange messages.
 
     NCCL runs a group's p2p operations in issue order on one stream and a send may wait for
@@ -157,10 +157,21 @@ def directed_groups(schedule: Schedule) -> dict[tuple[int, int], Any]:
     stream holds only sends (or only receives) between two ranks, matched in order
     (``check_fifo``): exactly the "buffered sends, blocking receives" model ``validate`` proves
     deadlock-free. Collective: every rank must call it, with the same schedule.
+
+    With ``replicas`` (PP x DP, ``pipecc.runtime.replicas``) the schedule's ranks are pipeline
+    ranks and every replica gets its own groups, keyed by global ranks (j * replicas + r); the
+    result holds those of replica ``replica``.
     """
     pairs = sorted({(rank, peer_rank(schedule, a)) for rank, row in enumerate(schedule.actions)
                     for a in row if a.kind.is_send})
-    return {pair: dist.new_group(list(pair)) for pair in pairs}
+    groups: dict[tuple[int, int], Any] = {}
+    for r in range(replicas):
+        for src, dst in pairs:
+            pair = (src * replicas + r, dst * replicas + r)
+            group = dist.new_group(list(pair))
+            if r == replica:
+                groups[pair] = group
+    return groups
 
 
 def send_release(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:

@@ -1,0 +1,192 @@
+"""PP x DP: the balance pass's view of a plan whose stages run on replica groups.
+
+One replication degree d for the whole plan (d divides the n devices): pipeline rank j is the
+group of devices j*d .. j*d+d-1 (consecutive in the plan's device order), each replica taking
+1/d of every micro-batch, the group all-reducing the stage's gradients once per iteration
+(ring, overlapped with the stage's last backward: the runtime's hooks). d = 1 is the plain
+pipeline, d = n with one stage plain data parallelism.
+
+To the partitioner a group is one "device" (`group_problem`):
+- unit time = the slowest of the group's devices at micro-batch size mb/d (replicas run in
+  lock step on their slices; the group is as fast as its slowest member);
+- memory per replica: the stage's full static memory (weights, gradients, optimizer states:
+  every replica keeps a full copy) and activations at mb/d; cap = the smallest member's;
+- link between ranks j and j+1 = the slowest of the d replica pairs' links (replica r sends
+  to replica r of the next group; the d transfers run side by side, the slowest one ends it).
+  Pairs that share one physical link are not modelled as contending (catalog links are
+  point to point).
+
+All-reduce (`ring_allreduce_s`): the ring formula of bench/bench_balance.py's data-parallel
+model (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 2009: a ring moves 2(d-1)/d of the data through every link, in 2(d-1)
+steps each paying the link latency):
+    t_ar = 2(d-1)/d * grad_bytes / min ring-link bandwidth + 2(d-1) * max ring-link latency
+over the links between consecutive members (r -> r+1 mod d); grad_bytes = the stage's
+parameter bytes (fp32 gradients, the size of fp32 weights).
+
+Allowed degrees (`allowed`): d divides n, (B/m) % d == 0 (every replica gets an equal,
+non-empty slice of every micro-batch), no FPGA device when d > 1 (FPGA stages are never
+replicated). Pure numbers over the balancer's cost tables; no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from pipecc.errors import UsageError
+from pipecc.passes.partition import PartitionProblem
+from pipecc.passes.units import Units
+from pipecc.targets.hardware import Link
+
+# NOTE: `bal` below is a `passes.balance.Balancer` (times, costs, cluster, opt); typed Any
+# because balance imports this module
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_requested(requested: int | str, n: int, fpga: Sequence[str]) -> None:
+    """One-line UsageErrors for a `--replicas N` the devices cannot take."""
+    if requested == "auto":
+        return
+    d = int(requested)
+    if d < 1:
+        raise UsageError(f"--replicas {d}: must be auto or a positive integer")
+    if n % d:
+        raise UsageError(f"--replicas {d} does not divide the {n} devices; use a divisor of "
+                         f"{n}: {', '.join(map(str, divisors(n)))}")
+    if d > 1 and fpga:
+        raise UsageError(f"--replicas {d}: FPGA devices are never replicated ({fpga[0]} in "
+                         "--devices); use --replicas 1 or leave the FPGA out")
+
+
+def check_slices(requested: int | str, batch: int, ms: Sequence[int]) -> None:
+    """A fixed --replicas N needs some micro-batch count whose micro-batch splits into N equal
+    non-empty slices; one line naming the largest micro-batch otherwise."""
+    if requested == "auto" or int(requested) <= 1:
+        return
+    d = int(requested)
+    if any((batch // m) % d == 0 for m in ms):
+        return
+    mb = max(batch // m for m in ms)
+    if mb < d:
+        raise UsageError(f"--replicas {d} leaves a replica without samples: a micro-batch of "
+                         f"{mb} splits over at most {mb} replica{'s' if mb > 1 else ''}; use "
+                         "fewer replicas or a larger "
+                         "batch")
+    raise UsageError(f"--replicas {d} does not split a micro-batch of {mb} samples evenly; use "
+                     f"a replica count that divides it or a batch size divisible by {d}")
+
+
+def allowed(requested: int | str, n: int, mb: int, has_fpga: bool) -> list[int]:
+    """The degrees a plan with micro-batch size mb may use (module docstring)."""
+    ds = divisors(n) if requested == "auto" else [int(requested)]
+    return [d for d in ds if mb % d == 0 and not (d > 1 and has_fpga)]
+
+
+def groups(order: Sequence[int], d: int) -> list[list[int]]:
+    """Pipeline rank j -> the cluster devices of its replica group."""
+    return [list(order[j * d:(j + 1) * d]) for j in range(len(order) // d)]
+
+
+def ring_allreduce_s(ring: Sequence[Link], grad_bytes: float) -> float:
+    """Ring all-reduce of grad_bytes over the links between consecutive members (module
+    docstring; bench/bench_balance.py `_dp_on` uses the same formula for plain DP)."""
+    d = len(ring)
+    if d < 2 or grad_bytes <= 0:
+        return 0.0
+    bw = min(link.bandwidth for link in ring)
+    lat = max(link.latency for link in ring)
+    return 2 * (d - 1) / d * grad_bytes / bw + 2 * (d - 1) * lat
+
+
+def group_ring(bal: Any, group: Sequence[int]) -> list[Link]:
+    d = len(group)
+    return [bal.cluster.link(group[r], group[(r + 1) % d]) for r in range(d)] if d > 1 else []
+
+
+def group_problem(bal: Any, units: Units, mbr: int, inflight: Sequence[int],
+                  order: Sequence[int], d: int, v: int = 1) -> PartitionProblem:
+    """The partition problem over P = n/d replica groups (module docstring); `mbr` = the
+    replicas' slice of a micro-batch (mb/d), `units` evaluated at it; stage k on group k % P."""
+    fwd, bwd = bal.times(units, mbr)
+    grp = groups(order, d)
+    p = len(grp)
+    gfwd = np.stack([fwd[g].max(axis=0) for g in grp])
+    gbwd = np.stack([bwd[g].max(axis=0) for g in grp])
+    mems = [[bal.costs[x].memory(units, v) for x in g] for g in grp]
+    static = np.stack([np.max([np.broadcast_to(m.static, (units.n,)) for m in ms], axis=0)
+                       for ms in mems])
+    act = np.stack([np.max([np.broadcast_to(m.act, (units.n,)) for m in ms], axis=0)
+                    for ms in mems])
+    caps = [min(m.cap for m in ms) for ms in mems]
+    stages = [k % p for k in range(p * v)]
+    pairs = [[(grp[stages[k]][r], grp[stages[k + 1]][r]) for r in range(d)]
+             if stages[k] != stages[k + 1] else [] for k in range(len(stages) - 1)]
+
+    def link_time(k: int, nbytes: float) -> float:
+        if not pairs[k] or nbytes <= 0:
+            return 0.0
+        return max(bal.cluster.link(a, b).time(nbytes) for a, b in pairs[k])
+
+    names = [", ".join(bal.cluster.devices[x].name for x in g) for g in grp]
+    return PartitionProblem(
+        fwd=gfwd[stages], bwd=gbwd[stages], out_bytes=units.values["output_bytes"],
+        last_use=units.last_use, static_mem=static[stages], act_mem=act[stages],
+        mem_cap=[caps[j] for j in stages], inflight=list(inflight), link_time=link_time,
+        training=bal.opt.training,
+        labels=[f"replica group {j} (devices {grp[j][0]}-{grp[j][-1]}: {names[j]})"
+                for j in stages])
+
+
+def stage_allreduce_s(bal: Any, units: Units, bounds: Sequence[int],
+                      order: Sequence[int], d: int) -> list[float]:
+    """[stage] seconds of its group's gradient all-reduce per iteration (0 without training
+    or replication)."""
+    grp = groups(order, d)
+    out = []
+    for k in range(len(bounds) - 1):
+        if d < 2 or not bal.opt.training:
+            out.append(0.0)
+            continue
+        grad = float(units.param_bytes[bounds[k]:bounds[k + 1]].sum())
+        out.append(ring_allreduce_s(group_ring(bal, grp[k % len(grp)]), grad))
+    return out
+
+
+def decisions(bal: Any, cand: Any) -> list[str]:
+    """Why this replication degree: the best plan of every other degree tried (nothing
+    when --replicas is 1 and the plan is the plain pipeline)."""
+    if bal.opt.replicas != "auto" and cand.replicas == 1:
+        return []
+    d, P = cand.replicas, cand.ranks
+
+    def shape(x: int) -> str:
+        return (f"{x} replicas per stage x {bal.p // x} stage{'s' if bal.p // x > 1 else ''}"
+                if x > 1 else f"no replication ({bal.p} stages)")
+    order_note = ["--choose-order orders the devices of the plain pipeline (1 replica) only: "
+                  "replica groups are consecutive devices in the given order"] \
+        if bal.opt.choose_order and bal.p > 1 else []
+    if bal.opt.replicas != "auto":
+        return [f"{shape(d)} (--replicas {d}): predicted {cand.timeline.iteration_s:.4g} s "
+                f"per iteration, all-reduce up to {max(cand.allreduce, default=0.0):.4g} s "
+                "overlapped with the last backward"] + order_note
+    best: dict[int, Any] = {}
+    for c in getattr(bal, "results", []):
+        best.setdefault(c.replicas, c)
+    others = []
+    for x in sorted(best):
+        if x == d:
+            continue
+        what = ("the plain pipeline" if x == 1 else "pure data parallelism" if x == bal.p
+                else f"{x} replicas per stage x {bal.p // x} stages")
+        others.append(f"{best[x].timeline.iteration_s:.4g} s for {what}")
+    out = [f"{shape(d)}: predicted {cand.timeline.iteration_s:.4g} s per iteration"
+           + (" vs " + ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + others[-1]
+              if others else "")]
+    if d == 1 and any(dev.kind == "fpga" for dev in bal.cluster.devices):
+        out.append("replicas 1: FPGA devices are never replicated")
+    return out + order_note

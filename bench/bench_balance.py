@@ -66,8 +66,9 @@ FPGA cannot run some op, else on the faster of {all devices, GPUs alone}. Speedu
 iteration time / pipecc `predicted_iteration_s` (which includes the pipeline bubble and
 stage-to-stage traffic).
 
-PP x DP (hybrid column): `driver.plan(..., replicas="auto")` (schedule, m, replication degree
-d and cuts searched together; `pipecc.passes.replicas`). Its d = n, one-stage, m = 1 candidate
+The "auto" column is the plain pipeline (`replicas=1`: schedule, m and cuts chosen by pipecc).
+PP x DP (hybrid column): `driver.plan(..., replicas="auto")`, pipecc's default since replica
+groups (schedule, m, replication degree d and cuts searched together; `pipecc.passes.replicas`). Its d = n, one-stage, m = 1 candidate
 is the DP model above exactly: units at batch/n, the slowest device's fwd + max(bwd, t_ar) with
 the same ring formula over the same links (the planner's all-reduce overlaps the last
 backward, as the "overlapped" DP column does), memory 4 × param bytes + activations at batch/n
@@ -298,13 +299,13 @@ def run_case(analysis, model: str, kind: str, p: int, batch: int, auto: bool = T
     t0 = time.perf_counter()
     try:
         try:
-            plan, graph = driver.plan(analysis, cluster, microbatches=m, schedule="1f1b",
+            plan, graph = driver.plan(analysis, cluster, microbatches=m, schedule="1f1b", replicas=1,
                                       choose_order=choose, compare=True)
         except RuntimeError as exc:  # a baseline crashed inside the planner: plan without them
             row["notes"].append(f"planner bug: compare=True raised {type(exc).__name__}: {exc}")
             compare = False
             t0 = time.perf_counter()
-            plan, graph = driver.plan(analysis, cluster, microbatches=m, schedule="1f1b",
+            plan, graph = driver.plan(analysis, cluster, microbatches=m, schedule="1f1b", replicas=1,
                                       choose_order=choose, compare=False)
     except (PipeccError, ValueError) as exc:
         row["status"] = f"infeasible: {exc}"
@@ -326,7 +327,7 @@ def run_case(analysis, model: str, kind: str, p: int, batch: int, auto: bool = T
     if auto:
         t0 = time.perf_counter()
         try:
-            ap, _ = driver.plan(analysis, cluster, choose_order=choose)
+            ap, _ = driver.plan(analysis, cluster, choose_order=choose, replicas=1)
             row["auto"] = {"schedule": ap.schedule, "microbatches": ap.microbatches,
                            "iteration_s": ap.predicted_iteration_s,
                            "memory_bytes": max(s.peak_memory_bytes for s in ap.stages),
@@ -426,11 +427,11 @@ def bench_big(depth: int = 5000, width: int = 128, devices: str = "16xa100") -> 
                            "nodes": len(graph.compute_nodes()),
                            "analyze_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    plan, planned = driver.plan(graph, devices, microbatches=32, schedule="1f1b")
+    plan, planned = driver.plan(graph, devices, microbatches=32, schedule="1f1b", replicas=1)
     out.update(plan_s=time.perf_counter() - t0, ratio=plan.balance_ratio,
                split_layers=len(plan.split_layers), iteration_s=plan.predicted_iteration_s)
     t0 = time.perf_counter()
-    driver.plan(graph, devices, microbatches=32, schedule="1f1b", split_layers=False)
+    driver.plan(graph, devices, microbatches=32, schedule="1f1b", split_layers=False, replicas=1)
     out["plan_nosplit_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     UnitBuilder(graph)

@@ -370,7 +370,7 @@ def compile_variants(name: str, devices: str, tmp: Path, schedule: str, m: int,
             if v == "equal":
                 plan, graph = equal_plan(analysis, devices, schedule, m, profile_path), analysis.graph
             else:
-                plan, graph = driver.plan(analysis, devices, microbatches=m, schedule=schedule, compare=True,
+                plan, graph = driver.plan(analysis, devices, microbatches=m, schedule=schedule, compare=True, replicas=1,
                                           profile=str(profile_path) if v == "profiled" else None)
             plan.model_path, plan.model_args = str(path.resolve()), dict(spec["args"])
             folder = tmp / f"{name}-{devices}-{v}"

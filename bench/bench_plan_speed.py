@@ -43,7 +43,7 @@ def main() -> None:
     rows = []
     for split in (True, False):
         t0 = time.perf_counter()
-        plan, _ = driver.plan(graph, "16xa100", microbatches=32, schedule="1f1b", split_layers=split)
+        plan, _ = driver.plan(graph, "16xa100", microbatches=32, schedule="1f1b", split_layers=split, replicas=1)
         rows.append((split, time.perf_counter() - t0, plan.balance_ratio, len(plan.split_layers)))
     text = "\n".join([
         "## Planner speed: 20,000-node graph on 16 devices",

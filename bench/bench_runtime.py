@@ -83,7 +83,7 @@ def plan_model(model: torch.nn.Module, inputs: tuple, measured: dict, schedule: 
     """pipecc's plan for 2 CPUs with `measured` figures; (plan, graph)."""
     cluster = parse_devices("2xcpu", load_catalog().with_measured_cpu(measured))
     graph = driver.analyze_module(model, inputs, model_name=name)
-    return driver.plan(graph, cluster, microbatches=m, schedule=schedule)
+    return driver.plan(graph, cluster, microbatches=m, schedule=schedule, replicas=1)
 
 
 def microbatch(values: tuple, m: int) -> tuple:

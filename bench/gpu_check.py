@@ -62,7 +62,7 @@ def numerics(case: tuple, device: str) -> dict[str, Any]:
     """The drop-in module on `device` vs the model on the CPU: output and gradients."""
     model, inputs, target, loss_fn = build(case)
     reference = copy.deepcopy(model)
-    pm = pipecc.compile(model, inputs, f"2xh200@{device}", microbatches=MICROBATCHES, schedule="gpipe")
+    pm = pipecc.compile(model, inputs, f"2xh200@{device}", microbatches=MICROBATCHES, schedule="gpipe", replicas=1)
     out = pm(*[x.to(device) for x in inputs])
     loss_fn(out, target.to(device)).backward()
     ref_out = reference(*inputs)
@@ -89,7 +89,7 @@ def timings(case: tuple, device: str, reps: int) -> dict[str, Any]:
     """Each stage of the 2xh200 plan timed on `device` vs the plan's prediction."""
     model, inputs, target, loss_fn = build(case)
     graph = driver.analyze_module(model, inputs)
-    plan, graph = driver.plan(graph, parse_devices("2xh200"), microbatches=MICROBATCHES, schedule="gpipe")
+    plan, graph = driver.plan(graph, parse_devices("2xh200"), microbatches=MICROBATCHES, schedule="gpipe", replicas=1)
     stages = cut_stages(graph, plan.stage_of())
     model.to(device)
     for s in stages:

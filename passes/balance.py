@@ -68,7 +68,7 @@ class PlanOptions:
     fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
     profile: Profile | None = None    # measured costs (`pipecc.targets.profiled.use_profile`)
     recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
-    replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
+    replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas; the CLI's default is auto)
 
 
 @dataclass

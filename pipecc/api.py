@@ -41,8 +41,9 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     """Plan `model` over `devices` and return the drop-in PipelinedModule.
 
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
-    choose_order, split_layers, training, recompute="none"|"full"|"auto", replicas: "auto" or N
-    devices per stage; debug and dump_ir apply to every step), plus, for
+    choose_order, split_layers, training, recompute="none"|"full"|"auto", replicas: N devices per
+    stage, default 1 here — one process runs every stage, so replica groups would not run side by
+    side; debug and dump_ir apply to every step), plus, for
     FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
     the HLS projects; default a temporary folder removed with the module), and `profile`
     (a `pipecc profile` JSON file or its loaded dict; its node names must be the model's):
@@ -64,6 +65,9 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     cluster = parse_devices(devices) if not isinstance(devices, Cluster) else devices
     graph = driver.analyze_module(model, inputs, model_name=type(model).__name__, debug=debug,
                                   dump_ir=dump_ir)
+    # NOTE: one process runs every stage here, so replica groups could not run side by side:
+    # the drop-in plans the plain pipeline unless asked otherwise (`pipecc run` runs replicas)
+    plan_options.setdefault("replicas", 1)
     plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
     # NOTE: in one process a replicated stage runs once, on its group's first device, over the
     # whole micro-batch: the same numbers as its replicas together (PP x DP is `pipecc run`'s)

@@ -323,7 +323,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
     (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
     `replicas` ("auto" or N): every stage on a group of that many devices splitting its
-    micro-batches (PP x DP, `pipecc.passes.replicas`); 1: the plain pipeline.
+    micro-batches (PP x DP, `pipecc.passes.replicas`); "auto" chooses it with the cuts (the
+    default of `pipecc plan/compile`); 1 (the default here): the plain pipeline.
     `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions

@@ -33,7 +33,7 @@ MLP_ARGS = model_args(MLP_TINY)
 @pytest.fixture(scope="module")
 def mlp_out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bad_run") / "mlp"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "-o", str(out), "-b", "8", "-m", "2",
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-m", "2",
             "-q", *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
     assert cli.main(argv) == 0
     return out
@@ -194,7 +194,7 @@ def test_verify_stages_only_needs_no_model_file(mlp_out: Path, tmp_path: Path, m
 
 def test_compile_records_the_model_hash(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "-o", str(out), "-b", "8", "-q",
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-q",
             *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
     assert cli.main(argv) == 0
     marker = json.loads((out / "pipecc.json").read_text())

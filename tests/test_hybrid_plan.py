@@ -104,11 +104,17 @@ def test_fixed_replicas_fill_the_plan(mlp, d):
     assert timeline_for(plan).iteration_s == pytest.approx(plan.predicted_iteration_s, rel=1e-9)
 
 
-def test_default_is_the_plain_pipeline(mlp):
+def test_driver_default_is_the_plain_pipeline_and_the_cli_default_is_auto(mlp, capsys):
     plan, _ = driver.plan(mlp, "4xa100")
     assert plan.replicas == 1 and all(s.replica_devices == [] and s.allreduce_s == 0 for s in plan.stages)
     assert not any("replica" in d for d in plan.decisions)
     assert [s.device for s in plan.stages] == list(range(len(plan.stages)))
+    code, out, err = run_cli(["plan", str(zoo_path("mlp")), "-b", "8", "--devices", "4xa100", "--json", "-q"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["options"]["replicas_requested"] == "auto"
+    auto, _ = driver.plan(mlp, "4xa100", replicas="auto")
+    assert data["replicas"] == auto.replicas and data["predicted_iteration_s"] == pytest.approx(auto.predicted_iteration_s)
 
 
 def test_groups_take_the_slowest_member_and_the_slowest_pair(mlp):
@@ -311,11 +317,12 @@ def test_bench_hybrid_column(tiny_cnn):
 
 
 def test_more_devices_than_units_suggests_replica_groups(capsys):
-    code, out, err = run_cli(["plan", str(zoo_path("mlp")), "-b", "4", "--devices", "8xa100"], capsys)
+    code, out, err = run_cli(["plan", str(zoo_path("mlp")), "-b", "4", "--devices", "8xa100",
+                              "--replicas", "1"], capsys)
     assert code == 1 and out == ""
     assert err.strip() == ("pipecc: error: 8 devices but only 7 units to place; use fewer devices "
                            "or --replicas auto")
     code, out, err = run_cli(["plan", str(zoo_path("mlp")), "-b", "4", "--devices", "8xa100",
-                              "--replicas", "auto", "--json", "-q"], capsys)
+                              "--json", "-q"], capsys)  # the default: --replicas auto
     assert code == 0, err
     assert json.loads(out)["replicas"] in (2, 4)

@@ -327,7 +327,7 @@ def test_generated_stage_checkpoints_and_is_unchanged_without() -> None:
 
 def test_plan_text_and_inspect_show_recomputing_stages(tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    argv = ["compile", MLP, "--devices", "2xcpu", "-b", "8", "-m", "2", "--recompute", "full",
+    argv = ["compile", MLP, "--devices", "2xcpu", "--replicas", "1", "-b", "8", "-m", "2", "--recompute", "full",
             "-o", str(out), "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
@@ -355,7 +355,7 @@ def test_run_verify_with_recompute(tmp_path) -> None:
     zero-bubble schedule (the re-run forward inside the split backward's I; plain backwards of
     checkpointed stages are the drop-in tests')."""
     out = tmp_path / "out"
-    argv = ["compile", MLP, "--devices", "2xcpu", "-b", "8", "-m", "2", "--recompute", "full",
+    argv = ["compile", MLP, "--devices", "2xcpu", "--replicas", "1", "-b", "8", "-m", "2", "--recompute", "full",
             "-o", str(out), "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]

@@ -25,12 +25,12 @@ pytestmark = pytest.mark.xdist_group(name="run_json")
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"format", "version", "schedule", "microbatches", "batch_size", "steps", "warmup_steps", "step_s",
        "predicted_step_s", "samples_per_s", "stages"}
-STAGE = {"index", "rank", "device", "forward_s", "backward_s", "forward_samples", "backward_samples",
+STAGE = {"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples", "backward_samples",
          "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}
 
 
 def compile_mlp(out: Path, *extra: str) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "-o", str(out), "-b", "8", "-m", "2",
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-m", "2",
             "-q", *extra]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]

@@ -78,11 +78,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml")
     p.add_argument("--microbatches", "-m", type=microbatches, default="auto", metavar="M|auto")
     p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved", "zb-h1"], default="auto")
-    p.add_argument("--replicas", type=replicas, default=1, metavar="auto|N",
+    p.add_argument("--replicas", type=replicas, default="auto", metavar="auto|N",
                    help="run every stage on a group of N devices that split each micro-batch "
                    "(data parallel inside the stage, gradients all-reduced in the group); N must "
-                   "divide the device count; auto: pipecc chooses N with the cuts; default 1 "
-                   "(plain pipeline); N = the device count: plain data parallelism")
+                   "divide the device count; auto (default): pipecc chooses N with the cuts; 1: the "
+                   "plain pipeline; N = the device count: plain data parallelism")
     p.add_argument("--coarse", action="store_true", help="cut only at block boundaries")
     p.add_argument("--choose-order", action="store_true",
                    help="let pipecc order the devices (interchangeable types)")

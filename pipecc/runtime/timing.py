@@ -15,13 +15,12 @@ runtime never imports the compiler), into the one document ``pipecc run --json``
 
     {"format": "pipecc-run", "version": 1, "schedule", "microbatches", "batch_size", "steps",
      "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "samples_per_s",
-     "stages": [{"index", "rank", ["replica",] "device", "forward_s", "backward_s", "forward_samples",
+     "stages": [{"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples",
                  "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}]}
 
 One row per stage and rank: with replicated stages (PP x DP, ``pipecc.runtime.replicas``) every
 replica of a stage has its row, ``rank`` the process's global rank, ``device`` the plan's device
-of that rank and ``replica`` (a key only a replicated run's rows have) its index in the stage's
-group.
+of that rank and ``replica`` its index in the stage's group (0 in every row of a plain pipeline).
 
 Statistics are medians (robust to the odd descheduled action on a shared machine). The step
 time of step i is the longest of the ranks' own wall times of step i (from ``zero_grad`` to
@@ -174,7 +173,6 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
     split = SPLIT_BACKWARD_COST if schedule in ZERO_BUBBLE else 1.0  # I + W, as the planner prices them
     devices = plan.get("devices") or []
     stages = []
-    replicated = any(int(s.get("replica", 0)) > 0 for s in summaries)
     for summary in summaries:
         wait = _median(summary["recv_wait_s"])
         for s, forward, backward in zip(summary["stages"], summary["forward"], summary["backward"]):
@@ -184,14 +182,14 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
             index = group[replica] if isinstance(group, list) and replica < len(group) else planned.get("device")
             device = devices[index] if isinstance(index, int) and 0 <= index < len(devices) else {}
             stages.append({
-                "index": s, "rank": summary["rank"], **({"replica": replica} if replicated else {}),
+                "index": s, "rank": summary["rank"], "replica": replica,
                 "device": str(device.get("name", "")) if isinstance(device, dict) else "",
                 "forward_s": _median(forward), "backward_s": _median(backward),
                 "forward_samples": len(forward), "backward_samples": len(backward),
                 "predicted_forward_s": _number(planned.get("forward_s")),
                 "predicted_backward_s": _scaled(_number(planned.get("backward_s")), split),
                 "comm_wait_s": wait})
-    stages.sort(key=lambda st: (st["index"], st.get("replica", 0)))
+    stages.sort(key=lambda st: (st["index"], st["replica"]))
     return {"format": FORMAT, "version": VERSION, "schedule": schedule, "microbatches": microbatches,
             "batch_size": batch_size, "steps": steps, "warmup_steps": max(s["warmup"] for s in summaries),
             "step_s": {"median": median, "all": step_s},

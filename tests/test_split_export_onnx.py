@@ -333,7 +333,7 @@ def test_plan_splits_the_dominant_layer_in_every_frontend(dominant) -> None:
 def test_pipecc_plan_cli_splits(frontend: str, dominant) -> None:
     extra = ["--model-arg=traceable=0"] if frontend == "export" else []
     r = subprocess.run([sys.executable, "-m", "pipecc.cli", "plan", str(dominant[frontend]),
-                        "-b", "256", "--devices", "2xcpu", "--json", *extra],
+                        "-b", "256", "--devices", "2xcpu", "--replicas", "1", "--json", *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     split = json.loads(r.stdout)["split_layers"]

@@ -359,8 +359,47 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if split_layers and splittable and len(cluster.devices) > 1:
         steps.append(Step("split layers", partial(_split_layers, balancer=balancer,
                                                   cluster=cluster, options=options, debug=debug)))
-    state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
-    return state.plan, state.graph
+    fpgas = [d for d in cluster.devices if d.kind == "fpga"]
+    if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
+            and profile is None):
+        state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
+        return state.plan, state.graph
+    # NOTE: data parallelism on the GPUs alone is one of the plans --replicas auto weighs: a
+    # training plan may leave the FPGA cards out (they have no backward pass; their stage bounds
+    # everyone's pace), which the plain pipeline over every device cannot do
+    try:
+        state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
+        whole: tuple[Plan, AnnotatedGraph] | None = (state.plan, state.graph)
+        why = ""
+    except PipeccError as exc:
+        whole, why = None, str(exc)
+    keep = [i for i, d in enumerate(cluster.devices) if d.kind != "fpga"]
+    sub = Cluster(devices=tuple(cluster.devices[i] for i in keep),
+                  links=tuple(tuple(cluster.links[i][j] for j in keep) for i in keep))
+    left = ", ".join(sorted({d.name for d in fpgas}))
+    try:
+        alone, alone_graph = plan(graph, sub, batch_size=batch_size, microbatches=microbatches,
+                                  schedule=schedule, coarse=coarse, choose_order=choose_order,
+                                  split_layers=split_layers, compare=compare, training=training,
+                                  dtype=dtype, fpga_number=fpga_number, replicas="auto", debug=debug,
+                                  recompute=recompute)
+    except PipeccError:
+        if whole is None:
+            raise
+        return whole
+    if whole is not None and whole[0].predicted_iteration_s <= alone.predicted_iteration_s:
+        whole[0].decisions.append(f"with the FPGA ({left}): predicted {whole[0].predicted_iteration_s:.4g} s "
+                                  f"per iteration vs {alone.predicted_iteration_s:.4g} s on the other "
+                                  "devices alone")
+        return whole
+    for dev in alone.devices:  # indices into the given --devices
+        dev["given_index"] = keep[dev["given_index"]]
+    alone.decisions.append(
+        f"{left} left out (training: FPGA stages have no backward pass): predicted "
+        f"{alone.predicted_iteration_s:.4g} s per iteration on the other devices alone"
+        + (f" vs {whole[0].predicted_iteration_s:.4g} s with them" if whole is not None
+           else f"; with them: {why.splitlines()[0] if why else 'no plan'}"))
+    return alone, alone_graph
 
 
 # ----------------------------------------------------------------------------- compile

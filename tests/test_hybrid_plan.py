@@ -326,3 +326,19 @@ def test_more_devices_than_units_suggests_replica_groups(capsys):
                               "--json", "-q"], capsys)  # the default: --replicas auto
     assert code == 0, err
     assert json.loads(out)["replicas"] in (2, 4)
+
+
+def test_training_with_fpga_cards_may_leave_them_out(mlp, tmp_path):
+    """--replicas auto weighs the GPUs alone against every device: an FPGA stage (no backward
+    pass, slow) loses here, so the plan runs on the a100s, indexed into the given --devices."""
+    plan, _ = driver.plan(mlp, "1xa100,1xu250,1xa100", replicas="auto")
+    alone, _ = driver.plan(mlp, "2xa100", replicas="auto")
+    every, _ = driver.plan(mlp, "1xa100,1xu250,1xa100", replicas=1)
+    assert [d["name"] for d in plan.devices] == ["a100"] * len(plan.devices)
+    assert sorted({d["given_index"] for d in plan.devices}) == [0, 2]
+    assert plan.predicted_iteration_s == pytest.approx(alone.predicted_iteration_s)
+    assert plan.predicted_iteration_s < every.predicted_iteration_s
+    assert any(d.startswith("u250 left out (training") for d in plan.decisions)
+    verify_plan(mlp.graph, plan)
+    inference, _ = driver.plan(mlp, "1xa100,1xu250,1xa100", replicas="auto", training=False)
+    assert "u250" in [d["name"] for d in inference.devices]  # forward-only plans keep the card

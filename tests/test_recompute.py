@@ -325,13 +325,19 @@ def test_generated_stage_checkpoints_and_is_unchanged_without() -> None:
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
-def test_plan_text_and_inspect_show_recomputing_stages(tmp_path, capsys) -> None:
-    out = tmp_path / "out"
+def compile_recomputing_mlp(out) -> list[str]:
+    """`pipecc compile` of the tiny MLP over 2 CPUs, every stage recomputing; its argv."""
     argv = ["compile", MLP, "--devices", "2xcpu", "--replicas", "1", "-b", "8", "-m", "2", "--recompute", "full",
             "-o", str(out), "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0
+    return argv
+
+
+def test_plan_text_and_inspect_show_recomputing_stages(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = compile_recomputing_mlp(out)
     capsys.readouterr()
     plan_argv = ["plan" if a == "compile" else a for a in argv if a not in ("-o", str(out), "-q")]
     assert cli.main(plan_argv + ["-v"]) == 0
@@ -355,11 +361,7 @@ def test_run_verify_with_recompute(tmp_path) -> None:
     zero-bubble schedule (the re-run forward inside the split backward's I; plain backwards of
     checkpointed stages are the drop-in tests')."""
     out = tmp_path / "out"
-    argv = ["compile", MLP, "--devices", "2xcpu", "--replicas", "1", "-b", "8", "-m", "2", "--recompute", "full",
-            "-o", str(out), "-q"]
-    for arg in model_args(MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main(argv) == 0
+    argv = compile_recomputing_mlp(out)
     run = pipecc_cmd("run", str(out), "--steps", "2", "--verify", "--schedule", "zb-h1", "--timeout", "60")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"^verify: outputs, loss and \d+ gradients match the single-process run$",

@@ -42,13 +42,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.wire import wait_until
 
 __all__ = ["GradientAllReduce", "Replicas", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
            "replica_slice", "replica_target"]
@@ -190,14 +190,7 @@ class GradientAllReduce:
         works, self.works = self.works, []
         for work in works:
             try:
-                if self.nccl:
-                    while not work.is_completed():  # NOTE: as Wire._wait: a dead peer must not block forever
-                        if time.monotonic() > deadline:
-                            raise TimeoutError
-                        time.sleep(0.0002)
-                    work.wait()
-                else:
-                    work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                wait_until(work, deadline, self.nccl)
             except (RuntimeError, TimeoutError) as e:
                 if isinstance(e, TimeoutError) or "timed out" in str(e).lower():
                     raise PipeccError(f"rank {self.rank}: timed out after {self.timeout_s} s waiting for the "

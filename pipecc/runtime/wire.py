@@ -56,6 +56,7 @@ __all__ = [
     "fingerprint",
     "peer_rank",
     "send_release",
+    "wait_until",
 ]
 
 
@@ -85,6 +86,20 @@ def check_fifo(schedule: Schedule) -> None:
 
 
 # ---------------------------------------------------------------------------- transport
+
+
+def wait_until(work: Any, deadline: float, nccl: bool) -> None:
+    """``work.wait()``, given up at ``deadline`` (``time.monotonic``): raises TimeoutError then,
+    RuntimeError when the work failed (a peer exited or crashed)."""
+    if nccl:
+        # NOTE: NCCL's wait() only orders streams; poll so a dead peer cannot block us forever.
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(0.0002)
+        work.wait()
+    else:
+        work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
 
 class Wire:
@@ -133,15 +148,7 @@ class Wire:
 
     def _wait(self, work: Any, deadline: float, what: str) -> None:
         try:
-            if self.nccl:
-                # NOTE: NCCL's wait() only orders streams; poll so a dead peer cannot block us forever.
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    time.sleep(0.0002)
-                work.wait()
-            else:
-                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            wait_until(work, deadline, self.nccl)
         except (RuntimeError, TimeoutError) as e:
             if isinstance(e, TimeoutError) or "timed out" in str(e).lower():
                 raise PipeccError(f"rank {self.rank}: timed out after {self.timeout_s} s waiting for {what}") from None

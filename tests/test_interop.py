@@ -193,6 +193,16 @@ def test_torch_pipe_cuts_where_pipecc_cuts(name: str) -> None:
     assert with_spec.num_stages == len(plan.stages)
 
 
+def test_replicated_plans_are_refused_in_one_line() -> None:
+    """PP x DP has no torch.distributed.pipelining equivalent: refused, not handed over wrong."""
+    model, inputs, _, _ = case("skip")
+    plan, graph = plan_for("skip", model, inputs)
+    replicated = dataclasses.replace(plan, replicas=2)
+    for call in (lambda: cut_points(replicated, graph), lambda: stage_modules(replicated, graph, world=2)):
+        with pytest.raises(InteropError, match=r"^the plan runs every stage on 2 replicas \(PP x DP\); .*--replicas 1"):
+            call()
+
+
 def test_cut_off_module_boundaries_is_refused() -> None:
     """A cut between two plain functions (relu_1 | add) is no module boundary; route 2 still runs it."""
     model, inputs, _, _ = case("skip")

@@ -121,6 +121,7 @@ def _program(graph: AnnotatedGraph, placed: dict[str, int]) -> list[tuple[fx.Nod
 
 def cut_points(plan: Plan, graph: AnnotatedGraph) -> list[Cut]:
     """Each cut of `plan` as a module boundary (see the module docstring), or `InteropError`."""
+    _plain(plan)
     split = [s for s in plan.split_layers if len(s.shards) > 1]
     if split:
         raise InteropError(f"the plan splits layer {split[0].node!r} into {split[0].parts} parts; torch's "
@@ -309,9 +310,19 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} value"
 
 
+def _plain(plan: Plan) -> None:
+    """torch.distributed.pipelining runs one pipeline: a plan with replica groups (PP x DP) has no
+    equivalent there without a DDP/FSDP wrapper per stage, which this module does not build."""
+    if getattr(plan, "replicas", 1) > 1:
+        raise InteropError(f"the plan runs every stage on {plan.replicas} replicas (PP x DP); torch's "
+                           "pipelining schedules run one pipeline: plan with replicas=1 (--replicas 1) "
+                           "to compare, or run this plan with `pipecc run`")
+
+
 def stage_modules(plan: Plan, graph: AnnotatedGraph, world: int) -> list[Stage]:
     """`cut_stages` for the plan, checked for PipelineStage (module docstring), the last stage
     returning the model's output. Needs no process group."""
+    _plain(plan)
     stages = cut_stages(graph, plan.stage_of())
     if len(stages) != len(plan.stages):
         raise InteropError(f"the plan lists {len(plan.stages)} stages but the graph cuts into {len(stages)}")

@@ -313,19 +313,63 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
     state.plan, state.graph = result, graph
 
 
+def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: float) -> None:
+    """UMPIPE on the chosen plan's partition (`passes.umpipe_plan`): "auto" searches per-stage
+    micro-batch sizes when the plan allows them (else says why not), a list is used as given."""
+    from pipecc.passes import split_search, umpipe_plan
+    from pipecc.passes.balance import Balancer
+    assert state.plan is not None and state.graph is not None
+    why = umpipe_plan.why_not(state.plan)
+    if why is not None:
+        if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
+            raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))} cannot be used with "
+                             f"{why}; use --microbatch-sizes equal")
+        state.plan.decisions.append(f"unequal micro-batches (UMPIPE) not tried: {why}")
+        return
+    balancer = Balancer(state.graph, cluster, options,
+                        splittable=split_search.splittable_names(state.graph))
+    state.plan = umpipe_plan.apply(state.plan, balancer, mode, budget_s=budget_s)
+
+
+def _unequal_options(sizes: Any, schedule: str, replicas: int | str, microbatches: int | str,
+                     training: bool, batch: int) -> tuple[str, int | str, int | str]:
+    """(schedule, replicas, microbatches) for the base plan of `--microbatch-sizes S1,S2,...`;
+    one-line usage errors for what cannot take it."""
+    from pipecc.passes import umpipe_plan
+    text = ",".join(map(str, sizes))
+    umpipe_plan.check_given(sizes, batch)
+    if not training:
+        raise UsageError(f"--microbatch-sizes {text} needs a training plan (not --inference)")
+    if schedule not in ("auto", "gpipe"):
+        raise UsageError(f"--microbatch-sizes {text} runs under --schedule gpipe only, not "
+                         f"{schedule}; drop --schedule or use --microbatch-sizes equal")
+    if replicas not in ("auto", 1):
+        raise UsageError(f"--microbatch-sizes {text} needs --replicas 1, not {replicas}")
+    if microbatches not in ("auto", len(sizes)):
+        raise UsageError(f"--microbatches {microbatches} conflicts with --microbatch-sizes {text} "
+                         f"({len(sizes)} sizes); give one of them")
+    m: int | str = len(sizes) if batch % len(sizes) == 0 else "auto"
+    return "gpipe", 1, m
+
+
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
          profile: Any = None, replicas: int | str = 1, debug: bool = False,
-         dump_ir: str | Path | None = None, recompute: str = "none"):
+         dump_ir: str | Path | None = None, recompute: str = "none",
+         microbatch_sizes: str | Sequence[int] = "equal", umpipe_budget_s: float = 10.0):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
     (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
     `replicas` ("auto" or N): every stage on a group of that many devices splitting its
     micro-batches (PP x DP, `pipecc.passes.replicas`); "auto" chooses it with the cuts (the
     default of `pipecc plan/compile`); 1 (the default here): the plain pipeline.
-    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`)."""
+    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`).
+    `microbatch_sizes` (UMPIPE, `passes.umpipe_plan`): "equal" (default: every stage splits the
+    batch into equal micro-batches), "auto" (search per-stage sizes on the chosen plan's
+    partition when it runs gpipe, in at most `umpipe_budget_s` seconds) or a list of sizes
+    summing to the batch, used by every stage (forces gpipe and replicas 1)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -344,6 +388,14 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
+    sizes_mode: Any = microbatch_sizes
+    if isinstance(sizes_mode, str) and sizes_mode not in ("auto", "equal"):
+        from pipecc.passes.umpipe_plan import parse_option
+        sizes_mode = parse_option(sizes_mode)
+    if not isinstance(sizes_mode, str):
+        sizes_mode = [int(b) for b in sizes_mode]
+        schedule, replicas, microbatches = _unequal_options(
+            sizes_mode, schedule, replicas, microbatches, training, batch_size or graph.batch_size)
     if profile is not None:  # checked against the model and devices; its links measured
         from pipecc.targets.profiled import use_profile
         profile, cluster = use_profile(profile, analysis, cluster)
@@ -359,6 +411,10 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if split_layers and splittable and len(cluster.devices) > 1:
         steps.append(Step("split layers", partial(_split_layers, balancer=balancer,
                                                   cluster=cluster, options=options, debug=debug)))
+    if sizes_mode != "equal":
+        steps.append(Step("unequal micro-batches", partial(
+            _unequal, cluster=cluster, options=options, mode=sizes_mode, budget_s=umpipe_budget_s),
+            "searching unequal micro-batch sizes"))
     state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
     return state.plan, state.graph
 

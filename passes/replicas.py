@@ -190,3 +190,33 @@ def decisions(bal: Any, cand: Any) -> list[str]:
     if d == 1 and any(dev.kind == "fpga" for dev in bal.cluster.devices):
         out.append("replicas 1: FPGA devices are never replicated")
     return out + order_note
+
+
+def without_fpgas(cluster: Any) -> tuple[Any, list[int]]:
+    """The cluster of `cluster`'s devices other than FPGA cards (same links), and their indices."""
+    from pipecc.targets.hardware import Cluster
+    keep = [i for i, d in enumerate(cluster.devices) if d.kind != "fpga"]
+    return (Cluster(devices=tuple(cluster.devices[i] for i in keep),
+                    links=tuple(tuple(cluster.links[i][j] for j in keep) for i in keep)), keep)
+
+
+def faster_of(whole: tuple[Any, Any] | None, alone: tuple[Any, Any], keep: Sequence[int],
+              fpgas: Sequence[Any], why: str) -> tuple[Any, Any]:
+    """The faster of a training plan over every device (`whole`; None: none fits, `why`) and one
+    over the devices `keep` other than the FPGA cards (`alone`, its device indices mapped back
+    into the given list), with a decision line saying which and why."""
+    left = ", ".join(sorted({d.name for d in fpgas}))
+    plan, graph = alone
+    if whole is not None and whole[0].predicted_iteration_s <= plan.predicted_iteration_s:
+        whole[0].decisions.append(f"with the FPGA ({left}): predicted {whole[0].predicted_iteration_s:.4g} s "
+                                  f"per iteration vs {plan.predicted_iteration_s:.4g} s on the other "
+                                  "devices alone")
+        return whole
+    for dev in plan.devices:  # indices into the given --devices
+        dev["given_index"] = keep[dev["given_index"]]
+    plan.decisions.append(
+        f"{left} left out (training: FPGA stages have no backward pass): predicted "
+        f"{plan.predicted_iteration_s:.4g} s per iteration on the other devices alone"
+        + (f" vs {whole[0].predicted_iteration_s:.4g} s with them" if whole is not None
+           else f"; with them: {why.splitlines()[0] if why else 'no plan'}"))
+    return plan, graph

@@ -27,8 +27,13 @@ Model:
   exact peak over time. A stage that recomputes its activations (activation checkpointing)
   stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
   that micro-batch's re-created internal activations (`recompute_bytes`).
-- Stage costs are per microbatch, so unequal micro-batch sizes (UMPIPE) plug in as cost
-  arrays without touching the simulator.
+- Unequal micro-batch sizes (UMPIPE, ``Schedule.microbatch_sizes``): cost rows are ragged,
+  one entry per chunk of the stage (``forward_s[s]`` has ``len(sizes[s])`` entries), except
+  ``send_backward_s[s]`` (s > 0), which has one entry per chunk of stage s-1: a gradient
+  message carries an upstream chunk (``pipecc.ir.schedule``). F(s, k) waits for every chunk
+  of s-1 overlapping its samples; B(s, k) for the gradient of its own chunk, which stage s+1
+  sends once every chunk overlapping it has run its backward. Under GPipe row order this is
+  the end-time recurrence of ``passes.umpipe`` (tests/test_umpipe_plan.py checks both agree).
 - PP x DP (``StageCosts.allreduce_s``, per rank, optional): a rank whose stage runs on a
   replica group all-reduces its gradients once per iteration, launched during its last
   backward and overlapped with it (the runtime's post-accumulate-grad hooks); the rank
@@ -156,16 +161,29 @@ class StageCosts:
             [static_bytes] * num_stages,
         )
 
-    def check(self, num_stages: int, num_microbatches: int) -> None:
-        """Raise ``ValueError`` unless every array is [num_stages][num_microbatches] (static: [num_stages])."""
+    def check(self, num_stages: int, num_microbatches: int,
+              chunks: Sequence[int] | None = None) -> None:
+        """Raise ``ValueError`` unless every array is [num_stages][num_microbatches] (static:
+        [num_stages]); with per-stage ``chunks`` (unequal sizes), ragged rows of ``chunks[s]``
+        entries (``send_backward_s[s]``: ``chunks[s - 1]``, module docstring)."""
         for name in ("forward_s", "backward_s", "send_forward_s", "send_backward_s", "activation_bytes",
                      "backward_input_s", "backward_weight_s"):
             table = getattr(self, name)
             if table is None:
                 continue
-            if len(table) != num_stages or any(len(row) != num_microbatches for row in table):
-                shape = (len(table), sorted({len(row) for row in table}))
-                raise ValueError(f"StageCosts.{name} must be [{num_stages}][{num_microbatches}], got {shape}")
+            if chunks is None:
+                want = [num_microbatches] * num_stages
+            elif name == "send_backward_s":
+                want = [chunks[max(s - 1, 0)] for s in range(num_stages)]
+            else:
+                want = list(chunks)
+            if len(table) != num_stages or [len(row) for row in table] != want:
+                if chunks is None:
+                    shape = (len(table), sorted({len(row) for row in table}))
+                    raise ValueError(f"StageCosts.{name} must be [{num_stages}][{num_microbatches}], "
+                                     f"got {shape}")
+                raise ValueError(f"StageCosts.{name} must have rows of {want} entries (one per "
+                                 f"chunk), got {[len(row) for row in table]}")
         if len(self.static_bytes) != num_stages:
             raise ValueError(f"StageCosts.static_bytes must have {num_stages} entries, got {len(self.static_bytes)}")
         if self.recompute_bytes and len(self.recompute_bytes) != num_stages:
@@ -243,9 +261,17 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
     wrong shape.
     """
     validate(schedule)
-    costs.check(schedule.num_stages, schedule.num_microbatches)
+    chunks = ([len(row) for row in schedule.microbatch_sizes]
+              if getattr(schedule, "microbatch_sizes", None) is not None else None)
+    costs.check(schedule.num_stages, schedule.num_microbatches, chunks)
     owner = schedule.stage_to_rank
     R = schedule.num_ranks
+    if chunks is None:  # NOTE: equal splits: chunk k of every stage holds the same samples
+        def forward_inputs(s: int, k: int) -> list[int]:
+            return [k]
+        gradient_inputs = forward_inputs
+    else:
+        forward_inputs, gradient_inputs = schedule.forward_inputs, schedule.gradient_inputs
 
     clock = [0.0] * R
     busy = [0.0] * R
@@ -260,12 +286,17 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         if a.kind is ActionKind.F:
             if s == 0:
                 return 0.0
-            return f_end[(s - 1, mb)] if owner[s - 1] == r else arrival[("F", s, mb)]
+            if owner[s - 1] == r:
+                return max(f_end[(s - 1, j)] for j in forward_inputs(s, mb))
+            return max(arrival[("F", s, j)] for j in forward_inputs(s, mb))
         if a.kind is ActionKind.W:  # after its own I (validate: same rank, earlier)
             return b_end[(s, mb)]
         ready = f_end[(s, mb)]
         if s < schedule.num_stages - 1:
-            ready = max(ready, b_end[(s + 1, mb)] if owner[s + 1] == r else arrival[("B", s, mb)])
+            if owner[s + 1] == r:
+                ready = max([ready] + [b_end[(s + 1, j)] for j in gradient_inputs(s, mb)])
+            else:  # the message of this chunk's gradient (sent once it is complete)
+                ready = max(ready, arrival[("B", s, mb)])
         return ready
 
     def run(a: Action, r: int) -> None:
@@ -343,6 +374,8 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
     static = sum(costs.static_bytes[s] for s in schedule.stages_of(rank))
     held = peak = 0.0
     for a in schedule.actions[rank]:
+        if not a.kind.is_compute:  # NOTE: a message's index may be an upstream chunk's
+            continue
         size = costs.activation_bytes[a.stage][a.microbatch]
         if a.kind is ActionKind.F:
             peak = max(peak, held + size)

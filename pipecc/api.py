@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from pipecc import driver
+from pipecc.errors import UsageError
 from pipecc.targets.devices import Cluster, parse_devices
 from pipecc.runtime import local
 from pipecc.runtime.local import PipelinedModule
@@ -43,7 +44,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
     choose_order, split_layers, training, recompute="none"|"full"|"auto", replicas: N devices per
     stage, default 1 here — one process runs every stage, so replica groups would not run side by
-    side; debug and dump_ir apply to every step), plus, for
+    side; debug and dump_ir apply to every step; a plan with unequal per-stage microbatch_sizes
+    is refused: `pipecc run` runs those), plus, for
     FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
     the HLS projects; default a temporary folder removed with the module), and `profile`
     (a `pipecc profile` JSON file or its loaded dict; its node names must be the model's):
@@ -69,6 +71,9 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     # the drop-in plans the plain pipeline unless asked otherwise (`pipecc run` runs replicas)
     plan_options.setdefault("replicas", 1)
     plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
+    if plan.microbatch_sizes is not None:  # NOTE: the one-process module splits equally (v1)
+        raise UsageError("the drop-in module runs equal micro-batches only; unequal per-stage "
+                         "sizes (microbatch_sizes) run with `pipecc compile` and `pipecc run`")
     # NOTE: in one process a replicated stage runs once, on its group's first device, over the
     # whole micro-batch: the same numbers as its replicas together (PP x DP is `pipecc run`'s)
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]

@@ -313,19 +313,42 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
     state.plan, state.graph = result, graph
 
 
+def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: float) -> None:
+    """UMPIPE on the chosen plan's partition (`passes.umpipe_plan`): "auto" searches per-stage
+    micro-batch sizes when the plan allows them (else says why not), a list is used as given."""
+    from pipecc.passes import split_search, umpipe_plan
+    from pipecc.passes.balance import Balancer
+    assert state.plan is not None and state.graph is not None
+    why = umpipe_plan.why_not(state.plan)
+    if why is not None:
+        if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
+            raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))} cannot be used with "
+                             f"{why}; use --microbatch-sizes equal")
+        state.plan.decisions.append(f"unequal micro-batches (UMPIPE) not tried: {why}")
+        return
+    balancer = Balancer(state.graph, cluster, options,
+                        splittable=split_search.splittable_names(state.graph))
+    state.plan = umpipe_plan.apply(state.plan, balancer, mode, budget_s=budget_s)
+
+
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
          profile: Any = None, replicas: int | str = 1, debug: bool = False,
-         dump_ir: str | Path | None = None, recompute: str = "none"):
+         dump_ir: str | Path | None = None, recompute: str = "none",
+         microbatch_sizes: str | Sequence[int] = "equal", umpipe_budget_s: float = 10.0):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
     (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
     `replicas` ("auto" or N): every stage on a group of that many devices splitting its
     micro-batches (PP x DP, `pipecc.passes.replicas`); "auto" chooses it with the cuts (the
     default of `pipecc plan/compile`); 1 (the default here): the plain pipeline.
-    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`)."""
+    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`).
+    `microbatch_sizes` (UMPIPE, `passes.umpipe_plan`): "equal" (default: every stage splits the
+    batch into equal micro-batches), "auto" (search per-stage sizes on the chosen plan's
+    partition when it runs gpipe, in at most `umpipe_budget_s` seconds) or a list of sizes
+    summing to the batch, used by every stage (forces gpipe and replicas 1)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -344,6 +367,15 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
+    sizes_mode: Any = microbatch_sizes
+    if isinstance(sizes_mode, str) and sizes_mode not in ("auto", "equal"):
+        from pipecc.passes.umpipe_plan import parse_option
+        sizes_mode = parse_option(sizes_mode)
+    if not isinstance(sizes_mode, str):
+        from pipecc.passes import umpipe_plan
+        sizes_mode = [int(b) for b in sizes_mode]
+        schedule, replicas, microbatches = umpipe_plan.base_options(
+            sizes_mode, schedule, replicas, microbatches, training, batch_size or graph.batch_size)
     if profile is not None:  # checked against the model and devices; its links measured
         from pipecc.targets.profiled import use_profile
         profile, cluster = use_profile(profile, analysis, cluster)
@@ -359,6 +391,10 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if split_layers and splittable and len(cluster.devices) > 1:
         steps.append(Step("split layers", partial(_split_layers, balancer=balancer,
                                                   cluster=cluster, options=options, debug=debug)))
+    if sizes_mode != "equal":
+        steps.append(Step("unequal micro-batches", partial(
+            _unequal, cluster=cluster, options=options, mode=sizes_mode, budget_s=umpipe_budget_s),
+            "searching unequal micro-batch sizes"))
     fpgas = [d for d in cluster.devices if d.kind == "fpga"]
     if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and profile is None):
@@ -371,35 +407,23 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
         whole: tuple[Plan, AnnotatedGraph] | None = (state.plan, state.graph)
         why = ""
+    except UsageError:
+        raise  # a request these devices cannot take (e.g. zb-h1 with an FPGA) stays an error
     except PipeccError as exc:
         whole, why = None, str(exc)
-    keep = [i for i, d in enumerate(cluster.devices) if d.kind != "fpga"]
-    sub = Cluster(devices=tuple(cluster.devices[i] for i in keep),
-                  links=tuple(tuple(cluster.links[i][j] for j in keep) for i in keep))
-    left = ", ".join(sorted({d.name for d in fpgas}))
+    from pipecc.passes import replicas as rep
+    sub, keep = rep.without_fpgas(cluster)
     try:
-        alone, alone_graph = plan(graph, sub, batch_size=batch_size, microbatches=microbatches,
-                                  schedule=schedule, coarse=coarse, choose_order=choose_order,
-                                  split_layers=split_layers, compare=compare, training=training,
-                                  dtype=dtype, fpga_number=fpga_number, replicas="auto", debug=debug,
-                                  recompute=recompute)
+        alone = plan(graph, sub, batch_size=batch_size, microbatches=microbatches, schedule=schedule,
+                     coarse=coarse, choose_order=choose_order, split_layers=split_layers,
+                     compare=compare, training=training, dtype=dtype, fpga_number=fpga_number,
+                     replicas="auto", debug=debug, recompute=recompute,
+                     microbatch_sizes=microbatch_sizes, umpipe_budget_s=umpipe_budget_s)
     except PipeccError:
         if whole is None:
             raise
         return whole
-    if whole is not None and whole[0].predicted_iteration_s <= alone.predicted_iteration_s:
-        whole[0].decisions.append(f"with the FPGA ({left}): predicted {whole[0].predicted_iteration_s:.4g} s "
-                                  f"per iteration vs {alone.predicted_iteration_s:.4g} s on the other "
-                                  "devices alone")
-        return whole
-    for dev in alone.devices:  # indices into the given --devices
-        dev["given_index"] = keep[dev["given_index"]]
-    alone.decisions.append(
-        f"{left} left out (training: FPGA stages have no backward pass): predicted "
-        f"{alone.predicted_iteration_s:.4g} s per iteration on the other devices alone"
-        + (f" vs {whole[0].predicted_iteration_s:.4g} s with them" if whole is not None
-           else f"; with them: {why.splitlines()[0] if why else 'no plan'}"))
-    return alone, alone_graph
+    return rep.faster_of(whole, alone, keep, fpgas, why)
 
 
 # ----------------------------------------------------------------------------- compile

@@ -5,7 +5,9 @@
     OUT/pipecc.json          marker: format version, model (and its file's sha256), schedule,
                              micro-batches, stages, "replicas" (PP x DP: devices per stage, each
                              replica loading the same stage_<i>/; `pipecc run` starts one rank
-                             per device) and the list of files written ("files")
+                             per device), "microbatch_sizes" (UMPIPE: one size list per stage,
+                             null for equal splits; `check_microbatch_sizes`) and the list of
+                             files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -61,7 +63,9 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.runtime.local import PipelinedModule
+from pipecc.runtime.ports import split_sizes
 from pipecc.runtime.replicas import replica_problem
+from pipecc.runtime.reslice import check_sizes
 from pipecc.runtime.trust import file_sha256
 
 FORMAT = "pipecc-compile"
@@ -143,6 +147,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     if n != len(plan.stages):
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
     check_replicas(plan)
+    sizes = check_microbatch_sizes(plan)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
     for stage, planned in zip(stages, plan.stages):
         write_stage(tmp / f"stage_{stage.index}", stage, model_name=graph.model_name, num_stages=n,
@@ -159,7 +164,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_path": plan.model_path, "model_args": plan.model_args,
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
-              "replicas": plan.replicas,
+              "replicas": plan.replicas, "microbatch_sizes": sizes,
               "source": graph.source, "torch": torch.__version__,
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
@@ -194,6 +199,33 @@ def check_replicas(plan: Plan) -> None:
     problem = replica_problem(plan.batch_size, plan.microbatches, d)
     if problem:
         raise PipeccError(problem.replace("use --microbatches", "plan with --microbatches"))
+
+
+def check_microbatch_sizes(plan: Plan) -> list[list[int]] | None:
+    """The plan's per-stage micro-batch sizes (UMPIPE) as `pipecc.json` records them: None when
+    absent or every stage splits the batch equally (`split_sizes`, as the runtime does
+    without sizes). Refuses what the runtime cannot execute (`pipecc.runtime.reslice`): lists
+    not one per stage of positive sizes summing to the batch, unequal sizes under a schedule
+    other than gpipe, with replicas, or with an FPGA stage (compiled for one micro-batch shape)."""
+    sizes = getattr(plan, "microbatch_sizes", None)
+    if sizes is None:
+        return None
+    sizes = [list(row) for row in sizes]
+    check_sizes(sizes, len(plan.stages), plan.batch_size)
+    if plan.microbatches <= plan.batch_size and all(
+            row == split_sizes(plan.batch_size, plan.microbatches) for row in sizes):
+        return None
+    if plan.schedule != "gpipe":
+        raise PipeccError(f"unequal micro-batch sizes run under the gpipe schedule only, the plan says "
+                          f"{plan.schedule!r}; plan with --schedule gpipe or --microbatch-sizes equal")
+    if plan.replicas != 1:
+        raise PipeccError(f"unequal micro-batch sizes cannot run with replicas {plan.replicas}; plan with "
+                          "--replicas 1 or --microbatch-sizes equal")
+    fpga = plan.fpga_stages()
+    if fpga:
+        raise PipeccError(f"stage {min(fpga)} runs on an FPGA ({fpga[min(fpga)]}), compiled for one micro-batch "
+                          "shape; plan with --microbatch-sizes equal")
+    return sizes
 
 
 def _sha256(path: str) -> str | None:

@@ -57,6 +57,17 @@ def microbatches(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
+def microbatch_sizes(text: str) -> str | list[int]:
+    """auto | equal | S1,S2,... (each > 0; the sum is checked against the batch size later)."""
+    if text in ("auto", "equal"):
+        return text
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, equal or sizes like 3,5, got {text!r}") from None
+    return sizes
+
+
 def replicas(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
@@ -83,6 +94,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "(data parallel inside the stage, gradients all-reduced in the group); N must "
                    "divide the device count; auto (default): pipecc chooses N with the cuts; 1: the "
                    "plain pipeline; N = the device count: plain data parallelism")
+    p.add_argument("--microbatch-sizes", type=microbatch_sizes, default="equal",
+                   metavar="auto|equal|S1,S2,...",
+                   help="UMPIPE: per-stage micro-batch sizes. equal (default): every stage splits "
+                   "the batch into equal micro-batches; auto: when the chosen plan runs gpipe, "
+                   "search each stage's own sizes (genetic search, at most 10 s) and keep them "
+                   "if faster; S1,S2,...: these sizes (summing to the batch size) on every stage, "
+                   "under gpipe with replicas 1")
     p.add_argument("--coarse", action="store_true", help="cut only at block boundaries")
     p.add_argument("--choose-order", action="store_true",
                    help="let pipecc order the devices (interchangeable types)")

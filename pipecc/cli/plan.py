@@ -39,6 +39,7 @@ def plan_from_args(args: argparse.Namespace):
                               training=not args.inference, recompute=args.recompute,
                               fpga_number=args.fpga_number, profile=args.profile,
                               replicas=args.replicas,
+                              microbatch_sizes=args.microbatch_sizes,
                               debug=args.debug, dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)

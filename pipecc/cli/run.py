@@ -49,6 +49,11 @@ one that hung, not the one that timed out waiting for it). Every process of the 
 when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130) and when the torchrun agent dies;
 workers also stop by themselves when the agent or `pipecc run` is gone (`pipecc.runtime.lifeline`).
 
+Unequal micro-batches: a folder whose plan gives every stage its own micro-batch sizes
+(`pipecc.json`'s `microbatch_sizes`, UMPIPE) runs them under the gpipe schedule: each stage
+splits the batch into its own chunks and re-slices what it receives (`pipecc.runtime.reslice`);
+`--schedule` other than gpipe and `--microbatches` are usage errors there.
+
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
 
 Measured against predicted: `--json` prints one JSON document on stdout at the end and nothing
@@ -231,6 +236,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     from pipecc.runtime.dist import check_options
     from pipecc.runtime.engine import build_schedule
     from pipecc.runtime.ports import StagePorts
+    from pipecc.runtime.reslice import folder_sizes
     from pipecc.runtime.trust import model_file
 
     m = args.microbatches or int(marker.get("microbatches") or 4)
@@ -238,7 +244,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")
     model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
-        build_schedule(schedule, ranks, m, virtual)
+        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches))
     except ValueError as e:
         raise UsageError(f"--schedule {schedule} with {ranks} ranks and {m} micro-batches: {e}") from None
 

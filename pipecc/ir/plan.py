@@ -83,6 +83,11 @@ class Plan:
     # devices with one stage: plain data parallelism). Pipeline rank j, replica r is rank
     # j * replicas + r and runs on devices[j * replicas + r]; see StagePlan.replica_devices.
     replicas: int = 1
+    # UMPIPE: per stage, its chunk sizes in sample order (positive, each list summing to
+    # batch_size), used for its forward and its backward chunks under gpipe row order; None:
+    # every stage splits the batch into `microbatches` equal chunks. With sizes, `microbatches`
+    # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `passes.umpipe`.)
+    microbatch_sizes: list[list[int]] | None = None
 
     @property
     def balance_ratio(self) -> float:

@@ -26,6 +26,18 @@ asynchronous and buffered (NCCL ``isend``), receives block until the matching se
 executed. Stages ``s`` and ``s + 1`` on the same rank exchange data locally, without
 SEND/RECV actions.
 
+Unequal micro-batches (UMPIPE, PAPERS-SPEC.md section 1): ``Schedule.microbatch_sizes`` may
+give each stage its own list of chunk sizes (positive, in sample order, every list summing to
+the batch); ``None`` means the equal split of today. Then an action's ``microbatch`` is a chunk
+index of its stage, except that every message on the boundary between stages ``s`` and ``s+1``
+carries one chunk of the *upstream* stage ``s`` in both directions: ``sSEND_Fj``/``s+1RECV_Fj``
+move the activation of stage ``s``'s chunk ``j``, and ``s+1SEND_Bj``/``sRECV_Bj`` the gradient
+of that same chunk (sent once every chunk of ``s+1`` overlapping it has run its backward).
+``F(s, k)`` needs every chunk of ``s-1`` that overlaps chunk ``k``'s samples; ``B(s, k)``
+(or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` builds the one row order the
+runtime executes with unequal sizes (GPipe's); the text form gains a first line
+``sizes: 1 3 4 | 4 4`` (stage lists separated by ``|``).
+
 This module must stay free of torch and of ``pipecc.passes``: both the planner's
 simulator and the distributed runtime import it.
 """
@@ -51,10 +63,13 @@ __all__ = [
     "by_name",
     "format",
     "format_grid",
+    "chunk_bounds",
     "gpipe",
+    "gpipe_uneven",
     "inference",
     "interleaved_1f1b",
     "one_f_one_b",
+    "overlapping",
     "parse",
     "parse_action",
     "validate",
@@ -132,6 +147,10 @@ class Schedule:
 
     ``stage_to_rank[s]`` is the rank holding (virtual) stage ``s``; ``-1`` only in a
     parsed schedule that never mentions ``s`` (``validate`` rejects it).
+
+    ``microbatch_sizes[s]`` lists stage ``s``'s chunk sizes when stages split the batch
+    unequally (UMPIPE); ``None`` (the default) means every stage has ``num_microbatches`` equal
+    chunks. With sizes, ``num_microbatches`` is the largest chunk count.
     """
 
     num_ranks: int
@@ -139,29 +158,93 @@ class Schedule:
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    microbatch_sizes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.actions) != self.num_ranks:
             raise ValueError(f"{len(self.actions)} action rows for {self.num_ranks} ranks")
         if len(self.stage_to_rank) != self.num_stages:
             raise ValueError(f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages")
+        if self.microbatch_sizes is not None:
+            sizes = tuple(tuple(int(b) for b in row) for row in self.microbatch_sizes)
+            _check_size_lists(sizes)
+            if len(sizes) != self.num_stages:
+                raise ValueError(f"microbatch_sizes has {len(sizes)} stage lists for {self.num_stages} stages")
+            if self.num_microbatches != max(len(row) for row in sizes):
+                raise ValueError(f"num_microbatches is {self.num_microbatches} but the longest size list "
+                                 f"has {max(len(row) for row in sizes)} chunks")
+            object.__setattr__(self, "microbatch_sizes", sizes)
+
+    @property
+    def uneven(self) -> bool:
+        """True when the schedule carries per-stage chunk sizes (UMPIPE)."""
+        return self.microbatch_sizes is not None
+
+    def chunks(self, stage: int) -> int:
+        """Stage ``stage``'s chunk count: ``len(microbatch_sizes[stage])``, else ``num_microbatches``."""
+        if self.microbatch_sizes is None:
+            return self.num_microbatches
+        return len(self.microbatch_sizes[stage])
+
+    def index_range(self, a: Action) -> int:
+        """How many indices ``a.microbatch`` ranges over: the chunks of ``a.stage``, or of
+        ``a.stage - 1`` for RECV_F and SEND_B (their message carries an upstream chunk)."""
+        if a.kind in (ActionKind.RECV_F, ActionKind.SEND_B) and a.stage > 0:
+            return self.chunks(a.stage - 1)
+        return self.chunks(a.stage)
+
+    def message_chunk(self, a: Action) -> tuple[int, int] | None:
+        """``(stage, chunk)`` whose samples the message of SEND/RECV ``a`` carries (always the
+        upstream stage of the boundary), else ``None``. Its size is
+        ``microbatch_sizes[stage][chunk]`` (the simulator prices the message by it)."""
+        if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+            return (a.stage, a.microbatch)
+        if a.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+            return (a.stage - 1, a.microbatch)
+        return None
+
+    def forward_inputs(self, stage: int, chunk: int) -> list[int]:
+        """The chunks of ``stage - 1`` whose samples ``F(stage, chunk)`` reads (``[chunk]``
+        with equal sizes)."""
+        if self.microbatch_sizes is None or stage == 0:
+            return [chunk]
+        return overlapping(self.microbatch_sizes[stage - 1], self.microbatch_sizes[stage])[chunk]
+
+    def gradient_inputs(self, stage: int, chunk: int) -> list[int]:
+        """The chunks of ``stage + 1`` whose backward must have run before the gradient of
+        ``stage``'s chunk ``chunk`` is complete (``[chunk]`` with equal sizes)."""
+        if self.microbatch_sizes is None or stage == self.num_stages - 1:
+            return [chunk]
+        return overlapping(self.microbatch_sizes[stage + 1], self.microbatch_sizes[stage])[chunk]
 
     @classmethod
-    def from_actions(cls, actions: list[list[Action]] | tuple[tuple[Action, ...], ...]) -> Schedule:
+    def from_actions(
+        cls,
+        actions: list[list[Action]] | tuple[tuple[Action, ...], ...],
+        microbatch_sizes: Sequence[Sequence[int]] | None = None,
+    ) -> Schedule:
         """Build a schedule, inferring stages, microbatches and placement from the actions.
 
-        A stage belongs to the first rank (in rank order) whose row mentions it.
+        A stage belongs to the first rank (in rank order) whose row mentions it. With
+        ``microbatch_sizes``, the stage count is at least its length and the microbatch count
+        is its longest list.
         """
         rows = tuple(tuple(row) for row in actions)
         flat = [a for row in rows for a in row]
         num_stages = 1 + max((a.stage for a in flat), default=-1)
         num_microbatches = 1 + max((a.microbatch for a in flat), default=-1)
+        sizes = None
+        if microbatch_sizes is not None:
+            sizes = tuple(tuple(row) for row in microbatch_sizes)
+            _check_size_lists(sizes)
+            num_stages = max(num_stages, len(sizes))
+            num_microbatches = max(len(row) for row in sizes)
         owner = [-1] * num_stages
         for rank, row in enumerate(rows):
             for a in row:
                 if owner[a.stage] == -1:
                     owner[a.stage] = rank
-        return cls(len(rows), num_stages, num_microbatches, tuple(owner), rows)
+        return cls(len(rows), num_stages, num_microbatches, tuple(owner), rows, sizes)
 
     @property
     def is_training(self) -> bool:
@@ -190,6 +273,24 @@ class Schedule:
                     peak[a.stage] = max(peak[a.stage], held[a.stage])
                 elif a.kind.frees_stash:
                     held[a.stage] -= 1
+        return peak
+
+    def stash_sample_profile(self) -> list[int]:
+        """Per stage, the most samples whose activations are held at once (needs
+        ``microbatch_sizes``): ``stash_profile`` with every chunk weighted by its size
+        (PAPERS-SPEC.md 1.4). GPipe holds the whole batch on every stage."""
+        if self.microbatch_sizes is None:
+            raise ValueError("stash_sample_profile needs microbatch_sizes (use stash_profile for equal splits)")
+        if not self.is_training:
+            return [0] * self.num_stages
+        held, peak = [0] * self.num_stages, [0] * self.num_stages
+        for row in self.actions:
+            for a in row:
+                if a.kind is ActionKind.F:
+                    held[a.stage] += self.microbatch_sizes[a.stage][a.microbatch]
+                    peak[a.stage] = max(peak[a.stage], held[a.stage])
+                elif a.kind.frees_stash:
+                    held[a.stage] -= self.microbatch_sizes[a.stage][a.microbatch]
         return peak
 
     def rank_stash_profile(self) -> list[int]:
@@ -232,6 +333,53 @@ class ScheduleError(ValueError):
 
 _ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
 _ROW_RE = re.compile(r"rank (\d+):(.*)")
+_SIZES_RE = re.compile(r"sizes:(.*)")
+
+
+def _check_size_lists(sizes: Sequence[Sequence[int]]) -> None:
+    """ValueError unless ``sizes`` is a non-empty list of non-empty lists of positive ints
+    with one common sum."""
+    if not sizes or any(len(row) == 0 for row in sizes):
+        raise ValueError(f"microbatch_sizes needs one non-empty size list per stage, got {sizes!r}")
+    for s, row in enumerate(sizes):
+        if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in row):
+            raise ValueError(f"microbatch_sizes of stage {s} must be positive integers, got {list(row)}")
+    totals = [sum(row) for row in sizes]
+    if len(set(totals)) != 1:
+        raise ValueError(f"microbatch_sizes must sum to the same batch on every stage, got sums {totals}")
+
+
+def chunk_bounds(sizes: Sequence[int]) -> list[int]:
+    """Prefix sums ``[0, b0, b0+b1, ..., B]``: chunk ``k`` holds samples ``[bounds[k], bounds[k+1])``."""
+    bounds = [0]
+    for b in sizes:
+        bounds.append(bounds[-1] + b)
+    return bounds
+
+
+def overlapping(sizes_a: Sequence[int], sizes_b: Sequence[int]) -> list[list[int]]:
+    """For each chunk ``k`` of split ``b``, the chunks of split ``a`` (same batch) sharing a
+    sample with it, ascending. Both splits are contiguous sample intervals in order, so
+    each answer is a run of consecutive indices. O(len(a) + len(b))."""
+    ea, eb = chunk_bounds(sizes_a), chunk_bounds(sizes_b)
+    if ea[-1] != eb[-1]:
+        raise ValueError(f"splits of different batches: {list(sizes_a)} sums to {ea[-1]}, "
+                         f"{list(sizes_b)} to {eb[-1]}")
+    out, j = [], 0
+    for k in range(len(sizes_b)):
+        lo, hi = eb[k], eb[k + 1]
+        while ea[j + 1] <= lo:
+            j += 1
+        run, i = [], j
+        while i < len(sizes_a) and ea[i] < hi:
+            run.append(i)
+            i += 1
+        out.append(run)
+    return out
+
+
+def _format_sizes(sizes: Sequence[Sequence[int]]) -> str:
+    return "sizes: " + " | ".join(" ".join(str(b) for b in row) for row in sizes)
 
 
 def parse_action(text: str) -> Action:
@@ -246,10 +394,23 @@ def parse(text: str) -> Schedule:
     """Parse the text form: one ``rank N: a a a`` line per rank, ranks 0, 1, ... in order.
 
     Blank lines are ignored. Placement and sizes are inferred (``Schedule.from_actions``).
+    An unequal schedule starts with a line ``sizes: 1 3 4 | 4 4`` (stage 0's chunk sizes,
+    then stage 1's, ...).
     """
     rows: list[list[Action]] = []
+    sizes: list[list[int]] | None = None
     for line in text.splitlines():
         if not line.strip():
+            continue
+        sized = _SIZES_RE.fullmatch(line.strip())
+        if sized is not None:
+            if rows or sizes is not None:
+                raise ValueError(f"the 'sizes:' line must come first, once: {line!r}")
+            try:
+                sizes = [[int(tok) for tok in part.split()] for part in sized.group(1).split("|")]
+            except ValueError:
+                raise ValueError(f"not a sizes line: {line!r} (expected e.g. 'sizes: 1 3 | 4')") from None
+            _check_size_lists(sizes)
             continue
         match = _ROW_RE.fullmatch(line.strip())
         if match is None:
@@ -257,14 +418,14 @@ def parse(text: str) -> Schedule:
         if int(match.group(1)) != len(rows):
             raise ValueError(f"expected 'rank {len(rows)}:', got {line!r}")
         rows.append([parse_action(tok) for tok in match.group(2).split()])
-    return Schedule.from_actions(rows)
+    return Schedule.from_actions(rows, sizes)
 
 
 def format(schedule: Schedule) -> str:  # noqa: A001 - the IR's name for it; shadows only here
     """The canonical text form, ``parse``'s inverse. No trailing newline."""
-    return "\n".join(
-        f"rank {r}:" + "".join(f" {a}" for a in row) for r, row in enumerate(schedule.actions)
-    )
+    lines = [] if schedule.microbatch_sizes is None else [_format_sizes(schedule.microbatch_sizes)]
+    lines += [f"rank {r}:" + "".join(f" {a}" for a in row) for r, row in enumerate(schedule.actions)]
+    return "\n".join(lines)
 
 
 def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = ()) -> str:
@@ -278,7 +439,8 @@ def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = ()) -> st
     col = [max([len(str(i)) + 2] + [len(row[i]) for row in cells]) for i in range(width)]
     label = max(len(f"rank {schedule.num_ranks - 1}:"), len("step"))
     label += 1
-    lines = ["step".ljust(label) + "".join(f" {i} ".ljust(col[i]) for i in range(width)).rstrip()]
+    lines = [] if schedule.microbatch_sizes is None else [_format_sizes(schedule.microbatch_sizes)]
+    lines.append("step".ljust(label) + "".join(f" {i} ".ljust(col[i]) for i in range(width)).rstrip())
     for r, row in enumerate(cells):
         lines.append(f"rank {r}:".ljust(label) + "".join(c.ljust(col[i]) for i, c in enumerate(row)).rstrip())
     return "\n".join(lines)
@@ -495,6 +657,80 @@ def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
     return _build(p, m, placement, compute)
 
 
+def _place_comms_uneven(
+    compute: list[list[Action]], stage_to_rank: tuple[int, ...], sizes: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[Action, ...], ...]:
+    """``_place_comms`` for per-stage chunk sizes: before ``F(s, k)`` receive every chunk of
+    ``s-1`` overlapping it not yet received; after ``F(s, k)`` send it whole; before ``B(s, k)``
+    (or ``I``) receive its gradient; after it, send the gradient of every chunk of ``s-1`` whose
+    overlapping chunks of ``s`` have all run their backward. O(actions + chunks)."""
+    last = len(stage_to_rank) - 1
+    needs = [[]] + [overlapping(sizes[s - 1], sizes[s]) for s in range(1, last + 1)]  # [s][k] -> chunks of s-1
+    covers = [overlapping(sizes[s + 1], sizes[s]) for s in range(last)]  # [s][j] -> chunks of s+1
+    rows = []
+    for rank, row in enumerate(compute):
+        out: list[Action] = []
+        received: set[tuple[int, int]] = set()
+        graded: set[tuple[int, int]] = set()
+        sent: set[tuple[int, int]] = set()
+        for a in row:
+            s, k = a.stage, a.microbatch
+            if a.kind is ActionKind.F:
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    for j in needs[s][k]:
+                        if (s, j) not in received:
+                            received.add((s, j))
+                            out.append(Action(ActionKind.RECV_F, s, j))
+                out.append(a)
+                if s < last and stage_to_rank[s + 1] != rank:
+                    out.append(Action(ActionKind.SEND_F, s, k))
+            elif a.kind is ActionKind.W:
+                out.append(a)
+            else:
+                if s < last and stage_to_rank[s + 1] != rank:
+                    out.append(Action(ActionKind.RECV_B, s, k))
+                out.append(a)
+                graded.add((s, k))
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    for j in needs[s][k]:
+                        if (s, j) not in sent and all((s, i) in graded for i in covers[s - 1][j]):
+                            sent.add((s, j))
+                            out.append(Action(ActionKind.SEND_B, s, j))
+        rows.append(tuple(out))
+    return tuple(rows)
+
+
+def gpipe_uneven(sizes: Sequence[Sequence[int]], num_ranks: int | None = None) -> Schedule:
+    """GPipe with per-stage chunk sizes (UMPIPE, tied mode: one list per stage for its forward
+    and backward chunks): stage ``s`` on rank ``s`` runs ``F(s, 0..K_s-1)`` then
+    ``B(s, 0..K_s-1)`` in sample order. Messages carry whole chunks of the upstream stage
+    (module docstring); ``F(s, k)`` first receives every upstream chunk it overlaps, and the
+    gradient of upstream chunk ``j`` goes out right after the last ``B`` overlapping it.
+    Every stage stashes the whole batch (``stash_sample_profile``). With equal lists the
+    actions are ``gpipe``'s.
+
+    ``num_ranks`` (default: one rank per stage) must divide the stage count; rank ``r`` then
+    holds stages ``r, r + p, ...`` (interleaved placement; ``num_ranks=1`` runs every stage in
+    one process) and runs all its stages' forwards in stage order, then all their backwards in
+    reverse stage order. Raises ValueError for size lists that are empty, not positive or of
+    different sums, or a rank count that does not divide the stages.
+    """
+    table = tuple(tuple(row) for row in sizes)
+    _check_size_lists(table)
+    p = len(table) if num_ranks is None else num_ranks
+    if p < 1 or len(table) % p:
+        raise ValueError(f"{len(table)} stages do not divide over {p} ranks")
+    placement = tuple(s % p for s in range(len(table)))
+    compute = []
+    for r in range(p):
+        mine = [s for s in range(len(table)) if placement[s] == r]
+        row = [_F(s, k) for s in mine for k in range(len(table[s]))]
+        row += [_B(s, k) for s in reversed(mine) for k in range(len(table[s]))]
+        compute.append(row)
+    m = max(len(row) for row in table)
+    return Schedule(p, len(table), m, placement, _place_comms_uneven(compute, placement, table), table)
+
+
 def inference(num_stages: int, num_microbatches: int) -> Schedule:
     """Forwards only: rank s runs F(s, 0..m-1)."""
     _check_sizes(num_stages, num_microbatches)
@@ -513,6 +749,10 @@ def _remote(schedule: Schedule, neighbour: int, rank: int) -> bool:
 def validate(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` unless the schedule is complete, ordered, matched and deadlock-free.
 
+    With ``microbatch_sizes``, counts are per stage and the dependencies follow the overlap
+    of chunks (module docstring): F after every upstream chunk it overlaps, SEND_B after the
+    backward of every chunk overlapping the upstream chunk it returns.
+
     Checks, in order: (1) every action is in range, on the rank owning its stage, and
     appears once; SEND/RECV only cross ranks; every (stage, mb) has one F and, if the
     schedule trains, either one B or one I and one W (never B with I or W); (2) every SEND
@@ -522,7 +762,7 @@ def validate(schedule: Schedule) -> None:
     (4) running all rows with async sends and blocking receives finishes.
     The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice).
     """
-    S, m = schedule.num_stages, schedule.num_microbatches
+    S = schedule.num_stages
     owner = schedule.stage_to_rank
     training = schedule.is_training
 
@@ -533,7 +773,10 @@ def validate(schedule: Schedule) -> None:
     where: dict[Action, tuple[int, int]] = {}
     for r, row in enumerate(schedule.actions):
         for i, a in enumerate(row):
-            if not (0 <= a.stage < S and 0 <= a.microbatch < m):
+            if not (0 <= a.stage < S):
+                fail(f"rank {r} step {i}: {a} is out of range (stages 0..{S - 1})", (r, i))
+            if not (0 <= a.microbatch < schedule.index_range(a)):
+                m = schedule.index_range(a)
                 fail(f"rank {r} step {i}: {a} is out of range (stages 0..{S - 1}, microbatches 0..{m - 1})", (r, i))
             if owner[a.stage] != r:
                 fail(f"rank {r} step {i}: {a} runs on rank {r} but stage {a.stage} is on rank {owner[a.stage]}", (r, i))
@@ -549,7 +792,7 @@ def validate(schedule: Schedule) -> None:
     for s in range(S):
         if owner[s] == -1:
             fail(f"stage {s} has no actions")
-        for mb in range(m):
+        for mb in range(schedule.chunks(s)):
             if _F(s, mb) not in where:
                 fail(f"missing {_F(s, mb)}: forward of stage {s} microbatch {mb} never runs")
             if not training:
@@ -591,19 +834,24 @@ def validate(schedule: Schedule) -> None:
             s, mb, k = a.stage, a.microbatch, a.kind
             prev_remote, next_remote = _remote(schedule, s - 1, r), _remote(schedule, s + 1, r)
             if k is ActionKind.F and s > 0:
-                need = Action(ActionKind.RECV_F, s, mb) if prev_remote else _F(s - 1, mb)
-                before(need, r, i, a, "its input")
+                for j in schedule.forward_inputs(s, mb):
+                    need = Action(ActionKind.RECV_F, s, j) if prev_remote else _F(s - 1, j)
+                    before(need, r, i, a, "its input")
             elif k in (ActionKind.B, ActionKind.I):
                 before(_F(s, mb), r, i, a, "backward needs its forward")
                 if s < S - 1:
-                    need = Action(ActionKind.RECV_B, s, mb) if next_remote else grad_of(s + 1, mb)
-                    before(need, r, i, a, "its output gradient")
+                    if next_remote:
+                        before(Action(ActionKind.RECV_B, s, mb), r, i, a, "its output gradient")
+                    else:
+                        for j in schedule.gradient_inputs(s, mb):
+                            before(grad_of(s + 1, j), r, i, a, "its output gradient")
             elif k is ActionKind.W:
                 before(_I(s, mb), r, i, a, "the weight gradient comes after the input gradient")
             elif k is ActionKind.SEND_F:
                 before(_F(s, mb), r, i, a, "sends the forward's output")
             elif k is ActionKind.SEND_B:
-                before(grad_of(s, mb), r, i, a, "sends the backward's input gradient")
+                for j in schedule.gradient_inputs(s - 1, mb):
+                    before(grad_of(s, j), r, i, a, "sends the backward's input gradient")
 
     # (4) deadlock: advance every row until it blocks on a receive whose send has not run
     pc = [0] * schedule.num_ranks

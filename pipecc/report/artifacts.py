@@ -105,6 +105,30 @@ def timeline_json(timeline: Any) -> dict[str, Any]:
                         "peer": e.peer} for e in timeline.events]}
 
 
+def _uneven_timeline(plan: Plan) -> Any:
+    """UMPIPE: gpipe row order over the plan's per-stage sizes, with the per-chunk seconds the
+    planner predicted with (`plan.options["umpipe_chunk_costs"]`); a plan without them (written
+    by hand) gets the stage figures scaled linearly in the chunk size."""
+    from pipecc.ir.schedule import gpipe_uneven
+    from pipecc.passes.simulate import StageCosts, simulate
+
+    sizes = plan.microbatch_sizes or []
+    saved = plan.options.get("umpipe_chunk_costs")
+    if saved:
+        costs = StageCosts(**{k: v for k, v in saved.items() if k != "stage_figures_microbatch"})
+    else:
+        per = max(plan.batch_size // max(plan.microbatches, 1), 1)
+        n = len(plan.stages)
+        send = [s.comm_s / 4 for s in plan.stages]  # NOTE: a rough split of 2*recv + 2*send
+        costs = StageCosts(
+            [[s.forward_s * b / per for b in sizes[k]] for k, s in enumerate(plan.stages)],
+            [[s.backward_s * b / per for b in sizes[k]] for k, s in enumerate(plan.stages)],
+            [[send[k] * b / per if k < n - 1 else 0.0 for b in sizes[k]] for k in range(n)],
+            [[send[k] * b / per if k > 0 else 0.0 for b in sizes[max(k - 1, 0)]] for k in range(n)],
+            [[0.0] * len(sizes[k]) for k in range(n)], [0.0] * n)
+    return simulate(gpipe_uneven(sizes), costs)
+
+
 def timeline_for(plan: Plan) -> Any:
     """The simulator's Timeline for `plan`, rebuilt from its per-stage figures.
 
@@ -114,6 +138,8 @@ def timeline_for(plan: Plan) -> Any:
     from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
     from pipecc.passes.simulate import StageCosts, simulate
 
+    if plan.microbatch_sizes:
+        return _uneven_timeline(plan)
     n, m = len(plan.stages), plan.microbatches
     # only the interleaved schedule holds several stages per rank; the others hold one
     v = max(plan.virtual_stages, 1) if plan.schedule == "interleaved" else 1

@@ -28,7 +28,7 @@ from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, t
 from pipecc.report.figures import (bottleneck_stage, device_capacities, first_last, memory_kind,
                                    recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
-from pipecc.report.text import replica_group
+from pipecc.report.text import replica_group, sizes_text
 
 INSPECT_FORMAT = "pipecc-inspect"
 
@@ -136,6 +136,15 @@ def plan_problem(plan: Plan) -> str | None:
             return f"{f} is {getattr(plan, f)!r}, not a number >= 0"
     if len(plan.devices) % plan.replicas:
         return f"replicas {plan.replicas} does not divide its {len(plan.devices)} devices"
+    sizes = plan.microbatch_sizes
+    if sizes is not None:  # UMPIPE: one list of positive sizes per stage, each summing to the batch
+        if not isinstance(sizes, list) or len(sizes) != len(plan.stages):
+            return f"microbatch_sizes must hold one list per stage ({len(plan.stages)}), got {sizes!r}"
+        for k, row in enumerate(sizes):
+            if not isinstance(row, list) or not row or not all(count(b) for b in row) \
+                    or sum(row) != plan.batch_size:
+                return (f"stage {k}'s microbatch_sizes {row!r} must be positive integers summing "
+                        f"to the batch size {plan.batch_size}")
     for k, s in enumerate(plan.stages):
         group = s.replica_devices
         if not isinstance(group, list) or not all(
@@ -206,7 +215,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "model": plan.model, "batch_size": plan.batch_size, "microbatches": plan.microbatches,
             "microbatch_size": plan.batch_size // max(plan.microbatches, 1),
             "schedule": plan.schedule, "virtual_stages": plan.virtual_stages,
-            "replicas": plan.replicas, "devices": plan.devices, "stages": stages, "bottleneck_stage": worst,
+            "replicas": plan.replicas, "microbatch_sizes": plan.microbatch_sizes,
+            "devices": plan.devices, "stages": stages, "bottleneck_stage": worst,
             "bottleneck_s": plan.bottleneck_s, "lower_bound_s": plan.lower_bound_s,
             "balance_ratio": plan.balance_ratio if math.isfinite(plan.balance_ratio) else None,
             "predicted_iteration_s": plan.predicted_iteration_s,
@@ -295,10 +305,14 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         f"{c.path}: {plan.model}, {len(plan.stages)} stages on {len(plan.devices)} devices",
         f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages} stages per device)"
                                        if plan.virtual_stages > 1 else "")
-        + f", {plan.microbatches} micro-batches of {mb} (batch {plan.batch_size}); "
+        + (f", unequal micro-batches per stage: {sizes_text(plan)} (batch {plan.batch_size}); "
+           f"figures per micro-batch of "
+           f"{plan.options.get('umpipe_chunk_costs', {}).get('stage_figures_microbatch', '?')}"
+           if plan.microbatch_sizes else
+           f", {plan.microbatches} micro-batches of {mb} (batch {plan.batch_size}); ")
         + (f"{plan.replicas} replicas per stage, each on {mb // plan.replicas} samples of every "
            "micro-batch; figures per replica and micro-batch" if plan.replicas > 1
-           else "figures per micro-batch"),
+           else "" if plan.microbatch_sizes else "figures per micro-batch"),
         "",
         text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd",
                     "peak mem / capacity", "in", "out", "split-layer shards"], rows, left=3,

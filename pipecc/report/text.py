@@ -18,6 +18,13 @@ def replica_group(plan: Plan, stage) -> str:
     return f"{what} [devices {group[0]}-{group[-1]}]"
 
 
+def sizes_text(plan: Plan) -> str:
+    """UMPIPE's per-stage micro-batch sizes, `stage 0 [4, 4], stage 1 [8]` ("" without)."""
+    if not plan.microbatch_sizes:
+        return ""
+    return ", ".join(f"stage {k} {list(row)}" for k, row in enumerate(plan.microbatch_sizes))
+
+
 def plan_table(plan: Plan, verbose: bool = False) -> str:
     rows = []
     slowest = bottleneck_stage(plan)
@@ -32,8 +39,10 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                      human(s.peak_memory_bytes, "B") + (" BRAM" if s.index in on_fpga else ""),
                      ", ".join(shards) or "-"])
     lines = [
-        f"{plan.model}: batch {plan.batch_size}, {plan.microbatches} micro-batches, "
-        f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
+        f"{plan.model}: batch {plan.batch_size}, "
+        + (f"unequal micro-batches per stage (UMPIPE): {sizes_text(plan)}, " if plan.microbatch_sizes
+           else f"{plan.microbatches} micro-batches, ")
+        + f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
         + (f", {plan.replicas} replicas per stage (each on "
            f"{plan.batch_size // plan.microbatches // plan.replicas} of every micro-batch's "
            f"{plan.batch_size // plan.microbatches} samples)"
@@ -49,6 +58,11 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
     ]
+    if plan.microbatch_sizes:
+        per = plan.options.get("umpipe_chunk_costs", {}).get("stage_figures_microbatch")
+        lines.append("micro-batches   unequal per stage (UMPIPE, gpipe order, forward and backward "
+                     "alike); the iteration predicted from per-chunk costs with per-call overhead"
+                     + (f"; stage figures above at {per} samples" if per else ""))
     if plan.replicas > 1:
         lines.append(f"all-reduce      {seconds(max(s.allreduce_s for s in plan.stages))} per "
                      "iteration at most (a stage's gradients in its replica group, overlapped "

@@ -46,6 +46,7 @@ from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprin
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import Replicas, replica_inputs, replica_ports, replica_problem, replica_target
+from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
@@ -134,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     the first pass's outputs with the original model's eval-mode forward (``verify: outputs match
     the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
     and so is a training ``--schedule`` for a folder with FPGA stages.
+
+    Unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``, one size list per stage):
+    the gpipe schedule with every stage's own chunks (``pipecc.runtime.reslice``), in one
+    process too; ``--schedule`` other than gpipe and ``--microbatches`` are usage errors.
 
     ``--json`` (``pipecc.runtime.timing``): every rank times its stages' forward and backward
     actions and its receive waits, from step ``--warmup-steps`` (default 1) on; at the end the
@@ -338,17 +343,18 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
     world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
-    if forward:
+    sizes = folder_sizes(meta, args.schedule, args.microbatches)  # unequal micro-batches: gpipe only
+    if forward and sizes is None:
         # one stage per rank: the inference schedule; several (one process): interleaved, which
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
-    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta))
+    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta), sizes)
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
-    schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world)
+    schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world, sizes)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count) for _, p in loaded]
     data = RunData.load(meta, specs, args.seed, args.out)
@@ -480,6 +486,7 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
     """Refuse, before any process group exists, what the run could only fail at later (one line).
 
     ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``)."""
+    folder_sizes(meta, args.schedule, args.microbatches)
     if batch and m > batch:
         raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
                          f"for; give --microbatches {batch} or fewer")

@@ -18,6 +18,12 @@ target is split along dim 0 like the batch. When
 ``loss_fn`` is a per-sample mean, the accumulated gradients are those of the full-batch mean loss,
 and ``step`` returns that full-batch loss.
 
+Unequal micro-batches (UMPIPE; ``RunConfig.microbatch_sizes``, one size list per stage): the
+schedule is ``gpipe_uneven`` (GPipe's row order; other schedules and replicas are refused),
+every stage splits its own inputs and target by its own sizes, receives upstream chunks whole
+and re-slices them (``pipecc.runtime.reslice``), and the last stage weights chunk k's loss by
+``b_k / B``.
+
 Faults. Every wait has a deadline of ``timeout_s``; a dead or hung peer gives
 ``PipeccError("rank 1: timed out after 5.0 s waiting for RECV_F mb 2 from rank 0")`` (or "failed"
 when the connection broke) instead of a hang. The process group is created with the same timeout
@@ -59,7 +65,17 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir.schedule import SCHEDULES, Action, ActionKind, Schedule, ScheduleError, by_name, parse, validate
+from pipecc.ir.schedule import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    by_name,
+    gpipe_uneven,
+    parse,
+    validate,
+)
 from pipecc.runtime.ports import (
     Port,
     StagePorts,
@@ -74,6 +90,7 @@ from pipecc.runtime.ports import (
     unflatten,
 )
 from pipecc.runtime.replicas import GradientAllReduce, Replicas, loss_share
+from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.split_backward import input_backward, weight_backward
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
@@ -112,12 +129,32 @@ class RunConfig:
     timeout_s: float = 60.0
     backend: str | None = None  # None: nccl on CUDA, else gloo
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
+    microbatch_sizes: Sequence[Sequence[int]] | None = None  # per stage (UMPIPE); None: m equal
 
 
-def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
-    """The validated schedule for ``world`` ranks; ``kind`` is a name or the schedule's text form."""
-    if kind.lstrip().startswith("rank "):
+def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: int = 1,
+                   sizes: Sequence[Sequence[int]] | None = None) -> Schedule:
+    """The validated schedule for ``world`` ranks; ``kind`` is a name or the schedule's text form.
+
+    ``sizes`` (unequal micro-batches, one list per stage): only "gpipe" runs them
+    (``gpipe_uneven``), and ``microbatches`` is ignored (the longest list counts)."""
+    if sizes is not None:
+        if kind != "gpipe":
+            raise UsageError(f"unequal micro-batch sizes run under the gpipe schedule only, not {kind!r}; "
+                             "drop --schedule or compile with equal micro-batches")
+        try:
+            schedule = gpipe_uneven(sizes, world)
+        except ValueError as e:
+            raise PipeccError(f"microbatch_sizes: {e}") from None
+        validate(schedule)
+        return schedule
+    if kind.lstrip().startswith(("rank ", "sizes:")):
         schedule = parse(kind)
+        if schedule.microbatch_sizes is not None:  # NOTE: the engine checks its sizes against the ports
+            validate(schedule)
+            if schedule.num_ranks != world:
+                raise PipeccError(f"schedule has {schedule.num_ranks} ranks, the run {world}")
+            return schedule
     elif kind not in SCHEDULES:
         raise UsageError(f"unknown schedule {kind!r}; choose from {', '.join(SCHEDULES)} or give schedule text")
     elif kind != "interleaved" and stages_per_rank != 1:
@@ -144,7 +181,8 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The schedule with its backward actions removed (same placement and forward order)."""
     keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
     rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
-    result = Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, rows)
+    result = Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, rows,
+                      schedule.microbatch_sizes)
     validate(result)
     return result
 
@@ -178,8 +216,15 @@ class PipelineRuntime:
         self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.backend == "gloo" and self.device.type != "cpu":
             raise PipeccError(f"the gloo backend sends CPU tensors only, device is {self.device}; use --backend nccl")
-        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules))
+        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules), config.microbatch_sizes)
+        self.m = self.schedule.num_microbatches  # unequal sizes: the most chunks of any stage
         self.replicas = replicas or Replicas()
+        if self.schedule.microbatch_sizes is not None:
+            if self.replicas.count > 1:
+                raise PipeccError("unequal micro-batch sizes cannot run with replicated stages (--replicas > 1); "
+                                  "compile with --replicas 1 or equal micro-batches")
+            check_sizes(self.schedule.microbatch_sizes, self.schedule.num_stages,
+                        self.ports[0].batch_size)
         self.global_rank, self.global_world = self.replicas.rank_of(rank), world * self.replicas.count
         if self.global_world > 1:
             init_distributed(config)
@@ -190,6 +235,7 @@ class PipelineRuntime:
         if len(self.stage_ids) != len(self.modules):
             raise PipeccError(f"rank {rank} holds stages {self.stage_ids} in this schedule but got "
                               f"{len(self.modules)} modules")
+        self._reslice = Reslicer(self.schedule, self.stage_ids, self.ports)  # unequal sizes' inbox
         self.last_stage = self.schedule.num_stages - 1
         for module in self.modules:
             module.to(self.device)
@@ -242,12 +288,13 @@ class PipelineRuntime:
     def last_outputs(self) -> Any:
         """The model outputs of the last ``infer`` (or ``step`` with ``keep_outputs`` set), merged
         over microbatches as ``infer`` returns them; None off the last rank or when none are kept."""
-        if self.last_stage not in self.stage_ids or len(getattr(self, "_results", {})) != self.m:
+        chunks = self.schedule.chunks(self.last_stage)
+        if self.last_stage not in self.stage_ids or len(getattr(self, "_results", {})) != chunks:
             return None
         ports = self._ports(self.last_stage)
         merged = []
         for i, port in enumerate(ports.out_leaves):
-            values = [self._results[mb][i] for mb in range(self.m)]
+            values = [self._results[mb][i] for mb in range(chunks)]
             merged.append(torch.cat(values, port.batch_dim) if port.kind == "tensor" and port.batch_dim is not None
                           else values)
         self._results = {}
@@ -289,6 +336,7 @@ class PipelineRuntime:
         self._roots: dict[tuple[int, int], tuple[list, list | None, list, list]] = {}
         self._losses: list[torch.Tensor] = []
         self._results: dict[int, list] = {}
+        self._reslice.reset()
         self.peak_stash = self._wire.peak_inflight = 0
         release = send_release(schedule, self.rank)
         reduce_after = self._last_gradient_actions(schedule) if training and self.grad_sync is not None else {}
@@ -303,7 +351,7 @@ class PipelineRuntime:
                 self.grad_sync.disarm()
             self._wire.release(release.get(action, ()))
         self._wire.flush()
-        leftover = self._stash or self._inbox or self._outbox or self._roots
+        leftover = self._stash or self._inbox or self._outbox or self._roots or self._reslice.leftover
         assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
         self._inputs = self._targets = None
 
@@ -342,7 +390,12 @@ class PipelineRuntime:
 
     def _forward(self, s: int, mb: int, training: bool) -> None:
         ports = self._ports(s)
-        leaves = self._inputs[mb] if s == 0 else self._inbox.pop(("F", s, mb))
+        if s == 0:
+            leaves = self._inputs[mb]
+        elif self._reslice.active(s):  # unequal sizes: slices of the upstream chunks it overlaps
+            leaves = self._reslice.forward_leaves(s, mb, self._inbox, training)
+        else:
+            leaves = self._inbox.pop(("F", s, mb))
         with torch.set_grad_enabled(training):
             outs = as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
         out_leaves = flatten(outs, ports.sends, f"rank {self.global_rank} stage {s} output")
@@ -380,12 +433,16 @@ class PipelineRuntime:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if s == 0:
             return
-        input_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
-                       for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad]
-        if s - 1 in self.stage_ids:
-            self._inbox[("B", s - 1, mb)] = input_grads
+        if self._reslice.active(s):  # unequal sizes: the upstream chunks whose gradient is complete
+            ready = self._reslice.backward_done(s, mb)
         else:
-            self._outbox[("B", s, mb)] = input_grads
+            ready = [(mb, [x.grad if x.grad is not None else torch.zeros_like(x)
+                           for x, p in zip(in_leaves, ports.in_leaves) if p.carries_grad])]
+        for j, input_grads in ready:
+            if s - 1 in self.stage_ids:
+                self._inbox[("B", s - 1, j)] = input_grads
+            else:
+                self._outbox[("B", s, j)] = input_grads
 
     def _output_grads(self, s: int, mb: int, outs: Any) -> tuple[list, list | None]:
         """The backward's roots and their gradients: the scaled loss on the last stage (no
@@ -442,7 +499,10 @@ class PipelineRuntime:
             raise PipeccError(f"rank {self.global_rank}: the loss must be a scalar tensor, got "
                               f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
         n = self._ports(self.last_stage).batch_size
-        share = split_sizes(n, self.m)[mb] / n if n is not None else 1.0 / self.m
+        if self.schedule.microbatch_sizes is not None:  # b_k / B (n: the sizes' sum, check_sizes)
+            share = self.schedule.microbatch_sizes[self.last_stage][mb] / sum(self.schedule.microbatch_sizes[0])
+        else:
+            share = split_sizes(n, self.m)[mb] / n if n is not None else 1.0 / self.m
         return loss.reshape(()) * (share * loss_share(self.replicas.count))
 
     # -- communication -------------------------------------------------------------------
@@ -451,7 +511,8 @@ class PipelineRuntime:
         """The gloo tag of a leaf's first message (even; an object's payload gets tag + 1).
 
         Both ends compute it from (direction, receiving stage, mb, leaf) alone, so it must not
-        depend on anything only one side knows. Unique within a step.
+        depend on anything only one side knows. Unique within a step: ``self.m`` is the largest
+        chunk count of any stage (unequal sizes: ``mb`` is the upstream stage's chunk).
         """
         tag = (((direction * self.schedule.num_stages + stage) * self.m + mb) * MAX_PORTS + leaf) * 2
         if leaf >= MAX_PORTS or tag >= 2**31:
@@ -483,8 +544,9 @@ class PipelineRuntime:
         batch = self._ports(a.stage).batch_size
         first: list[torch.Tensor] = []
         for port in ports:
-            if port.kind == "tensor":
-                shape = port.microbatch_shape(a.microbatch, batch, self.m)
+            if port.kind == "tensor":  # RECV_F: an upstream chunk (unequal sizes: its own size)
+                shape = port.microbatch_shape(a.microbatch, batch, self._split(
+                    a.stage - 1 if a.kind is ActionKind.RECV_F else a.stage))
                 first.append(torch.empty(shape, dtype=port.dtype, device=self.device))
             else:
                 first.append(torch.empty(1, dtype=torch.int64, device=self.device))
@@ -502,6 +564,11 @@ class PipelineRuntime:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _split(self, stage: int) -> int | tuple[int, ...]:
+        """How ``stage`` splits the batch: its chunk sizes (unequal micro-batches), else m."""
+        sizes = self.schedule.microbatch_sizes
+        return self.m if sizes is None else sizes[stage]
+
     def _module(self, stage: int) -> nn.Module:
         return self.modules[self.stage_ids.index(stage)]
 
@@ -514,7 +581,7 @@ class PipelineRuntime:
         for v, port in zip(leaves, ports):
             if port.kind != "tensor":
                 continue
-            shape = port.microbatch_shape(mb, batch, self.m)
+            shape = port.microbatch_shape(mb, batch, self._split(s))
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != port.dtype:
                 got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
                     else type(v).__name__
@@ -535,26 +602,27 @@ class PipelineRuntime:
                 if tuple(v.shape) != port.shape or v.dtype != port.dtype:
                     raise PipeccError(f"input {port.name!r} is {list(v.shape)} {v.dtype}, the compiled stage "
                                       f"expects {list(port.shape)} {port.dtype}")
-            extents = port.extents(ports.batch_size, self.m)
-            per_leaf.append(torch.split(v, extents, port.batch_dim) if extents else [v] * self.m)
-        return [[values[mb] for values in per_leaf] for mb in range(self.m)]
+            extents = port.extents(ports.batch_size, self._split(0))
+            per_leaf.append(torch.split(v, extents, port.batch_dim) if extents else [v] * self.schedule.chunks(0))
+        return [[values[mb] for values in per_leaf] for mb in range(self.schedule.chunks(0))]
 
     def _split_target(self, target: Any) -> list[Any]:
         """The target per microbatch: tensors (or a tuple/list of them) split along dim 0."""
         batch = self._ports(self.last_stage).batch_size
+        split_as, chunks = self._split(self.last_stage), self.schedule.chunks(self.last_stage)
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             t = t.to(self.device)
             if batch is None:
                 return split_batch(t, self.m)
-            return list(torch.split(t, microbatch_extents(t.shape[0], batch, self.m, "target"), dim=0))
+            return list(torch.split(t, microbatch_extents(t.shape[0], batch, split_as, "target"), dim=0))
 
         if isinstance(target, torch.Tensor):
             return split(target)
         if isinstance(target, (tuple, list)) and target and all(isinstance(t, torch.Tensor) for t in target):
             parts = [split(t) for t in target]
-            return [type(target)(p[i] for p in parts) for i in range(self.m)]
-        return [target] * self.m
+            return [type(target)(p[i] for p in parts) for i in range(chunks)]
+        return [target] * chunks
 
     # -- checkpoints ---------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ is relayed by every stage in between, which receives it and sends it on. Shapes 
 for the full (compiled) batch of n samples; microbatch i gets ``n_i`` of them, the sizes of
 ``torch.tensor_split(range(n), m)`` (``split_sizes``), so every rank derives every buffer's shape
 alone. A batch dim (``batch_dim``, usually 0) of ``c * n`` rows (``shape_expr`` like ``2*B`` or
-``B*S``) gets ``c * n_i``; ``n`` is the extent of a dim whose ``shape_expr`` is ``B``, else that of
+``B*S``) gets ``c * n_i``; with unequal micro-batches (UMPIPE) ``n_i`` are the stage's own
+chunk sizes instead (``microbatch_extents``); ``n`` is the extent of a dim whose ``shape_expr`` is ``B``, else that of
 the first batched port. Stage 0 splits the model inputs so; ``batch_dim: null`` values go whole
 to every microbatch.
 
@@ -103,7 +104,7 @@ class Port:
         """True when a gradient for this value travels back (both neighbours agree from the spec)."""
         return self.kind == "tensor" and self.requires_grad and self.dtype is not None and self.dtype.is_floating_point
 
-    def extents(self, batch: int | None, m: int) -> list[int] | None:
+    def extents(self, batch: int | None, m: int | Sequence[int]) -> list[int] | None:
         """The batch dim's extent in each microbatch, or None when the value is not batched."""
         if self.batch_dim is None:
             return None
@@ -111,7 +112,7 @@ class Port:
             raise PipeccError(f"port {self.name!r} is batched but the stage's batch size is unknown")
         return microbatch_extents(self.shape[self.batch_dim], batch, m, self.name)
 
-    def microbatch_shape(self, mb: int, batch: int | None, m: int) -> tuple[int, ...]:
+    def microbatch_shape(self, mb: int, batch: int | None, m: int | Sequence[int]) -> tuple[int, ...]:
         extents = self.extents(batch, m)
         if extents is None:
             return self.shape
@@ -156,11 +157,17 @@ def split_sizes(n: int, m: int, what: str = "batch") -> list[int]:
     return [n // m + (1 if i < n % m else 0) for i in range(m)]
 
 
-def microbatch_extents(extent: int, batch: int, m: int, what: str) -> list[int]:
-    """Per-microbatch extents of a dim of ``extent = c * batch`` rows: ``c`` times each batch split."""
+def microbatch_extents(extent: int, batch: int, m: int | Sequence[int], what: str) -> list[int]:
+    """Per-microbatch extents of a dim of ``extent = c * batch`` rows: ``c`` times each batch split.
+
+    ``m`` is the micro-batch count (the equal split, ``split_sizes``) or a stage's own list of
+    chunk sizes summing to ``batch`` (unequal micro-batches, ``pipecc.runtime.reslice``)."""
     if extent % batch:
         raise PipeccError(f"port {what!r}: batch dim of {extent} is not a multiple of the batch size {batch}")
-    return [extent // batch * n for n in split_sizes(batch, m, what)]
+    sizes = split_sizes(batch, m, what) if isinstance(m, int) else list(m)
+    if sum(sizes) != batch:
+        raise PipeccError(f"port {what!r}: micro-batch sizes {sizes} do not sum to the batch of {batch}")
+    return [extent // batch * n for n in sizes]
 
 
 def split_batch(value: torch.Tensor, m: int, dim: int = 0) -> list[torch.Tensor]:

@@ -30,7 +30,9 @@ the rank's total receive wait in the step; a rank holding several stages (interl
 the same figure for each of them. A forward-only run reports backward 0.0 with 0 samples.
 Predictions are the plan's, per micro-batch of the compiled micro-batch count (a run with
 another ``--microbatches`` splits the batch differently than the plan assumed); null where the
-folder has no ``plan.json``.
+folder has no ``plan.json``. With unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``)
+a stage's chunks differ in size, so its medians mix sizes, and ``microbatches`` is the most
+chunks of any stage.
 """
 
 from __future__ import annotations

@@ -1,0 +1,223 @@
+"""UMPIPE in the planner: per-chunk stage costs of a chosen plan, and `--microbatch-sizes`.
+
+    plan (its partition, devices, schedule) ─► Curves: f_s(b), g_s(b), link times, memory for
+    b = 1..B ─► passes.umpipe.search (auto) or the given list ─► the plan with per-stage
+    `microbatch_sizes`, its predicted time (the recurrence) and a decision line
+
+Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): `Balancer.times(units_b, b)` summed
+over the stage's units for every chunk size b (the device's model: roofline, or the profiled
+curves `a + c·b` with `--profile`). The roofline has a knee but no per-call cost, so on an
+unprofiled device each node adds LAUNCH_S per forward call and twice that per backward call
+(input- and weight-gradient kernels): without it every split of a linear cost model looks the
+same in compute and UMPIPE would only ever trade fill/drain against link latency. A profiled
+device's curves already carry their measured overhead `a`, so nothing is added there.
+
+Where UMPIPE applies: a training plan under GPipe row order, one stage per device, no replica
+groups, no recomputing stage, no FPGA stage (the runtime's and the recurrence's scope); `auto`
+says in the plan's decisions why it did not try otherwise, an explicit list is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pipecc.errors import UsageError
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule import gpipe_uneven
+from pipecc.passes import umpipe
+from pipecc.passes.partition import cut_bytes
+from pipecc.passes.simulate import simulate
+
+__all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "why_not"]
+
+# Seconds per kernel call added per node on an unprofiled device (module docstring).
+# gpu: 5 us, "a few microseconds" of launch overhead per CUDA kernel (NVIDIA Technical Blog,
+#   A. Gray, "Getting Started with CUDA Graphs", 2019; the PAPERS-SPEC §1.6 suggestion).
+# cpu: 2 us, measured on the project's CI CPU (torch 2.13 eager, 20,000 calls after warm-up):
+#   F.linear on a [1, 8] input 2.1 us, relu and add 1.3 us per call.
+LAUNCH_S = {"gpu": 5e-6, "cpu": 2e-6}
+
+
+def parse_option(text: str) -> str | list[int]:
+    """`--microbatch-sizes`: "auto", "equal" or a comma list of positive ints (checked against
+    the batch later, `check_given`)."""
+    if text in ("auto", "equal"):
+        return text
+    try:
+        return umpipe.parse_sizes(text)
+    except ValueError as exc:
+        raise UsageError(f"--microbatch-sizes: {exc}") from None
+
+
+def check_given(sizes: Sequence[int], batch: int) -> None:
+    """One-line usage errors for a list that is not a split of the batch."""
+    text = ",".join(str(b) for b in sizes)
+    if any(b <= 0 for b in sizes):
+        bad = next(b for b in sizes if b <= 0)
+        raise UsageError(f"--microbatch-sizes {text} has a size of {bad}; every size must be at "
+                         "least 1")
+    if sum(sizes) != batch:
+        raise UsageError(f"--microbatch-sizes {text} sums to {sum(sizes)}, not the batch size {batch}")
+
+
+def why_not(plan: Plan) -> str | None:
+    """Why `plan` cannot take unequal micro-batches, or None when it can."""
+    if not plan.options.get("training", True):
+        return "an inference plan (unequal micro-batches are a training schedule)"
+    if plan.schedule != "gpipe":
+        return f"schedule {plan.schedule} (unequal micro-batches run under gpipe only)"
+    if plan.replicas > 1:
+        return f"{plan.replicas} replicas per stage (unequal micro-batches need replicas 1)"
+    if plan.virtual_stages > 1 or len({s.device for s in plan.stages}) != len(plan.stages):
+        return "a device holding more than one stage"
+    if any(s.recompute for s in plan.stages):
+        return "stages that recompute their activations"
+    if plan.fpga_stages():
+        return "FPGA stages (their generated kernels have a fixed batch)"
+    if len(plan.stages) < 2:
+        return "one stage (no pipeline)"
+    return None
+
+
+def _unit_bounds(units: Any, plan: Plan) -> list[int]:
+    """Unit index bounds of the plan's stages (their nodes are whole units, in order)."""
+    unit_of = {name: u for u, names in enumerate(units.names) for name in names}
+    bounds = [0]
+    for s in plan.stages:
+        us = sorted({unit_of[n] for n in s.nodes if n in unit_of})
+        if not us or us[0] != bounds[-1] or us[-1] - us[0] + 1 != len(us):
+            raise ValueError(f"stage {s.index}'s nodes are not a run of units after unit {bounds[-1]}")
+        bounds.append(us[-1] + 1)
+    if bounds[-1] != units.n:
+        raise ValueError(f"the plan's stages cover {bounds[-1]} of {units.n} units")
+    return bounds
+
+
+def curves_for_plan(balancer: Any, plan: Plan) -> umpipe.Curves:
+    """f_s(b), g_s(b), link times and memory of the plan's stages for b = 1..B (module
+    docstring). `balancer` must be built on the plan's graph (after layer splitting)."""
+    from pipecc.targets.profiled import ProfiledCosts
+    B, p = plan.batch_size, len(plan.stages)
+    order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
+    devs = [order[s.device] for s in plan.stages]
+    bounds = _unit_bounds(balancer.builder.at(1), plan)
+    calls = np.array([sum(1 for n in g if n.op != "get_attr") for g in balancer.builder.groups])
+    over = []
+    for k, d in enumerate(devs):
+        model = balancer.costs[d]
+        launch = 0.0 if isinstance(model, ProfiledCosts) else LAUNCH_S.get(balancer.cluster.devices[d].kind, 0.0)
+        over.append(launch * float(calls[bounds[k]:bounds[k + 1]].sum()))
+    f, g = np.zeros((p, B + 1)), np.zeros((p, B + 1))
+    send_f, send_b = np.zeros((p, B + 1)), np.zeros((p, B + 1))
+    mem, static, cap = np.zeros((p, B + 1)), np.zeros(p), np.zeros(p)
+    links = [balancer.cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
+             for k in range(p - 1)]
+    for b in range(1, B + 1):
+        units = balancer.builder.at(b)
+        fwd, bwd = balancer.times(units, b)
+        cuts = cut_bytes(units.values["output_bytes"], units.last_use)
+        for k, d in enumerate(devs):
+            a, e = bounds[k], bounds[k + 1]
+            f[k, b] = fwd[d, a:e].sum() + over[k]
+            g[k, b] = bwd[d, a:e].sum() + 2 * over[k]
+            recv = cuts[a - 1] if k > 0 else 0.0
+            memory = balancer.costs[d].memory(units, 1)
+            mem[k, b] = float(memory.act[a:e].sum()) + recv
+            if b == 1:
+                static[k], cap[k] = float(memory.static[a:e].sum()), float(memory.cap)
+            if k < p - 1 and links[k] is not None:
+                nbytes = cuts[e - 1]
+                send_f[k, b] = links[k].time(nbytes) if nbytes > 0 else 0.0
+                # the gradient of stage k's chunk goes back over the link from k+1 to k
+                back = balancer.cluster.link(devs[k + 1], devs[k])
+                send_b[k + 1, b] = back.time(nbytes) if nbytes > 0 else 0.0
+    return umpipe.Curves(f, g, send_f, send_b, mem=mem, static=static, cap=cap)
+
+
+def _describe(sizes: Sequence[Sequence[int]]) -> str:
+    return ", ".join(f"stage {s} {list(row)}" for s, row in enumerate(sizes))
+
+
+def apply(plan: Plan, balancer: Any, mode: str | list[int], *, budget_s: float = 10.0) -> Plan:
+    """The plan with `mode`'s micro-batch sizes: "auto" runs the GA on its partition and keeps
+    the result when faster than the best equal split; a list is used for every stage. The
+    plan's stage costs stay the planner's; `predicted_iteration_s`, `bubble_fraction`,
+    `microbatches` (stage 0's chunk count) and stage peak memory follow the sizes."""
+    curves = curves_for_plan(balancer, plan)
+    B, p = plan.batch_size, len(plan.stages)
+    if mode == "auto":
+        res = umpipe.search(curves, budget_s=budget_s, most_chunks=64)
+        base = (f"GA {res.generations} generations, {res.seconds:.1f} s; local greedy "
+                f"{res.baselines['local-greedy'][1]:.4g} s, greedy DP {res.baselines['greedy-dp'][1]:.4g} s; "
+                f"the planner's {plan.microbatches} equal micro-batches predict "
+                f"{plan.predicted_iteration_s:.4g} s without per-call overhead")
+        if not res.unequal or res.T >= res.edp_T or not res.fits:
+            plan.decisions.append(
+                f"unequal micro-batches (UMPIPE): none faster than the best equal split "
+                f"({len(res.edp_sizes)} of {res.edp_sizes[0]}: {res.edp_T:.4g} s with per-call "
+                f"overhead; {base})")
+            return plan
+        sizes = res.sizes
+        plan.decisions.append(
+            f"unequal micro-batches (UMPIPE): {_describe(sizes)}: predicted {res.T:.4g} s vs "
+            f"{res.edp_T:.4g} s for the best equal split ({len(res.edp_sizes)} of "
+            f"{res.edp_sizes[0]}; {res.gain:+.1%}); {base}")
+        plan.options["umpipe"] = {"generations": res.generations, "seconds": res.seconds,
+                                  "stopped": res.stopped, "edp_s": res.edp_T,
+                                  "edp_sizes": res.edp_sizes,
+                                  "baselines": {k: {"sizes": v[0], "iteration_s": v[1]}
+                                                for k, v in res.baselines.items()}}
+    else:
+        check_given(mode, B)
+        if len(set(mode)) == 1 and plan.microbatches == len(mode):
+            plan.decisions.append(f"micro-batch sizes {list(mode)} (--microbatch-sizes): the "
+                                  f"equal split into {len(mode)}, as planned")
+            return plan
+        sizes = [list(mode) for _ in range(p)]
+        m = len(mode)
+        versus = ""
+        if B % m == 0:
+            t_eq = umpipe.end_times([[B // m] * m] * p, curves).T
+            versus = f" vs {t_eq:.4g} s for {m} equal micro-batches"
+        plan.decisions.append(
+            f"micro-batch sizes {list(mode)} on every stage (--microbatch-sizes): predicted "
+            f"{umpipe.end_times(sizes, curves).T:.4g} s with per-call overhead{versus}")
+    costs = umpipe.stage_costs(sizes, curves)
+    timeline = simulate(gpipe_uneven(sizes), costs)
+    # NOTE: the stage table's forward_s/backward_s stay the planner's figures at its equal
+    # micro-batch; the per-chunk seconds the prediction used travel with the plan (reports
+    # rebuild the timeline from them: `pipecc.report.artifacts.timeline_for`)
+    plan.options["umpipe_chunk_costs"] = {
+        "stage_figures_microbatch": B // max(plan.microbatches, 1),
+        **{k: getattr(costs, k) for k in ("forward_s", "backward_s", "send_forward_s",
+                                          "send_backward_s", "activation_bytes", "static_bytes")}}
+    plan.microbatch_sizes = [list(row) for row in sizes]
+    plan.microbatches = len(sizes[0])
+    plan.predicted_iteration_s = float(timeline.iteration_s)
+    plan.bubble_fraction = float(timeline.bubble_fraction)
+    for s, peak in zip(plan.stages, timeline.peak_memory_bytes):
+        s.peak_memory_bytes = int(peak)
+    return plan
+
+
+def base_options(sizes: Any, schedule: str, replicas: int | str, microbatches: int | str,
+                     training: bool, batch: int) -> tuple[str, int | str, int | str]:
+    """(schedule, replicas, microbatches) for the base plan of `--microbatch-sizes S1,S2,...`;
+    one-line usage errors for what cannot take it."""
+    text = ",".join(map(str, sizes))
+    check_given(sizes, batch)
+    if not training:
+        raise UsageError(f"--microbatch-sizes {text} needs a training plan (not --inference)")
+    if schedule not in ("auto", "gpipe"):
+        raise UsageError(f"--microbatch-sizes {text} runs under --schedule gpipe only, not "
+                         f"{schedule}; drop --schedule or use --microbatch-sizes equal")
+    if replicas not in ("auto", 1):
+        raise UsageError(f"--microbatch-sizes {text} needs --replicas 1, not {replicas}")
+    if microbatches not in ("auto", len(sizes)):
+        raise UsageError(f"--microbatches {microbatches} conflicts with --microbatch-sizes {text} "
+                         f"({len(sizes)} sizes); give one of them")
+    m: int | str = len(sizes) if batch % len(sizes) == 0 else "auto"
+    return "gpipe", 1, m

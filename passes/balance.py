@@ -289,7 +289,7 @@ class Balancer:
                            d: int = 1) -> _Candidate:
         """The best partition for (schedule, m, d replicas), with `recompute[k]` stages
         recomputing."""
-        mb = self.opt.batch_size // m // d  # NOTE: with d replicas, each runs a slice of mb/d
+        mb = rep.slice_size(self.opt.batch_size // m, d)  # NOTE: d replicas: the largest slice
         units = self.builder.at(mb)
         v = self.opt.virtual_stages if schedule == "interleaved" else 1
         order = tuple(range(self.p))
@@ -375,7 +375,8 @@ class Balancer:
         split: dict[str, list[float]] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             d = self.p * v // stages  # replicas per stage group
-            w = self.weight_times(part, prob, order or tuple(range(self.p)), self.opt.batch_size // m // d, d)
+            w = self.weight_times(part, prob, order or tuple(range(self.p)),
+                                  rep.slice_size(self.opt.batch_size // m, d), d)
             split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)],
                      "split_cost": SPLIT_BACKWARD_COST}  # what the runtime's split measured
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
@@ -464,7 +465,8 @@ class Balancer:
 
     def unit_times(self, cand: _Candidate) -> dict[str, float]:
         """Each single-node unit's fwd+bwd time on its fastest device, by node name."""
-        fwd, bwd = self.times(cand.units, self.opt.batch_size // cand.microbatches // cand.replicas)
+        fwd, bwd = self.times(cand.units,
+                              rep.slice_size(self.opt.batch_size // cand.microbatches, cand.replicas))
         best = (fwd + bwd).min(axis=0)
         return {names[-1]: float(best[u]) for u, names in enumerate(cand.units.names)}
 
@@ -503,10 +505,10 @@ class Balancer:
             elif self.p // d > cand.units.n:
                 continue
             else:
-                units = self.builder.at(mb // d)
+                units = self.builder.at(rep.slice_size(mb, d))
                 order = cand.order if d == 1 else tuple(range(self.p))
                 # NOTE: the schedule only sets in-flight counts (memory), which no bound uses
-                prob = self.problem(units, mb // d, "1f1b", cand.microbatches, order, 1, d=d)
+                prob = self.problem(units, rep.slice_size(mb, d), "1f1b", cand.microbatches, order, 1, d=d)
             if d == 1:
                 prob = self.bound_problem(prob, cand.order, mb)
             best = min(best, lower_bound(prob, units.splittable, comm=comm))
@@ -515,7 +517,7 @@ class Balancer:
     def baselines(self, cand: _Candidate) -> list[dict[str, Any]]:
         """The partitions other tools would produce, on the same cost model."""
         units, prob = cand.units, cand.raw or cand.problem
-        p, mb = len(prob.mem_cap), self.opt.batch_size // cand.microbatches // cand.replicas
+        p, mb = len(prob.mem_cap), rep.slice_size(self.opt.batch_size // cand.microbatches, cand.replicas)
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         ref_times = fwd[0] + bwd[0]
         out = []
@@ -541,7 +543,8 @@ class Balancer:
         fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
         lb, lb_compute = self.lower_bound(cand), self.lower_bound(cand, comm=False)
         d, P = cand.replicas, cand.ranks
-        weights = self.weight_times(part, prob, cand.order, self.opt.batch_size // cand.microbatches // d, d)
+        weights = self.weight_times(part, prob, cand.order,
+                                    rep.slice_size(self.opt.batch_size // cand.microbatches, d), d)
         stages = []
         for k in range(len(part.bounds) - 1):
             a, e = part.bounds[k], part.bounds[k + 1]
@@ -571,7 +574,7 @@ class Balancer:
             decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
         decisions += rep.decisions(self, cand)
         decisions += profile_decisions(self.costs, self.cluster,
-                                       self.opt.batch_size // cand.microbatches // d)
+                                       rep.slice_size(self.opt.batch_size // cand.microbatches, d))
         decisions += cand.notes  # e.g. which stages recompute their activations, and why
         return Plan(
             model=self.graph.model_name, batch_size=self.opt.batch_size,

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from pipecc.errors import UsageError
 from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
+from pipecc.passes.replicas import slice_size
 
 # NOTE: `Balancer` and its `_Candidate` (passes.balance) are typed Any here: balance calls this
 # module, so importing them back, even for type checking only, is an import cycle.
@@ -151,7 +152,7 @@ def _allowed(bal: Balancer, n: int, order: Sequence[int], d: int = 1) -> list[bo
 def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> list[bool]:
     """Stages that overflow their memory at the cuts a memory-blind partition chooses."""
     v = n // (bal.p // d)
-    mb = bal.opt.batch_size // m // d
+    mb = slice_size(bal.opt.batch_size // m, d)
     prob = bal.problem(bal.builder.at(mb), mb, schedule, m, tuple(range(bal.p)), v, d=d)
     roomy = dataclasses.replace(prob, mem_cap=[float("inf")] * len(prob.mem_cap))
     try:

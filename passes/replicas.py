@@ -2,15 +2,18 @@
 
 One replication degree d for the whole plan (d divides the n devices): pipeline rank j is the
 group of devices j*d .. j*d+d-1 (consecutive in the plan's device order), each replica taking
-1/d of every micro-batch, the group all-reducing the stage's gradients once per iteration
-(ring, overlapped with the stage's last backward: the runtime's hooks). d = 1 is the plain
+a slice of every micro-batch (torch.tensor_split order: of mb samples, the first mb % d replicas
+take ceil(mb/d), the others floor(mb/d); `slice_size`), the group all-reducing the stage's
+gradients once per iteration (ring, overlapped with the stage's last backward: the runtime's
+hooks). d = 1 is the plain
 pipeline, d = n with one stage plain data parallelism.
 
 To the partitioner a group is one "device" (`group_problem`):
-- unit time = the slowest of the group's devices at micro-batch size mb/d (replicas run in
-  lock step on their slices; the group is as fast as its slowest member);
+- unit time = the slowest of the group's devices at the largest slice, ceil(mb/d) samples
+  (replicas run in lock step on their slices; the group is as fast as its slowest member, and
+  a replica with one sample less is never slower: the partitioner's costs grow with the batch);
 - memory per replica: the stage's full static memory (weights, gradients, optimizer states:
-  every replica keeps a full copy) and activations at mb/d; cap = the smallest member's;
+  every replica keeps a full copy) and activations at ceil(mb/d); cap = the smallest member's;
 - link between ranks j and j+1 = the slowest of the d replica pairs' links (replica r sends
   to replica r of the next group; the d transfers run side by side, the slowest one ends it).
   Pairs that share one physical link are not modelled as contending (catalog links are
@@ -24,9 +27,10 @@ steps each paying the link latency):
 over the links between consecutive members (r -> r+1 mod d); grad_bytes = the stage's
 parameter bytes (fp32 gradients, the size of fp32 weights).
 
-Allowed degrees (`allowed`): d divides n, (B/m) % d == 0 (every replica gets an equal,
-non-empty slice of every micro-batch), no FPGA device when d > 1 (FPGA stages are never
-replicated). Pure numbers over the balancer's cost tables; no torch.
+Allowed degrees (`allowed`): d divides n, d <= B/m (every replica gets a non-empty slice of
+every micro-batch; slices may differ by one sample, as DDP's do when the batch does not divide),
+no FPGA device when d > 1 (FPGA stages are never replicated). When d divides B/m every figure
+is the equal-slice one, mb/d. Pure numbers over the balancer's cost tables; no torch.
 """
 
 from __future__ import annotations
@@ -64,27 +68,29 @@ def check_requested(requested: int | str, n: int, fpga: Sequence[str]) -> None:
 
 
 def check_slices(requested: int | str, batch: int, ms: Sequence[int]) -> None:
-    """A fixed --replicas N needs some micro-batch count whose micro-batch splits into N equal
-    non-empty slices; one line naming the largest micro-batch otherwise."""
+    """A fixed --replicas N needs some micro-batch count whose micro-batch has at least N
+    samples (a non-empty slice per replica); one line naming the largest micro-batch otherwise."""
     if requested == "auto" or int(requested) <= 1:
         return
     d = int(requested)
-    if any((batch // m) % d == 0 for m in ms):
-        return
     mb = max(batch // m for m in ms)
     if mb < d:
         raise UsageError(f"--replicas {d} leaves a replica without samples: a micro-batch of "
                          f"{mb} splits over at most {mb} replica{'s' if mb > 1 else ''}; use "
-                         "fewer replicas or a larger "
-                         "batch")
-    raise UsageError(f"--replicas {d} does not split a micro-batch of {mb} samples evenly; use "
-                     f"a replica count that divides it or a batch size divisible by {d}")
+                         "fewer replicas or a larger batch")
+
+
+def slice_size(mb: int, d: int) -> int:
+    """Samples of the largest of d replicas' slices of a micro-batch of mb (torch.tensor_split:
+    the first mb % d replicas take one more): ceil(mb/d), mb/d when d divides mb. Every figure
+    of a replica group is at this slice (module docstring)."""
+    return -(-mb // d)
 
 
 def allowed(requested: int | str, n: int, mb: int, has_fpga: bool) -> list[int]:
     """The degrees a plan with micro-batch size mb may use (module docstring)."""
     ds = divisors(n) if requested == "auto" else [int(requested)]
-    return [d for d in ds if mb % d == 0 and not (d > 1 and has_fpga)]
+    return [d for d in ds if d <= mb and not (d > 1 and has_fpga)]
 
 
 def groups(order: Sequence[int], d: int) -> list[list[int]]:
@@ -111,7 +117,8 @@ def group_ring(bal: Any, group: Sequence[int]) -> list[Link]:
 def group_problem(bal: Any, units: Units, mbr: int, inflight: Sequence[int],
                   order: Sequence[int], d: int, v: int = 1) -> PartitionProblem:
     """The partition problem over P = n/d replica groups (module docstring); `mbr` = the
-    replicas' slice of a micro-batch (mb/d), `units` evaluated at it; stage k on group k % P."""
+    replicas' largest slice of a micro-batch (`slice_size`: ceil(mb/d)), `units` evaluated at
+    it; stage k on group k % P."""
     fwd, bwd = bal.times(units, mbr)
     grp = groups(order, d)
     p = len(grp)

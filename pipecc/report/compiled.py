@@ -28,7 +28,7 @@ from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, t
 from pipecc.report.figures import (bottleneck_stage, device_capacities, first_last, memory_kind,
                                    recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
-from pipecc.report.text import replica_group, sizes_text
+from pipecc.report.text import replica_group, replica_rows, sizes_text
 
 INSPECT_FORMAT = "pipecc-inspect"
 
@@ -310,8 +310,9 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
            f"{plan.options.get('umpipe_chunk_costs', {}).get('stage_figures_microbatch', '?')}"
            if plan.microbatch_sizes else
            f", {plan.microbatches} micro-batches of {mb} (batch {plan.batch_size}); ")
-        + (f"{plan.replicas} replicas per stage, each on {mb // plan.replicas} samples of every "
-           "micro-batch; figures per replica and micro-batch" if plan.replicas > 1
+        + (f"{plan.replicas} replicas per stage, each on {replica_rows(mb, plan.replicas)} samples of "
+           "every micro-batch; figures per replica and micro-batch"
+           + (" (the largest slice)" if mb % plan.replicas else "") if plan.replicas > 1
            else "" if plan.microbatch_sizes else "figures per micro-batch"),
         "",
         text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd",

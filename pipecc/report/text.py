@@ -44,7 +44,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
            else f"{plan.microbatches} micro-batches, ")
         + f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
         + (f", {plan.replicas} replicas per stage (each on "
-           f"{plan.batch_size // plan.microbatches // plan.replicas} of every micro-batch's "
+           f"{replica_rows(plan.batch_size // plan.microbatches, plan.replicas)} of every micro-batch's "
            f"{plan.batch_size // plan.microbatches} samples)"
            if plan.replicas > 1 else ""),
         "",
@@ -88,3 +88,9 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                   + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
                   + f": {a['reason']}" for a in plan.alternatives]
     return "\n".join(lines)
+
+
+def replica_rows(mb: int, d: int) -> str:
+    """A replica's samples of a micro-batch of mb over d replicas (torch.tensor_split: the first
+    mb % d take one more): "8", or "11 or 10" when d does not divide mb."""
+    return str(mb // d) if mb % d == 0 else f"{-(-mb // d)} or {mb // d}"

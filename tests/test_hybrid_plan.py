@@ -154,6 +154,31 @@ def test_fpga_is_never_replicated(tiny_cnn):
     assert {d for _, _, d in bal.candidates()} == {1}
 
 
+def test_uneven_slices_are_planned_at_the_largest_slice():
+    """d needs only d <= B/m: B = 32 on 3 devices splits 11/11/10 (torch.tensor_split, DDP's
+    split), and the group runs at its slowest replica's pace, the 11-sample slice."""
+    assert [rep.slice_size(32, d) for d in (1, 2, 3, 4, 7, 32)] == [32, 16, 11, 8, 5, 1]
+    assert rep.allowed("auto", 3, 32, False) == [1, 3] and rep.allowed("auto", 4, 3, False) == [1, 2]
+    analysis = driver.analyze(zoo_path("mlp"), batch_size=32)
+    plan, _ = driver.plan(analysis, "3xa100", replicas=3, microbatches=1)
+    assert plan.replicas == 3 and len(plan.stages) == 1 and plan.stages[0].replica_devices == [0, 1, 2]
+    bal = _balancer(analysis, "3xa100", replicas=3, microbatches=1)
+
+    def stage_s(mb):
+        fwd, bwd = bal.times(bal.builder.at(mb), mb)
+        return float(fwd[0].sum()), float(bwd[0].sum())
+    assert (plan.stages[0].forward_s, plan.stages[0].backward_s) == pytest.approx(stage_s(11), rel=1e-12)
+    assert stage_s(10)[0] < stage_s(11)[0]  # the check tells 10 from 11 samples
+    assert "each on 11 or 10 of every micro-batch's 32 samples" in plan_table(plan)
+    # auto on 3 devices now weighs data parallelism too (it could not before: 32 % 3 != 0)
+    auto = _balancer(analysis, "3xa100", replicas="auto")
+    auto.run()
+    assert 3 in {c.replicas for c in auto.results if c.microbatches == 1}
+    assert 3 not in {c.replicas for c in auto.results if c.microbatches == 16}  # slices of 2 rows: d <= 2
+    # equal slices keep their figures: d = 2 on 4 devices at B = 8 (mb / d = 4)
+    assert rep.slice_size(8, 2) == 8 // 2
+
+
 # ----------------------------------------------------------------------------- lower bound
 CASES = [("mlp", "4xa100", 8), ("mlp", "2xa100,2xv100", 8), ("tiny_cnn", "4xcpu", 8),
          ("tiny_cnn", "a100,v100", 8), ("tiny_cnn", "2xa100,2xv100", 8), ("mlp", "8xa100", 16)]
@@ -261,8 +286,6 @@ BAD = [
     (["--devices", "8xa100", "-b", "4", "--replicas", "8"],
      "--replicas 8 leaves a replica without samples: a micro-batch of 4 splits over at most 4 "
      "replicas; use fewer replicas or a larger batch"),
-    (["--devices", "4xa100", "-b", "6", "--replicas", "4"],
-     "--replicas 4 does not split a micro-batch of 6 samples evenly"),
     (["--devices", "2xa100", "-b", "4", "-m", "4", "--replicas", "2"],
      "a micro-batch of 1 splits over at most 1 replica;"),
     (["--devices", "a100,u250", "--replicas", "2"], "FPGA devices are never replicated"),

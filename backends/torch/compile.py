@@ -175,7 +175,8 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
 def check_replicas(plan: Plan) -> None:
     """Refuse a replicated plan (PP x DP) the runtime cannot execute (`pipecc.runtime.replicas`):
     stage j's group must be devices j*d .. j*d+d-1 (rank = device), no FPGA stage replicated, and
-    every micro-batch must split into d equal slices."""
+    every micro-batch must have at least d samples (equal micro-batches; the replicas' slices may
+    differ by one sample, `pipecc.runtime.replicas`)."""
     d = plan.replicas
     if not isinstance(d, int) or d < 1:
         raise PipeccError(f"the plan says replicas {d!r}; it must be a positive integer")

@@ -45,7 +45,8 @@ from pipecc.runtime import lifeline
 from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, unflatten
-from pipecc.runtime.replicas import Replicas, replica_inputs, replica_ports, replica_problem, replica_target
+from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
+                                     replica_target)
 from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder
@@ -351,12 +352,15 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta), sizes)
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
+    if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
+        replicas.share, replicas.batch = loss_share(batch // m, count, replicas.index), batch
     rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
     schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world, sizes)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
-    modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count) for _, p in loaded]
+    modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
+                                                       for _, p in loaded]
     data = RunData.load(meta, specs, args.seed, args.out)
     rows, target = _replica_data(data, specs, m, replicas)
     if forward:
@@ -457,8 +461,9 @@ def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: 
     first = StagePorts.from_json(specs[0])
     leaves = flatten(as_tuple(data.inputs), first.receives, "inputs")
     dims = [p.batch_dim if p.kind == "tensor" else None for p in first.in_leaves]
-    rows = tuple(unflatten(replica_inputs(leaves, dims, m, replicas.count, replicas.index), first.receives))
-    return rows, replica_target(data.target, m, replicas.count, replicas.index)
+    rows = tuple(unflatten(replica_inputs(leaves, dims, m, replicas.count, replicas.index, replicas.batch),
+                           first.receives))
+    return rows, replica_target(data.target, m, replicas.count, replicas.index, replicas.batch)
 
 
 def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | None:

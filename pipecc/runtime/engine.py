@@ -89,7 +89,7 @@ from pipecc.runtime.ports import (
     to_json,
     unflatten,
 )
-from pipecc.runtime.replicas import GradientAllReduce, Replicas, loss_share
+from pipecc.runtime.replicas import GradientAllReduce, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.split_backward import input_backward, weight_backward
 from pipecc.runtime.timing import ActionTimer
@@ -503,7 +503,7 @@ class PipelineRuntime:
             share = self.schedule.microbatch_sizes[self.last_stage][mb] / sum(self.schedule.microbatch_sizes[0])
         else:
             share = split_sizes(n, self.m)[mb] / n if n is not None else 1.0 / self.m
-        return loss.reshape(()) * (share * loss_share(self.replicas.count))
+        return loss.reshape(()) * (share * self.replicas.weight)
 
     # -- communication -------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """PP x DP: a pipeline whose every stage runs on a group of ``d`` replicas (``pipecc.json``'s
-``"replicas"``, the plan's ``replicas``), each taking ``1/d`` of every micro-batch, the group
-all-reducing the stage's gradients.
+``"replicas"``, the plan's ``replicas``), each taking a slice of every micro-batch (equal, or one
+sample apart when d does not divide it), the group all-reducing the stage's gradients.
 
 Ranks. A run of ``n`` processes has ``P = n // d`` pipeline ranks; global rank ``g`` is pipeline
 rank ``j = g // d``, replica ``r = g % d`` (so ``g = j * d + r`` runs on the plan's device ``g``,
@@ -10,19 +10,21 @@ neighbouring pipeline ranks (``Replicas.rank_of``). ``Replicas.create`` makes on
 pipeline rank's replica set, on every rank in the same order (``dist.new_group`` is collective).
 
 Data. Micro-batch ``i`` of the batch (``torch.tensor_split`` into ``m``, as without replicas) is
-cut into ``d`` contiguous slices (``torch.tensor_split`` again); replica ``r`` feeds slice ``r`` of
-stage 0's inputs and uses slice ``r`` of the target (``replica_slice``, ``replica_inputs``,
-``replica_target``). The runtime needs equal slices: the batch must split into ``m * d`` equal
-parts (``replica_problem``; ``pipecc compile`` refuses other plans, ``pipecc run`` another
-``--microbatches``). A replica's stages then see a batch of ``B / d`` (``replica_ports`` rescales
-the batch dims of ``ports.json``), and its micro-batch ``i`` is exactly slice ``r`` of the
-pipeline's micro-batch ``i``.
+cut into ``d`` contiguous slices (``torch.tensor_split`` again: of ``mb`` rows the first
+``mb % d`` replicas take one more, like DDP's sampler); replica ``r`` feeds slice ``r`` of stage 0's
+inputs and uses slice ``r`` of the target (``replica_slice``, ``replica_inputs``,
+``replica_target``). The batch must split into ``m`` equal micro-batches of at least ``d`` rows
+(``replica_problem``; ``pipecc compile`` refuses other plans, ``pipecc run`` another
+``--microbatches``), so replica ``r`` takes ``s_r`` rows of every micro-batch and its stages see a
+batch of ``m * s_r`` (``replica_rows``; ``replica_ports`` rescales the batch dims of
+``ports.json``, a dim of ``c * B`` rows to ``c * m * s_r``), and its micro-batch ``i`` is exactly
+slice ``r`` of the pipeline's micro-batch ``i``.
 
-Loss. Each micro-batch loss is weighted by the replica's share of the batch (``loss_share``:
-``rows of replica r / B = 1/d``) on top of the micro-batch's share of the replica's batch, so
-with a per-sample mean loss the gradients SUMMED over the replicas are those of the full-batch
-mean loss, and the replicas' losses summed are the full-batch loss (``PipelineRuntime.step``
-sums them over the last stage's group).
+Loss. Each micro-batch loss is weighted by the replica's share of the micro-batch (``loss_share``:
+``s_r / mb``, ``1/d`` for equal slices; ``Replicas.share``) on top of the micro-batch's share of
+the replica's batch (``1/m``), i.e. ``s_r / B``, so with a per-sample mean loss the gradients
+SUMMED over the replicas are those of the full-batch mean loss, and the replicas' losses summed
+are the full-batch loss (``PipelineRuntime.step`` sums them over the last stage's group).
 
 Gradients (``GradientAllReduce``). During a stage's last gradient-accumulating action of a step
 (its last B), every parameter gets a post-accumulate-grad hook
@@ -51,17 +53,26 @@ from pipecc.errors import PipeccError
 from pipecc.runtime.wire import wait_until
 
 __all__ = ["GradientAllReduce", "Replicas", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
-           "replica_slice", "replica_target"]
+           "replica_rows", "replica_slice", "replica_target", "slice_sizes"]
 
 
 @dataclass
 class Replicas:
     """This rank's place among the replicas: ``count`` (d) replicas per stage, this is replica
-    ``index``; ``groups[j]`` is the process group of pipeline rank j's replicas (d > 1 only)."""
+    ``index``; ``groups[j]`` is the process group of pipeline rank j's replicas (d > 1 only);
+    ``share`` the weight of its losses (``loss_share``; None: ``1 / count``, equal slices) and
+    ``batch`` the full batch's rows (None: equal slices, every batch dim cut into ``count``)."""
 
     count: int = 1
     index: int = 0
     groups: dict[int, Any] = field(default_factory=dict)
+    share: float | None = None
+    batch: int | None = None
+
+    @property
+    def weight(self) -> float:
+        """The factor on this replica's micro-batch losses (module docstring)."""
+        return 1.0 / self.count if self.share is None else self.share
 
     def rank_of(self, pipeline_rank: int, replica: int | None = None) -> int:
         """The global rank of ``pipeline_rank``'s replica ``replica`` (default: this rank's)."""
@@ -84,37 +95,61 @@ class Replicas:
 
 def replica_problem(batch: int, microbatches: int, replicas: int) -> str | None:
     """Why a batch of ``batch`` rows cannot run as ``microbatches`` micro-batches over
-    ``replicas`` replicas (None when it can: ``batch`` splits into ``m * d`` equal parts)."""
+    ``replicas`` replicas (None when it can: equal micro-batches of at least ``replicas`` rows)."""
     if replicas <= 1 or not batch:
         return None
-    if batch % microbatches or (batch // microbatches) % replicas:
-        fits = [k for k in range(1, batch + 1) if batch % (k * replicas) == 0]
-        return (f"{replicas} replicas each take an equal slice of every micro-batch, so the batch of {batch} must "
-                f"split into {microbatches} micro-batches of a multiple of {replicas} rows; use "
-                f"--microbatches {', '.join(map(str, fits[:8]))}" + (" ..." if len(fits) > 8 else ""))
-    return None
+    if batch % microbatches == 0 and batch // microbatches >= replicas:
+        return None
+    fits = [k for k in range(1, batch // replicas + 1) if batch % k == 0]
+    use = f"use --microbatches {', '.join(map(str, fits[:8]))}" + (" ..." if len(fits) > 8 else "")
+    if batch % microbatches:
+        return (f"with {replicas} replicas per stage the batch of {batch} must split into {microbatches} equal "
+                f"micro-batches; {use}")
+    mb = batch // microbatches
+    return (f"{replicas} replicas leave a replica without rows: a micro-batch of {mb} splits over at most {mb} "
+            f"replica{'s' if mb > 1 else ''}; {use}")
 
 
-def loss_share(replicas: int) -> float:
-    """The weight of a replica's loss (its rows / the batch's): the replicas' gradients then sum
-    to the full-batch gradient. Equal slices (``replica_problem``): ``1 / replicas``."""
-    return 1.0 / replicas
+def slice_sizes(rows: int, replicas: int) -> list[int]:
+    """The rows of each replica's slice of ``rows`` (``torch.tensor_split``: the first
+    ``rows % replicas`` take one more)."""
+    return [rows // replicas + (1 if r < rows % replicas else 0) for r in range(replicas)]
 
 
-def replica_slice(value: torch.Tensor, dim: int, microbatches: int, replicas: int, index: int) -> torch.Tensor:
+def replica_rows(batch: int, microbatches: int, replicas: int, index: int) -> int:
+    """Rows of a batch of ``batch`` that replica ``index`` runs: its slice of every micro-batch."""
+    return sum(slice_sizes(mb, replicas)[index] for mb in slice_sizes(batch, microbatches))
+
+
+def loss_share(microbatch: int, replicas: int, index: int) -> float:
+    """The weight of replica ``index``'s micro-batch loss (module docstring): its slice's rows /
+    the micro-batch's, so the replicas' gradients sum to the full-batch gradient (``1 /
+    replicas`` for equal slices)."""
+    return slice_sizes(microbatch, replicas)[index] / microbatch
+
+
+def replica_slice(value: torch.Tensor, dim: int, microbatches: int, replicas: int, index: int,
+                  batch: int | None = None) -> torch.Tensor:
     """Replica ``index``'s rows of ``value`` along ``dim``: slice ``index`` of ``replicas`` of each of
-    the ``microbatches`` micro-batches (``torch.tensor_split`` both times), concatenated."""
+    the ``microbatches`` micro-batches (``torch.tensor_split`` both times), concatenated. With
+    ``batch``, a dim of ``c * batch`` rows is cut in blocks of ``c`` (``c`` rows per sample)."""
     if replicas == 1:
         return value
-    parts = [torch.tensor_split(mb, replicas, dim=dim)[index]
-             for mb in torch.tensor_split(value, microbatches, dim=dim)]
-    return torch.cat(parts, dim=dim)
+    extent = value.shape[dim]
+    c = extent // batch if batch and extent % batch == 0 and extent > batch else 1
+    sizes = [c * n for mb in slice_sizes(extent // c, microbatches) for n in slice_sizes(mb, replicas)]
+    parts = torch.split(value, sizes, dim=dim)
+    return torch.cat([parts[i * replicas + index] for i in range(microbatches)], dim=dim)
 
 
-def replica_ports(spec: dict[str, Any], replicas: int) -> dict[str, Any]:
-    """A ``ports.json`` dict as replica sees it: every batched tensor's batch dim ``1/replicas``."""
+def replica_ports(spec: dict[str, Any], replicas: int, index: int = 0, microbatches: int = 1,
+                  batch: int | None = None) -> dict[str, Any]:
+    """A ``ports.json`` dict as replica ``index`` sees it: every batched tensor's batch dim its
+    rows (``replica_rows``). Equal slices (``batch`` None, or ``batch / microbatches`` a multiple of
+    ``replicas``): ``1/replicas`` of it; else a dim of ``c * batch`` rows gets ``c`` per row."""
     if replicas == 1:
         return spec
+    even = batch is None or (batch % microbatches == 0 and (batch // microbatches) % replicas == 0)
 
     def port(p: Any) -> Any:
         if not isinstance(p, dict):
@@ -125,10 +160,16 @@ def replica_ports(spec: dict[str, Any], replicas: int) -> dict[str, Any]:
         elif p.get("kind", "tensor") == "tensor" and p.get("batch_dim") is not None and "shape" in p:
             shape, dim = list(p["shape"]), int(p["batch_dim"])
             if 0 <= dim < len(shape):
-                if shape[dim] % replicas:
+                if even and shape[dim] % replicas:
                     raise PipeccError(f"port {p.get('name')!r}: batch dim of {shape[dim]} rows does not split over "
                                       f"{replicas} replicas")
-                shape[dim] //= replicas
+                if not even and (shape[dim] % batch or not shape[dim]):
+                    raise PipeccError(f"port {p.get('name')!r}: batch dim of {shape[dim]} rows is not a multiple of "
+                                      f"the batch of {batch}, so it cannot be cut into unequal replica slices; "
+                                      f"plan with a replica count that divides the micro-batch of "
+                                      f"{batch // microbatches}")
+                shape[dim] = shape[dim] // replicas if even else \
+                    shape[dim] // batch * replica_rows(batch, microbatches, replicas, index)
                 p["shape"] = shape
         return p
 
@@ -140,18 +181,18 @@ def replica_ports(spec: dict[str, Any], replicas: int) -> dict[str, Any]:
 
 
 def replica_inputs(leaves: Sequence[Any], batch_dims: Sequence[int | None], microbatches: int,
-                   replicas: int, index: int) -> list[Any]:
+                   replicas: int, index: int, batch: int | None = None) -> list[Any]:
     """Stage 0's input leaves for replica ``index`` (batched tensors sliced, the rest whole)."""
-    return [replica_slice(v, dim, microbatches, replicas, index)
+    return [replica_slice(v, dim, microbatches, replicas, index, batch)
             if isinstance(v, torch.Tensor) and dim is not None else v for v, dim in zip(leaves, batch_dims)]
 
 
-def replica_target(target: Any, microbatches: int, replicas: int, index: int) -> Any:
+def replica_target(target: Any, microbatches: int, replicas: int, index: int, batch: int | None = None) -> Any:
     """The target for replica ``index``: a tensor (or a tuple/list of them) sliced along dim 0."""
     if isinstance(target, torch.Tensor):
-        return replica_slice(target, 0, microbatches, replicas, index)
+        return replica_slice(target, 0, microbatches, replicas, index, batch)
     if isinstance(target, (tuple, list)) and target and all(isinstance(t, torch.Tensor) for t in target):
-        return type(target)(replica_slice(t, 0, microbatches, replicas, index) for t in target)
+        return type(target)(replica_slice(t, 0, microbatches, replicas, index, batch) for t in target)
     return target
 
 

@@ -221,7 +221,7 @@ class Verifier:
             return values
         ports = self.runtime.ports[self.runtime.stage_ids.index(self.runtime.last_stage)]
         dims = {p.name: p.batch_dim for p in ports.sends if p.kind == "tensor"}
-        return {name: replica_slice(v, dims[name], self.runtime.m, replicas.count, replicas.index)
+        return {name: replica_slice(v, dims[name], self.runtime.m, replicas.count, replicas.index, replicas.batch)
                 if isinstance(v, torch.Tensor) and dims.get(name) is not None else v for name, v in values.items()}
 
     def _differs(self, got: torch.Tensor, want: torch.Tensor) -> str | None:

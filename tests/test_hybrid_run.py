@@ -56,15 +56,16 @@ def cli_has_replicas() -> bool:
     return "--replicas" in parser._option_string_actions
 
 
-def compile_replicated(out: Path, pipeline_devices: int, replicas: int) -> Path:
+def compile_replicated(out: Path, pipeline_devices: int, replicas: int, batch: int = 8, microbatches: int = 2) -> Path:
     """The tiny MLP on `pipeline_devices * replicas` CPUs, every stage on `replicas` of them:
     through `pipecc compile --replicas` when it exists (end to end), else the python API."""
     if not cli_has_replicas():
-        analysis, plan, graph = replicated_plan(f"{pipeline_devices}xcpu", replicas)
+        analysis, plan, graph = replicated_plan(f"{pipeline_devices}xcpu", replicas, batch, microbatches)
         driver.compile(analysis, plan, graph, out)
         return out
     argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", f"{pipeline_devices * replicas}xcpu",
-            "--replicas", str(replicas), "-o", str(out), "-b", "8", "-m", "2", "--schedule", "1f1b", "-q"]
+            "--replicas", str(replicas), "-o", str(out), "-b", str(batch), "-m", str(microbatches),
+            "--schedule", "1f1b", "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0
@@ -99,6 +100,19 @@ def test_two_stages_two_replicas_verify_and_json(pp_dp: Path) -> None:
     assert rows == [(0, 0, 0), (0, 1, 1), (1, 2, 0), (1, 3, 1)]
     assert all(row["forward_samples"] == 2 and row["backward_samples"] == 2 for row in document["stages"])
     assert document["batch_size"] == 8 and document["steps"] == 1
+
+
+def test_uneven_slices_run_and_verify(tmp_path: Path) -> None:
+    """2 stages x 2 replicas, micro-batches of 3 rows: replica 0 takes 2 of each, replica 1 one
+    (ports, messages and loss weights per replica); --verify checks outputs, loss and gradients."""
+    out = compile_replicated(tmp_path / "mlp_uneven", 2, 2, batch=6, microbatches=2)
+    assert json.loads((out / "pipecc.json").read_text())["replicas"] == 2
+    run = pipecc("run", str(out), "--steps", "2", "--verify", "--json", "--timeout", "60")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "verify: outputs, loss and 12 gradients match the single-process run" in run.stderr
+    assert len(STEP.findall(run.stderr)) == 2
+    rows = [(row["index"], row["rank"], row["replica"]) for row in json.loads(run.stdout)["stages"]]
+    assert rows == [(0, 0, 0), (0, 1, 1), (1, 2, 0), (1, 3, 1)]
 
 
 def _replicas_agree(step_dir: Path) -> None:
@@ -148,7 +162,8 @@ def test_launcher_starts_one_rank_per_device(pp_dp: Path, capsys) -> None:
 def test_microbatches_that_do_not_split_over_the_replicas_are_refused(pp_dp: Path, capsys) -> None:
     assert cli.main(["run", str(pp_dp), "--microbatches", "8"]) == 2  # micro-batches of 1 row, 2 replicas
     err = capsys.readouterr().err
-    assert err.startswith("pipecc: error: --microbatches 8: 2 replicas each take an equal slice")
+    assert err.startswith("pipecc: error: --microbatches 8: 2 replicas leave a replica without rows: a "
+                          "micro-batch of 1 splits over at most 1 replica;")
     assert "use --microbatches 1, 2, 4" in err and len(err.strip().splitlines()) == 1
 
 
@@ -161,7 +176,8 @@ def test_compile_refuses_plans_the_runtime_cannot_run(tmp_path: Path) -> None:
         check_replicas(plan)
     plan.stages[1].replica_devices = [2, 3]
     plan.microbatches = 8
-    with pytest.raises(PipeccError, match=r"batch of 8 must split into 8 micro-batches of a multiple of 2 rows"):
+    with pytest.raises(PipeccError, match=r"a micro-batch of 1 splits over at most 1 replica; plan with "
+                                          r"--microbatches 1, 2, 4"):
         driver.compile(analysis, plan, graph, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -192,14 +208,43 @@ def test_replica_slices_partition_every_microbatch() -> None:
     assert ports["receives"][0]["shape"] == [12, 2]  # the spec itself is left alone
 
 
-def _replica_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, d: int, share: float) -> list:
-    """Each replica's accumulated gradients, weighted as the runtime weights its micro-batch losses."""
+def test_uneven_slices_ports_and_shares() -> None:
+    """A micro-batch of mb rows over d replicas: torch.tensor_split's slices (the first mb % d one
+    row more), replica r's micro-batch i still slice r of micro-batch i, ports sized per replica."""
+    x = torch.arange(22.0).reshape(11, 2)[:10]  # batch 10, m = 2: micro-batches of 5 over 3 replicas
+    m, d = 2, 3
+    assert rep.slice_sizes(5, 3) == [2, 2, 1] and [rep.replica_rows(10, m, d, r) for r in range(d)] == [4, 4, 2]
+    parts = [rep.replica_slice(x, 0, m, d, r) for r in range(d)]
+    assert [p.shape[0] for p in parts] == [4, 4, 2]
+    for i, mb in enumerate(torch.tensor_split(x, m)):
+        assert torch.equal(torch.cat([torch.tensor_split(p, m)[i] for p in parts]), mb)
+    assert rep.replica_target(torch.arange(10), m, d, 2).tolist() == [4, 9]
+    # a batch dim of c * B rows (here 3 per sample) is cut in whole samples
+    y = torch.arange(30)
+    assert rep.replica_slice(y, 0, m, d, 2, batch=10).tolist() == [12, 13, 14, 27, 28, 29]
+    ports = {"receives": [{"name": "x", "kind": "tensor", "shape": [10, 2], "batch_dim": 0},
+                          {"name": "t", "kind": "tensor", "shape": [4, 30], "batch_dim": 1}], "sends": []}
+    shapes = [[p["shape"] for p in rep.replica_ports(ports, d, r, m, 10)["receives"]] for r in range(d)]
+    assert shapes == [[[4, 2], [4, 12]], [[4, 2], [4, 12]], [[2, 2], [4, 6]]]
+    # equal slices: as before (1/d of every batch dim, whatever batch is given)
+    assert rep.replica_ports(ports, 2, 1, 1, 10)["receives"][1]["shape"] == [4, 15]
+    assert [rep.loss_share(5, 3, r) for r in range(3)] == [0.4, 0.4, 0.2] and rep.loss_share(8, 4, 3) == 0.25
+    assert rep.Replicas(3, 2).weight == pytest.approx(1 / 3) and rep.Replicas(3, 2, share=0.2).weight == 0.2
+    with pytest.raises(PipeccError, match="batch dim of 7 rows is not a multiple of the batch of 10"):
+        rep.replica_ports({"receives": [{"name": "z", "shape": [7], "batch_dim": 0}]}, d, 0, m, 10)
+    assert rep.replica_problem(32, 1, 3) is None and rep.replica_problem(6, 2, 2) is None  # 3 rows: 2 + 1
+    assert rep.replica_problem(6, 4, 2) is not None  # micro-batches of 2, 2, 1, 1 rows: unequal
+
+
+def _replica_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, d: int, share) -> list:
+    """Each replica's accumulated gradients, weighted as the runtime weights its micro-batch losses
+    (`share(r)`: replica r's weight on top of the micro-batch's share of its rows)."""
     grads = []
     for r in range(d):
         model.zero_grad()
         xr, yr = rep.replica_slice(x, 0, m, d, r), rep.replica_slice(y, 0, m, d, r)
         for xi, yi in zip(torch.tensor_split(xr, m), torch.tensor_split(yr, m)):
-            loss = nn.functional.cross_entropy(model(xi), yi) * (xi.shape[0] / xr.shape[0]) * share
+            loss = nn.functional.cross_entropy(model(xi), yi) * (xi.shape[0] / xr.shape[0]) * share(r)
             loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     return grads
@@ -212,14 +257,22 @@ def test_loss_share_makes_the_replicas_gradients_sum_to_the_full_batch() -> None
     nn.functional.cross_entropy(model(x), y).backward()
     full = [p.grad.clone() for p in model.parameters()]
     m, d = 2, 4
-    grads = _replica_grads(model, x, y, m, d, rep.loss_share(d))
+    grads = _replica_grads(model, x, y, m, d, lambda r: rep.loss_share(16 // m, d, r))
     summed = [sum(g[k] for g in grads) for k in range(len(full))]
     for got, want in zip(summed, full):
         torch.testing.assert_close(got, want)
     # what the checks are for: one replica's gradients alone (no all-reduce), or no loss weight, are wrong
     assert not torch.allclose(grads[0][0], full[0], rtol=1e-3, atol=1e-5)
-    unweighted = _replica_grads(model, x, y, m, d, 1.0)
+    unweighted = _replica_grads(model, x, y, m, d, lambda r: 1.0)
     assert not torch.allclose(sum(g[0] for g in unweighted), full[0], rtol=1e-3, atol=1e-5)
+    # uneven: micro-batches of 8 over 3 replicas (3/3/2 rows): shares 3/8, 3/8, 2/8 give the full
+    # batch's gradients, the equal-slice 1/3 does not
+    d = 3
+    grads = _replica_grads(model, x, y, m, d, lambda r: rep.loss_share(16 // m, d, r))
+    for k, want in enumerate(full):
+        torch.testing.assert_close(sum(g[k] for g in grads), want)
+    equal = _replica_grads(model, x, y, m, d, lambda r: 1.0 / d)
+    assert not torch.allclose(sum(g[0] for g in equal), full[0], rtol=1e-3, atol=1e-5)
     assert rep.replica_problem(8, 2, 2) is None and rep.replica_problem(8, 8, 2) is not None
     assert rep.replica_problem(6, 4, 2) is not None  # micro-batches of 2, 2, 1, 1 rows
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 # contract they are tested against; splitting would export those internals.
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NoReturn
@@ -263,17 +263,7 @@ class Schedule:
         Forward-only schedules stash nothing (0 everywhere). 1F1B gives
         ``min(p - s, m)``, GPipe ``m``. O(total actions).
         """
-        if not self.is_training:
-            return [0] * self.num_stages
-        held, peak = [0] * self.num_stages, [0] * self.num_stages
-        for row in self.actions:
-            for a in row:
-                if a.kind is ActionKind.F:
-                    held[a.stage] += 1
-                    peak[a.stage] = max(peak[a.stage], held[a.stage])
-                elif a.kind.frees_stash:
-                    held[a.stage] -= 1
-        return peak
+        return self._stash_peaks(lambda a: 1)
 
     def stash_sample_profile(self) -> list[int]:
         """Per stage, the most samples whose activations are held at once (needs
@@ -281,16 +271,22 @@ class Schedule:
         (PAPERS-SPEC.md 1.4). GPipe holds the whole batch on every stage."""
         if self.microbatch_sizes is None:
             raise ValueError("stash_sample_profile needs microbatch_sizes (use stash_profile for equal splits)")
+        sizes = self.microbatch_sizes
+        return self._stash_peaks(lambda a: sizes[a.stage][a.microbatch])
+
+    def _stash_peaks(self, weight: Callable[[Action], int]) -> list[int]:
+        """Per stage, the most `weight` held at once: F adds its action's weight, the action
+        that frees the stash (B or W) takes it off; 0 everywhere for forward-only schedules."""
         if not self.is_training:
             return [0] * self.num_stages
         held, peak = [0] * self.num_stages, [0] * self.num_stages
         for row in self.actions:
             for a in row:
                 if a.kind is ActionKind.F:
-                    held[a.stage] += self.microbatch_sizes[a.stage][a.microbatch]
+                    held[a.stage] += weight(a)
                     peak[a.stage] = max(peak[a.stage], held[a.stage])
                 elif a.kind.frees_stash:
-                    held[a.stage] -= self.microbatch_sizes[a.stage][a.microbatch]
+                    held[a.stage] -= weight(a)
         return peak
 
     def rank_stash_profile(self) -> list[int]:

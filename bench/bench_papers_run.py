@@ -1,0 +1,234 @@
+"""Paper features, run at small size on CPU: does each feature's predicted gain show up on the machine?
+
+    python bench/bench_papers_run.py [--cases umpipe,recompute,...] [--steps 8] [--warmup-steps 2]
+                                     [--write bench/RESULTS.md] [--json out.json]
+
+bench_papers.py compares the papers' techniques in the simulator at the papers' scale. This script
+checks the same predictions against runs: for every case, two folders of one small zoo model on
+the same CPU devices, compiled in this process through `pipecc.driver` with the feature off and on
+(everything else pinned: schedule, micro-batches, replicas 1), each trained for a few steps with
+`pipecc run OUT --json` (one process per rank, gloo, one thread per rank). It reports, per folder,
+the predicted iteration and the measured median step, and per case the predicted speed-up of the
+feature (off / on) beside the measured one. A case whose feature the planner declines (for
+example BPipe where the estimate says it does not pay) is shown as declined, with the planner's
+decision line, not forced.
+
+This machine has 2 cores: ranks beyond two share them, so absolute step times are not what a
+cluster would show; the ratio of two folders on the same devices is the figure to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import replace_section  # noqa: E402
+
+PIPECC = [sys.executable, "-m", "pipecc.cli"]
+
+GPT = dict(path="models/gpt.py", args=dict(n_layer=4, n_head=4, n_embd=128, vocab_size=1024,
+                                           block_size=64, seq_len=64))
+VGG = dict(path="models/vgg16.py", args=dict(width=0.25, image_size=32, num_classes=10, fc_dim=256))
+MLP = dict(path="models/mlp.py", args=dict(in_features=256, hidden=512, depth=6, num_classes=10))
+
+# name -> (what it measures, model, devices, batch, plan keywords for "off", for "on")
+CASES: dict[str, dict[str, Any]] = {
+    "umpipe": dict(title="UMPIPE: per-stage unequal micro-batches vs the planner's best equal split (gpipe)",
+                   model=VGG, devices="3xcpu", batch=16,
+                   off=dict(schedule="gpipe", microbatch_sizes="equal"),
+                   on=dict(schedule="gpipe", microbatch_sizes="auto", umpipe_budget_s=3.0)),
+    "recompute": dict(title="Activation recomputation: full vs none (1f1b)",
+                      model=GPT, devices="2xcpu", batch=16,
+                      off=dict(schedule="1f1b", microbatches=4, recompute="none"),
+                      on=dict(schedule="1f1b", microbatches=4, recompute="full")),
+}
+
+
+# ----------------------------------------------------------------------------- report (pure)
+
+def speedup(off_s: float, on_s: float) -> float:
+    """off / on: above 1 the feature made the iteration faster."""
+    return off_s / on_s if on_s > 0 else float("inf")
+
+
+def case_summary(case: dict[str, Any]) -> dict[str, Any]:
+    """Predicted and measured speed-ups of one case whose two folders both ran."""
+    off, on = case["off"], case["on"]
+    out = {"predicted": speedup(off["predicted_s"], on["predicted_s"])}
+    if "step_s" in off and "step_s" in on:
+        out["measured"] = speedup(off["step_s"], on["step_s"])
+    return out
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    meta = report["meta"]
+    lines = ["## Papers, run at small size on CPU: predicted vs measured gain of each feature", "",
+             f"`{command}` on {meta['date']}, {meta['wall_s']:.0f} s, {meta['cpus']} CPUs, torch "
+             f"{meta['torch']}, {meta['steps']} steps after {meta['warmup_steps']} warm-up (median step). "
+             "Two folders per case, the feature off and on, everything else pinned; predicted = the "
+             "plan's `predicted_iteration_s`, measured = `pipecc run --json` median step. Speed-up = "
+             "off / on (above 1: the feature helped).", "",
+             "| case | model, devices, B | off: predicted / measured ms | on: predicted / measured ms "
+             "| speed-up predicted | speed-up measured | note |",
+             "|---|---|---|---|---|---|---|"]
+    for c in report["cases"]:
+        off, on = c["off"], c["on"]
+        summ = case_summary(c) if "predicted_s" in off and "predicted_s" in on else {}
+        note = c.get("note", "")
+        for side in ("off", "on"):
+            if "error" in c[side]:
+                note = (note + "; " if note else "") + f"{side}: {c[side]['error']}"
+        lines.append(f"| {c['name']} | {c['model']}, {c['devices']}, {c['batch']} "
+                     f"| {_ms(off.get('predicted_s'))} / {_ms(off.get('step_s'))} "
+                     f"| {_ms(on.get('predicted_s'))} / {_ms(on.get('step_s'))} "
+                     f"| {_x(summ.get('predicted'))} | {_x(summ.get('measured'))} | {note} |")
+    lines.append("")
+    for c in report["cases"]:
+        lines.append(f"- **{c['name']}**: {c['title']}. " + " ".join(c.get("decisions", [])))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def compile_side(analysis: Any, spec: dict[str, Any], devices: str, kwargs: dict[str, Any],
+                 folder: Path) -> dict[str, Any]:
+    from pipecc import driver
+    plan, graph = driver.plan(analysis, devices, replicas=1, **kwargs)
+    plan.model_path, plan.model_args = str((ROOT / spec["path"]).resolve()), dict(spec["args"])
+    driver.compile(analysis, plan, graph, folder, force=True)
+    return {"predicted_s": plan.predicted_iteration_s, "schedule": plan.schedule,
+            "microbatches": plan.microbatches, "decisions": list(plan.decisions),
+            "plan": json.loads(plan.dumps())}
+
+
+def run_json(folder: Path, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    cmd = PIPECC + ["run", str(folder), "--json", "--steps", str(steps), "--warmup-steps", str(warmup), "-q"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"pipecc run: {_last_line(r.stderr or r.stdout)}")
+    doc = json.loads(r.stdout)
+    if doc.get("format") != "pipecc-run" or "step_s" not in doc:
+        raise RuntimeError("pipecc run --json: not a pipecc-run document")
+    return doc
+
+
+# case name -> a check on the "on" plan: (used?, note). A feature the planner declined is
+# reported as declined rather than measured as if it were on.
+USED: dict[str, Callable[[dict[str, Any]], tuple[bool, str]]] = {
+    "umpipe": lambda p: (bool(p.get("microbatch_sizes")), "equal sizes kept"),
+    "recompute": lambda p: (any(s.get("recompute") for s in p["stages"]), "no stage recomputes"),
+}
+
+
+def run_case(name: str, tmp: Path, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    from pipecc import driver
+    spec = CASES[name]
+    model = spec["model"]
+    analysis = driver.analyze(ROOT / model["path"], model_args=dict(model["args"]), batch_size=spec["batch"])
+    case: dict[str, Any] = {"name": name, "title": spec["title"], "model": Path(model["path"]).stem,
+                            "devices": spec["devices"], "batch": spec["batch"], "decisions": []}
+    for side in ("off", "on"):
+        folder = tmp / f"{name}-{side}"
+        try:
+            info = compile_side(analysis, model, spec["devices"], spec[side], folder)
+        except Exception as exc:  # recorded: one failing case must not lose the rest
+            case[side] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        plan = info.pop("plan")
+        case[side] = info
+        if side == "on":
+            used, why = USED[name](plan)
+            case["decisions"] = [d for d in info["decisions"] if _relevant(name, d)][:2]
+            if not used:
+                case["note"] = f"declined by the planner ({why})"
+                continue
+        for attempt in range(2):
+            try:
+                doc = run_json(folder, steps, warmup, timeout)
+                case[side]["step_s"] = doc["step_s"]["median"]
+                case[side].pop("error", None)
+                break
+            except Exception as exc:
+                case[side]["error"] = f"{type(exc).__name__}: {exc}"
+    print(f"{name}: {json.dumps({k: case[k] for k in ('off', 'on')}, default=str)[:300]}", file=sys.stderr)
+    return case
+
+
+def _relevant(name: str, line: str) -> bool:
+    keys = {"umpipe": ("UMPIPE", "micro-batch sizes", "sizes"), "recompute": ("recomput",)}
+    return any(k.lower() in line.lower() for k in keys.get(name, (name,)))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pipecc-papers-run-") as tmp_name:
+        cases = [run_case(n, Path(tmp_name), args.steps, args.warmup_steps, args.timeout) for n in args.cases]
+    meta = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "torch": torch.__version__, "wall_s": time.perf_counter() - start, "steps": args.steps,
+            "warmup_steps": args.warmup_steps}
+    return {"meta": meta, "cases": cases}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    parser.add_argument("--cases", type=csv, default=list(CASES), help=f"of {','.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300.0, help="per subprocess")
+    parser.add_argument("--json", type=Path, help="also write every number here")
+    parser.add_argument("--from-json", type=Path, help="render a --json dump instead of measuring")
+    parser.add_argument("--write", type=Path, help="rewrite this file's papers-run section (RESULTS.md)")
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(unknown)}")
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        command = report["meta"].get("command", "python bench/bench_papers_run.py")
+    else:
+        report = run(args)
+        command = ("python bench/bench_papers_run.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+        report["meta"]["command"] = command
+    text = markdown(report, command)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    if args.write:
+        replace_section(args.write, "papers-run", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

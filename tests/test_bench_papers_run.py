@@ -1,0 +1,41 @@
+"""bench/bench_papers_run.py's pure report functions on a hand-made report (no runs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_papers_run as bp  # noqa: E402
+
+META = {"date": "2026-12-01", "wall_s": 12.0, "cpus": 2, "torch": "2.13.0", "steps": 8, "warmup_steps": 2}
+
+
+def _case(name: str, off: dict, on: dict, note: str = "") -> dict:
+    return {"name": name, "title": f"{name} title", "model": "gpt", "devices": "2xcpu", "batch": 16,
+            "off": off, "on": on, "decisions": [f"{name} decision"], **({"note": note} if note else {})}
+
+
+def test_speedup_is_off_over_on():
+    assert bp.speedup(2.0, 1.0) == 2.0
+    assert bp.speedup(1.0, 0.0) == float("inf")
+    s = bp.case_summary(_case("x", {"predicted_s": 0.04, "step_s": 0.09}, {"predicted_s": 0.05, "step_s": 0.18}))
+    assert s["predicted"] == pytest.approx(0.8) and s["measured"] == pytest.approx(0.5)
+
+
+def test_markdown_shows_both_sides_declines_and_errors():
+    report = {"meta": META, "cases": [
+        _case("recompute", {"predicted_s": 0.04, "step_s": 0.09}, {"predicted_s": 0.05, "step_s": 0.18}),
+        _case("umpipe", {"predicted_s": 0.04, "step_s": 0.09}, {"predicted_s": 0.04},
+              note="declined by the planner (equal sizes kept)"),
+        _case("bpipe", {"error": "RuntimeError: pipecc run: boom"}, {"predicted_s": 0.05}),
+    ]}
+    text = bp.markdown(report, "python bench/bench_papers_run.py")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert "40.0 / 90.0" in rows["recompute"] and "50.0 / 180.0" in rows["recompute"]
+    assert "0.80x" in rows["recompute"] and "0.50x" in rows["recompute"]
+    assert "declined by the planner" in rows["umpipe"] and "| 1.00x | - |" in rows["umpipe"]
+    assert "off: RuntimeError: pipecc run: boom" in rows["bpipe"]
+    assert "- **recompute**: recompute title. recompute decision" in text

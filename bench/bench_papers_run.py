@@ -6,7 +6,8 @@
 bench_papers.py compares the papers' techniques in the simulator at the papers' scale. This script
 checks the same predictions against runs: for every case, two folders of one small zoo model on
 the same CPU devices, compiled in this process through `pipecc.driver` with the feature off and on
-(everything else pinned: schedule, micro-batches, replicas 1), each trained for a few steps with
+(everything else pinned: schedule, micro-batches, replicas 1), planned on the costs `pipecc profile`
+measures on these CPUs with one thread per rank (as bench_fidelity's "profiled" variant), each trained for a few steps with
 `pipecc run OUT --json` (one process per rank, gloo, one thread per rank). It reports, per folder,
 the predicted iteration and the measured median step, and per case the predicted speed-up of the
 feature (off / on) beside the measured one. A case whose feature the planner declines (for
@@ -47,9 +48,13 @@ MLP = dict(path="models/mlp.py", args=dict(in_features=256, hidden=512, depth=6,
 # name -> (what it measures, model, devices, batch, plan keywords for "off", for "on")
 CASES: dict[str, dict[str, Any]] = {
     "umpipe": dict(title="UMPIPE: per-stage unequal micro-batches vs the planner's best equal split (gpipe)",
-                   model=VGG, devices="3xcpu", batch=16,
+                   model=VGG, devices="2xcpu", batch=16,
                    off=dict(schedule="gpipe", microbatch_sizes="equal"),
                    on=dict(schedule="gpipe", microbatch_sizes="auto", umpipe_budget_s=3.0)),
+    "umpipe-sizes": dict(title="UMPIPE with a fixed size list (10, 6) vs two equal micro-batches (8, 8), gpipe",
+                         model=VGG, devices="2xcpu", batch=16,
+                         off=dict(schedule="gpipe", microbatches=2, microbatch_sizes="equal"),
+                         on=dict(schedule="gpipe", microbatch_sizes=[10, 6])),
     "recompute": dict(title="Activation recomputation: full vs none (1f1b)",
                       model=GPT, devices="2xcpu", batch=16,
                       off=dict(schedule="1f1b", microbatches=4, recompute="none"),
@@ -86,7 +91,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
     lines = ["## Papers, run at small size on CPU: predicted vs measured gain of each feature", "",
              f"`{command}` on {meta['date']}, {meta['wall_s']:.0f} s, {meta['cpus']} CPUs, torch "
              f"{meta['torch']}, {meta['steps']} steps after {meta['warmup_steps']} warm-up (median step). "
-             "Two folders per case, the feature off and on, everything else pinned; predicted = the "
+             "Two folders per case, the feature off and on, everything else pinned, planned on "
+             "`pipecc profile` costs measured with one thread per rank; predicted = the "
              "plan's `predicted_iteration_s`, measured = `pipecc run --json` median step. Speed-up = "
              "off / on (above 1: the feature helped).", "",
              "| case | model, devices, B | off: predicted / measured ms | on: predicted / measured ms "
@@ -120,10 +126,21 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def profile(spec: dict[str, Any], devices: str, batch: int, out: Path, timeout: float) -> None:
+    """`pipecc profile` with one thread, what each rank of `pipecc run` gets."""
+    flags = [x for k, v in spec["args"].items() for x in ("--model-arg", f"{k}={v}")]
+    cmd = PIPECC + ["profile", spec["path"], "--devices", devices, "-b", str(batch), *flags,
+                    "-o", str(out), "--no-cache", "-q"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"pipecc profile: {_last_line(r.stderr)}")
+
+
 def compile_side(analysis: Any, spec: dict[str, Any], devices: str, kwargs: dict[str, Any],
-                 folder: Path) -> dict[str, Any]:
+                 folder: Path, profile_path: Path | None = None) -> dict[str, Any]:
     from pipecc import driver
-    plan, graph = driver.plan(analysis, devices, replicas=1, **kwargs)
+    plan, graph = driver.plan(analysis, devices, replicas=1, **kwargs,
+                              profile=str(profile_path) if profile_path else None)
     plan.model_path, plan.model_args = str((ROOT / spec["path"]).resolve()), dict(spec["args"])
     driver.compile(analysis, plan, graph, folder, force=True)
     return {"predicted_s": plan.predicted_iteration_s, "schedule": plan.schedule,
@@ -146,6 +163,7 @@ def run_json(folder: Path, steps: int, warmup: int, timeout: float) -> dict[str,
 # reported as declined rather than measured as if it were on.
 USED: dict[str, Callable[[dict[str, Any]], tuple[bool, str]]] = {
     "umpipe": lambda p: (bool(p.get("microbatch_sizes")), "equal sizes kept"),
+    "umpipe-sizes": lambda p: (bool(p.get("microbatch_sizes")), "equal sizes kept"),
     "recompute": lambda p: (any(s.get("recompute") for s in p["stages"]), "no stage recomputes"),
 }
 
@@ -157,10 +175,17 @@ def run_case(name: str, tmp: Path, steps: int, warmup: int, timeout: float) -> d
     analysis = driver.analyze(ROOT / model["path"], model_args=dict(model["args"]), batch_size=spec["batch"])
     case: dict[str, Any] = {"name": name, "title": spec["title"], "model": Path(model["path"]).stem,
                             "devices": spec["devices"], "batch": spec["batch"], "decisions": []}
+    prof: Path | None = tmp / f"{name}-profile.json"
+    try:
+        profile(model, spec["devices"], spec["batch"], prof, timeout)
+    except Exception as exc:
+        case["note"] = f"profile failed ({exc}): roofline costs"
+        prof = None
+    case["costs"] = "profiled" if prof else "roofline"
     for side in ("off", "on"):
         folder = tmp / f"{name}-{side}"
         try:
-            info = compile_side(analysis, model, spec["devices"], spec[side], folder)
+            info = compile_side(analysis, model, spec["devices"], spec[side], folder, prof)
         except Exception as exc:  # recorded: one failing case must not lose the rest
             case[side] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
@@ -185,8 +210,8 @@ def run_case(name: str, tmp: Path, steps: int, warmup: int, timeout: float) -> d
 
 
 def _relevant(name: str, line: str) -> bool:
-    keys = {"umpipe": ("UMPIPE", "micro-batch sizes", "sizes"), "recompute": ("recomput",)}
-    return any(k.lower() in line.lower() for k in keys.get(name, (name,)))
+    keys = {"umpipe": ("(UMPIPE)",), "umpipe-sizes": ("(UMPIPE)",), "recompute": ("recomputes", "recompute:")}
+    return any(k in line for k in keys.get(name, (name,)))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -407,6 +407,8 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             start += time.perf_counter() - paused
         if optimizer is not None and update:
             optimizer.step()
+        if update:
+            runtime.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
         elapsed = time.perf_counter() - start
         if timer is not None and update:
             timer.end_step(elapsed)

@@ -24,11 +24,14 @@ gradient message, so
     B = max( max_j T_j, max_j max(tf_j, tb_j), max_{k<l} (Σ_{k..l} T + Σ_{k..l-1} (tf + tb)) / (l-k+1) )
 which is `partition.bottleneck` when a = c (tf = tb = t). comm="charged" adds tf + tb to both
 ends' T instead (no link resource), as `partition` does.
-Memory (spec §3.5): the BP range holds weights, gradients and optimizer state (`static_mem`)
-and its stashes; the FP-only units hold a replica of their weights (`param_bytes`, default
-`static_mem`, an over-estimate):
+Memory (spec §3.5): the BP range holds weights, gradients and optimizer state (`static_mem`);
+the FP-only units hold a replica of their weights (`param_bytes`, default `static_mem`, an
+over-estimate). Stashes: worker j holds its core's from F to B, and the segment at its left
+boundary in either direction (a_{j-1} > c_{j-1}: received with the forward message, kept to
+its B; c_{j-1} > a_{j-1}: its own forward's, kept until its B ships them back); the segment at
+its right boundary leaves at once (a_j > c_j) or arrives just before its B (c_j > a_j):
     M_j = Σ static[j][BP range] + Σ param[FP range minus BP range]
-          + act_factor_j · Σ act[j][BP range] + inflight_j · X[a_{j-1}]
+          + act_factor_j · Σ act[j][(min(a_{j-1}, c_{j-1}), min(a_j, c_j)]] + inflight_j · X[a_{j-1}]
 Weights: the BP worker owns a segment; after every optimizer step it refreshes the FP
 worker's replica, Σ param_bytes of the segment per iteration per boundary
 (`weight_sync_bytes`, a tail after the step: `sync_time`).
@@ -163,11 +166,10 @@ def _evaluate(cs: _Costs, a: Sequence[int], c: Sequence[int]) -> BiPartition:
                 t += cs.blocked(k, a[k + 1]) + (cs.blocked(k, c[k + 1]) if c[k + 1] != a[k + 1] else 0.0)
                 t += tf[k] + tb[k] if cs.charged else 0.0
         times.append(t)
-        lo, hi = c[j], c[j + 1]
         replica = max(0.0, cs.PPar[c[j]] - cs.PPar[a[j]]) + max(0.0, cs.PPar[a[j + 1]] - cs.PPar[c[j + 1]])
-        mems.append(float(cs.PS[j, hi] - cs.PS[j, lo] + replica
-                          + ar.act_factor(j) * (cs.PA[j, hi] - cs.PA[j, lo])
-                          + ar.inflight[j] * ar.X[a[j]]))
+        held = cs.PA[j, min(a[j + 1], c[j + 1])] - cs.PA[j, min(a[j], c[j])]
+        mems.append(float(cs.PS[j, c[j + 1]] - cs.PS[j, c[j]] + replica
+                          + ar.act_factor(j) * held + ar.inflight[j] * ar.X[a[j]]))
     tol = ar.mem_tol
     fits = all(_fits(m, cap, tol) for m, cap in zip(mems, ar.caps))
     if cs.charged:
@@ -267,7 +269,8 @@ def _steps(cs: _Costs, cands: list[list[int]], no_segment: np.ndarray | None) ->
             if j < p - 1:
                 T = T + np.array([[x[0] + x[1] for x in info[j]]])
         replica = np.maximum(0.0, cs.PPar[pc] - cs.PPar[pa]) + np.maximum(0.0, cs.PPar[ca] - cs.PPar[cc])
-        mem = (cs.PS[j][cc] - cs.PS[j][pc] + replica + ar.act_factor(j) * (cs.PA[j][cc] - cs.PA[j][pc])
+        held = cs.PA[j][np.minimum(ca, cc)] - cs.PA[j][np.minimum(pa, pc)]
+        mem = (cs.PS[j][cc] - cs.PS[j][pc] + replica + ar.act_factor(j) * held
                + ar.inflight[j] * ar.X[pa])
         ok = (np.maximum(pa, pc) < np.minimum(ca, cc)) & (pa < ca) & (pc < cc)
         ok &= mem <= ar.caps[j] + 1e-12 * abs(ar.caps[j]) + tol

@@ -32,6 +32,7 @@ unequal micro-batches, FPGA stages, recomputed stages, split layers and tied wei
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -108,6 +109,9 @@ def cut_pieces(graph: AnnotatedGraph, pieces: Sequence[tuple[str, int, int, list
     tied = sorted({t for s in cut for t in s.tied})
     if tied:
         raise PipeccError(f"a Bi-Partition plan cannot run with tied weights ({tied[0]}); {FIX}")
+    for stage in cut:  # a port's producer: the worker running its forward, not the piece
+        stage.receives = [replace(p, stage=pieces[p.stage][1]) if p.stage >= 0 else p for p in stage.receives]
+        stage.sends = [replace(p, stage=pieces[p.stage][1]) if p.stage >= 0 else p for p in stage.sends]
     for (kind, fp, bp, nodes), stage in zip(pieces, cut):
         if kind == "segment":
             bad = [p for p in (*stage.receives, *stage.sends) if not isinstance(p.value, TensorInfo)]
@@ -152,7 +156,8 @@ def write_workers(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence
             cls = f"Segment{b}"
             where = f"forward on stage {fp}, backward on stage {bp} (owner)"
             sgen = generate_stage(seg, graph.model_name, b, where, n, class_name=cls)
-            (folder / f"segment_{b}.py").write_text(sgen.source, encoding="utf-8")
+            source = sgen.source.replace("Weights: weights.safetensors beside", f"Weights: segment_{b}.safetensors beside")
+            (folder / f"segment_{b}.py").write_text(source, encoding="utf-8")
             save(folder / f"segment_{b}.safetensors", sgen.tensors, f"segment {b}")
             infos.append({"boundary": b, "fp_worker": fp, "bp_worker": bp, "file": f"segment_{b}.py",
                           "class": cls, "weights": f"segment_{b}.safetensors", "nodes": list(nodes),

@@ -756,6 +756,7 @@ class PipelineRuntime:
             if "optimizer" not in meta:
                 raise PipeccError(f"checkpoint {base}.json has no optimizer state")
             self.optimizer.load_state_dict(from_json(meta["optimizer"]["state"], tensors))
+        self.after_optimizer_step()  # Bi-Partition: checkpoints hold the owners' weights; refresh the replicas
         return int(meta["step"])
 
 

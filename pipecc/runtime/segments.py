@@ -52,7 +52,8 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import Port, StagePorts, as_tuple
 
-__all__ = ["BipartitionWorker", "Graphs", "SAVED", "SegmentRunner", "WorkerProgram", "trace_segment"]
+__all__ = ["BipartitionWorker", "Graphs", "SAVED", "SegmentRunner", "WorkerProgram", "share_replicas", "trace_segment",
+           "worker_class"]
 
 SAVED = Port("saved", "tensor")  # the wire's view of a saved tensor (sent by shape, received into buffers)
 Shape = tuple[int, ...]
@@ -241,13 +242,12 @@ class SegmentRunner:
 
     def forward(self, env: dict[str, Any], training: bool) -> list[torch.Tensor]:
         """Put the segment's outputs into ``env`` (by port name); returns the saved tensors that
-        travel (training) or [] (inference: the module runs eagerly)."""
-        inputs = [env[n].detach() for n in self.receives]
-        if not training:
-            with torch.no_grad():
-                outs = as_tuple(self.module(*inputs))
+        travel (training: the forward graph) or [] (otherwise the module runs eagerly)."""
+        if not training:  # eager (inference runs under no_grad; pipecc.load differentiates through it)
+            outs = as_tuple(self.module(*[env[n] for n in self.receives]))
             env.update((n, v) for n, v in zip(self.sends, outs) if n not in self.receives)
             return []
+        inputs = [env[n].detach() for n in self.receives]
         g = self.graphs([tuple(x.shape) for x in inputs])
         with torch.no_grad():
             res = g.fw(*self.static(), *inputs)
@@ -339,6 +339,17 @@ class BipartitionWorker(nn.Module):
         if program.right is not None and program.right.role == "fp":
             program.right.forward(env, training=False)
         return tuple(env[p["name"]] for p in self.spec["sends"])
+
+
+def share_replicas(modules: Sequence[nn.Module]) -> None:
+    """One process (``pipecc.load``): every replica becomes its owner's module, so the eager
+    forward's gradients reach the owner's parameters, the model's."""
+    owners = {r.boundary: r.module for m in modules if isinstance(m, BipartitionWorker) for r in m.runners if r.owner}
+    for m in modules:
+        if isinstance(m, BipartitionWorker):
+            for r in m.runners:
+                if not r.owner and r.boundary in owners:
+                    r.module = owners[r.boundary]
 
 
 def worker_class(names: dict[str, str]) -> type:

@@ -315,12 +315,15 @@ def _path(steps: list[_Step], R: list[tuple[np.ndarray, np.ndarray]]) -> tuple[t
 
 def bipartition(problem: PartitionProblem, window: int = 8, mode: str = "ship",
                 single: Partition | None = None,
-                no_segment: Sequence[bool] | None = None) -> BiPartition:
+                no_segment: Sequence[bool] | None = None,
+                no_cut: Sequence[bool] | None = None) -> BiPartition:
     """Best FP/BP cut pair with every cut within `window` units of the single cut (§3.4).
 
     `single`: the exact single-cut partition (computed with `partition()` if None).
     `no_segment[i]` True: node i may not lie in a misplaced segment (a module whose buffers
     training mutates, object ports: the runtime cannot run its FP and BP apart).
+    `no_cut[s]` True (s = 0..n): neither a forward nor a backward cut may lie at boundary s
+    (nodes sharing a weight stay in one piece); the single cut's own bounds stay allowed.
     Bisection on T with the exact DP test; each feasible probe is rebuilt and evaluated, so
     the result is a real cut pair within relative 1e-13 of the window's optimum.
     Cost: O(p · (2·window+1)^4) numpy per probe, ~45 probes. Raises InfeasibleError as
@@ -329,7 +332,8 @@ def bipartition(problem: PartitionProblem, window: int = 8, mode: str = "ship",
     cs = _Costs(problem, mode)
     n, p = cs.n, cs.p
     base = single if single is not None else partition(problem)
-    cands = [sorted({x for x in range(b - window, b + window + 1) if 1 <= x <= n - 1})
+    cands = [sorted({x for x in range(b - window, b + window + 1) if 1 <= x <= n - 1
+                     and (x == b or no_cut is None or not no_cut[x])})
              for b in base.bounds[1:-1]]
     mask = None if no_segment is None else np.asarray(no_segment, dtype=bool)
     steps = _steps(cs, cands, mask)

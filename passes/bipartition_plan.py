@@ -7,7 +7,8 @@
 
 Scope v1 (PAPERS-SPEC §3.8, /work/shared Bi-Partition contract): a training plan under 1f1b or
 gpipe, one stage per device, replicas 1, equal micro-batches, no recomputing stage, no FPGA
-stage, at least two stages. A misplaced segment may not hold the loss / last node (the DP
+stage, at least two stages, no split layers, and the users of a shared weight in one piece
+(the runtime's scope, `backends.torch.bipartition`: no cut lies between them). A misplaced segment may not hold the loss / last node (the DP
 keeps it in the last worker's core), a module whose buffers training mutates (BatchNorm in
 training mode: the forward and backward worker would each hold running statistics) or a node
 whose value is not tensors (the runtime ships saved tensors only): `segment_blockers`.
@@ -34,13 +35,14 @@ from pipecc.passes.recompute import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.umpipe_plan import _unit_bounds
 
-__all__ = ["why_not", "segment_blockers", "apply", "check_plan", "describe", "WINDOW"]
+__all__ = ["why_not", "segment_blockers", "shared_weights", "apply", "check_plan", "describe", "WINDOW"]
 
 WINDOW = 8  # units each cut may move (PAPERS-SPEC §3.4's Δ)
 
 
-def why_not(plan: Plan) -> str | None:
-    """Why `plan` cannot take separate FP/BP cuts (v1 scope), or None when it can."""
+def why_not(plan: Plan, graph: AnnotatedGraph | None = None) -> str | None:
+    """Why `plan` cannot take separate FP/BP cuts (v1 scope; with `graph`, also tied weights),
+    or None when it can."""
     if not plan.options.get("training", True) or plan.schedule == "inference":
         return "an inference plan (no backward pass)"
     if plan.schedule not in ("1f1b", "gpipe"):
@@ -57,6 +59,11 @@ def why_not(plan: Plan) -> str | None:
         return "FPGA stages (inference-only, one-tensor boundaries)"
     if len(plan.stages) < 2:
         return "one stage (no pipeline)"
+    if plan.split_layers:
+        return "split layers (the runtime cuts Bi-Partition pieces from unsplit layers)"
+    tied = _tied_across(plan, shared_weights(graph)) if graph is not None else None
+    if tied is not None:
+        return f"tied weights in different stages ({tied})"
     return None
 
 
@@ -69,16 +76,49 @@ def _tensor_only(value: Any) -> bool:
 
 
 def segment_blockers(graph: AnnotatedGraph) -> dict[str, str]:
-    """Node name -> why its forward and backward must run on one worker (module docstring)."""
+    """Node name -> why its forward and backward must run on one worker (module docstring):
+    BatchNorm in training mode, and a node that produces or takes a non-tensor value (it
+    could be a segment's boundary port, which carries tensors only)."""
     out = {name: "BatchNorm in training mode (its running statistics)"
            for name in training_batchnorm_names(graph)}
     for node in graph.compute_nodes():
         name = str(node.meta.get(META_NAME, node.name))
+        if name in out or node.op == "get_attr":
+            continue
         value = node.meta.get(META_VALUE)
-        if name not in out and value is not None and not _tensor_only(value):
-            kind = "a non-tensor value" if isinstance(value, ScalarInfo) else "a value with non-tensor parts"
-            out[name] = kind
+        if value is not None and not _tensor_only(value):
+            out[name] = "a non-tensor value"
+            continue
+        for arg in node.all_input_nodes:
+            v = arg.meta.get(META_VALUE)
+            if arg.op != "get_attr" and v is not None and not _tensor_only(v):
+                out[name] = f"a non-tensor input from {arg.meta.get(META_NAME, arg.name)}"
+                break
     return out
+
+
+def shared_weights(graph: AnnotatedGraph) -> dict[str, list[str]]:
+    """Parameter or module target -> the node names using it, for targets used by more than
+    one node: the runtime refuses a Bi-Partition plan that puts such nodes in different pieces
+    (tied weights, `backends.torch.bipartition`), so no cut may lie between them."""
+    users: dict[str, list[str]] = {}
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr":
+            for user in node.users:
+                users.setdefault(str(node.target), []).append(str(user.meta.get(META_NAME, user.name)))
+        elif node.op == "call_module":
+            users.setdefault(str(node.target), []).append(str(node.meta.get(META_NAME, node.name)))
+    return {t: sorted(set(names)) for t, names in users.items() if len(set(names)) > 1}
+
+
+def _tied_across(plan: Plan, shared: dict[str, list[str]]) -> str | None:
+    """A shared weight whose users the plan puts in different pieces, or None."""
+    piece = {n: i for i, (_, _, _, nodes) in enumerate(plan.bipartition_pieces()) for n in nodes}
+    for target, names in shared.items():
+        held = {piece[n] for n in names if n in piece}
+        if len(held) > 1:
+            return f"{target} shared by {names[0]} and {names[-1]}"
+    return None
 
 
 def _problem(balancer: Any, plan: Plan, units: Any, mb: int) -> PartitionProblem:
@@ -148,6 +188,12 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
     names = [name for names in units.names for name in names]
     blockers = segment_blockers(graph)
     no_segment = [any(n in blockers for n in group) for group in units.names]
+    unit_of = {n: u for u, group in enumerate(units.names) for n in group}
+    no_cut = [False] * (units.n + 1)
+    for users in shared_weights(graph).values():  # keep a tied weight's users in one piece
+        us = [unit_of[n] for n in users if n in unit_of]
+        for s in range(min(us) + 1, max(us) + 1) if us else ():
+            no_cut[s] = True
     bound_prob = balancer.bound_problem(prob, [int(d.get("given_index", i))
                                                for i, d in enumerate(plan.devices)], mb)
     plan.lower_bound_s = min(plan.lower_bound_s, lower_bound(bound_prob, units.splittable,
@@ -161,7 +207,8 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
     tried: list[tuple[BiPartition, PartitionProblem, Timeline]] = []
     for variant in (prob, dataclasses.replace(prob, comm="charged")):
         try:
-            bi = bipartition(variant, window, "ship", single=single, no_segment=no_segment)
+            bi = bipartition(variant, window, "ship", single=single, no_segment=no_segment,
+                             no_cut=no_cut)
         except InfeasibleError:
             continue
         if bi.is_split:  # cost it on the real (overlapped) model
@@ -169,7 +216,8 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
             if bi.fits:
                 tried.append((bi, prob, _simulate(bi, prob, plan)))
     try:
-        rc = bipartition(prob, window, "recompute", single=single, no_segment=no_segment)
+        rc = bipartition(prob, window, "recompute", single=single, no_segment=no_segment,
+                         no_cut=no_cut)
         rc_line = (f"with recomputation instead of stash shipping the best cut pair gives "
                    f"{rc.bottleneck:.4g} s per micro-batch vs the single cut's "
                    f"{base.bottleneck:.4g} s (a misplaced segment's forward runs twice)")
@@ -255,7 +303,7 @@ def check_plan(graph: AnnotatedGraph, plan: Plan) -> None:
     if plan.bipartition_mode != "ship":
         raise PipeccError("plan: stages have separate backward ranges but bipartition_mode is "
                           "empty; set it to 'ship' or re-plan with --bipartition auto")
-    why = why_not(plan)
+    why = why_not(plan, graph)
     if why is not None:
         raise PipeccError(f"plan: separate forward/backward cuts cannot run with {why}; "
                           "re-plan with --bipartition off")

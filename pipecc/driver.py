@@ -334,20 +334,44 @@ def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: f
     state.plan = umpipe_plan.apply(state.plan, balancer, mode, budget_s=budget_s)
 
 
-def _bipartition(state: State, *, cluster: Any, options: Any) -> None:
-    """Separate forward/backward cuts on the chosen plan (`passes.bipartition_plan`): kept when
-    the simulated iteration beats the single cut; a decision line either way."""
+def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster: Any,
+                 options: Any) -> None:
+    """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan, or, when
+    it splits layers (which Bi-Partition v1 does not run), on the balancer's unsplit plan of
+    `graph`, kept only if faster than the split one. A decision line either way."""
     from pipecc.passes import bipartition_plan, split_search
     from pipecc.passes.balance import Balancer
     assert state.plan is not None and state.graph is not None
-    why = bipartition_plan.why_not(state.plan)
+    chosen = state.plan
+    if chosen.split_layers and state.candidate is not None:
+        base, g, bal = balancer.to_plan(state.candidate, []), graph, balancer
+    else:
+        base, g = chosen, state.graph
+        bal = balancer if g is graph else Balancer(g, cluster, options,
+                                                   splittable=split_search.splittable_names(g))
+    why = bipartition_plan.why_not(base, g)
     if why is not None:
-        state.plan.decisions.append(f"Bi-Partition not tried: {why}")
+        chosen.decisions.append(f"Bi-Partition not tried: {why}")
         return
-    balancer = Balancer(state.graph, cluster, options,
-                        splittable=split_search.splittable_names(state.graph))
-    state.plan = bipartition_plan.apply(state.plan, balancer, state.graph,
-                                        window=options.bipartition_window)
+    result = bipartition_plan.apply(base, bal, g, window=options.bipartition_window)
+    if base is chosen:
+        state.plan = result
+        return
+    chosen.lower_bound_s = min(chosen.lower_bound_s, result.lower_bound_s)
+    if chosen.lower_bound_compute_s and result.lower_bound_compute_s:
+        chosen.lower_bound_compute_s = min(chosen.lower_bound_compute_s, result.lower_bound_compute_s)
+    line = next(d for d in reversed(result.decisions) if d.startswith("Bi-Partition"))
+    if result.is_bipartition() and result.predicted_iteration_s < chosen.predicted_iteration_s:
+        result.decisions.append(f"Bi-Partition on unsplit layers beats the plan with split layers: "
+                                f"{result.predicted_iteration_s:.4g} s vs "
+                                f"{chosen.predicted_iteration_s:.4g} s per iteration")
+        state.plan, state.graph = result, g
+        return
+    if result.is_bipartition():
+        line = (f"Bi-Partition not used: on unsplit layers it predicts "
+                f"{result.predicted_iteration_s:.4g} s per iteration, the plan with split layers "
+                f"{chosen.predicted_iteration_s:.4g} s ({line.removeprefix('Bi-Partition: ')})")
+    chosen.decisions.append(line)
 
 
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
@@ -421,7 +445,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
             _unequal, cluster=cluster, options=options, mode=sizes_mode, budget_s=umpipe_budget_s),
             "searching unequal micro-batch sizes"))
     if bipartition == "auto":
-        steps.append(Step("bipartition", partial(_bipartition, cluster=cluster, options=options),
+        steps.append(Step("bipartition", partial(_bipartition, balancer=balancer, graph=graph,
+                                                 cluster=cluster, options=options),
                           "searching separate forward/backward cuts"))
     fpgas = [d for d in cluster.devices if d.kind == "fpga"]
     if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)

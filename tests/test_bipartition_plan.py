@@ -2,6 +2,8 @@
 search against brute force (spec §3.2 example), the lower bound, and the CLI."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipecc.errors import PipeccError
@@ -162,3 +164,123 @@ def test_shipping_costs_the_stash_on_the_link():
     assert ex.misplaced_stash_bytes == (1e6,) and ex.bwd_cut_bytes == (1e6 + 1e3,)
     assert ex.bottleneck > 12.0
     assert not bipartition(pr).is_split
+
+
+# ---- the simulator's tail (the replica refresh after the step) -------------------------------
+def test_simulator_tail_delays_the_iteration_end():
+    from pipecc.ir.schedule import by_name
+    from pipecc.passes.simulate import StageCosts, simulate
+    sched = by_name("1f1b", 2, 4, 1)
+    costs = StageCosts.uniform(2, 4, 1.0, 2.0)
+    plain = simulate(sched, costs).iteration_s
+    costs.tail_s = [0.0, 5.0]  # rank 1 ends first (1F1B cooldown ends on rank 0), then sends 5 s
+    rank1_end = max(e.end for e in simulate(sched, costs).events if e.rank == 1)
+    assert simulate(sched, costs).iteration_s == pytest.approx(max(plain, rank1_end + 5.0))
+    assert simulate(sched, costs).iteration_s > plain
+    costs.tail_s = [0.0]
+    with pytest.raises(ValueError, match="tail_s"):
+        simulate(sched, costs)
+
+
+# ---- the planner (driver.plan with bipartition="auto") ----------------------------------------
+from helpers import run_cli, zoo_path  # noqa: E402
+
+LUMPY = dict(in_features=512, hidden=4096, depth=3, num_classes=512)  # layer FLOPs 1 : 8 : 1
+
+
+@pytest.fixture(scope="module")
+def lumpy():
+    from pipecc import driver
+    analysis = driver.analyze(zoo_path("mlp"), model_args=LUMPY, batch_size=64)
+    kw = dict(microbatches=8, schedule="1f1b", replicas=1, split_layers=False)
+    on, graph = driver.plan(analysis, "2xcpu", bipartition="auto", debug=True, **kw)
+    off, _ = driver.plan(analysis, "2xcpu", bipartition="off", **kw)
+    return analysis, on, off, graph
+
+
+def test_auto_keeps_a_faster_cut_pair_and_fills_the_plan(lumpy):
+    from pipecc import driver
+    from pipecc.report.artifacts import timeline_for
+    _, on, off, graph = lumpy
+    assert not off.is_bipartition() and off.bipartition_mode == ""
+    assert not any("Bi-Partition" in d for d in off.decisions)
+    assert on.is_bipartition() and on.bipartition_mode == "ship"
+    line = next(d for d in on.decisions if d.startswith("Bi-Partition"))
+    assert "faster than the single cut (FP cuts" in line and "BP cuts" in line
+    assert on.predicted_iteration_s < off.predicted_iteration_s
+    assert on.options["bipartition"]["single_iteration_s"] == pytest.approx(off.predicted_iteration_s)
+    # the proven bound covers cut pairs: never above the bi plan's bottleneck, never above off's
+    assert on.lower_bound_s <= on.bottleneck_s and on.lower_bound_s <= off.lower_bound_s
+    # forward ranges are a cover in graph order; backward ranges are the other cut
+    assert [n for s in on.stages for n in s.nodes] == [n for s in off.stages for n in s.nodes]
+    pieces = on.bipartition_pieces()
+    assert [k for k, *_ in pieces].count("segment") >= 1
+    assert sum(s.extra_send_bytes for s in on.stages) > 0 and on.weight_sync_bytes > 0
+    # reports rebuild the planner's timeline from the plan (both directions, the tail)
+    assert timeline_for(on).iteration_s == pytest.approx(on.predicted_iteration_s, rel=1e-9)
+    again = Plan.from_json(json.loads(on.dumps()))
+    assert again.bipartition_pieces() == pieces
+    driver.check_bipartition(graph, on)  # compile accepts what the planner makes
+    with pytest.raises(PipeccError, match="drop-in module runs single-cut plans only"):
+        driver.check_bipartition(graph, on, dropin=True)
+
+
+def test_recompute_mode_plan_is_refused_at_compile(lumpy):
+    from pipecc import driver
+    _, on, _, graph = lumpy
+    bad = Plan.from_json(json.loads(on.dumps()))
+    bad.bipartition_mode = "recompute"
+    with pytest.raises(PipeccError, match="only costed"):
+        driver.check_bipartition(graph, bad)
+    bad.bipartition_mode = ""
+    with pytest.raises(PipeccError, match="bipartition_mode is empty"):
+        driver.check_bipartition(graph, bad)
+
+
+def test_auto_outside_the_scope_says_why_not(lumpy):
+    from pipecc import driver
+    analysis = lumpy[0]
+    plan, _ = driver.plan(analysis, "2xcpu", microbatches=8, schedule="interleaved", replicas=1,
+                          split_layers=False, bipartition="auto")
+    assert any(d.startswith("Bi-Partition not tried: schedule interleaved") for d in plan.decisions)
+    assert not plan.is_bipartition()
+    plan, _ = driver.plan(analysis, "2xcpu", microbatches=8, replicas=1, training=False,
+                          split_layers=False, bipartition="auto")
+    assert any(d.startswith("Bi-Partition not tried: an inference plan") for d in plan.decisions)
+
+
+def test_batchnorm_never_lands_in_a_segment():
+    from pipecc import driver
+    from pipecc.passes.bipartition_plan import check_plan, segment_blockers
+    analysis = driver.analyze(zoo_path("tiny_cnn"), batch_size=4)
+    blockers = segment_blockers(analysis.graph)
+    bn = [n for n, why in blockers.items() if "BatchNorm" in why]
+    assert bn
+    plan, graph = driver.plan(analysis, "2xcpu", microbatches=2, schedule="1f1b", replicas=1,
+                              split_layers=False, bipartition="auto")
+    for kind, _, _, nodes in plan.bipartition_pieces():
+        assert kind == "core" or not set(nodes) & set(bn)
+    # a hand-made plan that moves the first BatchNorm's backward to the next stage is refused
+    order = [n for s in plan.stages for n in s.nodes]
+    i = order.index(bn[0])
+    edited = Plan.from_json(json.loads(plan.dumps()))
+    edited.stages[0].nodes, edited.stages[1].nodes = order[:i + 1], order[i + 1:]
+    edited.stages[0].backward_nodes, edited.stages[1].backward_nodes = order[:i], order[i:]
+    edited.bipartition_mode = "ship"
+    with pytest.raises(PipeccError, match="BatchNorm"):
+        check_plan(graph, edited)
+
+
+def test_cli_flag(capsys, tmp_path):
+    args = ["plan", str(zoo_path("mlp")), "--devices", "2xcpu", "--replicas", "1",
+            "--batch-size", "64", "-m", "8", "--schedule", "1f1b", "--no-split-layers",
+            *[f"--model-arg={k}={v}" for k, v in LUMPY.items()]]
+    code, out, err = run_cli([*args, "--bipartition", "auto", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["bipartition_mode"] == "ship" and data["weight_sync_bytes"] > 0
+    assert any(s["backward_nodes"] != s["nodes"] for s in data["stages"])
+    code, out, err = run_cli([*args, "--bipartition", "auto"], capsys)
+    assert code == 0 and "Bi-Partition    FP cuts" in out and "backward" in out
+    code, out, err = run_cli([*args, "--bipartition", "always"], capsys)
+    assert code == 2 and "--bipartition" in err and len(err.strip().splitlines()) <= 2

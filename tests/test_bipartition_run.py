@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_cli
 from helpers import run_pipecc as pipecc
 from pipecc import driver
 from pipecc.backends.torch.bipartition import check_bipartition
@@ -253,3 +254,8 @@ def test_compile_refuses_batchnorm_in_a_segment(tmp_path) -> None:
     assert not out.exists()
     with pytest.raises(PipeccError, match="BatchNorm"):
         check_bipartition(graph, bad)
+
+
+def test_run_refuses_a_schedule_the_workers_cannot_run(bip_out: Path, capsys) -> None:
+    code, _, err = run_cli(["run", str(bip_out), "--schedule", "zb-h1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "1f1b or gpipe" in err

@@ -42,6 +42,14 @@ micro-batch loss is weighted by the replica's share of the batch, ``step`` all-r
 stages' gradients over the replicas (started from the last backward, overlapping it) and
 returns the full-batch loss. The caller gives replica-sized ports, inputs and target.
 
+Bi-Partition (``pipecc.runtime.segments``): a stage module that is a ``BipartitionWorker`` runs
+F and B through its ``WorkerProgram`` (core under autograd, misplaced segments through their
+AOT forward/backward graphs); its forward message carries the values crossing its forward cut
+plus any segment's saved tensors, its backward message the gradients at its backward cut plus
+any saved tensors (``SAVED`` ports after the usual ones, same tags scheme), and
+``after_optimizer_step`` refreshes the segments' replicas from their owners (also after
+``load_checkpoint``). Equal micro-batches, no replicas, no zero-bubble split.
+
 Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
 it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.
 
@@ -108,8 +116,9 @@ from pipecc.runtime.wire import (
 __all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "forward_only", "init_distributed"]
 
 # NOTE(size): PipelineRuntime is the interpreter of the schedule IR, one method per action kind
-# (F, B, I, W, SEND/RECV) around one shared state (inbox, outbox, stash); the zero-bubble split and
-# the replica groups' arithmetic already live in split_backward.py and replicas.py.
+# (F, B, I, W, SEND/RECV) around one shared state (inbox, outbox, stash); the zero-bubble split,
+# the replica groups' arithmetic and Bi-Partition's pieces already live in split_backward.py,
+# replicas.py and segments.py (what stays here: their hooks into the actions and messages).
 
 MAX_PORTS = 1024  # values crossing one stage boundary
 

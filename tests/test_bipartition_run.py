@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import run_cli, zoo_path
 from helpers import run_pipecc as pipecc
 from pipecc import driver
 from pipecc.backends.torch.bipartition import check_bipartition
@@ -259,3 +259,26 @@ def test_compile_refuses_batchnorm_in_a_segment(tmp_path) -> None:
 def test_run_refuses_a_schedule_the_workers_cannot_run(bip_out: Path, capsys) -> None:
     code, _, err = run_cli(["run", str(bip_out), "--schedule", "zb-h1"], capsys)
     assert code == 2 and err.count("\n") == 1 and "1f1b or gpipe" in err
+
+
+def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
+    """`pipecc compile --bipartition auto` (a plan the planner keeps: FP cut [4], BP cut [2] on
+    an MLP whose first layers are wide), then every worker in this process with --verify; the
+    saved tensors that travel are the plan's extra_send_bytes (the transposed weight does not)."""
+    out = tmp_path / "out"
+    args = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
+            "--model-arg", "num_classes=256"]
+    code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
+                                 "--replicas", "1", "--schedule", "1f1b", "--no-split-layers",
+                                 "--bipartition", "auto", *args, "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "Bi-Partition (ship): 1 segment(s)" in stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["bipartition_mode"] == "ship" and plan["stages"][1]["backward_nodes"]
+    assert _run_here(out, "--verify", "--steps", "0") == 0
+    assert "gradients match" in capsys.readouterr().out
+    worker = load_stage(out / "stage_0")[0]
+    runner = next(r for r in worker.runners if r.role == "fp")
+    graphs = runner.graphs([(4, *p.shape[1:]) for p in runner.ports.receives])
+    sent = sum(torch.Size(graphs.saved[i][0]).numel() * 4 for i in graphs.sent)
+    assert sent == plan["stages"][0]["extra_send_bytes"]

@@ -226,7 +226,12 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
     info: dict[str, Any] = {"used": False, "window": window, "mode": "ship",
                             "single_iteration_s": t_single.iteration_s,
                             "single_bottleneck_s": base.bottleneck,
-                            "recompute_bottleneck_s": rc.bottleneck if rc else None}
+                            "recompute_bottleneck_s": rc.bottleneck if rc else None,
+                            "recompute_iteration_s": (_simulate(rc, prob, plan).iteration_s
+                                                      if rc is not None and rc.is_split
+                                                      else t_single.iteration_s),
+                            "best_ship_bottleneck_s": min([b.bottleneck for b, _, _ in tried],
+                                                          default=base.bottleneck)}
     plan.options["bipartition"] = info
     tried.sort(key=lambda r: r[2].iteration_s)
     if not tried or tried[0][2].iteration_s >= t_single.iteration_s * (1 - 1e-9):

@@ -344,7 +344,8 @@ def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster:
     assert state.plan is not None and state.graph is not None
     chosen = state.plan
     if chosen.split_layers and state.candidate is not None:
-        base, g, bal = balancer.to_plan(state.candidate, []), graph, balancer
+        base = balancer.to_plan(state.candidate, balancer.alternatives(state.candidate))
+        g, bal = graph, balancer
     else:
         base, g = chosen, state.graph
         bal = balancer if g is graph else Balancer(g, cluster, options,

@@ -114,10 +114,13 @@ def trace_segment(module: nn.Module, inputs: Sequence[tuple[Shape, torch.dtype, 
     static += [b.detach().clone() for _, b in buffers]
     dummy = [_dummy(shape, dtype, device).requires_grad_(grad and dtype.is_floating_point)
              for shape, dtype, grad in inputs]
-    outs = traced(*static, *dummy)
-    wanted = [i for i, o in enumerate(outs) if o.requires_grad]
-    if wanted:
-        torch.autograd.backward([outs[i] for i in wanted], [torch.ones_like(outs[i]) for i in wanted])
+    # NOTE: the trace runs the graphs once on dummy values; a random op among them (dropout) must
+    # not move this rank's RNG, or a resumed run's masks would differ from an uninterrupted one's
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        outs = traced(*static, *dummy)
+        wanted = [i for i, o in enumerate(outs) if o.requires_grad]
+        if wanted:
+            torch.autograd.backward([outs[i] for i in wanted], [torch.ones_like(outs[i]) for i in wanted])
     if "fw" not in found or (wanted and "bw" not in found):
         raise PipeccError("Bi-Partition: AOTAutograd produced no forward/backward graph for a segment; "
                           "compile without --bipartition")
@@ -156,8 +159,10 @@ class _NoGrad(nn.Module):
 
 
 def _dummy(shape: Shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A trace input: only its shape and dtype matter (the segment's code has no data-dependent
+    control flow: it is straight-line generated code)."""
     if dtype.is_floating_point or dtype.is_complex:
-        return torch.rand(shape, dtype=dtype, device=device) + 0.5
+        return torch.full(shape, 0.5, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -179,8 +179,8 @@ def render(rows: list[dict], budget_s: float, seconds: float) -> str:
              "case: pipecc's gpipe plan (replicas 1, no layer splitting). Chunk costs: the "
              "roofline plus a per-call overhead per node (5 us per GPU kernel, forward 1 and "
              "backward 2 calls per node; `passes/umpipe_plan.py` LAUNCH_S). \"PipeDream\" is "
-             "1F1B with a flush; asynchronous PipeDream is not modelled. Bi-Partition has its own "
-             "section (`--only bipartition`).", "",
+             "1F1B with a flush; asynchronous PipeDream is not modelled. BPipe and Bi-Partition "
+             "are not built yet: no rows.", "",
              "Differences from the paper (whose hardware, stage counts, batches, partition and "
              "measured cost curves are unknown, PAPERS-SPEC §1.1): a nominal cost model, "
              "A100s from pipecc's catalog, pipecc's own cuts. The paper's figures are quoted "

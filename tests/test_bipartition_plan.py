@@ -284,3 +284,18 @@ def test_cli_flag(capsys, tmp_path):
     assert code == 0 and "Bi-Partition    FP cuts" in out and "backward" in out
     code, out, err = run_cli([*args, "--bipartition", "always"], capsys)
     assert code == 2 and "--bipartition" in err and len(err.strip().splitlines()) <= 2
+
+
+def test_bench_section_renders_ratios():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_papers
+    row = {"model": "vgg16", "devices": "2xa100", "batch": 32, "m": 16, "a_s": 1.2,
+           "a_bottleneck": 0.06, "b_s": 1.0, "b_bottleneck": 0.05, "b_used": True,
+           "b_cuts": "[3] / [4]", "c_s": 1.2, "c_bottleneck": 0.06, "d_s": 1.1,
+           "d_bottleneck": 0.055, "d_m": 16, "d_splits": 1, "mb": 2, "bound": 0.04, "why": "",
+           "seconds": 0.1}
+    text = bench_papers.render_bipartition([row], 1.0)
+    assert "| vgg16 | 2xa100 | 16 | 1.2, 33.33 | 1, 40 | [3] / [4] | 1.2 | 1.1 (1) | 1.200x |" in text
+    assert "kept in 1 of 1 cases" in text and "up to 1.9x" in text

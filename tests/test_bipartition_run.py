@@ -282,3 +282,13 @@ def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
     graphs = runner.graphs([(4, *p.shape[1:]) for p in runner.ports.receives])
     sent = sum(torch.Size(graphs.saved[i][0]).numel() * 4 for i in graphs.sent)
     assert sent == plan["stages"][0]["extra_send_bytes"]
+
+
+def test_mirrored_cuts_verify(planned, tmp_path, capsys) -> None:
+    """The other way round: worker 1 runs both segments' forwards (boundary 0: c > a, boundary 1:
+    a > c) and workers 0 and 2 their backwards."""
+    analysis, plan, graph = planned
+    out = tmp_path / "out"
+    driver.compile(analysis, _bipartition(plan, C, A), graph, out)
+    assert _run_here(out, "--verify", "--steps", "0") == 0
+    assert "12 gradients match" in capsys.readouterr().out

@@ -225,10 +225,6 @@ class SegmentRunner:
     def owner(self) -> bool:
         return self.role == "bp"
 
-    @property
-    def peer(self) -> int:
-        return self.bp if self.role == "fp" else self.fp
-
     def static(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
 

@@ -316,7 +316,7 @@ def _path(steps: list[_Step], R: list[tuple[np.ndarray, np.ndarray]]) -> tuple[t
 def bipartition(problem: PartitionProblem, window: int = 8, mode: str = "ship",
                 single: Partition | None = None,
                 no_segment: Sequence[bool] | None = None,
-                no_cut: Sequence[bool] | None = None) -> BiPartition:
+                no_cut: Sequence[bool] | None = None, widen_to: int = 0) -> BiPartition:
     """Best FP/BP cut pair with every cut within `window` units of the single cut (§3.4).
 
     `single`: the exact single-cut partition (computed with `partition()` if None).
@@ -324,14 +324,33 @@ def bipartition(problem: PartitionProblem, window: int = 8, mode: str = "ship",
     training mutates, object ports: the runtime cannot run its FP and BP apart).
     `no_cut[s]` True (s = 0..n): neither a forward nor a backward cut may lie at boundary s
     (nodes sharing a weight stay in one piece); the single cut's own bounds stay allowed.
+    `widen_to` > window: while the best pair has a cut at the window's edge and improved on
+    the last window, double the window, up to `widen_to` (spec §3.4: "widen Δ while the result
+    keeps improving"; the DP's matrices grow as window^4, so keep it ≲ 16).
     Bisection on T with the exact DP test; each feasible probe is rebuilt and evaluated, so
     the result is a real cut pair within relative 1e-13 of the window's optimum.
     Cost: O(p · (2·window+1)^4) numpy per probe, ~45 probes. Raises InfeasibleError as
     `partition` does.
     """
+    base = single if single is not None else partition(problem)
+    best = _search(problem, window, mode, base, no_segment, no_cut)
+    while window < widen_to and best.is_split:
+        edge = any(abs(x - b) >= window for bounds in (best.fwd_bounds, best.bwd_bounds)
+                   for x, b in zip(bounds[1:-1], base.bounds[1:-1]))
+        if not edge:
+            break
+        window = min(2 * window, widen_to)
+        wider = _search(problem, window, mode, base, no_segment, no_cut)
+        if wider.bottleneck >= best.bottleneck * (1 - 1e-12):
+            break
+        best = wider
+    return best
+
+
+def _search(problem: PartitionProblem, window: int, mode: str, base: Partition,
+            no_segment: Sequence[bool] | None, no_cut: Sequence[bool] | None) -> BiPartition:
     cs = _Costs(problem, mode)
     n, p = cs.n, cs.p
-    base = single if single is not None else partition(problem)
     cands = [sorted({x for x in range(b - window, b + window + 1) if 1 <= x <= n - 1
                      and (x == b or no_cut is None or not no_cut[x])})
              for b in base.bounds[1:-1]]

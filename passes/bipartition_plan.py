@@ -38,6 +38,7 @@ from pipecc.passes.umpipe_plan import _unit_bounds
 __all__ = ["why_not", "segment_blockers", "shared_weights", "apply", "check_plan", "describe", "WINDOW"]
 
 WINDOW = 8  # units each cut may move (PAPERS-SPEC §3.4's Δ)
+WIDEST = 16  # ... doubled once while a cut sits at the window's edge and the result improves
 
 
 def why_not(plan: Plan, graph: AnnotatedGraph | None = None) -> str | None:
@@ -208,7 +209,7 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
     for variant in (prob, dataclasses.replace(prob, comm="charged")):
         try:
             bi = bipartition(variant, window, "ship", single=single, no_segment=no_segment,
-                             no_cut=no_cut)
+                             no_cut=no_cut, widen_to=max(window, WIDEST))
         except InfeasibleError:
             continue
         if bi.is_split:  # cost it on the real (overlapped) model

@@ -299,3 +299,27 @@ def test_bench_section_renders_ratios():
     text = bench_papers.render_bipartition([row], 1.0)
     assert "| vgg16 | 2xa100 | 16 | 1.2, 33.33 | 1, 40 | [3] / [4] | 1.2 | 1.1 (1) | 1.200x |" in text
     assert "kept in 1 of 1 cases" in text and "up to 1.9x" in text
+
+
+def test_compiled_folder_reports_both_ranges(lumpy, tmp_path, capsys):
+    from pipecc import driver
+    analysis, on, _, graph = lumpy
+    out = tmp_path / "out"
+    driver.compile(analysis, on, graph, out)
+    code, text, err = run_cli(["inspect", str(out)], capsys)
+    assert code == 0, err
+    assert "Bi-Partition    FP cuts" in text and "stage 1: forward" in text
+    code, text, err = run_cli(["inspect", str(out), "--format", "json"], capsys)
+    data = json.loads(text)
+    assert data["bipartition_mode"] == "ship" and data["bipartition"]["used"]
+    assert [s["backward_nodes"] for s in data["stages"]] == [s.backward_nodes for s in on.stages]
+    assert "Forward/backward cuts (Bi-Partition)" in (out / "report.html").read_text()
+
+
+def test_window_widens_while_a_cut_sits_at_its_edge():
+    # found by a seeded random search: the best pair (0, 2, 6) / (0, 4, 6) lies 2 units away
+    pr = _problem([5.0, 3.0, 4.0, 1.0, 1.0, 2.0], [3.0, 1.0, 2.0, 9.0, 7.0, 9.0], 2)
+    assert brute_force_bi(pr).bottleneck == 24.0
+    assert bipartition(pr, window=1).bottleneck == 27.0
+    wide = bipartition(pr, window=1, widen_to=6)
+    assert wide.bottleneck == 24.0 and wide.fwd_bounds == (0, 2, 6) and wide.bwd_bounds == (0, 4, 6)

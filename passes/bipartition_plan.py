@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipecc.errors import PipeccError
-from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, ScalarInfo, TensorInfo
+from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import by_name
 from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
@@ -186,7 +186,6 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
     units = balancer.builder.at(mb)
     bounds = _unit_bounds(units, plan)
     prob = _problem(balancer, plan, units, mb)
-    names = [name for names in units.names for name in names]
     blockers = segment_blockers(graph)
     no_segment = [any(n in blockers for n in group) for group in units.names]
     unit_of = {n: u for u, group in enumerate(units.names) for n in group}
@@ -247,8 +246,7 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
                 weight_sync_bytes=[float(x) for x in bi.weight_sync_bytes])
     plan.decisions.append(
         f"Bi-Partition: {t_single.iteration_s / tl.iteration_s:.3g}× faster than the single cut "
-        f"({describe(plan)}; units = nodes in graph order, {len(names)} nodes in "
-        f"{units.n} units): predicted {tl.iteration_s:.4g} s per iteration vs "
+        f"({describe(plan)}, in units of the {units.n} in graph order): predicted {tl.iteration_s:.4g} s per iteration vs "
         f"{t_single.iteration_s:.4g} s, {int(sum(bi.misplaced_stash_bytes))} bytes of segment "
         f"stash per micro-batch, {plan.weight_sync_bytes} bytes of replica refresh per "
         f"iteration; {rc_line}")
@@ -301,8 +299,8 @@ def check_plan(graph: AnnotatedGraph, plan: Plan) -> None:
     if plan.bipartition_mode not in ("", "ship", "recompute"):
         raise PipeccError(f"plan: bipartition_mode {plan.bipartition_mode!r} is not one of "
                           "'', 'ship', 'recompute'; re-plan with --bipartition off|auto")
-    if not plan.is_bipartition():
-        return
+    if not plan.is_bipartition() or plan.schedule == "inference":
+        return  # an inference folder runs the forward ranges (contract); nothing to refuse
     if plan.bipartition_mode == "recompute":
         raise PipeccError("plan: bipartition_mode 'recompute' is only costed, the runtime ships "
                           "stashes; re-plan with --bipartition auto (mode ship) or off")

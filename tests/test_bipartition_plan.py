@@ -323,3 +323,11 @@ def test_window_widens_while_a_cut_sits_at_its_edge():
     assert bipartition(pr, window=1).bottleneck == 27.0
     wide = bipartition(pr, window=1, widen_to=6)
     assert wide.bottleneck == 24.0 and wide.fwd_bounds == (0, 2, 6) and wide.bwd_bounds == (0, 4, 6)
+
+
+def test_inference_plans_run_their_forward_ranges(lumpy):
+    from pipecc import driver
+    _, on, _, graph = lumpy
+    inf = Plan.from_json(json.loads(on.dumps()))
+    inf.schedule = "inference"
+    driver.check_bipartition(graph, inf)  # not refused: the backward ranges are unused

@@ -575,18 +575,15 @@ def check_recompute(graph: AnnotatedGraph, plan: Plan) -> None:
                               "updated twice; plan with --recompute auto or none")
 
 
-def check_bipartition(graph: AnnotatedGraph, plan: Plan, dropin: bool = False) -> None:
+def check_bipartition(graph: AnnotatedGraph, plan: Plan) -> None:
     """A PipeccError (one line) for separate forward/backward cuts the runtime cannot run
-    (`passes.bipartition_plan.check_plan`; the one-process drop-in module runs none); nothing
-    for a plan without them."""
+    (`passes.bipartition_plan.check_plan`); nothing for a plan without them. (The one-process
+    drop-in module runs the forward ranges as stages and lets autograd run every backward in
+    place: the same numbers, no messages to ship.)"""
     if not plan.bipartition_mode and not plan.is_bipartition():
         return
     from pipecc.passes.bipartition_plan import check_plan
     check_plan(graph, plan)
-    if dropin and plan.is_bipartition():
-        raise PipeccError("the drop-in module runs single-cut plans only; separate forward/"
-                          "backward cuts run with `pipecc compile` and `pipecc run` "
-                          "(or plan with bipartition='off')")
 
 
 def _trainable(graph: AnnotatedGraph) -> bool:
@@ -650,7 +647,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     `strict_batchnorm`."""
     from pipecc.backends.base import Target
     check_recompute(graph, plan)
-    check_bipartition(graph, plan, dropin=True)
+    check_bipartition(graph, plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)

@@ -221,8 +221,6 @@ def test_auto_keeps_a_faster_cut_pair_and_fills_the_plan(lumpy):
     again = Plan.from_json(json.loads(on.dumps()))
     assert again.bipartition_pieces() == pieces
     driver.check_bipartition(graph, on)  # compile accepts what the planner makes
-    with pytest.raises(PipeccError, match="drop-in module runs single-cut plans only"):
-        driver.check_bipartition(graph, on, dropin=True)
 
 
 def test_recompute_mode_plan_is_refused_at_compile(lumpy):
@@ -331,3 +329,21 @@ def test_inference_plans_run_their_forward_ranges(lumpy):
     inf = Plan.from_json(json.loads(on.dumps()))
     inf.schedule = "inference"
     driver.check_bipartition(graph, inf)  # not refused: the backward ranges are unused
+
+
+def test_dropin_module_runs_a_bipartition_plan():
+    import torch
+    import pipecc
+    from pipecc.models import mlp
+    torch.manual_seed(0)
+    model = mlp.build_model(**LUMPY)
+    x, y = mlp.example_inputs(64, **LUMPY)[0], mlp.example_target(64, **LUMPY)
+    piped = pipecc.compile(model, (x,), "2xcpu", microbatches=8, schedule="1f1b",
+                           split_layers=False, bipartition="auto")
+    assert piped.plan.is_bipartition()  # in one process autograd runs every backward in place
+    mlp.loss_fn(piped(x), y).backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    mlp.loss_fn(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad)

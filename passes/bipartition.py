@@ -98,6 +98,12 @@ def _check(n: int, p: int, a: Sequence[int], c: Sequence[int]) -> tuple[tuple[in
     return a, c
 
 
+def _prefix(x: np.ndarray) -> np.ndarray:
+    """Prefix sums along the last axis with a leading 0: P[..., e] - P[..., a] = Σ x[..., a:e]."""
+    zeros = np.zeros(x.shape[:-1] + (1,))
+    return np.concatenate((zeros, np.cumsum(x, axis=-1)), axis=-1)
+
+
 class _Costs:
     """Prefix sums shared by evaluate_bi and the DP."""
 
@@ -109,16 +115,14 @@ class _Costs:
         ar = _arrays(pr)
         self.pr, self.ar, self.mode, self.n, self.p = pr, ar, mode, ar.n, ar.p
         self.charged = _charged(pr)
-        cat = lambda x: np.concatenate(([0.0], np.cumsum(x, axis=-1)), axis=-1) if x.ndim == 1 \
-            else np.concatenate((np.zeros((x.shape[0], 1)), np.cumsum(x, axis=1)), axis=1)  # noqa: E731
-        self.PF = cat(np.asarray(pr.fwd, dtype=float))
-        self.PB = cat(np.asarray(pr.bwd, dtype=float))
-        self.PS = cat(ar.static)
-        self.PA = cat(ar.act)
+        self.PF = _prefix(np.asarray(pr.fwd, dtype=float))
+        self.PB = _prefix(np.asarray(pr.bwd, dtype=float))
+        self.PS = _prefix(ar.static)
+        self.PA = _prefix(ar.act)
         stash = pr.stash_bytes if pr.stash_bytes is not None else np.asarray(ar.act).max(axis=0)
         params = pr.param_bytes if pr.param_bytes is not None else np.asarray(ar.static).max(axis=0)
-        self.PSt = cat(np.asarray(stash, dtype=float))
-        self.PPar = cat(np.asarray(params, dtype=float))
+        self.PSt = _prefix(np.asarray(stash, dtype=float))
+        self.PPar = _prefix(np.asarray(params, dtype=float))
 
     def link(self, k: int, nbytes: float) -> float:
         return _link1(self.pr, k, nbytes)

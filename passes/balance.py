@@ -69,6 +69,8 @@ class PlanOptions:
     profile: Profile | None = None    # measured costs (`pipecc.targets.profiled.use_profile`)
     recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
     replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas; the CLI's default is auto)
+    bipartition: str = "off"          # separate FP/BP cuts: off or auto (passes.bipartition_plan)
+    bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
 
 
 @dataclass

@@ -90,6 +90,12 @@ class PartitionProblem:
     comm: str = "overlapped"
     # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
     recompute: Sequence[bool] | None = None
+    # Bi-Partition (`passes.bipartition`) only: [node] bytes of saved tensors a node's backward
+    # needs per micro-batch, shipped when its FP and BP run on different workers (None:
+    # act_mem), and [node] bytes of its parameters alone, a forward worker's replica (None:
+    # static_mem, an over-estimate)
+    stash_bytes: Sequence[float] | None = None
+    param_bytes: Sequence[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -445,7 +451,7 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: tuple[np.ndarray, n
 
 
 def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
-                comm: bool = True) -> float:
+                comm: bool = True, bipartition: bool = False) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
@@ -472,6 +478,12 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     take mirror-ascent steps along the supergradient of F (per-device loads of the cheapest
     assignment), keeping the best value of (4) seen: every λ gives a valid bound.
     comm=False gives the comm-blind bound max(F, (2)) of earlier releases.
+    bipartition=True (separate forward and backward cuts, `passes.bipartition`): a whole
+    node's forward and backward may sit on different devices, so (2) becomes
+    max(min_d fwd[d][i], min_d bwd[d][i]) (PAPERS-SPEC §3.4: min_d (f+g) is not a bound
+    then). (1), (3) and (4) stay: every worker still holds whole pieces of compute with
+    x[d][i] fractions summing to one per direction, and every forward and gradient message
+    carries at least x0 bytes.
     Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
     are left out of both the fluid sum and the device's starting weight.
     Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200.
@@ -483,7 +495,13 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     ring = 2.0 * float(tau.sum()) if problem.training else 0.0
     c = np.where(c >= CANNOT_RUN_S, np.inf, c)  # "cannot run here": x[d][i] = 0 is forced
     whole = np.ones(c.shape[1], bool) if splittable is None else ~np.asarray(splittable, bool)
-    item = max(float(c.min(axis=0)[whole].max(initial=0.0)), float(tau.max(initial=0.0)))
+    per_item = c.min(axis=0)
+    if bipartition:
+        f = np.asarray(problem.fwd, dtype=float)
+        g = np.asarray(problem.bwd, dtype=float)
+        f, g = np.where(f >= CANNOT_RUN_S, np.inf, f), np.where(g >= CANNOT_RUN_S, np.inf, g)
+        per_item = np.maximum(f.min(axis=0), g.min(axis=0))
+    item = max(float(per_item[whole].max(initial=0.0)), float(tau.max(initial=0.0)))
     usable = np.isfinite(c)
     total = np.where(usable, c, 0.0).sum(axis=1)
     runs_some = usable.any(axis=1)

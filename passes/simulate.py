@@ -40,12 +40,13 @@ Model:
   ends at start(last B) + max(that B's seconds, allreduce_s). The all-reduce is no event
   and not busy time: an exposed all-reduce counts as bubble.
 
-NOTE (Bi-Partition): forward and backward cut at different layers means the forward
-stage s and the backward stage s hold different layers, i.e. a separate stage->rank map
-(and cost arrays) for F and B, plus extra transfers for layers whose F and B sit apart.
-``Action`` stays stage-based on purpose: such a change only touches the schedule
-generators (which rank runs which F/B, where sends go) and the cost arrays; the event
-loop here only asks "which rank runs this action" and "what does it wait for".
+- Bi-Partition (``passes.bipartition``, PAPERS-SPEC §3): forward and backward cut at
+  different units, but worker order is the same in both directions, so forward stage s and
+  backward stage s stay on one rank and the schedule and stage->rank map do not change;
+  only the costs do: ``forward_s[s]`` is the FP range's, ``backward_s[s]`` the BP range's,
+  the send times carry the misplaced segments' stashes, ``static_bytes`` the replicas, and
+  ``tail_s[rank]`` (optional) is what a rank still sends after its last action (the replica
+  refresh after the optimizer step): the iteration ends at the latest rank end + its tail.
 
 Complexity: O(R * A) for R ranks and A actions in the worst case, O(A) in practice.
 Pure Python; no torch.
@@ -99,6 +100,9 @@ class StageCosts:
         return k * (b - w if i is None else i), k * (b - i if w is None else w)
     # [rank] seconds of the rank's gradient all-reduce per iteration (replica groups); None: none
     allreduce_s: list[float] | None = None
+    # [rank] seconds the rank still sends after its last action (Bi-Partition's replica
+    # refresh after the optimizer step); None: none
+    tail_s: list[float] | None = None
 
     @classmethod
     def per_stage(
@@ -349,7 +353,25 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
     peak = [_peak_memory(schedule, costs, r, training) for r in range(R)]
     iteration = max((e.end for e in events), default=0.0)
     reduced = _allreduce_ends(events, costs.allreduce_s, R)
-    return Timeline(R, events, max([iteration] + reduced), busy, peak, allreduce_end_s=reduced)
+    tails = _tail_ends(events, costs.tail_s, R, reduced)
+    return Timeline(R, events, max([iteration] + reduced + tails), busy, peak,
+                    allreduce_end_s=reduced)
+
+
+def _tail_ends(events: list[Event], tail_s: Sequence[float] | None, ranks: int,
+               reduced: Sequence[float]) -> list[float]:
+    """[rank] its end (last event, or its all-reduce) + tail_s[rank]; [] without tails."""
+    if tail_s is None:
+        return []
+    if len(tail_s) != ranks:
+        raise ValueError(f"StageCosts.tail_s must have {ranks} entries (one per rank), "
+                         f"got {len(tail_s)}")
+    end = [0.0] * ranks
+    for e in events:
+        end[e.rank] = max(end[e.rank], e.end)
+    for r, t in enumerate(reduced):
+        end[r] = max(end[r], t)
+    return [end[r] + float(tail_s[r]) if tail_s[r] > 0 else end[r] for r in range(ranks)]
 
 
 def _allreduce_ends(events: list[Event], allreduce_s: Sequence[float] | None, ranks: int) -> list[float]:

@@ -2,7 +2,7 @@
 
     analyze         build ─► capture ─► costs          (an ONNX file: import ─► costs)
     analyze_module  capture ─► costs                   (an in-memory module)
-    plan            balance ─► split layers
+    plan            balance ─► split layers ─► [unequal micro-batches] ─► [bipartition]
     compile         cut stages ─► report ─► check ─► write     (the compiled folder OUT)
     compile_module  cut stages ─► check ─► module              (pipecc.compile's drop-in)
 
@@ -22,6 +22,9 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 (`batchnorm_note`; by default a warning).
 """
 
+# NOTE(size): the driver is the list of steps and their thin wrappers (one per plan feature:
+# split layers, UMPIPE, Bi-Partition, and the compile-time checks); splitting it would hide
+# the order in which they run.
 from __future__ import annotations
 
 import itertools
@@ -331,13 +334,55 @@ def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: f
     state.plan = umpipe_plan.apply(state.plan, balancer, mode, budget_s=budget_s)
 
 
+def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster: Any,
+                 options: Any) -> None:
+    """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan, or, when
+    it splits layers (which Bi-Partition v1 does not run), on the balancer's unsplit plan of
+    `graph`, kept only if faster than the split one. A decision line either way."""
+    from pipecc.passes import bipartition_plan, split_search
+    from pipecc.passes.balance import Balancer
+    assert state.plan is not None and state.graph is not None
+    chosen = state.plan
+    if chosen.split_layers and state.candidate is not None:
+        base = balancer.to_plan(state.candidate, balancer.alternatives(state.candidate))
+        g, bal = graph, balancer
+    else:
+        base, g = chosen, state.graph
+        bal = balancer if g is graph else Balancer(g, cluster, options,
+                                                   splittable=split_search.splittable_names(g))
+    why = bipartition_plan.why_not(base, g)
+    if why is not None:
+        chosen.decisions.append(f"Bi-Partition not tried: {why}")
+        return
+    result = bipartition_plan.apply(base, bal, g, window=options.bipartition_window)
+    if base is chosen:
+        state.plan = result
+        return
+    chosen.lower_bound_s = min(chosen.lower_bound_s, result.lower_bound_s)
+    if chosen.lower_bound_compute_s and result.lower_bound_compute_s:
+        chosen.lower_bound_compute_s = min(chosen.lower_bound_compute_s, result.lower_bound_compute_s)
+    line = next(d for d in reversed(result.decisions) if d.startswith("Bi-Partition"))
+    if result.is_bipartition() and result.predicted_iteration_s < chosen.predicted_iteration_s:
+        result.decisions.append(f"Bi-Partition on unsplit layers beats the plan with split layers: "
+                                f"{result.predicted_iteration_s:.4g} s vs "
+                                f"{chosen.predicted_iteration_s:.4g} s per iteration")
+        state.plan, state.graph = result, g
+        return
+    if result.is_bipartition():
+        line = (f"Bi-Partition not used: on unsplit layers it predicts "
+                f"{result.predicted_iteration_s:.4g} s per iteration, the plan with split layers "
+                f"{chosen.predicted_iteration_s:.4g} s ({line.removeprefix('Bi-Partition: ')})")
+    chosen.decisions.append(line)
+
+
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
          microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
          choose_order: bool = False, split_layers: bool = True, compare: bool = False,
          training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
          profile: Any = None, replicas: int | str = 1, debug: bool = False,
          dump_ir: str | Path | None = None, recompute: str = "none",
-         microbatch_sizes: str | Sequence[int] = "equal", umpipe_budget_s: float = 10.0):
+         microbatch_sizes: str | Sequence[int] = "equal", umpipe_budget_s: float = 10.0,
+         bipartition: str = "off"):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
     (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
@@ -348,7 +393,10 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     `microbatch_sizes` (UMPIPE, `passes.umpipe_plan`): "equal" (default: every stage splits the
     batch into equal micro-batches), "auto" (search per-stage sizes on the chosen plan's
     partition when it runs gpipe, in at most `umpipe_budget_s` seconds) or a list of sizes
-    summing to the batch, used by every stage (forces gpipe and replicas 1)."""
+    summing to the batch, used by every stage (forces gpipe and replicas 1).
+    `bipartition` (`passes.bipartition_plan`): "off" (default) or "auto": search separate
+    forward/backward cuts around the chosen plan's and keep them when the simulated iteration
+    is faster (training, 1f1b/gpipe, replicas 1; otherwise a decision says why not)."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -364,6 +412,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int)
                                or replicas < 1):
         raise UsageError(f"--replicas {replicas!r}: use auto or a positive integer")
+    if bipartition not in ("off", "auto"):
+        raise UsageError(f"--bipartition {bipartition!r}: choose off or auto")
     if fpga_number is not None:
         from pipecc.targets.fpga_model import parse_number
         parse_number(fpga_number)  # a bad format is an error even without FPGA devices
@@ -383,7 +433,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
                           dtype=dtype, fpga_number=fpga_number, profile=profile,
-                          recompute=recompute, replicas=replicas)
+                          recompute=recompute, replicas=replicas, bipartition=bipartition)
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),
@@ -395,6 +445,10 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         steps.append(Step("unequal micro-batches", partial(
             _unequal, cluster=cluster, options=options, mode=sizes_mode, budget_s=umpipe_budget_s),
             "searching unequal micro-batch sizes"))
+    if bipartition == "auto":
+        steps.append(Step("bipartition", partial(_bipartition, balancer=balancer, graph=graph,
+                                                 cluster=cluster, options=options),
+                          "searching separate forward/backward cuts"))
     fpgas = [d for d in cluster.devices if d.kind == "fpga"]
     if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and profile is None):
@@ -418,7 +472,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                      coarse=coarse, choose_order=choose_order, split_layers=split_layers,
                      compare=compare, training=training, dtype=dtype, fpga_number=fpga_number,
                      replicas="auto", debug=debug, recompute=recompute,
-                     microbatch_sizes=microbatch_sizes, umpipe_budget_s=umpipe_budget_s)
+                     microbatch_sizes=microbatch_sizes, umpipe_budget_s=umpipe_budget_s,
+                     bipartition=bipartition)
     except PipeccError:
         if whole is None:
             raise
@@ -520,6 +575,17 @@ def check_recompute(graph: AnnotatedGraph, plan: Plan) -> None:
                               "updated twice; plan with --recompute auto or none")
 
 
+def check_bipartition(graph: AnnotatedGraph, plan: Plan) -> None:
+    """A PipeccError (one line) for separate forward/backward cuts the runtime cannot run
+    (`passes.bipartition_plan.check_plan`); nothing for a plan without them. (The one-process
+    drop-in module runs the forward ranges as stages and lets autograd run every backward in
+    place: the same numbers, no messages to ship.)"""
+    if not plan.bipartition_mode and not plan.is_bipartition():
+        return
+    from pipecc.passes.bipartition_plan import check_plan
+    check_plan(graph, plan)
+
+
 def _trainable(graph: AnnotatedGraph) -> bool:
     """Whether training changes anything: a parameter that requires a gradient."""
     return any(info.requires_grad for node in graph.gm.graph.nodes
@@ -555,6 +621,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "nothing to train (`pipecc run` would fail): compile it with "
                           "--inference for a forward-only pipeline")
     check_recompute(graph, plan)
+    check_bipartition(graph, plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
@@ -580,6 +647,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     `strict_batchnorm`."""
     from pipecc.backends.base import Target
     check_recompute(graph, plan)
+    check_bipartition(graph, plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)

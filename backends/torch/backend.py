@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
+from pipecc.backends.torch.bipartition import check_bipartition, cut_pieces
 from pipecc.backends.torch.compile import check_replicas, pipelined_module
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
@@ -24,6 +25,9 @@ class TorchBackend(Backend):
 
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
         check_replicas(plan)  # PP x DP groups the runtime can execute
+        pieces = check_bipartition(graph, plan)  # Bi-Partition plans the runtime can execute
+        if pieces:
+            cut_pieces(graph, pieces)
         return None  # every graph node has a torch form; cut_stages checked the placement
 
     def writers(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],

@@ -6,11 +6,13 @@
                              micro-batches, stages, "replicas" (PP x DP: devices per stage, each
                              replica loading the same stage_<i>/; `pipecc run` starts one rank
                              per device), "microbatch_sizes" (UMPIPE: one size list per stage,
-                             null for equal splits; `check_microbatch_sizes`) and the list of
-                             files written ("files")
+                             null for equal splits; `check_microbatch_sizes`), "bipartition"
+                             ("ship" when the workers hold Bi-Partition segments, else "";
+                             `backends.torch.bipartition`) and the list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
+    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (backends.torch.bipartition)
     OUT/run_stage.py         the entry torchrun starts: `torchrun --nproc-per-node P OUT/run_stage.py`
     + extra_files            e.g. report.html, written by the caller's generators
     + writers                callables given the temporary folder before the rename (e.g. the
@@ -57,6 +59,7 @@ import torch
 
 from pipecc import progress
 
+from pipecc.backends.torch.bipartition import check_bipartition, write_workers
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.stages import Stage, ports_json
 from pipecc.errors import PipeccError
@@ -81,7 +84,7 @@ STALE_AFTER_S = 3600.0         # a temporary of another host (or an older pipecc
 # What pipecc writes, for folders compiled before the marker listed its files; and the caches
 # made from them later (Python's bytecode, an FPGA stage's C-simulation build).
 LAYOUT = re.compile(r"(pipecc\.json|plan\.json|run_stage\.py|report\.html|graph\.json|timeline\.json"
-                    r"|stage_\d+/(stage\.py|weights\.safetensors|ports\.json|estimates\.json|hls/.+))")
+                    r"|stage_\d+/(stage\.py|weights\.safetensors|ports\.json|estimates\.json|segment_\d+\.(py|safetensors)|hls/.+))")
 CACHE = re.compile(r"(^|/)__pycache__/|^stage_\d+/hls/csim_build/")
 
 RUN_STAGE = '''"""Entry point of a compiled pipeline: `torchrun --nproc-per-node P run_stage.py [--steps N]`.
@@ -148,8 +151,13 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
     check_replicas(plan)
     sizes = check_microbatch_sizes(plan)
+    pieces = check_bipartition(graph, plan)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
+    if pieces:  # Bi-Partition: cores and segments per worker (backends.torch.bipartition)
+        write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
     for stage, planned in zip(stages, plan.stages):
+        if pieces:
+            break
         write_stage(tmp / f"stage_{stage.index}", stage, model_name=graph.model_name, num_stages=n,
                     device_desc=_device_desc(plan, planned.device), recompute=planned.recompute)
     (tmp / "run_stage.py").write_text(RUN_STAGE, encoding="utf-8")
@@ -164,7 +172,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_path": plan.model_path, "model_args": plan.model_args,
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
-              "replicas": plan.replicas, "microbatch_sizes": sizes,
+              "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
               "source": graph.source, "torch": torch.__version__,
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,

@@ -101,6 +101,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    "search each stage's own sizes (genetic search, at most 10 s) and keep them "
                    "if faster; S1,S2,...: these sizes (summing to the batch size) on every stage, "
                    "under gpipe with replicas 1")
+    p.add_argument("--bipartition", choices=["off", "auto"], default="off",
+                   help="Bi-Partition: separate forward and backward cuts (a layer's forward on "
+                   "one device, its backward on the next; its saved tensors and weights travel). "
+                   "off (default); auto: search them around the chosen cuts (training, 1f1b or "
+                   "gpipe, replicas 1) and keep them only if the simulated iteration is faster")
     p.add_argument("--coarse", action="store_true", help="cut only at block boundaries")
     p.add_argument("--choose-order", action="store_true",
                    help="let pipecc order the devices (interchangeable types)")

@@ -47,6 +47,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
         groups = f" x {plan.replicas} replicas" if plan.replicas > 1 else ""
         print(terminal_text(f"wrote {done.out}: {len(done.stages)} stages{groups}, schedule {plan.schedule}, "
                             f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`"))
+        if plan.is_bipartition():
+            segments = [(f, b) for kind, f, b, _ in plan.bipartition_pieces() if kind == "segment"]
+            where = ", ".join(f"forward on {f} / backward on {b}" for f, b in segments)
+            print(terminal_text(f"Bi-Partition (ship): {len(segments)} segment(s) ({where}); each stage_<i>/ "
+                                "holds its core and segment_<b>.py files, the forward worker a replica "
+                                "refreshed after every step"))
         for line in done.notes:
             if not line.startswith("warning:"):
                 print(terminal_text(line))

@@ -54,6 +54,11 @@ Unequal micro-batches: a folder whose plan gives every stage its own micro-batch
 splits the batch into its own chunks and re-slices what it receives (`pipecc.runtime.reslice`);
 `--schedule` other than gpipe and `--microbatches` are usage errors there.
 
+Bi-Partition folders (`pipecc.json`'s `"bipartition": "ship"`; `pipecc.runtime.segments`): one
+rank per worker as usual; a segment's saved tensors travel with the forward or backward message
+and the owners refresh their segments' replicas after every step. They run the 1f1b and gpipe
+schedules only (another `--schedule` is a usage error, `inference` runs the forward ranges).
+
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
 
 Measured against predicted: `--json` prints one JSON document on stdout at the end and nothing
@@ -239,6 +244,9 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     from pipecc.runtime.reslice import folder_sizes
     from pipecc.runtime.trust import model_file
 
+    if marker.get("bipartition") and schedule not in ("1f1b", "gpipe", "inference"):
+        raise UsageError(f"{args.out} is a Bi-Partition pipeline, which runs the 1f1b and gpipe schedules only; "
+                         f"give --schedule 1f1b or gpipe instead of {schedule}")
     m = args.microbatches or int(marker.get("microbatches") or 4)
     batch = int(marker.get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")

@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipecc.errors import PipeccError
+
 
 @dataclass
 class StagePlan:
@@ -40,6 +42,14 @@ class StagePlan:
     # micro-batch and re-runs its forward during backward (torch.utils.checkpoint in its
     # generated forward); backward_s then includes that second forward. False in older plans.
     recompute: bool = False
+    # Bi-Partition (`--bipartition auto`, passes.bipartition): `nodes` is this worker's FORWARD
+    # range and `backward_nodes` its BACKWARD range, both contiguous in graph order; [] = the
+    # same as `nodes` (no Bi-Partition). See Plan.bipartition_pieces for the derived segments.
+    backward_nodes: list[str] = field(default_factory=list)
+    # per micro-batch, the bytes of segment saved tensors ("stash") this stage sends to a
+    # neighbour (with its forward message when a_j > c_j, with its gradient message when
+    # c_{j-1} > a_{j-1}); 0 without Bi-Partition
+    extra_send_bytes: int = 0
 
 
 @dataclass
@@ -88,6 +98,13 @@ class Plan:
     # every stage splits the batch into `microbatches` equal chunks. With sizes, `microbatches`
     # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `passes.umpipe`.)
     microbatch_sizes: list[list[int]] | None = None
+    # Bi-Partition: "" (off: every stage's backward range is its forward range), "ship" (the
+    # runtime mode: a misplaced segment's saved tensors travel to its backward worker) or
+    # "recompute" (costed only; compile refuses it)
+    bipartition_mode: str = ""
+    # bytes of the replica refresh per iteration: every segment's parameters, sent by the owner
+    # (backward worker) to the forward worker after each optimizer step
+    weight_sync_bytes: int = 0
 
     @property
     def balance_ratio(self) -> float:
@@ -111,6 +128,64 @@ class Plan:
     def stage_of(self) -> dict[str, int]:
         """Node name -> stage index."""
         return {name: s.index for s in self.stages for name in s.nodes}
+
+    def is_bipartition(self) -> bool:
+        """True if some stage's backward range differs from its forward range."""
+        return any(s.backward_nodes and s.backward_nodes != s.nodes for s in self.stages)
+
+    def bipartition_pieces(self) -> list[tuple[str, int, int, list[str]]]:
+        """The plan's nodes in graph order, grouped by (forward worker, backward worker).
+
+        Returns `("core", j, j, nodes)` for nodes whose forward and backward both run on
+        worker j and `("segment", fp_worker, bp_worker, nodes)` for a misplaced segment, in
+        graph order (the stages' forward ranges concatenated). A segment lies between two
+        neighbouring workers: `bp_worker == fp_worker + 1` when a_j > c_j (its saved tensors
+        travel forward, parameters owned by fp_worker + 1), `bp_worker == fp_worker - 1` when
+        c_j > a_j (saved tensors travel with the gradient message, owned by fp_worker - 1).
+        Without Bi-Partition every stage is one core. Raises PipeccError when the backward
+        ranges are not a contiguous, ordered cover of the forward ranges' nodes or a worker's
+        core is empty (v1 requires one).
+        """
+        order = [n for s in self.stages for n in s.nodes]
+        fp = {n: s.index for s in self.stages for n in s.nodes}
+        bp: dict[str, int] = {}
+        for s in self.stages:
+            for n in (s.backward_nodes or s.nodes):
+                if n not in fp:
+                    raise PipeccError(f"plan: stage {s.index}'s backward range names {n!r}, "
+                                      "which no stage's forward range holds; re-plan")
+                if n in bp:
+                    raise PipeccError(f"plan: node {n!r} is in the backward ranges of stages "
+                                      f"{bp[n]} and {s.index}; re-plan")
+                bp[n] = s.index
+        missing = [n for n in order if n not in bp]
+        if missing:
+            raise PipeccError(f"plan: node {missing[0]!r} is in no stage's backward range; "
+                              "re-plan")
+        pieces: list[tuple[str, int, int, list[str]]] = []
+        for n in order:
+            key = (fp[n], bp[n])
+            if pieces and (pieces[-1][1], pieces[-1][2]) == key:
+                pieces[-1][3].append(n)
+            else:
+                kind = "core" if key[0] == key[1] else "segment"
+                pieces.append((kind, key[0], key[1], [n]))
+        # both cut sequences monotone <=> the backward workers never decrease in graph order,
+        # and a segment sits between neighbours
+        for prev, cur in zip(pieces, pieces[1:]):
+            if cur[2] < prev[2]:
+                raise PipeccError("plan: backward ranges are not in stage order (node "
+                                  f"{cur[3][0]!r}); re-plan")
+        for kind, f, b, nodes in pieces:
+            if kind == "segment" and abs(f - b) != 1:
+                raise PipeccError(f"plan: nodes from {nodes[0]!r} run forward on stage {f} and "
+                                  f"backward on stage {b}, which are not neighbours; re-plan")
+        cores = {f for kind, f, _, _ in pieces if kind == "core"}
+        for s in self.stages:
+            if s.index not in cores:
+                raise PipeccError(f"plan: stage {s.index} has no node whose forward and "
+                                  "backward both run on it (Bi-Partition v1 needs one); re-plan")
+        return pieces
 
     def fpga_stages(self) -> dict[int, str]:
         """Stage index -> FPGA card name, for the stages this plan places on FPGA devices."""

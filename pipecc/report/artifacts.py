@@ -152,6 +152,11 @@ def timeline_for(plan: Plan) -> Any:
                                  [s.backward_s for s in plan.stages], send, [0.0] + send[:-1],
                                  backward_weight_s=[s.backward_weight_s for s in plan.stages],
                                  split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
+    saved = plan.options.get("bipartition_costs") if plan.is_bipartition() else None
+    if saved:  # Bi-Partition: the two directions differ; the planner saved both, and the tail
+        costs.send_forward_s = [[float(t)] * m for t in saved["send_forward_s"]]
+        costs.send_backward_s = [[float(t)] * m for t in saved["send_backward_s"]]
+        costs.tail_s = [float(t) for t in saved["tail_s"]] or None
     schedule = by_name(plan.schedule, n // v, m, v)
     if plan.replicas > 1:  # replica groups: each rank's gradient all-reduce, as the planner has it
         costs.allreduce_s = [0.0] * schedule.num_ranks

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import (bottleneck_stage, device_capacities, first_last, memory_kind,
+from pipecc.report.figures import (bipartition_lines, bottleneck_stage, device_capacities, first_last, memory_kind,
                                    recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 from pipecc.report.text import replica_group, replica_rows, sizes_text
@@ -185,7 +185,9 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     recompute: whether the stage recomputes its activations in backward),
     bottleneck_stage, bottleneck_s, lower_bound_s, balance_ratio, predicted_iteration_s,
     bubble_fraction, split_layers, baselines, decisions, has_graph; PP x DP: replicas, and per
-    stage replica_devices (its group; [device] without replication) and allreduce_s. An FPGA
+    stage replica_devices (its group; [device] without replication) and allreduce_s;
+    Bi-Partition: bipartition_mode, weight_sync_bytes, bipartition (the planner's cut pair and
+    figures, or None) and per stage backward_nodes (its backward range) and extra_send_bytes. An FPGA
     stage's memory and
     its capacity are on-chip BRAM (memory_kind "BRAM"; else "DRAM")."""
     plan = c.plan
@@ -210,7 +212,9 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "sends": [p["name"] for p in ports.get("sends", [])],
             "bottleneck": s.index == worst,
             "fpga_estimates": c.estimates.get(s.index), "recompute": s.recompute,
-            "replica_devices": plan.stage_devices(s), "allreduce_s": s.allreduce_s})
+            "replica_devices": plan.stage_devices(s), "allreduce_s": s.allreduce_s,
+            "backward_nodes": list(s.backward_nodes or s.nodes),
+            "extra_send_bytes": s.extra_send_bytes})
     return {"format": INSPECT_FORMAT, "version": FORMAT_VERSION, "out": str(c.path),
             "model": plan.model, "batch_size": plan.batch_size, "microbatches": plan.microbatches,
             "microbatch_size": plan.batch_size // max(plan.microbatches, 1),
@@ -222,7 +226,9 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "predicted_iteration_s": plan.predicted_iteration_s,
             "bubble_fraction": plan.bubble_fraction,
             "split_layers": [vars(sl) for sl in plan.split_layers], "baselines": plan.baselines,
-            "decisions": plan.decisions, "has_graph": c.graph is not None}
+            "decisions": plan.decisions, "has_graph": c.graph is not None,
+            "bipartition_mode": plan.bipartition_mode, "weight_sync_bytes": plan.weight_sync_bytes,
+            "bipartition": plan.options.get("bipartition")}
 
 
 def _stage_index(c: Compiled, stage: int) -> int:
@@ -332,6 +338,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):
         lines.append(recompute_line(plan))
+    lines += bipartition_lines(plan)
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"

@@ -22,7 +22,7 @@ from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
 from pipecc.report.compiled import load_compiled
 from pipecc.report.dot import dot_text, graphviz_svg
-from pipecc.report.figures import bottleneck_stage, device_capacities, first_last
+from pipecc.report.figures import bipartition_lines, bottleneck_stage, device_capacities, first_last
 from pipecc.report.formatting import human, seconds
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
                                esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
@@ -162,6 +162,16 @@ def baselines_table_html(plan: Plan) -> str:
             "<th>ratio to bound</th><th>vs pipecc</th><th>fits memory</th></tr>" + body + "</table>")
 
 
+def bipartition_html(plan: Plan) -> str:
+    """Bi-Partition's cut pair and each stage's forward/backward range ("" without)."""
+    lines = bipartition_lines(plan)
+    if not lines:
+        return ""
+    items = "".join(f"<li>{esc(x.strip())}</li>" for x in lines[1:])
+    return (f'<h3>Forward/backward cuts (Bi-Partition)</h3><p class="note">'
+            f'{esc(lines[0].removeprefix("Bi-Partition").strip())}</p><ul>{items}</ul>')
+
+
 def decisions_html(plan: Plan) -> str:
     items = "".join(f"<li>{esc(d)}</li>" for d in plan.decisions)
     lost = "".join(f"<tr><td>{esc(a['schedule'])}</td><td>{esc(a['microbatches'])}</td>"
@@ -293,6 +303,7 @@ hatched gaps are bubbles. Hover a block for its times.</p>
 each device under 90% of its memory.</p></div></div>
 {stage_table_html(plan, capacities)}
 {f"<ul>{splits}</ul>" if splits else ""}
+{bipartition_html(plan)}
 
 <h2>Balance against baseline partitions</h2>
 {balance}

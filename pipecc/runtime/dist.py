@@ -141,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     the gpipe schedule with every stage's own chunks (``pipecc.runtime.reslice``), in one
     process too; ``--schedule`` other than gpipe and ``--microbatches`` are usage errors.
 
+    Bi-Partition folders (``pipecc.json``: ``"bipartition": "ship"``, ``pipecc.runtime.segments``):
+    each rank loads its core and its adjacent segments (owned or replica), traces the segments'
+    graphs on first use and refreshes the replicas after every optimizer step.
+
     ``--json`` (``pipecc.runtime.timing``): every rank times its stages' forward and backward
     actions and its receive waits, from step ``--warmup-steps`` (default 1) on; at the end the
     ranks' figures are gathered to the last rank, which prints one JSON document (measured next
@@ -407,6 +411,8 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             start += time.perf_counter() - paused
         if optimizer is not None and update:
             optimizer.step()
+        if update:
+            runtime.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
         elapsed = time.perf_counter() - start
         if timer is not None and update:
             timer.end_step(elapsed)

@@ -42,6 +42,14 @@ micro-batch loss is weighted by the replica's share of the batch, ``step`` all-r
 stages' gradients over the replicas (started from the last backward, overlapping it) and
 returns the full-batch loss. The caller gives replica-sized ports, inputs and target.
 
+Bi-Partition (``pipecc.runtime.segments``): a stage module that is a ``BipartitionWorker`` runs
+F and B through its ``WorkerProgram`` (core under autograd, misplaced segments through their
+AOT forward/backward graphs); its forward message carries the values crossing its forward cut
+plus any segment's saved tensors, its backward message the gradients at its backward cut plus
+any saved tensors (``SAVED`` ports after the usual ones, same tags scheme), and
+``after_optimizer_step`` refreshes the segments' replicas from their owners (also after
+``load_checkpoint``). Equal micro-batches, no replicas, no zero-bubble split.
+
 Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
 it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.
 
@@ -91,6 +99,7 @@ from pipecc.runtime.ports import (
 )
 from pipecc.runtime.replicas import GradientAllReduce, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
+from pipecc.runtime.segments import SAVED, BipartitionWorker, WorkerProgram
 from pipecc.runtime.split_backward import input_backward, weight_backward
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
@@ -107,8 +116,9 @@ from pipecc.runtime.wire import (
 __all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "forward_only", "init_distributed"]
 
 # NOTE(size): PipelineRuntime is the interpreter of the schedule IR, one method per action kind
-# (F, B, I, W, SEND/RECV) around one shared state (inbox, outbox, stash); the zero-bubble split and
-# the replica groups' arithmetic already live in split_backward.py and replicas.py.
+# (F, B, I, W, SEND/RECV) around one shared state (inbox, outbox, stash); the zero-bubble split,
+# the replica groups' arithmetic and Bi-Partition's pieces already live in split_backward.py,
+# replicas.py and segments.py (what stays here: their hooks into the actions and messages).
 
 MAX_PORTS = 1024  # values crossing one stage boundary
 
@@ -247,11 +257,66 @@ class PipelineRuntime:
             self._wire = Wire(self.global_rank, config.timeout_s)
         self.grad_sync = None if self.replicas.count == 1 else GradientAllReduce(
             self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
+        self._bip = self._bipartition()  # stage -> its Bi-Partition program (pipecc.runtime.segments)
         self.peak_stash = 0  # most microbatches stashed at once during the last step
         self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
         self.timer: ActionTimer | None = None  # set: every action runs through it (pipecc run --json)
         if world > 1:
             self._handshake()
+
+    def _bipartition(self) -> dict[int, WorkerProgram]:
+        """The Bi-Partition workers among this rank's stages (``pipecc.runtime.segments``); v1
+        runs them one stage per rank or all in one process, equal micro-batches, no replicas,
+        no zero-bubble split."""
+        programs = {}
+        for s, module in zip(self.stage_ids, self.modules):
+            if not isinstance(module, BipartitionWorker):
+                continue
+            if self.replicas.count > 1 or self.schedule.microbatch_sizes is not None:
+                raise PipeccError("a Bi-Partition pipeline runs without replicas and with equal micro-batches; "
+                                  "compile it again without those")
+            if any(a.kind in (ActionKind.I, ActionKind.W) for row in self.schedule.actions for a in row):
+                raise PipeccError("a Bi-Partition pipeline cannot run a zero-bubble schedule; use 1f1b or gpipe")
+            program = WorkerProgram(module)
+            ports, split = self._ports(s), self._split(s)
+            program.shape_of = lambda port, mb, ports=ports, split=split: port.microbatch_shape(
+                mb, ports.batch_size, split)
+            program.device = self.device
+            programs[s] = program
+        return programs
+
+    def after_optimizer_step(self) -> None:
+        """Bi-Partition: the owners of segments send their updated weights to the replicas
+        (call after every ``optimizer.step()``; a no-op without Bi-Partition)."""
+        if not self._bip:
+            return
+        for s, program in self._bip.items():
+            for runner in program.module.runners:
+                if not runner.owner:
+                    continue
+                peer_stage = runner.fp
+                if peer_stage in self._bip:  # one process: copy into the replica directly
+                    replica = next(r for r in self._bip[peer_stage].module.runners if r.boundary == runner.boundary)
+                    with torch.no_grad():
+                        for dst, src in zip(replica.module.parameters(), runner.module.parameters()):
+                            dst.copy_(src)
+                    continue
+                peer = self.schedule.stage_to_rank[peer_stage]
+                for i, p in enumerate(runner.module.parameters()):
+                    self._wire.send(p.detach(), peer, self._tag(3, peer_stage, runner.boundary % self.m, i),
+                                    "the replica refresh", key=("refresh", runner.boundary))
+        for s, program in self._bip.items():
+            for runner in program.module.runners:
+                if runner.owner or runner.bp in self._bip:
+                    continue
+                params = list(runner.module.parameters())
+                buffers = [torch.empty_like(p) for p in params]
+                tags = [self._tag(3, s, runner.boundary % self.m, i) for i in range(len(params))]
+                self._wire.recv(buffers, self.schedule.stage_to_rank[runner.bp], tags, "the replica refresh")
+                with torch.no_grad():
+                    for p, b in zip(params, buffers):
+                        p.copy_(b)
+        self._wire.flush()
 
     # -- public API ----------------------------------------------------------------------
 
@@ -375,18 +440,28 @@ class PipelineRuntime:
         elif a.kind is ActionKind.W:
             self._backward_weight(s, mb)
         elif a.kind is ActionKind.SEND_F:
-            self._send(a, self._outbox.pop(("F", s, mb)), self._ports(s).out_leaves)
+            values = self._outbox.pop(("F", s, mb))
+            ports = self._ports(s).out_leaves
+            self._send(a, values, [*ports, *[SAVED] * (len(values) - len(ports))])  # Bi-Partition: saved after
         elif a.kind is ActionKind.SEND_B:
-            self._send(a, self._outbox.pop(("B", s, mb)), [p for p in self._ports(s).in_leaves if p.carries_grad])
+            values = self._outbox.pop(("B", s, mb))
+            ports = self._bip[s].grad_sends if s in self._bip else [p for p in self._ports(s).in_leaves
+                                                                     if p.carries_grad]
+            self._send(a, values, [*ports, *[SAVED] * (len(values) - len(ports))])
         elif a.kind is ActionKind.RECV_F:
-            leaves = self._recv(a, self._ports(s).in_leaves)
+            extra = self._bip[s].forward_extra(mb, self.device) if s in self._bip and training else []
+            leaves = self._recv(a, self._ports(s).in_leaves, extra)
             if training:
                 for v, port in zip(leaves, self._ports(s).in_leaves):
                     if port.carries_grad:
                         v.requires_grad_(True)
             self._inbox[("F", s, mb)] = leaves
         elif a.kind is ActionKind.RECV_B:
-            self._inbox[("B", s, mb)] = self._recv(a, [p for p in self._ports(s).out_leaves if p.carries_grad])
+            if s in self._bip:
+                self._inbox[("B", s, mb)] = self._recv(a, self._bip[s].grad_receives,
+                                                       self._bip[s].backward_extra(mb, self.device))
+            else:
+                self._inbox[("B", s, mb)] = self._recv(a, [p for p in self._ports(s).out_leaves if p.carries_grad])
 
     def _forward(self, s: int, mb: int, training: bool) -> None:
         ports = self._ports(s)
@@ -396,9 +471,14 @@ class PipelineRuntime:
             leaves = self._reslice.forward_leaves(s, mb, self._inbox, training)
         else:
             leaves = self._inbox.pop(("F", s, mb))
-        with torch.set_grad_enabled(training):
-            outs = as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
-        out_leaves = flatten(outs, ports.sends, f"rank {self.global_rank} stage {s} output")
+        extra: list[Any] = []
+        if s in self._bip:  # Bi-Partition: core and segments (pipecc.runtime.segments)
+            out_leaves, extra = self._bip[s].forward(mb, leaves, training, first=s == 0)
+            outs = tuple(unflatten(out_leaves, ports.sends))
+        else:
+            with torch.set_grad_enabled(training):
+                outs = as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
+            out_leaves = flatten(outs, ports.sends, f"rank {self.global_rank} stage {s} output")
         self._check(s, mb, out_leaves, ports.out_leaves)
         if s == self.last_stage:
             if not training:
@@ -415,13 +495,21 @@ class PipelineRuntime:
             if s + 1 in self.stage_ids:  # local neighbour: hand over detached copies, like a receive
                 self._inbox[("F", s + 1, mb)] = [
                     o.detach().requires_grad_(training and p.carries_grad) if p.kind == "tensor" else o
-                    for o, p in zip(out_leaves, ports.out_leaves)]
+                    for o, p in zip(out_leaves, ports.out_leaves)] + list(extra)
             else:
-                self._outbox[("F", s, mb)] = out_leaves
+                self._outbox[("F", s, mb)] = [*out_leaves, *extra]
         self.peak_stash = max(self.peak_stash, len(self._stash))
 
     def _backward(self, s: int, mb: int) -> None:
         in_leaves, outs = self._stash.pop((s, mb))
+        if s in self._bip:  # Bi-Partition: the program's backward, then the usual hand-over
+            received = None if s == self.last_stage else self._inbox.pop(("B", s, mb))
+            upstream = self._bip[s].backward(mb, received, outs if s == self.last_stage else None, first=s == 0)
+            if upstream is not None and s - 1 in self.stage_ids:
+                self._inbox[("B", s - 1, mb)] = upstream
+            elif upstream is not None:
+                self._outbox[("B", s, mb)] = upstream
+            return
         ports = self._ports(s)
         if s == self.last_stage:
             torch.autograd.backward(outs)  # the scaled loss
@@ -537,7 +625,7 @@ class PipelineRuntime:
         for data, tag in payloads:
             self._wire.send(data, peer, tag, what, key=a)
 
-    def _recv(self, a: Action, ports: Sequence[Port]) -> list[Any]:
+    def _recv(self, a: Action, ports: Sequence[Port], extra: Sequence[torch.Tensor] = ()) -> list[Any]:
         peer = self.replicas.rank_of(peer_rank(self.schedule, a))
         direction = 0 if a.kind is ActionKind.RECV_F else 1
         what = f"{a.kind.value} mb {a.microbatch}" + (f" of stage {a.stage}" if len(self.stage_ids) > 1 else "")
@@ -550,17 +638,17 @@ class PipelineRuntime:
                 first.append(torch.empty(shape, dtype=port.dtype, device=self.device))
             else:
                 first.append(torch.empty(1, dtype=torch.int64, device=self.device))
-        tags = [self._tag(direction, a.stage, a.microbatch, i) for i in range(len(ports))]
-        self._wire.recv(first, peer, tags, what)
+        tags = [self._tag(direction, a.stage, a.microbatch, i) for i in range(len(ports) + len(extra))]
+        self._wire.recv([*first, *extra], peer, tags, what)
         objects = [i for i, p in enumerate(ports) if p.kind == "object"]
         if not objects:
-            return first
+            return [*first, *extra]
         payloads = [torch.empty(int(first[i].item()), dtype=torch.uint8, device=self.device) for i in objects]
         self._wire.recv(payloads, peer, [tags[i] + 1 for i in objects], what)
         values: list[Any] = list(first)
         for i, data in zip(objects, payloads):
             values[i] = decode_object(data, self.device)
-        return values
+        return [*values, *extra]
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -677,6 +765,7 @@ class PipelineRuntime:
             if "optimizer" not in meta:
                 raise PipeccError(f"checkpoint {base}.json has no optimizer state")
             self.optimizer.load_state_dict(from_json(meta["optimizer"]["state"], tensors))
+        self.after_optimizer_step()  # Bi-Partition: checkpoints hold the owners' weights; refresh the replicas
         return int(meta["step"])
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import build_output, split_batch
+from pipecc.runtime.segments import share_replicas
 from pipecc.runtime.stagefile import assemble_owner, load_stage, persistent_buffer
 
 __all__ = ["PipelinedModule", "load", "load_stage"]
@@ -244,5 +245,6 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
         raise PipeccError(f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)") from None
     loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
+    share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve
     m = microbatches if microbatches is not None else int(marker.get("microbatches", 1))
     return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices)

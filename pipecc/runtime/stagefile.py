@@ -50,25 +50,53 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise PipeccError(f"{folder}: cannot read ports.json ({exc}); is this a pipecc stage folder?") from None
     if not isinstance(ports, dict):
         raise PipeccError(f"{folder / 'ports.json'} is not a port spec; {RECOMPILE}")
+    module = _build(folder, "stage.py", str(ports.get("class", f"Stage{ports.get('stage')}")))
+    load_weights(module, folder / "weights.safetensors")
+    if isinstance(ports.get("bipartition"), dict):  # a Bi-Partition worker: core + segments
+        module = _load_worker(folder, module, ports)
+    return module, ports
+
+
+def _build(folder: Path, file: str, class_name: str) -> nn.Module:
+    """An instance of ``class_name`` from the generated ``folder/file`` (imported by path)."""
     name = f"pipecc_stage_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, folder / "stage.py")
-    if spec is None or spec.loader is None or not (folder / "stage.py").is_file():
-        raise PipeccError(f"{folder}: no stage.py; {RECOMPILE}")
+    spec = importlib.util.spec_from_file_location(name, folder / file)
+    if spec is None or spec.loader is None or not (folder / file).is_file():
+        raise PipeccError(f"{folder}: no {file}; {RECOMPILE}")
     source = importlib.util.module_from_spec(spec)
     sys.modules[name] = source  # so inspect/torch tooling can find the class's module
     try:
         spec.loader.exec_module(source)
-        cls = getattr(source, str(ports.get("class", f"Stage{ports.get('stage')}")), None)
+        cls = getattr(source, class_name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise PipeccError(f"{folder}/stage.py defines no stage module class; {RECOMPILE}")
-        module = cls()
+            raise PipeccError(f"{folder}/{file} defines no stage module class; {RECOMPILE}")
+        return cls()
     except PipeccError:
         raise
     except (Exception, SystemExit) as e:  # generated code that was edited, or needs another environment
-        raise PipeccError(f"{folder / 'stage.py'} fails to import ({_gist(e)}); it was changed after compile or "
+        raise PipeccError(f"{folder / file} fails to import ({_gist(e)}); it was changed after compile or "
                           f"needs another environment: {RECOMPILE}") from e
-    load_weights(module, folder / "weights.safetensors")
-    return module, ports
+
+
+def _load_worker(folder: Path, core: nn.Module, ports: dict[str, Any]) -> nn.Module:
+    """A Bi-Partition worker (``pipecc.runtime.segments``): its core and its segments' modules,
+    owned or replica; ``PARAM_NAMES`` names the core's and the owned segments' tensors."""
+    from pipecc.runtime.segments import worker_class
+
+    worker = int(ports.get("stage", 0))
+    names = {f"core.{a}": n for a, n in getattr(type(core), "PARAM_NAMES", {}).items()}
+    segments = []
+    try:
+        for info in ports["bipartition"]["segments"]:
+            module = _build(folder, str(info["file"]), str(info["class"]))
+            load_weights(module, folder / str(info["weights"]))
+            segments.append((info, module))
+            if int(info["bp_worker"]) == worker:  # the owner's tensors are the model's
+                names.update({f"segment_{int(info['boundary'])}.{a}": n
+                              for a, n in getattr(type(module), "PARAM_NAMES", {}).items()})
+    except (KeyError, TypeError, ValueError) as e:
+        raise PipeccError(f"{folder / 'ports.json'}: bad bipartition section ({_gist(e)}); {RECOMPILE}") from None
+    return worker_class(names)(core, segments, ports, worker)
 
 
 def check_weights_file(path: str | Path) -> None:

@@ -1,0 +1,327 @@
+"""Bi-Partition in the planner: FP/BP cut pairs for a chosen plan, and the compile-time check.
+
+    plan (its partition, devices, schedule, m) ─► PartitionProblem of its units (the balancer's
+    costs) ─► passes.bipartition.bipartition (windowed exact DP around the plan's cuts, stash
+    shipping costs) ─► simulate both ─► the plan with FP/BP ranges when faster, else unchanged;
+    a decision line either way
+
+Scope v1 (PAPERS-SPEC §3.8, /work/shared Bi-Partition contract): a training plan under 1f1b or
+gpipe, one stage per device, replicas 1, equal micro-batches, no recomputing stage, no FPGA
+stage, at least two stages, no split layers, and the users of a shared weight in one piece
+(the runtime's scope, `backends.torch.bipartition`: no cut lies between them). A misplaced segment may not hold the loss / last node (the DP
+keeps it in the last worker's core), a module whose buffers training mutates (BatchNorm in
+training mode: the forward and backward worker would each hold running statistics) or a node
+whose value is not tensors (the runtime ships saved tensors only): `segment_blockers`.
+The runtime mode is "ship" (a segment's saved tensors travel to its backward worker);
+"recompute" is only costed (its best cut pair is stated in the decision line: the misplaced
+forward runs twice, so it never beats the single cut by much, PAPERS-SPEC §3.2), and
+`check_plan` refuses a plan that asks for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from pipecc.errors import PipeccError
+from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule import by_name
+from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
+from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate, lower_bound
+from pipecc.passes.recompute import training_batchnorm_names
+from pipecc.passes.simulate import StageCosts, Timeline, simulate
+from pipecc.passes.umpipe_plan import _unit_bounds
+
+__all__ = ["why_not", "segment_blockers", "shared_weights", "apply", "check_plan", "describe", "WINDOW"]
+
+WINDOW = 8  # units each cut may move (PAPERS-SPEC §3.4's Δ)
+WIDEST = 16  # ... doubled once while a cut sits at the window's edge and the result improves
+
+
+def why_not(plan: Plan, graph: AnnotatedGraph | None = None) -> str | None:
+    """Why `plan` cannot take separate FP/BP cuts (v1 scope; with `graph`, also tied weights),
+    or None when it can."""
+    if not plan.options.get("training", True) or plan.schedule == "inference":
+        return "an inference plan (no backward pass)"
+    if plan.schedule not in ("1f1b", "gpipe"):
+        return f"schedule {plan.schedule} (Bi-Partition runs under 1f1b or gpipe only)"
+    if plan.replicas > 1:
+        return f"{plan.replicas} replicas per stage (Bi-Partition needs replicas 1)"
+    if plan.virtual_stages > 1 or len({s.device for s in plan.stages}) != len(plan.stages):
+        return "a device holding more than one stage"
+    if plan.microbatch_sizes:
+        return "unequal micro-batches"
+    if any(s.recompute for s in plan.stages):
+        return "stages that recompute their activations"
+    if plan.fpga_stages():
+        return "FPGA stages (inference-only, one-tensor boundaries)"
+    if len(plan.stages) < 2:
+        return "one stage (no pipeline)"
+    if plan.split_layers:
+        return "split layers (the runtime cuts Bi-Partition pieces from unsplit layers)"
+    tied = _tied_across(plan, shared_weights(graph)) if graph is not None else None
+    if tied is not None:
+        return f"tied weights in different stages ({tied})"
+    return None
+
+
+def _tensor_only(value: Any) -> bool:
+    if isinstance(value, TensorInfo):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_tensor_only(v) for v in value)
+    return False
+
+
+def segment_blockers(graph: AnnotatedGraph) -> dict[str, str]:
+    """Node name -> why its forward and backward must run on one worker (module docstring):
+    BatchNorm in training mode, and a node that produces or takes a non-tensor value (it
+    could be a segment's boundary port, which carries tensors only)."""
+    out = {name: "BatchNorm in training mode (its running statistics)"
+           for name in training_batchnorm_names(graph)}
+    for node in graph.compute_nodes():
+        name = str(node.meta.get(META_NAME, node.name))
+        if name in out or node.op == "get_attr":
+            continue
+        value = node.meta.get(META_VALUE)
+        if value is not None and not _tensor_only(value):
+            out[name] = "a non-tensor value"
+            continue
+        for arg in node.all_input_nodes:
+            v = arg.meta.get(META_VALUE)
+            if arg.op != "get_attr" and v is not None and not _tensor_only(v):
+                out[name] = f"a non-tensor input from {arg.meta.get(META_NAME, arg.name)}"
+                break
+    return out
+
+
+def shared_weights(graph: AnnotatedGraph) -> dict[str, list[str]]:
+    """Parameter or module target -> the node names using it, for targets used by more than
+    one node: the runtime refuses a Bi-Partition plan that puts such nodes in different pieces
+    (tied weights, `backends.torch.bipartition`), so no cut may lie between them."""
+    users: dict[str, list[str]] = {}
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr":
+            for user in node.users:
+                users.setdefault(str(node.target), []).append(str(user.meta.get(META_NAME, user.name)))
+        elif node.op == "call_module":
+            users.setdefault(str(node.target), []).append(str(node.meta.get(META_NAME, node.name)))
+    return {t: sorted(set(names)) for t, names in users.items() if len(set(names)) > 1}
+
+
+def _tied_across(plan: Plan, shared: dict[str, list[str]]) -> str | None:
+    """A shared weight whose users the plan puts in different pieces, or None."""
+    piece = {n: i for i, (_, _, _, nodes) in enumerate(plan.bipartition_pieces()) for n in nodes}
+    for target, names in shared.items():
+        held = {piece[n] for n in names if n in piece}
+        if len(held) > 1:
+            return f"{target} shared by {names[0]} and {names[-1]}"
+    return None
+
+
+def _problem(balancer: Any, plan: Plan, units: Any, mb: int) -> PartitionProblem:
+    order = tuple(int(d.get("given_index", i)) for i, d in enumerate(plan.devices))
+    prob = balancer.problem(units, mb, plan.schedule, plan.microbatches, order)
+    act = np.asarray(prob.act_mem, dtype=float)
+    return dataclasses.replace(prob, stash_bytes=act.max(axis=0) if act.ndim > 1 else act,
+                               param_bytes=np.asarray(units.param_bytes, dtype=float))
+
+
+def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int) -> StageCosts:
+    """The simulator's costs of a cut pair (`passes.simulate` module docstring): FP/BP range
+    sums, both messages per boundary, stashes held per `passes.bipartition`'s memory model,
+    the replica refresh as each owner's tail after its last action."""
+    a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(bi.fwd_bounds) - 1
+    fwd, bwd = np.asarray(prob.fwd, dtype=float), np.asarray(prob.bwd, dtype=float)
+    act = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), fwd.shape)
+    static = np.broadcast_to(np.asarray(prob.static_mem, dtype=float), fwd.shape)
+    params = np.asarray(prob.param_bytes if prob.param_bytes is not None else static.max(axis=0))
+    f, b, held, own = [], [], [], []
+    for j in range(p):
+        f.append(float(fwd[j, a[j]:a[j + 1]].sum()))
+        extra = 0.0
+        if bi.mode == "recompute":
+            extra = float(fwd[j, c[j]:a[j]].sum() + fwd[j, a[j + 1]:c[j + 1]].sum())
+        b.append(float(bwd[j, c[j]:c[j + 1]].sum()) + extra)
+        held.append(float(act[j, min(a[j], c[j]):min(a[j + 1], c[j + 1])].sum()))
+        replica = float(params[c[j]:a[j]].sum() + params[a[j + 1]:c[j + 1]].sum())
+        own.append(float(static[j, c[j]:c[j + 1]].sum()) + replica)
+    send_f = list(bi.fwd_link_time) + [0.0]
+    send_b = [0.0] + list(bi.bwd_link_time)
+    tail = [0.0] * p
+    for j, t in enumerate(bi.sync_time):  # boundary j: the owner is the BP worker
+        owner = j + 1 if a[j + 1] > c[j + 1] else j
+        tail[owner] = max(tail[owner], t)
+    costs = StageCosts.per_stage(m, f, b, send_forward_s=send_f, send_backward_s=send_b,
+                                 activation_bytes=held, static_bytes=own)
+    costs.tail_s = tail if any(tail) else None
+    return costs
+
+
+def _simulate(bi: BiPartition, prob: PartitionProblem, plan: Plan) -> Timeline:
+    sched = by_name(plan.schedule, len(plan.stages), plan.microbatches, 1)
+    return simulate(sched, stage_costs(bi, prob, plan.microbatches))
+
+
+def _cuts(b: Sequence[int]) -> str:
+    return "[" + ", ".join(str(x) for x in b[1:-1]) + "]"
+
+
+def describe(plan: Plan) -> str:
+    """"FP cuts [..], BP cuts [..]" in unit counts, from the plan's options ("" if none)."""
+    info = plan.options.get("bipartition") or {}
+    if not info.get("used"):
+        return ""
+    return f"FP cuts {_cuts(info['fwd_bounds'])}, BP cuts {_cuts(info['bwd_bounds'])}"
+
+
+def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WINDOW) -> Plan:
+    """`plan` with separate FP/BP cuts when they simulate faster than its single cut (module
+    docstring); its lower bounds are lowered to the Bi-Partition bound either way (any plan now
+    includes FP/BP cut pairs). `balancer` must be built on `graph`, the plan's graph."""
+    mb = plan.batch_size // plan.microbatches
+    units = balancer.builder.at(mb)
+    bounds = _unit_bounds(units, plan)
+    prob = _problem(balancer, plan, units, mb)
+    blockers = segment_blockers(graph)
+    no_segment = [any(n in blockers for n in group) for group in units.names]
+    unit_of = {n: u for u, group in enumerate(units.names) for n in group}
+    no_cut = [False] * (units.n + 1)
+    for users in shared_weights(graph).values():  # keep a tied weight's users in one piece
+        us = [unit_of[n] for n in users if n in unit_of]
+        for s in range(min(us) + 1, max(us) + 1) if us else ():
+            no_cut[s] = True
+    bound_prob = balancer.bound_problem(prob, [int(d.get("given_index", i))
+                                               for i, d in enumerate(plan.devices)], mb)
+    plan.lower_bound_s = min(plan.lower_bound_s, lower_bound(bound_prob, units.splittable,
+                                                             bipartition=True))
+    if plan.lower_bound_compute_s:
+        plan.lower_bound_compute_s = min(plan.lower_bound_compute_s, lower_bound(
+            bound_prob, units.splittable, comm=False, bipartition=True))
+    single = evaluate(prob, bounds)
+    base = evaluate_bi(prob, bounds, bounds)
+    t_single = _simulate(base, prob, plan)
+    tried: list[tuple[BiPartition, PartitionProblem, Timeline]] = []
+    for variant in (prob, dataclasses.replace(prob, comm="charged")):
+        try:
+            bi = bipartition(variant, window, "ship", single=single, no_segment=no_segment,
+                             no_cut=no_cut, widen_to=max(window, WIDEST))
+        except InfeasibleError:
+            continue
+        if bi.is_split:  # cost it on the real (overlapped) model
+            bi = evaluate_bi(prob, bi.fwd_bounds, bi.bwd_bounds)
+            if bi.fits:
+                tried.append((bi, prob, _simulate(bi, prob, plan)))
+    try:
+        rc = bipartition(prob, window, "recompute", single=single, no_segment=no_segment,
+                         no_cut=no_cut)
+        rc_line = (f"with recomputation instead of stash shipping the best cut pair gives "
+                   f"{rc.bottleneck:.4g} s per micro-batch vs the single cut's "
+                   f"{base.bottleneck:.4g} s (a misplaced segment's forward runs twice)")
+    except InfeasibleError:
+        rc, rc_line = None, "recomputation: no cut pair fits memory"
+    info: dict[str, Any] = {"used": False, "window": window, "mode": "ship",
+                            "single_iteration_s": t_single.iteration_s,
+                            "single_bottleneck_s": base.bottleneck,
+                            "recompute_bottleneck_s": rc.bottleneck if rc else None,
+                            "recompute_iteration_s": (_simulate(rc, prob, plan).iteration_s
+                                                      if rc is not None and rc.is_split
+                                                      else t_single.iteration_s),
+                            "best_ship_bottleneck_s": min([b.bottleneck for b, _, _ in tried],
+                                                          default=base.bottleneck)}
+    plan.options["bipartition"] = info
+    tried.sort(key=lambda r: r[2].iteration_s)
+    if not tried or tried[0][2].iteration_s >= t_single.iteration_s * (1 - 1e-9):
+        plan.decisions.append(f"Bi-Partition not used: no FP/BP cut pair beats the single cut "
+                              f"(window ±{window} units; {rc_line})")
+        return plan
+    bi, prob, tl = tried[0]
+    _fill(plan, bi, prob, tl, units, balancer)
+    info.update(used=True, fwd_bounds=list(bi.fwd_bounds), bwd_bounds=list(bi.bwd_bounds),
+                iteration_s=tl.iteration_s, bottleneck_s=bi.bottleneck,
+                stash_bytes=[float(x) for x in bi.misplaced_stash_bytes],
+                weight_sync_bytes=[float(x) for x in bi.weight_sync_bytes])
+    plan.decisions.append(
+        f"Bi-Partition: {t_single.iteration_s / tl.iteration_s:.3g}× faster than the single cut "
+        f"({describe(plan)}, in units of the {units.n} in graph order): predicted {tl.iteration_s:.4g} s per iteration vs "
+        f"{t_single.iteration_s:.4g} s, {int(sum(bi.misplaced_stash_bytes))} bytes of segment "
+        f"stash per micro-batch, {plan.weight_sync_bytes} bytes of replica refresh per "
+        f"iteration; {rc_line}")
+    return plan
+
+
+def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, units: Any,
+          balancer: Any) -> None:
+    """Write the cut pair into the plan (contract: nodes = FP range, backward_nodes = BP)."""
+    a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(plan.stages)
+    fwd, bwd = np.asarray(prob.fwd, dtype=float), np.asarray(prob.bwd, dtype=float)
+    order = [int(d.get("given_index", i)) for i, d in enumerate(plan.devices)]
+    mb = plan.batch_size // plan.microbatches
+    weights = balancer.weight_times(evaluate(prob, c), prob, order, mb)
+    costs = stage_costs(bi, prob, plan.microbatches)
+    for j, s in enumerate(plan.stages):
+        s.nodes = [n for u in range(a[j], a[j + 1]) for n in units.names[u]]
+        s.backward_nodes = [n for u in range(c[j], c[j + 1]) for n in units.names[u]]
+        s.forward_s, s.backward_s = costs.forward_s[j][0], costs.backward_s[j][0]
+        s.backward_weight_s = float(weights[j])
+        s.send_bytes = int(bi.fwd_cut_bytes[j]) if j < p - 1 else 0
+        s.recv_bytes = int(bi.fwd_cut_bytes[j - 1]) if j > 0 else 0
+        extra = 0.0
+        if j < p - 1 and a[j + 1] > c[j + 1]:
+            extra += bi.misplaced_stash_bytes[j]
+        if j > 0 and c[j] > a[j]:
+            extra += bi.misplaced_stash_bytes[j - 1]
+        s.extra_send_bytes = int(extra)
+        s.comm_s = float(sum(bi.fwd_link_time[k] + bi.bwd_link_time[k]
+                             for k in (j - 1, j) if 0 <= k < p - 1))
+        s.peak_memory_bytes = int(tl.peak_memory_bytes[j])
+        s.forward_flops = int(units.values["forward_flops"][a[j]:a[j + 1]].sum())
+        s.param_bytes = int(units.param_bytes[c[j]:c[j + 1]].sum())
+    plan.bottleneck_s = float(bi.bottleneck)
+    plan.predicted_iteration_s = float(tl.iteration_s)
+    plan.bubble_fraction = float(tl.bubble_fraction)
+    plan.bipartition_mode = "ship"
+    plan.weight_sync_bytes = int(sum(bi.weight_sync_bytes))
+    # NOTE: reports rebuild the timeline from the plan (`pipecc.report.artifacts.timeline_for`);
+    # comm_s cannot tell the two directions apart here, so the seconds travel with the plan
+    plan.options["bipartition_costs"] = {
+        "send_forward_s": [row[0] for row in costs.send_forward_s],
+        "send_backward_s": [row[0] for row in costs.send_backward_s],
+        "tail_s": list(costs.tail_s or [])}
+
+
+def check_plan(graph: AnnotatedGraph, plan: Plan) -> None:
+    """A PipeccError (one line) for a Bi-Partition plan the runtime cannot execute (module
+    docstring). `pipecc plan` never makes one; an edited plan.json can."""
+    if plan.bipartition_mode not in ("", "ship", "recompute"):
+        raise PipeccError(f"plan: bipartition_mode {plan.bipartition_mode!r} is not one of "
+                          "'', 'ship', 'recompute'; re-plan with --bipartition off|auto")
+    if not plan.is_bipartition() or plan.schedule == "inference":
+        return  # an inference folder runs the forward ranges (contract); nothing to refuse
+    if plan.bipartition_mode == "recompute":
+        raise PipeccError("plan: bipartition_mode 'recompute' is only costed, the runtime ships "
+                          "stashes; re-plan with --bipartition auto (mode ship) or off")
+    if plan.bipartition_mode != "ship":
+        raise PipeccError("plan: stages have separate backward ranges but bipartition_mode is "
+                          "empty; set it to 'ship' or re-plan with --bipartition auto")
+    why = why_not(plan, graph)
+    if why is not None:
+        raise PipeccError(f"plan: separate forward/backward cuts cannot run with {why}; "
+                          "re-plan with --bipartition off")
+    pieces = plan.bipartition_pieces()
+    blockers = segment_blockers(graph)
+    last = plan.stages[-1].nodes[-1] if plan.stages[-1].nodes else None
+    for kind, fp, bp, nodes in pieces:
+        if kind != "segment":
+            continue
+        for n in nodes:
+            if n == last:
+                raise PipeccError(f"plan: the last node {n} (the loss) runs forward on stage "
+                                  f"{fp} and backward on stage {bp}; re-plan")
+            if n in blockers:
+                raise PipeccError(f"plan: node {n} ({blockers[n]}) runs forward on stage {fp} "
+                                  f"and backward on stage {bp}, which the runtime cannot do; "
+                                  "re-plan with --bipartition auto or off")

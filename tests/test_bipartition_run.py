@@ -1,0 +1,294 @@
+"""Bi-Partition at run time ("ship" mode): the compiled folder (cores + segments per worker),
+`pipecc run --verify` against one process, planted bugs that --verify or training must catch,
+the replica refresh over several steps, `pipecc.load`, and the compile-time refusals.
+
+One hand-written plan over a residual MLP (`RESMLP`, two skip connections), 3 workers:
+forward cuts a = (0, 4, 6, 11), backward cuts c = (0, 2, 8, 11), so boundary 0 has a segment
+[a1, relu_1] running forward on worker 0 and backward on worker 1 (a > c; the skip x crosses
+it) and boundary 1 a segment [b1, tanh] running forward on worker 2 and backward on worker 1
+(c > a; the skip crosses it too). Multi-rank costs: one torchrun launch (3 gloo ranks); the
+rest runs every worker in this process (`--schedule interleaved`, same numerics).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_cli, zoo_path
+from helpers import run_pipecc as pipecc
+from pipecc import driver
+from pipecc.backends.torch.bipartition import check_bipartition
+from pipecc.errors import PipeccError
+from pipecc.runtime import dist
+from pipecc.runtime.engine import PipelineRuntime
+from pipecc.runtime.segments import SegmentRunner
+from pipecc.runtime.stagefile import load_stage
+
+pytestmark = pytest.mark.xdist_group(name="bipartition_run")
+
+RESMLP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ResMLP(nn.Module):
+    def __init__(self, d=16, h=32, c=5, bn=False):
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.a1, self.a2 = nn.Linear(h, h), nn.Linear(h, h)
+        self.b1, self.b2 = nn.Linear(h, h), nn.Linear(h, h)
+        self.norm = nn.BatchNorm1d(h) if bn else None
+        self.out = nn.Linear(h, c)
+
+    def forward(self, x):
+        x = torch.relu(self.inp(x))
+        x = x + self.a2(torch.relu(self.a1(x)))
+        h = self.b1(x)
+        x = x + self.b2(torch.tanh(self.norm(h) if self.norm is not None else h))
+        return self.out(x)
+
+
+def build_model(bn=False, **_):
+    torch.manual_seed(0)
+    return ResMLP(bn=bn == "1" or bn is True)
+
+
+def example_inputs(batch_size=1, **_):
+    return (torch.randn(batch_size, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+def example_target(batch_size=1, **_):
+    return torch.randint(5, (batch_size,), generator=torch.Generator().manual_seed(2))
+
+
+def loss_fn(outputs, target):
+    return F.cross_entropy(outputs, target)
+'''
+A, C = (0, 4, 6, 11), (0, 2, 8, 11)  # forward and backward cuts over the 11 nodes
+
+
+def _analysis(folder: Path, bn: bool = False):
+    path = folder / "resmlp.py"
+    path.write_text(RESMLP)
+    analysis = driver.analyze(path, batch_size=6, model_args={"bn": "1"} if bn else None)
+    plan, graph = driver.plan(analysis, "cpu,cpu,cpu", microbatches=3, schedule="1f1b", replicas=1,
+                              split_layers=False)
+    plan.model_path = str(path)
+    plan.model_args = {"bn": "1"} if bn else {}
+    return analysis, plan, graph
+
+
+def _bipartition(plan, a=A, c=C, mode: str = "ship"):
+    plan = copy.deepcopy(plan)
+    order = [n for s in plan.stages for n in s.nodes]
+    for j, s in enumerate(plan.stages):
+        s.nodes, s.backward_nodes = order[a[j]:a[j + 1]], order[c[j]:c[j + 1]]
+    plan.bipartition_mode = mode
+    return plan
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    return _analysis(tmp_path_factory.mktemp("bip_model"))
+
+
+@pytest.fixture(scope="module")
+def bip_out(tmp_path_factory, planned) -> Path:
+    analysis, plan, graph = planned
+    out = tmp_path_factory.mktemp("bip") / "out"
+    driver.compile(analysis, _bipartition(plan), graph, out)
+    return out
+
+
+def test_folder_holds_cores_and_segments_with_owner_and_replica(bip_out: Path) -> None:
+    marker = json.loads((bip_out / "pipecc.json").read_text())
+    assert marker["bipartition"] == "ship"
+    specs = [json.loads((bip_out / f"stage_{j}" / "ports.json").read_text()) for j in range(3)]
+    segs = {j: {s["boundary"]: (s["fp_worker"], s["bp_worker"]) for s in spec["bipartition"]["segments"]}
+            for j, spec in enumerate(specs)}
+    assert segs == {0: {0: (0, 1)}, 1: {0: (0, 1), 1: (2, 1)}, 2: {1: (2, 1)}}
+    # the same generated segment code in both workers' folders
+    for b, (j, k) in {0: (0, 1), 1: (1, 2)}.items():
+        assert (bip_out / f"stage_{j}" / f"segment_{b}.py").read_text() == \
+            (bip_out / f"stage_{k}" / f"segment_{b}.py").read_text()
+    # forward ports are the forward ranges' (a_j); gradients cross at c_j
+    assert [p["producer"] for p in specs[0]["sends"]] == ["relu", "relu_1"]
+    assert [p["producer"] for p in specs[1]["bipartition"]["grad_sends"]] == ["relu"]
+    assert [p["producer"] for p in specs[1]["bipartition"]["grad_receives"]] == ["add", "tanh"]
+    # owners register the segment's parameters (optimizer, checkpoints, --verify); replicas do not
+    worker0, worker1 = load_stage(bip_out / "stage_0")[0], load_stage(bip_out / "stage_1")[0]
+    assert sorted(type(worker0).PARAM_NAMES.values()) == ["inp.bias", "inp.weight"]
+    assert sorted(type(worker1).PARAM_NAMES.values()) == ["a1.bias", "a1.weight", "a2.bias", "a2.weight",
+                                                          "b1.bias", "b1.weight"]
+    assert len(list(worker0.parameters())) == 2 and len(list(worker1.parameters())) == 6
+
+
+def test_torchrun_verify_matches_one_process(bip_out: Path) -> None:
+    # 4 micro-batches of 6 samples (2, 2, 1, 1): the segments' graphs are traced per shape
+    result = pipecc("run", str(bip_out), "--verify", "--steps", "2", "--microbatches", "4", timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "verify: outputs, loss and 12 gradients match the single-process run" in result.stdout
+    assert result.stdout.count("step ") == 2
+
+
+def _run_here(out: Path, *flags: str) -> int:
+    """Every worker in this process (no torchrun): the interleaved schedule over 3 stages."""
+    return dist.main([str(out), "--schedule", "interleaved", *flags])
+
+
+def test_one_process_verify_passes_and_a_dropped_saved_tensor_fails(bip_out: Path, monkeypatch, capsys) -> None:
+    assert _run_here(bip_out, "--verify", "--steps", "0") == 0
+    assert "12 gradients match" in capsys.readouterr().out
+    forward = SegmentRunner.forward
+
+    def drop_first(self, env, training):  # a planted bug: one saved tensor never arrives
+        saved = forward(self, env, training)
+        return [torch.zeros_like(saved[0]), *saved[1:]] if saved else saved
+
+    monkeypatch.setattr(SegmentRunner, "forward", drop_first)
+    assert _run_here(bip_out, "--verify", "--steps", "0") == 1
+    assert "gradient of" in capsys.readouterr().err
+
+
+def _trained(out: Path, ckpt: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's names (owners only: each name once)."""
+    from safetensors.torch import load_file
+
+    got: dict[str, torch.Tensor] = {}
+    tensors = load_file(str(ckpt / f"step_{steps}" / "stage_0.safetensors"))
+    for j in range(3):
+        names = type(load_stage(out / f"stage_{j}")[0]).PARAM_NAMES
+        for key, t in tensors.items():
+            if key.startswith(f"model.{j}."):
+                name = names[key[len(f"model.{j}."):]]
+                assert name not in got, f"{name} saved twice (a replica in a checkpoint)"
+                got[name] = t
+    return got
+
+
+def _reference(model_file: Path, steps: int, lr: float) -> dict[str, torch.Tensor]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("resmlp_ref", model_file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, = mod.example_inputs(6)
+    t = mod.example_target(6)
+    for _ in range(steps):
+        opt.zero_grad()
+        mod.loss_fn(model(x), t).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_training_refreshes_replicas_and_a_skipped_refresh_is_caught(bip_out: Path, planned, tmp_path,
+                                                                     monkeypatch) -> None:
+    steps, lr = 3, 0.5
+    want = _reference(Path(planned[1].model_path), steps, lr)
+    assert _run_here(bip_out, "--steps", str(steps), "--lr", str(lr), "--checkpoint-dir", str(tmp_path / "a")) == 0
+    got = _trained(bip_out, tmp_path / "a", steps)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=name)
+    # a planted bug: the replicas keep their first weights
+    monkeypatch.setattr(PipelineRuntime, "after_optimizer_step", lambda self: None)
+    assert _run_here(bip_out, "--steps", str(steps), "--lr", str(lr), "--checkpoint-dir", str(tmp_path / "b")) == 0
+    stale = _trained(bip_out, tmp_path / "b", steps)
+    assert any(not torch.allclose(stale[n], want[n], rtol=1e-4, atol=1e-5) for n in want)
+
+
+def test_load_gives_the_models_gradients(bip_out: Path, planned) -> None:
+    import pipecc
+
+    pm = pipecc.load(bip_out)
+    model = _reference(Path(planned[1].model_path), 0, 0.1)  # the initial weights
+    assert sorted(dict(pm.named_parameters())) == sorted(model)
+    x = torch.randn(6, 16)
+    pm(x).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in pm.parameters())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: setattr(p, "bipartition_mode", "recompute"), "'recompute' is (costed only|only costed)"),
+    (lambda p: setattr(p, "schedule", "zb-h1"), "zb-h1"),
+    (lambda p: setattr(p, "schedule", "interleaved"), "interleaved"),
+    (lambda p: setattr(p, "bipartition_mode", ""), "mode"),
+    (lambda p: setattr(p.stages[1], "recompute", True), "recompute"),
+])
+def test_compile_refuses_what_the_runtime_cannot_run(planned, tmp_path, change, message) -> None:
+    analysis, plan, graph = planned
+    plan = _bipartition(plan)
+    change(plan)
+    out = tmp_path / "out"
+    with pytest.raises(PipeccError, match=message) as info:
+        driver.compile(analysis, plan, graph, out)
+    assert "\n" not in str(info.value) and not out.exists()
+    with pytest.raises(PipeccError, match=message):  # the torch backend refuses it too, on its own
+        check_bipartition(graph, plan)
+
+
+def test_compile_refuses_an_empty_core(planned, tmp_path) -> None:
+    analysis, plan, graph = planned
+    out = tmp_path / "out"
+    with pytest.raises(PipeccError, match="no node whose forward and backward"):  # worker 1: (4, 4]
+        driver.compile(analysis, _bipartition(plan, (0, 2, 4, 11), (0, 4, 6, 11)), graph, out)
+    assert not out.exists()
+
+
+def test_compile_refuses_batchnorm_in_a_segment(tmp_path) -> None:
+    analysis, plan, graph = _analysis(tmp_path, bn=True)
+    order = [n for s in plan.stages for n in s.nodes]
+    assert order[7] == "norm"  # b1's BatchNorm: inside boundary 1's segment
+    out = tmp_path / "out"
+    bad = _bipartition(plan, (0, 4, 6, 12), (0, 2, 9, 12))
+    with pytest.raises(PipeccError, match="BatchNorm"):
+        driver.compile(analysis, bad, graph, out)
+    assert not out.exists()
+    with pytest.raises(PipeccError, match="BatchNorm"):
+        check_bipartition(graph, bad)
+
+
+def test_run_refuses_a_schedule_the_workers_cannot_run(bip_out: Path, capsys) -> None:
+    code, _, err = run_cli(["run", str(bip_out), "--schedule", "zb-h1"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "1f1b or gpipe" in err
+
+
+def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
+    """`pipecc compile --bipartition auto` (a plan the planner keeps: FP cut [4], BP cut [2] on
+    an MLP whose first layers are wide), then every worker in this process with --verify; the
+    saved tensors that travel are the plan's extra_send_bytes (the transposed weight does not)."""
+    out = tmp_path / "out"
+    args = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
+            "--model-arg", "num_classes=256"]
+    code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
+                                 "--replicas", "1", "--schedule", "1f1b", "--no-split-layers",
+                                 "--bipartition", "auto", *args, "-o", str(out)], capsys)
+    assert code == 0, err
+    assert "Bi-Partition (ship): 1 segment(s)" in stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["bipartition_mode"] == "ship" and plan["stages"][1]["backward_nodes"]
+    assert _run_here(out, "--verify", "--steps", "0") == 0
+    assert "gradients match" in capsys.readouterr().out
+    worker = load_stage(out / "stage_0")[0]
+    runner = next(r for r in worker.runners if r.role == "fp")
+    graphs = runner.graphs([(4, *p.shape[1:]) for p in runner.ports.receives])
+    sent = sum(torch.Size(graphs.saved[i][0]).numel() * 4 for i in graphs.sent)
+    assert sent == plan["stages"][0]["extra_send_bytes"]
+
+
+def test_mirrored_cuts_verify(planned, tmp_path, capsys) -> None:
+    """The other way round: worker 1 runs both segments' forwards (boundary 0: c > a, boundary 1:
+    a > c) and workers 0 and 2 their backwards."""
+    analysis, plan, graph = planned
+    out = tmp_path / "out"
+    driver.compile(analysis, _bipartition(plan, C, A), graph, out)
+    assert _run_here(out, "--verify", "--steps", "0") == 0
+    assert "12 gradients match" in capsys.readouterr().out

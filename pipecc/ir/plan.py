@@ -88,6 +88,22 @@ class Plan:
     # every stage splits the batch into `microbatches` equal chunks. With sizes, `microbatches`
     # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `passes.umpipe`.)
     microbatch_sizes: list[list[int]] | None = None
+    # BPipe (PAPERS-SPEC.md 2.3, `--activation-balancing`, `passes.bpipe`): per pair, the evictor
+    # stage s, its acceptor p-1-s, the evictor's threshold K (stashes it keeps) and the return
+    # policy: [{"evictor": s, "acceptor": a, "threshold": K, "policy": "jit"}]; [] = no BPipe.
+    # The runtime's schedule is pipecc.ir.schedule.bpipe(one_f_one_b(p, m), thresholds, policy).
+    activation_balancing: list[dict[str, Any]] = field(default_factory=list)
+    # the BPipe estimate (PAPERS-SPEC.md 2.7) behind the decision, whether BPipe was used or
+    # not: baseline and bpipe {"microbatch_size", "recompute", "microbatches", "iteration_s",
+    # "peak_memory_bytes"}, "speedup", "hidden_fraction", "reason"; {} when not evaluated
+    estimate: dict[str, Any] = field(default_factory=dict)
+
+    def bpipe_thresholds(self) -> list[int | None]:
+        """Per stage, its BPipe threshold K (evictors) or None: `schedule.bpipe`'s argument."""
+        out: list[int | None] = [None] * len(self.stages)
+        for pair in self.activation_balancing:
+            out[int(pair["evictor"])] = int(pair["threshold"])
+        return out
 
     @property
     def balance_ratio(self) -> float:

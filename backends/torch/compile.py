@@ -6,8 +6,9 @@
                              micro-batches, stages, "replicas" (PP x DP: devices per stage, each
                              replica loading the same stage_<i>/; `pipecc run` starts one rank
                              per device), "microbatch_sizes" (UMPIPE: one size list per stage,
-                             null for equal splits; `check_microbatch_sizes`) and the list of
-                             files written ("files")
+                             null for equal splits; `check_microbatch_sizes`),
+                             "activation_balancing" (BPipe: the plan's pairs, [] when off;
+                             `check_activation_balancing`) and the list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -66,6 +67,7 @@ from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
 from pipecc.runtime.replicas import replica_problem
 from pipecc.runtime.reslice import check_sizes
+from pipecc.runtime.stash import bpipe_thresholds
 from pipecc.runtime.trust import file_sha256
 
 FORMAT = "pipecc-compile"
@@ -148,6 +150,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
     check_replicas(plan)
     sizes = check_microbatch_sizes(plan)
+    balancing = check_activation_balancing(plan, sizes)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
     for stage, planned in zip(stages, plan.stages):
         write_stage(tmp / f"stage_{stage.index}", stage, model_name=graph.model_name, num_stages=n,
@@ -164,7 +167,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_path": plan.model_path, "model_args": plan.model_args,
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
-              "replicas": plan.replicas, "microbatch_sizes": sizes,
+              "replicas": plan.replicas, "microbatch_sizes": sizes, "activation_balancing": balancing,
               "source": graph.source, "torch": torch.__version__,
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
@@ -227,6 +230,34 @@ def check_microbatch_sizes(plan: Plan) -> list[list[int]] | None:
         raise PipeccError(f"stage {min(fpga)} runs on an FPGA ({fpga[min(fpga)]}), compiled for one micro-batch "
                           "shape; plan with --microbatch-sizes equal")
     return sizes
+
+
+def check_activation_balancing(plan: Plan, sizes: list[list[int]] | None = None) -> list[dict]:
+    """The plan's BPipe pairs as `pipecc.json` records them ([] when off). Refuses, in one line, what
+    the runtime cannot execute (`pipecc.runtime.stash`): anything but the 1f1b schedule with one
+    stage per rank, replicas 1, equal micro-batches and no FPGA stage; a pairing other than
+    (s, p-1-s) with s < p // 2; a schedule the IR's `bpipe` generator cannot build and validate."""
+    pairs = [dict(p) for p in getattr(plan, "activation_balancing", None) or []]
+    if not pairs:
+        return []
+    off = "plan with --activation-balancing off"
+    fpga = plan.fpga_stages()
+    if plan.schedule != "1f1b":
+        raise PipeccError(f"activation balancing (BPipe) runs under the 1f1b schedule only, the plan says "
+                          f"{plan.schedule!r}; plan with --schedule 1f1b or {off}")
+    for problem in (f"{plan.virtual_stages} virtual stages per rank" if plan.virtual_stages != 1 else "",
+                    f"replicas {plan.replicas}" if plan.replicas != 1 else "",
+                    "unequal micro-batch sizes" if sizes is not None else "",
+                    f"an FPGA stage ({min(fpga)})" if fpga else ""):
+        if problem:
+            raise PipeccError(f"activation balancing (BPipe) cannot run with {problem}; {off}")
+    thresholds, policy = bpipe_thresholds(pairs, len(plan.stages))
+    from pipecc.ir.schedule import ScheduleError, bpipe, one_f_one_b, validate
+    try:
+        validate(bpipe(one_f_one_b(len(plan.stages), plan.microbatches), thresholds, policy=policy))
+    except (ValueError, ScheduleError) as e:
+        raise PipeccError(f"activation balancing {pairs}: {getattr(e, 'summary', e)}; {off}") from None
+    return pairs
 
 
 def _sha256(path: str) -> str | None:

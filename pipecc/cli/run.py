@@ -237,6 +237,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     from pipecc.runtime.engine import build_schedule
     from pipecc.runtime.ports import StagePorts
     from pipecc.runtime.reslice import folder_sizes
+    from pipecc.runtime.stash import folder_balancing
     from pipecc.runtime.trust import model_file
 
     m = args.microbatches or int(marker.get("microbatches") or 4)
@@ -244,7 +245,8 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")
     model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
-        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches))
+        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches),
+                       folder_balancing(marker, args.schedule))
     except ValueError as e:
         raise UsageError(f"--schedule {schedule} with {ranks} ranks and {m} micro-batches: {e}") from None
 

@@ -168,3 +168,192 @@ def test_stash_travels_between_two_gloo_processes(tmp_path: Path) -> None:
     result = tmp_path / "result.txt"
     mp.spawn(_transport_worker, args=(init, str(result)), nprocs=2, join=True)
     assert result.read_text() == "ok"
+
+
+# ---------------------------------------------------------------------------- schedules from pairs
+
+PAIRS = [{"evictor": 0, "acceptor": 3, "threshold": 2, "policy": "jit"},
+         {"evictor": 1, "acceptor": 2, "threshold": 2, "policy": "jit"}]
+
+
+def test_schedule_from_the_folders_pairs() -> None:
+    from pipecc.ir.schedule import ActionKind
+    from pipecc.runtime.engine import build_schedule
+    from pipecc.runtime.wire import check_fifo, peer_rank
+
+    s = build_schedule("1f1b", 4, 8, balancing=PAIRS)
+    assert s.partner == (3, 2, 1, 0)
+    check_fifo(s)  # NCCL's in-order matching holds with the stash messages
+    sends = [a for a in s.actions[0] if a.kind is ActionKind.SEND_S]
+    assert sends and all(peer_rank(s, a) == 3 for a in sends)
+    assert all(peer_rank(s, a) == 0 for a in s.actions[3] if a.kind is ActionKind.SEND_R)
+    eager = build_schedule("1f1b", 4, 8, balancing=[dict(p, policy="eager") for p in PAIRS])
+    assert eager.partner == (3, 2, 1, 0) and eager != s
+
+
+@pytest.mark.parametrize("kind, pairs, error", [
+    ("gpipe", PAIRS, "runs under the 1f1b schedule with one stage per rank, not schedule 'gpipe'"),
+    ("1f1b", [dict(PAIRS[0], acceptor=2)], "pairs stage 0 with stage 2; BPipe pairs stage s with stage 3"),
+    ("1f1b", [dict(PAIRS[1], evictor=2, acceptor=2)], "pairs stage 2 with stage 2"),
+    ("1f1b", [PAIRS[0], PAIRS[0]], "lists evictor stage 0 twice"),
+    ("1f1b", [dict(PAIRS[0], threshold=0)], "threshold is 0, it must be an integer >= 1"),
+    ("1f1b", [PAIRS[0], dict(PAIRS[1], policy="eager")], "mixes return policies"),
+])
+def test_schedule_refuses_bad_pairs(kind: str, pairs: list[dict], error: str) -> None:
+    from pipecc.runtime.engine import build_schedule
+    with pytest.raises(PipeccError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        build_schedule(kind, 4, 8, balancing=pairs)
+
+
+# ---------------------------------------------------------------------------- a compiled folder, 4 ranks
+
+MLP = {"in_features": 64, "hidden": 512, "depth": 8, "num_classes": 5}  # 4 stages that compute
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    """models/mlp.py on 4xcpu, -b 8 -m 8, 1f1b, replicas 1: (analysis, plan, graph)."""
+    import dataclasses
+
+    from pipecc import driver
+    model = str(ROOT / "models" / "mlp.py")
+    analysis = driver.analyze(model, model_args=MLP, batch_size=8)
+    plan, graph = driver.plan(analysis, "4xcpu", batch_size=8, microbatches=8, schedule="1f1b", replicas=1)
+    plan = dataclasses.replace(plan, model_path=model, model_args=dict(MLP))
+    assert len(plan.stages) == 4 and all(s.nodes for s in plan.stages)
+    return analysis, plan, graph
+
+
+@pytest.fixture(scope="module")
+def bpipe_out(mlp_plan, tmp_path_factory) -> Path:
+    """The folder with stages 0 and 1 keeping 2 stashes each (1F1B holds 4 and 3): both evict."""
+    import dataclasses
+
+    from pipecc import driver
+    analysis, plan, graph = mlp_plan
+    out = tmp_path_factory.mktemp("bpipe") / "mlp"
+    driver.compile(analysis, dataclasses.replace(plan, activation_balancing=PAIRS), graph, out)
+    return out
+
+
+def test_compiled_folder_records_the_pairs(bpipe_out: Path) -> None:
+    import json
+    marker = json.loads((bpipe_out / "pipecc.json").read_text())
+    assert marker["activation_balancing"] == PAIRS and marker["schedule"] == "1f1b"
+
+
+def test_torchrun_bpipe_folder_verifies_and_evicts(bpipe_out: Path) -> None:
+    import json
+
+    from helpers import run_pipecc
+    result = run_pipecc("run", str(bpipe_out), "--verify", "--steps", "2", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "verify: outputs, loss and" in result.stderr and "gradients match the single-process run" in result.stderr
+    rows = {row["index"]: row for row in json.loads(result.stdout)["stages"]}
+    # 1F1B stashes 4 and 3 micro-batches on stages 0 and 1; with K = 2 the jit policy evicts
+    # after every F that overflows (the counts are the schedule's SEND_S actions per step)
+    from pipecc.ir.schedule import ActionKind
+    from pipecc.runtime.engine import build_schedule
+    s = build_schedule("1f1b", 4, 8, balancing=PAIRS)
+    planned = [sum(a.kind is ActionKind.SEND_S for a in row) for row in s.actions]
+    assert planned[0] > 0 and planned[1] > 0 and planned[2:] == [0, 0]
+    assert [rows[i]["stash_evictions"] for i in range(4)] == planned
+    assert rows[0]["stash_evicted_bytes"] > 0 and rows[1]["stash_evicted_bytes"] > 0
+
+
+PLANTED = '''
+import sys
+import torch
+from pipecc.runtime import stash
+
+restore = stash.SavedTensors.restore
+
+
+def wrong(self, buffers):  # the planted bug: one returned storage comes back as zeros
+    buffers = list(buffers)
+    buffers[0] = torch.zeros_like(buffers[0])
+    restore(self, buffers)
+
+
+stash.SavedTensors.restore = wrong
+from pipecc.runtime.dist import main
+sys.exit(main())
+'''
+
+
+def test_planted_restore_bug_fails_verify(bpipe_out: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    script = tmp_path / "planted.py"
+    script.write_text(PLANTED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                             str(script), str(bpipe_out), "--verify", "--steps", "1"],
+                            capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode != 0
+    assert "verify: rank 0 stage 0 gradient of" in result.stderr and "differs" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--schedule", "gpipe"], "--schedule gpipe: this folder balances activation memory between stages (0->3, 1->2, "
+                              "BPipe), which runs under 1f1b only; drop --schedule"),
+    (["--schedule", "zb-h1"], "--schedule zb-h1: this folder balances activation memory"),
+])
+def test_run_refuses_other_schedules(bpipe_out: Path, capsys, flags: list[str], error: str) -> None:
+    from helpers import run_cli
+    code, _, err = run_cli(["run", str(bpipe_out), *flags], capsys)
+    assert code == 2 and err.count("\n") == 1 and error in err
+
+
+def test_one_process_runs_the_folder_without_balancing(bpipe_out: Path, capsys) -> None:
+    """Without torchrun every stage is on one rank: a partner there frees nothing, so the run
+    goes without stash transfers (same numerics)."""
+    from pipecc.runtime import dist as rundist
+    assert rundist.main([str(bpipe_out), "--verify", "--steps", "1", "--schedule", "interleaved"]) == 0
+    assert "gradients match the single-process run" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- compile-time refusals
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"schedule": "gpipe"}, "activation balancing (BPipe) runs under the 1f1b schedule only, the plan says 'gpipe'"),
+    ({"schedule": "inference"}, "runs under the 1f1b schedule only, the plan says 'inference'"),
+    ({"virtual_stages": 2}, "cannot run with 2 virtual stages per rank"),
+    ({"replicas": 2}, "cannot run with replicas 2"),
+    ({"microbatch_sizes": [[1, 3, 4]] * 4}, "cannot run with unequal micro-batch sizes"),
+    ({"activation_balancing": [dict(PAIRS[0], acceptor=2)]}, "pairs stage 0 with stage 2"),
+    ({"activation_balancing": [dict(PAIRS[0], evictor=3, acceptor=0)]}, "pairs stage 3 with stage 0"),
+    ({"activation_balancing": [dict(PAIRS[0], threshold=-1)]}, "threshold is -1"),
+    ({"activation_balancing": [dict(PAIRS[0], policy="lazy")]}, "activation balancing"),
+])
+def test_compile_refuses_what_cannot_run(mlp_plan, change: dict, error: str) -> None:
+    import dataclasses
+
+    from pipecc.backends.torch.compile import check_activation_balancing
+    analysis, plan, graph = mlp_plan
+    bad = dataclasses.replace(plan, **{"activation_balancing": PAIRS, **change})
+    sizes = bad.microbatch_sizes and [list(r) for r in bad.microbatch_sizes]
+    with pytest.raises(PipeccError) as caught:
+        check_activation_balancing(bad, sizes)
+    message = str(caught.value)
+    assert error in message and "\n" not in message and caught.value.exit_code == 1
+    assert check_activation_balancing(dataclasses.replace(plan, activation_balancing=[])) == []
+
+
+def test_cli_compile_refusal_is_one_line_and_writes_nothing(mlp_plan, tmp_path: Path, capsys,
+                                                             monkeypatch) -> None:
+    """A plan with BPipe under gpipe, through `pipecc compile`: exit 1, one line, no OUT."""
+    import dataclasses
+
+    from helpers import run_cli
+    from pipecc.cli import compile as cli_compile
+    analysis, plan, graph = mlp_plan
+    bad = dataclasses.replace(plan, schedule="gpipe", activation_balancing=PAIRS)
+    monkeypatch.setattr(cli_compile, "plan_from_args", lambda args: (analysis, bad, graph))
+    out = tmp_path / "out"
+    code, _, err = run_cli(["compile", str(ROOT / "models" / "mlp.py"), "-d", "4xcpu", "--replicas", "1",
+                            "-o", str(out), "-q"], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("pipecc: error: activation balancing (BPipe) runs under the 1f1b schedule only")
+    assert not out.exists() and not list(tmp_path.iterdir())

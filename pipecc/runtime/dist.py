@@ -138,6 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
     and so is a training ``--schedule`` for a folder with FPGA stages.
 
+    Activation balancing (BPipe; ``pipecc.json``'s ``activation_balancing``, ``pipecc.runtime.stash``):
+    under torchrun the schedule is ``bpipe(one_f_one_b(p, m), thresholds)``: each evictor stage
+    sends the saved activations of the micro-batches it may not keep to its partner stage p-1-s
+    and takes them back before their backward; ``--schedule`` other than 1f1b is a usage error.
+    One process (every stage on one rank, ``--schedule interleaved``) runs without it: a
+    partner on the same rank would free nothing.
+
     Unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``, one size list per stage):
     the gpipe schedule with every stage's own chunks (``pipecc.runtime.reslice``), in one
     process too; ``--schedule`` other than gpipe and ``--microbatches`` are usage errors.
@@ -341,8 +348,8 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
     m = args.microbatches or int((meta or {}).get("microbatches") or 4)
     batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
-    check_options(args, meta, forward, m, batch, why)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
     count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
     world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
     sizes = folder_sizes(meta, args.schedule, args.microbatches)  # unequal micro-batches: gpipe only
@@ -491,12 +498,14 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
 
 
 def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
-                  why: str) -> None:
+                  why: str, one_process: bool = False) -> None:
     """Refuse, before any process group exists, what the run could only fail at later (one line).
 
-    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``)."""
+    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``).
+    ``one_process`` (no torchrun): activation balancing is off, so any ``--schedule`` goes."""
     folder_sizes(meta, args.schedule, args.microbatches)
-    folder_balancing(meta, args.schedule)
+    if not one_process:
+        folder_balancing(meta, args.schedule)
     if batch and m > batch:
         raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
                          f"for; give --microbatches {batch} or fewer")

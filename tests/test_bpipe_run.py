@@ -86,6 +86,28 @@ def test_evicted_and_restored_store_gives_the_same_gradients() -> None:
     assert store.moves == 1
 
 
+def _uses(storages: list) -> list[int]:
+    """How many tensors (and storage objects) hold each storage now."""
+    return [torch._C._storage_Use_Count(st._cdata) for st in storages]
+
+
+def test_eviction_leaves_no_reference_behind() -> None:
+    """Once the evicted buffers are dropped (the wire releases them when the send completed),
+    nothing on the evictor holds the activations: the graph keeps handles, not tensors."""
+    torch.manual_seed(0)
+    block, x = _Block(), torch.randn(5, 6, requires_grad=True)
+    store = SavedTensors(module_storages([block]), "stage 0 mb 0")
+    with store.capture():
+        y = block(x)
+    resident = frozenset({storage_key(x)})  # the stage's input, which the engine keeps anyway
+    probes = [t.untyped_storage() for t, key in zip(store.storages, store.keys) if key not in resident]
+    assert probes and min(_uses(probes)) > 1
+    away = store.evict(resident)
+    del away
+    assert _uses(probes) == [1] * len(probes)  # only the probes themselves
+    assert y.requires_grad  # the graph is intact: only its saved activations left
+
+
 def test_store_under_activation_checkpointing() -> None:
     """--recompute's stages run under torch.utils.checkpoint (non-reentrant): its saved inputs
     go through the store and the recomputation finds them after a round trip."""

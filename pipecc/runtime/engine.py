@@ -11,6 +11,14 @@ Zero-bubble (I and W actions, ``zb-h1``): I computes the gradient of the stage's
 only, so SEND_B can go upstream at once; the stash stays until W, which accumulates the
 parameters' gradients and frees the graph (how, and what it costs: ``pipecc.runtime.split_backward``).
 
+Activation balancing (BPipe, ``RunConfig.activation_balancing``, ``pipecc.runtime.stash``): the
+schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (1F1B, one stage per rank; anything else is
+refused). A micro-batch the schedule evicts (it has a ``SEND_S``) runs its forward under
+saved-tensor hooks that file every saved activation in its store; SEND_S sends the store's
+storages to the partner stage p-1-s and drops them (the wire lets go once the send completed,
+``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R puts them back before
+B, whose ``unpack`` finds them. Inputs and outputs of the stage stay (the engine holds them).
+
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
 loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal splits); the

@@ -283,37 +283,62 @@ def test_torchrun_bpipe_folder_verifies_and_evicts(bpipe_out: Path) -> None:
     assert rows[0]["stash_evicted_bytes"] > 0 and rows[1]["stash_evicted_bytes"] > 0
 
 
-PLANTED = '''
+LAUNCHER = '''
+import os
 import sys
+
 import torch
-from pipecc.runtime import stash
 
-restore = stash.SavedTensors.restore
+from pipecc.runtime import engine, stash
+from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
+if os.environ.get("PLANT") == "restore":  # the planted bug: one returned storage comes back as zeros
+    restore = stash.SavedTensors.restore
 
-def wrong(self, buffers):  # the planted bug: one returned storage comes back as zeros
-    buffers = list(buffers)
-    buffers[0] = torch.zeros_like(buffers[0])
-    restore(self, buffers)
+    def wrong(self, buffers):
+        buffers = list(buffers)
+        buffers[0] = torch.zeros_like(buffers[0])
+        restore(self, buffers)
 
+    stash.SavedTensors.restore = wrong
+if os.environ.get("NCCL_LIKE"):  # NCCL's wire on gloo: a group per direction, messages matched in order
+    init = engine.PipelineRuntime.__init__
 
-stash.SavedTensors.restore = wrong
+    def nccl_like(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        check_fifo(self.schedule)
+        self._wire = Wire(self.global_rank, self.config.timeout_s, groups=directed_groups(self.schedule),
+                          by_order=True)
+
+    engine.PipelineRuntime.__init__ = nccl_like
 from pipecc.runtime.dist import main
 sys.exit(main())
 '''
 
 
-def test_planted_restore_bug_fails_verify(bpipe_out: Path, tmp_path: Path) -> None:
+def _launch(out: Path, tmp_path: Path, **env: str):
     import subprocess
     import sys
-    script = tmp_path / "planted.py"
-    script.write_text(PLANTED)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
-                             str(script), str(bpipe_out), "--verify", "--steps", "1"],
-                            capture_output=True, text=True, env=env, timeout=180)
+    script = tmp_path / "launch.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                           str(script), str(out), "--verify", "--steps", "1"],
+                          capture_output=True, text=True, env=env, timeout=180)
+
+
+def test_planted_restore_bug_fails_verify(bpipe_out: Path, tmp_path: Path) -> None:
+    result = _launch(bpipe_out, tmp_path, PLANT="restore")
     assert result.returncode != 0
     assert "verify: rank 0 stage 0 gradient of" in result.stderr and "differs" in result.stderr, result.stderr[-3000:]
+
+
+def test_nccl_like_wire_verifies(bpipe_out: Path, tmp_path: Path) -> None:
+    """The stash messages (a header, then a message per storage) keep NCCL's in-order matching on
+    the partner pair's own directed groups."""
+    result = _launch(bpipe_out, tmp_path, NCCL_LIKE="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gradients match the single-process run" in result.stdout
 
 
 @pytest.mark.parametrize("flags, error", [

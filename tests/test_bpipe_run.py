@@ -402,5 +402,6 @@ def test_cli_compile_refusal_is_one_line_and_writes_nothing(mlp_plan, tmp_path: 
     code, _, err = run_cli(["compile", str(ROOT / "models" / "mlp.py"), "-d", "4xcpu", "--replicas", "1",
                             "-o", str(out), "-q"], capsys)
     assert code == 1 and err.count("\n") == 1
-    assert err.startswith("pipecc: error: activation balancing (BPipe) runs under the 1f1b schedule only")
+    # NOTE: the driver's check (passes.bpipe) or the backend's (check_activation_balancing), whichever runs first
+    assert err.startswith("pipecc: error: activation balancing (BPipe) runs under") and "1f1b" in err
     assert not out.exists() and not list(tmp_path.iterdir())

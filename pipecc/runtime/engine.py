@@ -16,8 +16,8 @@ schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (1F1B, one stage per rank; 
 refused). A micro-batch the schedule evicts (it has a ``SEND_S``) runs its forward under
 saved-tensor hooks that file every saved activation in its store; SEND_S sends the store's
 storages to the partner stage p-1-s and drops them (the wire lets go once the send completed,
-``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R puts them back before
-B, whose ``unpack`` finds them. Inputs and outputs of the stage stay (the engine holds them).
+``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and B
+waits for it first, so ``unpack`` finds them. Inputs and outputs of the stage stay (the engine holds them).
 
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
@@ -102,7 +102,7 @@ from pipecc.runtime.ports import (
 from pipecc.runtime.replicas import GradientAllReduce, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.split_backward import input_backward, weight_backward
-from pipecc.runtime.stash import (SavedTensors, bpipe_thresholds, module_storages, recv_stash, send_stash,
+from pipecc.runtime.stash import (Prefetch, SavedTensors, bpipe_thresholds, module_storages, recv_stash, send_stash,
                                   storage_key)
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
@@ -372,6 +372,7 @@ class PipelineRuntime:
         # stage); (evictor stage, mb) -> the partner's storages this rank keeps for it
         self._saved: dict[tuple[int, int], SavedTensors] = {}
         self._foreign: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._returning: dict[tuple[int, int], Prefetch] = {}  # RECV_R posted, B not yet run
         self._evicting = {(a.stage, a.microbatch) for a in schedule.actions[self.rank]
                           if a.kind is ActionKind.SEND_S} if training else set()
         self._moving: list[Action] = []  # SEND_S/SEND_R whose buffers may still be on their way
@@ -379,24 +380,37 @@ class PipelineRuntime:
         self._reslice.reset()
         self.peak_stash = self._wire.peak_inflight = 0
         release = send_release(schedule, self.rank)
+        deferred: dict[tuple[int, int], list[Action]] = {}  # BPipe: RECV_R's releases, until it arrived
         reduce_after = self._last_gradient_actions(schedule) if training and self.grad_sync is not None else {}
         for action in schedule.actions[self.rank]:
             if action in reduce_after:
                 self.grad_sync.arm(self._module(action.stage).parameters())
-            if self.timer is None:
-                self._execute(action, training)
-            else:
-                self.timer.run(action, partial(self._execute, action, training))
+            key = (action.stage, action.microbatch)
+            if action.kind.is_backward and key in self._returning:
+                # BPipe: the prefetched stash must be here; waiting for it is a receive wait, and
+                # only then are the sends RECV_R proves complete (send_release) released
+                self._timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
+                self._wire.release(deferred.pop(key, ()))
+            self._timed(action, partial(self._execute, action, training))
             if action in reduce_after:
                 self.grad_sync.disarm()
-            self._wire.release(release.get(action, ()))
+            if action.kind is ActionKind.RECV_R:  # only posted: its releases wait for its arrival
+                deferred[key] = release.get(action, [])
+            else:
+                self._wire.release(release.get(action, ()))
             if self._moving:
                 self._moving = self._wire.collect(self._moving)
         self._wire.flush()
         leftover = (self._stash or self._inbox or self._outbox or self._roots or self._reslice.leftover
-                    or self._saved or self._foreign)
+                    or self._saved or self._foreign or self._returning)
         assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
         self._inputs = self._targets = None
+
+    def _timed(self, action: Action, execute: Callable[[], None]) -> None:
+        if self.timer is None:
+            execute()
+        else:
+            self.timer.run(action, execute)
 
     def _last_gradient_actions(self, schedule: Schedule) -> set[Action]:
         """Replicas: each stage's last action of this rank that accumulates parameter gradients
@@ -465,8 +479,13 @@ class PipelineRuntime:
         elif a.kind is ActionKind.SEND_R:
             send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device)
             self._moving.append(a)
-        else:
-            self._saved[(s, mb)].restore(recv_stash(self._wire, peer, tag_of, what, self.device))
+        else:  # RECV_R: a prefetch, completed right before B (``_returned``)
+            self._returning[(s, mb)] = Prefetch(self._wire, peer, tag_of, what, self.device,
+                                                self._saved[(s, mb)].away_sizes)
+
+    def _returned(self, s: int, mb: int) -> None:
+        """BPipe: wait for the stash RECV_R posted and put it back into (s, mb)'s store."""
+        self._saved[(s, mb)].restore(self._returning.pop((s, mb)).wait())
 
     def _forward(self, s: int, mb: int, training: bool) -> None:
         ports = self._ports(s)

@@ -28,6 +28,8 @@ byte count of every storage), sent as object ports are (an int64 length, then th
 ``pipecc.runtime.wire``); then one uint8 message per storage. The receiver allocates from the
 header, so no shape travels in ``ports.json``. The evictor checks the returned header against
 what it sent. Tags: leaf 0 carries the header (length, payload on tag + 1), leaf i + 1 storage i.
+The evictor's RECV_R is a prefetch (``Prefetch``): it knows the byte counts, so it posts every
+receive at once and waits only right before the backward of that micro-batch.
 
 Imports torch, ``pipecc.errors`` and ``pipecc.runtime.wire``.
 """
@@ -45,7 +47,7 @@ from torch import nn
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime.wire import Wire, decode_object, encode_object
 
-__all__ = ["SavedTensors", "bpipe_thresholds", "folder_balancing", "module_storages", "recv_stash", "send_stash",
+__all__ = ["Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "module_storages", "recv_stash", "send_stash",
            "storage_key"]
 
 
@@ -188,6 +190,27 @@ def send_stash(wire: Wire, buffers: Sequence[torch.Tensor], peer: int, tag_of: C
     wire.send(header, peer, tag_of(0) + 1, what, key=key)
     for i, b in enumerate(buffers):
         wire.send(b, peer, tag_of(i + 1), what, key=key)
+
+
+class Prefetch:
+    """A return the evictor posted at RECV_R (it knows the byte counts: the header it expects is
+    the one it sent); ``wait`` completes it right before the backward that needs it."""
+
+    def __init__(self, wire: Wire, peer: int, tag_of: Callable[[int], int], what: str, device: torch.device,
+                 sizes: Sequence[int]):
+        self.wire, self.peer, self.what = wire, peer, what
+        self.expected = encode_object({"bytes": [int(n) for n in sizes]}, what)
+        self.length = torch.empty(1, dtype=torch.int64, device=device)
+        self.header = torch.empty(self.expected.numel(), dtype=torch.uint8, device=device)
+        self.buffers = [torch.empty(int(n), dtype=torch.uint8, device=device) for n in sizes]
+        tags = [tag_of(0), tag_of(0) + 1, *(tag_of(i + 1) for i in range(len(sizes)))]
+        self.posted = wire.post([self.length, self.header, *self.buffers], peer, tags, what)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.wire.wait(self.posted)
+        if int(self.length.item()) != self.expected.numel() or not torch.equal(self.header.cpu(), self.expected):
+            raise PipeccError(f"{self.what}: rank {self.peer} returned another stash than the one sent to it")
+        return self.buffers
 
 
 def recv_stash(wire: Wire, peer: int, tag_of: Callable[[int], int], what: str,

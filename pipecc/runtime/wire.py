@@ -139,11 +139,19 @@ class Wire:
 
     def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> None:
         """Receive into ``buffers`` from ``peer``; returns when all arrived, raises after ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
+        self.wait(self.post(buffers, peer, tags, what))
+
+    def post(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> list:
+        """Post receives into ``buffers`` without waiting (a prefetch); ``wait`` completes them."""
         group = self.groups.get((peer, self.rank))
-        works = [dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t) for b, t in zip(buffers, tags)]
-        for work in works:
-            self._wait(work, deadline, f"{what} from rank {peer}")
+        return [(dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t), f"{what} from rank {peer}")
+                for b, t in zip(buffers, tags)]
+
+    def wait(self, posted: Sequence[tuple[Any, str]]) -> None:
+        """Wait for receives ``post`` returned; the deadline counts from now."""
+        deadline = time.monotonic() + self.timeout_s
+        for work, what in posted:
+            self._wait(work, deadline, what)
 
     def release(self, keys: Sequence[Any]) -> None:
         """Wait for (already completed, see ``send_release``) sends and drop their tensors."""

@@ -415,38 +415,51 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
 
 def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Event]) -> list[float]:
     """Per rank, static bytes plus the most activation bytes held at once, from a sweep over
-    +/- byte events in time (PAPERS-SPEC.md 2.10 item 2; stash transfers are asynchronous, so the
-    row order is not the time order). A stash is held from the start of its F to the end of its
-    B (a recomputing stage also holds ``recompute_bytes`` during B). BPipe moves it: the evictor
-    lets go when its SEND_S transfer ends and holds it again from the earlier of its RECV_R and
-    the return transfer's start; the acceptor holds it from the earlier of its RECV_S and the
-    outgoing transfer's start until its SEND_R transfer ends (both ends hold it while it moves).
-    At equal times frees come first, as in the row walk. Training schedules only."""
+    the event timeline (PAPERS-SPEC.md 2.10 item 2; stash transfers are asynchronous, so the
+    row order is not the time order). An F's stash grows linearly over the F (its layers' outputs
+    appear one after the other) and is held until the end of its B (a recomputing stage also
+    holds ``recompute_bytes`` during B). BPipe moves it: the evictor lets go when its SEND_S
+    transfer ends and holds it again from the earlier of its RECV_R and the return transfer's
+    start; the acceptor holds it from the earlier of its RECV_S and the outgoing transfer's start
+    until its SEND_R transfer ends (both ends hold it while it moves). Memory is read just before
+    and just after every event time, so a transfer that ends inside the next F costs that F's
+    share so far. Without BPipe this equals the row walk (`_peak_memory`). Training schedules."""
     R = schedule.num_ranks
-    deltas: list[list[tuple[float, float]]] = [[] for _ in range(R)]
-    sends = {schedule.message(Action(e.kind, e.stage, e.microbatch)): e for e in events if e.kind.is_send
-             and e.kind.is_stash}
+    steps: list[list[tuple[float, float]]] = [[] for _ in range(R)]
+    ramps: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]  # (start, end, bytes)
+    sends = {schedule.message(Action(e.kind, e.stage, e.microbatch)): e for e in events
+             if e.kind.is_send and e.kind.is_stash}
     for e in events:
-        size = costs.activation_bytes[e.stage][e.microbatch] if e.stage < len(costs.activation_bytes) else 0.0
-        if e.kind is ActionKind.F:
-            deltas[e.rank].append((e.start, size))
-        elif e.kind.frees_stash:
-            deltas[e.rank].append((e.end, -size))
-        if e.kind in (ActionKind.B, ActionKind.I) and costs.recompute_bytes:
-            deltas[e.rank] += [(e.start, costs.recompute_bytes[e.stage]), (e.end, -costs.recompute_bytes[e.stage])]
+        if e.kind.is_compute:
+            size = costs.activation_bytes[e.stage][e.microbatch]
+            if e.kind is ActionKind.F:
+                ramps[e.rank].append((e.start, e.end, size))
+            elif e.kind.frees_stash:
+                steps[e.rank].append((e.end, -size))
+            if e.kind in (ActionKind.B, ActionKind.I) and costs.recompute_bytes:
+                extra = costs.recompute_bytes[e.stage]
+                steps[e.rank] += [(e.start, extra), (e.end, -extra)]
         if not e.kind.is_stash:
             continue
         key = schedule.message(Action(e.kind, e.stage, e.microbatch))
         stash = costs.activation_bytes[key[1]][e.microbatch]
         if e.kind in (ActionKind.SEND_S, ActionKind.SEND_R):
-            deltas[e.rank].append((e.end, -stash))
+            steps[e.rank].append((e.end, -stash))
         else:  # RECV_S on the acceptor, RECV_R on the evictor
-            deltas[e.rank].append((min(e.start, sends[key].start), stash))
+            steps[e.rank].append((min(e.start, sends[key].start), stash))
     peaks = []
     for r in range(R):
-        held = peak = 0.0
-        for _, d in sorted(deltas[r], key=lambda x: (x[0], x[1])):
-            held += d
-            peak = max(peak, held)
+        times = sorted({t for t, _ in steps[r]} | {x for a, b, _ in ramps[r] for x in (a, b)})
+        ordered = sorted(steps[r])
+        peak, i, before = 0.0, 0, 0.0
+        for t in times:
+            grown = sum(size * min(max((t - a) / (b - a), 0.0), 1.0) if b > a else (size if t >= a else 0.0)
+                        for a, b, size in ramps[r])
+            at = before
+            while i < len(ordered) and ordered[i][0] <= t:
+                at += ordered[i][1]
+                i += 1
+            peak = max(peak, before + grown, at + grown)
+            before = at
         peaks.append(sum(costs.static_bytes[s] for s in schedule.stages_of(r)) + peak)
     return peaks

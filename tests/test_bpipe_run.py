@@ -211,6 +211,10 @@ def test_schedule_from_the_folders_pairs() -> None:
     assert all(peer_rank(s, a) == 0 for a in s.actions[3] if a.kind is ActionKind.SEND_R)
     eager = build_schedule("1f1b", 4, 8, balancing=[dict(p, policy="eager") for p in PAIRS])
     assert eager.partner == (3, 2, 1, 0) and eager != s
+    # p = 2: the partner is the neighbour, stash and boundary messages share each direction
+    two = build_schedule("1f1b", 2, 4, balancing=[{"evictor": 0, "acceptor": 1, "threshold": 1}])
+    check_fifo(two)
+    assert any(a.kind is ActionKind.SEND_S for a in two.actions[0])
 
 
 @pytest.mark.parametrize("kind, pairs, error", [

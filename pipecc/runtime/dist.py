@@ -138,12 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
     and so is a training ``--schedule`` for a folder with FPGA stages.
 
-    Activation balancing (BPipe; ``pipecc.json``'s ``activation_balancing``, ``pipecc.runtime.stash``):
-    under torchrun the schedule is ``bpipe(one_f_one_b(p, m), thresholds)``: each evictor stage
-    sends the saved activations of the micro-batches it may not keep to its partner stage p-1-s
-    and takes them back before their backward; ``--schedule`` other than 1f1b is a usage error.
-    One process (every stage on one rank, ``--schedule interleaved``) runs without it: a
-    partner on the same rank would free nothing.
+    Activation balancing (BPipe; ``pipecc.json``'s ``activation_balancing``): under torchrun the
+    schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (``pipecc.runtime.stash``); ``--schedule``
+    other than 1f1b is a usage error. One process runs without it (a partner on the same rank
+    would free nothing).
 
     Unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``, one size list per stage):
     the gpipe schedule with every stage's own chunks (``pipecc.runtime.reslice``), in one

@@ -26,7 +26,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
 from pipecc.report.figures import (bottleneck_stage, device_capacities, first_last, memory_kind,
-                                   recompute_line)
+                                   recompute_line, bpipe_lines)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 from pipecc.report.text import replica_group, replica_rows, sizes_text
 
@@ -187,7 +187,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     bubble_fraction, split_layers, baselines, decisions, has_graph; PP x DP: replicas, and per
     stage replica_devices (its group; [device] without replication) and allreduce_s. An FPGA
     stage's memory and
-    its capacity are on-chip BRAM (memory_kind "BRAM"; else "DRAM")."""
+    its capacity are on-chip BRAM (BPipe: activation_balancing, the plan's pairs, and estimate) (memory_kind "BRAM"; else "DRAM")."""
     plan = c.plan
     worst = bottleneck_stage(plan)
     caps = device_capacities(plan)
@@ -222,7 +222,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "predicted_iteration_s": plan.predicted_iteration_s,
             "bubble_fraction": plan.bubble_fraction,
             "split_layers": [vars(sl) for sl in plan.split_layers], "baselines": plan.baselines,
-            "decisions": plan.decisions, "has_graph": c.graph is not None}
+            "decisions": plan.decisions, "has_graph": c.graph is not None,
+            "activation_balancing": plan.activation_balancing, "estimate": plan.estimate}
 
 
 def _stage_index(c: Compiled, stage: int) -> int:
@@ -332,6 +333,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):
         lines.append(recompute_line(plan))
+    lines += bpipe_lines(plan)
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"

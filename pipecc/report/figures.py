@@ -56,3 +56,22 @@ def recompute_line(plan: Plan) -> str:
         f"stage{'s' if len(marked) > 1 else ''} {', '.join(marked)}"
     return (f"recompute       {which} (activations re-created in backward: bwd includes one "
             "more forward, memory holds the received inputs)")
+
+
+def bpipe_lines(plan: Plan) -> list[str]:
+    """Activation balancing (BPipe): the pairs and each stage's peak memory before and after, or
+    why it was not used (the estimate); [] when the planner did not weigh it."""
+    est = plan.estimate or {}
+    if not plan.activation_balancing:
+        return [f"BPipe           not used: {est['reason']}" + (
+            f" (estimated {est['speedup']:.2f}x)" if est.get("speedup") else "")] if est.get("reason") else []
+    pairs = ", ".join(f"{p['evictor']}<->{p['acceptor']} K={p['threshold']}" for p in plan.activation_balancing)
+    lines = [f"BPipe           pairs {pairs} ({plan.activation_balancing[0].get('policy', 'jit')} returns)"
+             + (f", estimated {est['speedup']:.2f}x" if est.get("speedup") else "")
+             + (f", stash transfers {est['hidden_fraction']:.0%} hidden" if "hidden_fraction" in est else "")]
+    before, after = est.get("memory_before_bytes"), est.get("memory_after_bytes")
+    if before and after:
+        from pipecc.report.formatting import human
+        lines.append("  memory        " + ", ".join(f"{k}: {human(b, 'B')} -> {human(a, 'B')}"
+                                                  for k, (b, a) in enumerate(zip(before, after))))
+    return lines

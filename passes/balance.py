@@ -24,6 +24,10 @@ plan uses them: the FPGA backend has no separate weight-gradient pass.
 
 from __future__ import annotations
 
+# NOTE(size): the Balancer is one object on purpose: the passes it drives (recompute, replicas,
+# bpipe, split search) call back into its cost tables, problem builder and simulator; their own
+# policies already live in their modules.
+
 import dataclasses
 import functools
 import math
@@ -331,6 +335,10 @@ class Balancer:
         return _Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw,
                           recompute=tuple(bool(r) for r in prob.recompute or ()),
                           replicas=d, allreduce=list(allreduce or []))
+
+    def candidate(self, *args: Any, **kwargs: Any) -> _Candidate:
+        """A `_Candidate` (for passes that build their own, such as `passes.bpipe`)."""
+        return _Candidate(*args, **kwargs)
 
     def _best_order(self, units: Units, mb: int, schedule: str, m: int,
                     recompute: Sequence[bool] | None = None):

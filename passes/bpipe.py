@@ -34,7 +34,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from pipecc.errors import UsageError
+from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import BPIPE_POLICIES, ActionKind, bpipe, bpipe_pairs, one_f_one_b
 from pipecc.passes.partition import InfeasibleError, partition
@@ -159,7 +159,6 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False) -> _Candidat
 def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: dict[int, float]) -> _Candidate:
     """The candidate with thresholds `ks`: cuts for the balanced counts (each evictor's plus its
     `overlap`), then the simulator's exact check. InfeasibleError when it does not fit."""
-    from pipecc.passes.balance import _Candidate as Candidate
     p, mb, order = bal.p, bal.opt.batch_size // m, tuple(range(bal.p))
     counts = [float(c) for c in bpipe(one_f_one_b(p, m), list(ks), POLICY).stash_profile()]
     for s, extra in overlap.items():  # NOTE: an eviction still moving while the next F grows
@@ -171,9 +170,8 @@ def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: d
         if peak > cap * (1 + 1e-9):
             raise InfeasibleError(f"BPipe with {m} micro-batches: stage {k} peaks at {peak / 1e9:.4g} GB > "
                                   f"{cap / 1e9:.4g} GB once stashes move (acceptor bytes, transfers in flight)")
-    cand = Candidate("1f1b", m, order, part, prob, bal.builder.at(mb), timeline, raw=plain)
-    cand.thresholds = tuple(ks)
-    return cand
+    return bal.candidate("1f1b", m, order, part, prob, bal.builder.at(mb), timeline, raw=plain,
+                         thresholds=tuple(ks))
 
 
 def memory_before(bal: Balancer, cand: _Candidate) -> list[float]:
@@ -321,3 +319,15 @@ def refusal(plan: Plan) -> str | None:
         if pair.get("policy", POLICY) not in BPIPE_POLICIES:
             return f"BPipe policy {pair.get('policy')!r}: choose {' or '.join(BPIPE_POLICIES)}"
     return None
+
+
+def check_plan(plan: Plan, *, in_process: bool = False) -> None:
+    """PipeccError (one line) for a plan whose BPipe the runtime cannot run (`refusal`), or any
+    BPipe in the one-process drop-in module (`in_process`: no partner to move stashes to)."""
+    if in_process and plan.activation_balancing:
+        raise PipeccError("the drop-in module runs every stage in one process: activation "
+                          "balancing (BPipe) runs with `pipecc compile` and `pipecc run`; plan "
+                          "with activation_balancing='off'")
+    why = refusal(plan)
+    if why is not None:
+        raise PipeccError(f"{why}; plan again without it (--activation-balancing off) or fix the plan")

@@ -463,6 +463,14 @@ def flash_attention(graph: AnnotatedGraph) -> bool:
     return bool(graph.gm.meta.get(FLASH_ATTENTION, False))
 
 
+def recost_attention(graph: AnnotatedGraph, flash: bool) -> None:
+    """Re-cost `graph` when it was last costed in the other attention mode (its warnings kept)."""
+    if flash != flash_attention(graph):
+        warned = list(graph.warnings)
+        annotate(graph, flash_attention=flash)
+        graph.warnings[:] = warned
+
+
 def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list[str]:
     """Write META_COST on every node. Returns the warnings (unknown ops, listed once).
     `flash_attention` (None: as the graph was last costed, else the math path) sets how fused

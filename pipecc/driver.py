@@ -24,6 +24,9 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 
 from __future__ import annotations
 
+# NOTE(size): the driver is the one place where analyze, plan and compile read as lists of steps
+# with the checks between them; the passes' policies live in their own modules.
+
 import itertools
 import os
 import time
@@ -350,10 +353,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     batch into equal micro-batches), "auto" (search per-stage sizes on the chosen plan's
     partition when it runs gpipe, in at most `umpipe_budget_s` seconds) or a list of sizes
     summing to the batch, used by every stage (forces gpipe and replicas 1).
-    `activation_balancing` (BPipe, `passes.bpipe`): "off" (default here), "auto" (use it where
-    the estimate says it pays; the default of `pipecc plan/compile`) or "on" (1F1B with BPipe
-    whatever the estimate). `flash_attention`: cost fused attention as flash attention does (no
-    score stash, scores recomputed in backward; `cost.annotate`)."""
+    `activation_balancing` (BPipe, `passes.bpipe`): "off" (default here), "auto" (where its
+    estimate pays; `pipecc plan`'s default) or "on". `flash_attention`: `cost.annotate`'s."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -366,15 +367,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b, interleaved or zb-h1")
     if recompute not in ("none", "full", "auto"):
         raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
-    if activation_balancing not in ("auto", "on", "off"):
-        raise UsageError(f"--activation-balancing {activation_balancing!r}: choose auto, on or off")
     if activation_balancing == "on" and microbatch_sizes not in ("equal", "auto"):
-        raise UsageError("--activation-balancing on needs equal micro-batches (BPipe runs 1F1B); "
-                         "drop --microbatch-sizes")
-    if bool(flash_attention) != cost.flash_attention(graph):  # re-cost attention in that mode
-        before = list(graph.warnings)
-        cost.annotate(graph, flash_attention=bool(flash_attention))
-        graph.warnings[:] = before
+        raise UsageError("--activation-balancing on needs equal micro-batches: drop --microbatch-sizes")
+    cost.recost_attention(graph, bool(flash_attention))
     if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int)
                                or replicas < 1):
         raise UsageError(f"--replicas {replicas!r}: use auto or a positive integer")
@@ -537,20 +532,6 @@ def check_recompute(graph: AnnotatedGraph, plan: Plan) -> None:
                               "updated twice; plan with --recompute auto or none")
 
 
-def check_activation_balancing(plan: Plan, *, in_process: bool = False) -> None:
-    """A PipeccError (one line) for a plan whose activation balancing (BPipe) the runtime cannot
-    run: out of scope or an odd pairing (`passes.bpipe.refusal`), or any BPipe in the one-process
-    drop-in module (`in_process`), which has no partner to move stashes to."""
-    from pipecc.passes.bpipe import refusal
-    if in_process and plan.activation_balancing:
-        raise PipeccError("the drop-in module runs every stage in one process: activation "
-                          "balancing (BPipe) runs with `pipecc compile` and `pipecc run`; plan "
-                          "with activation_balancing='off'")
-    why = refusal(plan)
-    if why is not None:
-        raise PipeccError(f"{why}; plan again without it (--activation-balancing off) or fix the plan")
-
-
 def _trainable(graph: AnnotatedGraph) -> bool:
     """Whether training changes anything: a parameter that requires a gradient."""
     return any(info.requires_grad for node in graph.gm.graph.nodes
@@ -586,7 +567,8 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "nothing to train (`pipecc run` would fail): compile it with "
                           "--inference for a forward-only pipeline")
     check_recompute(graph, plan)
-    check_activation_balancing(plan)
+    from pipecc.passes.bpipe import check_plan
+    check_plan(plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
@@ -612,7 +594,8 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     `strict_batchnorm`."""
     from pipecc.backends.base import Target
     check_recompute(graph, plan)
-    check_activation_balancing(plan, in_process=True)
+    from pipecc.passes.bpipe import check_plan
+    check_plan(plan, in_process=True)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)

@@ -138,10 +138,10 @@ def test_refusal_of_edited_plans(mlp, tmp_path) -> None:
     assert "two BPipe pairs" in edited(activation_balancing=[pairs[0], pairs[0]])
     assert "policy" in edited(activation_balancing=[{**pairs[0], "policy": "lazy"}])
     with pytest.raises(PipeccError, match="drop-in module"):
-        driver.check_activation_balancing(good, in_process=True)
+        bp.check_plan(good, in_process=True)
     bad = Plan.from_json({**json.loads(good.dumps()), "schedule": "interleaved"})
     with pytest.raises(PipeccError, match=r"under 1f1b only.*--activation-balancing off"):
-        driver.check_activation_balancing(bad)
+        bp.check_plan(bad)
 
 
 # ---------------------------------------------------------------------------- flash attention

@@ -47,8 +47,8 @@ from torch import nn
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime.wire import Wire, decode_object, encode_object
 
-__all__ = ["Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "module_storages", "recv_stash", "send_stash",
-           "storage_key"]
+__all__ = ["Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "module_storages", "recv_stash",
+           "send_stash", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:

@@ -29,7 +29,8 @@ takes the pipeline's period in steady state). ``comm_wait_s`` is the median over
 the rank's total receive wait in the step; a rank holding several stages (interleaved) reports
 the same figure for each of them. With activation balancing (BPipe, ``pipecc.runtime.stash``)
 every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
-micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only run reports backward 0.0 with 0 samples.
+micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only
+run reports backward 0.0 with 0 samples.
 Predictions are the plan's, per micro-batch of the compiled micro-batch count (a run with
 another ``--microbatches`` splits the batch differently than the plan assumed); null where the
 folder has no ``plan.json``. With unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``)

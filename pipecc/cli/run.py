@@ -54,6 +54,10 @@ Unequal micro-batches: a folder whose plan gives every stage its own micro-batch
 splits the batch into its own chunks and re-slices what it receives (`pipecc.runtime.reslice`);
 `--schedule` other than gpipe and `--microbatches` are usage errors there.
 
+Activation balancing: a folder whose plan pairs stages (`pipecc.json`'s `activation_balancing`,
+BPipe) runs 1f1b with the evictors' saved activations sent to their partners and back
+(`pipecc.runtime.stash`); `--schedule` other than 1f1b is a usage error there.
+
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
 
 Measured against predicted: `--json` prints one JSON document on stdout at the end and nothing

@@ -34,6 +34,11 @@ Model:
   of s-1 overlapping its samples; B(s, k) for the gradient of its own chunk, which stage s+1
   sends once every chunk overlapping it has run its backward. Under GPipe row order this is
   the end-time recurrence of ``passes.umpipe`` (tests/test_umpipe_plan.py checks both agree).
+- BPipe (``Schedule.partner``, ``StageCosts.stash_transfer_s[evictor][mb]``): SEND_S and
+  SEND_R occupy the pair's directed link like any send; RECV_S blocks the acceptor until the
+  stash arrived; RECV_R is a prefetch (the evictor goes on, its B waits for the data). Peak
+  memory then comes from a sweep over the event timeline (``_peak_memory_timeline``: a stash
+  grows over its F, both ends hold a stash while it moves), not from the row walk.
 - PP x DP (``StageCosts.allreduce_s``, per rank, optional): a rank whose stage runs on a
   replica group all-reduces its gradients once per iteration, launched during its last
   backward and overlapped with it (the runtime's post-accumulate-grad hooks); the rank

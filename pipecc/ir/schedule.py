@@ -12,6 +12,10 @@ always the *local* (virtual) stage doing the work, as in torch.distributed.pipel
     RECV_F   ``stage`` receives its input activation from ``stage - 1``
     SEND_B   ``stage`` sends the gradient of its input to ``stage - 1``
     RECV_B   ``stage`` receives the gradient of its output from ``stage + 1``
+    SEND_S   BPipe: evictor ``stage`` sends its stash of ``microbatch`` to its partner
+    RECV_S   BPipe: acceptor ``stage`` receives its partner's stash of ``microbatch``
+    SEND_R   BPipe: acceptor ``stage`` sends that stash back
+    RECV_R   BPipe: evictor ``stage`` receives it back (before its B of ``microbatch``)
 
 A training schedule runs, for every (stage, microbatch), either one B or an I and a later W
 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024: splitting B lets the gradient go
@@ -37,6 +41,13 @@ of that same chunk (sent once every chunk of ``s+1`` overlapping it has run its 
 (or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` builds the one row order the
 runtime executes with unequal sizes (GPipe's); the text form gains a first line
 ``sizes: 1 3 4 | 4 4`` (stage lists separated by ``|``).
+
+BPipe (activation balancing, PAPERS-SPEC.md 2.3-2.4): ``Schedule.partner`` pairs stage ``s``
+with ``p-1-s`` (one stage per rank); the lower stage of a pair is the *evictor*, which moves
+stashed activations to its *acceptor* and takes them back before their backward. A stash
+message's key names the evictor (``Action.message(partner)``, ``Schedule.message``); the text
+form gains a line ``partner: 3 2 1 0`` (``-``: none) before the rows. ``bpipe(one_f_one_b(p, m),
+thresholds)`` builds the schedule; ``stash_profile`` counts an evicted stash on the acceptor.
 
 This module must stay free of torch and of ``pipecc.passes``: both the planner's
 simulator and the distributed runtime import it.

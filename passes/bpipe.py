@@ -194,6 +194,15 @@ def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
     return max(cand.timeline.iteration_s - free.iteration_s, 0.0), max(busy.values(), default=0.0)
 
 
+def _stash_seconds(bal: Balancer, cand: _Candidate) -> list[list[float]]:
+    """[stage][mb] one-way seconds of the candidate's stash transfers (0 off the evictors)."""
+    table = [[0.0] * cand.microbatches for _ in range(bal.p)]
+    for e in cand.timeline.events:
+        if e.kind is ActionKind.SEND_S:
+            table[e.stage][e.microbatch] = e.duration
+    return table
+
+
 def _describe(c: _Candidate, batch: int) -> dict[str, Any]:
     return {"schedule": c.schedule, "microbatches": c.microbatches,
             "microbatch_size": batch // c.microbatches, "replicas": c.replicas,
@@ -264,7 +273,8 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
         "memory_before_bytes": memory_before(bal, best),
         "memory_after_bytes": [float(x) for x in best.timeline.peak_memory_bytes],
         "memory_cap_bytes": [float(c) for c in best.raw.mem_cap] if best.raw is not None else [],
-        "flash_attention": flash, "reason": reason}
+        "flash_attention": flash, "reason": reason,
+        "stash_transfer_s": [max(row, default=0.0) for row in _stash_seconds(bal, best)]}
     ratio = "no baseline fits" if base is None else f"estimated {speedup:.2f}x"
     detail = f"BPipe {_config(after)} vs without {_config(before_cfg) if before_cfg else '(none fits)'}"
     if used:

@@ -89,6 +89,10 @@ def test_memory_bound_plan_uses_bpipe(mlp, tmp_path) -> None:
     assert again.activation_balancing == p.activation_balancing and again.estimate == p.estimate
     validate(bpipe(one_f_one_b(8, 8), again.bpipe_thresholds()))
     assert bp.refusal(again) is None
+    # the report's timeline (rebuilt from the plan) is the planner's, stash transfers included
+    from pipecc.report.artifacts import timeline_for
+    assert timeline_for(again).iteration_s == pytest.approx(p.predicted_iteration_s, rel=1e-6)
+    assert any(e.kind.value == "SEND_S" for e in timeline_for(again).events)
 
 
 def test_ample_memory_does_not_use_bpipe(mlp, tmp_path) -> None:

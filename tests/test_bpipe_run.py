@@ -1,5 +1,5 @@
 """BPipe, the runtime half: the saved-tensor store (``pipecc.runtime.stash``) in one process and
-between two gloo processes, and compiled BPipe folders run by ``pipecc run --verify`` on 4 ranks
+between two gloo processes, and a compiled BPipe folder (a 4-block GPT) run by ``pipecc run --verify`` on 4 ranks
 (the stash actions executed, a planted bug caught), with the compile-time refusals."""
 
 from __future__ import annotations
@@ -233,31 +233,32 @@ def test_schedule_refuses_bad_pairs(kind: str, pairs: list[dict], error: str) ->
 
 # ---------------------------------------------------------------------------- a compiled folder, 4 ranks
 
-MLP = {"in_features": 64, "hidden": 512, "depth": 8, "num_classes": 5}  # 4 stages that compute
+GPT = {"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 256, "block_size": 32, "seq_len": 16}
 
 
 @pytest.fixture(scope="module")
-def mlp_plan():
-    """models/mlp.py on 4xcpu, -b 8 -m 8, 1f1b, replicas 1: (analysis, plan, graph)."""
+def gpt_plan():
+    """models/gpt.py (one transformer block per stage, tied embedding) on 4xcpu, -b 8 -m 8, 1f1b,
+    replicas 1: (analysis, plan, graph)."""
     import dataclasses
 
     from pipecc import driver
-    model = str(ROOT / "models" / "mlp.py")
-    analysis = driver.analyze(model, model_args=MLP, batch_size=8)
+    model = str(ROOT / "models" / "gpt.py")
+    analysis = driver.analyze(model, model_args=GPT, batch_size=8)
     plan, graph = driver.plan(analysis, "4xcpu", batch_size=8, microbatches=8, schedule="1f1b", replicas=1)
-    plan = dataclasses.replace(plan, model_path=model, model_args=dict(MLP))
-    assert len(plan.stages) == 4 and all(s.nodes for s in plan.stages)
+    plan = dataclasses.replace(plan, model_path=model, model_args=dict(GPT))
+    assert len(plan.stages) == 4 and all(any("blocks" in n for n in s.nodes) for s in plan.stages)
     return analysis, plan, graph
 
 
 @pytest.fixture(scope="module")
-def bpipe_out(mlp_plan, tmp_path_factory) -> Path:
+def bpipe_out(gpt_plan, tmp_path_factory) -> Path:
     """The folder with stages 0 and 1 keeping 2 stashes each (1F1B holds 4 and 3): both evict."""
     import dataclasses
 
     from pipecc import driver
-    analysis, plan, graph = mlp_plan
-    out = tmp_path_factory.mktemp("bpipe") / "mlp"
+    analysis, plan, graph = gpt_plan
+    out = tmp_path_factory.mktemp("bpipe") / "gpt"
     driver.compile(analysis, dataclasses.replace(plan, activation_balancing=PAIRS), graph, out)
     return out
 
@@ -378,11 +379,11 @@ def test_one_process_runs_the_folder_without_balancing(bpipe_out: Path, capsys) 
     ({"activation_balancing": [dict(PAIRS[0], threshold=-1)]}, "threshold is -1"),
     ({"activation_balancing": [dict(PAIRS[0], policy="lazy")]}, "activation balancing"),
 ])
-def test_compile_refuses_what_cannot_run(mlp_plan, change: dict, error: str) -> None:
+def test_compile_refuses_what_cannot_run(gpt_plan, change: dict, error: str) -> None:
     import dataclasses
 
     from pipecc.backends.torch.compile import check_activation_balancing
-    analysis, plan, graph = mlp_plan
+    analysis, plan, graph = gpt_plan
     bad = dataclasses.replace(plan, **{"activation_balancing": PAIRS, **change})
     sizes = bad.microbatch_sizes and [list(r) for r in bad.microbatch_sizes]
     with pytest.raises(PipeccError) as caught:
@@ -392,18 +393,18 @@ def test_compile_refuses_what_cannot_run(mlp_plan, change: dict, error: str) -> 
     assert check_activation_balancing(dataclasses.replace(plan, activation_balancing=[])) == []
 
 
-def test_cli_compile_refusal_is_one_line_and_writes_nothing(mlp_plan, tmp_path: Path, capsys,
+def test_cli_compile_refusal_is_one_line_and_writes_nothing(gpt_plan, tmp_path: Path, capsys,
                                                              monkeypatch) -> None:
     """A plan with BPipe under gpipe, through `pipecc compile`: exit 1, one line, no OUT."""
     import dataclasses
 
     from helpers import run_cli
     from pipecc.cli import compile as cli_compile
-    analysis, plan, graph = mlp_plan
+    analysis, plan, graph = gpt_plan
     bad = dataclasses.replace(plan, schedule="gpipe", activation_balancing=PAIRS)
     monkeypatch.setattr(cli_compile, "plan_from_args", lambda args: (analysis, bad, graph))
     out = tmp_path / "out"
-    code, _, err = run_cli(["compile", str(ROOT / "models" / "mlp.py"), "-d", "4xcpu", "--replicas", "1",
+    code, _, err = run_cli(["compile", str(ROOT / "models" / "gpt.py"), "-d", "4xcpu", "--replicas", "1",
                             "-o", str(out), "-q"], capsys)
     assert code == 1 and err.count("\n") == 1
     # NOTE: the driver's check (passes.bpipe) or the backend's (check_activation_balancing), whichever runs first

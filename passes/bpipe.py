@@ -239,6 +239,9 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
     base = results[0] if results else None
     if not tried:
         reason = lost[0] if lost else "no micro-batch count to try"
+        if lost and all("no pair frees memory" in x for x in lost):
+            reason = ("no pair frees memory by evicting at any micro-batch count (with one stash "
+                      "in flight an evictor gains only when it holds 3 or more)")
         bal.estimate = {"used": False, "reason": reason,
                         "baseline": _describe(base, bal.opt.batch_size) if base else None}
         if mode == "on":

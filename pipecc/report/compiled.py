@@ -333,7 +333,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):
         lines.append(recompute_line(plan))
-    lines += bpipe_lines(plan)
+    lines += bpipe_lines(plan, verbose)
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"

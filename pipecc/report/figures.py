@@ -58,11 +58,13 @@ def recompute_line(plan: Plan) -> str:
             "more forward, memory holds the received inputs)")
 
 
-def bpipe_lines(plan: Plan) -> list[str]:
+def bpipe_lines(plan: Plan, verbose: bool = False) -> list[str]:
     """Activation balancing (BPipe): the pairs and each stage's peak memory before and after, or
-    why it was not used (the estimate); [] when the planner did not weigh it."""
+    (`verbose`) why it was not used, from the estimate; [] when the planner did not weigh it."""
     est = plan.estimate or {}
     if not plan.activation_balancing:
+        if not verbose:
+            return []
         return [f"BPipe           not used: {est['reason']}" + (
             f" (estimated {est['speedup']:.2f}x)" if est.get("speedup") else "")] if est.get("reason") else []
     pairs = ", ".join(f"{p['evictor']}<->{p['acceptor']} K={p['threshold']}" for p in plan.activation_balancing)

@@ -71,7 +71,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):
         lines.append(recompute_line(plan))
-    lines += bpipe_lines(plan)
+    lines += bpipe_lines(plan, verbose)
     if any(d.get("kind") == "fpga" for d in plan.devices):  # any FPGA device, with a stage or not
         lines.append(f"FPGA stages     {plan.options.get('fpga_number', 'float')}, timed by the "
                      "FPGA model of estimates.json; memory is on-chip BRAM")

@@ -245,7 +245,7 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
         bal.estimate = {"used": False, "reason": reason,
                         "baseline": _describe(base, bal.opt.batch_size) if base else None}
         if mode == "on":
-            raise InfeasibleError(f"--activation-balancing on: {reason}")
+            raise PipeccError(f"--activation-balancing on: {reason}; use --activation-balancing auto")
         return results, [f"BPipe not used: {reason}"]
     best = min(tried, key=lambda c: (c.timeline.iteration_s, c.microbatches))
     speedup = base.timeline.iteration_s / best.timeline.iteration_s if base else math.inf

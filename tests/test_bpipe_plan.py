@@ -108,6 +108,8 @@ def test_on_forces_it_and_off_never_looks(mlp, tmp_path) -> None:
     forced = plan(mlp, devices, "on")
     assert forced.activation_balancing and forced.estimate["used"]
     assert any(d.startswith("BPipe used (--activation-balancing on)") for d in forced.decisions)
+    with pytest.raises(PipeccError, match=r"^--activation-balancing on: .*GB.*; use --activation-balancing auto$"):
+        plan(mlp, cluster(tmp_path, 8e6), "on")
     off = plan(mlp, devices, "off")
     assert off.activation_balancing == [] and off.estimate == {}
     assert not any("BPipe" in d for d in off.decisions)

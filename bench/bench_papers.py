@@ -1,13 +1,20 @@
-"""Paper features, simulated: UMPIPE (unequal micro-batches per stage) and Bi-Partition
-(separate forward and backward cuts) against their baselines.
+"""Paper features, simulated: UMPIPE (unequal micro-batches per stage), Bi-Partition (separate
+forward and backward cuts) and BPipe (activation memory balancing) against their baselines.
 
-    python bench/bench_papers.py [--only umpipe|bipartition] [--models gpt1-14,vgg16]
+    python bench/bench_papers.py [--only umpipe|bipartition|bpipe ...] [--models gpt1-14,vgg16]
                                  [--devices 4xa100,8xa100] [--batches 32,64,128] [--budget 2]
                                  [--bi-models vgg16,resnet50,gnmt,gpt] [--bi-devices 2xa100,4xa100,8xa100]
                                  [--bi-batch 32] [--write bench/RESULTS.md]
 
-`--only` runs one part (default: both); `--write` rewrites each part's own section of
-RESULTS.md ("papers" for UMPIPE, "papers-bipartition"). BPipe is another section's.
+`--only` runs one part (repeatable; default: all three); `--write` rewrites each part's own
+section of RESULTS.md ("papers" for UMPIPE, "papers-bipartition", "papers-bpipe").
+bench/bench_papers_run.py runs each feature at small size on CPU (predicted vs measured).
+
+BPipe (PAPERS-SPEC.md §2.8, `--only bpipe`, a few seconds): GPT-3-shaped 96B and 134B models on
+6 nodes of 8 A100s (one pipeline device each) over HDR InfiniBand, the fastest 1F1B that fits
+over micro-batch sizes 1, 2, 4 and recompute on/off against the fastest with BPipe, with the
+math-path attention and with flash attention (the re-evaluation's check). Stage costs come from
+closed formulas (`_gpt3_stage_costs`), not from a traced model: a 96B model is not built.
 
 UMPIPE (PAPERS-SPEC.md §1.6). For each model, device spec and batch B, one partition for every
 contender: pipecc's plan under `--schedule gpipe --replicas 1` (its optimal cuts at its best
@@ -179,8 +186,8 @@ def render(rows: list[dict], budget_s: float, seconds: float) -> str:
              "case: pipecc's gpipe plan (replicas 1, no layer splitting). Chunk costs: the "
              "roofline plus a per-call overhead per node (5 us per GPU kernel, forward 1 and "
              "backward 2 calls per node; `passes/umpipe_plan.py` LAUNCH_S). \"PipeDream\" is "
-             "1F1B with a flush; asynchronous PipeDream is not modelled. BPipe and Bi-Partition "
-             "are not built yet: no rows.", "",
+             "1F1B with a flush; asynchronous PipeDream is not modelled. Bi-Partition and BPipe "
+             "have their own sections below.", "",
              "Differences from the paper (whose hardware, stage counts, batches, partition and "
              "measured cost curves are unknown, PAPERS-SPEC §1.1): a nominal cost model, "
              "A100s from pipecc's catalog, pipecc's own cuts. The paper's figures are quoted "
@@ -301,6 +308,208 @@ def render_bipartition(rows: list[dict], seconds: float) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- BPipe (spec §2.8)
+# GPT-3-shaped models; the sources give no shapes (PAPERS-SPEC §2.1 "Unknown"): picked so that
+# 12·L·h² is about the name (h a multiple of 128, heads of 128), vocabulary GPT-2's.
+BPIPE_MODELS = {"gpt3-96b": dict(layers=80, hidden=9984, heads=78),     # 12·80·9984² = 95.7e9
+                "gpt3-134b": dict(layers=96, hidden=10752, heads=84)}   # 12·96·10752² = 133.2e9
+BPIPE_SEQ, BPIPE_VOCAB, BPIPE_G = 2048, 50257, 128  # sequence length (§2.8), GPT-2 vocabulary, global batch
+BPIPE_NODES, BPIPE_TP = 6, 8  # 48 A100s in 6 nodes [S]; each node one pipeline device (TP = 8 folded)
+BPIPE_PAPER = "1.25-2.17x [S]"
+# node-to-node links: one HDR port (25 GB/s, the spec's §2.8 figure) or the 8 HDR ports of a
+# DGX A100 node, one per GPU (NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 200 Gb/s HDR
+# for compute), which is what 8 tensor-parallel ranks moving their own shards would use
+BPIPE_LINKS = {"1xHDR": 1, "8xHDR": 8, "free": 0}  # free: stash transfers cost nothing (an upper bound)
+
+
+def _gpt3_stage_costs(shape: dict[str, int], b: int, recompute: bool, flash: bool) -> dict[str, list[float]]:
+    """Per pipeline stage (one 8-GPU node): forward and backward seconds of one micro-batch of b
+    sequences, static bytes, stashed bytes per micro-batch, bytes re-created during a
+    recomputing backward, and the boundary message. Layers split as evenly as they go (the
+    extra ones on the middle stages), the embedding on stage 0, the LM head and loss on the last.
+
+    FLOPs per layer (Narayanan et al. 2021, *Efficient Large-Scale Language Model Training on
+    GPU Clusters Using Megatron-LM*, eq. 3 without the logit layer): forward 24·b·s·h² +
+    4·b·s²·h, backward twice that, recomputation one more forward, flash attention one more
+    2·b·s²·h (QKᵀ recomputed, as pipecc.cost counts it). Seconds: FLOPs over pipecc's A100 bf16
+    peak (312 TFLOP/s, devices.toml) x 8 GPUs x its matmul efficiency 0.7, i.e. a constant MFU.
+    Activations per layer (Korthikanti et al. 2022, eq. 2, tensor parallel t = 8 without
+    sequence parallelism, summed over the node's 8 GPUs): s·b·h·(10·t + 24 + 5·a·s/h) bytes;
+    flash attention drops the 5·a·s/h term; a recomputing layer keeps its 2·s·b·h-byte input.
+    Static: 16 bytes per parameter (fp16 weight and gradient, fp32 master weight and two Adam
+    moments; Rajbhandari et al. 2020, *ZeRO*, section 3.1)."""
+    L, h, a = shape["layers"], shape["hidden"], shape["heads"]
+    s, v, p, t = BPIPE_SEQ, BPIPE_VOCAB, BPIPE_NODES, BPIPE_TP
+    rate = 312e12 * t * 0.7
+    layer_f = 24 * b * s * h * h + 4 * b * s * s * h
+    layer_b = 2 * layer_f + (layer_f if recompute else 0.0) + (2 * b * s * s * h if flash else 0.0)
+    act = s * b * h * (10 * t + 24 + (0 if flash else 5 * a * s / h))
+    counts = [L // p + (1 if k in sorted(range(p), key=lambda x: abs(x - (p - 1) / 2))[:L % p] else 0)
+              for k in range(p)]
+    head_f = 2 * b * s * h * v  # LM head (logits); its backward twice that
+    out: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "static": [], "stash": [],
+                                   "redo": [], "boundary": [], "layers": counts}
+    for k, n in enumerate(counts):
+        extra_f = head_f if k == p - 1 else 0.0
+        out["forward_s"].append((n * layer_f + extra_f) / rate)
+        out["backward_s"].append((n * layer_b + 2 * extra_f) / rate)
+        params = n * 12 * h * h + (v * h if k in (0, p - 1) else 0)
+        out["static"].append(16.0 * params)
+        logits = 4.0 * b * s * v if k == p - 1 else 0.0  # fp32 logits kept for the loss
+        out["stash"].append((n * 2 * s * b * h if recompute else n * act) + logits)
+        out["redo"].append(act if recompute else 0.0)  # one layer re-created at a time
+        out["boundary"].append(2.0 * s * b * h)
+    return out
+
+
+def bpipe_config(shape: dict[str, int], b: int, recompute: bool, flash: bool, balanced: bool,
+                 ports: int = 1) -> dict[str, Any]:
+    """One contender: 1F1B over 6 nodes on HDR InfiniBand with micro-batches of b, with or
+    without recomputation, with or without BPipe (thresholds from `passes.bpipe.thresholds`,
+    stash transfers on the pair's link, timeline memory). Its iteration and whether it fits."""
+    import dataclasses
+    import math as _math
+    from pipecc.ir.schedule import bpipe, one_f_one_b
+    from pipecc.passes import bpipe as bp
+    from pipecc.passes.simulate import StageCosts, simulate
+    from pipecc.targets.devices import load_catalog
+    from pipecc.targets.timing import MEMORY_HEADROOM
+    catalog = load_catalog()
+    hdr = catalog.links["ib_hdr"]
+    link = dataclasses.replace(hdr, name=f"{ports}x{hdr.name}", bandwidth=max(ports, 1) * hdr.bandwidth)
+    cap = MEMORY_HEADROOM * catalog.devices["a100"]["memory_bytes"] * BPIPE_TP
+    p, m = BPIPE_NODES, BPIPE_G // b
+    c = _gpt3_stage_costs(shape, b, recompute, flash)
+    send = [link.time(x) if k < p - 1 else 0.0 for k, x in enumerate(c["boundary"])]
+    costs = StageCosts.per_stage(m, c["forward_s"], c["backward_s"], send, [0.0] + send[:-1],
+                                 c["stash"], c["static"], c["redo"] if recompute else None)
+    sched = one_f_one_b(p, m)
+    ks: list[int | None] = [None] * p
+    if balanced:
+        ks = bp.thresholds(c["static"], c["stash"], p, m)
+        if all(k is None for k in ks):
+            return {"fits": False, "why": "no pair frees memory"}
+        sched = bpipe(sched, ks)
+        costs.stash_transfer_s = [[link.time(x) if ports else 0.0] * m for x in c["stash"]]
+    tl = simulate(sched, costs)
+    row = {"b": b, "m": m, "recompute": recompute, "bpipe": balanced, "thresholds": ks,
+           "iteration_s": tl.iteration_s, "peak": max(tl.peak_memory_bytes), "cap": cap,
+           "fits": max(tl.peak_memory_bytes) <= cap, "layers": c["layers"]}
+    if balanced:
+        free = StageCosts(**{**costs.__dict__, "stash_transfer_s": [[0.0] * m for _ in range(p)]})
+        exposed = max(tl.iteration_s - simulate(sched, free).iteration_s, 0.0)
+        moving = max((sum(e.duration for e in tl.events if e.kind.value in ("SEND_S", "SEND_R")
+                          and min(e.rank, e.peer) == s) for s in range(p // 2)), default=0.0)
+        row["hidden"] = 1.0 - exposed / moving if moving > 0 else 1.0
+        row["stash_s"] = link.time(c["stash"][0])
+        row["f0_s"] = c["forward_s"][0] + c["backward_s"][0]
+    return row if _math.isfinite(tl.iteration_s) else {**row, "fits": False}
+
+
+def bpipe_rows() -> list[dict[str, Any]]:
+    rows = []
+    for name, shape in BPIPE_MODELS.items():
+      for links, ports in BPIPE_LINKS.items():
+        for flash in (False, True):
+            tried = [bpipe_config(shape, b, r, flash, bal, ports) for bal in (False, True)
+                     for b in (1, 2, 4) for r in ((False, True) if not bal else (False,))]
+            fits = [t for t in tried if t.get("fits")]
+            base = min((t for t in fits if not t["bpipe"]), key=lambda t: t["iteration_s"], default=None)
+            best = min((t for t in fits if t["bpipe"]), key=lambda t: t["iteration_s"], default=None)
+            row = {"model": name, "shape": shape, "flash": flash, "base": base, "bpipe": best, "tried": tried,
+                   "links": links}
+            rows.append(row)
+            print(_bpipe_line(row), flush=True)
+    return rows
+
+
+def _cfg(t: dict[str, Any] | None) -> str:
+    if t is None:
+        return "none fits"
+    return (f"b={t['b']} (m={t['m']}){' recompute' if t['recompute'] else ''}: {t['iteration_s']:.3g} s, "
+            f"{t['peak'] / 1e9:.0f} GB")
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    if row["base"] is None or row["bpipe"] is None:
+        return "-"
+    return f"{row['base']['iteration_s'] / row['bpipe']['iteration_s']:.2f}x"
+
+
+def _bpipe_line(row: dict[str, Any]) -> str:
+    return (f"{row['model']:10} {row['links']} flash={row['flash']!s:5} baseline {_cfg(row['base'])} | BPipe "
+            f"{_cfg(row['bpipe'])} | {_ratio(row)}")
+
+
+def render_bpipe(rows: list[dict[str, Any]], seconds: float) -> str:
+    cap = rows[0]["tried"][0]["cap"] if rows and rows[0]["tried"] else 0.0
+    lines = ["## Papers: BPipe (activation memory balancing) vs 1F1B, simulated", "",
+             f"`python bench/bench_papers.py --only bpipe` on {datetime.date.today().isoformat()}, "
+             f"{seconds:.1f} s. PAPERS-SPEC §2.8: {BPIPE_NODES} pipeline devices, each an 8xA100 node "
+             f"with tensor parallelism 8 folded in (8x the A100's 312 TFLOP/s bf16 and 80 GB from "
+             f"devices.toml, {cap / 1e9:.0f} GB usable at pipecc's 90 % headroom; NVLink inside "
+             "not modelled), HDR InfiniBand between nodes: one port (25 GB/s per direction, 5 us, "
+             "the spec's figure) or a DGX A100's eight (200 GB/s, one per GPU); \"free\": BPipe's "
+             "stash transfers cost nothing and hold no memory in flight (an upper bound on BPipe, "
+             "boundary messages on 8 ports). "
+             f"Sequence {BPIPE_SEQ}, global batch G = {BPIPE_G} sequences, data parallelism 1. "
+             "Shapes (not in the sources, picked with 12·L·h² about the name): "
+             + "; ".join(f"{n} L={s['layers']} h={s['hidden']} heads={s['heads']}"
+                         for n, s in BPIPE_MODELS.items()) + ". Baseline: the fastest 1F1B "
+             "over b in {1, 2, 4} x recompute on/off that fits; BPipe: the fastest 1F1B with "
+             "BPipe (pairs (0,5), (1,4), (2,3), thresholds from `passes.bpipe.thresholds`, "
+             "just-in-time returns, stash transfers on the pair's link, timeline memory) over b "
+             "in {1, 2, 4} without recompute that fits. Stage costs: "
+             "`_gpt3_stage_costs` (Megatron FLOPs, Korthikanti activation bytes, ZeRO's 16 bytes "
+             "per parameter, a constant 70 % MFU).", "",
+             "| model | links | attention | baseline (fastest that fits) | BPipe (fastest that fits) | "
+             "pipecc ratio | paper | BPipe transfers hidden |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        hidden = f"{r['bpipe']['hidden']:.0%}" if r["bpipe"] else "-"
+        lines.append(f"| {r['model']} | {r['links']} | {'flash' if r['flash'] else 'math'} | {_cfg(r['base'])} | "
+                     f"{_cfg(r['bpipe'])} | {_ratio(r)} | "
+                     f"{BPIPE_PAPER if not r['flash'] else 'about 1x [P] (re-evaluation)'} | {hidden} |")
+    lines += ["", "Every contender (iteration s; peak GB over stages; x: does not fit):", "",
+              "| model | links | attention | b | recompute | BPipe | iteration s | peak GB | fits |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for t in r["tried"]:
+            if "b" not in t:
+                continue
+            if not t["bpipe"] and r["links"] != "1xHDR":
+                continue  # NOTE: without BPipe the link only carries the boundary: same rows
+            lines.append(f"| {r['model']} | {r['links']} | {'flash' if r['flash'] else 'math'} | {t['b']} | "
+                         f"{'on' if t['recompute'] else 'off'} | "
+                         f"{'K=' + ','.join(str(k) for k in t['thresholds'] if k is not None) if t['bpipe'] else '-'} | "
+                         f"{t['iteration_s']:.3g} | {t['peak'] / 1e9:.0f} | {'yes' if t['fits'] else 'x'} |")
+    lines += ["", BPIPE_READING]
+    return "\n".join(lines)
+
+
+BPIPE_READING = (
+    "Reading (from the run of 2026-12-01; rerun to check the figures). pipecc does not reproduce "
+    "the [S] 1.25-2.17x: over real links BPipe is slower than the best 1F1B on every shape here, "
+    "so `--activation-balancing auto` would not use it. A GPT-3 stage stashes 13-16 layers of "
+    "s·b·h·(10t + 24 + 5as/h) bytes per micro-batch (about 49 GB for the 96B shape at b = 1 "
+    "with math attention); that is about 0.25 s each way even over a node's eight HDR ports, while the "
+    "stage's forward and backward of one micro-batch take about 0.11 s at a constant 70 % MFU. "
+    "The transfers cannot hide, and a stash being moved still takes memory at both ends, "
+    "so the evictor's peak does not drop (550 GB before and after). With free transfers (an "
+    "upper bound) BPipe balances memory (96B: 550 -> 479 GB) but gains nothing for 96B, "
+    "because b = 1 without recompute already fits and, at constant MFU, a larger micro-batch "
+    "only makes the bubble bigger (the caveat of PAPERS-SPEC §2.8: pipecc's roofline has no "
+    "MFU(b) curve, which is where the re-evaluation places BPipe's gain). For 134B it lets "
+    "flash attention run at b = 1 without recomputation (1.32x, all from dropping "
+    "recompute); with math attention 134B does not fit without recompute even when balanced. "
+    "So the re-evaluation's [P] finding (negligible gain with flash attention) is seen for "
+    "96B only in the trivial sense that BPipe gains nothing with any attention, and the free-transfer 134B "
+    "case points the other way. Our picks, not the papers': the shapes, G = 128, TP = 8 "
+    "without sequence parallelism, 16 bytes per parameter (no distributed optimizer), the "
+    "90 % memory headroom; Megatron's buffers and fragmentation are not modelled."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
@@ -310,12 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--synthetic-stages", type=lambda s: [int(x) for x in csv(s)], default=[4, 8])
     parser.add_argument("--budget", type=float, default=2.0, help="GA seconds per case")
     parser.add_argument("--write", metavar="RESULTS_MD", help="rewrite the papers section there")
-    parser.add_argument("--only", choices=["umpipe", "bipartition"], help="run one part")
+    parser.add_argument("--only", choices=["umpipe", "bipartition", "bpipe"], action="append",
+                        help="run only this part (repeatable; default: every part)")
     parser.add_argument("--bi-models", type=csv, default=list(BI_MODELS), help=f"of {','.join(BI_MODELS)}")
     parser.add_argument("--bi-devices", type=csv, default=["2xa100", "4xa100", "8xa100"])
     parser.add_argument("--bi-batch", type=int, default=32)
     args = parser.parse_args(argv)
-    if args.only in (None, "umpipe"):
+    parts = args.only or ["umpipe", "bipartition", "bpipe"]
+    if "umpipe" in parts:
         start = time.perf_counter()
         rows = model_rows(args.models, args.devices, args.batches, args.budget)
         rows += synthetic_rows(args.synthetic_stages, args.batches, args.budget)
@@ -324,12 +535,19 @@ def main(argv: list[str] | None = None) -> int:
             replace_section(Path(args.write), "papers", text)
         else:
             print(text)
-    if args.only in (None, "bipartition"):
+    if "bipartition" in parts:
         start = time.perf_counter()
         rows = bipartition_rows(args.bi_models, args.bi_devices, args.bi_batch)
         text = render_bipartition(rows, time.perf_counter() - start)
         if args.write:
             replace_section(Path(args.write), "papers-bipartition", text)
+        else:
+            print(text)
+    if "bpipe" in parts:
+        start = time.perf_counter()
+        text = render_bpipe(bpipe_rows(), time.perf_counter() - start)
+        if args.write:
+            replace_section(Path(args.write), "papers-bpipe", text)
         else:
             print(text)
     return 0

@@ -24,6 +24,10 @@ plan uses them: the FPGA backend has no separate weight-gradient pass.
 
 from __future__ import annotations
 
+# NOTE(size): the Balancer is one object on purpose: the passes it drives (recompute, replicas,
+# bpipe, split search) call back into its cost tables, problem builder and simulator; their own
+# policies already live in their modules.
+
 import dataclasses
 import functools
 import math
@@ -36,7 +40,9 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
+from pipecc.ir.schedule import bpipe as bpipe_schedule
 from pipecc.passes import baselines, replicas as rep
+from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, lower_bound, partition)
@@ -71,6 +77,8 @@ class PlanOptions:
     replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas; the CLI's default is auto)
     bipartition: str = "off"          # separate FP/BP cuts: off or auto (passes.bipartition_plan)
     bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
+    activation_balancing: str = "off"  # BPipe: auto, on or off (passes.bpipe; the CLI's default is auto)
+    flash_attention: bool = False     # the graph was costed with flash attention (cost.annotate)
 
 
 @dataclass
@@ -88,6 +96,7 @@ class _Candidate:
     recompute: tuple[bool, ...] = ()      # [stage] recomputes its activations; (): none does
     replicas: int = 1                     # d: every stage on a group of d devices
     allreduce: list[float] = field(default_factory=list)  # [stage] group all-reduce seconds
+    thresholds: tuple[int | None, ...] = ()  # BPipe: [stage] evictor threshold K or None; (): none
 
     @property
     def ranks(self) -> int:
@@ -146,6 +155,7 @@ class Balancer:
                 models[dev.name] = device_costs(dev, self.builder, options)
         self.costs = [models[dev.name] for dev in cluster.devices]  # [device] its cost model
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
+        self.estimate: dict[str, Any] = {}  # the BPipe estimate of the last run (passes.bpipe)
 
     # ------------------------------------------------------------------ costs
     def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
@@ -328,6 +338,10 @@ class Balancer:
                           recompute=tuple(bool(r) for r in prob.recompute or ()),
                           replicas=d, allreduce=list(allreduce or []))
 
+    def candidate(self, *args: Any, **kwargs: Any) -> _Candidate:
+        """A `_Candidate` (for passes that build their own, such as `passes.bpipe`)."""
+        return _Candidate(*args, **kwargs)
+
     def _best_order(self, units: Units, mb: int, schedule: str, m: int,
                     recompute: Sequence[bool] | None = None):
         types = [d.name for d in self.cluster.devices]
@@ -354,9 +368,13 @@ class Balancer:
 
     def _simulate(self, part: Partition, prob: PartitionProblem, schedule: str, m: int,
                   v: int, order: Sequence[int] | None = None,
-                  allreduce: Sequence[float] | None = None) -> Timeline:
+                  allreduce: Sequence[float] | None = None,
+                  bpipe: Sequence[int | None] | None = None, free_stash: bool = False) -> Timeline:
         """The candidate's timeline; `allreduce` [stage]: replica groups' all-reduce seconds
-        (summed per rank), None without replication."""
+        (summed per rank), None without replication. `bpipe` [stage]: BPipe thresholds (1F1B,
+        one stage per device): a stash (internal activations plus the received input, as the
+        partitioner counts it) moves over the pair's link (free with `free_stash`); all None:
+        the same stash bytes without moves (memory before balancing)."""
         stages = len(part.bounds) - 1
         fwd = np.asarray(prob.fwd)
         bwd = np.asarray(prob.bwd)
@@ -374,6 +392,8 @@ class Balancer:
             redo = [a if r else 0.0 for a, r in zip(act, prob.recompute)]
             received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
             act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
+        if bpipe is not None:  # NOTE: the partitioner's stash: the received input counts too
+            act = [a + (float(part.cut_bytes[k - 1]) if k > 0 else 0.0) for k, a in enumerate(act)]
         split: dict[str, list[float]] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             d = self.p * v // stages  # replicas per stage group
@@ -385,6 +405,13 @@ class Balancer:
                                      activation_bytes=act, static_bytes=static,
                                      recompute_bytes=redo, **split)
         sched = by_name(schedule, stages // v, m, v)
+        if bpipe is not None:
+            sched = bpipe_schedule(sched, bpipe, bpipe_pass.POLICY)
+            devs = order or tuple(range(self.p))
+            costs.stash_transfer_s = [
+                [0.0 if free_stash or sched.partner is None or sched.partner[k] is None
+                 else self.cluster.link(devs[k], devs[sched.partner[k]]).time(act[k])] * m
+                for k in range(stages)]
         if allreduce is not None:
             per_rank = [0.0] * sched.num_ranks
             for k, t in enumerate(allreduce):
@@ -417,14 +444,21 @@ class Balancer:
                 f"generate (e.g. {example}); {fix}")
 
     def run(self) -> tuple[Plan, _Candidate]:
+        bpipe_pass.check(self)
         results: list[_Candidate] = []
         lost: list[dict[str, Any]] = []
-        for schedule, m, d in self.candidates():
+        tried = self.candidates()
+        if self.opt.activation_balancing == "on":  # BPipe forced: 1F1B on single devices only
+            tried = [c for c in tried if c[0] == "1f1b" and c[2] == 1] or tried
+        for schedule, m, d in tried:
             try:
                 results.append(recompute_pass.evaluate_candidate(self, schedule, m, d))
             except InfeasibleError as exc:
                 lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
                              "reason": str(exc)})
+        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
+        ms = sorted({m for s, m, d in tried if s == "1f1b" and d == 1})
+        results, self._bpipe_notes = bpipe_pass.apply(self, results, ms)
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
             if lost:  # would recomputing activations fit it? (only with --recompute none)
@@ -435,7 +469,6 @@ class Balancer:
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
             raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
                               else f"no schedule fits memory: {reason}")
-        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
         self.results, self.infeasible = results, lost
         best = results[0]
         return self.to_plan(best, self.alternatives(best)), best
@@ -578,6 +611,8 @@ class Balancer:
         decisions += profile_decisions(self.costs, self.cluster,
                                        rep.slice_size(self.opt.batch_size // cand.microbatches, d))
         decisions += cand.notes  # e.g. which stages recompute their activations, and why
+        if bool(cand.thresholds) == bool(self.estimate.get("used")):  # BPipe used or not, and why
+            decisions += getattr(self, "_bpipe_notes", [])
         return Plan(
             model=self.graph.model_name, batch_size=self.opt.batch_size,
             microbatches=cand.microbatches, schedule=cand.schedule,
@@ -588,9 +623,12 @@ class Balancer:
             lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
             predicted_iteration_s=float(cand.timeline.iteration_s),
             bubble_fraction=float(cand.timeline.bubble_fraction), dtype=self.opt.dtype,
+            activation_balancing=bpipe_pass.plan_fields(cand), estimate=dict(self.estimate),
             virtual_stages=cand.virtual, decisions=decisions, alternatives=lost, replicas=d,
             baselines=self.baselines(cand) if self.opt.compare else [],
             options={"coarse": self.opt.coarse, "choose_order": self.opt.choose_order,
                      "training": self.opt.training, "recompute": self.opt.recompute,
+                     "activation_balancing": self.opt.activation_balancing,
+                     "flash_attention": self.opt.flash_attention,
                      "replicas_requested": self.opt.replicas,
                      **{k: x for c in self.costs for k, x in c.plan_options().items()}})

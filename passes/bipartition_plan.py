@@ -56,6 +56,8 @@ def why_not(plan: Plan, graph: AnnotatedGraph | None = None) -> str | None:
         return "unequal micro-batches"
     if any(s.recompute for s in plan.stages):
         return "stages that recompute their activations"
+    if plan.activation_balancing:
+        return "activation balancing (BPipe moves the stages' saved tensors itself)"
     if plan.fpga_stages():
         return "FPGA stages (inference-only, one-tensor boundaries)"
     if len(plan.stages) < 2:

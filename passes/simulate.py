@@ -34,6 +34,11 @@ Model:
   of s-1 overlapping its samples; B(s, k) for the gradient of its own chunk, which stage s+1
   sends once every chunk overlapping it has run its backward. Under GPipe row order this is
   the end-time recurrence of ``passes.umpipe`` (tests/test_umpipe_plan.py checks both agree).
+- BPipe (``Schedule.partner``, ``StageCosts.stash_transfer_s[evictor][mb]``): SEND_S and
+  SEND_R occupy the pair's directed link like any send; RECV_S blocks the acceptor until the
+  stash arrived; RECV_R is a prefetch (the evictor goes on, its B waits for the data). Peak
+  memory then comes from a sweep over the event timeline (``_peak_memory_timeline``: a stash
+  grows over its F, both ends hold a stash while it moves), not from the row walk.
 - PP x DP (``StageCosts.allreduce_s``, per rank, optional): a rank whose stage runs on a
   replica group all-reduces its gradients once per iteration, launched during its last
   backward and overlapped with it (the runtime's post-accumulate-grad hooks); the rank
@@ -103,6 +108,13 @@ class StageCosts:
     # [rank] seconds the rank still sends after its last action (Bi-Partition's replica
     # refresh after the optimizer step); None: none
     tail_s: list[float] | None = None
+    # BPipe: [evictor stage][microbatch] seconds of one stash transfer (its activation_bytes)
+    # on the pair's link, each way; None: 0 (only schedules with a partner read it)
+    stash_transfer_s: list[list[float]] | None = None
+
+    def stash_s(self, evictor: int, microbatch: int) -> float:
+        """Seconds of one transfer of ``evictor``'s stash of ``microbatch`` (0 without a table)."""
+        return 0.0 if self.stash_transfer_s is None else self.stash_transfer_s[evictor][microbatch]
 
     @classmethod
     def per_stage(
@@ -171,7 +183,7 @@ class StageCosts:
         [num_stages]); with per-stage ``chunks`` (unequal sizes), ragged rows of ``chunks[s]``
         entries (``send_backward_s[s]``: ``chunks[s - 1]``, module docstring)."""
         for name in ("forward_s", "backward_s", "send_forward_s", "send_backward_s", "activation_bytes",
-                     "backward_input_s", "backward_weight_s"):
+                     "backward_input_s", "backward_weight_s", "stash_transfer_s"):
             table = getattr(self, name)
             if table is None:
                 continue
@@ -269,6 +281,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
               if getattr(schedule, "microbatch_sizes", None) is not None else None)
     costs.check(schedule.num_stages, schedule.num_microbatches, chunks)
     owner = schedule.stage_to_rank
+    partner = schedule.partner or (None,) * schedule.num_stages
     R = schedule.num_ranks
     if chunks is None:  # NOTE: equal splits: chunk k of every stage holds the same samples
         def forward_inputs(s: int, k: int) -> list[int]:
@@ -296,6 +309,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         if a.kind is ActionKind.W:  # after its own I (validate: same rank, earlier)
             return b_end[(s, mb)]
         ready = f_end[(s, mb)]
+        if ("R", s, mb) in arrival:  # BPipe: its evicted stash is back (RECV_R is a prefetch)
+            ready = max(ready, arrival[("R", s, mb)])
         if s < schedule.num_stages - 1:
             if owner[s + 1] == r:
                 ready = max([ready] + [b_end[(s + 1, j)] for j in gradient_inputs(s, mb)])
@@ -319,20 +334,29 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
             busy[r] += end - start
             events.append(Event(r, k, s, mb, start, end))
         elif k.is_send:
-            key = a.message()
-            dst = owner[key[1]]
-            table = costs.send_forward_s if k is ActionKind.SEND_F else costs.send_backward_s
+            key = schedule.message(a)
+            if k.is_stash:  # SEND_S to the acceptor, SEND_R back to the evictor
+                dst = owner[partner[s]]
+                took = costs.stash_s(key[1], mb)
+            else:
+                dst = owner[key[1]]
+                took = (costs.send_forward_s if k is ActionKind.SEND_F else costs.send_backward_s)[s][mb]
             start = max(clock[r], link_free.get((r, dst), 0.0))
-            end = start + table[s][mb]
+            end = start + took
             link_free[(r, dst)] = arrival[key] = end
             events.append(Event(r, k, s, mb, start, end, peer=dst))
             if overlap_comm:
                 return  # the rank goes on; only the link is occupied
         else:
-            key = a.message()
+            key = schedule.message(a)
             start, end = clock[r], max(clock[r], arrival[key])
-            src = owner[key[1] - 1] if k is ActionKind.RECV_F else owner[key[1] + 1]
+            if k.is_stash:
+                src = owner[partner[s]]
+            else:
+                src = owner[key[1] - 1] if k is ActionKind.RECV_F else owner[key[1] + 1]
             events.append(Event(r, k, s, mb, start, end, peer=src))
+            if k is ActionKind.RECV_R:
+                return  # a prefetch: the rank goes on, B(s, mb) waits for the data (input_ready)
         clock[r] = max(clock[r], end)
 
     # validate() proved the rows finish; advance each until it waits on an unsent message.
@@ -343,14 +367,17 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         for r, row in enumerate(schedule.actions):
             while pc[r] < len(row):
                 a = row[pc[r]]
-                if a.kind.is_recv and a.message() not in arrival:
+                if a.kind.is_recv and schedule.message(a) not in arrival:
                     break
                 run(a, r)
                 pc[r] += 1
                 progress = True
 
     training = schedule.is_training
-    peak = [_peak_memory(schedule, costs, r, training) for r in range(R)]
+    if schedule.partner is not None:
+        peak = _peak_memory_timeline(schedule, costs, events)
+    else:
+        peak = [_peak_memory(schedule, costs, r, training) for r in range(R)]
     iteration = max((e.end for e in events), default=0.0)
     reduced = _allreduce_ends(events, costs.allreduce_s, R)
     tails = _tail_ends(events, costs.tail_s, R, reduced)
@@ -411,3 +438,55 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
         elif a.kind.frees_stash:
             held -= size
     return static + peak
+
+
+def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Event]) -> list[float]:
+    """Per rank, static bytes plus the most activation bytes held at once, from a sweep over
+    the event timeline (PAPERS-SPEC.md 2.10 item 2; stash transfers are asynchronous, so the
+    row order is not the time order). An F's stash grows linearly over the F (its layers' outputs
+    appear one after the other) and is held until the end of its B (a recomputing stage also
+    holds ``recompute_bytes`` during B). BPipe moves it: the evictor lets go when its SEND_S
+    transfer ends and holds it again from the earlier of its RECV_R and the return transfer's
+    start; the acceptor holds it from the earlier of its RECV_S and the outgoing transfer's start
+    until its SEND_R transfer ends (both ends hold it while it moves). Memory is read just before
+    and just after every event time, so a transfer that ends inside the next F costs that F's
+    share so far. Without BPipe this equals the row walk (`_peak_memory`). Training schedules."""
+    R = schedule.num_ranks
+    steps: list[list[tuple[float, float]]] = [[] for _ in range(R)]
+    ramps: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]  # (start, end, bytes)
+    sends = {schedule.message(Action(e.kind, e.stage, e.microbatch)): e for e in events
+             if e.kind.is_send and e.kind.is_stash}
+    for e in events:
+        if e.kind.is_compute:
+            size = costs.activation_bytes[e.stage][e.microbatch]
+            if e.kind is ActionKind.F:
+                ramps[e.rank].append((e.start, e.end, size))
+            elif e.kind.frees_stash:
+                steps[e.rank].append((e.end, -size))
+            if e.kind in (ActionKind.B, ActionKind.I) and costs.recompute_bytes:
+                extra = costs.recompute_bytes[e.stage]
+                steps[e.rank] += [(e.start, extra), (e.end, -extra)]
+        if not e.kind.is_stash:
+            continue
+        key = schedule.message(Action(e.kind, e.stage, e.microbatch))
+        stash = costs.activation_bytes[key[1]][e.microbatch]
+        if e.kind in (ActionKind.SEND_S, ActionKind.SEND_R):
+            steps[e.rank].append((e.end, -stash))
+        else:  # RECV_S on the acceptor, RECV_R on the evictor
+            steps[e.rank].append((min(e.start, sends[key].start), stash))
+    peaks = []
+    for r in range(R):
+        times = sorted({t for t, _ in steps[r]} | {x for a, b, _ in ramps[r] for x in (a, b)})
+        ordered = sorted(steps[r])
+        peak, i, before = 0.0, 0, 0.0
+        for t in times:
+            grown = sum(size * min(max((t - a) / (b - a), 0.0), 1.0) if b > a else (size if t >= a else 0.0)
+                        for a, b, size in ramps[r])
+            at = before
+            while i < len(ordered) and ordered[i][0] <= t:
+                at += ordered[i][1]
+                i += 1
+            peak = max(peak, before + grown, at + grown)
+            before = at
+        peaks.append(sum(costs.static_bytes[s] for s in schedule.stages_of(r)) + peak)
+    return peaks

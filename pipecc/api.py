@@ -70,6 +70,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     # NOTE: one process runs every stage here, so replica groups could not run side by side:
     # the drop-in plans the plain pipeline unless asked otherwise (`pipecc run` runs replicas)
     plan_options.setdefault("replicas", 1)
+    plan_options.setdefault("activation_balancing", "off")  # NOTE: BPipe needs one process per stage
     plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
     if plan.microbatch_sizes is not None:  # NOTE: the one-process module splits equally (v1)
         raise UsageError("the drop-in module runs equal micro-batches only; unequal per-stage "

@@ -354,11 +354,37 @@ def _flatten(a: Any):
         yield a
 
 
+def _attention_memory(o: _Operands, stash: Any, bwd: Any, bwd_mm: Any, flash: bool) -> tuple[Any, Any, Any]:
+    """(stash, backward FLOPs, backward matmul FLOPs) of a fused attention node (PAPERS-SPEC.md 2.6).
+
+    Math path (default): besides its output, autograd keeps the softmax probabilities, one
+    element per score, and with dropout its mask and output, 1.5 more (*Reducing Activation
+    Recomputation in Large Transformer Models*, Korthikanti et al. 2022, section 4.1: 2as²b
+    bytes of softmax output, as²b of mask and 2as²b of dropout output in fp16, the 5as/h term).
+    Flash attention (Dao et al. 2022, *FlashAttention*, section 3.1) keeps only the output and
+    the fp32 log-sum-exp per query row, and its backward recomputes QKᵀ and the softmax:
+    one more QKᵀ product (matmul class) and 5 FLOPs per score."""
+    if stash == 0:  # no gradient flows through it: nothing is kept either way
+        return stash, bwd, bwd_mm
+    q, k = o.inputs[0], o.inputs[1]
+    length, e, s = q.shape[-2], q.shape[-1], k.shape[-2]
+    rows = q.numel / e if not isinstance(q.numel, int) else q.numel // e  # batch x heads x length
+    scores = rows * s
+    if flash:
+        qk = 2 * scores * e
+        return stash + rows * 4, bwd + qk + 5 * scores, bwd_mm + qk
+    dropout = o.node.kwargs.get("dropout_p", o.node.args[4] if len(o.node.args) > 4 else 0.0)
+    per_score = 1.0 + (1.5 if isinstance(dropout, (int, float)) and dropout > 0 else 0.0)
+    return stash + scores * q.itemsize * per_score, bwd, bwd_mm
+
+
 def node_cost(node: fx.Node, gm: fx.GraphModule,
-              data: set[fx.Node] | None = None) -> tuple[NodeCost, bool]:
+              data: set[fx.Node] | None = None, flash_attention: bool = False) -> tuple[NodeCost, bool]:
     """Cost of one node; the flag says whether the op was unknown to the table. `data`: the
     nodes computed from a graph input (`annotate` passes them); an operand outside it is a
-    weight for the backward split (without it, only `get_attr` operands are)."""
+    weight for the backward split (without it, only `get_attr` operands are).
+    `flash_attention`: fused attention keeps no scores and recomputes them in backward
+    (`_attention_memory`)."""
     kind = node.meta[META_KIND]
     value = node.meta.get(META_VALUE)
     param_bytes = sum(int(info.nbytes) for _, info in node.meta.get(META_PARAMS, []))
@@ -386,6 +412,8 @@ def node_cost(node: fx.Node, gm: fx.GraphModule,
     in_bytes = sum((t.nbytes for t in o.inputs), 0)
     moved = 0 if is_view else in_bytes + out_bytes + param_bytes
     stash = 0 if is_view or not any(t.requires_grad for t in tensors_in(value)) else out_bytes
+    if kind == "attention" and not unknown:
+        stash, bwd, bwd_mm = _attention_memory(o, stash, bwd, bwd_mm, flash_attention)
     return NodeCost(forward_flops=fwd, backward_flops=bwd, forward_flops_matmul=fwd_mm,
                     backward_flops_matmul=bwd_mm, param_bytes=param_bytes,
                     output_bytes=out_bytes, stash_bytes=stash, bytes_moved=moved,
@@ -427,13 +455,35 @@ def _evaluate(x: Any, point: dict) -> int:
     return int(math.ceil(x - 1e-9)) if isinstance(x, float) else int(x)
 
 
-def annotate(graph: AnnotatedGraph) -> list[str]:
-    """Write META_COST on every node. Returns the warnings (unknown ops, listed once)."""
+FLASH_ATTENTION = "pipecc.flash_attention"  # graph.gm.meta key: the attention mode last costed
+
+
+def flash_attention(graph: AnnotatedGraph) -> bool:
+    """Whether `graph` was last costed with flash attention (`annotate(graph, True)`)."""
+    return bool(graph.gm.meta.get(FLASH_ATTENTION, False))
+
+
+def recost_attention(graph: AnnotatedGraph, flash: bool) -> None:
+    """Re-cost `graph` when it was last costed in the other attention mode (its warnings kept)."""
+    if flash != flash_attention(graph):
+        warned = list(graph.warnings)
+        annotate(graph, flash_attention=flash)
+        graph.warnings[:] = warned
+
+
+def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list[str]:
+    """Write META_COST on every node. Returns the warnings (unknown ops, listed once).
+    `flash_attention` (None: as the graph was last costed, else the math path) sets how fused
+    attention nodes keep their scores (`_attention_memory`); the mode is kept in the graph so
+    re-costing after a rewrite keeps it."""
+    if flash_attention is None:
+        flash_attention = bool(graph.gm.meta.get(FLASH_ATTENTION, False))
+    graph.gm.meta[FLASH_ATTENTION] = bool(flash_attention)
     unknown: dict[str, int] = {}
     live = _reaches_output(graph.gm.graph)
     data = _depends_on_inputs(graph.gm.graph)
     for node in graph.gm.graph.nodes:
-        cost, is_unknown = node_cost(node, graph.gm, data)
+        cost, is_unknown = node_cost(node, graph.gm, data, flash_attention)
         if node not in live:  # its result never reaches the loss: autograd skips it
             cost.backward_flops = cost.backward_flops_matmul = 0
             cost.backward_weight_flops = cost.backward_weight_flops_matmul = 0

@@ -27,6 +27,9 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 # the order in which they run.
 from __future__ import annotations
 
+# NOTE(size): the driver is the one place where analyze, plan and compile read as lists of steps
+# with the checks between them; the passes' policies live in their own modules.
+
 import itertools
 import os
 import time
@@ -382,7 +385,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
          profile: Any = None, replicas: int | str = 1, debug: bool = False,
          dump_ir: str | Path | None = None, recompute: str = "none",
          microbatch_sizes: str | Sequence[int] = "equal", umpipe_budget_s: float = 10.0,
-         bipartition: str = "off"):
+         bipartition: str = "off", activation_balancing: str = "off", flash_attention: bool = False):
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
     rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
     (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
@@ -396,7 +399,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     summing to the batch, used by every stage (forces gpipe and replicas 1).
     `bipartition` (`passes.bipartition_plan`): "off" (default) or "auto": search separate
     forward/backward cuts around the chosen plan's and keep them when the simulated iteration
-    is faster (training, 1f1b/gpipe, replicas 1; otherwise a decision says why not)."""
+    is faster (training, 1f1b/gpipe, replicas 1; otherwise a decision says why not).
+    `activation_balancing` (BPipe, `passes.bpipe`): "off" (default here), "auto" (where its
+    estimate pays; `pipecc plan`'s default) or "on". `flash_attention`: `cost.annotate`'s."""
     from pipecc.passes import split_search
     from pipecc.passes.balance import Balancer, PlanOptions
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
@@ -409,6 +414,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b, interleaved or zb-h1")
     if recompute not in ("none", "full", "auto"):
         raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
+    if activation_balancing == "on" and microbatch_sizes not in ("equal", "auto"):
+        raise UsageError("--activation-balancing on needs equal micro-batches: drop --microbatch-sizes")
+    cost.recost_attention(graph, bool(flash_attention))
     if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int)
                                or replicas < 1):
         raise UsageError(f"--replicas {replicas!r}: use auto or a positive integer")
@@ -433,7 +441,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                           schedule=schedule, coarse=coarse, choose_order=choose_order,
                           split_layers=split_layers, compare=compare, training=training,
                           dtype=dtype, fpga_number=fpga_number, profile=profile,
-                          recompute=recompute, replicas=replicas, bipartition=bipartition)
+                          recompute=recompute, replicas=replicas, bipartition=bipartition,
+                          activation_balancing=activation_balancing,
+                          flash_attention=bool(flash_attention))
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),
@@ -473,7 +483,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
                      compare=compare, training=training, dtype=dtype, fpga_number=fpga_number,
                      replicas="auto", debug=debug, recompute=recompute,
                      microbatch_sizes=microbatch_sizes, umpipe_budget_s=umpipe_budget_s,
-                     bipartition=bipartition)
+                     bipartition=bipartition,
+                     activation_balancing=activation_balancing, flash_attention=flash_attention)
     except PipeccError:
         if whole is None:
             raise
@@ -622,6 +633,8 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "--inference for a forward-only pipeline")
     check_recompute(graph, plan)
     check_bipartition(graph, plan)
+    from pipecc.passes.bpipe import check_plan
+    check_plan(plan)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
@@ -648,6 +661,8 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     from pipecc.backends.base import Target
     check_recompute(graph, plan)
     check_bipartition(graph, plan)
+    from pipecc.passes.bpipe import check_plan
+    check_plan(plan, in_process=True)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)

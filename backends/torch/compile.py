@@ -8,7 +8,9 @@
                              per device), "microbatch_sizes" (UMPIPE: one size list per stage,
                              null for equal splits; `check_microbatch_sizes`), "bipartition"
                              ("ship" when the workers hold Bi-Partition segments, else "";
-                             `backends.torch.bipartition`) and the list of files written ("files")
+                             `backends.torch.bipartition`), "activation_balancing" (BPipe: the
+                             plan's pairs, [] when off; `check_activation_balancing`) and the
+                             list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -60,6 +62,7 @@ import torch
 from pipecc import progress
 
 from pipecc.backends.torch.bipartition import check_bipartition, write_workers
+from pipecc.backends.torch.bpipe import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.stages import Stage, ports_json
 from pipecc.errors import PipeccError
@@ -152,6 +155,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     check_replicas(plan)
     sizes = check_microbatch_sizes(plan)
     pieces = check_bipartition(graph, plan)
+    balancing = check_activation_balancing(plan, sizes)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
     if pieces:  # Bi-Partition: cores and segments per worker (backends.torch.bipartition)
         write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
@@ -173,6 +177,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
               "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
+              "activation_balancing": balancing,
               "source": graph.source, "torch": torch.__version__,
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,

@@ -114,6 +114,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
                    help="activation recomputation (torch.utils.checkpoint per stage): none (default), "
                    "full (every stage) or auto (only the stages that need it to fit memory)")
+    p.add_argument("--activation-balancing", choices=["auto", "on", "off"], default="auto",
+                   help="BPipe: under 1F1B, stage s sends stashed activations to stage p-1-s and "
+                   "takes them back before their backward, to spend the freed memory on a larger "
+                   "micro-batch or no recomputation. auto (default): only where pipecc's estimate "
+                   "predicts a speed-up; on: always (1f1b, replicas 1); off: never")
+    p.add_argument("--flash-attention", action="store_true",
+                   help="cost fused attention as flash attention runs it: no stashed scores, "
+                   "recomputed in backward (default: the math path, which keeps them)")
     p.add_argument("--fpga-number", default="float", metavar="FORMAT",
                    help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
                    "the plan costs FPGA stages in it")

@@ -41,6 +41,8 @@ def plan_from_args(args: argparse.Namespace):
                               replicas=args.replicas,
                               microbatch_sizes=args.microbatch_sizes,
                               bipartition=args.bipartition,
+                              activation_balancing=args.activation_balancing,
+                              flash_attention=args.flash_attention,
                               debug=args.debug, dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)

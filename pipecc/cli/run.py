@@ -58,6 +58,9 @@ Bi-Partition folders (`pipecc.json`'s `"bipartition": "ship"`; `pipecc.runtime.s
 rank per worker as usual; a segment's saved tensors travel with the forward or backward message
 and the owners refresh their segments' replicas after every step. They run the 1f1b and gpipe
 schedules only (another `--schedule` is a usage error, `inference` runs the forward ranges).
+Activation balancing: a folder whose plan pairs stages (`pipecc.json`'s `activation_balancing`,
+BPipe) runs 1f1b with the evictors' saved activations sent to their partners and back
+(`pipecc.runtime.stash`); `--schedule` other than 1f1b is a usage error there.
 
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
 
@@ -242,6 +245,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     from pipecc.runtime.engine import build_schedule
     from pipecc.runtime.ports import StagePorts
     from pipecc.runtime.reslice import folder_sizes
+    from pipecc.runtime.stash import folder_balancing
     from pipecc.runtime.trust import model_file
 
     if marker.get("bipartition") and schedule not in ("1f1b", "gpipe", "inference"):
@@ -252,7 +256,8 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")
     model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
-        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches))
+        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches),
+                       folder_balancing(marker, args.schedule))
     except ValueError as e:
         raise UsageError(f"--schedule {schedule} with {ranks} ranks and {m} micro-batches: {e}") from None
 

@@ -105,6 +105,22 @@ class Plan:
     # bytes of the replica refresh per iteration: every segment's parameters, sent by the owner
     # (backward worker) to the forward worker after each optimizer step
     weight_sync_bytes: int = 0
+    # BPipe (PAPERS-SPEC.md 2.3, `--activation-balancing`, `passes.bpipe`): per pair, the evictor
+    # stage s, its acceptor p-1-s, the evictor's threshold K (stashes it keeps) and the return
+    # policy: [{"evictor": s, "acceptor": a, "threshold": K, "policy": "jit"}]; [] = no BPipe.
+    # The runtime's schedule is pipecc.ir.schedule.bpipe(one_f_one_b(p, m), thresholds, policy).
+    activation_balancing: list[dict[str, Any]] = field(default_factory=list)
+    # the BPipe estimate (PAPERS-SPEC.md 2.7) behind the decision, whether BPipe was used or
+    # not: baseline and bpipe {"microbatch_size", "recompute", "microbatches", "iteration_s",
+    # "peak_memory_bytes"}, "speedup", "hidden_fraction", "reason"; {} when not evaluated
+    estimate: dict[str, Any] = field(default_factory=dict)
+
+    def bpipe_thresholds(self) -> list[int | None]:
+        """Per stage, its BPipe threshold K (evictors) or None: `schedule.bpipe`'s argument."""
+        out: list[int | None] = [None] * len(self.stages)
+        for pair in self.activation_balancing:
+            out[int(pair["evictor"])] = int(pair["threshold"])
+        return out
 
     @property
     def balance_ratio(self) -> float:

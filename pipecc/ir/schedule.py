@@ -12,6 +12,10 @@ always the *local* (virtual) stage doing the work, as in torch.distributed.pipel
     RECV_F   ``stage`` receives its input activation from ``stage - 1``
     SEND_B   ``stage`` sends the gradient of its input to ``stage - 1``
     RECV_B   ``stage`` receives the gradient of its output from ``stage + 1``
+    SEND_S   BPipe: evictor ``stage`` sends its stash of ``microbatch`` to its partner
+    RECV_S   BPipe: acceptor ``stage`` receives its partner's stash of ``microbatch``
+    SEND_R   BPipe: acceptor ``stage`` sends that stash back
+    RECV_R   BPipe: evictor ``stage`` receives it back (before its B of ``microbatch``)
 
 A training schedule runs, for every (stage, microbatch), either one B or an I and a later W
 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024: splitting B lets the gradient go
@@ -38,6 +42,13 @@ of that same chunk (sent once every chunk of ``s+1`` overlapping it has run its 
 runtime executes with unequal sizes (GPipe's); the text form gains a first line
 ``sizes: 1 3 4 | 4 4`` (stage lists separated by ``|``).
 
+BPipe (activation balancing, PAPERS-SPEC.md 2.3-2.4): ``Schedule.partner`` pairs stage ``s``
+with ``p-1-s`` (one stage per rank); the lower stage of a pair is the *evictor*, which moves
+stashed activations to its *acceptor* and takes them back before their backward. A stash
+message's key names the evictor (``Action.message(partner)``, ``Schedule.message``); the text
+form gains a line ``partner: 3 2 1 0`` (``-``: none) before the rows. ``bpipe(one_f_one_b(p, m),
+thresholds)`` builds the schedule; ``stash_profile`` counts an evicted stash on the acceptor.
+
 This module must stay free of torch and of ``pipecc.passes``: both the planner's
 simulator and the distributed runtime import it.
 """
@@ -60,6 +71,9 @@ __all__ = [
     "Schedule",
     "SCHEDULES",
     "ScheduleError",
+    "BPIPE_POLICIES",
+    "bpipe",
+    "bpipe_pairs",
     "by_name",
     "format",
     "format_grid",
@@ -89,6 +103,10 @@ class ActionKind(str, Enum):
     RECV_B = "RECV_B"
     I = "I"
     W = "W"
+    SEND_S = "SEND_S"
+    RECV_S = "RECV_S"
+    SEND_R = "SEND_R"
+    RECV_R = "RECV_R"
 
     @property
     def is_compute(self) -> bool:
@@ -106,11 +124,16 @@ class ActionKind(str, Enum):
 
     @property
     def is_send(self) -> bool:
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self in (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.SEND_S, ActionKind.SEND_R)
 
     @property
     def is_recv(self) -> bool:
-        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self in (ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.RECV_S, ActionKind.RECV_R)
+
+    @property
+    def is_stash(self) -> bool:
+        """SEND_S, RECV_S, SEND_R or RECV_R: a BPipe stash transfer between partners."""
+        return self in (ActionKind.SEND_S, ActionKind.RECV_S, ActionKind.SEND_R, ActionKind.RECV_R)
 
 
 @dataclass(frozen=True, order=True)
@@ -124,12 +147,23 @@ class Action:
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
-    def message(self) -> tuple[str, int, int] | None:
+    def message(self, partner: Sequence[int | None] | None = None) -> tuple[str, int, int] | None:
         """Key of the message a SEND produces or a RECV consumes, else ``None``.
 
         The key names the *receiving* stage, so ``0SEND_F3`` and ``1RECV_F3`` share
         ``("F", 1, 3)`` and ``1SEND_B3`` and ``0RECV_B3`` share ``("B", 0, 3)``.
+        A BPipe stash message names the *evictor* stage: ``("S", s, j)`` for SEND_S by the
+        evictor ``s`` and RECV_S by its acceptor, ``("R", s, j)`` for SEND_R by the acceptor and
+        RECV_R by ``s``. The acceptor's actions need ``partner`` (``Schedule.partner``) to find
+        the evictor; ``Schedule.message(a)`` passes it.
         """
+        if self.kind in (ActionKind.SEND_S, ActionKind.RECV_R):
+            return ("S" if self.kind is ActionKind.SEND_S else "R", self.stage, self.microbatch)
+        if self.kind in (ActionKind.RECV_S, ActionKind.SEND_R):
+            evictor = None if partner is None or self.stage >= len(partner) else partner[self.stage]
+            if evictor is None:
+                raise ValueError(f"{self}: stage {self.stage} has no BPipe partner (Schedule.partner)")
+            return ("S" if self.kind is ActionKind.RECV_S else "R", evictor, self.microbatch)
         if self.kind is ActionKind.SEND_F:
             return ("F", self.stage + 1, self.microbatch)
         if self.kind is ActionKind.SEND_B:
@@ -159,8 +193,16 @@ class Schedule:
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     microbatch_sizes: tuple[tuple[int, ...], ...] | None = None
+    # BPipe (PAPERS-SPEC.md 2.3): per stage, the stage it exchanges stashed activations with
+    # (symmetric; None: no partner); None: no BPipe. Of a pair, the lower stage is the evictor.
+    partner: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.partner is not None:
+            pairs = tuple(None if x is None else int(x) for x in self.partner)
+            if len(pairs) != self.num_stages:
+                raise ValueError(f"partner has {len(pairs)} entries for {self.num_stages} stages")
+            object.__setattr__(self, "partner", pairs)
         if len(self.actions) != self.num_ranks:
             raise ValueError(f"{len(self.actions)} action rows for {self.num_ranks} ranks")
         if len(self.stage_to_rank) != self.num_stages:
@@ -174,6 +216,20 @@ class Schedule:
                 raise ValueError(f"num_microbatches is {self.num_microbatches} but the longest size list "
                                  f"has {max(len(row) for row in sizes)} chunks")
             object.__setattr__(self, "microbatch_sizes", sizes)
+
+    def message(self, a: Action) -> tuple[str, int, int] | None:
+        """``a.message(self.partner)``: the key of the message ``a`` sends or receives."""
+        return a.message(self.partner)
+
+    def evictor_of(self, a: Action) -> int:
+        """The evictor stage whose stash a BPipe action ``a`` moves."""
+        key = self.message(a)
+        assert key is not None and key[0] in ("S", "R"), a
+        return key[1]
+
+    def is_evictor(self, stage: int) -> bool:
+        """True when ``stage`` has a BPipe partner above it (it sends stashes out)."""
+        return self.partner is not None and self.partner[stage] is not None and self.partner[stage] > stage
 
     @property
     def uneven(self) -> bool:
@@ -222,12 +278,13 @@ class Schedule:
         cls,
         actions: list[list[Action]] | tuple[tuple[Action, ...], ...],
         microbatch_sizes: Sequence[Sequence[int]] | None = None,
+        partner: Sequence[int | None] | None = None,
     ) -> Schedule:
         """Build a schedule, inferring stages, microbatches and placement from the actions.
 
         A stage belongs to the first rank (in rank order) whose row mentions it. With
         ``microbatch_sizes``, the stage count is at least its length and the microbatch count
-        is its longest list.
+        is its longest list. With ``partner`` (BPipe), at least its length.
         """
         rows = tuple(tuple(row) for row in actions)
         flat = [a for row in rows for a in row]
@@ -239,12 +296,17 @@ class Schedule:
             _check_size_lists(sizes)
             num_stages = max(num_stages, len(sizes))
             num_microbatches = max(len(row) for row in sizes)
+        pairs = None
+        if partner is not None:
+            pairs = tuple(partner)
+            num_stages = max(num_stages, len(pairs))
+            pairs = pairs + (None,) * (num_stages - len(pairs))
         owner = [-1] * num_stages
         for rank, row in enumerate(rows):
             for a in row:
                 if owner[a.stage] == -1:
                     owner[a.stage] = rank
-        return cls(len(rows), num_stages, num_microbatches, tuple(owner), rows, sizes)
+        return cls(len(rows), num_stages, num_microbatches, tuple(owner), rows, sizes, pairs)
 
     @property
     def is_training(self) -> bool:
@@ -261,9 +323,18 @@ class Schedule:
         A microbatch is held on stage ``s`` from its F until its B (or W) on that stage. Ranks
         run their actions in order, so counting along the row is exact in time too.
         Forward-only schedules stash nothing (0 everywhere). 1F1B gives
-        ``min(p - s, m)``, GPipe ``m``. O(total actions).
+        ``min(p - s, m)``, GPipe ``m``. With BPipe (``partner``) an evictor's stash leaves at its
+        SEND_S and is back from its RECV_R; its acceptor holds it from RECV_S to SEND_R, and
+        counts it as its own. O(total actions).
         """
-        return self._stash_peaks(lambda a: 1)
+        return self._stash_peaks(lambda stage, mb: 1)
+
+    def stash_bytes_profile(self, activation_bytes: Sequence[float]) -> list[float]:
+        """Per stage, the most activation bytes held at once when one micro-batch of stage ``s``
+        stashes ``activation_bytes[s]``: ``stash_profile`` with every stash weighted by the bytes
+        of the stage that produced it (an acceptor holds its evictor's stashes,
+        PAPERS-SPEC.md 2.3)."""
+        return self._stash_peaks(lambda stage, mb: activation_bytes[stage])
 
     def stash_sample_profile(self) -> list[int]:
         """Per stage, the most samples whose activations are held at once (needs
@@ -272,25 +343,42 @@ class Schedule:
         if self.microbatch_sizes is None:
             raise ValueError("stash_sample_profile needs microbatch_sizes (use stash_profile for equal splits)")
         sizes = self.microbatch_sizes
-        return self._stash_peaks(lambda a: sizes[a.stage][a.microbatch])
+        return self._stash_peaks(lambda stage, mb: sizes[stage][mb])
 
-    def _stash_peaks(self, weight: Callable[[Action], int]) -> list[int]:
-        """Per stage, the most `weight` held at once: F adds its action's weight, the action
-        that frees the stash (B or W) takes it off; 0 everywhere for forward-only schedules."""
+    def _stash_deltas(self, a: Action) -> tuple[int, int, int] | None:
+        """``(holder stage, producer stage, +1/-1)`` when ``a`` changes what a stage holds, else None:
+        F +1 and B/W -1 of its own; SEND_S -1 and RECV_R +1 on the evictor; RECV_S +1 and SEND_R -1
+        of the evictor's stash on the acceptor."""
+        k = a.kind
+        if k is ActionKind.F:
+            return (a.stage, a.stage, 1)
+        if k.frees_stash:
+            return (a.stage, a.stage, -1)
+        if k.is_stash:
+            producer = self.evictor_of(a)
+            return (a.stage, producer, 1 if k in (ActionKind.RECV_S, ActionKind.RECV_R) else -1)
+        return None
+
+    def _stash_peaks(self, weight: Callable[[int, int], float]) -> list:
+        """Per stage, the most ``weight(producer stage, microbatch)`` held at once (F adds, B or W
+        takes off, stash transfers move it between partners); 0 everywhere for forward-only
+        schedules."""
         if not self.is_training:
             return [0] * self.num_stages
         held, peak = [0] * self.num_stages, [0] * self.num_stages
         for row in self.actions:
             for a in row:
-                if a.kind is ActionKind.F:
-                    held[a.stage] += weight(a)
-                    peak[a.stage] = max(peak[a.stage], held[a.stage])
-                elif a.kind.frees_stash:
-                    held[a.stage] -= weight(a)
+                delta = self._stash_deltas(a)
+                if delta is None:
+                    continue
+                holder, producer, sign = delta
+                held[holder] += sign * weight(producer, a.microbatch)
+                peak[holder] = max(peak[holder], held[holder])
         return peak
 
     def rank_stash_profile(self) -> list[int]:
-        """Per rank, the most (stage, microbatch) activation sets held at once.
+        """Per rank, the most (stage, microbatch) activation sets held at once (BPipe transfers
+        counted as in ``stash_profile``).
 
         With interleaving this is at most (usually below) the sum of ``stash_profile()``
         over the rank's stages, because their peaks need not coincide. O(total actions).
@@ -301,11 +389,10 @@ class Schedule:
         for row in self.actions:
             held = peak = 0
             for a in row:
-                if a.kind is ActionKind.F:
-                    held += 1
+                delta = self._stash_deltas(a)
+                if delta is not None:
+                    held += delta[2]
                     peak = max(peak, held)
-                elif a.kind.frees_stash:
-                    held -= 1
             peaks.append(peak)
         return peaks
 
@@ -327,9 +414,10 @@ class ScheduleError(ValueError):
 
 # ---------------------------------------------------------------------------- text form
 
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_S|RECV_S|SEND_R|RECV_R|F|B|I|W)(\d+)")
 _ROW_RE = re.compile(r"rank (\d+):(.*)")
 _SIZES_RE = re.compile(r"sizes:(.*)")
+_PARTNER_RE = re.compile(r"partner:(.*)")
 
 
 def _check_size_lists(sizes: Sequence[Sequence[int]]) -> None:
@@ -378,6 +466,18 @@ def _format_sizes(sizes: Sequence[Sequence[int]]) -> str:
     return "sizes: " + " | ".join(" ".join(str(b) for b in row) for row in sizes)
 
 
+def _format_partner(partner: Sequence[int | None]) -> str:
+    return "partner: " + " ".join("-" if x is None else str(x) for x in partner)
+
+
+def _header(schedule: Schedule) -> list[str]:
+    """The header lines of the text form: ``sizes:`` (UMPIPE), then ``partner:`` (BPipe)."""
+    lines = [] if schedule.microbatch_sizes is None else [_format_sizes(schedule.microbatch_sizes)]
+    if schedule.partner is not None:
+        lines.append(_format_partner(schedule.partner))
+    return lines
+
+
 def parse_action(text: str) -> Action:
     """``"2RECV_B1"`` -> ``Action(RECV_B, 2, 1)``; ``ValueError`` on anything else."""
     match = _ACTION_RE.fullmatch(text)
@@ -391,16 +491,18 @@ def parse(text: str) -> Schedule:
 
     Blank lines are ignored. Placement and sizes are inferred (``Schedule.from_actions``).
     An unequal schedule starts with a line ``sizes: 1 3 4 | 4 4`` (stage 0's chunk sizes,
-    then stage 1's, ...).
+    then stage 1's, ...); a BPipe schedule has a line ``partner: 3 2 1 0`` (``-``: no partner)
+    before the rows.
     """
     rows: list[list[Action]] = []
     sizes: list[list[int]] | None = None
+    partner: list[int | None] | None = None
     for line in text.splitlines():
         if not line.strip():
             continue
         sized = _SIZES_RE.fullmatch(line.strip())
         if sized is not None:
-            if rows or sizes is not None:
+            if rows or sizes is not None or partner is not None:
                 raise ValueError(f"the 'sizes:' line must come first, once: {line!r}")
             try:
                 sizes = [[int(tok) for tok in part.split()] for part in sized.group(1).split("|")]
@@ -408,18 +510,28 @@ def parse(text: str) -> Schedule:
                 raise ValueError(f"not a sizes line: {line!r} (expected e.g. 'sizes: 1 3 | 4')") from None
             _check_size_lists(sizes)
             continue
+        paired = _PARTNER_RE.fullmatch(line.strip())
+        if paired is not None:
+            if rows or partner is not None:
+                raise ValueError(f"the 'partner:' line must come before the rows, once: {line!r}")
+            try:
+                partner = [None if tok == "-" else int(tok) for tok in paired.group(1).split()]
+            except ValueError:
+                raise ValueError(f"not a partner line: {line!r} (expected e.g. 'partner: 3 2 1 0', "
+                                 "'-' for no partner)") from None
+            continue
         match = _ROW_RE.fullmatch(line.strip())
         if match is None:
             raise ValueError(f"not a schedule row: {line!r} (expected 'rank N: ...')")
         if int(match.group(1)) != len(rows):
             raise ValueError(f"expected 'rank {len(rows)}:', got {line!r}")
         rows.append([parse_action(tok) for tok in match.group(2).split()])
-    return Schedule.from_actions(rows, sizes)
+    return Schedule.from_actions(rows, sizes, partner)
 
 
 def format(schedule: Schedule) -> str:  # noqa: A001 - the IR's name for it; shadows only here
     """The canonical text form, ``parse``'s inverse. No trailing newline."""
-    lines = [] if schedule.microbatch_sizes is None else [_format_sizes(schedule.microbatch_sizes)]
+    lines = _header(schedule)
     lines += [f"rank {r}:" + "".join(f" {a}" for a in row) for r, row in enumerate(schedule.actions)]
     return "\n".join(lines)
 
@@ -435,7 +547,7 @@ def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = ()) -> st
     col = [max([len(str(i)) + 2] + [len(row[i]) for row in cells]) for i in range(width)]
     label = max(len(f"rank {schedule.num_ranks - 1}:"), len("step"))
     label += 1
-    lines = [] if schedule.microbatch_sizes is None else [_format_sizes(schedule.microbatch_sizes)]
+    lines = _header(schedule)
     lines.append("step".ljust(label) + "".join(f" {i} ".ljust(col[i]) for i in range(width)).rstrip())
     for r, row in enumerate(cells):
         lines.append(f"rank {r}:".ljust(label) + "".join(c.ljust(col[i]) for i, c in enumerate(row)).rstrip())
@@ -727,6 +839,172 @@ def gpipe_uneven(sizes: Sequence[Sequence[int]], num_ranks: int | None = None) -
     return Schedule(p, len(table), m, placement, _place_comms_uneven(compute, placement, table), table)
 
 
+# ---------------------------------------------------------------------------- BPipe
+
+BPIPE_POLICIES = ("jit", "eager")
+
+
+def bpipe_pairs(num_stages: int) -> list[tuple[int, int]]:
+    """BPipe's (evictor, acceptor) pairs: ``(s, p-1-s)`` for ``s < p // 2`` (PAPERS-SPEC.md 2.3);
+    with odd ``p`` the middle stage has no partner."""
+    return [(s, num_stages - 1 - s) for s in range(num_stages // 2)]
+
+
+def _unit_times(base: Schedule, backward: float) -> dict[Action, tuple[float, float]]:
+    """(start, end) of every compute action of a one-stage-per-rank schedule when every F takes
+    1 and every B ``backward`` and messages are free: the clock the BPipe generator aligns the
+    acceptor's returns with."""
+    last = base.num_stages - 1
+    done: dict[Action, tuple[float, float]] = {}
+    pc, clock = [0] * base.num_ranks, [0.0] * base.num_ranks
+    progress = True
+    while progress:
+        progress = False
+        for r, row in enumerate(base.actions):
+            while pc[r] < len(row):
+                a = row[pc[r]]
+                if a.kind.is_compute:
+                    s, mb = a.stage, a.microbatch
+                    if a.kind is ActionKind.F:
+                        deps = [_F(s - 1, mb)] if s > 0 else []
+                    else:
+                        deps = [_F(s, mb)] + ([_B(s + 1, mb)] if s < last else [])
+                    if any(d not in done for d in deps):
+                        break
+                    start = max([clock[r]] + [done[d][1] for d in deps])
+                    clock[r] = start + (1.0 if a.kind is ActionKind.F else backward)
+                    done[a] = (start, clock[r])
+                pc[r] += 1
+                progress = True
+    return done
+
+
+def _evictions(compute: list[Action], stage: int, threshold: int, policy: str
+               ) -> tuple[dict[int, list[Action]], dict[int, list[Action]]]:
+    """The evictor's stash actions around its compute actions: ``(before, after)``, each
+    compute index -> actions. A stash counts as resident from its F (or its return) until its
+    B or its eviction; after F(j), more than ``threshold`` resident evicts j, the newest.
+    "jit" takes stash j back one compute step before B(j); "eager" takes the oldest remote
+    stash back after every B that leaves fewer than ``threshold`` resident (and, either way,
+    one still away is taken back right before its B)."""
+    before: dict[int, list[Action]] = {}
+    after: dict[int, list[Action]] = {}
+    resident, remote = 0, []  # remote: evicted micro-batches, oldest first
+
+    def take_back(where: dict[int, list[Action]], i: int, mb: int) -> None:
+        nonlocal resident
+        remote.remove(mb)
+        where.setdefault(i, []).append(Action(ActionKind.RECV_R, stage, mb))
+        resident += 1
+
+    for i, c in enumerate(compute):
+        nxt = compute[i + 1] if i + 1 < len(compute) else None
+        if policy == "jit" and nxt is not None and nxt.kind is ActionKind.B and nxt.microbatch in remote:
+            take_back(before, i, nxt.microbatch)
+        if c.kind is ActionKind.B and c.microbatch in remote:
+            take_back(before, i, c.microbatch)
+        if c.kind is ActionKind.F:
+            resident += 1
+            if resident > threshold:
+                after.setdefault(i, []).append(Action(ActionKind.SEND_S, stage, c.microbatch))
+                remote.append(c.microbatch)
+                resident -= 1
+        else:
+            resident -= 1
+            while policy == "eager" and remote and resident < threshold:
+                take_back(after, i, min(remote))
+    return before, after
+
+
+def _insert(row: Sequence[Action], before: dict[int, list[Action]], after: dict[int, list[Action]]) -> tuple[Action, ...]:
+    """``row`` with ``before[i]`` right before its i-th compute action (after that action's
+    receives) and ``after[i]`` after it and its sends."""
+    out: list[Action] = []
+    pending: list[Action] = []
+    index = 0
+    for x in row:
+        if x.kind.is_compute or x.kind.is_recv:
+            out += pending
+            pending = []
+        if x.kind.is_compute:
+            out += before.get(index, [])
+            out.append(x)
+            pending = list(after.get(index, []))
+            index += 1
+        else:
+            out.append(x)
+    return tuple(out + pending)
+
+
+def bpipe(base: Schedule, thresholds: Sequence[int | None], policy: str = "jit",
+          backward_ratio: float = 2.0) -> Schedule:
+    """BPipe (PAPERS-SPEC.md 2.3-2.4): ``base`` (``one_f_one_b(p, m)``) with stash transfers
+    between each evictor ``s`` (``thresholds[s]`` = K_s, not None) and its acceptor ``p-1-s``.
+
+    Evictor ``s``: after ``F(s, j)`` (and its SEND_F), if more than K_s of its stashes are
+    resident, ``SEND_S`` the newest (j, needed last); it takes j back with ``RECV_R(s, j)``
+    one compute step before ``B(s, j)`` ("jit", a prefetch of one), or after each B that
+    leaves fewer than K_s resident, oldest first ("eager"). Resident counts include a
+    returned stash, so the evictor peaks at K_s + 1 (the F that overflows, before its SEND_S:
+    PAPERS-SPEC.md 2.10 item 1). Acceptor ``a = p-1-s``: ``RECV_S(j)`` right after its
+    ``F(a, j)``, which needs the evictor's F(s, j) anyway; ``SEND_R(j)`` after its last
+    compute that ends, on a clock where F costs 1 and B ``backward_ratio`` and messages are
+    free, no later than the evictor's RECV_R(j) starts (never before its RECV_S(j)). Every
+    stash dependency then points forward on that clock, so ``validate`` finds no deadlock.
+
+    Raises ValueError unless ``base`` is plain 1F1B (one stage per rank, equal micro-batches,
+    no partner), ``thresholds`` has one entry per stage, only stages ``s < p // 2`` have one,
+    each at least 1, and ``policy`` is one of ``BPIPE_POLICIES``. All None: ``base`` itself.
+    """
+    p, m = base.num_stages, base.num_microbatches
+    if policy not in BPIPE_POLICIES:
+        raise ValueError(f"unknown BPipe policy {policy!r}; choose from {', '.join(BPIPE_POLICIES)}")
+    if base.partner is not None or base.uneven or base.num_ranks != p or base != one_f_one_b(p, m):
+        raise ValueError("BPipe inserts its transfers into plain 1F1B (one stage per rank, equal "
+                         "micro-batches): build the base with one_f_one_b(p, m)")
+    if len(thresholds) != p:
+        raise ValueError(f"thresholds needs one entry per stage ({p}), got {len(thresholds)}")
+    partner: list[int | None] = [None] * p
+    for s, k in enumerate(thresholds):
+        if k is None:
+            continue
+        if s >= p // 2:
+            raise ValueError(f"stage {s} cannot evict: BPipe evictors are stages s < p//2 = {p // 2}, "
+                             f"paired with p-1-s")
+        if isinstance(k, bool) or int(k) != k or k < 1:
+            raise ValueError(f"threshold of stage {s} must be an integer >= 1, got {k!r}")
+        partner[s], partner[p - 1 - s] = p - 1 - s, s
+    if all(x is None for x in partner):
+        return base
+    clock = _unit_times(base, backward_ratio)
+    rows = [list(row) for row in base.actions]
+    for s, k in enumerate(thresholds):
+        if k is None:
+            continue
+        a = p - 1 - s
+        compute = [x for x in base.actions[s] if x.kind.is_compute]
+        before, after = _evictions(compute, s, int(k), policy)
+        rows[s] = list(_insert(base.actions[s], before, after))
+        needed_at: dict[int, float] = {}  # j -> when the evictor's RECV_R(j) starts on the clock
+        for where, at_start in ((before, True), (after, False)):
+            for i, acts in where.items():
+                span = clock[compute[i]]
+                for x in acts:
+                    if x.kind is ActionKind.RECV_R:
+                        needed_at[x.microbatch] = span[0] if at_start else span[1]
+        mine = [x for x in base.actions[a] if x.kind.is_compute]
+        position = {x: i for i, x in enumerate(mine)}
+        acc_after: dict[int, list[Action]] = {}
+        for j in sorted(needed_at):
+            acc_after.setdefault(position[_F(a, j)], []).append(Action(ActionKind.RECV_S, a, j))
+        for j in sorted(needed_at):
+            first = position[_F(a, j)]
+            last = max([first] + [i for i in range(first, len(mine)) if clock[mine[i]][1] <= needed_at[j]])
+            acc_after.setdefault(last, []).append(Action(ActionKind.SEND_R, a, j))
+        rows[a] = list(_insert(base.actions[a], {}, acc_after))
+    return Schedule(p, p, m, base.stage_to_rank, tuple(tuple(r) for r in rows), None, tuple(partner))
+
+
 def inference(num_stages: int, num_microbatches: int) -> Schedule:
     """Forwards only: rank s runs F(s, 0..m-1)."""
     _check_sizes(num_stages, num_microbatches)
@@ -740,6 +1018,54 @@ def inference(num_stages: int, num_microbatches: int) -> Schedule:
 def _remote(schedule: Schedule, neighbour: int, rank: int) -> bool:
     """True when stage ``neighbour`` exists and sits on a rank other than ``rank``."""
     return 0 <= neighbour < schedule.num_stages and schedule.stage_to_rank[neighbour] != rank
+
+
+def _message_peer(schedule: Schedule, key: tuple[str, int, int], sending: bool) -> int:
+    """The stage at the other end of message ``key`` from the sender's (``sending``) or the
+    receiver's side."""
+    kind, stage, _ = key
+    if kind == "F":
+        return stage if sending else stage - 1
+    if kind == "B":
+        return stage if sending else stage + 1
+    acceptor = schedule.partner[stage] if schedule.partner is not None else None
+    acceptor = stage if acceptor is None else acceptor
+    # "S": evictor -> acceptor; "R": acceptor -> evictor
+    return (acceptor if kind == "S" else stage) if sending else (stage if kind == "S" else acceptor)
+
+
+def _check_pairing(schedule: Schedule, fail: Callable[..., NoReturn]) -> None:
+    """BPipe pairs (PAPERS-SPEC.md 2.3): one stage per rank, stage s with p-1-s for s < p//2,
+    symmetric; anything else is an odd pairing."""
+    p, partner = schedule.num_stages, schedule.partner
+    assert partner is not None
+    if schedule.num_ranks != p:
+        fail(f"BPipe needs one stage per rank, got {p} stages on {schedule.num_ranks} ranks")
+    for s, a in enumerate(partner):
+        if a is None:
+            continue
+        if a == s:
+            fail(f"odd BPipe pairing: stage {s} is paired with itself (pairs are (s, {p - 1}-s))")
+        if not 0 <= a < p or partner[a] != s:
+            fail(f"odd BPipe pairing: partner of stage {s} is {a} but partner of {a} is "
+                 f"{partner[a] if 0 <= a < p else 'out of range'} (pairs are symmetric)")
+        if a != p - 1 - s:
+            fail(f"odd BPipe pairing: stage {s} paired with {a}; BPipe pairs stage s with p-1-s = {p - 1 - s}")
+
+
+def _check_stash_role(schedule: Schedule, a: Action, r: int, i: int, fail: Callable[..., NoReturn]) -> None:
+    """A stash action runs on a stage with a partner: SEND_S/RECV_R on the evictor (the lower
+    stage of the pair), RECV_S/SEND_R on the acceptor."""
+    partner = schedule.partner
+    if partner is None or partner[a.stage] is None:
+        fail(f"rank {r} step {i}: {a} but stage {a.stage} has no BPipe partner (add a 'partner:' line)", (r, i))
+    evicting = a.kind in (ActionKind.SEND_S, ActionKind.RECV_R)
+    if evicting != schedule.is_evictor(a.stage):
+        role = "evictor" if evicting else "acceptor"
+        fail(f"rank {r} step {i}: {a} runs on stage {a.stage}, which is not the {role} of its pair "
+             f"(the lower stage of a pair evicts)", (r, i))
+    if not schedule.is_training:
+        fail(f"rank {r} step {i}: {a} in a forward-only schedule", (r, i))
 
 
 def validate(schedule: Schedule) -> None:
@@ -756,6 +1082,10 @@ def validate(schedule: Schedule) -> None:
     RECV_F (or the local F of stage-1), B or I after its own F and its RECV_B (or the local
     B or I of stage+1), W after its own I, SEND_F after the F, SEND_B after the B or I;
     (4) running all rows with async sends and blocking receives finishes.
+    BPipe (``partner``): pairs are (s, p-1-s), one stage per rank; SEND_S/RECV_R only on the
+    evictor, RECV_S/SEND_R only on the acceptor; every SEND_S has its RECV_R; SEND_S after the
+    F, RECV_R after the SEND_S and before the B, SEND_R after the RECV_S; stash messages take
+    part in matching (2) and in the deadlock run (4).
     The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice).
     """
     S = schedule.num_stages
@@ -766,6 +1096,8 @@ def validate(schedule: Schedule) -> None:
         raise ScheduleError(summary, schedule, list(marks))
 
     # (1) ownership, range, uniqueness, completeness
+    if schedule.partner is not None:
+        _check_pairing(schedule, fail)
     where: dict[Action, tuple[int, int]] = {}
     for r, row in enumerate(schedule.actions):
         for i, a in enumerate(row):
@@ -784,6 +1116,8 @@ def validate(schedule: Schedule) -> None:
                 fail(f"rank {r} step {i}: {a} but stage {a.stage - 1} is not on another rank", (r, i))
             if a.kind is ActionKind.RECV_B and not training:
                 fail(f"rank {r} step {i}: {a} in a forward-only schedule", (r, i))
+            if a.kind.is_stash:
+                _check_stash_role(schedule, a, r, i, fail)
             where[a] = (r, i)
     for s in range(S):
         if owner[s] == -1:
@@ -804,15 +1138,24 @@ def validate(schedule: Schedule) -> None:
                     fail(f"missing {y}: stage {s} microbatch {mb} has {x} but not {y} "
                          f"(a split backward needs both I and W)", where[x])
 
+    for a, (r, i) in where.items():  # an evicted stash comes back before its backward
+        if a.kind is ActionKind.SEND_S and Action(ActionKind.RECV_R, a.stage, a.microbatch) not in where:
+            fail(f"rank {r} step {i}: {a} evicts a stash that never comes back "
+                 f"(missing {Action(ActionKind.RECV_R, a.stage, a.microbatch)})", (r, i))
+        if a.kind is ActionKind.RECV_R and Action(ActionKind.SEND_S, a.stage, a.microbatch) not in where:
+            fail(f"rank {r} step {i}: {a} takes back a stash that was never evicted "
+                 f"(missing {Action(ActionKind.SEND_S, a.stage, a.microbatch)})", (r, i))
+
     # (2) matching
-    sends = {a.message(): where[a] for a in where if a.kind.is_send}
-    recvs = {a.message(): where[a] for a in where if a.kind.is_recv}
+    sends = {schedule.message(a): where[a] for a in where if a.kind.is_send}
+    recvs = {schedule.message(a): where[a] for a in where if a.kind.is_recv}
     for key, (r, i) in sends.items():
         if key not in recvs:
-            fail(f"rank {r} step {i}: {schedule.actions[r][i]} has no matching receive on rank {owner[key[1]]}", (r, i))
+            dst = _message_peer(schedule, key, sending=True)
+            fail(f"rank {r} step {i}: {schedule.actions[r][i]} has no matching receive on rank {owner[dst]}", (r, i))
     for key, (r, i) in recvs.items():
         if key not in sends:
-            src = key[1] - 1 if key[0] == "F" else key[1] + 1
+            src = _message_peer(schedule, key, sending=False)
             fail(f"rank {r} step {i}: {schedule.actions[r][i]} has no matching send on rank {owner[src]}", (r, i))
 
     # (3) per-row order of local dependencies
@@ -848,6 +1191,16 @@ def validate(schedule: Schedule) -> None:
             elif k is ActionKind.SEND_B:
                 for j in schedule.gradient_inputs(s - 1, mb):
                     before(grad_of(s, j), r, i, a, "sends the backward's input gradient")
+            elif k is ActionKind.SEND_S:
+                before(_F(s, mb), r, i, a, "evicts the stash its forward made")
+            elif k is ActionKind.RECV_R:
+                before(Action(ActionKind.SEND_S, s, mb), r, i, a, "takes back what it evicted")
+                back = where.get(grad_of(s, mb))
+                if back is not None and back[0] == r and back[1] < i:
+                    fail(f"rank {r} step {i}: {a} runs after {grad_of(s, mb)} (the backward needs its "
+                         f"stash back first)", (r, i), back)
+            elif k is ActionKind.SEND_R:
+                before(Action(ActionKind.RECV_S, s, mb), r, i, a, "returns what it accepted")
 
     # (4) deadlock: advance every row until it blocks on a receive whose send has not run
     pc = [0] * schedule.num_ranks
@@ -858,10 +1211,10 @@ def validate(schedule: Schedule) -> None:
         for r, row in enumerate(schedule.actions):
             while pc[r] < len(row):
                 a = row[pc[r]]
-                if a.kind.is_recv and a.message() not in sent:
+                if a.kind.is_recv and schedule.message(a) not in sent:
                     break
                 if a.kind.is_send:
-                    sent.add(a.message())
+                    sent.add(schedule.message(a))
                 pc[r] += 1
                 progress = True
     stuck = [(r, pc[r]) for r in range(schedule.num_ranks) if pc[r] < len(schedule.actions[r])]

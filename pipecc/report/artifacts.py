@@ -158,6 +158,10 @@ def timeline_for(plan: Plan) -> Any:
         costs.send_backward_s = [[float(t)] * m for t in saved["send_backward_s"]]
         costs.tail_s = [float(t) for t in saved["tail_s"]] or None
     schedule = by_name(plan.schedule, n // v, m, v)
+    if plan.activation_balancing:  # BPipe: its stash transfers, as the planner timed them
+        from pipecc.ir.schedule import bpipe
+        schedule = bpipe(schedule, plan.bpipe_thresholds(), plan.activation_balancing[0].get("policy", "jit"))
+        costs.stash_transfer_s = [[float(x)] * m for x in plan.estimate.get("stash_transfer_s", [0.0] * n)]
     if plan.replicas > 1:  # replica groups: each rank's gradient all-reduce, as the planner has it
         costs.allreduce_s = [0.0] * schedule.num_ranks
         for k, s in enumerate(plan.stages):

@@ -25,8 +25,8 @@ from typing import Any, Iterator
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import (bipartition_lines, bottleneck_stage, device_capacities, first_last, memory_kind,
-                                   recompute_line)
+from pipecc.report.figures import (bipartition_lines, bottleneck_stage, bpipe_lines, device_capacities, first_last,
+                                   memory_kind, recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 from pipecc.report.text import replica_group, replica_rows, sizes_text
 
@@ -189,7 +189,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     Bi-Partition: bipartition_mode, weight_sync_bytes, bipartition (the planner's cut pair and
     figures, or None) and per stage backward_nodes (its backward range) and extra_send_bytes. An FPGA
     stage's memory and
-    its capacity are on-chip BRAM (memory_kind "BRAM"; else "DRAM")."""
+    its capacity are on-chip BRAM (BPipe: activation_balancing, the plan's pairs, and estimate) (memory_kind "BRAM"; else "DRAM")."""
     plan = c.plan
     worst = bottleneck_stage(plan)
     caps = device_capacities(plan)
@@ -228,7 +228,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "split_layers": [vars(sl) for sl in plan.split_layers], "baselines": plan.baselines,
             "decisions": plan.decisions, "has_graph": c.graph is not None,
             "bipartition_mode": plan.bipartition_mode, "weight_sync_bytes": plan.weight_sync_bytes,
-            "bipartition": plan.options.get("bipartition")}
+            "bipartition": plan.options.get("bipartition"),
+            "activation_balancing": plan.activation_balancing, "estimate": plan.estimate}
 
 
 def _stage_index(c: Compiled, stage: int) -> int:
@@ -339,6 +340,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
     if recompute_line(plan):
         lines.append(recompute_line(plan))
     lines += bipartition_lines(plan)
+    lines += bpipe_lines(plan, verbose)
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import bipartition_lines, bottleneck_stage, first_last, recompute_line
+from pipecc.report.figures import bipartition_lines, bottleneck_stage, bpipe_lines, first_last, recompute_line
 from pipecc.report.formatting import human, seconds, text_table
 
 
@@ -72,6 +72,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
     if recompute_line(plan):
         lines.append(recompute_line(plan))
     lines += bipartition_lines(plan)
+    lines += bpipe_lines(plan, verbose)
     if any(d.get("kind") == "fpga" for d in plan.devices):  # any FPGA device, with a stage or not
         lines.append(f"FPGA stages     {plan.options.get('fpga_number', 'float')}, timed by the "
                      "FPGA model of estimates.json; memory is on-chip BRAM")

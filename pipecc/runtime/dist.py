@@ -50,6 +50,7 @@ from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, repli
 from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder
+from pipecc.runtime.stash import folder_balancing
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
 from pipecc.runtime.trust import verify_problem
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
@@ -136,6 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     the first pass's outputs with the original model's eval-mode forward (``verify: outputs match
     the single-process run (forward only)``). ``--optimizer``/``--lr`` there are a usage error,
     and so is a training ``--schedule`` for a folder with FPGA stages.
+
+    Activation balancing (BPipe; ``pipecc.json``'s ``activation_balancing``): under torchrun the
+    schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (``pipecc.runtime.stash``); ``--schedule``
+    other than 1f1b is a usage error. One process runs without it (a partner on the same rank
+    would free nothing).
 
     Unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``, one size list per stage):
     the gpipe schedule with every stage's own chunks (``pipecc.runtime.reslice``), in one
@@ -344,16 +350,18 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
     m = args.microbatches or int((meta or {}).get("microbatches") or 4)
     batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
-    check_options(args, meta, forward, m, batch, why)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
     count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
     world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
     sizes = folder_sizes(meta, args.schedule, args.microbatches)  # unequal micro-batches: gpipe only
+    # BPipe: 1f1b on one rank per stage; one process (every stage on one rank) runs without it
+    balancing = folder_balancing(meta, args.schedule) if under_torchrun else None
     if forward and sizes is None:
         # one stage per rank: the inference schedule; several (one process): interleaved, which
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
-    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta), sizes)
+    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing)
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
@@ -361,7 +369,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
-    schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world, sizes)
+    schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world, sizes, balancing)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]
@@ -488,16 +496,20 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
     dst = runtime.replicas.rank_of(runtime.schedule.stage_to_rank[runtime.last_stage], 0)
     summaries = gather(timer.summary(runtime.stage_ids), dst, runtime.device)
     if summaries is not None:
-        document = run_document(summaries, read_plan(out), schedule, runtime.m, batch)
+        document = run_document(summaries, read_plan(out), schedule, runtime.m, batch,
+                                stash=runtime.schedule.partner is not None)
         print(json.dumps(document), file=stdout, flush=True)
 
 
 def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
-                  why: str) -> None:
+                  why: str, one_process: bool = False) -> None:
     """Refuse, before any process group exists, what the run could only fail at later (one line).
 
-    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``)."""
+    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``).
+    ``one_process`` (no torchrun): activation balancing is off, so any ``--schedule`` goes."""
     folder_sizes(meta, args.schedule, args.microbatches)
+    if not one_process:
+        folder_balancing(meta, args.schedule)
     if batch and m > batch:
         raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
                          f"for; give --microbatches {batch} or fewer")

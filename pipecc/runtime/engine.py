@@ -11,6 +11,14 @@ Zero-bubble (I and W actions, ``zb-h1``): I computes the gradient of the stage's
 only, so SEND_B can go upstream at once; the stash stays until W, which accumulates the
 parameters' gradients and frees the graph (how, and what it costs: ``pipecc.runtime.split_backward``).
 
+Activation balancing (BPipe, ``RunConfig.activation_balancing``, ``pipecc.runtime.stash``): the
+schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (1F1B, one stage per rank; anything else is
+refused). A micro-batch the schedule evicts (it has a ``SEND_S``) runs its forward under
+saved-tensor hooks that file every saved activation in its store; SEND_S sends the store's
+storages to the partner stage p-1-s and drops them (the wire lets go once the send completed,
+``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and B
+waits for it first, so ``unpack`` finds them. Inputs and outputs of the stage stay (the engine holds them).
+
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
 single output, or the tuple when there are several; without ``loss_fn`` the first output is the
 loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal splits); the
@@ -79,8 +87,10 @@ from pipecc.ir.schedule import (
     ActionKind,
     Schedule,
     ScheduleError,
+    bpipe,
     by_name,
     gpipe_uneven,
+    one_f_one_b,
     parse,
     validate,
 )
@@ -101,6 +111,8 @@ from pipecc.runtime.replicas import GradientAllReduce, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.segments import SAVED, BipartitionWorker, WorkerProgram
 from pipecc.runtime.split_backward import input_backward, weight_backward
+from pipecc.runtime.stash import (Prefetch, SavedTensors, bpipe_thresholds, module_storages, recv_stash, send_stash,
+                                  storage_key)
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
     Wire,
@@ -140,14 +152,32 @@ class RunConfig:
     backend: str | None = None  # None: nccl on CUDA, else gloo
     device: str | None = None  # None: cuda:LOCAL_RANK when CUDA is available, else cpu
     microbatch_sizes: Sequence[Sequence[int]] | None = None  # per stage (UMPIPE); None: m equal
+    # BPipe: pipecc.json's pairs [{"evictor", "acceptor", "threshold", "policy"}]; None/[]: off
+    activation_balancing: Sequence[dict] | None = None
 
 
 def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: int = 1,
-                   sizes: Sequence[Sequence[int]] | None = None) -> Schedule:
+                   sizes: Sequence[Sequence[int]] | None = None,
+                   balancing: Sequence[dict] | None = None) -> Schedule:
     """The validated schedule for ``world`` ranks; ``kind`` is a name or the schedule's text form.
 
     ``sizes`` (unequal micro-batches, one list per stage): only "gpipe" runs them
-    (``gpipe_uneven``), and ``microbatches`` is ignored (the longest list counts)."""
+    (``gpipe_uneven``), and ``microbatches`` is ignored (the longest list counts).
+    ``balancing`` (BPipe pairs, ``bpipe_thresholds``): only "1f1b" with one stage per rank runs
+    them, as ``bpipe(one_f_one_b(world, m), thresholds, policy)``."""
+    if balancing:
+        thresholds, policy = bpipe_thresholds(balancing, world * stages_per_rank)
+        if kind != "1f1b" or stages_per_rank != 1 or sizes is not None:
+            what = f"schedule {kind!r}" if kind != "1f1b" else (
+                f"{stages_per_rank} stages per rank" if stages_per_rank != 1 else "unequal micro-batch sizes")
+            raise UsageError(f"activation balancing (BPipe) runs under the 1f1b schedule with one stage per rank, "
+                             f"not {what}; drop --schedule or compile with --activation-balancing off")
+        try:
+            schedule = bpipe(one_f_one_b(world, microbatches), thresholds, policy=policy)
+            validate(schedule)
+        except (ValueError, ScheduleError) as e:
+            raise PipeccError(f"activation balancing: {getattr(e, 'summary', e)}") from None
+        return schedule
     if sizes is not None:
         if kind != "gpipe":
             raise UsageError(f"unequal micro-batch sizes run under the gpipe schedule only, not {kind!r}; "
@@ -226,7 +256,8 @@ class PipelineRuntime:
         self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.backend == "gloo" and self.device.type != "cpu":
             raise PipeccError(f"the gloo backend sends CPU tensors only, device is {self.device}; use --backend nccl")
-        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules), config.microbatch_sizes)
+        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules), config.microbatch_sizes,
+                                       config.activation_balancing)
         self.m = self.schedule.num_microbatches  # unequal sizes: the most chunks of any stage
         self.replicas = replicas or Replicas()
         if self.schedule.microbatch_sizes is not None:
@@ -259,6 +290,7 @@ class PipelineRuntime:
             self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
         self._bip = self._bipartition()  # stage -> its Bi-Partition program (pipecc.runtime.segments)
         self.peak_stash = 0  # most microbatches stashed at once during the last step
+        self.evicted: dict[int, list[int]] = {}  # BPipe: stage -> bytes of each SEND_S of the last step
         self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
         self.timer: ActionTimer | None = None  # set: every action runs through it (pipecc run --json)
         if world > 1:
@@ -401,24 +433,49 @@ class PipelineRuntime:
         self._roots: dict[tuple[int, int], tuple[list, list | None, list, list]] = {}
         self._losses: list[torch.Tensor] = []
         self._results: dict[int, list] = {}
+        # BPipe: (stage, mb) -> the saved activations of an evicted micro-batch (this rank's
+        # stage); (evictor stage, mb) -> the partner's storages this rank keeps for it
+        self._saved: dict[tuple[int, int], SavedTensors] = {}
+        self._foreign: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._returning: dict[tuple[int, int], Prefetch] = {}  # RECV_R posted, B not yet run
+        self._evicting = {(a.stage, a.microbatch) for a in schedule.actions[self.rank]
+                          if a.kind is ActionKind.SEND_S} if training else set()
+        self._moving: list[Action] = []  # SEND_S/SEND_R whose buffers may still be on their way
+        self.evicted = {}
         self._reslice.reset()
         self.peak_stash = self._wire.peak_inflight = 0
         release = send_release(schedule, self.rank)
+        deferred: dict[tuple[int, int], list[Action]] = {}  # BPipe: RECV_R's releases, until it arrived
         reduce_after = self._last_gradient_actions(schedule) if training and self.grad_sync is not None else {}
         for action in schedule.actions[self.rank]:
             if action in reduce_after:
                 self.grad_sync.arm(self._module(action.stage).parameters())
-            if self.timer is None:
-                self._execute(action, training)
-            else:
-                self.timer.run(action, partial(self._execute, action, training))
+            key = (action.stage, action.microbatch)
+            if action.kind.is_backward and key in self._returning:
+                # BPipe: the prefetched stash must be here; waiting for it is a receive wait, and
+                # only then are the sends RECV_R proves complete (send_release) released
+                self._timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
+                self._wire.release(deferred.pop(key, ()))
+            self._timed(action, partial(self._execute, action, training))
             if action in reduce_after:
                 self.grad_sync.disarm()
-            self._wire.release(release.get(action, ()))
+            if action.kind is ActionKind.RECV_R:  # only posted: its releases wait for its arrival
+                deferred[key] = release.get(action, [])
+            else:
+                self._wire.release(release.get(action, ()))
+            if self._moving:
+                self._moving = self._wire.collect(self._moving)
         self._wire.flush()
-        leftover = self._stash or self._inbox or self._outbox or self._roots or self._reslice.leftover
+        leftover = (self._stash or self._inbox or self._outbox or self._roots or self._reslice.leftover
+                    or self._saved or self._foreign or self._returning)
         assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
         self._inputs = self._targets = None
+
+    def _timed(self, action: Action, execute: Callable[[], None]) -> None:
+        if self.timer is None:
+            execute()
+        else:
+            self.timer.run(action, execute)
 
     def _last_gradient_actions(self, schedule: Schedule) -> set[Action]:
         """Replicas: each stage's last action of this rank that accumulates parameter gradients
@@ -462,6 +519,48 @@ class PipelineRuntime:
                                                        self._bip[s].backward_extra(mb, self.device))
             else:
                 self._inbox[("B", s, mb)] = self._recv(a, [p for p in self._ports(s).out_leaves if p.carries_grad])
+        elif a.kind in (ActionKind.SEND_S, ActionKind.RECV_S, ActionKind.SEND_R, ActionKind.RECV_R):
+            self._move_stash(a)
+
+    def _move_stash(self, a: Action) -> None:
+        """BPipe (``pipecc.runtime.stash``): SEND_S evicts (stage, mb)'s saved activations to the
+        partner, RECV_S keeps the evictor's, SEND_R sends them back, RECV_R restores them."""
+        s, mb = a.stage, a.microbatch
+        evictor = s if a.kind in (ActionKind.SEND_S, ActionKind.RECV_R) else self.schedule.partner[s]
+        peer = self.replicas.rank_of(peer_rank(self.schedule, a))
+        direction = 3 if a.kind in (ActionKind.SEND_S, ActionKind.RECV_S) else 4
+
+        def tag_of(i: int) -> int:
+            return self._tag(direction, evictor, mb, i)
+
+        what = f"{a.kind.value} mb {mb} of stage {evictor}"
+        if a.kind is ActionKind.SEND_S:
+            store = self._saved.get((s, mb))
+            if store is None:
+                raise PipeccError(f"rank {self.global_rank}: {a} before {s}F{mb} (nothing captured to evict)")
+            leaves, outs = self._stash[(s, mb)]
+            resident = frozenset(storage_key(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor))
+            buffers = store.evict(resident)
+            if len(buffers) >= MAX_PORTS:
+                raise PipeccError(f"rank {self.global_rank}: stage {s} saves {len(buffers)} separate activations "
+                                  f"per micro-batch, more than BPipe's {MAX_PORTS - 1} messages per eviction")
+            self.evicted.setdefault(s, []).append(sum(b.numel() for b in buffers))
+            if self.timer is not None:
+                self.timer.note_eviction(s, self.evicted[s][-1])
+            send_stash(self._wire, buffers, peer, tag_of, what, a, self.device)
+            self._moving.append(a)
+        elif a.kind is ActionKind.RECV_S:
+            self._foreign[(evictor, mb)] = recv_stash(self._wire, peer, tag_of, what, self.device)
+        elif a.kind is ActionKind.SEND_R:
+            send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device)
+            self._moving.append(a)
+        else:  # RECV_R: a prefetch, completed right before B (``_returned``)
+            self._returning[(s, mb)] = Prefetch(self._wire, peer, tag_of, what, self.device,
+                                                self._saved[(s, mb)].away_sizes)
+
+    def _returned(self, s: int, mb: int) -> None:
+        """BPipe: wait for the stash RECV_R posted and put it back into (s, mb)'s store."""
+        self._saved[(s, mb)].restore(self._returning.pop((s, mb)).wait())
 
     def _forward(self, s: int, mb: int, training: bool) -> None:
         ports = self._ports(s)
@@ -476,8 +575,15 @@ class PipelineRuntime:
             out_leaves, extra = self._bip[s].forward(mb, leaves, training, first=s == 0)
             outs = tuple(unflatten(out_leaves, ports.sends))
         else:
+            module = self._module(s)
             with torch.set_grad_enabled(training):
-                outs = as_tuple(self._module(s)(*unflatten(leaves, ports.receives)))
+                if (s, mb) in self._evicting:  # BPipe: its saved activations will leave this rank
+                    store = self._saved[(s, mb)] = SavedTensors(module_storages([module]),
+                                                                 f"rank {self.global_rank} stage {s} mb {mb}")
+                    with store.capture():
+                        outs = as_tuple(module(*unflatten(leaves, ports.receives)))
+                else:
+                    outs = as_tuple(module(*unflatten(leaves, ports.receives)))
             out_leaves = flatten(outs, ports.sends, f"rank {self.global_rank} stage {s} output")
         self._check(s, mb, out_leaves, ports.out_leaves)
         if s == self.last_stage:
@@ -519,6 +625,7 @@ class PipelineRuntime:
             pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._saved.pop((s, mb), None)  # BPipe: its saved activations were unpacked
         if s == 0:
             return
         if self._reslice.active(s):  # unequal sizes: the upstream chunks whose gradient is complete

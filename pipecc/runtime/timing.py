@@ -27,7 +27,10 @@ time of step i is the longest of the ranks' own wall times of step i (from ``zer
 ``optimizer.step`` on each rank, no barrier: coupled by their messages, every rank's iteration
 takes the pipeline's period in steady state). ``comm_wait_s`` is the median over timed steps of
 the rank's total receive wait in the step; a rank holding several stages (interleaved) reports
-the same figure for each of them. A forward-only run reports backward 0.0 with 0 samples.
+the same figure for each of them. With activation balancing (BPipe, ``pipecc.runtime.stash``)
+every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
+micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only
+run reports backward 0.0 with 0 samples.
 Predictions are the plan's, per micro-batch of the compiled micro-batch count (a run with
 another ``--microbatches`` splits the batch differently than the plan assumed); null where the
 folder has no ``plan.json``. With unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``)
@@ -67,6 +70,7 @@ class ActionTimer:
         self._counting = False  # inside a timed step
         self._wait = 0.0
         self._input_s: dict[tuple[int, int], float] = {}  # zero-bubble I times awaiting their W
+        self.evicted: dict[int, list[int]] = {}  # BPipe: stage -> bytes of each eviction, timed steps
 
     def begin_step(self) -> None:
         self._counting = self.steps_done >= self.warmup_steps
@@ -106,6 +110,11 @@ class ActionTimer:
         else:
             self._wait += elapsed
 
+    def note_eviction(self, stage: int, nbytes: int) -> None:
+        """BPipe: the engine evicted ``nbytes`` of ``stage``'s saved activations (SEND_S)."""
+        if self._counting:
+            self.evicted.setdefault(stage, []).append(nbytes)
+
     def _sync(self) -> None:
         # NOTE: CUDA kernels run asynchronously; without a sync the time would be their launch
         if self.device.type == "cuda":
@@ -117,6 +126,7 @@ class ActionTimer:
                 "forward": [self.forward.get(s, []) for s in stage_ids],
                 "backward": [self.backward.get(s, []) for s in stage_ids],
                 "step_s": self.step_s, "recv_wait_s": self.recv_wait_s,
+                "evicted": [self.evicted.get(s, []) for s in stage_ids],
                 "warmup": min(self.warmup_steps, self.steps_done)}
 
 
@@ -166,7 +176,7 @@ def _scaled(value: float | None, factor: float) -> float | None:
 
 
 def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], schedule: str, microbatches: int,
-                 batch_size: int) -> dict[str, Any]:
+                 batch_size: int, stash: bool = False) -> dict[str, Any]:
     """The ``pipecc run --json`` document from every rank's ``summary`` and the plan."""
     steps = min((len(s["step_s"]) for s in summaries), default=0)
     step_s = [max(s["step_s"][i] for s in summaries) for i in range(steps)]
@@ -177,20 +187,25 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
     stages = []
     for summary in summaries:
         wait = _median(summary["recv_wait_s"])
-        for s, forward, backward in zip(summary["stages"], summary["forward"], summary["backward"]):
+        evicted = summary.get("evicted") or [[] for _ in summary["stages"]]
+        timed = max(len(summary["step_s"]), 1)
+        for s, forward, backward, moved in zip(summary["stages"], summary["forward"], summary["backward"], evicted):
             planned = plan_stages.get(s, {})
             replica = int(summary.get("replica", 0))
             group = planned.get("replica_devices") or []
             index = group[replica] if isinstance(group, list) and replica < len(group) else planned.get("device")
             device = devices[index] if isinstance(index, int) and 0 <= index < len(devices) else {}
-            stages.append({
+            row = {
                 "index": s, "rank": summary["rank"], "replica": replica,
                 "device": str(device.get("name", "")) if isinstance(device, dict) else "",
                 "forward_s": _median(forward), "backward_s": _median(backward),
                 "forward_samples": len(forward), "backward_samples": len(backward),
                 "predicted_forward_s": _number(planned.get("forward_s")),
                 "predicted_backward_s": _scaled(_number(planned.get("backward_s")), split),
-                "comm_wait_s": wait})
+                "comm_wait_s": wait}
+            if stash:  # BPipe
+                row.update(stash_evictions=len(moved) / timed, stash_evicted_bytes=sum(moved) / timed)
+            stages.append(row)
     stages.sort(key=lambda st: (st["index"], st["replica"]))
     return {"format": FORMAT, "version": VERSION, "schedule": schedule, "microbatches": microbatches,
             "batch_size": batch_size, "steps": steps, "warmup_steps": max(s["warmup"] for s in summaries),

@@ -12,6 +12,9 @@ Wire protocol (per SEND/RECV action, one microbatch):
   * backward: only ports with ``requires_grad`` and a floating dtype carry a gradient back
     (integer token ids never do); both sides decide this from the spec alone. A received input
     the stage did not use sends zeros.
+  * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): a JSON header of
+    storage byte counts, then one uint8 message per storage (``pipecc.runtime.stash``); the
+    peer is the partner stage's rank (``Schedule.partner``), the message key the evictor's.
   Messages go in port order, first every tensor and length, then the object payloads. Gloo
   matches them by tag (direction, receiving stage, microbatch, port); NCCL ignores tags and
   matches by order, which ``check_fifo`` verifies against the schedule before an NCCL run.
@@ -64,21 +67,28 @@ __all__ = [
 
 
 def peer_rank(schedule: Schedule, a: Action) -> int:
-    """The rank on the other end of a SEND/RECV."""
+    """The rank on the other end of a SEND/RECV: the neighbouring stage's, or for a BPipe stash
+    transfer (SEND_S, RECV_S, SEND_R, RECV_R) the partner stage's (``Schedule.partner``)."""
+    if a.kind.is_stash:
+        partner = schedule.partner[a.stage] if schedule.partner is not None else None
+        if partner is None:
+            raise PipeccError(f"{a}: stage {a.stage} has no BPipe partner in the schedule")
+        return schedule.stage_to_rank[partner]
     neighbour = a.stage + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else a.stage - 1
     return schedule.stage_to_rank[neighbour]
 
 
 def check_fifo(schedule: Schedule) -> None:
-    """Raise unless every rank receives from each peer in the order that peer sends (NCCL needs it)."""
+    """Raise unless every rank receives from each peer in the order that peer sends (NCCL needs it),
+    BPipe's stash messages included."""
     sent: dict[tuple[int, int], list] = {}
     received: dict[tuple[int, int], list] = {}
     for rank, row in enumerate(schedule.actions):
         for a in row:
             if a.kind.is_send:
-                sent.setdefault((rank, peer_rank(schedule, a)), []).append(a.message())
+                sent.setdefault((rank, peer_rank(schedule, a)), []).append(schedule.message(a))
             elif a.kind.is_recv:
-                received.setdefault((peer_rank(schedule, a), rank), []).append(a.message())
+                received.setdefault((peer_rank(schedule, a), rank), []).append(schedule.message(a))
     for pair, order in sent.items():
         if received.get(pair) != order:
             raise PipeccError(f"rank {pair[1]} receives from rank {pair[0]} in another order than it sends; "
@@ -129,11 +139,19 @@ class Wire:
 
     def recv(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> None:
         """Receive into ``buffers`` from ``peer``; returns when all arrived, raises after ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
+        self.wait(self.post(buffers, peer, tags, what))
+
+    def post(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> list:
+        """Post receives into ``buffers`` without waiting (a prefetch); ``wait`` completes them."""
         group = self.groups.get((peer, self.rank))
-        works = [dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t) for b, t in zip(buffers, tags)]
-        for work in works:
-            self._wait(work, deadline, f"{what} from rank {peer}")
+        return [(dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t), f"{what} from rank {peer}")
+                for b, t in zip(buffers, tags)]
+
+    def wait(self, posted: Sequence[tuple[Any, str]]) -> None:
+        """Wait for receives ``post`` returned; the deadline counts from now."""
+        deadline = time.monotonic() + self.timeout_s
+        for work, what in posted:
+            self._wait(work, deadline, what)
 
     def release(self, keys: Sequence[Any]) -> None:
         """Wait for (already completed, see ``send_release``) sends and drop their tensors."""
@@ -141,6 +159,18 @@ class Wire:
         for key in keys:
             for work, _, what in self.inflight.pop(key, ()):
                 self._wait(work, deadline, what)
+
+    def collect(self, keys: Sequence[Any]) -> list[Any]:
+        """Drop the tensors of those sends among ``keys`` that completed (never waits); the keys
+        still in flight. BPipe's stash sends go so, as soon as they are done: the schedule's next
+        message from the partner may be far away, and the evicted bytes must not stay."""
+        pending = []
+        for key in keys:
+            if all(work.is_completed() for work, _, _ in self.inflight.get(key, ())):
+                self.inflight.pop(key, None)
+            else:
+                pending.append(key)
+        return pending
 
     def flush(self) -> None:
         """Wait until every send of this step completed."""
@@ -189,17 +219,18 @@ def send_release(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
     drops the sent activations when the schedule says so: 1F1B holds p - r of them, not m.
     """
     index = {(r, a): i for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
-    receive_of = {a.message(): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_recv}
-    send_of = {a.message(): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_send}
+    key = schedule.message
+    receive_of = {key(a): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_recv}
+    send_of = {key(a): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_send}
     released: dict[Action, list[Action]] = {}
     pending: list[Action] = []
     for a in schedule.actions[rank]:
         if a.kind.is_send:
             pending.append(a)
         elif a.kind.is_recv:
-            peer, sent = send_of[a.message()]
-            done = [s for s in pending if receive_of[s.message()][0] == peer
-                    and index[receive_of[s.message()]] < index[(peer, sent)]]
+            peer, sent = send_of[key(a)]
+            done = [s for s in pending if receive_of[key(s)][0] == peer
+                    and index[receive_of[key(s)]] < index[(peer, sent)]]
             if done:
                 released[a] = done
                 pending = [s for s in pending if s not in done]

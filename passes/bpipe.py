@@ -1,0 +1,348 @@
+"""Activation balancing (BPipe): pair stage s with p-1-s under 1F1B and move stashes between them.
+
+Under 1F1B stage s stashes min(p - s, m) micro-batches, so stage 0 needs about p times the
+activation memory of the last stage (PAPERS-SPEC.md 2.2). BPipe (Kim et al., ICML 2023) lets
+each *evictor* s < p//2 send its newest stashes to its *acceptor* p-1-s and take them back
+before their backward, so both hold about (p+1)/2; the memory freed buys a larger micro-batch
+or no recomputation. Its re-evaluation (arXiv 2024) found the gain negligible once flash
+attention shrinks activations, and proposed estimating it first: this pass is that estimate.
+
+    for each micro-batch count m (1F1B, one stage per device):
+        memory-blind cuts ─► per-stage W (static) and A (stash) bytes ─► K_s per pair (2.3, +1)
+        ─► balanced counts (schedule.bpipe(...).stash_profile()) as the partitioner's in-flight
+        ─► exact cuts ─► simulate with stash transfers on the pair links and the timeline
+        memory sweep ─► fits every cap? (else re-derive K from these cuts, twice, then give up)
+    best BPipe candidate vs the best plan without it (whatever the search allowed: other
+    schedules, recomputation, replicas) ─► speed-up S = T_baseline / T_BPipe (2.7)
+    ─► use it when S > 1 + EPSILON ("auto") or always ("on"); `decisions` say why.
+
+K_s (PAPERS-SPEC.md 2.3, in bytes, with the +1 of 2.10 item 1): the evictor holds
+W_s + min(K + 1, n_s)·A_s, its acceptor W_a + n_a·A_a + (n_s - K)·A_s, n_k = min(p - k, m); the
+K in [1, n_s - 2] minimising the larger (ties: the larger K, fewer transfers); none below
+n_s - 1 frees anything, so the pair stays idle (None). The partitioner takes each stage's
+count from the generated schedule assuming A_partner ≈ A_own (2.10 item 3, v1); the simulator
+then checks the exact bytes, an acceptor holding its evictor's stashes.
+
+Scope v1 (anything else is not considered by "auto" and refused with "on"): training, schedule
+1f1b, replicas 1, equal micro-batches, no FPGA device, no `--recompute full`. `refusal(plan)`
+says why a (possibly hand-edited) plan with `activation_balancing` cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from pipecc.errors import PipeccError, UsageError
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule import BPIPE_POLICIES, ActionKind, bpipe, bpipe_pairs, one_f_one_b
+from pipecc.passes.partition import InfeasibleError, partition
+from pipecc.targets.timing import CANNOT_RUN_S
+
+# NOTE: `Balancer` and `_Candidate` (passes.balance) are Any here: balance calls this module.
+Balancer = _Candidate = Any
+
+MODES = ("auto", "on", "off")
+# [D] the estimate must promise more than 2% before "auto" uses BPipe: below that the gain is
+# inside the roofline model's own error and not worth the extra traffic and runtime machinery
+EPSILON = 0.02
+POLICY = "jit"  # PAPERS-SPEC.md 2.4: fewer transfers than "eager" when stages overflow by little
+
+
+def scope(bal: Balancer) -> str | None:
+    """Why BPipe cannot be considered with these options and devices, or None."""
+    opt = bal.opt
+    if not opt.training:
+        return "a forward-only plan stashes no activations"
+    if opt.schedule not in ("auto", "1f1b"):
+        return f"--schedule {opt.schedule}: BPipe pairs stages under 1F1B only (use --schedule 1f1b)"
+    if opt.replicas not in (1, "auto"):
+        return f"--replicas {opt.replicas}: BPipe pairs single devices (use --replicas 1)"
+    fpgas = [f"{d} ({dev.name})" for d, dev in enumerate(bal.cluster.devices) if dev.kind == "fpga"]
+    if fpgas:
+        return f"FPGA device {fpgas[0]} keeps no autograd stash to move"
+    if opt.recompute == "full":
+        return "--recompute full keeps only each stage's inputs; BPipe replaces recomputation"
+    if bal.p < 2:
+        return "one device has no partner"
+    return None
+
+
+def check(bal: Balancer) -> None:
+    """UsageError (one line) for a mode that is unknown, or "on" with options out of scope."""
+    mode = bal.opt.activation_balancing
+    if mode not in MODES:
+        raise UsageError(f"--activation-balancing {mode!r}: choose auto, on or off")
+    why = scope(bal) if mode == "on" else None
+    if why is not None:
+        raise UsageError(f"--activation-balancing on: {why}; or use --activation-balancing auto")
+
+
+def thresholds(static: Sequence[float], act: Sequence[float], p: int, m: int,
+               forced: bool = False) -> list[int | None]:
+    """K_s per evictor (module docstring), None for stages that do not evict. `forced`: every
+    pair evicts (K clamped to [1, n_s - 1]) even where that frees nothing."""
+    out: list[int | None] = [None] * p
+    for s, a in bpipe_pairs(p):
+        n_s, n_a = min(p - s, m), min(p - a, m)
+        best: tuple[float, int] | None = None
+        for k in range(1, n_s - 1):
+            evictor = static[s] + min(k + 1, n_s) * act[s]
+            acceptor = static[a] + n_a * act[a] + max(n_s - k, 0) * act[s]
+            key = (max(evictor, acceptor), -k)
+            if best is None or key < (best[0], -best[1]):
+                best = (key[0], k)
+        plain = max(static[s] + n_s * act[s], static[a] + n_a * act[a])
+        if best is not None and best[0] < plain:
+            out[s] = best[1]
+        elif forced and n_s >= 2:
+            out[s] = max(1, n_s - 1)
+    return out
+
+
+def _stage_bytes(prob: Any, bounds: Sequence[int], cuts: Sequence[float]) -> tuple[list[float], list[float]]:
+    """[stage] static bytes and stash bytes per micro-batch (internal activations plus the
+    received input), as `passes.partition` counts them."""
+    import numpy as np
+    p = len(bounds) - 1
+    static = np.broadcast_to(np.asarray(prob.static_mem, dtype=float), (p, len(prob.out_bytes)))
+    act = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), (p, len(prob.out_bytes)))
+    received = [0.0] + [float(x) for x in cuts]
+    W = [float(static[k, bounds[k]:bounds[k + 1]].sum()) for k in range(p)]
+    A = [float(act[k, bounds[k]:bounds[k + 1]].sum()) + received[k] for k in range(p)]
+    return W, A
+
+
+def _overlap(bal: Balancer, prob: Any, part: Any, s: int) -> float:
+    """The fraction of one more stash evictor s holds at its peak because its SEND_S is still
+    moving while its next forward runs: transfer seconds over forward seconds, at most 1."""
+    import numpy as np
+    a, e = part.bounds[s], part.bounds[s + 1]
+    forward = float(np.asarray(prob.fwd)[s, a:e].sum())
+    W, A = _stage_bytes(prob, part.bounds, part.cut_bytes)
+    moving = bal.cluster.link(s, bal.p - 1 - s).time(A[s])
+    return min(moving / forward, 1.0) if forward > 0 else 1.0
+
+
+def evaluate_candidate(bal: Balancer, m: int, forced: bool = False) -> _Candidate:
+    """The BPipe candidate with m micro-batches (1F1B, one stage per device, no recomputation):
+    K_s from the memory-blind cuts' bytes, then every K shifted by 0, -1, +1, -2, +2 (the cuts
+    move with K, so the formula's K need not be best); the fastest that fits exactly wins.
+    Raises InfeasibleError when none fits with balanced memory."""
+    p, mb = bal.p, bal.opt.batch_size // m
+    plain = bal.problem(bal.builder.at(mb), mb, "1f1b", m, tuple(range(p)))
+    blind = partition(dataclasses.replace(plain, mem_cap=[math.inf] * p))  # memory-blind first
+    if blind.bottleneck >= CANNOT_RUN_S:
+        raise InfeasibleError(f"BPipe with {m} micro-batches: no placement runs on these devices")
+    W, A = _stage_bytes(plain, blind.bounds, blind.cut_bytes)
+    first = thresholds(W, A, p, m, forced)
+    if all(k is None for k in first):
+        raise InfeasibleError(f"BPipe with {m} micro-batches: no pair frees memory by evicting")
+    overlap = {s: _overlap(bal, plain, blind, s) for s, k in enumerate(first) if k is not None}
+    fits, errors, seen = [], [], set()
+    for shift in (0, -1, 1, -2, 2):
+        ks = tuple(None if k is None else min(max(k + shift, 1), max(min(p - s, m) - 1, 1))
+                   for s, k in enumerate(first))
+        if ks in seen:
+            continue
+        seen.add(ks)
+        try:
+            fits.append(_fit(bal, plain, m, ks, overlap))
+        except InfeasibleError as exc:
+            errors.append(str(exc))
+    if not fits:
+        raise InfeasibleError(errors[0])
+    return min(fits, key=lambda c: c.timeline.iteration_s)
+
+
+def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: dict[int, float]) -> _Candidate:
+    """The candidate with thresholds `ks`: cuts for the balanced counts (each evictor's plus its
+    `overlap`), then the simulator's exact check. InfeasibleError when it does not fit."""
+    p, mb, order = bal.p, bal.opt.batch_size // m, tuple(range(bal.p))
+    counts = [float(c) for c in bpipe(one_f_one_b(p, m), list(ks), POLICY).stash_profile()]
+    for s, extra in overlap.items():  # NOTE: an eviction still moving while the next F grows
+        counts[s] += extra            # (simulate's timeline sweep) costs that F's share so far
+    part = partition(dataclasses.replace(plain, inflight=tuple(counts)))  # InfeasibleError
+    prob, part = bal.recost(dataclasses.replace(plain, inflight=tuple(counts)), part.bounds, order, mb)
+    timeline = bal._simulate(part, prob, "1f1b", m, 1, order=order, bpipe=list(ks))
+    for k, (peak, cap) in enumerate(zip(timeline.peak_memory_bytes, plain.mem_cap)):
+        if peak > cap * (1 + 1e-9):
+            raise InfeasibleError(f"BPipe with {m} micro-batches: stage {k} peaks at {peak / 1e9:.4g} GB > "
+                                  f"{cap / 1e9:.4g} GB once stashes move (acceptor bytes, transfers in flight)")
+    return bal.candidate("1f1b", m, order, part, prob, bal.builder.at(mb), timeline, raw=plain,
+                         thresholds=tuple(ks))
+
+
+def memory_before(bal: Balancer, cand: _Candidate) -> list[float]:
+    """[stage] peak bytes of the candidate's cuts under plain 1F1B (no stash moves)."""
+    return list(bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1,
+                              order=cand.order, bpipe=[None] * bal.p).peak_memory_bytes)
+
+
+def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
+    """(exposed seconds, busiest pair's transfer seconds) of the candidate's stash transfers:
+    its iteration minus the same schedule's with free transfers, and the most seconds any
+    evictor spends sending out and taking back."""
+    free = bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
+                         bpipe=cand.thresholds, free_stash=True)
+    busy: dict[int, float] = {}
+    for e in cand.timeline.events:
+        if e.kind in (ActionKind.SEND_S, ActionKind.SEND_R):
+            pair = min(e.rank, e.peer if e.peer is not None else e.rank)
+            busy[pair] = busy.get(pair, 0.0) + e.duration
+    return max(cand.timeline.iteration_s - free.iteration_s, 0.0), max(busy.values(), default=0.0)
+
+
+def _stash_seconds(bal: Balancer, cand: _Candidate) -> list[list[float]]:
+    """[stage][mb] one-way seconds of the candidate's stash transfers (0 off the evictors)."""
+    table = [[0.0] * cand.microbatches for _ in range(bal.p)]
+    for e in cand.timeline.events:
+        if e.kind is ActionKind.SEND_S:
+            table[e.stage][e.microbatch] = e.duration
+    return table
+
+
+def _describe(c: _Candidate, batch: int) -> dict[str, Any]:
+    return {"schedule": c.schedule, "microbatches": c.microbatches,
+            "microbatch_size": batch // c.microbatches, "replicas": c.replicas,
+            "recompute": any(c.recompute), "iteration_s": float(c.timeline.iteration_s),
+            "peak_memory_bytes": float(max(c.timeline.peak_memory_bytes, default=0.0))}
+
+
+def _config(d: dict[str, Any]) -> str:
+    what = f"{d['schedule']} b={d['microbatch_size']}"
+    what += " with recompute" if d["recompute"] else " without recompute"
+    if d.get("replicas", 1) > 1:
+        what += f" x{d['replicas']} replicas"
+    return f"{what} {d['iteration_s']:.4g} s"
+
+
+def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[list[_Candidate], list[str]]:
+    """Weigh BPipe against `results` (the search without it, best first; may be empty): returns
+    the results with the BPipe candidate first when it is used, and the decision lines.
+    Sets `bal.estimate` (PAPERS-SPEC.md 2.7; {} with mode "off")."""
+    mode = bal.opt.activation_balancing
+    bal.estimate = {}
+    if mode == "off":
+        return results, []
+    why = scope(bal)
+    if why is not None:
+        bal.estimate = {"used": False, "reason": why}
+        return results, [f"BPipe (activation balancing) not considered: {why}"]
+    tried, lost = [], []
+    for m in ms:
+        try:
+            tried.append(evaluate_candidate(bal, m, forced=mode == "on"))
+        except InfeasibleError as exc:
+            lost.append(str(exc))
+    base = results[0] if results else None
+    if not tried:
+        reason = lost[0] if lost else "no micro-batch count to try"
+        if lost and all("no pair frees memory" in x for x in lost):
+            reason = ("no pair frees memory by evicting at any micro-batch count (with one stash "
+                      "in flight an evictor gains only when it holds 3 or more)")
+        bal.estimate = {"used": False, "reason": reason,
+                        "baseline": _describe(base, bal.opt.batch_size) if base else None}
+        if mode == "on":
+            raise PipeccError(f"--activation-balancing on: {reason}; use --activation-balancing auto")
+        return results, [f"BPipe not used: {reason}"]
+    best = min(tried, key=lambda c: (c.timeline.iteration_s, c.microbatches))
+    speedup = base.timeline.iteration_s / best.timeline.iteration_s if base else math.inf
+    exposed, moving = _transfers(bal, best)
+    hidden = 1.0 - exposed / moving if moving > 0 else 1.0
+    used = mode == "on" or speedup > 1 + EPSILON
+    flash = bool(bal.opt.flash_attention)
+    after = _describe(best, bal.opt.batch_size)
+    before_cfg = _describe(base, bal.opt.batch_size) if base else None
+    if base is None:
+        reason = "nothing fits memory without it"
+    elif speedup > 1 + EPSILON:
+        reason = "the freed memory buys " + ("a larger micro-batch" if best.microbatches < base.microbatches
+                                             else "no recomputation" if any(base.recompute)
+                                             else "better-balanced cuts")
+    elif not any(base.recompute) and best.microbatches >= base.microbatches:
+        reason = "memory does not bind" + (" (flash attention)" if flash else "")
+    else:
+        reason = "the freed memory buys too little" + (" (flash attention)" if flash else "")
+    if hidden < 0.95 and moving > 0:
+        reason += f"; stash transfers {hidden:.0%} hidden"
+    bal.estimate = {
+        "used": used, "speedup": speedup if math.isfinite(speedup) else None,
+        "threshold": 1 + EPSILON, "baseline": before_cfg, "bpipe": after,
+        "pairs": [{"evictor": s, "acceptor": bal.p - 1 - s, "threshold": k}
+                  for s, k in enumerate(best.thresholds) if k is not None],
+        "hidden_fraction": hidden, "exposed_transfer_s": exposed,
+        "memory_before_bytes": memory_before(bal, best),
+        "memory_after_bytes": [float(x) for x in best.timeline.peak_memory_bytes],
+        "memory_cap_bytes": [float(c) for c in best.raw.mem_cap] if best.raw is not None else [],
+        "flash_attention": flash, "reason": reason,
+        "stash_transfer_s": [max(row, default=0.0) for row in _stash_seconds(bal, best)]}
+    ratio = "no baseline fits" if base is None else f"estimated {speedup:.2f}x"
+    detail = f"BPipe {_config(after)} vs without {_config(before_cfg) if before_cfg else '(none fits)'}"
+    if used:
+        pairs = ", ".join(f"({p['evictor']}, {p['acceptor']}) K={p['threshold']}" for p in bal.estimate["pairs"])
+        forced = " (--activation-balancing on)" if mode == "on" and speedup <= 1 + EPSILON else ""
+        line = f"BPipe used{forced}: {ratio} ({reason}; {detail}); pairs {pairs}"
+        return [best] + results, [line]
+    return results, [f"BPipe not used: {ratio} ({reason}; {detail})"]
+
+
+def plan_fields(cand: _Candidate) -> list[dict[str, Any]]:
+    """`Plan.activation_balancing` of a candidate (its thresholds)."""
+    ks = getattr(cand, "thresholds", ()) or ()
+    p = len(ks)
+    return [{"evictor": s, "acceptor": p - 1 - s, "threshold": int(k), "policy": POLICY}
+            for s, k in enumerate(ks) if k is not None]
+
+
+def refusal(plan: Plan) -> str | None:
+    """Why `plan`'s activation balancing cannot run (one line), or None (also without BPipe).
+    For compile: a hand-edited plan out of scope is refused, never run wrong."""
+    pairs = plan.activation_balancing
+    if not pairs:
+        return None
+    p = len(plan.stages)
+    if plan.schedule != "1f1b":
+        return f"activation balancing (BPipe) runs under 1f1b only, the plan's schedule is {plan.schedule}"
+    if plan.virtual_stages != 1 or plan.replicas != 1:
+        return "activation balancing (BPipe) needs one stage per device (virtual_stages 1, replicas 1)"
+    if plan.microbatch_sizes is not None:
+        return "activation balancing (BPipe) needs equal micro-batches (microbatch_sizes is set)"
+    if not plan.options.get("training", True):
+        return "activation balancing (BPipe) in a forward-only plan"
+    if plan.fpga_stages():
+        return f"activation balancing (BPipe) with FPGA stage {min(plan.fpga_stages())}"
+    if any(s.recompute for s in plan.stages):
+        return "activation balancing (BPipe) with recomputing stages"
+    if plan.is_bipartition():
+        return "activation balancing (BPipe) with separate forward/backward cuts (Bi-Partition)"
+    seen: set[int] = set()
+    for pair in pairs:
+        try:
+            s, a, k = int(pair["evictor"]), int(pair["acceptor"]), int(pair["threshold"])
+        except (KeyError, TypeError, ValueError):
+            return f"activation_balancing entry {pair!r} needs integer evictor, acceptor and threshold"
+        if a != p - 1 - s or not 0 <= s < p // 2:
+            return (f"odd BPipe pairing ({s}, {a}): pairs are (s, p-1-s) with s < p//2 "
+                    f"(p = {p})")
+        if s in seen:
+            return f"stage {s} appears in two BPipe pairs"
+        seen.add(s)
+        if not 1 <= k <= p - s:
+            return f"BPipe threshold {k} of stage {s} is out of range 1..{p - s}"
+        if pair.get("policy", POLICY) not in BPIPE_POLICIES:
+            return f"BPipe policy {pair.get('policy')!r}: choose {' or '.join(BPIPE_POLICIES)}"
+    return None
+
+
+def check_plan(plan: Plan, *, in_process: bool = False) -> None:
+    """PipeccError (one line) for a plan whose BPipe the runtime cannot run (`refusal`), or any
+    BPipe in the one-process drop-in module (`in_process`: no partner to move stashes to)."""
+    if in_process and plan.activation_balancing:
+        raise PipeccError("the drop-in module runs every stage in one process: activation "
+                          "balancing (BPipe) runs with `pipecc compile` and `pipecc run`; plan "
+                          "with activation_balancing='off'")
+    why = refusal(plan)
+    if why is not None:
+        raise PipeccError(f"{why}; plan again without it (--activation-balancing off) or fix the plan")

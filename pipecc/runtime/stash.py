@@ -1,0 +1,278 @@
+"""BPipe's saved-tensor store: what autograd saves during one stage forward, held so that it can
+leave the rank (eviction to the partner stage) and come back before the backward.
+
+Capture (``SavedTensors.capture``). The stage forward of an evictor stage runs under
+``torch.autograd.graph.saved_tensors_hooks(pack, unpack)``. ``pack`` files every saved tensor
+in this (stage, micro-batch)'s store and returns a small handle; autograd keeps only the
+handle, so the store holds the only reference to the activation. ``unpack`` (during the
+backward) returns the tensor from the store. Kept out of the store, returned as they are:
+
+  * parameters and buffers, and views of them (autograd saves the weights of a matmul too):
+    matched by their storage (``module_storages``); they must never move;
+  * tensors without bytes (an empty storage).
+
+De-duplication. A tensor saved by several operations (the input of a linear layer and its
+activation, views of one buffer) is one *storage*: the store keeps each storage once, and per
+saved tensor its view (dtype, storage offset, size, stride). Eviction moves storages, as raw
+bytes, and restoring rebuilds every view on the returned bytes (``Tensor.set_``), so the
+unpacked tensors equal the saved ones bit for bit, whatever their dtype or layout of strides.
+
+Eviction (``evict``) hands out the storages as flat uint8 tensors and drops the store's
+references; the caller's transport keeps them alive only until the send completed
+(``pipecc.runtime.wire.Wire.release``). Storages the engine keeps anyway (the stage's input
+leaves and sent outputs, ``resident``) stay: moving them would free nothing. ``restore`` takes
+the returned bytes back; ``unpack`` on an evicted store is an error naming the action missing.
+
+Transport (``send_stash``/``recv_stash``): a header, then the storages. The header is JSON (the
+byte count of every storage), sent as object ports are (an int64 length, then the bytes; see
+``pipecc.runtime.wire``); then one uint8 message per storage. The receiver allocates from the
+header, so no shape travels in ``ports.json``. The evictor checks the returned header against
+what it sent. Tags: leaf 0 carries the header (length, payload on tag + 1), leaf i + 1 storage i.
+The evictor's RECV_R is a prefetch (``Prefetch``): it knows the byte counts, so it posts every
+receive at once and waits only right before the backward of that micro-batch.
+
+Imports torch, ``pipecc.errors`` and ``pipecc.runtime.wire``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipecc.errors import PipeccError, UsageError
+from pipecc.runtime.wire import Wire, decode_object, encode_object
+
+__all__ = ["Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "module_storages", "recv_stash",
+           "send_stash", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Where a tensor's bytes live: (device, storage data pointer); views of one buffer share it."""
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def module_storages(modules: Sequence[nn.Module]) -> frozenset[tuple[str, int]]:
+    """The storages of the modules' parameters and buffers, which the store never takes."""
+    found = set()
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            found.add(storage_key(t))
+    return frozenset(found)
+
+
+@dataclass(frozen=True)
+class _View:
+    """How to rebuild one saved tensor on its storage's bytes."""
+
+    storage: int  # index into SavedTensors.storages
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class SavedTensors:
+    """The saved activations of one (stage, micro-batch): storages kept once, views to rebuild.
+
+    ``skip`` holds the storages never taken (``module_storages``). ``what`` names the store in
+    errors (``"stage 0 mb 3"``).
+    """
+
+    def __init__(self, skip: frozenset[tuple[str, int]], what: str):
+        self.skip, self.what = skip, what
+        self.storages: list[torch.Tensor | None] = []  # flat uint8 over each storage; None while away
+        self.keys: list[tuple[str, int]] = []  # storage_key of each, at capture time
+        self.sizes: list[int] = []  # byte count of each (known while it is away)
+        self.views: list[_View] = []
+        self.originals: list[torch.Tensor | None] = []  # the saved tensors (detached) until eviction
+        self._index: dict[tuple[str, int], int] = {}
+        self.away: list[int] = []  # indices of the storages now on the partner
+        self.moves = 0  # completed evictions (a test counts them)
+
+    # -- autograd hooks ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Run the stage forward inside: every tensor autograd saves goes through this store."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.layout is not torch.strided or t.untyped_storage().nbytes() == 0:
+            return t  # NOTE: sparse/empty: not ours to move (none in pipecc's stages today)
+        key = storage_key(t)
+        if key in self.skip:
+            return t  # a parameter or buffer (or a view of one): stays, never moves
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self.storages)
+            self.storages.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()))
+            self.keys.append(key)
+            self.sizes.append(t.untyped_storage().nbytes())
+        self.views.append(_View(index, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+        self.originals.append(t.detach())
+        return _Handle(len(self.views) - 1)
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        if not isinstance(handle, _Handle):
+            return handle
+        original = self.originals[handle.index]
+        if original is not None:
+            return original
+        view = self.views[handle.index]
+        data = self.storages[view.storage]
+        if data is None:
+            raise PipeccError(f"{self.what}: its saved activations are still on the partner stage when the "
+                              "backward needs them (the schedule has no RECV_R before B)")
+        return torch.empty(0, dtype=view.dtype, device=data.device).set_(
+            data.untyped_storage(), view.offset, view.size, view.stride)
+
+    # -- eviction ------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storages held here now."""
+        return sum(s.numel() for s in self.storages if s is not None)
+
+    def evict(self, resident: frozenset[tuple[str, int]] = frozenset()) -> list[torch.Tensor]:
+        """The storages to send (flat uint8), dropping this store's references to them.
+
+        Storages in ``resident`` (kept by the engine anyway) stay here."""
+        if self.away:
+            raise PipeccError(f"{self.what}: evicted twice (the schedule sends its stash out again before "
+                              "it came back)")
+        self.away = [i for i, key in enumerate(self.keys) if key not in resident]
+        out = []
+        for i in self.away:
+            out.append(self.storages[i])
+            self.storages[i] = None
+        self.originals = [None if v.storage in self.away else t for v, t in zip(self.views, self.originals)]
+        self.moves += 1
+        return out
+
+    def restore(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Take back what ``evict`` handed out, in the same order; ``unpack`` then rebuilds the views."""
+        sizes = [t.numel() for t in buffers]
+        if sizes != self.away_sizes:
+            raise PipeccError(f"{self.what}: the partner returned storages of {sizes} bytes, "
+                              f"{self.away_sizes} were evicted")
+        for i, t in zip(self.away, buffers):
+            self.storages[i] = t
+        self.away = []
+
+    @property
+    def away_sizes(self) -> list[int]:
+        """Byte counts of the evicted storages, in eviction order (the header the partner returns)."""
+        return [self.sizes[i] for i in self.away]
+
+
+@dataclass(frozen=True)
+class _Handle:
+    """What autograd keeps for a saved activation: its index in the store."""
+
+    index: int
+
+
+# ---------------------------------------------------------------------------- transport
+
+
+def send_stash(wire: Wire, buffers: Sequence[torch.Tensor], peer: int, tag_of: Callable[[int], int],
+               what: str, key: Any, device: torch.device) -> None:
+    """Post the header and the storages to ``peer`` (non-blocking; ``wire`` keeps them until
+    ``release(key)``). ``tag_of(i)`` is leaf i's even tag."""
+    header = encode_object({"bytes": [int(b.numel()) for b in buffers]}, what).to(device)
+    wire.send(torch.tensor([header.numel()], dtype=torch.int64, device=device), peer, tag_of(0), what, key=key)
+    wire.send(header, peer, tag_of(0) + 1, what, key=key)
+    for i, b in enumerate(buffers):
+        wire.send(b, peer, tag_of(i + 1), what, key=key)
+
+
+class Prefetch:
+    """A return the evictor posted at RECV_R (it knows the byte counts: the header it expects is
+    the one it sent); ``wait`` completes it right before the backward that needs it."""
+
+    def __init__(self, wire: Wire, peer: int, tag_of: Callable[[int], int], what: str, device: torch.device,
+                 sizes: Sequence[int]):
+        self.wire, self.peer, self.what = wire, peer, what
+        self.expected = encode_object({"bytes": [int(n) for n in sizes]}, what)
+        self.length = torch.empty(1, dtype=torch.int64, device=device)
+        self.header = torch.empty(self.expected.numel(), dtype=torch.uint8, device=device)
+        self.buffers = [torch.empty(int(n), dtype=torch.uint8, device=device) for n in sizes]
+        tags = [tag_of(0), tag_of(0) + 1, *(tag_of(i + 1) for i in range(len(sizes)))]
+        self.posted = wire.post([self.length, self.header, *self.buffers], peer, tags, what)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.wire.wait(self.posted)
+        if int(self.length.item()) != self.expected.numel() or not torch.equal(self.header.cpu(), self.expected):
+            raise PipeccError(f"{self.what}: rank {self.peer} returned another stash than the one sent to it")
+        return self.buffers
+
+
+def recv_stash(wire: Wire, peer: int, tag_of: Callable[[int], int], what: str,
+               device: torch.device) -> list[torch.Tensor]:
+    """Receive a header and the storages it announces from ``peer``, into fresh buffers."""
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    wire.recv([length], peer, [tag_of(0)], what)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    wire.recv([payload], peer, [tag_of(0) + 1], what)
+    header = decode_object(payload, device)
+    sizes = header.get("bytes") if isinstance(header, dict) else None
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
+        raise PipeccError(f"{what}: malformed stash header from rank {peer}")
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    if buffers:
+        wire.recv(buffers, peer, [tag_of(i + 1) for i in range(len(buffers))], what)
+    return buffers
+
+
+# ---------------------------------------------------------------------------- the folder's pairs
+
+
+def folder_balancing(meta: dict[str, Any] | None, schedule: str | None) -> list[dict] | None:
+    """A compiled folder's BPipe pairs (``pipecc.json``'s ``activation_balancing``; None when
+    absent or empty), refusing a ``--schedule`` other than 1f1b (``UsageError``, one line)."""
+    pairs = (meta or {}).get("activation_balancing")
+    if not pairs:
+        return None
+    if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
+        raise PipeccError(f"pipecc.json says activation_balancing {pairs!r}; compile again")
+    if schedule not in (None, "1f1b"):
+        shown = ", ".join(f"{p.get('evictor')}->{p.get('acceptor')}" for p in pairs)
+        raise UsageError(f"--schedule {schedule}: this folder balances activation memory between stages "
+                         f"({shown}, BPipe), which runs under 1f1b only; drop --schedule, or compile again "
+                         "with --activation-balancing off")
+    return pairs
+
+
+def bpipe_thresholds(balancing: Sequence[dict], stages: int) -> tuple[list[int | None], str]:
+    """Per stage its eviction threshold K (None: not an evictor) and the pairs' return policy,
+    from ``pipecc.json``'s ``activation_balancing``; refuses what the runtime cannot execute: a
+    pairing other than (s, p-1-s) with s < p // 2, a stage in two pairs, K < 1, mixed policies."""
+    thresholds: list[int | None] = [None] * stages
+    policies = set()
+    for pair in balancing:
+        try:
+            s, a, k = int(pair["evictor"]), int(pair["acceptor"]), pair["threshold"]
+            policy = str(pair.get("policy", "jit"))
+        except (KeyError, TypeError, ValueError):
+            raise PipeccError(f"activation_balancing entry {pair!r} needs integer evictor, acceptor and "
+                              "threshold; compile again") from None
+        if not 0 <= s < stages // 2 or a != stages - 1 - s:
+            raise PipeccError(f"activation balancing pairs stage {s} with stage {a}; BPipe pairs stage s with "
+                              f"stage {stages - 1 - s if 0 <= s < stages else 'p-1-s'} (s < {stages // 2} of "
+                              f"{stages} stages); fix the plan or compile with --activation-balancing off")
+        if thresholds[s] is not None:
+            raise PipeccError(f"activation balancing lists evictor stage {s} twice; fix the plan")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise PipeccError(f"activation balancing: stage {s}'s threshold is {k!r}, it must be an integer "
+                              ">= 1; fix the plan")
+        thresholds[s] = k
+        policies.add(policy)
+    if len(policies) > 1:
+        raise PipeccError(f"activation balancing mixes return policies {sorted(policies)}; use one")
+    return thresholds, policies.pop() if policies else "jit"

@@ -43,7 +43,8 @@ PIPECC = [sys.executable, "-m", "pipecc.cli"]
 GPT = dict(path="models/gpt.py", args=dict(n_layer=4, n_head=4, n_embd=128, vocab_size=1024,
                                            block_size=64, seq_len=64))
 VGG = dict(path="models/vgg16.py", args=dict(width=0.25, image_size=32, num_classes=10, fc_dim=256))
-MLP = dict(path="models/mlp.py", args=dict(in_features=256, hidden=512, depth=6, num_classes=10))
+MLP_DEEP = dict(path="models/mlp.py", args=dict(in_features=64, hidden=512, depth=8, num_classes=10))
+MLP_WIDE = dict(path="models/mlp.py", args=dict(in_features=256, hidden=1024, depth=3, num_classes=256))
 
 # name -> (what it measures, model, devices, batch, plan keywords for "off", for "on")
 CASES: dict[str, dict[str, Any]] = {
@@ -59,6 +60,16 @@ CASES: dict[str, dict[str, Any]] = {
                       model=GPT, devices="2xcpu", batch=16,
                       off=dict(schedule="1f1b", microbatches=4, recompute="none"),
                       on=dict(schedule="1f1b", microbatches=4, recompute="full")),
+    # BPipe needs p >= 4 to evict anything (p = 2: K = 2 = stage 0's stash); 4 ranks share 2 cores
+    "bpipe": dict(title="BPipe: activation balancing on vs off (1f1b, 8 micro-batches, pairs (0, 3), (1, 2))",
+                  model=MLP_DEEP, devices="4xcpu", batch=8,
+                  off=dict(schedule="1f1b", microbatches=8, split_layers=False, activation_balancing="off"),
+                  on=dict(schedule="1f1b", microbatches=8, split_layers=False, activation_balancing="on")),
+    # planned on the roofline: on the measured CPU costs the planner keeps the single cut
+    "bipartition": dict(title="Bi-Partition: separate forward/backward cuts (auto) vs the single cut (1f1b)",
+                        model=MLP_WIDE, devices="2xcpu", batch=32, costs="roofline",
+                        off=dict(schedule="1f1b", microbatches=8, split_layers=False, bipartition="off"),
+                        on=dict(schedule="1f1b", microbatches=8, split_layers=False, bipartition="auto")),
 }
 
 
@@ -105,6 +116,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         for side in ("off", "on"):
             if "error" in c[side]:
                 note = (note + "; " if note else "") + f"{side}: {c[side]['error']}"
+        if c.get("costs") == "roofline":
+            note = "planned on the roofline" + (f"; {note}" if note else "")
         lines.append(f"| {c['name']} | {c['model']}, {c['devices']}, {c['batch']} "
                      f"| {_ms(off.get('predicted_s'))} / {_ms(off.get('step_s'))} "
                      f"| {_ms(on.get('predicted_s'))} / {_ms(on.get('step_s'))} "
@@ -165,6 +178,8 @@ USED: dict[str, Callable[[dict[str, Any]], tuple[bool, str]]] = {
     "umpipe": lambda p: (bool(p.get("microbatch_sizes")), "equal sizes kept"),
     "umpipe-sizes": lambda p: (bool(p.get("microbatch_sizes")), "equal sizes kept"),
     "recompute": lambda p: (any(s.get("recompute") for s in p["stages"]), "no stage recomputes"),
+    "bpipe": lambda p: (bool(p.get("activation_balancing")), "no pairs"),
+    "bipartition": lambda p: (any(s.get("backward_nodes") for s in p["stages"]), "single cut kept"),
 }
 
 
@@ -176,11 +191,14 @@ def run_case(name: str, tmp: Path, steps: int, warmup: int, timeout: float) -> d
     case: dict[str, Any] = {"name": name, "title": spec["title"], "model": Path(model["path"]).stem,
                             "devices": spec["devices"], "batch": spec["batch"], "decisions": []}
     prof: Path | None = tmp / f"{name}-profile.json"
-    try:
-        profile(model, spec["devices"], spec["batch"], prof, timeout)
-    except Exception as exc:
-        case["note"] = f"profile failed ({exc}): roofline costs"
+    if spec.get("costs") == "roofline":
         prof = None
+    else:
+        try:
+            profile(model, spec["devices"], spec["batch"], prof, timeout)
+        except Exception as exc:
+            case["note"] = f"profile failed ({exc}): roofline costs"
+            prof = None
     case["costs"] = "profiled" if prof else "roofline"
     for side in ("off", "on"):
         folder = tmp / f"{name}-{side}"
@@ -210,7 +228,8 @@ def run_case(name: str, tmp: Path, steps: int, warmup: int, timeout: float) -> d
 
 
 def _relevant(name: str, line: str) -> bool:
-    keys = {"umpipe": ("(UMPIPE)",), "umpipe-sizes": ("(UMPIPE)",), "recompute": ("recomputes", "recompute:")}
+    keys = {"umpipe": ("(UMPIPE)",), "umpipe-sizes": ("(UMPIPE)",), "recompute": ("recomputes", "recompute:"),
+            "bpipe": ("BPipe",), "bipartition": ("Bi-Partition",)}
     return any(k in line for k in keys.get(name, (name,)))
 
 

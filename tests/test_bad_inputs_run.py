@@ -207,3 +207,22 @@ def test_help_says_a_folder_is_code(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "A compiled folder is code, like a pickle" in text and "Only run folders you trust" in text
     assert "--verify-stages-only" in text and "--checkpoint-dir" in text and "--resume" in text
+
+
+def test_a_peers_socket_log_is_held_back(capsys) -> None:
+    """torch's C++ "Connection closed by peer" log from the rank left waiting is a consequence of
+    another rank's failure: held back (shown with --verbose), so the run still ends in one line."""
+    from pipecc.runtime.launcher import _Watch
+    gloo = ("[E1201 15:19:06.208584802 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with "
+            "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:20175. This is typically caused by a remote worker crashing.\n")
+    watch = _Watch(verbose=False)
+    watch.line(gloo)
+    watch.line("pipecc: error: rank 0: stage_0/stage.py fails to import\n")
+    watch.line("an ordinary worker line\n")
+    err = capsys.readouterr().err
+    assert "Connection closed" not in err and "an ordinary worker line" in err
+    assert watch.held == [gloo] and watch.errors == ["rank 0: stage_0/stage.py fails to import"]
+    loud = _Watch(verbose=True)
+    loud.line(gloo)
+    assert "Connection closed by peer" in capsys.readouterr().err

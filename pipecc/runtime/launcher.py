@@ -47,6 +47,12 @@ GRACE_S = 0.5
 # torchrun's own log lines: "W1129 08:45:56.813000 20508 torch/distributed/run.py:874] ..."
 _TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
+# torch's C++ log line when a peer's socket closed during setup or a collective, e.g. "[E1201
+# 15:19:06.208584802 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with ... Connection
+# closed by peer": the consequence of another rank's failure, whose own error line follows; held
+# back like torchrun's log (shown with --verbose)
+_C10_PEER_LOG = re.compile(r"^\[[EW]\d{4} [\d:.]+ \S+:\d+\] .*(?:Connection closed by peer|"
+                           r"Connection reset by peer|connectFullMesh failed)")
 _RANK = re.compile(r"^rank (\d+)\b")
 _TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) from rank (\d+)")
 _PEER_GONE = re.compile(r"^rank (\d+): (.+? (?:from|to)) rank (\d+) failed, the peer exited or crashed")
@@ -102,6 +108,10 @@ class _Watch:
             self.errors.append(found.group(1).strip())
             if self.first_error_at is None:
                 self.first_error_at = time.monotonic()
+            if self.verbose:
+                _write(sys.stderr, text, self)
+        elif _C10_PEER_LOG.match(text):
+            self.held.append(text)
             if self.verbose:
                 _write(sys.stderr, text, self)
         elif _TORCHRUN_LOG.match(text) or self.launcher_failed:

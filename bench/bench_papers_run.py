@@ -125,7 +125,28 @@ def markdown(report: dict[str, Any], command: str) -> str:
     lines.append("")
     for c in report["cases"]:
         lines.append(f"- **{c['name']}**: {c['title']}. " + " ".join(c.get("decisions", [])))
+    lines += ["", reading(report["cases"])]
     return "\n".join(lines)
+
+
+def reading(cases: list[dict[str, Any]]) -> str:
+    """One sentence from the figures: how many measured speed-ups fall within 10 % of the
+    prediction, and the case furthest from it."""
+    both = [(c["name"], case_summary(c)) for c in cases
+            if "predicted_s" in c["off"] and "predicted_s" in c["on"]]
+    both = [(n, s) for n, s in both if "measured" in s]
+    if not both:
+        return "Reading: no case ran both folders."
+    gaps = {n: s["measured"] / s["predicted"] for n, s in both}
+    close = [n for n, g in gaps.items() if abs(g - 1) <= 0.10]
+    worst = max(gaps, key=lambda n: abs(gaps[n] - 1))
+    steps = [c[side]["step_s"] / c[side]["predicted_s"] for c in cases for side in ("off", "on")
+             if c[side].get("step_s") and c[side].get("predicted_s")]
+    return (f"Reading: the measured speed-up is within 10 % of the predicted one in {len(close)} of "
+            f"{len(both)} cases ({', '.join(close) or 'none'}); furthest: {worst}, measured "
+            f"{gaps[worst]:.2f}x of the predicted speed-up. Measured steps are {min(steps):.1f}-"
+            f"{max(steps):.1f}x the predicted iterations (see the Fidelity section): a predicted "
+            "speed-up holds only as far as both folders' costs are mispredicted alike.")
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -39,3 +39,12 @@ def test_markdown_shows_both_sides_declines_and_errors():
     assert "declined by the planner" in rows["umpipe"] and "| 1.00x | - |" in rows["umpipe"]
     assert "off: RuntimeError: pipecc run: boom" in rows["bpipe"]
     assert "- **recompute**: recompute title. recompute decision" in text
+
+
+def test_reading_counts_cases_within_ten_percent():
+    cases = [_case("a", {"predicted_s": 1.0, "step_s": 2.0}, {"predicted_s": 1.0, "step_s": 2.1}),
+             _case("b", {"predicted_s": 1.0, "step_s": 1.0}, {"predicted_s": 0.5, "step_s": 1.0}),
+             _case("c", {"predicted_s": 1.0}, {"predicted_s": 1.0})]
+    text = bp.reading(cases)
+    assert "within 10 % of the predicted one in 1 of 2 cases (a)" in text
+    assert "furthest: b, measured 0.50x" in text

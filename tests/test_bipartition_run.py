@@ -22,7 +22,7 @@ import torch
 from helpers import run_cli, zoo_path
 from helpers import run_pipecc as pipecc
 from pipecc import driver
-from pipecc.backends.torch.bipartition import check_bipartition
+from pipecc.backends.torch.bipartition import check_bipartition, payload_notes
 from pipecc.errors import PipeccError
 from pipecc.runtime import dist
 from pipecc.runtime.engine import PipelineRuntime
@@ -38,8 +38,9 @@ from torch import nn
 
 
 class ResMLP(nn.Module):
-    def __init__(self, d=16, h=32, c=5, bn=False):
+    def __init__(self, d=16, h=32, c=5, bn=False, inplace=False):
         super().__init__()
+        self.inplace = inplace
         self.inp = nn.Linear(d, h)
         self.a1, self.a2 = nn.Linear(h, h), nn.Linear(h, h)
         self.b1, self.b2 = nn.Linear(h, h), nn.Linear(h, h)
@@ -47,16 +48,16 @@ class ResMLP(nn.Module):
         self.out = nn.Linear(h, c)
 
     def forward(self, x):
-        x = torch.relu(self.inp(x))
+        x = self.inp(x).relu_() if self.inplace else torch.relu(self.inp(x))
         x = x + self.a2(torch.relu(self.a1(x)))
         h = self.b1(x)
         x = x + self.b2(torch.tanh(self.norm(h) if self.norm is not None else h))
         return self.out(x)
 
 
-def build_model(bn=False, **_):
+def build_model(bn=False, inplace=False, **_):
     torch.manual_seed(0)
-    return ResMLP(bn=bn == "1" or bn is True)
+    return ResMLP(bn=bn == "1" or bn is True, inplace=inplace == "1" or inplace is True)
 
 
 def example_inputs(batch_size=1, **_):
@@ -71,16 +72,20 @@ def loss_fn(outputs, target):
     return F.cross_entropy(outputs, target)
 '''
 A, C = (0, 4, 6, 11), (0, 2, 8, 11)  # forward and backward cuts over the 11 nodes
+# the zoo MLP on which the planner keeps a cut pair (README "Forward/backward cuts")
+MLP_ARGS = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
+            "--model-arg", "num_classes=256"]
 
 
-def _analysis(folder: Path, bn: bool = False):
+def _analysis(folder: Path, bn: bool = False, inplace: bool = False):
     path = folder / "resmlp.py"
     path.write_text(RESMLP)
-    analysis = driver.analyze(path, batch_size=6, model_args={"bn": "1"} if bn else None)
+    args = {**({"bn": "1"} if bn else {}), **({"inplace": "1"} if inplace else {})}
+    analysis = driver.analyze(path, batch_size=6, model_args=args or None)
     plan, graph = driver.plan(analysis, "cpu,cpu,cpu", microbatches=3, schedule="1f1b", replicas=1,
                               split_layers=False)
     plan.model_path = str(path)
-    plan.model_args = {"bn": "1"} if bn else {}
+    plan.model_args = args
     return analysis, plan, graph
 
 
@@ -256,6 +261,79 @@ def test_compile_refuses_batchnorm_in_a_segment(tmp_path) -> None:
         check_bipartition(graph, bad)
 
 
+def _segments(out: Path, j: int) -> list[dict]:
+    return json.loads((out / f"stage_{j}" / "ports.json").read_text())["bipartition"]["segments"]
+
+
+def test_compile_traces_segments_without_touching_the_model_and_notes_a_payload_off_the_plan(
+        planned, tmp_path) -> None:
+    """Compile traced both segments: each one's saved-tensor bytes per micro-batch (2 samples)
+    are in both workers' ports.json. Boundary 0's segment [a1, relu_1] sends its input x and
+    relu_1's output (2 x 32 floats each; a1's transposed weight is recomputed by the owner),
+    boundary 1's [b1, tanh] its input x and tanh's output: 512 B each. The hand-written plan
+    costs 0 B (its figures are the single cut's), so the compile notes it; the model's weights
+    and the random state are as before."""
+    analysis, plan, graph = planned
+    weights = {k: v.clone() for k, v in graph.gm.state_dict().items()}
+    rng = torch.get_rng_state()
+    done = driver.compile(analysis, _bipartition(plan), graph, tmp_path / "out")
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = graph.gm.state_dict()
+    assert sorted(after) == sorted(weights) and all(torch.equal(after[k], v) for k, v in weights.items())
+    saved = {j: {s["boundary"]: s["saved_bytes"] for s in _segments(tmp_path / "out", j)} for j in range(3)}
+    assert saved == {0: {0: 512}, 1: {0: 512, 1: 512}, 2: {1: 512}}
+    notes = [n for n in done.notes if "Bi-Partition" in n]
+    assert len(notes) == 2 and "stage 0 sends 512 B" in notes[0] and "stage 2 sends 512 B" in notes[1]
+
+
+def test_payload_note_only_beyond_the_tolerance(bip_out: Path, planned) -> None:
+    plan = _bipartition(planned[1])
+    plan.stages[0].extra_send_bytes, plan.stages[2].extra_send_bytes = 512, 512
+    assert payload_notes(plan, bip_out) == []
+    plan.stages[0].extra_send_bytes = 640  # 512 is 20 % below: within 25 %
+    assert payload_notes(plan, bip_out) == []
+    plan.stages[2].extra_send_bytes = 1024  # the forward worker of boundary 1 sends half the plan's
+    notes = payload_notes(plan, bip_out)
+    assert len(notes) == 1 and "stage 2 sends 512 B" in notes[0] and "1024 B" in notes[0]
+
+
+def test_compile_refuses_a_segment_aotautograd_cannot_split(tmp_path) -> None:
+    """A real case: `self.inp(x).relu_()` with the cut pair putting relu_ first in a segment
+    changes the segment's input in place; AOTAutograd's forward graph then returns the input too
+    (an unexpected form), so the runtime could not run it. Compile says so and writes nothing."""
+    analysis, plan, graph = _analysis(tmp_path, inplace=True)
+    order = [n for s in plan.stages for n in s.nodes]
+    assert order[1] == "relu_"
+    out = tmp_path / "out"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(PipeccError) as info:
+        driver.compile(analysis, _bipartition(plan, (0, 3, 6, 11), (0, 1, 8, 11)), graph, out)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("the segment at boundary 0 (nodes relu_, a1; forward on "
+                                                      "stage 0, backward on stage 1) cannot be split")
+    assert "changes the value 'inp' it receives in place" in message
+    assert message.endswith("re-plan with --bipartition off")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_cli_compile_refuses_when_the_trace_fails(tmp_path, capsys, monkeypatch) -> None:
+    """Whatever AOTAutograd raises (here planted): exit 1, one line naming the segment, no OUT."""
+    from pipecc.runtime import segments
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("planted: cannot partition\nsecond line")
+
+    monkeypatch.setattr(segments, "trace_segment", fail)
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
+                                 "--replicas", "1", "--schedule", "1f1b", "--no-split-layers", "--bipartition",
+                                 "auto", *MLP_ARGS, "-o", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("pipecc: error: the segment at boundary 0 (nodes ")
+    assert "(RuntimeError: planted: cannot partition); re-plan with --bipartition off" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_run_refuses_a_schedule_the_workers_cannot_run(bip_out: Path, capsys) -> None:
     code, _, err = run_cli(["run", str(bip_out), "--schedule", "zb-h1"], capsys)
     assert code == 2 and err.count("\n") == 1 and "1f1b or gpipe" in err
@@ -266,13 +344,12 @@ def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
     an MLP whose first layers are wide), then every worker in this process with --verify; the
     saved tensors that travel are the plan's extra_send_bytes (the transposed weight does not)."""
     out = tmp_path / "out"
-    args = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
-            "--model-arg", "num_classes=256"]
     code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
                                  "--replicas", "1", "--schedule", "1f1b", "--no-split-layers",
-                                 "--bipartition", "auto", *args, "-o", str(out)], capsys)
+                                 "--bipartition", "auto", *MLP_ARGS, "-o", str(out)], capsys)
     assert code == 0, err
     assert "Bi-Partition (ship): 1 segment(s)" in stdout
+    assert "note: Bi-Partition" not in stdout  # the traced payload is the plan's (below)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["bipartition_mode"] == "ship" and plan["stages"][1]["backward_nodes"]
     assert _run_here(out, "--verify", "--steps", "0") == 0
@@ -282,6 +359,7 @@ def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
     graphs = runner.graphs([(4, *p.shape[1:]) for p in runner.ports.receives])
     sent = sum(torch.Size(graphs.saved[i][0]).numel() * 4 for i in graphs.sent)
     assert sent == plan["stages"][0]["extra_send_bytes"]
+    assert [s["saved_bytes"] for s in _segments(out, 0)] == [sent]  # what compile traced
 
 
 def test_mirrored_cuts_verify(planned, tmp_path, capsys) -> None:

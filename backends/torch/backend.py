@@ -2,7 +2,8 @@
 
 Its files are the compiled folder itself (`write_output`: a readable `stage.py`, weights and
 ports for every stage, which the driver writes with every backend's writers), so it adds no
-writer and no note; placement was already checked when the stages were cut (`cut_stages`).
+writer; its only note is a Bi-Partition saved-tensor payload far from the plan's figure
+(`payload_notes`). Placement was already checked when the stages were cut (`cut_stages`).
 Its drop-in module runs the stage GraphModules over the model's own parameters.
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
-from pipecc.backends.torch.bipartition import check_bipartition, cut_pieces
+from pipecc.backends.torch.bipartition import check_bipartition, cut_pieces, payload_notes
 from pipecc.backends.torch.compile import check_replicas, pipelined_module
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
@@ -35,7 +36,8 @@ class TorchBackend(Backend):
         return []
 
     def notes(self, plan: Plan, out: str | Path | None = None) -> list[str]:
-        return []
+        # Bi-Partition: a traced saved-tensor payload far from the plan's figure (a note only)
+        return payload_notes(plan, out) if out is not None else []
 
     def module(self, model: nn.Module, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
                target: Target) -> nn.Module:

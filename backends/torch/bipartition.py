@@ -19,8 +19,20 @@ a segment like through any stage). Worker j's folder `stage_<j>/` holds
                                     and `grad_receives` (crossing c_j)
 
 and `pipecc.json` says `"bipartition": "ship"`. Inference plans ignore the backward ranges
-(their folders run the forward ranges). Nothing of this runs code at compile time: the segments'
-forward/backward graphs are traced by the runtime on both workers (`pipecc.runtime.segments`).
+(their folders run the forward ranges). At run time both workers trace each segment's
+forward/backward graphs (`pipecc.runtime.segments.trace_segment`, AOTAutograd).
+
+Compile traces them too (`trace_segments`, called by `write_workers` on the folder it just wrote):
+every segment module as the runtime loads it (`pipecc.runtime.stagefile.load_stage` of its owner's
+folder), once per micro-batch shape of the plan, through the runtime's own `SegmentRunner.graphs`,
+on CPU and inside `torch.random.fork_rng` (the user's model is never touched: the modules are
+the generated files' own copies). A segment AOTAutograd cannot split (an in-place op on a value
+it receives, an op AOTAutograd cannot trace, graphs of an unexpected form) is refused in one line
+naming it and its nodes, so the compile writes nothing. The saved-tensor bytes that travel per micro-batch of
+batch // m samples go into the segment's entry in `ports.json` (`saved_bytes`); `payload_notes`
+compares them with the plan's `extra_send_bytes` (a note beyond ±25 %, never a refusal). The cost:
+about a second for the first segment (torch's AOTAutograd import), well under a second for each
+further segment and shape on CPU, and the segment's weights copied once more in memory.
 
 Refused in one line (`check_bipartition`), nothing written: mode "recompute" (costed only: with
 recomputation a misplaced segment's forward runs twice, never faster than the single cut at c_j,
@@ -47,6 +59,7 @@ from pipecc.ir.plan import Plan
 
 SCHEDULES = ("1f1b", "gpipe")
 FIX = "plan with --bipartition off"
+PAYLOAD_TOLERANCE = 0.25  # |traced - planned| / planned beyond which `payload_notes` says so
 
 
 def uses_bipartition(plan: Plan) -> bool:
@@ -172,3 +185,98 @@ def write_workers(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence
                    "grad_receives": [] if j == n - 1 else (right or core_ports)["sends"]}
         ports = dict(ports_json(stages[j], n), **{"class": gen.class_name, "bipartition": section})
         (folder / "ports.json").write_text(json.dumps(ports, indent=1), encoding="utf-8")
+    saved = trace_segments(tmp, plan, pieces)
+    for j in range(n):  # the traced payload beside each segment's entry, in both workers' folders
+        path = tmp / f"stage_{j}" / "ports.json"
+        ports = json.loads(path.read_text(encoding="utf-8"))
+        for info in ports["bipartition"]["segments"]:
+            info["saved_bytes"] = saved[int(info["boundary"])]
+        path.write_text(json.dumps(ports, indent=1), encoding="utf-8")
+
+
+def _names(nodes: Sequence[str], most: int = 6) -> str:
+    shown = ", ".join(nodes[:most])
+    return f"{shown}, ... ({len(nodes)} nodes)" if len(nodes) > most else shown
+
+
+def trace_segments(folder: Path, plan: Plan, pieces: Sequence[tuple[str, int, int, list[str]]]) -> dict[int, int]:
+    """Trace every segment of the compiled `folder` as the runtime will (module docstring):
+    {boundary: saved-tensor bytes that travel per micro-batch of batch // m samples}, or a
+    one-line PipeccError naming the segment that AOTAutograd cannot split."""
+    from pipecc.runtime.ports import StagePorts
+    from pipecc.runtime.stagefile import load_stage
+
+    m = plan.microbatches
+    workers: dict[int, tuple[Any, dict[str, Any]]] = {}
+    saved: dict[int, int] = {}
+    # NOTE: building the generated modules and running the traces on dummy values must not move
+    # the caller's random state (a dropout in a segment, a module's initialisation)
+    with torch.random.fork_rng(devices=[]):
+        for kind, fp, bp, nodes in pieces:
+            if kind != "segment":
+                continue
+            b = min(fp, bp)
+            if bp not in workers:  # the owner's folder: the runtime loads the segment from there
+                workers[bp] = load_stage(folder / f"stage_{bp}")
+            module, ports = workers[bp]
+            runner = next(r for r in module.runners if r.boundary == b)
+            batch = StagePorts.from_json(ports).batch_size
+            shapes = [tuple(p.microbatch_shape(mb, batch, m) for p in runner.ports.receives) for mb in range(m)]
+            for shape in dict.fromkeys(shapes):  # each distinct micro-batch shape once, in order
+                try:
+                    runner.graphs(list(shape))
+                except Exception as exc:  # AOTAutograd raises many types; ours say what is wrong
+                    raise PipeccError(
+                        f"the segment at boundary {b} (nodes {_names(nodes)}; forward on stage {fp}, backward on "
+                        f"stage {bp}) cannot be split into forward and backward graphs by AOTAutograd "
+                        f"({_why(exc, runner, shape)}); re-{FIX}") from exc
+            graphs = runner.graphs(list(shapes[-1]))  # the last micro-batch: batch // m samples
+            saved[b] = sum(torch.Size(graphs.saved[i][0]).numel() * graphs.saved[i][1].itemsize
+                           for i in graphs.sent)
+    return saved
+
+
+def _why(exc: Exception, runner: Any, shape: Sequence[tuple[int, ...]]) -> str:
+    """What went wrong, in a few words: an input the segment changes in place (AOTAutograd then
+    returns it as an extra output, `trace_segment`'s "unexpected form"), else the error's gist."""
+    text = str(exc).strip()
+    why = text.splitlines()[0].removeprefix("Bi-Partition: ").split("; compile without")[0][:200] if text else ""
+    if not isinstance(exc, PipeccError):
+        why = f"{type(exc).__name__}: {why}" if why else type(exc).__name__
+    try:  # NOTE: an eager run on dummy inputs: an in-place op on an input bumps its version counter
+        xs = [torch.full(s, 0.5, dtype=p.dtype) if p.dtype.is_floating_point else torch.zeros(s, dtype=p.dtype)
+              for s, p in zip(shape, runner.ports.receives)]
+        before = [x._version for x in xs]
+        with torch.no_grad():
+            runner.module(*xs)
+        changed = [name for name, x, v in zip(runner.receives, xs, before) if x._version != v]
+    except Exception:  # the eager run fails too: the error's gist says enough
+        changed = []
+    if changed:
+        return (f"its forward changes the value {changed[0]!r} it receives in place: make that op out-of-place in the "
+                f"model, or keep it out of a segment")
+    return why
+
+
+def payload_notes(plan: Plan, out: str | Path) -> list[str]:
+    """A note per forward worker whose traced saved-tensor payload (`saved_bytes` of the segments
+    it runs forward, in its `ports.json`) differs from the plan's `extra_send_bytes` by more than
+    `PAYLOAD_TOLERANCE`; [] without Bi-Partition or when they agree."""
+    if not uses_bipartition(plan) or plan.bipartition_mode != "ship":
+        return []
+    notes = []
+    for stage in plan.stages:
+        try:
+            ports = json.loads((Path(out) / f"stage_{stage.index}" / "ports.json").read_text(encoding="utf-8"))
+            segments = ports["bipartition"]["segments"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        mine = [s for s in segments if int(s["fp_worker"]) == stage.index and "saved_bytes" in s]
+        if not mine:
+            continue
+        traced, planned = sum(int(s["saved_bytes"]) for s in mine), stage.extra_send_bytes
+        if abs(traced - planned) > PAYLOAD_TOLERANCE * planned:
+            notes.append(f"note: Bi-Partition stage {stage.index} sends {traced} B of saved tensors per micro-batch "
+                         f"(traced), the plan costs {planned} B (extra_send_bytes): the planner's figures for its "
+                         f"segment(s) are off by more than {PAYLOAD_TOLERANCE:.0%}")
+    return notes

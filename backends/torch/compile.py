@@ -14,7 +14,8 @@
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
-    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (backends.torch.bipartition)
+    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (backends.torch.bipartition;
+                             traced once here, `trace_segments`: one AOTAutograd cannot split is refused)
     OUT/run_stage.py         the entry torchrun starts: `torchrun --nproc-per-node P OUT/run_stage.py`
     + extra_files            e.g. report.html, written by the caller's generators
     + writers                callables given the temporary folder before the rename (e.g. the

@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.backends.torch import lower_modules, render
+from pipecc.backends.torch.inplace import written_inputs
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
@@ -198,7 +199,10 @@ class _Emitter:
 
     def run(self) -> None:
         receives = iter(self.stage.receives)
-        for node in self.stage.gm.graph.nodes:
+        # inputs some op writes in place: work on a copy (see `inplace`); a module with a
+        # lowering rule is written out of place (F.relu for nn.ReLU(inplace=True))
+        written = set(written_inputs(self.stage.gm, _kept_in_place))
+        for position, node in enumerate(self.stage.gm.graph.nodes):
             if node.op == "placeholder":
                 port = next(receives)  # a model input keeps its argument name, a value its producer's
                 self._var[node] = self.locals.fresh(port.name, "input") if port.stage < 0 \
@@ -206,6 +210,9 @@ class _Emitter:
                 hint = ": torch.Tensor" if isinstance(port.value, TensorInfo) else ""
                 self.args.append(f"{self._var[node]}{hint}")
                 self.arg_names.append(self._var[node])
+                if position in written:
+                    why = "the received tensor is a leaf" if port.stage >= 0 else "the caller's input stays as it is"
+                    self.body.append(f"{self._var[node]} = {self._var[node]}.clone()  # mutated in place below: {why}")
             elif node.op == "get_attr":
                 self._var[node] = self._get_attr(node)
             elif node.op == "output":
@@ -288,6 +295,11 @@ class _Emitter:
 
 
 _BODY = "stage_forward"  # a recomputed stage's straight-line code, run under checkpoint
+
+
+def _kept_in_place(module: nn.Module) -> bool:
+    """Whether the generated code runs `module` in place: an `inplace` module kept whole."""
+    return getattr(module, "inplace", False) is True and lower_modules.rule_for(module) is None
 
 
 def _kwargs(kwargs: dict[str, Any], const: Any) -> list[str]:

@@ -8,7 +8,10 @@ A generated file imports torch only (plus `math`/`operator` if the graph calls t
   * `class Stage<i>(torch.nn.Module)`: `__init__` creates empty parameters and buffers (values
     come from `weights.safetensors`, keyed by attribute name) and instantiates the few modules
     kept whole (LSTM, GRU, ...); `forward(self, <received ports>)` is straight-line code, one
-    statement per graph node, returning the tuple of sent ports;
+    statement per graph node, returning the tuple of sent ports; it starts with
+    `x = x.clone()  # mutated in place below: ...` for each received tensor the stage may write
+    in place (`inplace.written_inputs`: a received tensor is a leaf of autograd in the
+    distributed runtime, which must not be modified in place);
   * class attributes `PARAM_NAMES` (attribute -> qualified name in the original model's
     state_dict, for parameters and buffers), `PARAM_ALIASES` (further names of a tied tensor) and
     `SHARDS` (attribute -> (original name, dim, start, size) for a split layer's weight slice).

@@ -16,7 +16,10 @@ multilinear polynomial in the symbols (d = a + b·B, or a + b·B + c·S + e·B·
 symbols), then checked at one more point. This works for every op that has a fake kernel
 (nn.LSTM has none under symbolic shapes, which rules torch's own ShapeEnv out) and is exact
 for the shapes deep-learning models produce; a dimension that fails the check is kept at its
-example value and reported.
+example value and reported. A node fake tensors cannot run because its output depends on
+tensor values (boolean-mask indexing, `nonzero`, `unique`, `masked_select`: a data-dependent
+shape; `.item()`: a value read into Python) stops the analysis with one line naming the node
+and a fixed-shape rewrite (`_data_dependent_message`), not with the fixed-size fallback.
 """
 
 from __future__ import annotations

@@ -179,6 +179,18 @@ def test_setitem_and_in_place_operators_are_writes() -> None:
     assert written_inputs(fx.GraphModule(nn.Module(), g)) == [0, 1]
 
 
+def test_aten_ops_follow_their_schema() -> None:
+    """torch.export graphs: `Tensor(a!)` arguments are written, unannotated returns are new."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
+    g.call_function(aten.relu_.default, (g.call_function(aten.view.default, (x, [-1])),))
+    g.call_function(aten.add_.Tensor, (g.call_function(aten.mul.Tensor, (y, y)), 1.0))
+    g.call_function(aten.add.out, (y, y), {"out": z})
+    g.output((x,))
+    assert written_inputs(fx.GraphModule(nn.Module(), g)) == [0, 2]
+
+
 # ----------------------------------------------------------------------------- stage.py
 def test_stage_py_clones_exactly_the_written_inputs(files: dict[str, Path], tmp_path: Path) -> None:
     out = compile_folder(files["mid"], tmp_path / "out", "a/relu_,b,add_,c,sum,add")

@@ -18,7 +18,8 @@ caller says it is written out of place: codegen lowers `nn.ReLU(inplace=True)` t
 A write reaches an input through any chain of ops that may return a view or the input itself
 (`view`, `x[...]`, `transpose`, `contiguous`, `to`, `nn.Identity`, ...): only ops known to
 return a new tensor (arithmetic, matmul, activations, reductions, modules with weights, ...)
-stop the chain. Cloning an input that is not written only costs memory; missing one is a crash.
+stop the chain. ATen ops (graphs captured by torch.export) say both in their schema
+(`Tensor(a!) self` is written, a return without alias annotation is new). Cloning an input that is not written only costs memory; missing one is a crash.
 
 Refused (`check_in_place`): a stage that writes a received value in place while another value
 it receives shares that value's memory in the model (`v = h.view(...)`, both crossing the cut).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -51,7 +53,7 @@ _FRESH = {
     "remainder", "pow", "neg", "matmul", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor",
     "invert", "abs", "rsub", "minimum", "maximum", "clamp", "clip", "sign", "lerp", "where",
     # linear algebra and layers
-    "mm", "bmm", "addmm", "baddbmm", "einsum", "linear", "bilinear", "conv1d", "conv2d", "conv3d",
+    "mm", "bmm", "addmm", "baddbmm", "linear", "bilinear", "conv1d", "conv2d", "conv3d",
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding", "layer_norm",
     "group_norm", "batch_norm", "rms_norm", "scaled_dot_product_attention", "outer",
     # elementwise functions and activations
@@ -86,6 +88,8 @@ def written(node: fx.Node, module: nn.Module | None = None,
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     out: list[fx.Node] = [n for n in pytree.tree_leaves(node.kwargs.get("out"))
                           if isinstance(n, fx.Node)]
+    if isinstance(node.target, torch._ops.OpOverload):  # an ATen op (torch.export): its schema says
+        return out + _schema_writes(node)
     if first is None:
         return out
     if node.op in ("call_method", "call_function"):
@@ -96,6 +100,17 @@ def written(node: fx.Node, module: nn.Module | None = None,
         if writes:
             out.append(first)
     return out
+
+
+def _schema_writes(node: fx.Node) -> list[fx.Node]:
+    """The arguments an ATen op's schema marks as written (`Tensor(a!) self`, `out`)."""
+    found = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+        found += [n for n in pytree.tree_leaves(value) if isinstance(n, fx.Node)]
+    return found
 
 
 def _inplace_argument(node: fx.Node) -> bool:
@@ -124,7 +139,9 @@ def _returns_new(node: fx.Node, module: nn.Module | None) -> bool:
             return False
         aliasing = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
         return not isinstance(module, aliasing)
-    return op_name(node) in _FRESH and "out" not in node.kwargs
+    if isinstance(node.target, torch._ops.OpOverload):  # no return aliases an input
+        return all(r.alias_info is None for r in node.target._schema.returns)
+    return op_name(node) in _FRESH and "out" not in node.kwargs and not _inplace_argument(node)
 
 
 def alias_roots(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:

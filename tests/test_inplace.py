@@ -73,6 +73,9 @@ ALIAS = MODEL.replace('''        h = self.a(x)
         h = self.b(h)
         return self.c(h)''')
 
+# the model writes its own input: stage 0 works on a copy, the caller's tensor is left alone
+SCALED = MODEL.replace("        h = self.a(x)\n", "        h = self.a(x.mul_(2.0))\n", 1)
+
 BATCH = 4
 
 
@@ -80,7 +83,7 @@ BATCH = 4
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("inplace")
     out = {}
-    for name, source in (("mid", MODEL), ("alias", ALIAS)):
+    for name, source in (("mid", MODEL), ("alias", ALIAS), ("scaled", SCALED)):
         out[name] = folder / f"{name}.py"
         out[name].write_text(source)
     return out
@@ -211,6 +214,17 @@ def test_loaded_stage_files_match_the_model(files: dict[str, Path], tmp_path: Pa
     model, pm = m.build_model(), pipecc.load(out)
     want = grads_of(model, dict(model.named_parameters()), m)
     assert_same(grads_of(pm, dict(pm.named_parameters()), m), want)
+
+
+def test_a_written_model_input_is_copied(files: dict[str, Path], tmp_path: Path) -> None:
+    m = load_file(files["scaled"])
+    out = compile_folder(files["scaled"], tmp_path / "out", "mul_,a,relu_/b,add_,c,sum,add")
+    source = (out / "stage_0" / "stage.py").read_text()
+    assert "x = x.clone()  # mutated in place below: the caller's input stays as it is" in source
+    x = m.example_inputs(BATCH)[0]
+    got = pipecc.load(out)(x)
+    torch.testing.assert_close(x, m.example_inputs(BATCH)[0])  # not doubled
+    torch.testing.assert_close(got, m.build_model()(x.clone()))
 
 
 # ----------------------------------------------------------------------------- drop-in

@@ -214,8 +214,7 @@ class _Emitter:
                 self.args.append(f"{self._var[node]}{hint}")
                 self.arg_names.append(self._var[node])
                 if position in written:
-                    why = "the received tensor is a leaf" if port.stage >= 0 else "the caller's input stays as it is"
-                    self.body.append(f"{self._var[node]} = {self._var[node]}.clone()  # mutated in place below: {why}")
+                    self.body.append(_clone(self._var[node], port))
             elif node.op == "get_attr":
                 self._var[node] = self._get_attr(node)
             elif node.op == "output":
@@ -298,6 +297,12 @@ class _Emitter:
 
 
 _BODY = "stage_forward"  # a recomputed stage's straight-line code, run under checkpoint
+
+
+def _clone(var: str, port: Port) -> str:
+    """A written input's copy: the received tensor is a leaf autograd must not see modified."""
+    why = "the received tensor is a leaf" if port.stage >= 0 else "the caller's input stays as it is"
+    return f"{var} = {var}.clone()  # mutated in place below: {why}"
 
 
 def _kept_in_place(module: nn.Module) -> bool:

@@ -19,7 +19,8 @@ A write reaches an input through any chain of ops that may return a view or the 
 (`view`, `x[...]`, `transpose`, `contiguous`, `to`, `nn.Identity`, ...): only ops known to
 return a new tensor (arithmetic, matmul, activations, reductions, modules with weights, ...)
 stop the chain. ATen ops (graphs captured by torch.export) say both in their schema
-(`Tensor(a!) self` is written, a return without alias annotation is new). Cloning an input that is not written only costs memory; missing one is a crash.
+(`Tensor(a!) self` is written, a return without alias annotation is new). Cloning an input
+that is not written only costs memory; missing one is a crash.
 
 Refused (`check_in_place`): a stage that writes a received value in place while another value
 it receives shares that value's memory in the model (`v = h.view(...)`, both crossing the cut).
@@ -96,8 +97,8 @@ def written(node: fx.Node, module: nn.Module | None = None,
         if is_in_place_name(op_name(node)) or _inplace_argument(node):
             out.append(first)
     elif node.op == "call_module" and module is not None:
-        writes = writes_module(module) if writes_module is not None else getattr(module, "inplace", False) is True
-        if writes:
+        writes = writes_module or (lambda m: getattr(m, "inplace", False) is True)
+        if writes(module):
             out.append(first)
     return out
 

@@ -205,7 +205,7 @@ class _Emitter:
         # inputs some op writes in place: work on a copy (see `inplace`); a module with a
         # lowering rule is written out of place (F.relu for nn.ReLU(inplace=True))
         written = set(written_inputs(self.stage.gm, _kept_in_place))
-        for position, node in enumerate(self.stage.gm.graph.nodes):
+        for node in self.stage.gm.graph.nodes:
             if node.op == "placeholder":
                 port = next(receives)  # a model input keeps its argument name, a value its producer's
                 self._var[node] = self.locals.fresh(port.name, "input") if port.stage < 0 \
@@ -213,7 +213,7 @@ class _Emitter:
                 hint = ": torch.Tensor" if isinstance(port.value, TensorInfo) else ""
                 self.args.append(f"{self._var[node]}{hint}")
                 self.arg_names.append(self._var[node])
-                if position in written:
+                if len(self.arg_names) - 1 in written:  # this placeholder's position
                     self.body.append(_clone(self._var[node], port))
             elif node.op == "get_attr":
                 self._var[node] = self._get_attr(node)

@@ -89,6 +89,16 @@ CASES = [
         "batch_first=True), nn.Linear(16, 2))",
         "def example_inputs(batch_size=1):\n    return (torch.randn(batch_size, 5, 4),)\n"),
          exit_code=0),
+    # data-dependent output shapes: a ~190-line DynamicOutputShapeException traceback from the
+    # fixed-size fallback of shape propagation; now one line naming the node and the rewrite
+    Case("boolean-mask indexing", forward_file("h = self.lin(x)", "return h * h[h > 0].mean()"),
+         says=("node getitem (boolean-mask indexing", "torch.where(mask, x, 0)")),
+    Case("nonzero", forward_file("h = self.lin(x)", "return h + h.nonzero().float().sum()"),
+         says=("node nonzero (.nonzero())", "output shape depends on the tensor's values")),
+    Case("torch.unique", forward_file("h = self.lin(x)", "return h * torch.unique(h).sum()"),
+         says=("node unique (torch.unique())", "keep it out of the traced model")),
+    Case(".item()", forward_file("h = self.lin(x)", "return h * h.max().item()"),
+         says=("node item (.item()) reads a tensor's value", "x * t.item()")),
     # hostile names torch.fx cannot write as Python: one line naming the path (see test_fuzz_names)
     Case("ModuleDict key that is a keyword", forward_file(
         "return self.blocks['in'](x)", init="self.blocks = nn.ModuleDict({'in': nn.Linear(4, 4)})"),

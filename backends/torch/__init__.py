@@ -3,6 +3,8 @@
     stages.py         cut_stages(graph, stage_of) -> [Stage]: fx GraphModules over the original
                       weights, with the ports (values) each receives and sends
     codegen.py        emit_stage_source / write_stage: a standalone `stage.py` per stage
+    inplace.py        written_inputs: the received values a stage writes in place (it works on
+                      copies of them); check_in_place: such writes the stages cannot reproduce
     render.py, lower_modules.py, names.py
                       how graph nodes become safe, readable torch code
     compile.py        write_output: the compiled folder OUT, atomically; pipelined_module: the

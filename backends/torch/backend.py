@@ -3,7 +3,8 @@
 Its files are the compiled folder itself (`write_output`: a readable `stage.py`, weights and
 ports for every stage, which the driver writes with every backend's writers), so it adds no
 writer; its only note is a Bi-Partition saved-tensor payload far from the plan's figure
-(`payload_notes`). Placement was already checked when the stages were cut (`cut_stages`).
+(`payload_notes`). Placement was already checked when the stages were cut (`cut_stages`), and
+`check` refuses in-place writes the stages cannot reproduce (`inplace.check_in_place`).
 Its drop-in module runs the stage GraphModules over the model's own parameters.
 """
 
@@ -17,6 +18,7 @@ from torch import nn
 from pipecc.backends.base import Backend, Target, Writer
 from pipecc.backends.torch.bipartition import check_bipartition, cut_pieces, payload_notes
 from pipecc.backends.torch.compile import check_replicas, pipelined_module
+from pipecc.backends.torch.inplace import check_in_place
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 
@@ -26,6 +28,7 @@ class TorchBackend(Backend):
 
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
         check_replicas(plan)  # PP x DP groups the runtime can execute
+        check_in_place(graph, stages)  # in-place writes to received values the stages can make
         pieces = check_bipartition(graph, plan)  # Bi-Partition plans the runtime can execute
         if pieces:
             cut_pieces(graph, pieces)

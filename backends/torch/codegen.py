@@ -8,7 +8,10 @@ A generated file imports torch only (plus `math`/`operator` if the graph calls t
   * `class Stage<i>(torch.nn.Module)`: `__init__` creates empty parameters and buffers (values
     come from `weights.safetensors`, keyed by attribute name) and instantiates the few modules
     kept whole (LSTM, GRU, ...); `forward(self, <received ports>)` is straight-line code, one
-    statement per graph node, returning the tuple of sent ports;
+    statement per graph node, returning the tuple of sent ports; it starts with
+    `x = x.clone()  # mutated in place below: ...` for each received tensor the stage may write
+    in place (`inplace.written_inputs`: a received tensor is a leaf of autograd in the
+    distributed runtime, which must not be modified in place);
   * class attributes `PARAM_NAMES` (attribute -> qualified name in the original model's
     state_dict, for parameters and buffers), `PARAM_ALIASES` (further names of a tied tensor) and
     `SHARDS` (attribute -> (original name, dim, start, size) for a split layer's weight slice).
@@ -35,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.backends.torch import lower_modules, render
+from pipecc.backends.torch.inplace import written_inputs
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
@@ -198,6 +202,9 @@ class _Emitter:
 
     def run(self) -> None:
         receives = iter(self.stage.receives)
+        # inputs some op writes in place: work on a copy (see `inplace`); a module with a
+        # lowering rule is written out of place (F.relu for nn.ReLU(inplace=True))
+        written = set(written_inputs(self.stage.gm, _kept_in_place))
         for node in self.stage.gm.graph.nodes:
             if node.op == "placeholder":
                 port = next(receives)  # a model input keeps its argument name, a value its producer's
@@ -206,6 +213,8 @@ class _Emitter:
                 hint = ": torch.Tensor" if isinstance(port.value, TensorInfo) else ""
                 self.args.append(f"{self._var[node]}{hint}")
                 self.arg_names.append(self._var[node])
+                if len(self.arg_names) - 1 in written:  # this placeholder's position
+                    self.body.append(_clone(self._var[node], port))
             elif node.op == "get_attr":
                 self._var[node] = self._get_attr(node)
             elif node.op == "output":
@@ -288,6 +297,17 @@ class _Emitter:
 
 
 _BODY = "stage_forward"  # a recomputed stage's straight-line code, run under checkpoint
+
+
+def _clone(var: str, port: Port) -> str:
+    """A written input's copy: the received tensor is a leaf autograd must not see modified."""
+    why = "the received tensor is a leaf" if port.stage >= 0 else "the caller's input stays as it is"
+    return f"{var} = {var}.clone()  # mutated in place below: {why}"
+
+
+def _kept_in_place(module: nn.Module) -> bool:
+    """Whether the generated code runs `module` in place: an `inplace` module kept whole."""
+    return getattr(module, "inplace", False) is True and lower_modules.rule_for(module) is None
 
 
 def _kwargs(kwargs: dict[str, Any], const: Any) -> list[str]:

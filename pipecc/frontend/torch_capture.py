@@ -16,7 +16,10 @@ multilinear polynomial in the symbols (d = a + b·B, or a + b·B + c·S + e·B·
 symbols), then checked at one more point. This works for every op that has a fake kernel
 (nn.LSTM has none under symbolic shapes, which rules torch's own ShapeEnv out) and is exact
 for the shapes deep-learning models produce; a dimension that fails the check is kept at its
-example value and reported.
+example value and reported. A node fake tensors cannot run because its output depends on
+tensor values (boolean-mask indexing, `nonzero`, `unique`, `masked_select`: a data-dependent
+shape; `.item()`: a value read into Python) stops the analysis with one line naming the node
+and a fixed-shape rewrite (`_data_dependent_message`), not with the fixed-size fallback.
 """
 
 from __future__ import annotations
@@ -149,9 +152,58 @@ class _Recorder(fx.Interpreter):
         self.values: dict[fx.Node, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
+        try:
+            out = super().run_node(n)
+        except _DATA_DEPENDENT as exc:
+            raise PipeccError(_data_dependent_message(n, exc, self.values)) from exc
         self.values[n] = _describe(out)
         return out
+
+
+def _data_dependent_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
+_DATA_DEPENDENT = _data_dependent_errors()
+
+
+def _data_dependent_message(node: fx.Node, exc: BaseException, seen: dict[fx.Node, Any]) -> str:
+    """One line for a node fake tensors cannot run: its output (shape or value) depends on the
+    values of a tensor (boolean-mask indexing, nonzero, unique, masked_select, .item()).
+
+    NOTE: pipecc needs every node's shape before any real data exists (costs, stage ports,
+    generated code), so such a node cannot be planned; the message says how to rewrite it."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+    what = _node_call(node, seen)
+    if isinstance(exc, DynamicOutputShapeException):
+        return (f"node {node.name} ({what}): its output shape depends on the tensor's values, so "
+                "pipecc cannot cost or pipeline it (shapes must be known at compile time); write it "
+                "with a fixed shape (torch.where(mask, x, 0) or x * mask, e.g. (h * m).sum() / "
+                "m.sum() for h[m].mean()) or keep it out of the traced model")
+    return (f"node {node.name} ({what}) reads a tensor's value into Python, so pipecc cannot "
+            "propagate shapes through it at compile time; keep the value a tensor (x * t instead "
+            "of x * t.item()) or keep it out of the traced model")
+
+
+def _node_call(node: fx.Node, seen: dict[fx.Node, Any]) -> str:
+    """`boolean-mask indexing h[mask]`, `.nonzero()`, `torch.unique(...)`: what the node calls."""
+    import operator
+    if node.op == "call_function" and node.target is operator.getitem:
+        index = node.args[1] if len(node.args) > 1 else None
+        parts = index if isinstance(index, (tuple, list)) else (index,)
+        masks = [seen.get(p) for p in parts if isinstance(p, fx.Node)]
+        if any(isinstance(m, tuple) and len(m) == 4 and m[0] == "T" and m[2] == torch.bool for m in masks):
+            return "boolean-mask indexing x[mask]"
+        return "indexing with a tensor"
+    if node.op == "call_method":
+        return f".{node.target}()"
+    if node.op == "call_module":
+        return f"module {node.target}"
+    target = getattr(node.target, "__name__", str(node.target))
+    module = getattr(node.target, "__module__", None) or ""
+    return f"{'torch.' if module.startswith('torch') else ''}{target}()"
 
 
 def _describe(x: Any) -> Any:
@@ -368,6 +420,8 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
         gm, source, notes = capture(model, example_inputs, symbols)
         try:
             syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
+        except PipeccError:  # a data-dependent node: fixed sizes would not help
+            raise
         except Exception as exc:
             if not symbols:
                 raise PipeccError(f"shape propagation failed on the captured graph: "

@@ -297,23 +297,20 @@ def test_payload_note_only_beyond_the_tolerance(bip_out: Path, planned) -> None:
     assert len(notes) == 1 and "stage 2 sends 512 B" in notes[0] and "1024 B" in notes[0]
 
 
-def test_compile_refuses_a_segment_aotautograd_cannot_split(tmp_path) -> None:
-    """A real case: `self.inp(x).relu_()` with the cut pair putting relu_ first in a segment
-    changes the segment's input in place; AOTAutograd's forward graph then returns the input too
-    (an unexpected form), so the runtime could not run it. Compile says so and writes nothing."""
+def test_a_segment_that_writes_its_input_in_place_compiles_and_verifies(tmp_path, capsys) -> None:
+    """`self.inp(x).relu_()` with the cut pair putting relu_ first in a segment writes the
+    segment's input in place. The generated segment clones that input first (as every stage
+    does, backends/torch/inplace.py), so AOTAutograd splits it and the workers give the model's
+    gradients; before the clone, compile's trace refused it."""
     analysis, plan, graph = _analysis(tmp_path, inplace=True)
     order = [n for s in plan.stages for n in s.nodes]
     assert order[1] == "relu_"
     out = tmp_path / "out"
-    before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(PipeccError) as info:
-        driver.compile(analysis, _bipartition(plan, (0, 3, 6, 11), (0, 1, 8, 11)), graph, out)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith("the segment at boundary 0 (nodes relu_, a1; forward on "
-                                                      "stage 0, backward on stage 1) cannot be split")
-    assert "changes the value 'inp' it receives in place" in message
-    assert message.endswith("re-plan with --bipartition off")
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == before
+    driver.compile(analysis, _bipartition(plan, (0, 3, 6, 11), (0, 1, 8, 11)), graph, out)
+    segment = next((out / "stage_0").glob("segment_*.py")).read_text()
+    assert ".clone()  # mutated in place below" in segment
+    assert _run_here(out, "--verify", "--steps", "0") == 0
+    assert "gradients match" in capsys.readouterr().out
 
 
 def test_cli_compile_refuses_when_the_trace_fails(tmp_path, capsys, monkeypatch) -> None:

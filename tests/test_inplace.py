@@ -271,3 +271,27 @@ def test_run_verify_with_a_cut_before_an_inplace_op(files: dict[str, Path], tmp_
     result = run_pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "60", timeout=180)
     assert result.returncode == 0, result.stderr
     assert "verify: outputs, loss and 6 gradients match the single-process run" in result.stdout
+
+
+# ----------------------------------------------------------------------------- interop
+def test_torch_pipelining_stages_copy_written_inputs(files: dict[str, Path]) -> None:
+    """pipecc.interop hands torch.distributed.pipelining the stage modules: a stage that writes
+    its received value in place runs on a copy there too (world 1, both stages on this rank)."""
+    import torch.distributed as dist
+
+    from pipecc.interop import pipeline_stages, torch_schedule
+    m = load_file(files["mid"])
+    model = m.build_model()
+    reference = copy.deepcopy(model)
+    plan, graph = hand_plan(driver.analyze_module(model, m.example_inputs(BATCH)), "a/relu_,b,add_,c,sum,add")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stages = pipeline_stages(plan, graph, 0, "cpu", world=1)
+        losses: list[torch.Tensor] = []
+        torch_schedule(plan, stages, m.loss_fn, schedule="interleaved").step(
+            *m.example_inputs(BATCH), target=m.example_target(BATCH), losses=losses)
+    finally:
+        dist.destroy_process_group()
+    want = grads_of(reference, dict(reference.named_parameters()), m)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[1][name], msg=name)

@@ -65,7 +65,7 @@ from pipecc import progress
 from pipecc.backends.torch.bipartition import check_bipartition, write_workers
 from pipecc.backends.torch.bpipe import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
-from pipecc.backends.torch.inplace import written_inputs
+from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
 from pipecc.backends.torch.stages import Stage, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
@@ -564,21 +564,6 @@ def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microba
         module = ClonesInputs(s.gm, written) if written else s.gm
         modules.append(Recomputed(module) if k < len(recompute) and recompute[k] else module)
     return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices)
-
-
-class ClonesInputs(torch.nn.Module):
-    """A stage module that works on copies of the inputs it writes in place (`inplace`), as
-    its stage.py does: the received tensors are left as they came (under recomputation the
-    re-run must start from them)."""
-
-    def __init__(self, inner: torch.nn.Module, positions: Sequence[int]) -> None:
-        super().__init__()
-        self.inner = inner
-        self.positions = frozenset(positions)
-
-    def forward(self, *args: object) -> tuple:
-        return self.inner(*[a.clone() if i in self.positions and isinstance(a, torch.Tensor) else a
-                            for i, a in enumerate(args)])
 
 
 class Recomputed(torch.nn.Module):

@@ -207,3 +207,18 @@ def check_in_place(graph: AnnotatedGraph, stages: Sequence) -> None:
 
 def _name(node: fx.Node) -> str:
     return repr(str(node.meta.get(META_NAME, node.name)))
+
+
+class ClonesInputs(torch.nn.Module):
+    """A stage module that works on copies of the inputs it writes in place (`inplace`), as
+    its stage.py does: the received tensors are left as they came (under recomputation the
+    re-run must start from them)."""
+
+    def __init__(self, inner: torch.nn.Module, positions: Sequence[int]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.positions = frozenset(positions)
+
+    def forward(self, *args: object) -> tuple:
+        return self.inner(*[a.clone() if i in self.positions and isinstance(a, torch.Tensor) else a
+                            for i, a in enumerate(args)])

@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.pipelining import SplitPoint
 
+from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
 from pipecc.backends.torch.stages import Stage, _is_metadata, cut_stages, normalise_stage_of
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, ScalarInfo, TensorInfo, tensors_in
@@ -379,7 +380,9 @@ def pipeline_stages(plan: Plan, graph: AnnotatedGraph, rank: int, device: torch.
             continue
         args = tuple(_example(p.value, point) for p in s.receives)
         outs = tuple(_example(p.value, point) for p in s.sends)
-        out.append(PipelineStage(s.gm, s.index, len(stages), torch.device(device), input_args=args,
+        written = written_inputs(s.gm)  # a received tensor it writes in place: a copy, as stage.py does
+        module = ClonesInputs(s.gm, written) if written else s.gm
+        out.append(PipelineStage(module, s.index, len(stages), torch.device(device), input_args=args,
                                  output_args=outs, group=group))
     return out
 

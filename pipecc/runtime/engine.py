@@ -111,7 +111,7 @@ from pipecc.runtime.replicas import GradientAllReduce, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.segments import SAVED, BipartitionWorker, WorkerProgram
 from pipecc.runtime.split_backward import input_backward, weight_backward
-from pipecc.runtime.stash import (Prefetch, SavedTensors, bpipe_thresholds, module_storages, recv_stash, send_stash,
+from pipecc.runtime.stash import (Prefetch, SavedTensors, bpipe_thresholds, module_storages, recv_packed, send_stash,
                                   storage_key)
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
@@ -436,7 +436,7 @@ class PipelineRuntime:
         # BPipe: (stage, mb) -> the saved activations of an evicted micro-batch (this rank's
         # stage); (evictor stage, mb) -> the partner's storages this rank keeps for it
         self._saved: dict[tuple[int, int], SavedTensors] = {}
-        self._foreign: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._foreign: dict[tuple[int, int], torch.Tensor] = {}  # packed payloads (stash.pack)
         self._returning: dict[tuple[int, int], Prefetch] = {}  # RECV_R posted, B not yet run
         self._evicting = {(a.stage, a.microbatch) for a in schedule.actions[self.rank]
                           if a.kind is ActionKind.SEND_S} if training else set()
@@ -541,16 +541,13 @@ class PipelineRuntime:
             leaves, outs = self._stash[(s, mb)]
             resident = frozenset(storage_key(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor))
             buffers = store.evict(resident)
-            if len(buffers) >= MAX_PORTS:
-                raise PipeccError(f"rank {self.global_rank}: stage {s} saves {len(buffers)} separate activations "
-                                  f"per micro-batch, more than BPipe's {MAX_PORTS - 1} messages per eviction")
             self.evicted.setdefault(s, []).append(sum(b.numel() for b in buffers))
             if self.timer is not None:
                 self.timer.note_eviction(s, self.evicted[s][-1])
             send_stash(self._wire, buffers, peer, tag_of, what, a, self.device)
             self._moving.append(a)
         elif a.kind is ActionKind.RECV_S:
-            self._foreign[(evictor, mb)] = recv_stash(self._wire, peer, tag_of, what, self.device)
+            self._foreign[(evictor, mb)] = recv_packed(self._wire, peer, tag_of, what, self.device)  # kept whole
         elif a.kind is ActionKind.SEND_R:
             send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device)
             self._moving.append(a)

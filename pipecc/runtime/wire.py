@@ -12,8 +12,8 @@ Wire protocol (per SEND/RECV action, one microbatch):
   * backward: only ports with ``requires_grad`` and a floating dtype carry a gradient back
     (integer token ids never do); both sides decide this from the spec alone. A received input
     the stage did not use sends zeros.
-  * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): a JSON header of
-    storage byte counts, then one uint8 message per storage (``pipecc.runtime.stash``); the
+  * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): an int64 byte count,
+    then one uint8 payload packing the storages and their layout (``pipecc.runtime.stash``); the
     peer is the partner stage's rank (``Schedule.partner``), the message key the evictor's.
   Messages go in port order, first every tensor and length, then the object payloads. Gloo
   matches them by tag (direction, receiving stage, microbatch, port); NCCL ignores tags and

@@ -549,7 +549,7 @@ class PipelineRuntime:
         elif a.kind is ActionKind.RECV_S:
             self._foreign[(evictor, mb)] = recv_packed(self._wire, peer, tag_of, what, self.device)  # kept whole
         elif a.kind is ActionKind.SEND_R:
-            send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device)
+            send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device, counted=False)
             self._moving.append(a)
         else:  # RECV_R: a prefetch, completed right before B (``_returned``)
             self._returning[(s, mb)] = Prefetch(self._wire, peer, tag_of, what, self.device,

@@ -25,20 +25,21 @@ leaves and sent outputs, ``resident``) stay: moving them would free nothing. ``r
 the returned bytes back; ``unpack`` on an evicted store is an error naming the action missing.
 
 Transport (``send_stash``/``recv_stash``): one packed payload per transfer, so a stash of any
-number of storages costs two messages (an int64 byte count, then the payload) instead of a
-header round trip plus one message per storage. ``pack_stash`` lays the payload out as an int64
+number of storages costs two messages out (an int64 byte count, then the payload) and one
+back (the payload: the evictor knows its size), instead of a length, a JSON header and one
+message per storage each way. ``pack_stash`` lays the payload out as an int64
 layout header (the storage count, then every storage's byte count) and the storages, each
 starting on an ``ALIGN``-byte boundary; ``unpack_stash`` returns the storages as views of the
 payload (no copy), so ``SavedTensors.unpack`` rebuilds every view at its byte offset. The
 receiver allocates from the byte count, so no shape travels in ``ports.json``. The acceptor
 keeps the payload whole (``recv_packed``) and sends it back as it came. The evictor's RECV_R is
-a prefetch (``Prefetch``): it knows the payload's size and layout, so it posts both receives
-at once and waits only right before the backward of that micro-batch, then checks the layout
+a prefetch (``Prefetch``): it knows the payload's size and layout, so it posts its receive at
+once and waits only right before the backward of that micro-batch, then checks the layout
 header against what it sent. Tags: leaf 0 carries the byte count, tag + 1 the payload.
-NOTE: measured on 2 CPUs (4 gloo ranks, bench_papers_run's bpipe case), a blocking receive
-of the old three-step protocol (length, JSON header, storages) cost the acceptor ~3.6 ms per
-RECV_S while the stash is ~10 KB: every extra message is a round trip between oversubscribed
-processes; packing costs one copy of the stash bytes on the evictor.
+NOTE: why pack. With 4 gloo ranks on 2 CPUs (bench_papers_run's bpipe case, cProfile) posting
+one send costs its rank ~0.7 ms and one receive ~0.3-0.5 ms, far more than moving a stash of
+a few KB, so a transfer costs what its message count does; packing costs one copy of the
+stash bytes on the evictor (memory bandwidth, small next to any link).
 
 Imports torch, ``pipecc.errors`` and ``pipecc.runtime.wire``.
 """
@@ -241,29 +242,32 @@ def unpack_stash(payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tens
 
 
 def send_stash(wire: Wire, stash: Sequence[torch.Tensor] | torch.Tensor, peer: int, tag_of: Callable[[int], int],
-               what: str, key: Any, device: torch.device) -> None:
+               what: str, key: Any, device: torch.device, counted: bool = True) -> None:
     """Post a stash to ``peer``: storages (packed here) or a payload ``pack_stash`` made; non-blocking,
-    ``wire`` keeps the payload until ``release(key)``. ``tag_of(0)`` is the transfer's even tag."""
+    ``wire`` keeps the payload until ``release(key)``. ``tag_of(0)`` is the transfer's even tag.
+    ``counted``: the byte count goes first (SEND_S: the acceptor cannot know it); a return
+    (SEND_R) sends the payload alone, whose size the evictor knows (``Prefetch``)."""
     payload = stash if isinstance(stash, torch.Tensor) else pack_stash(stash, device)
-    wire.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), peer, tag_of(0), what, key=key)
+    if counted:
+        wire.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), peer, tag_of(0), what, key=key)
     wire.send(payload, peer, tag_of(0) + 1, what, key=key)
 
 
 class Prefetch:
-    """A return the evictor posted at RECV_R (it knows the payload: the layout of the storages it
-    sent); ``wait`` completes it right before the backward that needs it."""
+    """A return the evictor posted at RECV_R: one receive of the payload, whose size and layout
+    it knows (the storages it sent); ``wait`` completes it right before the backward that
+    needs it and checks the layout header against what it sent."""
 
     def __init__(self, wire: Wire, peer: int, tag_of: Callable[[int], int], what: str, device: torch.device,
                  sizes: Sequence[int]):
         self.wire, self.peer, self.what = wire, peer, what
         self.sizes = [int(n) for n in sizes]
-        self.length = torch.empty(1, dtype=torch.int64, device=device)
         self.payload = torch.empty(layout(self.sizes)[1], dtype=torch.uint8, device=device)
-        self.posted = wire.post([self.length, self.payload], peer, [tag_of(0), tag_of(0) + 1], what)
+        self.posted = wire.post([self.payload], peer, [tag_of(0) + 1], what)
 
     def wait(self) -> list[torch.Tensor]:
         self.wire.wait(self.posted)
-        if int(self.length.item()) != self.payload.numel() or header_sizes(self.payload) != self.sizes:
+        if header_sizes(self.payload) != self.sizes:
             raise PipeccError(f"{self.what}: rank {self.peer} returned another stash than the one sent to it")
         return unpack_stash(self.payload, self.sizes)
 

@@ -106,6 +106,22 @@ def bip_out(tmp_path_factory, planned) -> Path:
     return out
 
 
+def test_packed_message_round_trip() -> None:
+    """A message with saved tensors travels as one payload (``wire.pack_tensors``): odd byte
+    counts, several dtypes and a non-contiguous value come back equal, as aligned views."""
+    from pipecc.runtime.wire import ALIGN, pack_tensors, packed_layout, packed_views
+
+    values = [torch.randn(3, 5).t(), torch.arange(3, dtype=torch.uint8), torch.tensor([7, -1], dtype=torch.int64),
+              torch.zeros(0, 4), torch.tensor([True, False, True])]
+    payload = pack_tensors(values, torch.device("cpu"))
+    specs = [(tuple(v.shape), v.dtype) for v in values]
+    offsets, total = packed_layout(specs)
+    assert payload.numel() == total and all(o % ALIGN == 0 for o in offsets)
+    back = packed_views(payload.clone(), specs)
+    for v, b in zip(values, back):
+        assert b.dtype == v.dtype and torch.equal(b, v)
+
+
 def test_folder_holds_cores_and_segments_with_owner_and_replica(bip_out: Path) -> None:
     marker = json.loads((bip_out / "pipecc.json").read_text())
     assert marker["bipartition"] == "ship"

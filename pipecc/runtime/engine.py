@@ -14,9 +14,9 @@ parameters' gradients and frees the graph (how, and what it costs: ``pipecc.runt
 Activation balancing (BPipe, ``RunConfig.activation_balancing``, ``pipecc.runtime.stash``): the
 schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (1F1B, one stage per rank; anything else is
 refused). A micro-batch the schedule evicts (it has a ``SEND_S``) runs its forward under
-saved-tensor hooks that file every saved activation in its store; SEND_S sends the store's
-storages to the partner stage p-1-s and drops them (the wire lets go once the send completed,
-``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and B
+saved-tensor hooks that file every saved activation in its store; SEND_S packs the store's
+storages into one payload, sends it to the partner stage p-1-s and drops them (the wire lets
+go of the payload once the send completed, ``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and B
 waits for it first, so ``unpack`` finds them. Inputs and outputs of the stage stay (the engine holds them).
 
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
@@ -54,9 +54,13 @@ Bi-Partition (``pipecc.runtime.segments``): a stage module that is a ``Bipartiti
 F and B through its ``WorkerProgram`` (core under autograd, misplaced segments through their
 AOT forward/backward graphs); its forward message carries the values crossing its forward cut
 plus any segment's saved tensors, its backward message the gradients at its backward cut plus
-any saved tensors (``SAVED`` ports after the usual ones, same tags scheme), and
-``after_optimizer_step`` refreshes the segments' replicas from their owners (also after
-``load_checkpoint``). Equal micro-batches, no replicas, no zero-bubble split.
+any saved tensors (``SAVED`` ports after the usual ones); a message with saved tensors sends
+all its tensors as one packed payload (``wire.pack_tensors``, ``_recv_packed``: one message,
+as the planner charges a boundary). ``after_optimizer_step`` refreshes the segments' replicas
+from their owners (also after ``load_checkpoint``); with ``refresh_follows`` (dist.py's
+training loop) a replica's receive is posted into its parameters right after the rank's last
+forward of the step, so the transfer overlaps the rank's remaining backwards. Equal
+micro-batches, no replicas, no zero-bubble split.
 
 Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
 it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.

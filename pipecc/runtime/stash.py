@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.runtime.wire import Wire
+from pipecc.runtime.wire import ALIGN, Wire  # ALIGN: where every storage in a payload starts
 
 __all__ = ["ALIGN", "Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "layout",
            "module_storages", "pack_stash", "recv_packed", "recv_stash", "send_stash", "storage_key", "unpack_stash"]
@@ -193,7 +193,6 @@ class _Handle:
 # ---------------------------------------------------------------------------- transport
 
 
-ALIGN = 64  # bytes: every storage in a packed payload starts here (any dtype's alignment)
 
 
 def _aligned(n: int) -> int:

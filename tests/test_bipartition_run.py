@@ -111,6 +111,22 @@ def bip_out(tmp_path_factory, planned) -> Path:
     return out
 
 
+def test_packed_message_round_trip() -> None:
+    """A message with saved tensors travels as one payload (``wire.pack_tensors``): odd byte
+    counts, several dtypes and a non-contiguous value come back equal, as aligned views."""
+    from pipecc.runtime.wire import ALIGN, pack_tensors, packed_layout, packed_views
+
+    values = [torch.randn(3, 5).t(), torch.arange(3, dtype=torch.uint8), torch.tensor([7, -1], dtype=torch.int64),
+              torch.zeros(0, 4), torch.tensor([True, False, True])]
+    payload = pack_tensors(values, torch.device("cpu"))
+    specs = [(tuple(v.shape), v.dtype) for v in values]
+    offsets, total = packed_layout(specs)
+    assert payload.numel() == total and all(o % ALIGN == 0 for o in offsets)
+    back = packed_views(payload.clone(), specs)
+    for v, b in zip(values, back):
+        assert b.dtype == v.dtype and torch.equal(b, v)
+
+
 def test_folder_holds_cores_and_segments_with_owner_and_replica(bip_out: Path) -> None:
     marker = json.loads((bip_out / "pipecc.json").read_text())
     assert marker["bipartition"] == "ship"
@@ -134,12 +150,21 @@ def test_folder_holds_cores_and_segments_with_owner_and_replica(bip_out: Path) -
     assert len(list(worker0.parameters())) == 2 and len(list(worker1.parameters())) == 6
 
 
-def test_torchrun_verify_matches_one_process(bip_out: Path) -> None:
+def test_torchrun_verify_matches_one_process(bip_out: Path, planned, tmp_path) -> None:
     # 4 micro-batches of 6 samples (2, 2, 1, 1): the segments' graphs are traced per shape
-    result = pipecc("run", str(bip_out), "--verify", "--steps", "2", "--microbatches", "4", timeout=240)
+    steps, lr = 3, 0.5
+    result = pipecc("run", str(bip_out), "--verify", "--steps", str(steps), "--microbatches", "4", "--lr", str(lr),
+                    "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "verify: outputs, loss and 12 gradients match the single-process run" in result.stdout
-    assert result.stdout.count("step ") == 2
+    assert sum(line.startswith("step ") for line in result.stdout.splitlines()) == steps
+    # the trained weights: steps 2 and 3 ran their segments' forwards on replicas refreshed over
+    # the wire (posted during the step, received into the replicas' parameters)
+    want = _reference(Path(planned[1].model_path), steps, lr)
+    got = _trained(bip_out, tmp_path / "ckpt", steps)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _run_here(out: Path, *flags: str) -> int:
@@ -166,7 +191,9 @@ def _trained(out: Path, ckpt: Path, steps: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     got: dict[str, torch.Tensor] = {}
-    tensors = load_file(str(ckpt / f"step_{steps}" / "stage_0.safetensors"))
+    tensors = {}  # one file per rank (torchrun), or stage_0 holding every stage (one process)
+    for file in sorted((ckpt / f"step_{steps}").glob("stage_*.safetensors")):
+        tensors.update(load_file(str(file)))
     for j in range(3):
         names = type(load_stage(out / f"stage_{j}")[0]).PARAM_NAMES
         for key, t in tensors.items():

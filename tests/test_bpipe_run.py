@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.stash import SavedTensors, module_storages, recv_stash, send_stash, storage_key
+from pipecc.runtime.stash import (ALIGN, Prefetch, SavedTensors, header_sizes, module_storages, pack_stash,
+                                  recv_packed, send_stash, storage_key, unpack_stash)
 from pipecc.runtime.wire import Wire
 
 pytestmark = pytest.mark.xdist_group(name="bpipe_run")
@@ -148,6 +149,37 @@ def test_store_errors() -> None:
         store.restore(away[:-1])
 
 
+def test_packed_stash_round_trip_rebuilds_every_view() -> None:
+    """One payload per transfer (``pack_stash``): storages of odd byte counts and of several
+    dtypes come back as aligned views of it, and the store's views rebuilt on them give the
+    gradients bit for bit (an int64 index after a 5-byte storage must still be 8-aligned)."""
+    odd = torch.arange(5, dtype=torch.uint8)
+    payload = pack_stash([odd, torch.arange(24, dtype=torch.uint8)], torch.device("cpu"))
+    assert header_sizes(payload) == [5, 24] and payload.numel() % ALIGN == 0
+    views = unpack_stash(payload, [5, 24])
+    assert [v.storage_offset() % ALIGN for v in views] == [0, 0]
+    assert torch.equal(views[0], odd) and views[1].untyped_storage().data_ptr() == payload.untyped_storage().data_ptr()
+    assert header_sizes(payload[:-ALIGN]) is None  # truncated: malformed, not misread
+
+    torch.manual_seed(0)
+    block, x = _Block(), torch.randn(5, 6)
+    want, want_x, _ = _grads(block, x)
+    block.zero_grad()
+    store = SavedTensors(module_storages([block]), "stage 0 mb 0")
+    xr = x.detach().requires_grad_(True)
+    with store.capture():
+        y = block(xr)
+    sent = store.evict()
+    assert len(sent) > 1 and {v.dtype for v in store.views} >= {torch.float32, torch.int64}
+    packed = pack_stash(sent, torch.device("cpu")).clone()  # the bytes that come back
+    del sent
+    store.restore(unpack_stash(packed, store.away_sizes))
+    y.square().sum().backward()
+    for p, w in zip(block.parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+    torch.testing.assert_close(xr.grad, want_x, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------- transport, two processes
 
 
@@ -170,15 +202,15 @@ def _transport_worker(rank: int, init: str, result: str) -> None:
         del sent
         wire.release(["S"])  # the send completed: the evictor holds none of it now
         assert not wire.inflight and store.nbytes == 0
-        back = recv_stash(wire, 1, lambda i: 5000 + 2 * i, "RECV_R mb 0", device)
+        back = Prefetch(wire, 1, lambda i: 5000 + 2 * i, "RECV_R mb 0", device, sizes).wait()  # as the engine
         assert [b.numel() for b in back] == sizes
         store.restore(back)
         y.square().sum().backward()
         ok = all(torch.equal(p.grad, w) for p, w in zip(block.parameters(), want))
         Path(result).write_text("ok" if ok else "gradients differ")
     else:  # the acceptor: receive and keep, send back
-        kept = recv_stash(wire, 0, tag, "RECV_S mb 0", device)
-        send_stash(wire, kept, 0, lambda i: 5000 + 2 * i, "SEND_R mb 0", key="R", device=device)
+        kept = recv_packed(wire, 0, tag, "RECV_S mb 0", device)  # kept whole, returned as it came
+        send_stash(wire, kept, 0, lambda i: 5000 + 2 * i, "SEND_R mb 0", key="R", device=device, counted=False)
         wire.flush()
     dist.barrier()
     dist.destroy_process_group()

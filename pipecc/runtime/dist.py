@@ -411,6 +411,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         if optimizer is not None:
             optimizer.zero_grad()
         runtime.keep_outputs = verifier is not None and i == 0
+        runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
         loss = runtime.step(inputs, target)
         tied.reduce()
         if verifier is not None and i == 0:

@@ -14,9 +14,9 @@ parameters' gradients and frees the graph (how, and what it costs: ``pipecc.runt
 Activation balancing (BPipe, ``RunConfig.activation_balancing``, ``pipecc.runtime.stash``): the
 schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (1F1B, one stage per rank; anything else is
 refused). A micro-batch the schedule evicts (it has a ``SEND_S``) runs its forward under
-saved-tensor hooks that file every saved activation in its store; SEND_S sends the store's
-storages to the partner stage p-1-s and drops them (the wire lets go once the send completed,
-``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and B
+saved-tensor hooks that file every saved activation in its store; SEND_S packs the store's
+storages into one payload, sends it to the partner stage p-1-s and drops them (the wire lets
+go of the payload once the send completed, ``Wire.collect``); the partner keeps them from RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and B
 waits for it first, so ``unpack`` finds them. Inputs and outputs of the stage stay (the engine holds them).
 
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
@@ -54,9 +54,13 @@ Bi-Partition (``pipecc.runtime.segments``): a stage module that is a ``Bipartiti
 F and B through its ``WorkerProgram`` (core under autograd, misplaced segments through their
 AOT forward/backward graphs); its forward message carries the values crossing its forward cut
 plus any segment's saved tensors, its backward message the gradients at its backward cut plus
-any saved tensors (``SAVED`` ports after the usual ones, same tags scheme), and
-``after_optimizer_step`` refreshes the segments' replicas from their owners (also after
-``load_checkpoint``). Equal micro-batches, no replicas, no zero-bubble split.
+any saved tensors (``SAVED`` ports after the usual ones); a message with saved tensors sends
+all its tensors as one packed payload (``wire.pack_tensors``, ``_recv_packed``: one message,
+as the planner charges a boundary). ``after_optimizer_step`` refreshes the segments' replicas
+from their owners (also after ``load_checkpoint``); with ``refresh_follows`` (dist.py's
+training loop) a replica's receive is posted into its parameters right after the rank's last
+forward of the step, so the transfer overlaps the rank's remaining backwards. Equal
+micro-batches, no replicas, no zero-bubble split.
 
 Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
 it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.
@@ -111,7 +115,7 @@ from pipecc.runtime.replicas import GradientAllReduce, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.segments import SAVED, BipartitionWorker, WorkerProgram
 from pipecc.runtime.split_backward import input_backward, weight_backward
-from pipecc.runtime.stash import (Prefetch, SavedTensors, bpipe_thresholds, module_storages, recv_stash, send_stash,
+from pipecc.runtime.stash import (Prefetch, SavedTensors, bpipe_thresholds, module_storages, recv_packed, send_stash,
                                   storage_key)
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.wire import (
@@ -121,6 +125,9 @@ from pipecc.runtime.wire import (
     directed_groups,
     encode_object,
     fingerprint,
+    pack_tensors,
+    packed_layout,
+    packed_views,
     peer_rank,
     send_release,
 )
@@ -289,6 +296,10 @@ class PipelineRuntime:
         self.grad_sync = None if self.replicas.count == 1 else GradientAllReduce(
             self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
         self._bip = self._bipartition()  # stage -> its Bi-Partition program (pipecc.runtime.segments)
+        # Bi-Partition: True when the caller runs after_optimizer_step after every step (dist.py's
+        # training loop): the replicas' refresh receive is then posted during the step
+        self.refresh_follows = False
+        self._refresh_posted: dict[int, list] = {}  # segment boundary -> its refresh's posted receives
         self.peak_stash = 0  # most microbatches stashed at once during the last step
         self.evicted: dict[int, list[int]] = {}  # BPipe: stage -> bytes of each SEND_S of the last step
         self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
@@ -319,7 +330,9 @@ class PipelineRuntime:
 
     def after_optimizer_step(self) -> None:
         """Bi-Partition: the owners of segments send their updated weights to the replicas
-        (call after every ``optimizer.step()``; a no-op without Bi-Partition)."""
+        (call after every ``optimizer.step()``; a no-op without Bi-Partition). A replica's
+        receive was posted during the step when ``refresh_follows`` is set (``_post_refresh``);
+        it lands in the replica's parameters directly."""
         if not self._bip:
             return
         for s, program in self._bip.items():
@@ -337,18 +350,33 @@ class PipelineRuntime:
                 for i, p in enumerate(runner.module.parameters()):
                     self._wire.send(p.detach(), peer, self._tag(3, peer_stage, runner.boundary % self.m, i),
                                     "the replica refresh", key=("refresh", runner.boundary))
-        for s, program in self._bip.items():
-            for runner in program.module.runners:
-                if runner.owner or runner.bp in self._bip:
-                    continue
-                params = list(runner.module.parameters())
-                buffers = [torch.empty_like(p) for p in params]
-                tags = [self._tag(3, s, runner.boundary % self.m, i) for i in range(len(params))]
-                self._wire.recv(buffers, self.schedule.stage_to_rank[runner.bp], tags, "the replica refresh")
-                with torch.no_grad():
-                    for p, b in zip(params, buffers):
-                        p.copy_(b)
+        for s in self._bip:
+            self._post_refresh(s)
+        for posted in self._refresh_posted.values():
+            self._wire.wait(posted)
+        self._refresh_posted = {}
         self._wire.flush()
+
+    def _post_refresh(self, s: int) -> None:
+        """Post the receives of stage ``s``'s replicas' refresh straight into their parameters
+        (once per step). ``_run`` posts them right after the stage's last forward of a step
+        when ``refresh_follows``: the replica is not read again before the refresh, and the
+        transfer overlaps this rank's remaining backwards instead of following them."""
+        for runner in self._bip[s].module.runners:
+            if runner.owner or runner.bp in self._bip or runner.boundary in self._refresh_posted:
+                continue
+            params = [p.detach() for p in runner.module.parameters()]
+            tags = [self._tag(3, s, runner.boundary % self.m, i) for i in range(len(params))]
+            self._refresh_posted[runner.boundary] = self._wire.post(
+                params, self.schedule.stage_to_rank[runner.bp], tags, "the replica refresh")
+
+    def _refresh_points(self, schedule: Schedule) -> dict[Action, int]:
+        """Bi-Partition: each replica-holding stage's last F of this rank -> that stage."""
+        last: dict[int, Action] = {}
+        for a in schedule.actions[self.rank]:
+            if a.kind is ActionKind.F and a.stage in self._bip:
+                last[a.stage] = a
+        return {a: s for s, a in last.items()}
 
     # -- public API ----------------------------------------------------------------------
 
@@ -436,7 +464,7 @@ class PipelineRuntime:
         # BPipe: (stage, mb) -> the saved activations of an evicted micro-batch (this rank's
         # stage); (evictor stage, mb) -> the partner's storages this rank keeps for it
         self._saved: dict[tuple[int, int], SavedTensors] = {}
-        self._foreign: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._foreign: dict[tuple[int, int], torch.Tensor] = {}  # packed payloads (stash.pack)
         self._returning: dict[tuple[int, int], Prefetch] = {}  # RECV_R posted, B not yet run
         self._evicting = {(a.stage, a.microbatch) for a in schedule.actions[self.rank]
                           if a.kind is ActionKind.SEND_S} if training else set()
@@ -447,6 +475,7 @@ class PipelineRuntime:
         release = send_release(schedule, self.rank)
         deferred: dict[tuple[int, int], list[Action]] = {}  # BPipe: RECV_R's releases, until it arrived
         reduce_after = self._last_gradient_actions(schedule) if training and self.grad_sync is not None else {}
+        refresh_after = self._refresh_points(schedule) if training and self.refresh_follows and self._bip else {}
         for action in schedule.actions[self.rank]:
             if action in reduce_after:
                 self.grad_sync.arm(self._module(action.stage).parameters())
@@ -459,6 +488,8 @@ class PipelineRuntime:
             self._timed(action, partial(self._execute, action, training))
             if action in reduce_after:
                 self.grad_sync.disarm()
+            if action in refresh_after:
+                self._post_refresh(refresh_after[action])
             if action.kind is ActionKind.RECV_R:  # only posted: its releases wait for its arrival
                 deferred[key] = release.get(action, [])
             else:
@@ -541,18 +572,15 @@ class PipelineRuntime:
             leaves, outs = self._stash[(s, mb)]
             resident = frozenset(storage_key(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor))
             buffers = store.evict(resident)
-            if len(buffers) >= MAX_PORTS:
-                raise PipeccError(f"rank {self.global_rank}: stage {s} saves {len(buffers)} separate activations "
-                                  f"per micro-batch, more than BPipe's {MAX_PORTS - 1} messages per eviction")
             self.evicted.setdefault(s, []).append(sum(b.numel() for b in buffers))
             if self.timer is not None:
                 self.timer.note_eviction(s, self.evicted[s][-1])
             send_stash(self._wire, buffers, peer, tag_of, what, a, self.device)
             self._moving.append(a)
         elif a.kind is ActionKind.RECV_S:
-            self._foreign[(evictor, mb)] = recv_stash(self._wire, peer, tag_of, what, self.device)
+            self._foreign[(evictor, mb)] = recv_packed(self._wire, peer, tag_of, what, self.device)  # kept whole
         elif a.kind is ActionKind.SEND_R:
-            send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device)
+            send_stash(self._wire, self._foreign.pop((evictor, mb)), peer, tag_of, what, a, self.device, counted=False)
             self._moving.append(a)
         else:  # RECV_R: a prefetch, completed right before B (``_returned``)
             self._returning[(s, mb)] = Prefetch(self._wire, peer, tag_of, what, self.device,
@@ -720,10 +748,16 @@ class PipelineRuntime:
         receiver = a.stage + 1 if forward else a.stage - 1
         what = f"{a.kind.value} mb {a.microbatch}"
         payloads = []
+        packed = any(p is SAVED for p in ports)  # Bi-Partition: its tensors go as one payload (wire.pack_tensors)
+        if packed:
+            tensors = [i for i, port in enumerate(ports) if port.kind == "tensor"]
+            self._wire.send(pack_tensors([values[i] for i in tensors], self.device), peer,
+                            self._tag(0 if forward else 1, receiver, a.microbatch, tensors[0]), what, key=a)
         for i, (v, port) in enumerate(zip(values, ports)):
             tag = self._tag(0 if forward else 1, receiver, a.microbatch, i)
             if port.kind == "tensor":
-                self._wire.send(v, peer, tag, what, key=a)
+                if not packed:
+                    self._wire.send(v, peer, tag, what, key=a)
             else:
                 data = encode_object(v, f"{what} port {port.name!r}").to(self.device)
                 length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
@@ -746,7 +780,10 @@ class PipelineRuntime:
             else:
                 first.append(torch.empty(1, dtype=torch.int64, device=self.device))
         tags = [self._tag(direction, a.stage, a.microbatch, i) for i in range(len(ports) + len(extra))]
-        self._wire.recv([*first, *extra], peer, tags, what)
+        if extra:  # Bi-Partition's saved tensors: every tensor leaf arrives in one payload (``_send``)
+            first, extra = self._recv_packed(first, ports, extra, peer, tags, what)
+        else:
+            self._wire.recv([*first, *extra], peer, tags, what)
         objects = [i for i, p in enumerate(ports) if p.kind == "object"]
         if not objects:
             return [*first, *extra]
@@ -756,6 +793,22 @@ class PipelineRuntime:
         for i, data in zip(objects, payloads):
             values[i] = decode_object(data, self.device)
         return [*values, *extra]
+
+    def _recv_packed(self, first: list[torch.Tensor], ports: Sequence[Port], extra: Sequence[torch.Tensor], peer: int,
+                     tags: Sequence[int], what: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Receive a message whose tensor leaves (``first``'s tensor ports, then ``extra``) travel
+        packed, with the object ports' lengths; returns the leaves as views of the payload."""
+        leaves = [i for i, p in enumerate(ports) if p.kind == "tensor"]
+        objects = [i for i, p in enumerate(ports) if p.kind != "tensor"]
+        tensors = [first[i] for i in leaves] + list(extra)
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        payload = torch.empty(packed_layout(specs)[1], dtype=torch.uint8, device=self.device)
+        self._wire.recv([payload, *[first[i] for i in objects]], peer,
+                        [tags[leaves[0] if leaves else len(ports)], *[tags[i] for i in objects]], what)
+        views = packed_views(payload, specs)
+        for i, v in zip(leaves, views):
+            first[i] = v
+        return first, views[len(leaves):]
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ Messages (the schedule does not change: one SEND_F/RECV_F, one SEND_B/RECV_B per
 micro-batch). Forward message at boundary j: the values crossing a_j (``ports.json`` sends), then,
 if a_j > c_j, the segment's saved tensors. Backward message at boundary j: the gradients of the
 values crossing c_j that carry one (``bipartition.grad_sends`` of worker j+1), then, if c_j > a_j,
-the segment's saved tensors. Saved tensors that are functions of the weights alone (a weight, its
+the segment's saved tensors. Such a message travels as one packed payload of all its tensors
+(``pipecc.runtime.wire.pack_tensors``; the receiver's values and saved tensors are views of it).
+Saved tensors that are functions of the weights alone (a weight, its
 transpose) do not travel: the backward worker recomputes them from the owner's weights, which
 equal the replica's within a step (``Graphs.static_graph``); ``WorkerProgram.saved_bytes`` counts
 what does travel.
@@ -32,7 +34,8 @@ what does travel.
 Weights. The owner (backward worker) holds a segment's parameters and their gradients, and its
 optimizer updates them; the forward worker holds a replica, not registered in its stage module
 (so not in its optimizer, ``state_dict`` or checkpoints), refreshed from the owner after every
-optimizer step (``PipelineRuntime.after_optimizer_step``). ``--verify`` compares the owner's
+optimizer step (``PipelineRuntime.after_optimizer_step``; the replica's receive lands in its
+parameters, posted after its worker's last forward of the step). ``--verify`` compares the owner's
 gradients under the original parameter names (the worker module's ``PARAM_NAMES``).
 
 Inference (``infer``) runs every piece eagerly under ``no_grad``; no saved tensors travel.

@@ -18,18 +18,28 @@ bytes, and restoring rebuilds every view on the returned bytes (``Tensor.set_``)
 unpacked tensors equal the saved ones bit for bit, whatever their dtype or layout of strides.
 
 Eviction (``evict``) hands out the storages as flat uint8 tensors and drops the store's
-references; the caller's transport keeps them alive only until the send completed
+references; the transport copies them into one payload (``pack_stash``), so they go as soon
+as the caller drops the list, and the wire keeps the payload only until the send completed
 (``pipecc.runtime.wire.Wire.release``). Storages the engine keeps anyway (the stage's input
 leaves and sent outputs, ``resident``) stay: moving them would free nothing. ``restore`` takes
 the returned bytes back; ``unpack`` on an evicted store is an error naming the action missing.
 
-Transport (``send_stash``/``recv_stash``): a header, then the storages. The header is JSON (the
-byte count of every storage), sent as object ports are (an int64 length, then the bytes; see
-``pipecc.runtime.wire``); then one uint8 message per storage. The receiver allocates from the
-header, so no shape travels in ``ports.json``. The evictor checks the returned header against
-what it sent. Tags: leaf 0 carries the header (length, payload on tag + 1), leaf i + 1 storage i.
-The evictor's RECV_R is a prefetch (``Prefetch``): it knows the byte counts, so it posts every
-receive at once and waits only right before the backward of that micro-batch.
+Transport (``send_stash``/``recv_stash``): one packed payload per transfer, so a stash of any
+number of storages costs two messages out (an int64 byte count, then the payload) and one
+back (the payload: the evictor knows its size), instead of a length, a JSON header and one
+message per storage each way. ``pack_stash`` lays the payload out as an int64
+layout header (the storage count, then every storage's byte count) and the storages, each
+starting on an ``ALIGN``-byte boundary; ``unpack_stash`` returns the storages as views of the
+payload (no copy), so ``SavedTensors.unpack`` rebuilds every view at its byte offset. The
+receiver allocates from the byte count, so no shape travels in ``ports.json``. The acceptor
+keeps the payload whole (``recv_packed``) and sends it back as it came. The evictor's RECV_R is
+a prefetch (``Prefetch``): it knows the payload's size and layout, so it posts its receive at
+once and waits only right before the backward of that micro-batch, then checks the layout
+header against what it sent. Tags: leaf 0 carries the byte count, tag + 1 the payload.
+NOTE: why pack. With 4 gloo ranks on 2 CPUs (bench_papers_run's bpipe case, cProfile) posting
+one send costs its rank ~0.7 ms and one receive ~0.3-0.5 ms, far more than moving a stash of
+a few KB, so a transfer costs what its message count does; packing costs one copy of the
+stash bytes on the evictor (memory bandwidth, small next to any link).
 
 Imports torch, ``pipecc.errors`` and ``pipecc.runtime.wire``.
 """
@@ -45,10 +55,10 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.runtime.wire import Wire, decode_object, encode_object
+from pipecc.runtime.wire import ALIGN, Wire  # ALIGN: where every storage in a payload starts
 
-__all__ = ["Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "module_storages", "recv_stash",
-           "send_stash", "storage_key"]
+__all__ = ["ALIGN", "Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "layout",
+           "module_storages", "pack_stash", "recv_packed", "recv_stash", "send_stash", "storage_key", "unpack_stash"]
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -129,8 +139,10 @@ class SavedTensors:
         if data is None:
             raise PipeccError(f"{self.what}: its saved activations are still on the partner stage when the "
                               "backward needs them (the schedule has no RECV_R before B)")
+        # NOTE: a returned storage is a slice of the packed payload (``unpack_stash``), ALIGN-aligned
+        base = data.storage_offset() // view.dtype.itemsize
         return torch.empty(0, dtype=view.dtype, device=data.device).set_(
-            data.untyped_storage(), view.offset, view.size, view.stride)
+            data.untyped_storage(), base + view.offset, view.size, view.stride)
 
     # -- eviction ------------------------------------------------------------------------
 
@@ -181,53 +193,102 @@ class _Handle:
 # ---------------------------------------------------------------------------- transport
 
 
-def send_stash(wire: Wire, buffers: Sequence[torch.Tensor], peer: int, tag_of: Callable[[int], int],
-               what: str, key: Any, device: torch.device) -> None:
-    """Post the header and the storages to ``peer`` (non-blocking; ``wire`` keeps them until
-    ``release(key)``). ``tag_of(i)`` is leaf i's even tag."""
-    header = encode_object({"bytes": [int(b.numel()) for b in buffers]}, what).to(device)
-    wire.send(torch.tensor([header.numel()], dtype=torch.int64, device=device), peer, tag_of(0), what, key=key)
-    wire.send(header, peer, tag_of(0) + 1, what, key=key)
-    for i, b in enumerate(buffers):
-        wire.send(b, peer, tag_of(i + 1), what, key=key)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets of storages of ``sizes`` bytes in a packed payload, and its total size."""
+    offset = _aligned(8 * (1 + len(sizes)))  # the int64 header: count, then the byte counts
+    offsets = []
+    for n in sizes:
+        offsets.append(offset)
+        offset += _aligned(int(n))
+    return offsets, offset
+
+
+def pack_stash(buffers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flat uint8 payload holding ``buffers`` (flat uint8 storages) and their layout header."""
+    sizes = [int(b.numel()) for b in buffers]
+    offsets, total = layout(sizes)
+    payload = torch.empty(total, dtype=torch.uint8, device=device)
+    header = torch.tensor([len(sizes), *sizes], dtype=torch.int64)
+    payload[:header.numel() * 8].copy_(header.view(torch.uint8))
+    for b, start, n in zip(buffers, offsets, sizes):
+        payload[start:start + n].copy_(b)
+    return payload
+
+
+def header_sizes(payload: torch.Tensor) -> list[int] | None:
+    """The storage byte counts a payload's layout header announces (None when malformed)."""
+    if payload.numel() < 8:
+        return None
+    count = int(payload[:8].cpu().view(torch.int64)[0])
+    if count < 0 or 8 * (1 + count) > payload.numel():
+        return None
+    sizes = [int(n) for n in payload[:8 * (1 + count)].cpu().view(torch.int64)[1:]]
+    if any(n < 0 for n in sizes) or layout(sizes)[1] != payload.numel():
+        return None
+    return sizes
+
+
+def unpack_stash(payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The storages of a packed payload, as views of it (in order)."""
+    offsets, _ = layout(sizes)
+    return [payload[start:start + int(n)] for start, n in zip(offsets, sizes)]
+
+
+def send_stash(wire: Wire, stash: Sequence[torch.Tensor] | torch.Tensor, peer: int, tag_of: Callable[[int], int],
+               what: str, key: Any, device: torch.device, counted: bool = True) -> None:
+    """Post a stash to ``peer``: storages (packed here) or a payload ``pack_stash`` made; non-blocking,
+    ``wire`` keeps the payload until ``release(key)``. ``tag_of(0)`` is the transfer's even tag.
+    ``counted``: the byte count goes first (SEND_S: the acceptor cannot know it); a return
+    (SEND_R) sends the payload alone, whose size the evictor knows (``Prefetch``)."""
+    payload = stash if isinstance(stash, torch.Tensor) else pack_stash(stash, device)
+    if counted:
+        wire.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), peer, tag_of(0), what, key=key)
+    wire.send(payload, peer, tag_of(0) + 1, what, key=key)
 
 
 class Prefetch:
-    """A return the evictor posted at RECV_R (it knows the byte counts: the header it expects is
-    the one it sent); ``wait`` completes it right before the backward that needs it."""
+    """A return the evictor posted at RECV_R: one receive of the payload, whose size and layout
+    it knows (the storages it sent); ``wait`` completes it right before the backward that
+    needs it and checks the layout header against what it sent."""
 
     def __init__(self, wire: Wire, peer: int, tag_of: Callable[[int], int], what: str, device: torch.device,
                  sizes: Sequence[int]):
         self.wire, self.peer, self.what = wire, peer, what
-        self.expected = encode_object({"bytes": [int(n) for n in sizes]}, what)
-        self.length = torch.empty(1, dtype=torch.int64, device=device)
-        self.header = torch.empty(self.expected.numel(), dtype=torch.uint8, device=device)
-        self.buffers = [torch.empty(int(n), dtype=torch.uint8, device=device) for n in sizes]
-        tags = [tag_of(0), tag_of(0) + 1, *(tag_of(i + 1) for i in range(len(sizes)))]
-        self.posted = wire.post([self.length, self.header, *self.buffers], peer, tags, what)
+        self.sizes = [int(n) for n in sizes]
+        self.payload = torch.empty(layout(self.sizes)[1], dtype=torch.uint8, device=device)
+        self.posted = wire.post([self.payload], peer, [tag_of(0) + 1], what)
 
     def wait(self) -> list[torch.Tensor]:
         self.wire.wait(self.posted)
-        if int(self.length.item()) != self.expected.numel() or not torch.equal(self.header.cpu(), self.expected):
+        if header_sizes(self.payload) != self.sizes:
             raise PipeccError(f"{self.what}: rank {self.peer} returned another stash than the one sent to it")
-        return self.buffers
+        return unpack_stash(self.payload, self.sizes)
+
+
+def recv_packed(wire: Wire, peer: int, tag_of: Callable[[int], int], what: str, device: torch.device) -> torch.Tensor:
+    """Receive a stash's packed payload from ``peer`` (the acceptor keeps it whole)."""
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    wire.recv([length], peer, [tag_of(0)], what)
+    if int(length.item()) < 8:
+        raise PipeccError(f"{what}: malformed stash header from rank {peer}")
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    wire.recv([payload], peer, [tag_of(0) + 1], what)
+    if header_sizes(payload) is None:
+        raise PipeccError(f"{what}: malformed stash header from rank {peer}")
+    return payload
 
 
 def recv_stash(wire: Wire, peer: int, tag_of: Callable[[int], int], what: str,
                device: torch.device) -> list[torch.Tensor]:
-    """Receive a header and the storages it announces from ``peer``, into fresh buffers."""
-    length = torch.empty(1, dtype=torch.int64, device=device)
-    wire.recv([length], peer, [tag_of(0)], what)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    wire.recv([payload], peer, [tag_of(0) + 1], what)
-    header = decode_object(payload, device)
-    sizes = header.get("bytes") if isinstance(header, dict) else None
-    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
-        raise PipeccError(f"{what}: malformed stash header from rank {peer}")
-    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-    if buffers:
-        wire.recv(buffers, peer, [tag_of(i + 1) for i in range(len(buffers))], what)
-    return buffers
+    """Receive a stash from ``peer``: its storages, as views of the payload."""
+    payload = recv_packed(wire, peer, tag_of, what, device)
+    return unpack_stash(payload, header_sizes(payload) or [])
 
 
 # ---------------------------------------------------------------------------- the folder's pairs

@@ -12,9 +12,13 @@ Wire protocol (per SEND/RECV action, one microbatch):
   * backward: only ports with ``requires_grad`` and a floating dtype carry a gradient back
     (integer token ids never do); both sides decide this from the spec alone. A received input
     the stage did not use sends zeros.
-  * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): a JSON header of
-    storage byte counts, then one uint8 message per storage (``pipecc.runtime.stash``); the
+  * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): an int64 byte count,
+    then one uint8 payload packing the storages and their layout (``pipecc.runtime.stash``); the
     peer is the partner stage's rank (``Schedule.partner``), the message key the evictor's.
+  * Bi-Partition message carrying a segment's saved tensors (``pipecc.runtime.segments``): all
+    its tensor leaves, values and saved tensors, travel as one uint8 payload (``pack_tensors``,
+    each leaf ALIGN-aligned; both ends know every shape), on the first tensor leaf's tag; the
+    receiver's leaves are views of it (``packed_views``). Object ports go as usual.
   Messages go in port order, first every tensor and length, then the object payloads. Gloo
   matches them by tag (direction, receiving stage, microbatch, port); NCCL ignores tags and
   matches by order, which ``check_fifo`` verifies against the schedule before an NCCL run.
@@ -51,12 +55,16 @@ from pipecc.ir.schedule import Action, ActionKind, Schedule
 from pipecc.runtime.ports import Port, describe, from_json, to_json
 
 __all__ = [
+    "ALIGN",
     "Wire",
     "check_fifo",
     "decode_object",
     "directed_groups",
     "encode_object",
     "fingerprint",
+    "pack_tensors",
+    "packed_layout",
+    "packed_views",
     "peer_rank",
     "send_release",
     "wait_until",
@@ -241,6 +249,42 @@ def _gist(error: BaseException) -> str:
     """The first sentence of a c10d/gloo error, without its ``[file.cc:123]`` prefix."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n")[0])
     return text.split(". ")[0] or type(error).__name__
+
+
+ALIGN = 64  # bytes: where every tensor in a packed payload starts (any dtype's alignment)
+
+
+def packed_layout(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of these (shape, dtype) in one packed payload, and its size."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        n = dtype.itemsize
+        for d in shape:
+            n *= int(d)
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, total
+
+
+def packed_views(payload: torch.Tensor, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors of a packed uint8 payload, as views of it (no copy)."""
+    offsets, _ = packed_layout(specs)
+    out = []
+    for start, (shape, dtype) in zip(offsets, specs):
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        out.append(payload[start:start + numel * dtype.itemsize].view(dtype).view(tuple(shape)))
+    return out
+
+
+def pack_tensors(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One uint8 payload holding ``tensors`` (copied, any strides) at ``packed_layout``'s offsets."""
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    payload = torch.empty(packed_layout(specs)[1], dtype=torch.uint8, device=device)
+    for view, t in zip(packed_views(payload, specs), tensors):
+        view.copy_(t.detach())
+    return payload
 
 
 def encode_object(value: Any, what: str) -> torch.Tensor:

@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,9 +35,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fidelity import PIPECC, _env, _last_line, _model_arg_flags, run_json  # noqa: E402
 from results import replace_section  # noqa: E402
-
-PIPECC = [sys.executable, "-m", "pipecc.cli"]
 
 GPT = dict(path="models/gpt.py", args=dict(n_layer=4, n_head=4, n_embd=128, vocab_size=1024,
                                            block_size=64, seq_len=64))
@@ -151,19 +149,9 @@ def reading(cases: list[dict[str, Any]]) -> str:
 
 # ----------------------------------------------------------------------------- measuring
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _last_line(text: str) -> str:
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    return lines[-1] if lines else "(no output)"
-
-
 def profile(spec: dict[str, Any], devices: str, batch: int, out: Path, timeout: float) -> None:
     """`pipecc profile` with one thread, what each rank of `pipecc run` gets."""
-    flags = [x for k, v in spec["args"].items() for x in ("--model-arg", f"{k}={v}")]
-    cmd = PIPECC + ["profile", spec["path"], "--devices", devices, "-b", str(batch), *flags,
+    cmd = PIPECC + ["profile", spec["path"], "--devices", devices, "-b", str(batch), *_model_arg_flags(spec["args"]),
                     "-o", str(out), "--no-cache", "-q"]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -180,17 +168,6 @@ def compile_side(analysis: Any, spec: dict[str, Any], devices: str, kwargs: dict
     return {"predicted_s": plan.predicted_iteration_s, "schedule": plan.schedule,
             "microbatches": plan.microbatches, "decisions": list(plan.decisions),
             "plan": json.loads(plan.dumps())}
-
-
-def run_json(folder: Path, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
-    cmd = PIPECC + ["run", str(folder), "--json", "--steps", str(steps), "--warmup-steps", str(warmup), "-q"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"pipecc run: {_last_line(r.stderr or r.stdout)}")
-    doc = json.loads(r.stdout)
-    if doc.get("format") != "pipecc-run" or "step_s" not in doc:
-        raise RuntimeError("pipecc run --json: not a pipecc-run document")
-    return doc
 
 
 # case name -> a check on the "on" plan: (used?, note). A feature the planner declined is

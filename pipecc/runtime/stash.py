@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.runtime.wire import ALIGN, Wire  # ALIGN: where every storage in a payload starts
+from pipecc.runtime.wire import ALIGN, Wire, pack_tensors, packed_layout, packed_views  # ALIGN: where every storage starts
 
 __all__ = ["ALIGN", "Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "layout",
            "module_storages", "pack_stash", "recv_packed", "recv_stash", "send_stash", "storage_key", "unpack_stash"]
@@ -195,30 +195,23 @@ class _Handle:
 
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _specs(sizes: Sequence[int]) -> list[tuple[tuple[int], torch.dtype]]:
+    """A stash payload as `wire.packed_layout` sees it: the int64 header (count, then the byte
+    counts) and the storages, each a flat uint8 tensor."""
+    return [((8 * (1 + len(sizes)),), torch.uint8), *(((int(n),), torch.uint8) for n in sizes)]
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     """Byte offsets of storages of ``sizes`` bytes in a packed payload, and its total size."""
-    offset = _aligned(8 * (1 + len(sizes)))  # the int64 header: count, then the byte counts
-    offsets = []
-    for n in sizes:
-        offsets.append(offset)
-        offset += _aligned(int(n))
-    return offsets, offset
+    offsets, total = packed_layout(_specs(sizes))
+    return offsets[1:], total
 
 
 def pack_stash(buffers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One flat uint8 payload holding ``buffers`` (flat uint8 storages) and their layout header."""
     sizes = [int(b.numel()) for b in buffers]
-    offsets, total = layout(sizes)
-    payload = torch.empty(total, dtype=torch.uint8, device=device)
-    header = torch.tensor([len(sizes), *sizes], dtype=torch.int64)
-    payload[:header.numel() * 8].copy_(header.view(torch.uint8))
-    for b, start, n in zip(buffers, offsets, sizes):
-        payload[start:start + n].copy_(b)
-    return payload
+    header = torch.tensor([len(sizes), *sizes], dtype=torch.int64).view(torch.uint8)
+    return pack_tensors([header, *buffers], device)
 
 
 def header_sizes(payload: torch.Tensor) -> list[int] | None:
@@ -236,8 +229,7 @@ def header_sizes(payload: torch.Tensor) -> list[int] | None:
 
 def unpack_stash(payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     """The storages of a packed payload, as views of it (in order)."""
-    offsets, _ = layout(sizes)
-    return [payload[start:start + int(n)] for start, n in zip(offsets, sizes)]
+    return packed_views(payload, _specs(sizes))[1:]
 
 
 def send_stash(wire: Wire, stash: Sequence[torch.Tensor] | torch.Tensor, peer: int, tag_of: Callable[[int], int],

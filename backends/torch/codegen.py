@@ -1,7 +1,9 @@
 """Readable, standalone `stage.py` files: one `nn.Module` per pipeline stage, plain torch code.
 
-A generated file imports torch only (plus `math`/`operator` if the graph calls them, and
-`pipecc.frontend.onnx_ops` for graphs imported from ONNX, whose operators are pipecc functions). It holds
+A generated file imports torch only (plus `math`/`operator` if the graph calls them,
+`pipecc.frontend.onnx_ops` for graphs imported from ONNX, whose operators are pipecc functions,
+and the library or model-file functions the graph calls as single nodes, imported by module
+path: `render.FunctionImports` says how, and the rule for the model file's own). It holds
 
   * a header docstring: model, stage, device, the nodes it holds, and every received and sent
     port with its dtype and shape (symbolic dims shown, `float32[B, 128]`);
@@ -111,6 +113,9 @@ class _Emitter:
         self.shards: dict[str, tuple[str, int, int, int]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.imports: set[str] = set()
+        # functions of other modules (a library's torch.fx.wrap'ed ones, the model file's):
+        # module-level aliases, taken from the locals' names so that none shadows another
+        self.functions = render.FunctionImports(lambda hint: self.locals.fresh(hint, "fn"))
         self._attr_of: dict[Any, str] = {}     # id(tensor) or slice key -> attribute
         self._modules: dict[int, str] = {}     # id(instantiated module) -> attribute
         self._var: dict[fx.Node, str] = {}
@@ -268,7 +273,7 @@ class _Emitter:
             return f"{render.atom(args[0])}[{render.subscript(node.args[1], self._node_expr)}]"
         if fn is getattr and len(node.args) == 2 and is_plain_identifier(node.args[1]):
             return f"{render.atom(args[0])}.{node.args[1]}"
-        return f"{render.callable_name(fn, self.imports)}({', '.join(args + kwargs)})"
+        return f"{render.callable_name(fn, self.imports, self.functions)}({', '.join(args + kwargs)})"
 
     # -- assembly
     def assemble(self, cls: str, header: str) -> str:
@@ -277,6 +282,7 @@ class _Emitter:
         lines += [f"import {m}" for m in sorted(self.imports - {"onnx_ops"})]
         if "onnx_ops" in self.imports:
             lines.append("from pipecc.frontend import onnx_ops  # torch implementations of ONNX operators")
+        lines += self.functions.header()
         lines += ["", "", f"class {cls}(torch.nn.Module):"]
         lines += _mapping("PARAM_NAMES", self.param_names, always=True)
         lines += _mapping("PARAM_ALIASES", self.aliases) + _mapping("SHARDS", self.shards)

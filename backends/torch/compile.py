@@ -159,6 +159,19 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     pieces = check_bipartition(graph, plan)
     balancing = check_activation_balancing(plan, sizes)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
+    # NOTE: first, so that a stage calling a model-file function loads here too (segment tracing):
+    # it finds the model file through the marker (pipecc.runtime.modelfuncs)
+    marker = {"format": FORMAT, "version": FORMAT_VERSION, "model": graph.model_name,
+              "model_path": plan.model_path, "model_args": plan.model_args,
+              "batch_size": plan.batch_size, "microbatches": plan.microbatches,
+              "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
+              "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
+              "activation_balancing": balancing,
+              "source": graph.source, "torch": torch.__version__,
+              "model_inputs": stages[0].model_inputs if stages else [],
+              "model_output": stages[-1].model_output if stages else None,
+              MODEL_HASH: _sha256(plan.model_path)}
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
     if pieces:  # Bi-Partition: cores and segments per worker (backends.torch.bipartition)
         write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
     for stage, planned in zip(stages, plan.stages):
@@ -174,17 +187,6 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
             path.write_bytes(content)
         else:
             path.write_text(content, encoding="utf-8")
-    marker = {"format": FORMAT, "version": FORMAT_VERSION, "model": graph.model_name,
-              "model_path": plan.model_path, "model_args": plan.model_args,
-              "batch_size": plan.batch_size, "microbatches": plan.microbatches,
-              "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
-              "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
-              "activation_balancing": balancing,
-              "source": graph.source, "torch": torch.__version__,
-              "model_inputs": stages[0].model_inputs if stages else [],
-              "model_output": stages[-1].model_output if stages else None,
-              MODEL_HASH: _sha256(plan.model_path)}
-    (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
 
 
 def check_replicas(plan: Plan) -> None:

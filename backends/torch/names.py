@@ -23,6 +23,7 @@ from pipecc.backends import names as _shared
 
 # Names the generated module itself uses; a local or attribute must never shadow them.
 RESERVED = frozenset({"torch", "F", "self", "math", "operator", "onnx_ops", "super", "PARAM_NAMES",
+                      "model_function",
                       "PARAM_ALIASES", "SHARDS"})
 
 

@@ -5,11 +5,26 @@ expression; `callable_name` names a `call_function` target so that the generated
 `import torch` (plus `math`/`operator` for the rare function from those modules, and
 `pipecc.frontend.onnx_ops` for graphs imported from ONNX). Anything that cannot be named that way is a
 `PipeccError`, never a guess.
+
+Functions of other modules (`FunctionImports`): a library function that a graph calls as one
+node, typically one the library marks with `torch.fx.wrap` (torchvision's `stochastic_depth`,
+Swin's `_get_relative_position_bias`), is imported by its module path, as torch.fx's own code
+does: `from torchvision.ops.stochastic_depth import stochastic_depth as stochastic_depth_fn`
+(a `from` import reads the module itself, so a package attribute of the same name cannot shadow
+it). The rule for the user's own model file (which pipecc imports by path under a name of its
+own): the stage imports the function from the model file the compiled folder records,
+`pipecc.runtime.modelfuncs.model_function(__file__, "helper")`, which imports that file only
+when its sha256 is the one `pipecc.json` holds (`pipecc.runtime.trust`), as `pipecc run` does;
+the folder then needs the model file to load, and an edited model file is refused with "compile
+again". A function no import can reach (a lambda, a function defined inside another function,
+one of a script run as `__main__`) is a one-line `PipeccError` naming it and the fix: define it
+at the top level of an importable module or of the model file.
 """
 
 from __future__ import annotations
 
 import builtins
+import importlib
 import math
 import operator
 import re
@@ -96,8 +111,9 @@ def _torch_attribute(value: Any) -> str:
     return f"torch.{name}"
 
 
-def callable_name(target: Any, imports: set[str]) -> str:
-    """An expression naming `target`, adding any module it needs besides torch to `imports`."""
+def callable_name(target: Any, imports: set[str], functions: "FunctionImports | None" = None) -> str:
+    """An expression naming `target`, adding any module it needs besides torch to `imports`;
+    a function of another module is imported through `functions` (module docstring)."""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return _op_name(target)
     name = getattr(target, "__name__", None)
@@ -119,9 +135,83 @@ def callable_name(target: Any, imports: set[str]) -> str:
     if onnx is not None:
         imports.add("onnx_ops")
         return onnx
+    if functions is not None:
+        return functions.name(target)
     raise PipeccError(f"stage code generation cannot name the function {name or target!r} "
                       f"(module {getattr(target, '__module__', None)!r}): only torch functions, "
                       "operators and builtins can appear in a stage file")
+
+
+MODEL_FILE_MODULE = "pipecc_model_"  # the prefix of the name pipecc imports a model file under
+MODEL_FUNCTIONS = "pipecc.runtime.modelfuncs"  # where a stage finds its model file's functions
+
+
+class FunctionImports:
+    """The functions of other modules a stage file calls, each imported once under an alias
+    (module docstring). `fresh(hint)` reserves a module-level name no local will take."""
+
+    def __init__(self, fresh: Callable[[str], str]) -> None:
+        self._fresh = fresh
+        self._alias: dict[int, str] = {}
+        self.lines: list[str] = []   # `from M import f as alias` / `alias = model_function(...)`
+        self.model_file = False      # whether a line imports from the model file
+
+    def name(self, target: Any) -> str:
+        """The expression naming `target` in the stage file (its import added once)."""
+        if id(target) in self._alias:
+            return self._alias[id(target)]
+        module, qualname = importable(target)
+        first, _, rest = qualname.partition(".")
+        alias = self._fresh(f"{first.strip('_') or 'fn'}_fn")
+        if module.startswith(MODEL_FILE_MODULE):
+            self.model_file = True
+            self.lines.append(f"{alias} = model_function(__file__, {literal(qualname)})"
+                              f"  # {first} of the model file")
+            expr = alias
+        else:
+            self.lines.append(f"from {module} import {first} as {alias}")
+            expr = f"{alias}.{rest}" if rest else alias
+        self._alias[id(target)] = expr
+        return expr
+
+    def header(self) -> list[str]:
+        """The import lines, after the torch imports of the stage file."""
+        lead = [f"from {MODEL_FUNCTIONS} import model_function  # functions of the hashed model file"] \
+            if self.model_file else []
+        return lead + self.lines
+
+
+def importable(target: Any) -> tuple[str, str]:
+    """(module, qualified name) by which `target` can be imported again, or a one-line
+    PipeccError naming the function and the fix."""
+    name = getattr(target, "__name__", None) or repr(target)
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None) or name
+    fix = ("a stage file imports the functions it calls: define it at the top level of an "
+           "importable module or of the model file")
+    why = None
+    if not isinstance(module, str) or not module:
+        why = "it belongs to no module"
+    elif name == "<lambda>":
+        why = f"a lambda in {module}"
+    elif "<locals>" in qualname:
+        why = f"defined inside {qualname.split('.<locals>')[0]}() in {module}"
+    elif module == "__main__":
+        why = "defined in the script being run (__main__), which another process cannot import"
+    elif not all(is_plain_identifier(p) for p in module.split(".") + qualname.split(".")):
+        why = f"{module}.{qualname} is not an import path"
+    if why is None:
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except Exception:  # noqa: BLE001  (any failure means: not importable)
+            obj = None
+        if obj is not target:
+            why = f"{module}.{qualname} does not name it"
+    if why is not None:
+        raise PipeccError(f"stage code generation cannot name the function {name!r} ({why}); {fix}")
+    return module, qualname
 
 
 def _op_name(op: Any) -> str:

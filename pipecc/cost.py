@@ -24,6 +24,9 @@ Conventions (CONTRACT §5):
     gradients input work. Norms with an affine weight: dγ = Σ dY·x̂ and dβ = Σ dY, 3 FLOPs per
     output element (the rest of the norm's backward is input work). Embeddings: all weight
     work (the indices take no gradient). Ops without weights: all input work;
+  * a call of a library function kept as one node (a `torch.fx.wrap`ped function: torchvision's
+    `stochastic_depth`, Swin's attention, the model file's own) is costed by what it runs,
+    measured on fake tensors under FlopCounterMode at a few sizes (`pipecc.cost_opaque`);
   * ops the table does not know cost one FLOP per output element and move all their bytes: a
     guess, which can be far below their real work, so they are listed in a warning that says
     so, never silently zero. (Composite torch.nn modules such as nn.TransformerEncoderLayer
@@ -41,6 +44,7 @@ import torch.fx as fx
 
 from pipecc.ir.graph import (META_COST, META_KIND, META_OP, META_PARAMS, META_VALUE,
                        AnnotatedGraph, Dim, TensorInfo, tensors_in, value_bytes)
+from pipecc.cost_opaque import Measurer, is_opaque, measured_names
 from pipecc.ir.ops import VIEW_OPS
 
 # FLOPs per output element of non-matmul work (forward). Sources: the usual counting
@@ -482,8 +486,17 @@ def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list
     unknown: dict[str, int] = {}
     live = _reaches_output(graph.gm.graph)
     data = _depends_on_inputs(graph.gm.graph)
+    measurer = Measurer(graph, data)
     for node in graph.gm.graph.nodes:
         cost, is_unknown = node_cost(node, graph.gm, data, flash_attention)
+        if is_opaque(node):  # a library function kept as one node: costed by what it runs
+            measured = measurer.measure(node)
+            if measured is not None:
+                for f, v in measured.items():
+                    setattr(cost, f, v)
+                cost.stash_bytes = cost.stash_bytes + cost.output_bytes if measured["backward_flops"] \
+                    or measured["stash_bytes"] else 0
+                is_unknown = False
         if node not in live:  # its result never reaches the loss: autograd skips it
             cost.backward_flops = cost.backward_flops_matmul = 0
             cost.backward_weight_flops = cost.backward_weight_flops_matmul = 0
@@ -501,9 +514,12 @@ def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list
     notes = []
     if unknown:
         listed = ", ".join(f"{op} (x{n})" for op, n in sorted(unknown.items()))
-        notes.append(f"no cost formula for {listed}: guessed as one FLOP per output element "
+        cannot = f" ({measured_names(measurer.failed)} could not be run on fake tensors to measure it)" \
+            if measurer.failed else ""
+        notes.append(f"no cost formula for {listed}{cannot}: guessed as one FLOP per output element "
                      "plus all bytes moved, which can be far below their real work (the plan "
                      "may be unbalanced around them)")
+    notes.extend(measurer.notes)
     graph.warnings.extend(notes)
     return notes
 

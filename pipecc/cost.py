@@ -53,7 +53,7 @@ from pipecc.ir.ops import VIEW_OPS
 _PER_ELEMENT = {"norm": 5, "softmax": 5, "activation": 1, "elementwise": 1, "reduction": 1,
                 "pool": 1, "loss": 5, "embedding": 0, "shape": 0, "param": 0, "input": 0}
 _ACTIVATION_COST = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "mish": 6, "softplus": 4,
-                    "elu": 3, "hardswish": 3, "erf": 4}
+                    "elu": 3, "hardswish": 3, "hardsigmoid": 2, "erf": 4}
 _BYTES_ONLY_SHAPE_OPS = frozenset({"cat", "concat", "stack", "repeat", "tile", "contiguous",
                                    "pad", "constant_pad_nd", "roll", "flip", "index_select",
                                    "gather", "index", "scatter", "index_put", "masked_select",

@@ -78,6 +78,44 @@ def _clip(x, lo=None, hi=None):
     return torch.clamp(x, lo, hi)
 
 
+@onnx_op("HardSwish", "hardswish")
+def _hardswish(x):
+    return F.hardswish(x)  # ONNX's x * max(0, min(1, x / 6 + 1 / 2)), torch's definition too
+
+
+@onnx_op("HardSigmoid", "hardsigmoid")
+def _hardsigmoid(x, alpha=0.2, beta=0.5):
+    # ONNX's default slope is 0.2, torch's hardsigmoid 1/6: the attributes decide
+    return torch.clamp(x * alpha + beta, 0.0, 1.0)
+
+
+@onnx_op("IsNaN", "isnan")
+def _isnan(x):
+    return torch.isnan(x)
+
+
+@onnx_op("LessOrEqual", "le")
+def _less_or_equal(a, b):
+    return torch.le(a, b)
+
+
+@onnx_op("CumSum", "cumsum")
+def _cumsum(x, axis, exclusive=0, reverse=0):
+    dim = int(axis.reshape(-1)[0]) if torch.is_tensor(axis) else int(axis)
+    y = x.flip(dim) if reverse else x
+    out = torch.cumsum(y, dim)
+    if exclusive:  # each element leaves itself out: the sum of those before it
+        out = out - y
+    return out.flip(dim) if reverse else out
+
+
+@onnx_op("GatherElements", "gather")
+def _gather_elements(data, indices, axis=0):
+    axis = axis % data.dim()
+    indices = torch.where(indices < 0, indices + data.shape[axis], indices)
+    return torch.gather(data, axis, indices.long())
+
+
 @onnx_op("Dropout", "dropout")
 def _dropout(x, ratio=None, training_mode=None, seed=None):
     return x

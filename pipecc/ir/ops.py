@@ -54,7 +54,7 @@ _register("elementwise", "add sub mul truediv div floordiv neg pow sqrt rsqrt ex
                          "half bfloat16 double long int bool scaled_mul onnx_cast native_dropout "
                          "alias clone contiguous copy mod remainder logical_not bitwise_not "
                          "fill_ zeros_like ones_like full_like rand_like randn_like new_zeros "
-                         "new_ones detach trilu castlike")
+                         "new_ones detach trilu castlike isnan")
 _register("reduction", "sum mean amax amin max min var std norm argmax argmin prod all any "
                        "logsumexp reducemean reducesum reducemax reducemin count_nonzero reducel2")
 _register("shape", "view reshape flatten unflatten permute transpose t squeeze unsqueeze "

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
-from pipecc.frontend import fx_tracer
+from pipecc.frontend import capture_errors, fx_tracer
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
                        ScalarInfo, TensorInfo, tensors_in)
@@ -68,7 +68,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         return gm, "fx", notes
     except PipeccError:  # names fx cannot write: torch.export writes code the same way
         raise
-    except Exception as fx_exc:  # fx raises many types (TraceError, TypeError, ...)
+    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
+        fx_exc = exc
         fx_error = f"{type(fx_exc).__name__}: {_first_line(fx_exc)}"
     try:
         with pywarnings.catch_warnings(), _quiet_torch_logs():
@@ -91,6 +92,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
                 notes.append(f"could not trace into {', '.join(opaque[:3])} ({fx_error}); they "
                              "are kept as opaque modules")
                 return gm, "fx", notes
+        export_why = type(exp_exc).__name__
+        named = capture_errors.refusal(fx_exc, export_why)  # the construct and the way out
+        if named is not None:
+            raise CaptureError(named) from exp_exc
         raise CaptureError(
             f"could not capture the model: torch.fx failed ({fx_error}) and torch.export failed "
             f"({type(exp_exc).__name__}: {_first_line(exp_exc)}); remove data-dependent Python "

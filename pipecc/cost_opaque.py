@@ -46,6 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, ScalarInfo, TensorInfo
 
+_CACHE = "pipecc.opaque_costs"  # graph.gm.meta key: measured calls, by function and operands
 FIELDS = ("forward_flops", "forward_flops_matmul", "backward_flops", "backward_flops_matmul",
           "backward_weight_flops", "backward_weight_flops_matmul", "stash_bytes")
 _NOT_OPAQUE = ("torch", "builtins", "operator", "math", "_operator", "pipecc.frontend.onnx_ops")
@@ -210,16 +211,23 @@ class Measurer:
         self.graph, self.data = graph, data
         self.notes: list[str] = []
         self.failed: dict[str, str] = {}   # op name -> why it could not be measured
-        self._cache: dict[Any, dict[str, Any] | None] = {}
+        # kept with the graph: annotate runs again after rewrites (split layers, attention mode)
+        self._cache: dict[Any, Any] = graph.gm.meta.setdefault(_CACHE, {})
 
     def measure(self, node: fx.Node) -> dict[str, Any] | None:
         """{field: expression} for `node`, or None (why in `failed`)."""
         key = self._key(node)
         if key is not None and key in self._cache:
-            return self._cache[key]
-        result = self._measure(node)
-        if key is not None:
-            self._cache[key] = result
+            result, failed, notes = self._cache[key]
+        else:
+            before = (dict(self.failed), len(self.notes))
+            result = self._measure(node)
+            failed = {k: v for k, v in self.failed.items() if k not in before[0]}
+            notes = self.notes[before[1]:]
+            if key is not None:
+                self._cache[key] = (result, failed, notes)
+        self.failed.update(failed)
+        self.notes.extend(n for n in notes if n not in self.notes)
         return result
 
     def _key(self, node: fx.Node) -> Any:
@@ -264,7 +272,8 @@ class Measurer:
             else:
                 out[field] = expr
         if constant:
-            self.notes.append(f"the measured cost of {node.meta.get(META_NAME, node.name)} ({name}) is not a "
+            self.notes.append(f"the measured cost of {node.meta.get(META_NAME, node.name)} ({name}, and of the "
+                              "calls like it) is not a "
                               f"polynomial of degree two in {', '.join(map(str, symbols))}: it is kept at the "
                               "example sizes")
         return out

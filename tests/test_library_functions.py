@@ -225,3 +225,29 @@ def test_opaque_call_that_cannot_run_on_fake_tensors_keeps_the_warned_guess() ->
     warning = next(w for w in graph.warnings if "no cost formula" in w)
     assert "scaled_clip" in warning and "could not be run on fake tensors" in warning
     assert "\n" not in warning
+
+
+def cubed_steps(x: torch.Tensor) -> torch.Tensor:
+    """B**3 elementwise steps over B rows: FLOPs of degree four in B."""
+    for _ in range(x.shape[0] ** 3):
+        x = x * 0.5
+    return x
+
+
+fx.wrap("cubed_steps")
+
+
+class _Cubed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cubed_steps(self.lin(x))
+
+
+def test_opaque_cost_beyond_degree_two_is_kept_at_the_example_and_said() -> None:
+    graph = driver.analyze_module(_Cubed(), (torch.randn(2, 4),))
+    assert any("cubed_steps" in w and "kept at the example sizes" in w for w in graph.warnings)
+    node = next(n for n in graph.gm.graph.nodes if n.name == "cubed_steps")
+    assert node.meta["pipecc.cost"].forward_flops == 2 ** 3 * 2 * 4  # measured at B = 2, a number

@@ -133,8 +133,8 @@ _LAMBDA = lambda x: x + 1  # noqa: E731  (a lambda is the case under test)
 
 
 @pytest.mark.parametrize("target, why", [
-    (_LAMBDA, "a lambda in test_library_functions"),
-    (_local_function(), "defined inside _local_function() in test_library_functions"),
+    (_LAMBDA, "'_LAMBDA' (a lambda in test_library_functions)"),
+    (_local_function(), "'inner' (defined inside _local_function() in test_library_functions)"),
 ])
 def test_functions_no_import_reaches_are_refused_in_one_line(target, why: str, tmp_path: Path) -> None:
     """A graph calling a lambda or a local function: one line naming it and the fix."""
@@ -155,7 +155,31 @@ def test_functions_no_import_reaches_are_refused_in_one_line(target, why: str, t
         write_stage(tmp_path / "stage_0", stage, model_name="m", num_stages=1)
     message = str(err.value)
     assert "\n" not in message and why in message
-    assert "define it at the top level of an importable module or of the model file" in message
+    assert "define it (with def) at the top level of an importable module or of the model file" in message
+
+
+def test_lambda_of_the_model_file_is_named_in_the_cli_error(tmp_path: Path) -> None:
+    """`double = lambda x: x * 2; torch.fx.wrap("double")` in a model file: compile stops with
+    one line naming `double` and the model file, and writes nothing."""
+    model = tmp_path / "lam.py"
+    model.write_text(
+        "import torch, torch.fx\n"
+        "double = lambda x: x * 2\n"
+        "torch.fx.wrap('double')\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.a = torch.nn.Linear(4, 4); self.b = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.b(double(self.a(x)))\n"
+        "def build_model(): return M()\n"
+        "def example_inputs(batch_size=2): return (torch.randn(batch_size, 4),)\n")
+    done = _pipecc("compile", str(model), "--devices", "2xcpu", "-o", str(tmp_path / "out"))
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "pipecc: error: stage code generation cannot name the function 'double' (a lambda in the model "
+        "file lam.py); a stage file imports the functions it calls: define it (with def) at the top "
+        "level of an importable module or of the model file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lam.py"]
 
 
 def test_main_module_function_is_refused() -> None:

@@ -28,6 +28,8 @@ import importlib
 import math
 import operator
 import re
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 
 from pipecc.backends.torch.names import is_plain_identifier, literal
 from pipecc.errors import PipeccError
+from pipecc.frontend.modelfile import MODULE_PREFIX
 
 # operator functions that read better as Python operators: (template, needs parentheses)
 BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -142,7 +145,7 @@ def callable_name(target: Any, imports: set[str], functions: "FunctionImports | 
                       "operators and builtins can appear in a stage file")
 
 
-MODEL_FILE_MODULE = "pipecc_model_"  # the prefix of the name pipecc imports a model file under
+MODEL_FILE_MODULE = MODULE_PREFIX  # the prefix of the name pipecc imports a model file under
 MODEL_FUNCTIONS = "pipecc.runtime.modelfuncs"  # where a stage finds its model file's functions
 
 
@@ -181,21 +184,32 @@ class FunctionImports:
         return lead + self.lines
 
 
+def _where(module: Any) -> str:
+    """`the model file m.py` for the module pipecc imported a model file as, else the module."""
+    if isinstance(module, str) and module.startswith(MODEL_FILE_MODULE):
+        file = getattr(sys.modules.get(module), "__file__", None)
+        return f"the model file {Path(file).name}" if file else "the model file"
+    return str(module)
+
+
 def importable(target: Any) -> tuple[str, str]:
     """(module, qualified name) by which `target` can be imported again, or a one-line
     PipeccError naming the function and the fix."""
     name = getattr(target, "__name__", None) or repr(target)
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", None) or name
-    fix = ("a stage file imports the functions it calls: define it at the top level of an "
-           "importable module or of the model file")
+    fix = ("a stage file imports the functions it calls: define it (with def) at the top level "
+           "of an importable module or of the model file")
+    where = _where(module)
     why = None
     if not isinstance(module, str) or not module:
         why = "it belongs to no module"
     elif name == "<lambda>":
-        why = f"a lambda in {module}"
+        bound = next((k for k, v in vars(sys.modules.get(module, builtins)).items() if v is target), None)
+        name = bound or name
+        why = f"a lambda in {where}"
     elif "<locals>" in qualname:
-        why = f"defined inside {qualname.split('.<locals>')[0]}() in {module}"
+        why = f"defined inside {qualname.split('.<locals>')[0]}() in {where}"
     elif module == "__main__":
         why = "defined in the script being run (__main__), which another process cannot import"
     elif not all(is_plain_identifier(p) for p in module.split(".") + qualname.split(".")):

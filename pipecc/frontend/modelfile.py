@@ -21,6 +21,9 @@ import torch
 from pipecc.errors import PipeccError, UsageError
 
 REQUIRED = ("build_model", "example_inputs")
+# a model file is imported under this prefix and a hash of its path (not importable by name:
+# a stage calls its functions through `pipecc.runtime.modelfuncs`)
+MODULE_PREFIX = "pipecc_model_"
 
 
 @dataclass
@@ -64,7 +67,7 @@ def import_model_file(path: Path) -> Any:
         raise PipeccError(f"model file {str(path)!r} does not exist")
     if path.suffix != ".py":
         raise PipeccError(f"model file {str(path)!r} is neither .py nor .onnx")
-    name = f"pipecc_model_{abs(hash(str(path.resolve())))}"
+    name = f"{MODULE_PREFIX}{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -94,6 +94,10 @@ def test_compiled_folder_imports_the_functions_and_runs_verified(tmp_path: Path)
     with pytest.raises(PipeccError, match="not the one this folder was compiled from") as err:
         pipecc.load(out)
     assert "\n" not in str(err.value)
+    model_file.unlink()  # and a missing one: restore it or compile again
+    with pytest.raises(PipeccError, match="calls centre of the model file, but the model file .* is missing; "
+                                          "restore the model file beside the folder or compile again"):
+        pipecc.load(out)
 
 
 def test_drop_in_runs_the_functions(tmp_path: Path) -> None:

@@ -99,6 +99,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     for node in list(gm.graph.nodes):  # export's input guards are checks, not model work
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             gm.graph.erase_node(node)
+        # NOTE: a tied weight is read under one of its names; the others stay as get_attr nodes
+        # nothing uses, and the first of them would own the weight (`annotate_ops_and_names`)
+        # in a unit that never reads it
+        elif node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")

@@ -241,7 +241,8 @@ def _resolve(module: torch.nn.Module, target: str) -> Any:
 
 def output_tree(graph: AnnotatedGraph) -> Any:
     """The model's output structure as JSON: `{"port": name}`, `{"tuple": [...]}`, `{"list": [...]}`,
-    `{"dict": [[key, tree], ...]}` or `{"const": value}`.
+    `{"dict": [[key, tree], ...]}` or `{"const": value}`; a tuple or dict of its own class (a
+    namedtuple, a Hugging Face ModelOutput) also names it: `"type": "module:qualname"`.
 
     Graphs captured by torch.export return a flat list that their pytree spec re-nests; the tree
     follows the spec, so it describes what the *model* returns.
@@ -268,12 +269,22 @@ def _tree(value: Any) -> Any:
     if isinstance(value, fx.Node):
         return {"port": value.name}
     if isinstance(value, (tuple, list)):
-        return {"tuple" if isinstance(value, tuple) else "list": [_tree(v) for v in value]}
+        return {"tuple" if isinstance(value, tuple) else "list": [_tree(v) for v in value],
+                **_type_of(value)}
     if isinstance(value, dict):
-        return {"dict": [[k, _tree(v)] for k, v in value.items()]}
+        return {"dict": [[k, _tree(v)] for k, v in value.items()], **_type_of(value)}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"const": value}
     raise IRError(f"the model returns a {type(value).__name__} constant; not supported")
+
+
+def _type_of(value: Any) -> dict[str, str]:
+    """`{"type": "module:qualname"}` for a tuple or dict of a class of its own (a namedtuple, a
+    Hugging Face ModelOutput), so the runtime returns that class (`runtime.ports.output_class`)."""
+    cls = type(value)
+    if cls in (tuple, list, dict):
+        return {}
+    return {"type": f"{cls.__module__}:{cls.__qualname__}"}
 
 
 # ----------------------------------------------------------------------------- JSON form

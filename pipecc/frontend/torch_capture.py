@@ -64,7 +64,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     """
     notes: list[str] = []
     try:
-        gm = fx_tracer.trace(model)
+        gm = fx_tracer.trace(model, len(example_inputs))
         return gm, "fx", notes
     except PipeccError:  # names fx cannot write: torch.export writes code the same way
         raise
@@ -87,7 +87,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         opaque = [name for name, m in model.named_modules() if fx_tracer.sees_into(m)]
         if opaque:  # last resort: keep them whole (costed by a guess, not compilable)
             with contextlib.suppress(Exception):
-                gm = fx.symbolic_trace(model)
+                gm = fx_tracer.trace(model, len(example_inputs), see_into=False)
                 notes.append(f"could not trace into {', '.join(opaque[:3])} ({fx_error}); they "
                              "are kept as opaque modules")
                 return gm, "fx", notes

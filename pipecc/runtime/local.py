@@ -72,6 +72,12 @@ class PipelinedModule(nn.Module):
         self._pipecc_devices = [torch.device(d) for d in devices]
         self._check_chain()
         self._place()
+        # NOTE: the model's mode, not nn.Module's default (train): a model compiled in eval mode
+        # gives an eval-mode module. Only the flags of this module and the stage roots are set;
+        # the model's own submodules keep theirs (one may be frozen in eval inside a train model).
+        self.training = bool(owner.training)
+        for stage in self._pipecc_stages:
+            stage.training = self.training
 
     def _adopt(self, owner: nn.Module) -> None:
         for name, p in owner._parameters.items():

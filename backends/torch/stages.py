@@ -42,7 +42,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, IRError, ScalarInfo, TensorInfo
+from pipecc.ir.graph import (META_NAME, META_OUTPUT_CLASS, META_VALUE, AnnotatedGraph, IRError, ScalarInfo,
+                             TensorInfo)
 
 PortValue = Union[TensorInfo, ScalarInfo, tuple, None]
 BEFORE_FIRST = -1  # the "stage" that produces model inputs
@@ -253,7 +254,10 @@ def output_tree(graph: AnnotatedGraph) -> Any:
     if info is not None and info.out_spec is not None:
         leaves = [_Leaf(_tree(v)) for v in (value if isinstance(value, (list, tuple)) else [value])]
         return _tree(pytree.tree_unflatten(leaves, info.out_spec))
-    return _tree(value)
+    tree = _tree(value)
+    if "dict" in tree and out.meta.get(META_OUTPUT_CLASS):
+        tree["type"] = out.meta[META_OUTPUT_CLASS]
+    return tree
 
 
 class _Leaf:
@@ -282,8 +286,8 @@ def _type_of(value: Any) -> dict[str, str]:
     """`{"type": "module:qualname"}` for a tuple or dict of a class of its own (a namedtuple, a
     Hugging Face ModelOutput), so the runtime returns that class (`runtime.ports.output_class`)."""
     cls = type(value)
-    if cls in (tuple, list, dict):
-        return {}
+    if cls in (tuple, list, dict) or cls.__module__ == fx.immutable_collections.__name__:
+        return {}  # NOTE: fx writes the dicts and lists in node arguments as immutable ones
     return {"type": f"{cls.__module__}:{cls.__qualname__}"}
 
 

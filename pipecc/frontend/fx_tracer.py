@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.ir.graph import META_OUTPUT_CLASS
 from pipecc.ir.ops import module_op
 
 
@@ -127,6 +128,15 @@ def _drop_specialised_inputs(graph: fx.Graph, names: list[str], concrete: dict[s
         for check in reversed(checks):
             graph.erase_node(check)
         graph.erase_node(node)
+
+
+def keep_output_class(gm: fx.GraphModule, cls: type) -> None:
+    """Note on the output node the dict subclass forward returns (a Hugging Face ModelOutput,
+    `META_OUTPUT_CLASS`): fx writes it as a plain dict, and the stages should return the class
+    (`backends.torch.stages.output_tree`). Namedtuples fx keeps itself."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if issubclass(cls, dict) and cls is not dict and isinstance(out.args[0], dict):
+        out.meta[META_OUTPUT_CLASS] = f"{cls.__module__}:{cls.__qualname__}"
 
 
 def trace(model: nn.Module, given: int | None = None, *, see_into: bool = True) -> fx.GraphModule:

@@ -314,7 +314,7 @@ def output_class(name: str | None) -> type | None:
 def as_output_type(cls: type | None, value: tuple | dict) -> Any:
     """`value` (a tuple or dict) as an instance of `cls`, as the model returns it; `value` itself
     when there is no class or it will not take the items."""
-    if cls is None or isinstance(value, cls):
+    if cls is None or isinstance(value, cls) or not issubclass(cls, type(value)):
         return value
     try:
         if isinstance(value, dict):

@@ -3,9 +3,9 @@
 A *unit* is what the partitioner places: one compute node, or (coarse mode) one block —
 the consecutive nodes of a module such as `blocks.3`. Parameter nodes (`get_attr`) are folded
 into their first user's unit, wherever the graph lists them; the model's inputs go to the first
-unit. Costs are the cost model's
-sympy expressions evaluated at the micro-batch size (B = batch / microbatches, the other
-symbols at their example values), all nodes at once through one lambdified function.
+unit. Costs are the cost model's sympy expressions evaluated at the micro-batch size
+(B = batch / microbatches, the other symbols at their example values), all nodes at once
+through one lambdified function.
 
 Precondition: `pipecc.cost.annotate` has run. No structural change to the graph.
 """

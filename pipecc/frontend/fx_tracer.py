@@ -118,6 +118,9 @@ def _drop_specialised_inputs(graph: fx.Graph, names: list[str], concrete: dict[s
     as its default) and a check that a caller passes that value (`_assert_is_none`, or
     `torch._assert(x == value)`); the traced code never reads it otherwise. Placeholders come in
     signature order, one per argument (`names`, *args excluded), which says which are which."""
+    import operator
+
+    from torch.fx._symbolic_trace import _assert_is_none
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, name in zip(placeholders, names):
         if name not in concrete:
@@ -125,6 +128,8 @@ def _drop_specialised_inputs(graph: fx.Graph, names: list[str], concrete: dict[s
         checks = list(node.users)
         for check in checks:
             checks.extend(u for u in check.users if u not in checks)
+        if any(c.target not in (torch._assert, _assert_is_none, operator.eq) for c in checks):
+            continue  # read by model code after all: it stays an input, as before
         for check in reversed(checks):
             graph.erase_node(check)
         graph.erase_node(node)

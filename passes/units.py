@@ -2,9 +2,10 @@
 
 A *unit* is what the partitioner places: one compute node, or (coarse mode) one block —
 the consecutive nodes of a module such as `blocks.3`. Parameter nodes (`get_attr`) are folded
-into their first user, the model's inputs into the first unit. Costs are the cost model's
-sympy expressions evaluated at the micro-batch size (B = batch / microbatches, the other
-symbols at their example values), all nodes at once through one lambdified function.
+into their first user's unit, wherever the graph lists them; the model's inputs go to the first
+unit. Costs are the cost model's sympy expressions evaluated at the micro-batch size
+(B = batch / microbatches, the other symbols at their example values), all nodes at once
+through one lambdified function.
 
 Precondition: `pipecc.cost.annotate` has run. No structural change to the graph.
 """
@@ -97,6 +98,37 @@ def _block_key(name: str, depth: int) -> str:
     return parts[0] if depth else name
 
 
+def _fold_parameters(nodes: list[fx.Node], groups: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Put every parameter node (`get_attr`) into the unit of its first user, just before it.
+
+    NOTE: where the graph lists a parameter says nothing about where it is used: torch.fx
+    writes a `get_attr` right before its first use, but torch.export (`ExportedProgram.module()`)
+    and the ONNX import list every parameter at the top of the graph. Folding by position would
+    give the first unit (stage 0) every weight of an exported model. A weight read by several
+    units (a tied embedding) is charged once, to its first user's unit; the stages cut later
+    each reference it (`backends.torch.stages`). A parameter nothing reads joins the next unit.
+    """
+    unit_of = {n: i for i, g in enumerate(groups) for n in g}
+    position = {n: i for i, n in enumerate(nodes)}
+    before: dict[fx.Node, list[fx.Node]] = {}   # first user -> the parameters folded before it
+    unused: list[fx.Node] = []
+    for node in nodes:
+        if node.op != "get_attr":
+            if unused:
+                before.setdefault(node, []).extend(unused)
+                unused = []
+            continue
+        users = [u for u in node.users if u in unit_of]
+        if users:
+            before.setdefault(min(users, key=position.__getitem__), []).append(node)
+        else:
+            unused.append(node)
+    out = [[p for n in g for p in before.get(n, []) + [n]] for g in groups]
+    if unused and out:
+        out[-1].extend(unused)
+    return out
+
+
 class UnitBuilder:
     """Groups nodes into units once; evaluates unit costs at any micro-batch size."""
 
@@ -105,19 +137,15 @@ class UnitBuilder:
         self.graph = graph
         nodes = [n for n in graph.gm.graph.nodes if n.op not in ("placeholder", "output")]
         groups: list[list[fx.Node]] = []
-        pending_params: list[fx.Node] = []
         for node in nodes:
             if node.op == "get_attr":
-                pending_params.append(node)
                 continue
             key = _block_key(node.meta[META_NAME], 1) if coarse else None
             if coarse and groups and _block_key(groups[-1][-1].meta[META_NAME], 1) == key:
-                groups[-1].extend(pending_params + [node])
+                groups[-1].append(node)
             else:
-                groups.append(pending_params + [node])
-            pending_params = []
-        if pending_params and groups:
-            groups[-1].extend(pending_params)
+                groups.append([node])
+        groups = _fold_parameters(nodes, groups)
         self.groups = groups
         self.order = [n for g in groups for n in g]
         unit_of = {n: i for i, g in enumerate(groups) for n in g}
@@ -125,7 +153,8 @@ class UnitBuilder:
         last = list(range(n_units))
         for node in graph.gm.graph.nodes:
             for src in node.all_input_nodes:
-                if src in unit_of:
+                # a weight is no message: each stage reading it holds it (a tied weight)
+                if src in unit_of and src.op != "get_attr":
                     u = unit_of[src]
                     last[u] = max(last[u], n_units if node.op == "output" else unit_of.get(node, u))
         self.last_use = last

@@ -539,7 +539,7 @@ def _module(state: State, *, model: nn.Module, target: Target) -> None:
     state.module = state.backends[-1].module(model, state.graph, state.plan, state.stages, target)
 
 
-def batchnorm_note(graph: AnnotatedGraph, plan: Plan) -> str | None:
+def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = False) -> str | None:
     """Why the pipeline's BatchNorm outputs can differ from the model's, or None.
 
     NOTE: a training pipeline runs each micro-batch through BatchNorm on its own, so in training
@@ -547,17 +547,31 @@ def batchnorm_note(graph: AnnotatedGraph, plan: Plan) -> str | None:
     micro-batch's mean and variance, not the whole batch's, and updates its running statistics
     once per micro-batch: GPipe's and torchgpipe's behaviour. With one micro-batch they are the
     model's. Eval mode with running statistics is not affected, nor is ONNX
-    BatchNormalization (inference-only: running statistics).
+    BatchNormalization (inference-only: running statistics). `pipecc run` trains in training
+    mode whatever mode the model file left; the drop-in runs the modules in the mode they are
+    in, so with `current_mode` a BatchNorm module now in eval mode does not count.
     """
     from pipecc.passes.recompute import training_batchnorm_names
     if plan.microbatches <= 1 or plan.schedule == "inference" or graph.source == "onnx":
         return None
     names = training_batchnorm_names(graph)
+    if current_mode:
+        names = [n for n in names if _batch_statistics_now(graph, n)]
     if not names:
         return None
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (f"BatchNorm ({names[0]}{more}) in training mode normalises each of the "
             f"{plan.microbatches} micro-batches with its own statistics")
+
+
+def _batch_statistics_now(graph: AnnotatedGraph, name: str) -> bool:
+    """Whether BatchNorm node `name` normalises with batch statistics in its module's current
+    mode (a traced function call's flag was fixed when it was captured: it does)."""
+    node = graph.by_name()[name]
+    if node.op != "call_module":
+        return True
+    module = graph.gm.get_submodule(str(node.target))
+    return bool(module.training or getattr(module, "running_mean", None) is None)
 
 
 def check_recompute(graph: AnnotatedGraph, plan: Plan) -> None:
@@ -603,14 +617,23 @@ def _trainable(graph: AnnotatedGraph) -> bool:
                for _, info in node.meta.get(META_PARAMS, []))
 
 
-def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool) -> str | None:
+def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool, *,
+                       current_mode: bool = False) -> str | None:
     """The BatchNorm warning, or None; with `strict` a PipeccError instead of the warning."""
-    note = batchnorm_note(graph, plan)
+    note = batchnorm_note(graph, plan, current_mode=current_mode)
     if note is None:
         return None
     if strict:
-        raise PipeccError(f"strict_batchnorm: {note}, so its outputs would differ from the "
-                          "model's; use microbatches=1 (or eval mode)")
+        raise PipeccError(_strict_batchnorm_message(note))
+    return _batchnorm_message(note)
+
+
+def _strict_batchnorm_message(note: str) -> str:
+    return (f"strict_batchnorm: {note}, so its outputs would differ from the model's; use "
+            "microbatches=1 (or eval mode)")
+
+
+def _batchnorm_message(note: str) -> str:
     return (f"{note} (as GPipe and torchgpipe do), so outputs and running statistics differ "
             "from the unpipelined model's; microbatches=1 gives equal outputs "
             "(strict_batchnorm refuses instead of warning)")
@@ -657,15 +680,16 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     """`compile`'s in-process counterpart (`pipecc.compile`): the drop-in module over
     `model`'s own parameters, each stage on `devices[i]`; `module.plan` is `plan`. BatchNorm
     over several micro-batches: a warning (`warnings.warn`), or refused with
-    `strict_batchnorm`."""
+    `strict_batchnorm`; for a model in eval mode, when the module is switched to `train()`."""
     from pipecc.backends.base import Target
     check_recompute(graph, plan)
     check_bipartition(graph, plan)
     from pipecc.passes.bpipe import check_plan
     check_plan(plan, in_process=True)
-    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
+    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)
+    in_train_mode = batchnorm_note(graph, plan)  # what `train()` would start
     target = Target(example_inputs=tuple(example_inputs), number=fpga_number,
                     fpga_dir=Path(fpga_dir) if fpga_dir is not None else None, devices=devices)
     steps = [Step("cut stages", _cut_stages),
@@ -676,4 +700,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     module = state.module
     assert module is not None
     module.plan = plan  # type: ignore[assignment]  # for inspection: pm.plan.stages, ...
+    if in_train_mode and not batchnorm and hasattr(module, "warn_on_train"):
+        module.warn_on_train(_strict_batchnorm_message(in_train_mode) if strict_batchnorm
+                             else _batchnorm_message(in_train_mode), refuse=strict_batchnorm)
     return module

@@ -42,7 +42,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, IRError, ScalarInfo, TensorInfo
+from pipecc.ir.graph import (META_NAME, META_OUTPUT_CLASS, META_VALUE, AnnotatedGraph, IRError, ScalarInfo,
+                             TensorInfo)
 
 PortValue = Union[TensorInfo, ScalarInfo, tuple, None]
 BEFORE_FIRST = -1  # the "stage" that produces model inputs
@@ -241,7 +242,8 @@ def _resolve(module: torch.nn.Module, target: str) -> Any:
 
 def output_tree(graph: AnnotatedGraph) -> Any:
     """The model's output structure as JSON: `{"port": name}`, `{"tuple": [...]}`, `{"list": [...]}`,
-    `{"dict": [[key, tree], ...]}` or `{"const": value}`.
+    `{"dict": [[key, tree], ...]}` or `{"const": value}`; a tuple or dict of its own class (a
+    namedtuple, a Hugging Face ModelOutput) also names it: `"type": "module:qualname"`.
 
     Graphs captured by torch.export return a flat list that their pytree spec re-nests; the tree
     follows the spec, so it describes what the *model* returns.
@@ -252,7 +254,10 @@ def output_tree(graph: AnnotatedGraph) -> Any:
     if info is not None and info.out_spec is not None:
         leaves = [_Leaf(_tree(v)) for v in (value if isinstance(value, (list, tuple)) else [value])]
         return _tree(pytree.tree_unflatten(leaves, info.out_spec))
-    return _tree(value)
+    tree = _tree(value)
+    if "dict" in tree and out.meta.get(META_OUTPUT_CLASS):
+        tree["type"] = out.meta[META_OUTPUT_CLASS]
+    return tree
 
 
 class _Leaf:
@@ -268,12 +273,22 @@ def _tree(value: Any) -> Any:
     if isinstance(value, fx.Node):
         return {"port": value.name}
     if isinstance(value, (tuple, list)):
-        return {"tuple" if isinstance(value, tuple) else "list": [_tree(v) for v in value]}
+        return {"tuple" if isinstance(value, tuple) else "list": [_tree(v) for v in value],
+                **_type_of(value)}
     if isinstance(value, dict):
-        return {"dict": [[k, _tree(v)] for k, v in value.items()]}
+        return {"dict": [[k, _tree(v)] for k, v in value.items()], **_type_of(value)}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"const": value}
     raise IRError(f"the model returns a {type(value).__name__} constant; not supported")
+
+
+def _type_of(value: Any) -> dict[str, str]:
+    """`{"type": "module:qualname"}` for a tuple or dict of a class of its own (a namedtuple, a
+    Hugging Face ModelOutput), so the runtime returns that class (`runtime.ports.output_class`)."""
+    cls = type(value)
+    if cls in (tuple, list, dict) or cls.__module__ == fx.immutable_collections.__name__:
+        return {}  # NOTE: fx writes the dicts and lists in node arguments as immutable ones
+    return {"type": f"{cls.__module__}:{cls.__qualname__}"}
 
 
 # ----------------------------------------------------------------------------- JSON form

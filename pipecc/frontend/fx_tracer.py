@@ -19,11 +19,17 @@ Two things in those modules' `forward` stop a symbolic trace, and are dealt with
     check a given mask for causality; while tracing it answers None ("unknown") for a proxy,
     which is all that check needs when there is no mask. (With a mask the check itself tests
     values, the trace fails and `torch_capture` falls back to torch.export.)
+
+Arguments the example inputs do not give keep their defaults (`forward(x, attn_mask=None)`
+traced with `(x,)` is the model called as `model(x)`): a plain default (None, a bool, number
+or string) is traced as that constant (`untaken_defaults`), as torch.export does, so it is no
+input of the captured graph and `if attn_mask is not None:` takes the branch the call takes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import keyword
 from typing import Any, Iterator
 
@@ -32,6 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.ir.graph import META_OUTPUT_CLASS
 from pipecc.ir.ops import module_op
 
 
@@ -83,11 +90,72 @@ def unspellable(target: str) -> str | None:
     return None
 
 
-def trace(model: nn.Module) -> fx.GraphModule:
-    """`fx.symbolic_trace(model)`, but seeing into composite torch.nn modules."""
-    tracer = _Tracer()
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def untaken_defaults(model: nn.Module, given: int) -> dict[str, Any]:
+    """forward's arguments after the first `given` that have a plain default: name -> default.
+
+    Tensor and container defaults are left as inputs (fx would trace a tensor as a constant
+    and flatten a tuple into several inputs); so is every argument of a forward that takes
+    `*args` (the example inputs may fill it)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return {}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name: p.default for i, p in enumerate(params)
+            if not (p.kind in positional and i < given) and p.kind is not inspect.Parameter.VAR_KEYWORD
+            and p.default is not inspect.Parameter.empty and type(p.default) in _PLAIN}
+
+
+def _drop_specialised_inputs(graph: fx.Graph, names: list[str], concrete: dict[str, Any]) -> None:
+    """Remove the placeholders fx keeps for `concrete_args` and the checks on them.
+
+    NOTE: fx still writes one placeholder per concrete argument (named `mask_1`, with the value
+    as its default) and a check that a caller passes that value (`_assert_is_none`, or
+    `torch._assert(x == value)`); the traced code never reads it otherwise. Placeholders come in
+    signature order, one per argument (`names`, *args excluded), which says which are which."""
+    import operator
+
+    from torch.fx._symbolic_trace import _assert_is_none
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        if name not in concrete:
+            continue
+        checks = list(node.users)
+        for check in checks:
+            checks.extend(u for u in check.users if u not in checks)
+        if any(c.target not in (torch._assert, _assert_is_none, operator.eq) for c in checks):
+            continue  # read by model code after all: it stays an input, as before
+        for check in reversed(checks):
+            graph.erase_node(check)
+        graph.erase_node(node)
+
+
+def keep_output_class(gm: fx.GraphModule, cls: type) -> None:
+    """Note on the output node the dict subclass forward returns (a Hugging Face ModelOutput,
+    `META_OUTPUT_CLASS`): fx writes it as a plain dict, and the stages should return the class
+    (`backends.torch.stages.output_tree`). Namedtuples fx keeps itself."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if issubclass(cls, dict) and cls is not dict and isinstance(out.args[0], dict):
+        out.meta[META_OUTPUT_CLASS] = f"{cls.__module__}:{cls.__qualname__}"
+
+
+def trace(model: nn.Module, given: int | None = None, *, see_into: bool = True) -> fx.GraphModule:
+    """`fx.symbolic_trace(model)`, but seeing into composite torch.nn modules (unless not
+    `see_into`) and, when `given` says how many positional inputs the call passes, with the
+    other arguments at their plain defaults (`untaken_defaults`)."""
+    tracer = _Tracer() if see_into else fx.Tracer()
+    concrete = untaken_defaults(model, given) if given is not None else {}
     with _traceable_transformers():
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    if concrete:
+        names = [p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        _drop_specialised_inputs(graph, names, concrete)
     for node in graph.nodes:
         part = unspellable(str(node.target)) if node.op in ("call_module", "get_attr") else None
         if part is not None:

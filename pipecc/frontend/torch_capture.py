@@ -64,7 +64,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     """
     notes: list[str] = []
     try:
-        gm = fx_tracer.trace(model)
+        gm = fx_tracer.trace(model, len(example_inputs))
         return gm, "fx", notes
     except PipeccError:  # names fx cannot write: torch.export writes code the same way
         raise
@@ -88,7 +88,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         opaque = [name for name, m in model.named_modules() if fx_tracer.sees_into(m)]
         if opaque:  # last resort: keep them whole (costed by a guess, not compilable)
             with contextlib.suppress(Exception):
-                gm = fx.symbolic_trace(model)
+                gm = fx_tracer.trace(model, len(example_inputs), see_into=False)
                 notes.append(f"could not trace into {', '.join(opaque[:3])} ({fx_error}); they "
                              "are kept as opaque modules")
                 return gm, "fx", notes
@@ -103,6 +103,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         ) from exp_exc
     for node in list(gm.graph.nodes):  # export's input guards are checks, not model work
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            gm.graph.erase_node(node)
+        # NOTE: a tied weight is read under one of its names; the others stay as get_attr nodes
+        # nothing uses, and the first of them would own the weight (`annotate_ops_and_names`)
+        # in a unit that never reads it
+        elif node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
@@ -421,8 +426,10 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
         symbols = default_symbols(example_inputs, b)
     check_symbols(symbols, example_inputs)
     with quiet_torch_logging():
-        _check_forward(model, example_inputs)
+        returned = _check_forward(model, example_inputs)
         gm, source, notes = capture(model, example_inputs, symbols)
+        if source == "fx":
+            fx_tracer.keep_output_class(gm, returned)
         try:
             syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
         except PipeccError:  # a data-dependent node: fixed sizes would not help
@@ -471,16 +478,16 @@ def _check_output(gm: fx.GraphModule) -> None:
                           "returns a tensor (or a tuple, list or dict of tensors)")
 
 
-def _check_forward(model: torch.nn.Module, inputs: tuple) -> None:
-    """Run forward once under fake tensors so a broken model fails with its own error."""
+def _check_forward(model: torch.nn.Module, inputs: tuple) -> type:
+    """Run forward once under fake tensors so a broken model fails with its own error; the
+    class of what it returns."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_inputs(mode, inputs, {})
     try:
         with fake_weights(model, mode), shape_safe_batchnorm(model), mode, \
                 pywarnings.catch_warnings():
             pywarnings.simplefilter("ignore")
-            model(*fake)
-        return
+            return type(model(*fake))
     except SystemExit as exc:
         raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:
@@ -493,7 +500,7 @@ def _check_forward(model: torch.nn.Module, inputs: tuple) -> None:
                           f"{_first_line(fake_exc)}") from fake_exc
     try:  # data-dependent code needs real values: check for real (and undo what it changes)
         with preserved_state(model, weights=True), torch.no_grad():
-            model(*inputs)
+            return type(model(*inputs))
     except SystemExit as exc:
         raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:

@@ -15,6 +15,8 @@ Annotations (written by analyses only; they never change the graph's structure):
   META_KIND   op class used by the cost model (see `pipecc.ir.ops.KINDS`)
   META_NAME   unique human name (`layers.3.attn.proj`, `layers.3.attn.softmax`)
   META_COST   `pipecc.cost.NodeCost` (sympy expressions and their values at the example point)
+  META_OUTPUT_CLASS  (output node, fx graphs) `module:qualname` of the dict subclass forward
+              returns (a ModelOutput), which fx writes as a plain dict
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ META_KIND = "pipecc.kind"
 META_NAME = "pipecc.name"
 META_COST = "pipecc.cost"
 META_PARAMS = "pipecc.params"  # list of (qualified name, TensorInfo) owned by the node
+META_OUTPUT_CLASS = "pipecc.output_class"
 
 Dim = Union[int, sympy.Expr]
 

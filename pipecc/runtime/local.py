@@ -32,6 +32,7 @@ runtime never imports the compiler.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.ports import build_output, split_batch
+from pipecc.runtime.ports import as_output_type, build_output, split_batch
 from pipecc.runtime.segments import share_replicas
 from pipecc.runtime.stagefile import assemble_owner, load_stage, persistent_buffer
 
@@ -71,6 +72,12 @@ class PipelinedModule(nn.Module):
         self._pipecc_devices = [torch.device(d) for d in devices]
         self._check_chain()
         self._place()
+        # NOTE: the model's mode, not nn.Module's default (train): a model compiled in eval mode
+        # gives an eval-mode module. Only the flags of this module and the stage roots are set;
+        # the model's own submodules keep theirs (one may be frozen in eval inside a train model).
+        self.training = bool(owner.training)
+        for stage in self._pipecc_stages:
+            stage.training = self.training
 
     def _adopt(self, owner: nn.Module) -> None:
         for name, p in owner._parameters.items():
@@ -121,8 +128,19 @@ class PipelinedModule(nn.Module):
                 if buf is not None and id(buf) in moved:
                     m._buffers[key] = moved[id(buf)]
 
+    def warn_on_train(self, message: str, *, refuse: bool = False) -> None:
+        """Say `message` (a warning, or a PipeccError with `refuse`) when switched to train
+        mode: `pipecc.compile` of a model in eval mode whose BatchNorm, in train mode, would
+        normalise each micro-batch with its own statistics."""
+        self._pipecc_on_train = (message, refuse)
+
     # -- nn.Module behaviour that must reach the unregistered stages
     def train(self, mode: bool = True) -> "PipelinedModule":
+        message, refuse = getattr(self, "_pipecc_on_train", None) or ("", False)
+        if mode and message:
+            if refuse:
+                raise PipeccError(message)
+            warnings.warn(message, UserWarning, stacklevel=2)
         super().train(mode)
         self._pipecc_owner.train(mode)
         for stage in self._pipecc_stages:
@@ -224,10 +242,12 @@ def _merge(outputs: list[Any]) -> Any:
             raise PipeccError("the model returns a 0-dim tensor, which micro-batches cannot "
                               "concatenate; use microbatches=1")
         return torch.cat(outputs, dim=0)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_merge([o[i] for o in outputs]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _merge([o[k] for o in outputs]) for k in first}
+    if isinstance(first, list):
+        return [_merge([o[i] for o in outputs]) for i in range(len(first))]
+    if isinstance(first, tuple):  # a namedtuple too
+        return as_output_type(type(first), tuple(_merge([o[i] for o in outputs]) for i in range(len(first))))
+    if isinstance(first, dict):  # a ModelOutput too
+        return as_output_type(type(first), {k: _merge([o[k] for o in outputs]) for k in first})
     return first
 
 

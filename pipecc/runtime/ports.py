@@ -21,11 +21,14 @@ int keys survive); checkpoints also hold tensors, stored beside the JSON.
 
 The micro-batch split (``split_sizes``, ``split_batch``) and the output tree (``build_output``)
 are shared with the one-process runtime, ``pipecc.runtime.local``. Imports torch and
-``pipecc.errors`` only.
+``pipecc.errors`` only (and, to rebuild a model's own output class, that class's module).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +40,14 @@ from pipecc.errors import PipeccError
 __all__ = [
     "Port",
     "StagePorts",
+    "as_output_type",
     "as_tuple",
     "build_output",
     "describe",
     "flatten",
     "from_json",
     "microbatch_extents",
+    "output_class",
     "output_ports",
     "split_batch",
     "split_sizes",
@@ -274,12 +279,49 @@ def build_output(tree: dict[str, Any] | None, env: dict[str, Any]) -> Any:
     if "port" in tree:
         return env[tree["port"]]
     if "tuple" in tree:
-        return tuple(build_output(t, env) for t in tree["tuple"])
+        return as_output_type(output_class(tree.get("type")), tuple(build_output(t, env) for t in tree["tuple"]))
     if "list" in tree:
         return [build_output(t, env) for t in tree["list"]]
     if "dict" in tree:
-        return {k: build_output(t, env) for k, t in tree["dict"]}
+        return as_output_type(output_class(tree.get("type")),
+                              {k: build_output(t, env) for k, t in tree["dict"]})
     return tree.get("const")
+
+
+def output_class(name: str | None) -> type | None:
+    """The class a tree's ``type`` names (``module:qualname``: a Hugging Face ModelOutput, a
+    namedtuple), or None where there is none or it cannot be found in this process.
+
+    NOTE: the module is imported when it is not yet (a compiled folder is code already: its
+    stage files run when loaded, see ``pipecc.runtime.trust``); a class of a model file that
+    ``pipecc run`` imported under another name is not found, and its output stays a plain
+    dict or tuple."""
+    if not name or ":" not in name:
+        return None
+    module_name, _, qualname = name.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001  # not importable here: the plain structure
+            return None
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, (tuple, dict)) else None
+
+
+def as_output_type(cls: type | None, value: tuple | dict) -> Any:
+    """`value` (a tuple or dict) as an instance of `cls`, as the model returns it; `value` itself
+    when there is no class or it will not take the items."""
+    if cls is None or isinstance(value, cls) or not issubclass(cls, type(value)):
+        return value
+    try:
+        if isinstance(value, dict):
+            return cls(**value) if dataclasses.is_dataclass(cls) else cls(value)
+        return cls(*value) if hasattr(cls, "_fields") else cls(value)
+    except Exception:  # noqa: BLE001  # a constructor we cannot call so: the plain structure
+        return value
 
 
 def output_ports(tree: dict[str, Any] | None, value: Any, found: dict[str, Any]) -> dict[str, Any]:

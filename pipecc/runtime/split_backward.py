@@ -1,14 +1,14 @@
 """The zero-bubble split of a stage's backward, as the engine runs I and W actions.
 
 I computes the gradient of the stage's received inputs only, so SEND_B can go upstream at once;
-W accumulates the parameters' gradients into ``.grad`` and frees the graph. Both go through
-torch's own split (``torch.distributed.pipelining._backward``): I saves, by autograd pre-hooks,
-the gradient reaching every graph node where a weight's branch joins the input's path, and W
-starts there. Parameters that split cannot reach (all of them on stage 0, whose inputs take no
-gradient, where W is then one plain backward; a weight whose branch never meets the input's
-path, e.g. feeding an output of its own) get theirs in W by a walk from the outputs,
-``torch.autograd.backward(outputs, grads, inputs=params)``, which recomputes the input-gradient
-chain down to the first use of those parameters.
+W accumulates the parameters' gradients into ``.grad``, after which the engine lets the graph
+go. Both go through torch's own split (``torch.distributed.pipelining._backward``): I saves,
+by autograd pre-hooks, the gradient reaching every graph node where a weight's branch joins
+the input's path, and W starts there. Parameters that split cannot reach (all of them on
+stage 0, whose inputs take no gradient, where W is then one plain backward; a weight whose
+branch never meets the input's path, e.g. feeding an output of its own) get theirs in W by a
+walk from the outputs, ``torch.autograd.backward(outputs, grads, inputs=params)``, which
+recomputes the input-gradient chain down to the first use of those parameters.
 
 NOTE (what the split costs): measured on this CPU (one thread; a middle stage of
 4 x Linear(512)+ReLU at batch 64, and of 8 x Linear(1024)+ReLU at batch 32; best of 30):
@@ -51,8 +51,17 @@ def input_backward(roots: list, grads: list | None, inputs: list,
 
 
 def weight_backward(params: list, groups: list) -> None:
-    """W from torch's saved gradients: accumulates into the parameters' ``.grad`` and frees
-    the graph (``groups`` as ``input_backward`` returned them)."""
+    """W from torch's saved gradients: accumulates into the parameters' ``.grad``; the graph
+    goes when the engine lets go of ``groups`` (as ``input_backward`` returned them).
+
+    NOTE: the graph is retained across torch's groups. A weight whose branch meets the input's
+    path at two points, one downstream of the other (T5's relative position bias, added in
+    every decoder layer; an encoder-decoder's later stage embedding a model input of its own,
+    whose branch joins the received encoder output in every cross-attention), is one group
+    whose backward runs from the later point through the input's path to the earlier one
+    (torch clamps the gradient there, so nothing counts twice). Without ``retain_graph`` an
+    earlier group has already freed those nodes: "Trying to backward through the graph a
+    second time". The saved tensors live as long as they did before W started."""
     from torch.distributed.pipelining._backward import stage_backward_weight
 
-    stage_backward_weight(params, groups)
+    stage_backward_weight(params, groups, retain_graph=True)

@@ -84,6 +84,7 @@ from typing import Any
 
 from pipecc.cli.args import endpoint, nonnegative_int, positive_float, positive_int
 from pipecc.errors import PipeccError, UsageError
+from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES
 from pipecc.runtime import lifeline
 from pipecc.runtime.launcher import supervise
 
@@ -116,7 +117,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--verify-stages-only", action="store_true",
                    help="compare the pipeline's forward with its own stages chained in one process: "
                    "needs no model file, but cannot catch a stage that differs from the original model")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "inference"],
+    # the training schedules first, then forward-only ones (inference)
+    p.add_argument("--schedule", choices=sorted(SCHEDULES, key=lambda n: n not in TRAINING_SCHEDULES),
                    help="override the compiled schedule (inference: forward passes only)")
     p.add_argument("--microbatches", "-m", type=positive_int, metavar="M",
                    help="override the compiled number of micro-batches")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.registry import ZERO_BUBBLE
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
 from pipecc.report.compiled import load_compiled
 from pipecc.report.dot import dot_text, graphviz_svg
@@ -38,7 +39,7 @@ def _legend(plan: Plan) -> str:
     for c in range(max(plan.virtual_stages, 1)):
         which = (f" (stages {c * p}–{c * p + p - 1})" if plan.virtual_stages > 1 else "")
         items.append((F_COLORS[c % 4], f"forward{which}"))
-        if plan.schedule == "zb-h1":  # the backward split: input gradient, then weights
+        if plan.schedule in ZERO_BUBBLE:  # the backward split: input gradient, then weights
             items.append((B_COLORS[c % 4], f"backward for the input (I){which}"))
             items.append((W_COLORS[c % 4], f"backward for the weights (W){which}"))
         elif plan.schedule != "inference":

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError, printable
-from pipecc.ir.schedule import SCHEDULES
+from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES
 from pipecc.runtime import lifeline
 from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
@@ -264,9 +264,6 @@ def _compiled_device(meta: dict[str, Any] | None) -> str | None:
     if devices and all(isinstance(d, dict) and d.get("kind") in ("cpu", "fpga") for d in devices):
         return "cpu"
     return None
-
-
-TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "inference")  # gpipe, 1f1b, interleaved, zb-h1
 
 
 def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import ZERO_BUBBLE
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
-from pipecc.report.compiled import load_compiled
+from pipecc.report.compiled import load_compiled, timeline_of
 from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import bipartition_lines, bottleneck_stage, device_capacities, first_last
 from pipecc.report.formatting import human, seconds
@@ -241,9 +241,10 @@ def render_report(graph: Any, plan: Plan, timeline: Any = None, *, cluster: Any 
 
 
 def report_from_folder(out: str | Path) -> str:
-    """The page for an existing compiled folder (its plan, graph.json and timeline.json)."""
+    """The page for an existing compiled folder (its plan, graph.json and the timeline of its
+    schedule.txt, `compiled.timeline_of`)."""
     c = load_compiled(out)
-    tl = c.timeline or timeline_json(timeline_for(c.plan))
+    tl = timeline_of(c)
     return render_page(c.plan, c.graph, tl, device_capacities(c.plan))
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, ZERO_BUBBLE, schedule_for
+from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.passes import baselines, replicas as rep
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
@@ -284,7 +284,7 @@ class Balancer:
             for m in ms:
                 for d in degrees(m):
                     P = self.p // d
-                    if s == "interleaved" and (m % P or self.opt.virtual_stages < 2 or P == 1):
+                    if s in VIRTUAL and (m % P or self.opt.virtual_stages < 2 or P == 1):
                         continue
                     if P == 1 and s != "1f1b" and self.opt.schedule == "auto":
                         continue  # one rank: gpipe is 1f1b holding every micro-batch at once
@@ -300,7 +300,7 @@ class Balancer:
         recomputing."""
         mb = rep.slice_size(self.opt.batch_size // m, d)  # NOTE: d replicas: the largest slice
         units = self.builder.at(mb)
-        v = self.opt.virtual_stages if schedule == "interleaved" else 1
+        v = self.opt.virtual_stages if schedule in VIRTUAL else 1
         order = tuple(range(self.p))
         prob = self.problem(units, mb, schedule, m, order, v, recompute, d)
         if self.opt.choose_order and v == 1 and self.p > 1 and d == 1:

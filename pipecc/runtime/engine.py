@@ -169,6 +169,8 @@ def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_p
     ``balancing`` (BPipe pairs, ``bpipe_thresholds``): only "1f1b" with one stage per rank runs
     them, as ``bpipe(one_f_one_b(world, m), thresholds, policy)``."""
     if isinstance(kind, Schedule):
+        if balancing:  # the folder's record of its BPipe pairs must still be one the runtime can run
+            bpipe_thresholds(balancing, kind.num_stages)
         return _checked(kind, world)
     if balancing:
         thresholds, policy = bpipe_thresholds(balancing, world * stages_per_rank)

@@ -39,8 +39,7 @@ import numpy as np
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
-from pipecc.ir.schedule import bpipe as bpipe_schedule
+from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.passes import baselines, replicas as rep
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
@@ -53,9 +52,7 @@ from pipecc.targets.hardware import Cluster, Device
 from pipecc.targets.profiled import Profile, ProfiledCosts, profile_decisions, time_source
 from pipecc.targets.timing import CANNOT_RUN_S, DeviceCosts, RooflineCosts
 
-__all__ = ["Balancer", "PlanOptions", "SCHEDULES", "device_costs"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # what --schedule auto tries in training
+__all__ = ["Balancer", "PlanOptions", "device_costs"]
 
 
 @dataclass
@@ -120,7 +117,7 @@ def _recomputing(prob: PartitionProblem, recompute: Sequence[bool] | None) -> Pa
 def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     """Micro-batches stashed at once by each of p stages (v per rank): the schedule's peak
     stash per rank (gpipe: m; 1f1b: min(ranks - r, m)), spread evenly over a rank's stages."""
-    prof = by_name(schedule, p // v, m, v).rank_stash_profile()
+    prof = schedule_for(schedule, p, m, num_ranks=p // v).rank_stash_profile()
     return tuple(math.ceil(prof[k % (p // v)] / v) for k in range(p))
 
 
@@ -274,7 +271,7 @@ class Balancer:
             return [d for d in allowed[m] if self.p // d <= n_units]
         if not self.opt.training:
             return [("inference", m, d) for m in ms for d in degrees(m)]
-        scheds = SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
+        scheds = TRAINING_SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
         fpgas = [d.name for d in self.cluster.devices if d.kind == "fpga"]
         if fpgas and self.opt.schedule in ZERO_BUBBLE:
             raise UsageError(f"--schedule {self.opt.schedule} splits every stage's backward into "
@@ -287,7 +284,7 @@ class Balancer:
             for m in ms:
                 for d in degrees(m):
                     P = self.p // d
-                    if s == "interleaved" and (m % P or self.opt.virtual_stages < 2 or P == 1):
+                    if s in VIRTUAL and (m % P or self.opt.virtual_stages < 2 or P == 1):
                         continue
                     if P == 1 and s != "1f1b" and self.opt.schedule == "auto":
                         continue  # one rank: gpipe is 1f1b holding every micro-batch at once
@@ -303,7 +300,7 @@ class Balancer:
         recomputing."""
         mb = rep.slice_size(self.opt.batch_size // m, d)  # NOTE: d replicas: the largest slice
         units = self.builder.at(mb)
-        v = self.opt.virtual_stages if schedule == "interleaved" else 1
+        v = self.opt.virtual_stages if schedule in VIRTUAL else 1
         order = tuple(range(self.p))
         prob = self.problem(units, mb, schedule, m, order, v, recompute, d)
         if self.opt.choose_order and v == 1 and self.p > 1 and d == 1:
@@ -404,9 +401,9 @@ class Balancer:
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static,
                                      recompute_bytes=redo, **split)
-        sched = by_name(schedule, stages // v, m, v)
+        sched = schedule_for(schedule, stages, m, num_ranks=stages // v, bpipe_thresholds=bpipe,
+                             bpipe_policy=bpipe_pass.POLICY)
         if bpipe is not None:
-            sched = bpipe_schedule(sched, bpipe, bpipe_pass.POLICY)
             devs = order or tuple(range(self.p))
             costs.stash_transfer_s = [
                 [0.0 if free_stash or sched.partner is None or sched.partner[k] is None
@@ -485,7 +482,7 @@ class Balancer:
                                       f"{chosen.timeline.iteration_s:.4g} s"})
         return out
 
-    def contenders(self, within: float = math.inf, most: int = len(SCHEDULES)) -> list[_Candidate]:
+    def contenders(self, within: float = math.inf, most: int = len(TRAINING_SCHEDULES)) -> list[_Candidate]:
         """The fastest candidate of each schedule within `within` of the best (at most
         `most`, best first): layer splitting may reorder these, so each gets split. (A
         replicated candidate competes under its schedule's name like any other.)"""

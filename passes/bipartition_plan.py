@@ -28,7 +28,7 @@ import numpy as np
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 from pipecc.ir.plan import Plan
-from pipecc.ir.schedule import by_name
+from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate, lower_bound
 from pipecc.passes.recompute import training_batchnorm_names
@@ -164,7 +164,7 @@ def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int) -> StageCosts:
 
 
 def _simulate(bi: BiPartition, prob: PartitionProblem, plan: Plan) -> Timeline:
-    sched = by_name(plan.schedule, len(plan.stages), plan.microbatches, 1)
+    sched = schedule_for(plan.schedule, len(plan.stages), plan.microbatches)
     return simulate(sched, stage_costs(bi, prob, plan.microbatches))
 
 

@@ -36,7 +36,9 @@ from typing import Any, Sequence
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
-from pipecc.ir.schedule import BPIPE_POLICIES, ActionKind, bpipe, bpipe_pairs, one_f_one_b
+from pipecc.ir.schedule.actions import ActionKind
+from pipecc.ir.schedule.registry import schedule_for
+from pipecc.ir.schedule.transforms import BPIPE_POLICIES, bpipe_pairs
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S
 
@@ -160,7 +162,7 @@ def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: d
     """The candidate with thresholds `ks`: cuts for the balanced counts (each evictor's plus its
     `overlap`), then the simulator's exact check. InfeasibleError when it does not fit."""
     p, mb, order = bal.p, bal.opt.batch_size // m, tuple(range(bal.p))
-    counts = [float(c) for c in bpipe(one_f_one_b(p, m), list(ks), POLICY).stash_profile()]
+    counts = [float(c) for c in schedule_for("1f1b", p, m, bpipe_thresholds=ks, bpipe_policy=POLICY).stash_profile()]
     for s, extra in overlap.items():  # NOTE: an eviction still moving while the next F grows
         counts[s] += extra            # (simulate's timeline sweep) costs that F's share so far
     part = partition(dataclasses.replace(plain, inflight=tuple(counts)))  # InfeasibleError

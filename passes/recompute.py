@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 from pipecc.errors import UsageError
 from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
+from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
 from pipecc.passes.replicas import slice_size
 
@@ -89,7 +90,7 @@ def evaluate_candidate(bal: Balancer, schedule: str, m: int, d: int = 1) -> _Can
     docstring)."""
     check(bal)
     mode = bal.opt.recompute
-    n = bal.p // d * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    n = bal.p // d * (bal.opt.virtual_stages if schedule in VIRTUAL else 1)
     if mode == "none":
         return bal.evaluate_candidate(schedule, m, d=d)
     if mode == "full":
@@ -104,7 +105,7 @@ def hint(bal: Balancer, schedule: str, m: int, reason: str, d: int = 1) -> str:
     mode is "none" and recomputing every stage that may would fit it."""
     if bal.opt.recompute != "none" or not bal.opt.training or "no split fits memory" not in reason:
         return reason
-    n = bal.p // d * (bal.opt.virtual_stages if schedule == "interleaved" else 1)
+    n = bal.p // d * (bal.opt.virtual_stages if schedule in VIRTUAL else 1)
     if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)), d), d) is None:
         return reason
     return f"{reason}, or recompute activations (--recompute auto)"

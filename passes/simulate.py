@@ -62,7 +62,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipecc.ir.schedule import Action, ActionKind, Schedule, validate
+from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+from pipecc.ir.schedule.validate import validate
 
 __all__ = ["Event", "StageCosts", "Timeline", "simulate"]
 

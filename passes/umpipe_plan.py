@@ -26,7 +26,7 @@ import numpy as np
 
 from pipecc.errors import UsageError
 from pipecc.ir.plan import Plan
-from pipecc.ir.schedule import gpipe_uneven
+from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes import umpipe
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.simulate import simulate
@@ -186,7 +186,7 @@ def apply(plan: Plan, balancer: Any, mode: str | list[int], *, budget_s: float =
             f"micro-batch sizes {list(mode)} on every stage (--microbatch-sizes): predicted "
             f"{umpipe.end_times(sizes, curves).T:.4g} s with per-call overhead{versus}")
     costs = umpipe.stage_costs(sizes, curves)
-    timeline = simulate(gpipe_uneven(sizes), costs)
+    timeline = simulate(schedule_for("gpipe", len(sizes), len(sizes[0]), microbatch_sizes=sizes), costs)
     # NOTE: the stage table's forward_s/backward_s stay the planner's figures at its equal
     # micro-batch; the per-chunk seconds the prediction used travel with the plan (reports
     # rebuild the timeline from them: `pipecc.report.artifacts.timeline_for`)

@@ -51,6 +51,7 @@ from pipecc.frontend.modelfile import ModelSpec, load_model_file
 from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
                              AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 from pipecc.ir.verify import verify, verify_plan
 
 if TYPE_CHECKING:  # the backends load only when a compile needs them
@@ -410,8 +411,9 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
     except DeviceSpecError as exc:
         raise UsageError(str(exc)) from exc
-    if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
-        raise UsageError(f"--schedule {schedule!r}: choose auto, gpipe, 1f1b, interleaved or zb-h1")
+    if schedule != "auto" and schedule not in TRAINING_SCHEDULES:
+        raise UsageError(f"--schedule {schedule!r}: choose auto, {', '.join(TRAINING_SCHEDULES[:-1])} or "
+                         f"{TRAINING_SCHEDULES[-1]}")
     if recompute not in ("none", "full", "auto"):
         raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
     if activation_balancing == "on" and microbatch_sizes not in ("equal", "auto"):

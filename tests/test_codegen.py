@@ -324,7 +324,7 @@ def test_write_output_layout_and_entry(tmp_path: Path) -> None:
     out = torch_compile.write_output(tmp_path / "out", graph, make_plan(stages), stages,
                                      extra_files={"report.html": "<html></html>"})
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert names == ["pipecc.json", "plan.json", "report.html", "run_stage.py",
+    assert names == ["pipecc.json", "plan.json", "report.html", "run_stage.py", "schedule.txt",
                      "stage_0/ports.json", "stage_0/stage.py", "stage_0/weights.safetensors",
                      "stage_1/ports.json", "stage_1/stage.py", "stage_1/weights.safetensors"]
     assert Plan.from_json(__import__("json").loads((out / "plan.json").read_text())).model == "mlp"

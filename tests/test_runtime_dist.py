@@ -265,6 +265,8 @@ def test_main_runs_a_compiled_folder_in_one_process(tmp_path: Path, monkeypatch,
     for i, stage_ports in enumerate(ports):
         (tmp_path / f"stage_{i}").mkdir()
         (tmp_path / f"stage_{i}" / "ports.json").write_text(json.dumps(stage_ports))
+    # a folder carries its schedule (pipecc.runtime.schedule_file); --schedule below builds another
+    (tmp_path / "schedule.txt").write_text(schedule_text(one_f_one_b(2, 3)) + "\n")
 
     def load_stage(stage_dir: Path):
         i = int(Path(stage_dir).name.split("_")[1])

@@ -28,9 +28,10 @@ def check_activation_balancing(plan: Plan, sizes: list[list[int]] | None = None)
         if problem:
             raise PipeccError(f"activation balancing (BPipe) cannot run with {problem}; {off}")
     thresholds, policy = bpipe_thresholds(pairs, len(plan.stages))
-    from pipecc.ir.schedule import ScheduleError, bpipe, one_f_one_b, validate
+    from pipecc.ir.schedule.registry import schedule_for
+    from pipecc.ir.schedule.text import ScheduleError
     try:
-        validate(bpipe(one_f_one_b(len(plan.stages), plan.microbatches), thresholds, policy=policy))
+        schedule_for("1f1b", len(plan.stages), plan.microbatches, bpipe_thresholds=thresholds, bpipe_policy=policy)
     except (ValueError, ScheduleError) as e:
         raise PipeccError(f"activation balancing {pairs}: {getattr(e, 'summary', e)}; {off}") from None
     return pairs

@@ -12,6 +12,9 @@
                              plan's pairs, [] when off; `check_activation_balancing`) and the
                              list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
+    OUT/schedule.txt         the plan's validated action list in the schedule IR's text form
+                             (`pipecc.ir.plan.schedule_of`, `pipecc.ir.schedule.format`): what
+                             `pipecc run` parses, validates and executes (`SCHEDULE_FILE`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
     OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (backends.torch.bipartition;
@@ -69,11 +72,13 @@ from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
 from pipecc.backends.torch.stages import Stage, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
-from pipecc.ir.plan import Plan
+from pipecc.ir.plan import Plan, schedule_of
+from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
 from pipecc.runtime.replicas import replica_problem
 from pipecc.runtime.reslice import check_sizes
+from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.trust import file_sha256
 
 FORMAT = "pipecc-compile"
@@ -88,7 +93,7 @@ HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 STALE_AFTER_S = 3600.0         # a temporary of another host (or an older pipecc) is stale after
 # What pipecc writes, for folders compiled before the marker listed its files; and the caches
 # made from them later (Python's bytecode, an FPGA stage's C-simulation build).
-LAYOUT = re.compile(r"(pipecc\.json|plan\.json|run_stage\.py|report\.html|graph\.json|timeline\.json"
+LAYOUT = re.compile(r"(pipecc\.json|plan\.json|schedule\.txt|run_stage\.py|report\.html|graph\.json|timeline\.json"
                     r"|stage_\d+/(stage\.py|weights\.safetensors|ports\.json|estimates\.json|segment_\d+\.(py|safetensors)|hls/.+))")
 CACHE = re.compile(r"(^|/)__pycache__/|^stage_\d+/hls/csim_build/")
 
@@ -172,6 +177,11 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_output": stages[-1].model_output if stages else None,
               MODEL_HASH: _sha256(plan.model_path)}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+    try:
+        schedule = schedule_of(plan)
+    except ValueError as e:
+        raise PipeccError(f"the plan's schedule cannot be built: {getattr(e, 'summary', e)}; plan again") from None
+    (tmp / SCHEDULE_FILE).write_text(schedule_text(schedule) + "\n", encoding="utf-8")
     if pieces:  # Bi-Partition: cores and segments per worker (backends.torch.bipartition)
         write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
     for stage, planned in zip(stages, plan.stages):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pipecc.errors import UsageError
+from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 
 
 class Parser(argparse.ArgumentParser):
@@ -88,7 +89,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", "-d", required=True, metavar="SPEC",
                    help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml")
     p.add_argument("--microbatches", "-m", type=microbatches, default="auto", metavar="M|auto")
-    p.add_argument("--schedule", choices=["auto", "gpipe", "1f1b", "interleaved", "zb-h1"], default="auto")
+    p.add_argument("--schedule", choices=["auto", *TRAINING_SCHEDULES], default="auto")
     p.add_argument("--replicas", type=replicas, default="auto", metavar="auto|N",
                    help="run every stage on a group of N devices that split each micro-batch "
                    "(data parallel inside the stage, gradients all-reduced in the group); N must "

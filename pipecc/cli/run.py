@@ -84,6 +84,7 @@ from typing import Any
 
 from pipecc.cli.args import endpoint, nonnegative_int, positive_float, positive_int
 from pipecc.errors import PipeccError, UsageError
+from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES, VIRTUAL
 from pipecc.runtime import lifeline
 from pipecc.runtime.launcher import supervise
 
@@ -116,7 +117,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--verify-stages-only", action="store_true",
                    help="compare the pipeline's forward with its own stages chained in one process: "
                    "needs no model file, but cannot catch a stage that differs from the original model")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zb-h1", "inference"],
+    # the training schedules first, then forward-only ones (inference)
+    p.add_argument("--schedule", choices=sorted(SCHEDULES, key=lambda n: n not in TRAINING_SCHEDULES),
                    help="override the compiled schedule (inference: forward passes only)")
     p.add_argument("--microbatches", "-m", type=positive_int, metavar="M",
                    help="override the compiled number of micro-batches")
@@ -194,17 +196,23 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
         missing.insert(0, "run_stage.py")
     if missing:
         raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
+    from pipecc.runtime.schedule_file import read_schedule_file
     from pipecc.runtime.stagefile import check_folder  # NOTE: lazy, as torch is: `pipecc --help` stays fast
 
     specs = check_folder(out, num_stages)  # runs none of the folder's code
+    compiled = read_schedule_file(out, num_stages, marker)
+    # the ranks run the folder's schedule.txt; --schedule or --microbatches build one by name
+    use_file = args.schedule is None and args.microbatches is None
     plan = _read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
     forward = _forward_only(args, marker, out, num_stages)
     schedule = "inference" if forward else args.schedule or str(marker.get("schedule") or "1f1b")
-    virtual = int(plan.get("virtual_stages") or 1) if schedule == "interleaved" else 1
+    virtual = int(plan.get("virtual_stages") or 1) if schedule in VIRTUAL else 1
+    if use_file:
+        virtual = num_stages // compiled.num_ranks  # read_schedule_file: its stages are the folder's
     if virtual < 1 or num_stages % virtual:
         raise PipeccError(f"{num_stages} stages do not divide into {virtual} virtual stages per rank")
     replicas = _replicas(marker, out)
-    _check_run(args, marker, specs, forward, schedule, num_stages // virtual, virtual)
+    _check_run(args, marker, specs, forward, compiled if use_file else schedule, num_stages // virtual, virtual)
     ranks = num_stages // virtual * replicas  # PP x DP: every pipeline rank on `replicas` processes
     nnodes = args.nnodes
     if nnodes > 1 and not args.rdzv_endpoint:
@@ -237,10 +245,10 @@ def _replicas(marker: dict[str, Any], out: Path) -> int:
 
 
 def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dict[str, Any]], forward: bool,
-               schedule: str, ranks: int, virtual: int) -> None:
+               schedule: Any, ranks: int, virtual: int) -> None:
     """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
-    micro-batches against the batch, the schedule, --verify's model file, the model file's hash,
-    the checkpoint options."""
+    micro-batches against the batch, the schedule (a name, or the folder's parsed schedule.txt),
+    --verify's model file, the model file's hash, the checkpoint options."""
     from pipecc.runtime.dist import check_options
     from pipecc.runtime.engine import build_schedule
     from pipecc.runtime.ports import StagePorts
@@ -248,7 +256,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     from pipecc.runtime.stash import folder_balancing
     from pipecc.runtime.trust import model_file
 
-    if marker.get("bipartition") and schedule not in ("1f1b", "gpipe", "inference"):
+    if marker.get("bipartition") and isinstance(schedule, str) and schedule not in ("1f1b", "gpipe", "inference"):
         raise UsageError(f"{args.out} is a Bi-Partition pipeline, which runs the 1f1b and gpipe schedules only; "
                          f"give --schedule 1f1b or gpipe instead of {schedule}")
     m = args.microbatches or int(marker.get("microbatches") or 4)
@@ -259,7 +267,8 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
         build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches),
                        folder_balancing(marker, args.schedule))
     except ValueError as e:
-        raise UsageError(f"--schedule {schedule} with {ranks} ranks and {m} micro-batches: {e}") from None
+        shown = schedule if isinstance(schedule, str) else "(schedule.txt)"
+        raise UsageError(f"--schedule {shown} with {ranks} ranks and {m} micro-batches: {e}") from None
 
 
 def _forward_only(args: argparse.Namespace, marker: dict[str, Any], out: Path, num_stages: int) -> bool:

@@ -413,7 +413,7 @@ def torch_schedule(plan: Plan, stages: Sequence[Any], loss_fn: Callable, *,
 
 def _same_order(pipeline_order: dict[int, list[Any]], num_stages: int, m: int) -> None:
     """Refuse unless torch's compute order (bubbles dropped) is pipecc's zb-h1, rank by rank."""
-    from pipecc.ir.schedule import zb_h1
+    from pipecc.ir.schedule.generators import zb_h1
 
     ours = zb_h1(num_stages, m)
     for rank in range(num_stages):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 
 GRAPH_FORMAT = "pipecc-graph"
 FORMAT_VERSION = 1
@@ -105,11 +106,10 @@ def timeline_json(timeline: Any) -> dict[str, Any]:
                         "peer": e.peer} for e in timeline.events]}
 
 
-def _uneven_timeline(plan: Plan) -> Any:
+def _uneven_timeline(plan: Plan, schedule: Schedule) -> Any:
     """UMPIPE: gpipe row order over the plan's per-stage sizes, with the per-chunk seconds the
     planner predicted with (`plan.options["umpipe_chunk_costs"]`); a plan without them (written
     by hand) gets the stage figures scaled linearly in the chunk size."""
-    from pipecc.ir.schedule import gpipe_uneven
     from pipecc.passes.simulate import StageCosts, simulate
 
     sizes = plan.microbatch_sizes or []
@@ -126,23 +126,24 @@ def _uneven_timeline(plan: Plan) -> Any:
             [[send[k] * b / per if k < n - 1 else 0.0 for b in sizes[k]] for k in range(n)],
             [[send[k] * b / per if k > 0 else 0.0 for b in sizes[max(k - 1, 0)]] for k in range(n)],
             [[0.0] * len(sizes[k]) for k in range(n)], [0.0] * n)
-    return simulate(gpipe_uneven(sizes), costs)
+    return simulate(schedule, costs)
 
 
-def timeline_for(plan: Plan) -> Any:
-    """The simulator's Timeline for `plan`, rebuilt from its per-stage figures.
+def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
+    """The simulator's Timeline for `plan`, rebuilt from its per-stage figures, of `schedule`
+    (a compiled folder's schedule.txt; default: the plan's own, `pipecc.ir.plan.schedule_of`).
 
-    Equal to the planner's own (same stage costs, same schedule generator): the per-direction
-    transfer times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
+    Equal to the planner's own (same stage costs, same schedule): the per-direction transfer
+    times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
     """
-    from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
+    from pipecc.ir.plan import schedule_of
+    from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
     from pipecc.passes.simulate import StageCosts, simulate
 
+    schedule = schedule_of(plan) if schedule is None else schedule
     if plan.microbatch_sizes:
-        return _uneven_timeline(plan)
+        return _uneven_timeline(plan, schedule)
     n, m = len(plan.stages), plan.microbatches
-    # only the interleaved schedule holds several stages per rank; the others hold one
-    v = max(plan.virtual_stages, 1) if plan.schedule == "interleaved" else 1
     send, prev = [], 0.0
     for k, s in enumerate(plan.stages):
         t = max(s.comm_s / 2 - prev, 0.0) if k < n - 1 else 0.0
@@ -157,10 +158,7 @@ def timeline_for(plan: Plan) -> Any:
         costs.send_forward_s = [[float(t)] * m for t in saved["send_forward_s"]]
         costs.send_backward_s = [[float(t)] * m for t in saved["send_backward_s"]]
         costs.tail_s = [float(t) for t in saved["tail_s"]] or None
-    schedule = by_name(plan.schedule, n // v, m, v)
     if plan.activation_balancing:  # BPipe: its stash transfers, as the planner timed them
-        from pipecc.ir.schedule import bpipe
-        schedule = bpipe(schedule, plan.bpipe_thresholds(), plan.activation_balancing[0].get("policy", "jit"))
         costs.stash_transfer_s = [[float(x)] * m for x in plan.estimate.get("stash_transfer_s", [0.0] * n)]
     if plan.replicas > 1:  # replica groups: each rank's gradient all-reduce, as the planner has it
         costs.allreduce_s = [0.0] * schedule.num_ranks

@@ -1,9 +1,11 @@
 """`pipecc inspect OUT`: what a compile made, read back from the folder alone.
 
 Compile time writes OUT/graph.json and OUT/timeline.json (see `artifacts`). Inspect reads those
-with `plan.json`, `pipecc.json` and each `stage_<i>/ports.json` (and an FPGA stage's
+with `schedule.txt` (the action list the runtime executes: the timeline is drawn from it,
+`timeline_of`), `plan.json`, `pipecc.json` and each `stage_<i>/ports.json` (and an FPGA stage's
 `estimates.json`); it never imports the model or the stage code. A folder compiled before
-graph.json existed still inspects, without the per-node details.
+graph.json (or schedule.txt) existed still inspects, without the per-node details (with the
+plan's own schedule).
 
 Renderers: `summary_json` / `stage_json` (`--format json`; the keys listed there are stable),
 `summary_text` / `stage_text` (the default); `--format dot` is `dot.dot_text`.
@@ -24,11 +26,14 @@ from typing import Any, Iterator
 
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
+from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
 from pipecc.report.figures import (bipartition_lines, bottleneck_stage, bpipe_lines, device_capacities, first_last,
                                    memory_kind, recompute_line)
 from pipecc.report.formatting import human, seconds, shapes_text, text_table
 from pipecc.report.text import replica_group, replica_rows, sizes_text
+from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 
 INSPECT_FORMAT = "pipecc-inspect"
 
@@ -44,6 +49,7 @@ class Compiled:
     ports: list[dict[str, Any]]
     graph: dict[str, Any] | None = None          # graph.json, when the compile wrote one
     timeline: dict[str, Any] | None = None       # timeline.json, likewise
+    schedule: Schedule | None = None             # schedule.txt (parsed and validated), likewise
     estimates: dict[int, dict[str, Any]] = field(default_factory=dict)  # FPGA stages
 
     def nodes_of(self, stage: int) -> list[dict[str, Any]]:
@@ -81,6 +87,8 @@ def load_compiled(out: str | Path) -> Compiled:
         compiled.graph = _read_json(path / "graph.json", "graph")
     if (path / "timeline.json").is_file():
         compiled.timeline = _read_json(path / "timeline.json", "timeline")
+    if (path / SCHEDULE_FILE).is_file():
+        compiled.schedule = read_schedule_file(path, len(plan.stages), marker)
     for i in range(len(plan.stages)):
         est = path / f"stage_{i}" / "estimates.json"
         if est.is_file():
@@ -184,7 +192,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     memory_capacity_bytes, memory_kind, split_layers, receives, sends, bottleneck, fpga_estimates,
     recompute: whether the stage recomputes its activations in backward),
     bottleneck_stage, bottleneck_s, lower_bound_s, balance_ratio, predicted_iteration_s,
-    bubble_fraction, split_layers, baselines, decisions, has_graph; PP x DP: replicas, and per
+    bubble_fraction, split_layers, baselines, decisions, has_graph, schedule_text (schedule.txt,
+    the action list the runtime executes; None for a folder compiled before it); PP x DP: replicas, and per
     stage replica_devices (its group; [device] without replication) and allreduce_s;
     Bi-Partition: bipartition_mode, weight_sync_bytes, bipartition (the planner's cut pair and
     figures, or None) and per stage backward_nodes (its backward range) and extra_send_bytes. An FPGA
@@ -229,7 +238,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "decisions": plan.decisions, "has_graph": c.graph is not None,
             "bipartition_mode": plan.bipartition_mode, "weight_sync_bytes": plan.weight_sync_bytes,
             "bipartition": plan.options.get("bipartition"),
-            "activation_balancing": plan.activation_balancing, "estimate": plan.estimate}
+            "activation_balancing": plan.activation_balancing, "estimate": plan.estimate,
+            "schedule_text": None if c.schedule is None else schedule_text(c.schedule)}
 
 
 def _stage_index(c: Compiled, stage: int) -> int:
@@ -345,7 +355,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"
                      + ("" if b.get("fits_memory", True) else " (exceeds memory)"))
-    lines += ["", _ascii_timeline(_timeline(c))]
+    lines += ["", _ascii_timeline(timeline_of(c))]
     if verbose:
         lines += ["", "decisions:"] + [f"  {d}" for d in plan.decisions]
     lines += ["", f"details of one stage: pipecc inspect {c.path} --stage I"
@@ -353,10 +363,15 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _timeline(c: Compiled) -> dict[str, Any]:
+def timeline_of(c: Compiled) -> dict[str, Any]:
+    """The folder's timeline: its schedule.txt simulated with the plan's figures (what the
+    runtime executes, also after an edit); an older folder's timeline.json, or its plan's own
+    schedule simulated again."""
+    if c.schedule is not None:
+        return timeline_json(timeline_for(c.plan, c.schedule))
     if c.timeline:
         return c.timeline
-    return timeline_json(timeline_for(c.plan))  # an older folder: simulate the plan again
+    return timeline_json(timeline_for(c.plan))
 
 
 def _ascii_timeline(t: dict[str, Any], width: int = 72) -> str:

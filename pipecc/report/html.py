@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.registry import ZERO_BUBBLE
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
-from pipecc.report.compiled import load_compiled
+from pipecc.report.compiled import load_compiled, timeline_of
 from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import bipartition_lines, bottleneck_stage, device_capacities, first_last
 from pipecc.report.formatting import human, seconds
@@ -38,7 +39,7 @@ def _legend(plan: Plan) -> str:
     for c in range(max(plan.virtual_stages, 1)):
         which = (f" (stages {c * p}–{c * p + p - 1})" if plan.virtual_stages > 1 else "")
         items.append((F_COLORS[c % 4], f"forward{which}"))
-        if plan.schedule == "zb-h1":  # the backward split: input gradient, then weights
+        if plan.schedule in ZERO_BUBBLE:  # the backward split: input gradient, then weights
             items.append((B_COLORS[c % 4], f"backward for the input (I){which}"))
             items.append((W_COLORS[c % 4], f"backward for the weights (W){which}"))
         elif plan.schedule != "inference":
@@ -240,9 +241,10 @@ def render_report(graph: Any, plan: Plan, timeline: Any = None, *, cluster: Any 
 
 
 def report_from_folder(out: str | Path) -> str:
-    """The page for an existing compiled folder (its plan, graph.json and timeline.json)."""
+    """The page for an existing compiled folder (its plan, graph.json and the timeline of its
+    schedule.txt, `compiled.timeline_of`)."""
     c = load_compiled(out)
-    tl = c.timeline or timeline_json(timeline_for(c.plan))
+    tl = timeline_of(c)
     return render_page(c.plan, c.graph, tl, device_capacities(c.plan))
 
 

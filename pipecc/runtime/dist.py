@@ -40,10 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError, printable
-from pipecc.ir.schedule import SCHEDULES
+from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES
 from pipecc.runtime import lifeline
 from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
+from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
                                      replica_target)
@@ -81,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Under torchrun rank r loads its stages from ``OUT/stage_<i>/`` (through
     ``pipecc.runtime.local.load_stage``); without torchrun one process runs every stage (use
     ``--schedule interleaved`` when there are several). Schedule and micro-batches default to the
-    compiled ones (``OUT/pipecc.json``). A pipeline compiled for CPUs only runs on the CPU over
+    compiled ones: under torchrun the ranks parse, validate and execute ``OUT/schedule.txt``, the
+    plan's action list as compile wrote it (``pipecc.runtime.schedule_file``; a folder without
+    one, or one that is invalid or does not fit the folder, is a one-line error); ``--schedule``
+    or ``--microbatches`` build one by name from ``OUT/pipecc.json`` instead
+    (``pipecc.ir.schedule.schedule_for``), as does one process. A pipeline compiled for CPUs only runs on the CPU over
     gloo even where CUDA is available; otherwise rank r uses cuda:LOCAL_RANK and NCCL.
 
     Data. When ``OUT/pipecc.json`` names a ``.py`` model file that exists, every rank imports it
@@ -266,9 +271,6 @@ def _compiled_device(meta: dict[str, Any] | None) -> str | None:
     return None
 
 
-TRAINING_SCHEDULES = tuple(s for s in SCHEDULES if s != "inference")  # gpipe, 1f1b, interleaved, zb-h1
-
-
 def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:
     """The stages that run on an FPGA card: ``pipecc.json``'s ``fpga_stages``, else those with ``hls/``."""
     listed = (meta or {}).get("fpga_stages") or {}
@@ -337,6 +339,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     except ImportError:
         raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
     specs = check_folder(args.out, len(stage_dirs), files=False)
+    compiled = read_schedule_file(args.out, len(stage_dirs), meta)  # the folder's schedule.txt
     forward, never_trains, why = inference_only(meta, stage_dirs)
     if args.schedule in TRAINING_SCHEDULES and never_trains:
         raise UsageError(f"{args.out} is an inference-only pipeline ({why}): FPGA stages have no backward "
@@ -357,11 +360,20 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     sizes = folder_sizes(meta, args.schedule, args.microbatches)  # unequal micro-batches: gpipe only
     # BPipe: 1f1b on one rank per stage; one process (every stage on one rank) runs without it
     balancing = folder_balancing(meta, args.schedule) if under_torchrun else None
-    if forward and sizes is None:
+    # Under torchrun the folder's schedule.txt runs as it is (forward only: without its backward
+    # actions); --schedule or --microbatches build one by name from the folder's plan instead, and
+    # one process (every stage on one rank) runs the schedule built for it, as below.
+    use_file = under_torchrun and args.schedule is None and args.microbatches is None
+    if use_file and world_guess != compiled.num_ranks:
+        raise PipeccError(f"{args.out / SCHEDULE_FILE} runs on {compiled.num_ranks} pipeline ranks, this run has "
+                          f"{world_guess}; start {compiled.num_ranks} (pipecc run does), or give --schedule to "
+                          f"build one for {world_guess}")
+    if forward and sizes is None and not use_file:
         # one stage per rank: the inference schedule; several (one process): interleaved, which
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
-    config = RunConfig(schedule_name, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing)
+    run_schedule = compiled if use_file else schedule_name
+    config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing)
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
@@ -369,7 +381,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
-    schedule = build_schedule(schedule_name, world, m, len(stage_dirs) // world, sizes, balancing)
+    schedule = build_schedule(run_schedule, world, m, len(stage_dirs) // world, sizes, balancing)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]

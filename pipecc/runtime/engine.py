@@ -3,9 +3,10 @@ exchanging values with the neighbouring stages' ranks point to point.
 
 Rank r holds the stages the schedule places on it: stage r for GPipe, 1F1B and inference,
 stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the rank's action
-list from ``pipecc.ir.schedule`` (``build_schedule``) literally, so a schedule's memory behaviour
-is real: GPipe stashes m microbatches per stage, 1F1B at most p - r. What a stage receives and
-sends is ``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
+list from ``pipecc.ir.schedule`` (``build_schedule``: a compiled folder's ``schedule.txt``, or
+one built by name) literally, so a schedule's memory behaviour is real: GPipe stashes m
+microbatches per stage, 1F1B at most p - r. What a stage receives and sends is
+``pipecc.runtime.ports``; how it travels, ``pipecc.runtime.wire``.
 
 Zero-bubble (I and W actions, ``zb-h1``): I computes the gradient of the stage's received inputs
 only, so SEND_B can go upstream at once; the stash stays until W, which accumulates the
@@ -85,19 +86,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir.schedule import (
-    SCHEDULES,
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    bpipe,
-    by_name,
-    gpipe_uneven,
-    one_f_one_b,
-    parse,
-    validate,
-)
+from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+from pipecc.ir.schedule.registry import SCHEDULES, VIRTUAL, schedule_for
+from pipecc.ir.schedule.text import ScheduleError, parse
+from pipecc.ir.schedule.transforms import forward_only
+from pipecc.ir.schedule.validate import validate
 from pipecc.runtime.ports import (
     Port,
     StagePorts,
@@ -132,7 +125,7 @@ from pipecc.runtime.wire import (
     send_release,
 )
 
-__all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "forward_only", "init_distributed"]
+__all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
 
 # NOTE(size): PipelineRuntime is the interpreter of the schedule IR, one method per action kind
 # (F, B, I, W, SEND/RECV) around one shared state (inbox, outbox, stash); the zero-bubble split,
@@ -147,13 +140,14 @@ MAX_PORTS = 1024  # values crossing one stage boundary
 
 @dataclass
 class RunConfig:
-    """How to run: schedule name (or schedule text, ``rank 0: ...``), microbatches, limits.
+    """How to run: the schedule (a name, schedule text ``rank 0: ...``, or a parsed ``Schedule``:
+    a compiled folder's ``schedule.txt``), microbatches, limits.
 
     ``timeout_s`` bounds every single wait for a peer, so it must exceed the longest legitimate
     one — in GPipe, rank 0 waits for its first gradient for nearly a whole iteration.
     """
 
-    schedule: str
+    schedule: str | Schedule
     microbatches: int
     timeout_s: float = 60.0
     backend: str | None = None  # None: nccl on CUDA, else gloo
@@ -163,15 +157,21 @@ class RunConfig:
     activation_balancing: Sequence[dict] | None = None
 
 
-def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: int = 1,
+def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_per_rank: int = 1,
                    sizes: Sequence[Sequence[int]] | None = None,
                    balancing: Sequence[dict] | None = None) -> Schedule:
-    """The validated schedule for ``world`` ranks; ``kind`` is a name or the schedule's text form.
+    """The validated schedule for ``world`` ranks; ``kind`` is a ``Schedule`` (a compiled
+    folder's ``schedule.txt``, parsed), a name or the schedule's text form.
 
-    ``sizes`` (unequal micro-batches, one list per stage): only "gpipe" runs them
+    A name is built by ``pipecc.ir.schedule.schedule_for``, the same function the planner and
+    compile use. ``sizes`` (unequal micro-batches, one list per stage): only "gpipe" runs them
     (``gpipe_uneven``), and ``microbatches`` is ignored (the longest list counts).
     ``balancing`` (BPipe pairs, ``bpipe_thresholds``): only "1f1b" with one stage per rank runs
     them, as ``bpipe(one_f_one_b(world, m), thresholds, policy)``."""
+    if isinstance(kind, Schedule):
+        if balancing:  # the folder's record of its BPipe pairs must still be one the runtime can run
+            bpipe_thresholds(balancing, kind.num_stages)
+        return _checked(kind, world)
     if balancing:
         thresholds, policy = bpipe_thresholds(balancing, world * stages_per_rank)
         if kind != "1f1b" or stages_per_rank != 1 or sizes is not None:
@@ -180,58 +180,58 @@ def build_schedule(kind: str, world: int, microbatches: int, stages_per_rank: in
             raise UsageError(f"activation balancing (BPipe) runs under the 1f1b schedule with one stage per rank, "
                              f"not {what}; drop --schedule or compile with --activation-balancing off")
         try:
-            schedule = bpipe(one_f_one_b(world, microbatches), thresholds, policy=policy)
-            validate(schedule)
+            return schedule_for("1f1b", world, microbatches, bpipe_thresholds=thresholds, bpipe_policy=policy)
         except (ValueError, ScheduleError) as e:
             raise PipeccError(f"activation balancing: {getattr(e, 'summary', e)}") from None
-        return schedule
     if sizes is not None:
         if kind != "gpipe":
             raise UsageError(f"unequal micro-batch sizes run under the gpipe schedule only, not {kind!r}; "
                              "drop --schedule or compile with equal micro-batches")
         try:
-            schedule = gpipe_uneven(sizes, world)
+            return schedule_for("gpipe", len(sizes), microbatches, num_ranks=world, microbatch_sizes=sizes)
         except ValueError as e:
-            raise PipeccError(f"microbatch_sizes: {e}") from None
-        validate(schedule)
-        return schedule
-    if kind.lstrip().startswith(("rank ", "sizes:")):
+            raise PipeccError(f"microbatch_sizes: {getattr(e, 'summary', e)}") from None
+    if kind.lstrip().startswith(("rank ", "sizes:", "partner:")):
         schedule = parse(kind)
         if schedule.microbatch_sizes is not None:  # NOTE: the engine checks its sizes against the ports
-            validate(schedule)
-            if schedule.num_ranks != world:
-                raise PipeccError(f"schedule has {schedule.num_ranks} ranks, the run {world}")
-            return schedule
+            return _checked(schedule, world)
     elif kind not in SCHEDULES:
         raise UsageError(f"unknown schedule {kind!r}; choose from {', '.join(SCHEDULES)} or give schedule text")
-    elif kind != "interleaved" and stages_per_rank != 1:
+    elif kind not in VIRTUAL and stages_per_rank != 1:
         raise PipeccError(f"schedule {kind!r} puts one stage on each rank, got {stages_per_rank} per rank; "
-                          "use --schedule interleaved")
+                          f"use --schedule {' or '.join(VIRTUAL)}")
     else:
         try:
-            schedule = by_name(kind, world, microbatches, stages_per_rank)
+            schedule = schedule_for(kind, world * stages_per_rank, microbatches, num_ranks=world)
+        except ScheduleError as e:
+            raise PipeccError(f"invalid schedule: {e.summary}") from None
         except ValueError as e:
-            if kind != "interleaved":
+            if kind not in VIRTUAL:
                 raise  # NOTE: as before; only interleaved's stage-count errors are reported as usage problems
             raise PipeccError(str(e)) from None
-    try:
-        validate(schedule)
-    except ScheduleError as e:
-        raise PipeccError(f"invalid schedule: {e.summary}") from None
-    if schedule.num_ranks != world or schedule.num_microbatches != microbatches:
+    schedule = _checked(schedule, world)
+    if schedule.num_microbatches != microbatches:
         raise PipeccError(f"schedule has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches, "
                           f"the run {world} and {microbatches}")
     return schedule
 
 
-def forward_only(schedule: Schedule) -> Schedule:
-    """The schedule with its backward actions removed (same placement and forward order)."""
-    keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
-    rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
-    result = Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, rows,
-                      schedule.microbatch_sizes)
-    validate(result)
-    return result
+def _name(schedule: str | Schedule) -> str:
+    """How an error message names a run's schedule: its name, or "(given as text)"."""
+    if isinstance(schedule, Schedule) or schedule.lstrip().startswith(("rank ", "sizes:", "partner:")):
+        return "(given as text)"
+    return repr(schedule)
+
+
+def _checked(schedule: Schedule, world: int) -> Schedule:
+    """``schedule`` once it validates and has ``world`` ranks (one-line PipeccError otherwise)."""
+    try:
+        validate(schedule)
+    except ScheduleError as e:
+        raise PipeccError(f"invalid schedule: {e.summary}") from None
+    if schedule.num_ranks != world:
+        raise PipeccError(f"schedule has {schedule.num_ranks} ranks, the run {world}")
+    return schedule
 
 
 # ---------------------------------------------------------------------------- runtime
@@ -388,7 +388,7 @@ class PipelineRuntime:
     def step(self, inputs: Sequence[Any] | None = None, target: Any = None) -> float | None:
         """One training iteration; the full-batch mean loss on the rank holding the last stage."""
         if not self.schedule.is_training:
-            raise PipeccError(f"schedule {self.config.schedule!r} has no backward; use infer()")
+            raise PipeccError(f"schedule {_name(self.config.schedule)} has no backward; use infer()")
         self._run(self.schedule, inputs, target, training=True)
         if self.grad_sync is not None:
             self.grad_sync.wait()  # before the caller's optimizer step

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir.schedule import Schedule, chunk_bounds, overlapping
+from pipecc.ir.schedule.actions import Schedule
+from pipecc.ir.schedule.chunks import chunk_bounds, overlapping
 from pipecc.runtime.ports import StagePorts
 
 __all__ = ["Reslicer", "check_sizes", "folder_sizes"]

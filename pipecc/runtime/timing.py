@@ -50,7 +50,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, Action, ActionKind
+from pipecc.ir.schedule.actions import Action, ActionKind
+from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
 
 __all__ = ["ActionTimer", "gather", "read_plan", "run_document"]
 

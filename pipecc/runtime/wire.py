@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
-from pipecc.ir.schedule import Action, ActionKind, Schedule
+from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.ports import Port, describe, from_json, to_json
 
 __all__ = [

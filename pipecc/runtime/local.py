@@ -71,6 +71,10 @@ class PipelinedModule(nn.Module):
         self._pipecc_devices = [torch.device(d) for d in devices]
         self._check_chain()
         self._place()
+        # NOTE: the stages start in the owner's mode (a model compiled in eval mode runs eval)
+        self.training = bool(owner.training)
+        for stage in self._pipecc_stages:
+            stage.train(owner.training)
 
     def _adopt(self, owner: nn.Module) -> None:
         for name, p in owner._parameters.items():

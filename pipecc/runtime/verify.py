@@ -3,14 +3,27 @@
 With a model file (``Verifier``) the first training step is checked: every rank builds the
 original model from the model file, loads the weights of ALL stages into it (memory: a full
 model copy plus all stage weights per rank, fine for test-sized models, costly for large ones),
-runs the full batch with the same loss and compares its own stages' parameter gradients
-(``--rtol``/``--atol``), the last rank also the outputs and the loss. A mismatch prints
-``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1. With
-BatchNorm and several micro-batches (or active dropout) train-mode numerics legitimately differ
-from one full-batch pass, so only eval-mode outputs are compared, before training. An
-inference-only run compares the first pass's outputs with the model's eval-mode forward. The
-check is collective: every rank learns whether all passed, and those whose own check passed
-stop with ``PeerFailed``.
+runs the full batch with the same loss and compares its own stages' parameter gradients, the
+last rank also the outputs and the loss. A mismatch prints
+``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1.
+
+Like with like. Both runs are in train mode; randomness is taken out of both, since a pipeline
+draws its dropout masks micro-batch by micro-batch: the pipeline's first step and the reference
+run under ``determinism.Deterministic`` (dropout as in eval mode, random draws at their means,
+BatchNorm and everything else in train mode), and the verdict says so ("... (train mode; dropout
+off in both runs)"). Gradients are always compared. The one exception is BatchNorm with several
+micro-batches, which in train mode normalises each with its own statistics (legitimately unlike
+one full-batch pass): then only eval-mode outputs are compared, before training, and the line
+says why. An inference-only run compares the first pass's outputs with the model's eval-mode
+forward.
+
+Tolerances follow the dtype (``--rtol``/``--atol`` when given): 1e-4/1e-5 for float32 and
+float64 (a little looser than ``torch.testing.assert_close``: micro-batches sum in another
+order), float16 1e-3/1e-5, bfloat16 1.6e-2/1e-5 (``assert_close``'s). NaN equals NaN (a loss that
+is NaN in both runs matches). A parameter of the model that no stage holds is one the captured
+graph never uses (an unused layer): it is left out, unless the reference gives it a gradient,
+which is an error naming it. The check is collective: every rank learns whether all passed, and
+those whose own check passed stop with ``PeerFailed``.
 
 Replicated stages (PP x DP): every replica compares its stages' gradients after the replicas'
 all-reduce (the full-batch gradients), the last stage's replicas the combined loss and their
@@ -22,6 +35,7 @@ chained on the last rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,13 +45,24 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.determinism import Deterministic
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import as_tuple, output_ports
 from pipecc.runtime.replicas import replica_slice
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
 
-__all__ = ["PeerFailed", "Verifier", "verify_chained"]
+__all__ = ["PeerFailed", "Verifier", "tolerance", "verify_chained"]
+
+# dtype -> (rtol, atol) when --rtol/--atol are not given (see the module docstring)
+_TOLERANCES = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+_DEFAULT_TOLERANCE = (1e-4, 1e-5)
+
+
+def tolerance(dtype: torch.dtype, rtol: float | None = None, atol: float | None = None) -> tuple[float, float]:
+    """(rtol, atol) for comparing values of ``dtype``: the given ones, else the dtype's."""
+    r, a = _TOLERANCES.get(dtype, _DEFAULT_TOLERANCE)
+    return (r if rtol is None else rtol), (a if atol is None else atol)
 
 
 class PeerFailed(PipeccError):
@@ -64,11 +89,11 @@ class Verifier:
     """``--verify`` against the original model in this process (see the module docstring); collective."""
 
     def __init__(self, runtime: PipelineRuntime, data: RunData, meta: dict[str, Any], stage_dirs: list[Path],
-                 load_stage: Callable, rtol: float, atol: float):
+                 load_stage: Callable, rtol: float | None = None, atol: float | None = None):
         self.runtime, self.data, self.rtol, self.atol = runtime, data, rtol, atol
         self.is_last = runtime.last_stage in runtime.stage_ids
         self.speaks = self.is_last and runtime.replicas.index == 0  # replicas: one of them prints
-        file = Path(str(meta.get("model_path"))).name
+        self.file = file = Path(str(meta.get("model_path"))).name
         try:
             model = data.module.build_model(**dict(meta.get("model_args") or {}))
         except Exception as e:
@@ -79,6 +104,10 @@ class Verifier:
         wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         wanted += [n for n, _ in model.named_buffers(remove_duplicate=False) if persistent_buffer(model, n)]
         missing = [n for n in wanted if n not in state]
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # NOTE: a parameter no stage holds is one no captured node uses; check_step makes sure
+        self.absent = [n for n in missing if n in params]
+        missing = [n for n in missing if n not in params]
         if missing:
             raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
                               f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -97,9 +126,11 @@ class Verifier:
         if m > 1 and any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules()):
             return (f"the model has BatchNorm, which in train mode normalises each of the {m} micro-batches "
                     "with its own statistics (legitimately unlike one full-batch pass)")
-        if any(isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 for mod in model.modules()):
-            return "the model has dropout, whose random masks differ between the two runs"
         return None
+
+    def deterministic(self) -> Deterministic:
+        """The mode the pipeline's checked step runs under (the reference runs under its own)."""
+        return Deterministic()
 
     def _inputs(self) -> tuple:
         return tuple(v.to(self.runtime.device) if isinstance(v, torch.Tensor) else v for v in self.data.model_inputs)
@@ -144,11 +175,14 @@ class Verifier:
         model = self.model
         model.train()
         model.zero_grad(set_to_none=True)
-        outputs = model(*self._inputs())
-        ref_loss = self.data.model_loss(outputs, self._target())
-        ref_loss.backward()
+        with Deterministic() as same:
+            outputs = model(*self._inputs())
+            ref_loss = self.data.model_loss(outputs, self._target())
+            ref_loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-        failures: list[str] = []
+        failures: list[str] = [f"verify: the compiled stages hold no tensor for {n!r}, which the model built from "
+                               f"{self.file} uses; was OUT compiled from this "
+                               "file and these --model-arg values?" for n in self.absent if grads.get(n) is not None]
         count = 0
         for s, module in zip(self.runtime.stage_ids, self.runtime.modules):
             names: dict[str, str] = getattr(type(module), "PARAM_NAMES", {})
@@ -181,14 +215,17 @@ class Verifier:
         if self.is_last:
             got_loss = float(loss) if loss is not None else float("nan")
             want = float(ref_loss.detach())
-            if not abs(got_loss - want) <= self.atol + self.rtol * abs(want):
+            rtol, atol = tolerance(ref_loss.dtype, self.rtol, self.atol)
+            if not (abs(got_loss - want) <= atol + rtol * abs(want) or got_loss == want
+                    or (math.isnan(got_loss) and math.isnan(want))):
                 failures.append(f"verify: rank {self.runtime.global_rank} stage {self.runtime.last_stage} loss "
                                 f"{got_loss:.8g} "
                                 f"differs from the single-process {want:.8g}")
             failures += self._compare_outputs(self.runtime.last_outputs(), outputs)
         total = self._agree(failures, count)
         if self.speaks:
-            print(f"verify: outputs, loss and {total} gradients match the single-process run", flush=True)
+            print(f"verify: outputs, loss and {total} gradients match the single-process run{_compared(same.seen)}",
+                  flush=True)
         del self.model
         model.zero_grad(set_to_none=True)
 
@@ -228,16 +265,17 @@ class Verifier:
         """None when close, else a one-line summary (how many elements, the largest difference)."""
         if got.shape != want.shape:
             return f"shape {list(got.shape)} vs {list(want.shape)} in the single-process run"
+        rtol, atol = tolerance(want.dtype if want.dtype.is_floating_point else got.dtype, self.rtol, self.atol)
         got, want = got.detach().double(), want.detach().double()
-        if torch.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True):
+        if torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
             return None
         diff = (got - want).abs()
-        bad = ~torch.isclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True)
+        bad = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
         worst = int(torch.argmax(torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)))
         where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape)) if got.dim() else ()
         return (f"{int(bad.sum())} of {got.numel()} elements, largest difference {float(diff.flatten()[worst]):.3g} "
                 f"at {list(where)} ({float(got.flatten()[worst]):.6g} vs {float(want.flatten()[worst]):.6g}; "
-                f"rtol {self.rtol:g}, atol {self.atol:g})")
+                f"rtol {rtol:g}, atol {atol:g})")
 
     def _agree(self, failures: list[str], count: int) -> int:
         """Every rank learns whether all passed (so all stop together); returns the gradient count."""
@@ -251,3 +289,14 @@ class Verifier:
         if int(flags[0]) != self.runtime.global_world:
             raise PeerFailed("verify failed on another rank")
         return int(flags[1])
+
+
+def _compared(seen: set[str]) -> str:
+    """What the verdict compared, when the model draws random numbers (see the module docstring)."""
+    if not seen:
+        return ""
+    parts = ["dropout off"] if seen & {"dropout"} else []
+    draws = sorted(seen - {"dropout"})
+    if draws:
+        parts.append(f"random draws ({', '.join(draws)}) at their means")
+    return f" (train mode; {' and '.join(parts)} in both runs)"

@@ -11,15 +11,17 @@ Like with like. Both runs are in train mode; randomness is taken out of both, si
 draws its dropout masks micro-batch by micro-batch: the pipeline's first step and the reference
 run under ``determinism.Deterministic`` (dropout as in eval mode, random draws at their means,
 BatchNorm and everything else in train mode), and the verdict says so ("... (train mode; dropout
-off in both runs)"). Gradients are always compared. The one exception is BatchNorm with several
-micro-batches, which in train mode normalises each with its own statistics (legitimately unlike
-one full-batch pass): then only eval-mode outputs are compared, before training, and the line
-says why. An inference-only run compares the first pass's outputs with the model's eval-mode
+off in both runs)"). Gradients are always compared. BatchNorm with several micro-batches
+normalises each with its own statistics in train mode (legitimately unlike one full-batch pass):
+then the reference runs the model over the same pieces of the batch, weighting their losses as
+the engine does (``_piecewise``), and the line says so; only when the stages cut unequal
+micro-batches of their own (UMPIPE) are eval-mode outputs compared instead, before training. An inference-only run compares the first pass's outputs with the model's eval-mode
 forward.
 
 Tolerances follow the dtype (``--rtol``/``--atol`` when given): 1e-4/1e-5 for float32 and
 float64 (a little looser than ``torch.testing.assert_close``: micro-batches sum in another
-order), float16 1e-3/1e-5, bfloat16 1.6e-2/1e-5 (``assert_close``'s). NaN equals NaN (a loss that
+order), float16 1e-3/1e-5, bfloat16 1.6e-2/1e-5 (``assert_close``'s; half precision's atol grows
+to rtol times the tensor's largest value, the resolution its partial sums had). NaN equals NaN (a loss that
 is NaN in both runs matches). A parameter of the model that no stage holds is one the captured
 graph never uses (an unused layer): it is left out, unless the reference gives it a gradient,
 which is an error naming it. The check is collective: every rank learns whether all passed, and
@@ -48,7 +50,8 @@ from pipecc.errors import PipeccError
 from pipecc.runtime.determinism import Deterministic
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import as_tuple, output_ports
-from pipecc.runtime.replicas import replica_slice
+from pipecc.runtime.local import merge_outputs
+from pipecc.runtime.replicas import replica_slice, slice_sizes
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
 
@@ -119,14 +122,13 @@ class Verifier:
                               f"{str(e).strip().splitlines()[-1].strip()}") from None
         self.model = model.to(runtime.device)
         # NOTE: replicas cut every micro-batch again: m * d pieces that BatchNorm normalises apart
-        self.eval_only = self._eval_only_reason(model, runtime.m * runtime.replicas.count)
-
-    @staticmethod
-    def _eval_only_reason(model: nn.Module, m: int) -> str | None:
-        if m > 1 and any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules()):
-            return (f"the model has BatchNorm, which in train mode normalises each of the {m} micro-batches "
-                    "with its own statistics (legitimately unlike one full-batch pass)")
-        return None
+        pieces = runtime.m * runtime.replicas.count
+        batchnorm = any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
+        self.pieces = pieces if batchnorm and pieces > 1 else 1  # the reference runs them one by one
+        self.eval_only = None
+        if self.pieces > 1 and getattr(runtime.schedule, "microbatch_sizes", None) is not None:
+            self.eval_only = ("the model has BatchNorm, which in train mode normalises each micro-batch with its "
+                              "own statistics, and the stages cut the batch into unequal micro-batches of their own")
 
     def deterministic(self) -> Deterministic:
         """The mode the pipeline's checked step runs under (the reference runs under its own)."""
@@ -176,8 +178,11 @@ class Verifier:
         model.train()
         model.zero_grad(set_to_none=True)
         with Deterministic() as same:
-            outputs = model(*self._inputs())
-            ref_loss = self.data.model_loss(outputs, self._target())
+            if self.pieces > 1:
+                outputs, ref_loss = self._piecewise(model)
+            else:
+                outputs = model(*self._inputs())
+                ref_loss = self.data.model_loss(outputs, self._target())
             ref_loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
         failures: list[str] = [f"verify: the compiled stages hold no tensor for {n!r}, which the model built from "
@@ -224,10 +229,36 @@ class Verifier:
             failures += self._compare_outputs(self.runtime.last_outputs(), outputs)
         total = self._agree(failures, count)
         if self.speaks:
-            print(f"verify: outputs, loss and {total} gradients match the single-process run{_compared(same.seen)}",
-                  flush=True)
+            print(f"verify: outputs, loss and {total} gradients match the single-process run"
+                  f"{_compared(same.seen, self.pieces)}", flush=True)
         del self.model
         model.zero_grad(set_to_none=True)
+
+    def _piecewise(self, model: nn.Module) -> tuple[Any, torch.Tensor]:
+        """BatchNorm with micro-batches: the model over the pipeline's pieces of the batch (each
+        micro-batch, each replica's slice of it), losses weighted by rows as the engine weights
+        them; the outputs concatenated back into batch order."""
+        inputs, target = self._inputs(), self._target()
+        batch = next(int(v.shape[0]) for v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0)
+        sizes = [n for mb in slice_sizes(batch, self.runtime.m) for n in slice_sizes(mb, self.runtime.replicas.count)]
+
+        def cut(v: Any) -> list[Any]:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % batch == 0:
+                c = v.shape[0] // batch
+                return list(torch.split(v, [c * n for n in sizes]))
+            if isinstance(v, (tuple, list)):
+                parts = [cut(x) for x in v]
+                return [type(v)(p[k] for p in parts) for k in range(len(sizes))]
+            return [v] * len(sizes)
+
+        pieces, targets = [cut(v) for v in inputs], cut(target)
+        outputs, losses = [], []
+        for k, n in enumerate(sizes):
+            if n:
+                out = model(*[p[k] for p in pieces])
+                outputs.append(out)
+                losses.append(self.data.model_loss(out, targets[k]).reshape(()) * (n / batch))
+        return merge_outputs(outputs), torch.stack(losses).sum()
 
     def _compare_outputs(self, sends: Any, expected: Any) -> list[str]:
         names = self.data.send_names
@@ -265,13 +296,21 @@ class Verifier:
         """None when close, else a one-line summary (how many elements, the largest difference)."""
         if got.shape != want.shape:
             return f"shape {list(got.shape)} vs {list(want.shape)} in the single-process run"
-        rtol, atol = tolerance(want.dtype if want.dtype.is_floating_point else got.dtype, self.rtol, self.atol)
+        dtype = want.dtype if want.dtype.is_floating_point else got.dtype
+        rtol, atol = tolerance(dtype, self.rtol, self.atol)
         got, want = got.detach().double(), want.detach().double()
+        if self.atol is None and dtype in _TOLERANCES and want.numel():
+            # NOTE: half precision rounds partial sums (micro-batches, another order) to its
+            # resolution at the sums' scale, so an element near zero is off by rtol * that scale
+            finite = want[torch.isfinite(want)]
+            atol = max(atol, rtol * float(finite.abs().max())) if finite.numel() else atol
         if torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
             return None
         diff = (got - want).abs()
         bad = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
-        worst = int(torch.argmax(torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)))
+        among = torch.where(bad, torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff),
+                            torch.full_like(diff, -1.0))
+        worst = int(torch.argmax(among))  # the largest difference among the elements that fail
         where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape)) if got.dim() else ()
         return (f"{int(bad.sum())} of {got.numel()} elements, largest difference {float(diff.flatten()[worst]):.3g} "
                 f"at {list(where)} ({float(got.flatten()[worst]):.6g} vs {float(want.flatten()[worst]):.6g}; "
@@ -291,12 +330,13 @@ class Verifier:
         return int(flags[1])
 
 
-def _compared(seen: set[str]) -> str:
-    """What the verdict compared, when the model draws random numbers (see the module docstring)."""
-    if not seen:
-        return ""
-    parts = ["dropout off"] if seen & {"dropout"} else []
+def _compared(seen: set[str], pieces: int = 1) -> str:
+    """What the verdict compared, when the model draws random numbers or has BatchNorm over
+    several micro-batches (see the module docstring)."""
+    parts = ["dropout off in both runs"] if "dropout" in seen else []
     draws = sorted(seen - {"dropout"})
     if draws:
-        parts.append(f"random draws ({', '.join(draws)}) at their means")
-    return f" (train mode; {' and '.join(parts)} in both runs)"
+        parts.append(f"random draws ({', '.join(draws)}) at their means in both runs")
+    if pieces > 1:
+        parts.append(f"BatchNorm over the same {pieces} micro-batches in both runs")
+    return f" (train mode; {'; '.join(parts)})" if parts else ""

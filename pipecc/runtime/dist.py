@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (``--rtol``/``--atol``, default by dtype), the last rank also the outputs and the loss; a
     mismatch prints ``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and
     exits 1. Both runs of that step have dropout off and random draws fixed (the verdict says
-    so); with BatchNorm and several micro-batches only eval-mode outputs are compared, before
+    so; that step's update uses those gradients); with BatchNorm and several micro-batches only eval-mode outputs are compared, before
     training. ``--verify`` needs the model file (imported only when its sha256 is the one
     ``pipecc.json`` records, ``pipecc.runtime.trust``): without one it is an error ("cannot verify:
     ...") unless ``--verify-stages-only``, which checks the pipeline's forward against all its

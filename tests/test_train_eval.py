@@ -112,6 +112,32 @@ def test_stage_files_and_load_follow_the_flag(small, tmp_path: Path) -> None:
     assert not torch.allclose(pipe(x), model(x))
 
 
+class _BranchOnTraining(torch.nn.Module):
+    """Other ops in train mode than in eval mode, and a branch torch.fx cannot trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x + 0
+        h = self.a(x)
+        if self.training:
+            h = torch.sigmoid(h)
+        return self.b(h)
+
+
+def test_a_forward_with_other_ops_per_mode_runs_its_own_mode_only() -> None:
+    """No silent wrong mode: such stages refuse the other mode in one line that says why."""
+    model, x = _BranchOnTraining(), torch.randn(4, 8)
+    pipe = pipecc.compile(model, (x,), "cpu,cpu", microbatches=1)
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.eval()
+    with pytest.raises(AssertionError, match=r"captured in train mode only \(train mode runs sigmoid"):
+        pipe(x)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_hf_dropin_equals_the_model(kind: str) -> None:
     """GPT2LMHeadModel and BertForSequenceClassification (torch.export): the drop-in's eval

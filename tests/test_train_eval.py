@@ -208,11 +208,12 @@ def test_hf_bert_verify_in_process(tmp_path: Path, monkeypatch, capsys) -> None:
     (["variant=unused"], "dropout off"),
     (["variant=nan"], "dropout off"),
     (["variant=bf16"], "dropout off"),
+    (["--recompute", "full"], "dropout off"),  # recomputed in backward under the same mode
 ])
 def test_verify_compares_gradients_without_false_alarms(args: list[str], says: str, tmp_path: Path,
                                                         monkeypatch, capsys) -> None:
     """Dropout, BatchNorm over micro-batches, randn_like noise, an unused layer, a NaN loss, a
-    bfloat16 model: gradients are compared and match, and the line says what was compared."""
+    bfloat16 model, activation recomputation: gradients are compared and match, and the line says what was compared."""
     out = compile_folder(SMALL, tmp_path / "out", *args)
     code, stdout, err = verify_here(out, monkeypatch, capsys, "--schedule", "interleaved")
     assert code == 0, err

@@ -17,9 +17,7 @@ runs both the pipeline's first step and the reference under ``Deterministic`` (a
     gradients stay consistent (``normal(mean, std)`` passes its gradient to ``mean``).
 
 Other random functions (``randint``, ``randperm``, ``multinomial``) are left alone. ``seen``
-collects what was replaced, so the verdict can say what was compared. The mode is thread-local:
-a backward that autograd runs on another thread (CUDA) and re-runs a recomputed stage there
-draws real masks.
+collects what was replaced, so the verdict can say what was compared.
 """
 
 from __future__ import annotations
@@ -45,12 +43,12 @@ def _name(func: Callable) -> str:
     return getattr(func, "__name__", "")
 
 
-class Deterministic(TorchFunctionMode):
-    """Dropout off, random draws at their means (see the module docstring); ``seen``: what was replaced."""
+class _Mode(TorchFunctionMode):
+    """Dropout off, random draws at their means; ``seen``: what was replaced."""
 
-    def __init__(self) -> None:
+    def __init__(self, seen: set[str] | None = None) -> None:
         super().__init__()
-        self.seen: set[str] = set()
+        self.seen: set[str] = set() if seen is None else seen
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -90,6 +88,45 @@ class Deterministic(TorchFunctionMode):
         if isinstance(value, (int, float)) and value > 0:
             self.seen.add(what)
         return tuple(args), kwargs
+
+
+class Deterministic(_Mode):
+    """``_Mode`` (see the module docstring), also inside activation recomputation.
+
+    NOTE: autograd runs a checkpointed stage's recomputation (``torch.utils.checkpoint``,
+    non-reentrant: the stage.py of ``--recompute``) without the torch-function modes of the
+    forward, so it would draw real masks and fail checkpoint's own check. While the mode is
+    entered, ``torch.utils.checkpoint.checkpoint`` gives such calls a ``context_fn`` that runs
+    the recomputation under the same mode.
+    """
+
+    def __enter__(self) -> "Deterministic":
+        import torch.utils.checkpoint as ckpt
+        self._checkpoint = original = ckpt.checkpoint
+        seen = self.seen
+
+        def checkpoint(fn: Callable, *args: Any, use_reentrant: bool | None = None,
+                       context_fn: Callable | None = None, **kwargs: Any) -> Any:
+            if use_reentrant is False and context_fn is None:
+                context_fn = lambda: (contextlib.nullcontext(), _Mode(seen))  # noqa: E731
+            if context_fn is not None:
+                kwargs["context_fn"] = context_fn
+            return original(fn, *args, use_reentrant=use_reentrant, **kwargs)
+
+        ckpt.checkpoint = checkpoint
+        try:
+            super().__enter__()
+        except BaseException:
+            ckpt.checkpoint = original
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.utils.checkpoint as ckpt
+        try:
+            super().__exit__(*exc)
+        finally:
+            ckpt.checkpoint = self._checkpoint
 
 
 def _factory(kwargs: dict) -> dict:

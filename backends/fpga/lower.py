@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from pipecc.backends.names import Identifiers
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME
+from pipecc.ir.train_flag import resolve
 from pipecc.targets.fpga_model import LayerSpec, NumberFormat, UnsupportedOpError, plan_layers
 
 GELU_LIPSCHITZ = 1.13  # max |gelu'(x)| = 1.1289 (erf and tanh forms)
@@ -110,6 +111,12 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         self.values[n.name] = out
         return out
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        """Constants per train/eval mode (`pipecc.ir.train_flag`) at their eval value: an FPGA
+        stage computes inference."""
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return resolve(args, False), resolve(kwargs, False)
 
 
 def _fan_in_max(spec: LayerSpec, x: torch.Tensor, power: int) -> float:

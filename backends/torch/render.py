@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from pipecc.backends.torch.names import is_plain_identifier, literal
 from pipecc.errors import PipeccError
 from pipecc.frontend.modelfile import MODULE_PREFIX
+from pipecc.ir.train_flag import ByMode
 
 # operator functions that read better as Python operators: (template, needs parentheses)
 BINARY = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
@@ -88,6 +89,8 @@ def constant(value: Any, render_node: Callable[[Any], str]) -> str:
         return _torch_attribute(value)
     if isinstance(value, torch.device):
         return f"torch.device({literal(str(value))})"
+    if isinstance(value, ByMode):  # a constant per train/eval mode: reads self.training
+        return value.source(lambda v: constant(v, render_node))
     if hasattr(value, "op") and hasattr(value, "target"):  # an fx.Node (duck-typed, no import cycle)
         return render_node(value)
     raise PipeccError(f"stage code generation cannot write a constant of type {type(value).__name__}")

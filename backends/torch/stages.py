@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from pipecc.ir.graph import (META_NAME, META_OUTPUT_CLASS, META_VALUE, AnnotatedGraph, IRError, ScalarInfo,
                              TensorInfo)
+from pipecc.ir.train_flag import follow
 
 PortValue = Union[TensorInfo, ScalarInfo, tuple, None]
 BEFORE_FIRST = -1  # the "stage" that produces model inputs
@@ -202,6 +203,7 @@ def _build_stage_graph(root: fx.GraphModule, members: list[fx.Node], receives: l
                 env[inp] = g.node_copy(inp, lambda x: env[x])
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[n] for n in sends))
+    follow(g, root)  # constants captured per mode read the stage's own train flag
     gm = fx.GraphModule(root, g, class_name="PipeccStage")
     gm.graph.lint()
     return gm

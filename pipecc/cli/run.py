@@ -128,8 +128,9 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="--verify relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=float, default=1e-5, help="--verify absolute tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="--verify relative tolerance (default by dtype: 1e-4, float16 1e-3, bfloat16 1.6e-2)")
+    p.add_argument("--atol", type=float, default=None, help="--verify absolute tolerance (default 1e-5)")
     p.add_argument("--json", action="store_true",
                    help="at the end print one JSON document on stdout, nothing else there (the step lines "
                    "go to stderr): per stage the measured median forward and backward per micro-batch and "
@@ -318,7 +319,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     if args.lr is not None:
         argv += ["--lr", repr(args.lr)]
     for flag, value, default in (("--seed", args.seed, 0), ("--warmup-steps", args.warmup_steps, 1),
-                                 ("--rtol", args.rtol, 1e-4), ("--atol", args.atol, 1e-5)):
+                                 ("--rtol", args.rtol, None), ("--atol", args.atol, None)):
         if value != default:
             argv += [flag, repr(value)]
     return argv

@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
 from pipecc.frontend import capture_errors, fx_tracer
+from pipecc.frontend.modes import capture_both
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
                        ScalarInfo, TensorInfo, tensors_in)
@@ -427,7 +428,7 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
     check_symbols(symbols, example_inputs)
     with quiet_torch_logging():
         returned = _check_forward(model, example_inputs)
-        gm, source, notes = capture(model, example_inputs, symbols)
+        gm, source, notes = capture_both(model, example_inputs, symbols, capture)  # train and eval
         if source == "fx":
             fx_tracer.keep_output_class(gm, returned)
         try:

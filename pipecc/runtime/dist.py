@@ -110,10 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``--verify`` (``pipecc.runtime.verify``): the first training step is checked against the
     original model in one process: each rank compares its own stages' parameter gradients
-    (``--rtol``/``--atol``), the last rank also the outputs and the loss; a mismatch prints
-    ``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1. With
-    BatchNorm and several micro-batches (or active dropout) only eval-mode outputs are compared,
-    before training. ``--verify`` needs the model file (imported only when its sha256 is the one
+    (``--rtol``/``--atol``, default by dtype), the last rank also the outputs and the loss; a
+    mismatch prints ``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and
+    exits 1. Both runs of that step have dropout off and random draws fixed (the verdict says
+    so; that step's update uses those gradients); with BatchNorm and several micro-batches only eval-mode outputs are compared, before
+    training. ``--verify`` needs the model file (imported only when its sha256 is the one
     ``pipecc.json`` records, ``pipecc.runtime.trust``): without one it is an error ("cannot verify:
     ...") unless ``--verify-stages-only``, which checks the pipeline's forward against all its
     stages chained on the last rank.
@@ -223,8 +224,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, help="default 1e-3 (training only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verify", action="store_true", help="compare with the original model in one process")
-    parser.add_argument("--rtol", type=float, default=1e-4, help="--verify: relative tolerance")
-    parser.add_argument("--atol", type=float, default=1e-5, help="--verify: absolute tolerance")
+    parser.add_argument("--rtol", type=float, default=None, help="--verify: relative tolerance (default by dtype)")
+    parser.add_argument("--atol", type=float, default=None, help="--verify: absolute tolerance (default by dtype)")
     parser.add_argument("--verify-stages-only", action="store_true",
                         help="compare the pipeline with its stages chained in one process (no model file)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (pipecc.runtime.checkpoints)")
@@ -424,7 +425,9 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             optimizer.zero_grad()
         runtime.keep_outputs = verifier is not None and i == 0
         runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
-        loss = runtime.step(inputs, target)
+        checked = verifier is not None and i == 0  # dropout off, draws fixed: as the reference runs
+        with verifier.deterministic() if checked else contextlib.nullcontext():
+            loss = runtime.step(inputs, target)
         tied.reduce()
         if verifier is not None and i == 0:
             paused = time.perf_counter()

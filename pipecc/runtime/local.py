@@ -172,7 +172,7 @@ class PipelinedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         chunks = self._split(self._bind(args, kwargs))
         outputs = [build_output(self._pipecc_output, self._run(chunk)) for chunk in chunks]
-        return outputs[0] if len(outputs) == 1 else _merge(outputs)
+        return outputs[0] if len(outputs) == 1 else merge_outputs(outputs)
 
     def _bind(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self._pipecc_inputs):
@@ -234,7 +234,7 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _merge(outputs: list[Any]) -> Any:
+def merge_outputs(outputs: list[Any]) -> Any:
     """Concatenate micro-batch outputs along dim 0, structure by structure."""
     first = outputs[0]
     if isinstance(first, torch.Tensor):
@@ -243,11 +243,11 @@ def _merge(outputs: list[Any]) -> Any:
                               "concatenate; use microbatches=1")
         return torch.cat(outputs, dim=0)
     if isinstance(first, list):
-        return [_merge([o[i] for o in outputs]) for i in range(len(first))]
+        return [merge_outputs([o[i] for o in outputs]) for i in range(len(first))]
     if isinstance(first, tuple):  # a namedtuple too
-        return as_output_type(type(first), tuple(_merge([o[i] for o in outputs]) for i in range(len(first))))
+        return as_output_type(type(first), tuple(merge_outputs([o[i] for o in outputs]) for i in range(len(first))))
     if isinstance(first, dict):  # a ModelOutput too
-        return as_output_type(type(first), {k: _merge([o[k] for o in outputs]) for k in first})
+        return as_output_type(type(first), {k: merge_outputs([o[k] for o in outputs]) for k in first})
     return first
 
 

@@ -3,14 +3,29 @@
 With a model file (``Verifier``) the first training step is checked: every rank builds the
 original model from the model file, loads the weights of ALL stages into it (memory: a full
 model copy plus all stage weights per rank, fine for test-sized models, costly for large ones),
-runs the full batch with the same loss and compares its own stages' parameter gradients
-(``--rtol``/``--atol``), the last rank also the outputs and the loss. A mismatch prints
-``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1. With
-BatchNorm and several micro-batches (or active dropout) train-mode numerics legitimately differ
-from one full-batch pass, so only eval-mode outputs are compared, before training. An
-inference-only run compares the first pass's outputs with the model's eval-mode forward. The
-check is collective: every rank learns whether all passed, and those whose own check passed
-stop with ``PeerFailed``.
+runs the full batch with the same loss and compares its own stages' parameter gradients, the
+last rank also the outputs and the loss. A mismatch prints
+``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1.
+
+Like with like. Both runs are in train mode; randomness is taken out of both, since a pipeline
+draws its dropout masks micro-batch by micro-batch: the pipeline's first step and the reference
+run under ``determinism.Deterministic`` (dropout as in eval mode, random draws at their means,
+BatchNorm and everything else in train mode), and the verdict says so ("... (train mode; dropout
+off in both runs)"). Gradients are always compared. BatchNorm with several micro-batches
+normalises each with its own statistics in train mode (legitimately unlike one full-batch pass):
+then the reference runs the model over the same pieces of the batch, weighting their losses as
+the engine does (``_piecewise``), and the line says so; only when the stages cut unequal
+micro-batches of their own (UMPIPE) are eval-mode outputs compared instead, before training. An inference-only run compares the first pass's outputs with the model's eval-mode
+forward.
+
+Tolerances follow the dtype (``--rtol``/``--atol`` when given): 1e-4/1e-5 for float32 and
+float64 (a little looser than ``torch.testing.assert_close``: micro-batches sum in another
+order), float16 1e-3/1e-5, bfloat16 1.6e-2/1e-5 (``assert_close``'s; half precision's atol grows
+to rtol times the tensor's largest value, the resolution its partial sums had). NaN equals NaN (a loss that
+is NaN in both runs matches). A parameter of the model that no stage holds is one the captured
+graph never uses (an unused layer): it is left out, unless the reference gives it a gradient,
+which is an error naming it. The check is collective: every rank learns whether all passed, and
+those whose own check passed stop with ``PeerFailed``.
 
 Replicated stages (PP x DP): every replica compares its stages' gradients after the replicas'
 all-reduce (the full-batch gradients), the last stage's replicas the combined loss and their
@@ -22,6 +37,7 @@ chained on the last rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,13 +47,25 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.determinism import Deterministic
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import as_tuple, output_ports
-from pipecc.runtime.replicas import replica_slice
+from pipecc.runtime.local import merge_outputs
+from pipecc.runtime.replicas import replica_slice, slice_sizes
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
 
-__all__ = ["PeerFailed", "Verifier", "verify_chained"]
+__all__ = ["PeerFailed", "Verifier", "tolerance", "verify_chained"]
+
+# dtype -> (rtol, atol) when --rtol/--atol are not given (see the module docstring)
+_TOLERANCES = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+_DEFAULT_TOLERANCE = (1e-4, 1e-5)
+
+
+def tolerance(dtype: torch.dtype, rtol: float | None = None, atol: float | None = None) -> tuple[float, float]:
+    """(rtol, atol) for comparing values of ``dtype``: the given ones, else the dtype's."""
+    r, a = _TOLERANCES.get(dtype, _DEFAULT_TOLERANCE)
+    return (r if rtol is None else rtol), (a if atol is None else atol)
 
 
 class PeerFailed(PipeccError):
@@ -64,11 +92,11 @@ class Verifier:
     """``--verify`` against the original model in this process (see the module docstring); collective."""
 
     def __init__(self, runtime: PipelineRuntime, data: RunData, meta: dict[str, Any], stage_dirs: list[Path],
-                 load_stage: Callable, rtol: float, atol: float):
+                 load_stage: Callable, rtol: float | None = None, atol: float | None = None):
         self.runtime, self.data, self.rtol, self.atol = runtime, data, rtol, atol
         self.is_last = runtime.last_stage in runtime.stage_ids
         self.speaks = self.is_last and runtime.replicas.index == 0  # replicas: one of them prints
-        file = Path(str(meta.get("model_path"))).name
+        self.file = file = Path(str(meta.get("model_path"))).name
         try:
             model = data.module.build_model(**dict(meta.get("model_args") or {}))
         except Exception as e:
@@ -79,6 +107,10 @@ class Verifier:
         wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         wanted += [n for n, _ in model.named_buffers(remove_duplicate=False) if persistent_buffer(model, n)]
         missing = [n for n in wanted if n not in state]
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # NOTE: a parameter no stage holds is one no captured node uses; check_step makes sure
+        self.absent = [n for n in missing if n in params]
+        missing = [n for n in missing if n not in params]
         if missing:
             raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
                               f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -90,16 +122,17 @@ class Verifier:
                               f"{str(e).strip().splitlines()[-1].strip()}") from None
         self.model = model.to(runtime.device)
         # NOTE: replicas cut every micro-batch again: m * d pieces that BatchNorm normalises apart
-        self.eval_only = self._eval_only_reason(model, runtime.m * runtime.replicas.count)
+        pieces = runtime.m * runtime.replicas.count
+        batchnorm = any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
+        self.pieces = pieces if batchnorm and pieces > 1 else 1  # the reference runs them one by one
+        self.eval_only = None
+        if self.pieces > 1 and getattr(runtime.schedule, "microbatch_sizes", None) is not None:
+            self.eval_only = ("the model has BatchNorm, which in train mode normalises each micro-batch with its "
+                              "own statistics, and the stages cut the batch into unequal micro-batches of their own")
 
-    @staticmethod
-    def _eval_only_reason(model: nn.Module, m: int) -> str | None:
-        if m > 1 and any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules()):
-            return (f"the model has BatchNorm, which in train mode normalises each of the {m} micro-batches "
-                    "with its own statistics (legitimately unlike one full-batch pass)")
-        if any(isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 for mod in model.modules()):
-            return "the model has dropout, whose random masks differ between the two runs"
-        return None
+    def deterministic(self) -> Deterministic:
+        """The mode the pipeline's checked step runs under (the reference runs under its own)."""
+        return Deterministic()
 
     def _inputs(self) -> tuple:
         return tuple(v.to(self.runtime.device) if isinstance(v, torch.Tensor) else v for v in self.data.model_inputs)
@@ -144,11 +177,17 @@ class Verifier:
         model = self.model
         model.train()
         model.zero_grad(set_to_none=True)
-        outputs = model(*self._inputs())
-        ref_loss = self.data.model_loss(outputs, self._target())
-        ref_loss.backward()
+        with Deterministic() as same:
+            if self.pieces > 1:
+                outputs, ref_loss = self._piecewise(model)
+            else:
+                outputs = model(*self._inputs())
+                ref_loss = self.data.model_loss(outputs, self._target())
+            ref_loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-        failures: list[str] = []
+        failures: list[str] = [f"verify: the compiled stages hold no tensor for {n!r}, which the model built from "
+                               f"{self.file} uses; was OUT compiled from this "
+                               "file and these --model-arg values?" for n in self.absent if grads.get(n) is not None]
         count = 0
         for s, module in zip(self.runtime.stage_ids, self.runtime.modules):
             names: dict[str, str] = getattr(type(module), "PARAM_NAMES", {})
@@ -181,16 +220,45 @@ class Verifier:
         if self.is_last:
             got_loss = float(loss) if loss is not None else float("nan")
             want = float(ref_loss.detach())
-            if not abs(got_loss - want) <= self.atol + self.rtol * abs(want):
+            rtol, atol = tolerance(ref_loss.dtype, self.rtol, self.atol)
+            if not (abs(got_loss - want) <= atol + rtol * abs(want) or got_loss == want
+                    or (math.isnan(got_loss) and math.isnan(want))):
                 failures.append(f"verify: rank {self.runtime.global_rank} stage {self.runtime.last_stage} loss "
                                 f"{got_loss:.8g} "
                                 f"differs from the single-process {want:.8g}")
             failures += self._compare_outputs(self.runtime.last_outputs(), outputs)
         total = self._agree(failures, count)
         if self.speaks:
-            print(f"verify: outputs, loss and {total} gradients match the single-process run", flush=True)
+            print(f"verify: outputs, loss and {total} gradients match the single-process run"
+                  f"{_compared(same.seen, self.pieces)}", flush=True)
         del self.model
         model.zero_grad(set_to_none=True)
+
+    def _piecewise(self, model: nn.Module) -> tuple[Any, torch.Tensor]:
+        """BatchNorm with micro-batches: the model over the pipeline's pieces of the batch (each
+        micro-batch, each replica's slice of it), losses weighted by rows as the engine weights
+        them; the outputs concatenated back into batch order."""
+        inputs, target = self._inputs(), self._target()
+        batch = next(int(v.shape[0]) for v in inputs if isinstance(v, torch.Tensor) and v.dim() > 0)
+        sizes = [n for mb in slice_sizes(batch, self.runtime.m) for n in slice_sizes(mb, self.runtime.replicas.count)]
+
+        def cut(v: Any) -> list[Any]:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] % batch == 0:
+                c = v.shape[0] // batch
+                return list(torch.split(v, [c * n for n in sizes]))
+            if isinstance(v, (tuple, list)):
+                parts = [cut(x) for x in v]
+                return [type(v)(p[k] for p in parts) for k in range(len(sizes))]
+            return [v] * len(sizes)
+
+        pieces, targets = [cut(v) for v in inputs], cut(target)
+        outputs, losses = [], []
+        for k, n in enumerate(sizes):
+            if n:
+                out = model(*[p[k] for p in pieces])
+                outputs.append(out)
+                losses.append(self.data.model_loss(out, targets[k]).reshape(()) * (n / batch))
+        return merge_outputs(outputs), torch.stack(losses).sum()
 
     def _compare_outputs(self, sends: Any, expected: Any) -> list[str]:
         names = self.data.send_names
@@ -228,16 +296,25 @@ class Verifier:
         """None when close, else a one-line summary (how many elements, the largest difference)."""
         if got.shape != want.shape:
             return f"shape {list(got.shape)} vs {list(want.shape)} in the single-process run"
+        dtype = want.dtype if want.dtype.is_floating_point else got.dtype
+        rtol, atol = tolerance(dtype, self.rtol, self.atol)
         got, want = got.detach().double(), want.detach().double()
-        if torch.allclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True):
+        if self.atol is None and dtype in _TOLERANCES and want.numel():
+            # NOTE: half precision rounds partial sums (micro-batches, another order) to its
+            # resolution at the sums' scale, so an element near zero is off by rtol * that scale
+            finite = want[torch.isfinite(want)]
+            atol = max(atol, rtol * float(finite.abs().max())) if finite.numel() else atol
+        if torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
             return None
         diff = (got - want).abs()
-        bad = ~torch.isclose(got, want, rtol=self.rtol, atol=self.atol, equal_nan=True)
-        worst = int(torch.argmax(torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)))
+        bad = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+        among = torch.where(bad, torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff),
+                            torch.full_like(diff, -1.0))
+        worst = int(torch.argmax(among))  # the largest difference among the elements that fail
         where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), got.shape)) if got.dim() else ()
         return (f"{int(bad.sum())} of {got.numel()} elements, largest difference {float(diff.flatten()[worst]):.3g} "
                 f"at {list(where)} ({float(got.flatten()[worst]):.6g} vs {float(want.flatten()[worst]):.6g}; "
-                f"rtol {self.rtol:g}, atol {self.atol:g})")
+                f"rtol {rtol:g}, atol {atol:g})")
 
     def _agree(self, failures: list[str], count: int) -> int:
         """Every rank learns whether all passed (so all stop together); returns the gradient count."""
@@ -251,3 +328,15 @@ class Verifier:
         if int(flags[0]) != self.runtime.global_world:
             raise PeerFailed("verify failed on another rank")
         return int(flags[1])
+
+
+def _compared(seen: set[str], pieces: int = 1) -> str:
+    """What the verdict compared, when the model draws random numbers or has BatchNorm over
+    several micro-batches (see the module docstring)."""
+    parts = ["dropout off in both runs"] if "dropout" in seen else []
+    draws = sorted(seen - {"dropout"})
+    if draws:
+        parts.append(f"random draws ({', '.join(draws)}) at their means in both runs")
+    if pieces > 1:
+        parts.append(f"BatchNorm over the same {pieces} micro-batches in both runs")
+    return f" (train mode; {'; '.join(parts)})" if parts else ""

@@ -114,7 +114,7 @@ def _merge(train: fx.GraphModule, eval_: fx.GraphModule) -> None:
                 to_train[e] = t
             continue
         for t in a[i1:i2]:
-            if not (_layout_only(t) or _counter_update(t)):
+            if not (_layout_only(t) or _counter_update(t) or _counter_buffer(t)):
                 raise _Differs(f"train mode runs {_what(t)}, which eval mode does not")
         for e in b[j1:j2]:
             if not _layout_only(e):
@@ -145,6 +145,12 @@ def _counter_update(node: fx.Node) -> bool:
             and len(node.args) == 2 and not node.kwargs and not node.users
             and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
             and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool))
+
+
+def _counter_buffer(node: fx.Node) -> bool:
+    """The get_attr of that counter: in train mode only, where the capture drops a get_attr
+    nothing reads (`torch_capture.capture`: a tied weight's other names)."""
+    return node.op == "get_attr" and bool(node.users) and all(_counter_update(u) for u in node.users)
 
 
 def _what(node: fx.Node) -> str:

@@ -70,6 +70,8 @@ def resolve(value: Any, training: bool) -> Any:
 def follow(graph: fx.Graph, root: fx.GraphModule) -> None:
     """Make a stage graph cut from `root` follow the flag of the module that runs it (in place)."""
     for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue  # NOTE: a value received from an earlier stage keeps its producer's meta
         for where, (train, eval_) in (node.meta.get(META_BY_MODE) or {}).items():
             marker = ByMode(train, eval_)
             if isinstance(where, int):

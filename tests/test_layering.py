@@ -19,10 +19,12 @@ PACKAGE_DIRS = {"pipecc": ROOT / "pipecc", "pipecc.passes": ROOT / "passes",
                 "pipecc.backends": ROOT / "backends", "pipecc.models": ROOT / "models"}
 MAX_LINES = 600
 SIZE_NOTE = "# NOTE(size):"
-# What pipecc/runtime may import from pipecc: the schedule IR, errors, the model-file loader
-# (imports torch only) and, for an FPGA stage's rank, the FPGA backend's C-simulation module.
-RUNTIME_MAY_IMPORT = ("pipecc.errors", "pipecc.runtime", "pipecc.ir.schedule",
-                      "pipecc.frontend.modelfile", "pipecc.backends.fpga")
+# What pipecc/runtime may import from pipecc: the schedule IR, the plan and the techniques' rules
+# (pure data and functions: the folder loader asks the same `requires` as compile), errors, the
+# model-file loader (imports torch only) and, for an FPGA stage's rank, the FPGA backend's
+# C-simulation module.
+RUNTIME_MAY_IMPORT = ("pipecc.errors", "pipecc.runtime", "pipecc.ir.schedule", "pipecc.ir.plan",
+                      "pipecc.ir.techniques", "pipecc.frontend.modelfile", "pipecc.backends.fpga")
 # What the IR may import: nothing of the compiler around it.
 IR_MAY_IMPORT = ("pipecc.errors", "pipecc.ir")
 

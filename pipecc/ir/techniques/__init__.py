@@ -48,13 +48,18 @@ def requires(plan: Plan, caps: Capabilities = COMPILED) -> str | None:
     return None
 
 
-def sketch(*, schedule: str, devices: Sequence[dict[str, Any]], training: bool = True,
+def sketch(*, schedule: str, devices: Sequence[Any], training: bool = True,
            replicas: int = 1, recompute: bool = False, batch_size: int = 1,
            microbatches: int = 1) -> Plan:
-    """A plan with one stage per device (nodes unknown) for asking a technique's `requires`
-    about planner options before any partition exists."""
-    stages = [StagePlan(index=k, device=k, nodes=[], recompute=recompute) for k in range(len(devices))]
+    """A plan with one stage per device (per replica group of `replicas`; nodes unknown) for asking a technique's `requires`
+    about planner options before any partition exists. `devices`: plan device dicts, or
+    objects with `kind` and `name` (`pipecc.targets.hardware.Device`)."""
+    devices = [dict(d) if isinstance(d, dict) else {"kind": d.kind, "name": d.name} for d in devices]
+    d = max(replicas, 1)
+    stages = [StagePlan(index=j, device=j * d, nodes=[], recompute=recompute,
+                        replica_devices=list(range(j * d, j * d + d)) if d > 1 else [])
+              for j in range(len(devices) // d)]
     return Plan(model="", batch_size=batch_size, microbatches=microbatches, schedule=schedule,
-                devices=[dict(d) for d in devices], stages=stages, split_layers=[], bottleneck_s=0.0,
+                devices=devices, stages=stages, split_layers=[], bottleneck_s=0.0,
                 lower_bound_s=0.0, predicted_iteration_s=0.0, bubble_fraction=0.0, replicas=replicas,
                 options={"training": training})

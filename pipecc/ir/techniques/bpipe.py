@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
 from pipecc.ir.techniques import capabilities as cap
 from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
 
 NAME = "BPipe"
 TAG = "activation balancing (BPipe)"
 OFF = "--activation-balancing off"
-POLICIES = ("jit", "eager")  # pipecc.ir.schedule.BPIPE_POLICIES
 
 
 def uses(plan: Plan) -> bool:

@@ -40,6 +40,6 @@ def recomputing(plan: Plan) -> list[int]:
 
 
 def bipartition_on(plan: Plan) -> bool:
-    """Separate forward/backward cuts in a training plan (an inference folder runs the forward
-    ranges, so they are off there)."""
-    return training(plan) and (plan.is_bipartition() or plan.bipartition_mode == "recompute")
+    """Separate forward/backward cuts in a training plan, or a Bi-Partition mode other than
+    "ship" asked for (an inference folder runs the forward ranges, so they are off there)."""
+    return training(plan) and (plan.is_bipartition() or plan.bipartition_mode not in ("", "ship"))

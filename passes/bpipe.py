@@ -26,7 +26,7 @@ then checks the exact bytes, an acceptor holding its evictor's stashes.
 Scope (anything else is not considered by "auto" and refused with "on"): BPipe's rule,
 `pipecc.ir.techniques.bpipe.requires` (training, 1f1b, one stage per device, replicas 1, equal
 micro-batches, devices that keep an autograd stash, no `--recompute full`), asked here on a
-sketch of the options (`scope`) and by the verifier, compile and `pipecc run` on the plan.
+sketch of the options (`_sketch`) and by the verifier, compile and `pipecc run` on the plan.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir import techniques
+from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import ActionKind, bpipe, bpipe_pairs, one_f_one_b
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S
@@ -51,16 +52,15 @@ EPSILON = 0.02
 POLICY = "jit"  # PAPERS-SPEC.md 2.4: fewer transfers than "eager" when stages overflow by little
 
 
-def scope(bal: Balancer) -> str | None:
-    """Why BPipe cannot be considered with these options and devices, or None: BPipe's rule
-    (`pipecc.ir.techniques.bpipe.requires`) on a sketch of the plans the search would make
-    (1f1b, one stage per device, every stage recomputing under `--recompute full`)."""
+def _sketch(bal: Balancer) -> Plan:
+    """The plans the search would make, as BPipe's rule reads them (1f1b, one stage per device,
+    every stage recomputing under `--recompute full`): `pipecc.ir.techniques.bpipe.requires`
+    asks it before any candidate exists."""
     opt = bal.opt
-    draft = techniques.sketch(schedule="1f1b" if opt.schedule == "auto" else opt.schedule,
-                              devices=bal.cluster.devices, training=opt.training,
-                              replicas=1 if opt.replicas == "auto" else int(opt.replicas),
-                              recompute=opt.recompute == "full")
-    return techniques.bpipe.requires(draft, techniques.COMPILED)
+    return techniques.sketch(schedule="1f1b" if opt.schedule == "auto" else opt.schedule,
+                             devices=bal.cluster.devices, training=opt.training,
+                             replicas=1 if opt.replicas == "auto" else int(opt.replicas),
+                             recompute=opt.recompute == "full")
 
 
 def check(bal: Balancer) -> None:
@@ -68,7 +68,7 @@ def check(bal: Balancer) -> None:
     mode = bal.opt.activation_balancing
     if mode not in MODES:
         raise UsageError(f"--activation-balancing {mode!r}: choose auto, on or off")
-    why = scope(bal) if mode == "on" else None
+    why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED) if mode == "on" else None
     if why is not None:
         raise UsageError(f"--activation-balancing on: {why}; or use --activation-balancing auto")
 
@@ -220,7 +220,7 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
     bal.estimate = {}
     if mode == "off":
         return results, []
-    why = scope(bal)
+    why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED)
     if why is not None:
         bal.estimate = {"used": False, "reason": why}
         return results, [f"BPipe (activation balancing) not considered: {why}"]

@@ -202,7 +202,7 @@ def test_old_plans_load_and_the_field_round_trips(big_mlp) -> None:
 # ---------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "cpu,u250", "--recompute", "full"],
-     "--recompute full: FPGA device 1 (u250) cannot recompute activations"),
+     "--recompute full: activation recomputation: stage 1 (fpga u250) cannot recompute activations"),
     (["--devices", "2xcpu", "--recompute", "full", "--inference"],
      "--recompute full with --inference: a forward-only plan has no backward pass"),
     (["--devices", "2xcpu", "--recompute", "auto", "--inference"], "--recompute auto with --inference"),

@@ -60,7 +60,7 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if not uses(plan):
         return None
     if plan.bipartition_mode == "recompute":
-        return (f"{TAG}: mode 'recompute' is costed only, the runtime ships saved tensors (a misplaced "
+        return (f"{TAG}: mode 'recompute' is only costed, the runtime ships saved tensors (a misplaced "
                 f"segment's forward would run twice, never faster than the single cut); re-plan with "
                 f"--bipartition auto (mode ship), or {OFF}")
     if plan.bipartition_mode != "ship":

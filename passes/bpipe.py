@@ -70,7 +70,7 @@ def check(bal: Balancer) -> None:
         raise UsageError(f"--activation-balancing {mode!r}: choose auto, on or off")
     why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED) if mode == "on" else None
     if why is not None:
-        raise UsageError(f"--activation-balancing on: {why}; or use --activation-balancing auto")
+        raise UsageError(f"--activation-balancing on: {why}")
 
 
 def thresholds(static: Sequence[float], act: Sequence[float], p: int, m: int,

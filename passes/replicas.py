@@ -204,9 +204,10 @@ def decisions(bal: Any, cand: Any) -> list[str]:
 
 
 def without_fpgas(cluster: Any) -> tuple[Any, list[int]]:
-    """The cluster of `cluster`'s devices other than FPGA cards (same links), and their indices."""
+    """The cluster of `cluster`'s devices that can train (`caps.BACKWARD`: all but FPGA cards;
+    same links), and their indices."""
     from pipecc.targets.hardware import Cluster
-    keep = [i for i, d in enumerate(cluster.devices) if d.kind != "fpga"]
+    keep = [i for i, d in enumerate(cluster.devices) if d.can(caps.BACKWARD)]
     return (Cluster(devices=tuple(cluster.devices[i] for i in keep),
                     links=tuple(tuple(cluster.links[i][j] for j in keep) for i in keep)), keep)
 

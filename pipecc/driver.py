@@ -461,7 +461,8 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         steps.append(Step("bipartition", partial(_bipartition, balancer=balancer, graph=graph,
                                                  cluster=cluster, options=options),
                           "searching separate forward/backward cuts"))
-    fpgas = [d for d in cluster.devices if d.kind == "fpga"]
+    from pipecc.ir.techniques import capabilities as caps
+    fpgas = [d for d in cluster.devices if not d.can(caps.BACKWARD)]  # the FPGA cards: no backward pass
     if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and profile is None):
         state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))

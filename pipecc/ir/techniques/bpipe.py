@@ -75,7 +75,7 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
         return (f"{TAG} replaces recomputation, but stage {recomputing(plan)[0]} recomputes its activations: "
                 f"use --recompute none or auto, or {OFF}")
     if bipartition_on(plan):
-        return (f"{TAG} does not move the stashes of separate forward/backward cuts (Bi-Partition): "
+        return (f"{TAG} does not move the stashes of Bi-Partition's separate forward and backward cuts: "
                 f"use --bipartition off, or {OFF}")
     if len(plan.stages) < 2:
         return f"{TAG} needs two stages or more (one stage has no partner); use {OFF}"

@@ -43,7 +43,7 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if plan.activation_balancing:
         return f"{TAG} with activation balancing (BPipe, equal micro-batches only): use --activation-balancing off, or {OFF}"
     if bipartition_on(plan):
-        return f"{TAG} with separate forward/backward cuts (Bi-Partition): use --bipartition off, or {OFF}"
+        return f"{TAG} with Bi-Partition's separate forward and backward cuts: use --bipartition off, or {OFF}"
     if len(plan.stages) < 2:
         return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
     return None

@@ -71,15 +71,15 @@ def check(bal: Balancer) -> None:
         raise UsageError(f"--recompute {mode!r}: choose none, full or auto")
     if mode == "none":
         return
-    if not bal.opt.training:
-        raise UsageError(f"--recompute {mode} with --inference: a forward-only plan has no backward "
-                         "pass to recompute activations for; drop --recompute")
+    # "auto" recomputes only stages whose devices can, so only its forward-only rule applies
+    draft = techniques.sketch(schedule="1f1b", devices=bal.cluster.devices, recompute=True,
+                              training=bal.opt.training)
+    caps = techniques.COMPILED if mode == "full" else techniques.Capabilities(kinds={})
+    why = techniques.recompute.requires(draft, caps)
+    if why is not None:
+        raise UsageError(f"--recompute {mode}: {why}")
     if mode != "full":
         return
-    draft = techniques.sketch(schedule="1f1b", devices=bal.cluster.devices, recompute=True)
-    why = techniques.recompute.requires(draft, techniques.COMPILED)
-    if why is not None:
-        raise UsageError(f"--recompute full: {why}")
     bn = training_batchnorm_names(bal.graph)
     if bn:
         raise UsageError(f"--recompute full: BatchNorm {bn[0]} in training mode would update its "

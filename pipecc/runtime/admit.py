@@ -3,8 +3,8 @@ again): the same `requires` the planner, the verifier and compile ask
 (`pipecc.ir.techniques`), so a hand-edited plan.json or pipecc.json, or a `--schedule` the
 folder cannot run, is refused with the line compile would give.
 
-The plan asked is the one the run would execute: plan.json, with pipecc.json's runtime
-fields over it (schedule, replicas, per-stage micro-batch sizes, BPipe pairs: what the
+The plans asked: plan.json as it stands (compile's answer for it), then the one the run would
+execute: plan.json with pipecc.json's runtime fields over it (schedule, replicas, per-stage micro-batch sizes, BPipe pairs: what the
 runtime reads) and the run's own `--schedule`; one process without torchrun runs without
 BPipe's pairs. A folder without a readable plan.json (written by hand, or before plan.json)
 is left to the checks the runtime makes on its way.
@@ -46,6 +46,10 @@ def check_folder_plan(meta: dict[str, Any] | None, plan_data: dict[str, Any] | N
     plan = folder_plan(meta, plan_data)
     if plan is None:
         return
+    written = Plan.from_json(copy.deepcopy(plan_data))  # plan.json as it stands: compile's line for it
+    why = techniques.requires(written, techniques.COMPILED)
+    if why is not None:
+        raise PipeccError(why)
     if one_process:
         plan.activation_balancing = []  # NOTE: every stage on one rank: no partner to move stashes to
     why = techniques.requires(plan, techniques.COMPILED)

@@ -185,7 +185,7 @@ def test_docs_matrix_is_the_rules() -> None:
 def test_the_matrix_is_symmetric_in_what_composes() -> None:
     names = list(matrix.TURN_ON)
     for a in names:
-        assert matrix.refusal(matrix.with_on(a)) is None  # every technique alone is admitted
+        assert techniques.requires(matrix.with_on(a)) is None  # every technique alone is admitted
         for b in names:
             if a != b:
                 assert (matrix.pair(a, b) is None) == (matrix.pair(b, a) is None), (a, b)

@@ -13,11 +13,10 @@ refuses.
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 from pipecc.ir.plan import Plan, SplitLayer, StagePlan
-from pipecc.ir.techniques import TECHNIQUES, capabilities as cap
+from pipecc.ir.techniques import TECHNIQUES, capabilities as cap, requires
 
 STAGES, NODES_PER_STAGE = 4, 2
 
@@ -97,17 +96,6 @@ def with_on(*names: str) -> Plan:
     return place(plan)
 
 
-def refusal(plan: Plan, caps: cap.Capabilities = cap.COMPILED) -> str | None:
-    """The first reason any technique's rule gives for `plan` (the context rules of every
-    technique it uses), or None."""
-    for technique in TECHNIQUES:
-        if technique.uses(plan):
-            why = technique.requires(plan, caps)
-            if why is not None:
-                return why
-    return None
-
-
 def is_on(name: str, plan: Plan) -> bool:
     """Whether technique `name` is still in use in `plan` (a later one may have set another
     schedule)."""
@@ -125,7 +113,7 @@ def pair(a: str, b: str) -> str | None:
     reasons = []
     for order in ((a, b), (b, a)):
         plan = with_on(*order)
-        why = refusal(plan)
+        why = requires(plan)
         if why is None and all(is_on(n, plan) for n in order):
             return None
         if why is not None:
@@ -140,7 +128,7 @@ def needs(name: str) -> list[str]:
     out = []
     for c in sorted(cap.ALL):
         caps = cap.Capabilities(runtime=cap.ALL - {c}, kinds={"gpu": cap.ALL - {c}}, where="a runtime without it")
-        if refusal(plan, caps) is not None:
+        if requires(plan, caps) is not None:
             out.append(c)
     return out
 
@@ -164,7 +152,7 @@ def markdown() -> str:
                     reasons.append(why)
                 cells.append(f"no [{reasons.index(why) + 1}]")
         rows.append(f"| **{a}** | " + " | ".join(cells) + " |")
-    alone = [f"{n}: {refusal(with_on(n))}" for n in names if refusal(with_on(n)) is not None]
+    alone = [f"{n}: {requires(with_on(n))}" for n in names if requires(with_on(n)) is not None]
     assert not alone, alone  # every technique runs on its own in the example
     notes = [f"{i + 1}. {why}" for i, why in enumerate(reasons)]
     caps_rows = ["| technique | needs (capabilities) |", "|---|---|"]

@@ -40,9 +40,9 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.ir import techniques
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.techniques import capabilities as caps
 from pipecc.ir.schedule import SPLIT_BACKWARD_COST, ZERO_BUBBLE, by_name
 from pipecc.ir.schedule import bpipe as bpipe_schedule
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes import baselines, replicas as rep
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
@@ -260,14 +260,14 @@ class Balancer:
             if m < 1 or b % m:
                 raise UsageError(f"--microbatches {m} must divide the batch size {b}")
             ms = [m]
-        fpga = [dev.name for dev in self.cluster.devices if not dev.can(caps.REPLICATE)]
+        unreplicable = [dev.name for dev in self.cluster.devices if not dev.can(caps.REPLICATE)]
         rep.check_requested(self.opt.replicas, self.p, self.cluster.devices)
         rep.check_slices(self.opt.replicas, b, ms)
         n_units = self.builder.at(1).n
 
-        allowed = {m: rep.allowed(self.opt.replicas, self.p, b // m, bool(fpga)) for m in ms}
+        allowed = {m: rep.allowed(self.opt.replicas, self.p, b // m, bool(unreplicable)) for m in ms}
         if not any(self.p // d <= n_units for ds in allowed.values() for d in ds):
-            groups = [d for d in rep.allowed("auto", self.p, b // min(ms), bool(fpga))
+            groups = [d for d in rep.allowed("auto", self.p, b // min(ms), bool(unreplicable))
                       if self.p // d <= n_units]  # would replica groups fit?
             raise PipeccError(f"{self.p} devices but only {n_units} units to place; use fewer "
                               "devices" + (" or --replicas auto" if groups else ""))
@@ -277,6 +277,7 @@ class Balancer:
         if not self.opt.training:
             return [("inference", m, d) for m in ms for d in degrees(m)]
         scheds = SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
+
         def refused(s: str) -> str | None:  # the zero-bubble rule on these devices
             draft = techniques.sketch(schedule=s, devices=self.cluster.devices)
             return techniques.zero_bubble.requires(draft, techniques.COMPILED)
@@ -534,9 +535,9 @@ class Balancer:
         model of every d-replicated plan, so the least is valid for all. comm=False: the
         comm-blind bound of earlier releases (reported next to it)."""
         mb = self.opt.batch_size // cand.microbatches
-        has_fpga = not all(dev.can(caps.REPLICATE) for dev in self.cluster.devices)
+        unreplicable = not all(dev.can(caps.REPLICATE) for dev in self.cluster.devices)
         best = math.inf
-        for d in rep.allowed("auto", self.p, mb, has_fpga):
+        for d in rep.allowed("auto", self.p, mb, unreplicable):
             if d == cand.replicas:
                 units, prob = cand.units, cand.problem
             elif self.p // d > cand.units.n:

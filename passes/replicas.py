@@ -91,10 +91,11 @@ def slice_size(mb: int, d: int) -> int:
     return -(-mb // d)
 
 
-def allowed(requested: int | str, n: int, mb: int, has_fpga: bool) -> list[int]:
-    """The degrees a plan with micro-batch size mb may use (module docstring)."""
+def allowed(requested: int | str, n: int, mb: int, unreplicable: bool) -> list[int]:
+    """The degrees a plan with micro-batch size mb may use (module docstring); `unreplicable`:
+    some device cannot join a replica group (`caps.REPLICATE`: an FPGA card)."""
     ds = divisors(n) if requested == "auto" else [int(requested)]
-    return [d for d in ds if d <= mb and not (d > 1 and has_fpga)]
+    return [d for d in ds if d <= mb and not (d > 1 and unreplicable)]
 
 
 def groups(order: Sequence[int], d: int) -> list[list[int]]:

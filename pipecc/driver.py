@@ -48,10 +48,11 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.frontend import torch_capture
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
+from pipecc.ir import techniques
 from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
                              AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques.capabilities import Capabilities
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
 
 if TYPE_CHECKING:  # the backends load only when a compile needs them
@@ -326,7 +327,6 @@ def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: f
     from pipecc.passes import split_search, umpipe_plan
     from pipecc.passes.balance import Balancer
     assert state.plan is not None and state.graph is not None
-    from pipecc.ir import techniques
     why = techniques.umpipe.requires(state.plan, techniques.COMPILED)
     if why is not None:
         if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
@@ -354,7 +354,6 @@ def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster:
         base, g = chosen, state.graph
         bal = balancer if g is graph else Balancer(g, cluster, options,
                                                    splittable=split_search.splittable_names(g))
-    from pipecc.ir import techniques
     why = techniques.bipartition.requires(base, techniques.COMPILED) or bipartition_plan.graph_requires(g, base)
     if why is not None:
         chosen.decisions.append(f"Bi-Partition not tried: {why}")
@@ -461,7 +460,6 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         steps.append(Step("bipartition", partial(_bipartition, balancer=balancer, graph=graph,
                                                  cluster=cluster, options=options),
                           "searching separate forward/backward cuts"))
-    from pipecc.ir.techniques import capabilities as caps
     fpgas = [d for d in cluster.devices if not d.can(caps.BACKWARD)]  # the FPGA cards: no backward pass
     if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and profile is None):
@@ -563,7 +561,7 @@ def batchnorm_note(graph: AnnotatedGraph, plan: Plan) -> str | None:
             f"{plan.microbatches} micro-batches with its own statistics")
 
 
-def check_techniques(graph: AnnotatedGraph, plan: Plan, caps: Capabilities) -> None:
+def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capabilities) -> None:
     """A PipeccError (one line) for a plan a technique's rule refuses on these capabilities
     (`pipecc.ir.techniques.requires`: BPipe, UMPIPE, Bi-Partition, recomputation, replica
     groups, zero-bubble; `pipecc plan` never makes one, an edited plan.json can), then the
@@ -571,10 +569,9 @@ def check_techniques(graph: AnnotatedGraph, plan: Plan, caps: Capabilities) -> N
     weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
     module runs Bi-Partition's forward ranges as stages and lets autograd run every backward in
     place: the same numbers, no messages to ship.)"""
-    from pipecc.ir import techniques
     from pipecc.passes import bipartition_plan, recompute
     from pipecc.runtime.replicas import replica_problem
-    why = techniques.requires(plan, caps) or recompute.graph_requires(graph, plan)
+    why = techniques.requires(plan, capabilities) or recompute.graph_requires(graph, plan)
     if why is None and techniques.bipartition.uses(plan):
         why = bipartition_plan.graph_requires(graph, plan)
     if why is None and isinstance(plan.replicas, int):
@@ -584,10 +581,9 @@ def check_techniques(graph: AnnotatedGraph, plan: Plan, caps: Capabilities) -> N
         raise PipeccError(why)
 
 
-def capabilities_of(backends: Sequence[Backend], in_process: bool = False) -> Capabilities:
+def capabilities_of(backends: Sequence[Backend], in_process: bool = False) -> caps.Capabilities:
     """What every one of `backends` executes (their compiled folders', or with `in_process`
     their drop-in modules')."""
-    from pipecc.ir.techniques import capabilities as caps
     run = frozenset(caps.ALL)
     for b in backends:
         run &= b.module_capabilities if in_process else b.capabilities

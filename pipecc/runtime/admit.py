@@ -5,8 +5,9 @@ folder cannot run, is refused with the line compile would give.
 
 The plans asked: plan.json as it stands (compile's answer for it), then the one the run would
 execute: plan.json with pipecc.json's runtime fields over it (schedule, replicas, per-stage micro-batch sizes, BPipe pairs: what the
-runtime reads) and the run's own `--schedule`; one process without torchrun runs without
-BPipe's pairs. A folder without a readable plan.json (written by hand, or before plan.json)
+runtime reads) and the run's own `--schedule`. One process without torchrun runs without
+BPipe's pairs and places every stage on its one rank (Bi-Partition's workers under
+`--schedule interleaved`, say): its `--schedule` is left to the engine's schedule builder. A folder without a readable plan.json (written by hand, or before plan.json)
 is left to the checks the runtime makes on its way.
 """
 
@@ -55,8 +56,8 @@ def check_folder_plan(meta: dict[str, Any] | None, plan_data: dict[str, Any] | N
     why = techniques.requires(plan, techniques.COMPILED)
     if why is not None:
         raise PipeccError(why)
-    if schedule is None or schedule == plan.schedule:
-        return
+    if one_process or schedule is None or schedule == plan.schedule:
+        return  # NOTE: one process runs every stage on one rank, its --schedule is the engine's to refuse
     plan.schedule = schedule
     why = techniques.requires(plan, techniques.COMPILED)
     if why is not None:

@@ -1,5 +1,7 @@
 """The backend interface: what the driver asks of every target (torch, FPGA).
 
+    capabilities, module_capabilities      what its compiled folder's / drop-in module's runtime
+                                           executes (the technique rules ask them)
     check(graph, plan, stages, target)     fail now, before any file is written
     writers(graph, plan, stages, target)   what the backend adds to the compiled folder
     notes(plan, out)                       lines to print after `pipecc compile`
@@ -27,6 +29,7 @@ from torch import nn
 
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as caps
 
 Writer = Callable[[Path], None]  # called with the compiled folder being written
 
@@ -45,6 +48,10 @@ class Backend(ABC):
     """One target of code generation; see the module docstring for the calls."""
 
     name: str
+    # what the runtime of this backend's compiled folder / drop-in module executes
+    # (`pipecc.ir.techniques.capabilities`); the techniques' `requires` query them
+    capabilities: frozenset[str] = caps.COMPILED_FOLDER
+    module_capabilities: frozenset[str] = caps.IN_PROCESS
 
     @abstractmethod
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:

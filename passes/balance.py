@@ -37,9 +37,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipecc.errors import PipeccError, UsageError
+from pipecc.ir import techniques
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE, schedule_for
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes import baselines, replicas as rep
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
@@ -210,8 +212,8 @@ class Balancer:
         devs = [order[k % self.p] for k in range(self.p * v)]
         if recompute is not None and len(recompute) != len(devs):
             raise ValueError(f"recompute needs one flag per stage ({len(devs)}), got {len(recompute)}")
-        if recompute is not None:  # never on an FPGA card (a device order may put one anywhere)
-            recompute = [bool(r) and self.cluster.devices[d].kind != "fpga"
+        if recompute is not None:  # never on a device that cannot (an FPGA card; any order may put one anywhere)
+            recompute = [bool(r) and self.cluster.devices[d].can(caps.RECOMPUTE)
                          for r, d in zip(recompute, devs)]
         if recompute is not None and any(recompute):  # the re-run forward joins the backward
             bwd = bwd[devs] + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd[devs], 0.0)
@@ -255,14 +257,14 @@ class Balancer:
             if m < 1 or b % m:
                 raise UsageError(f"--microbatches {m} must divide the batch size {b}")
             ms = [m]
-        fpga = [dev.name for dev in self.cluster.devices if dev.kind == "fpga"]
-        rep.check_requested(self.opt.replicas, self.p, fpga)
+        unreplicable = [dev.name for dev in self.cluster.devices if not dev.can(caps.REPLICATE)]
+        rep.check_requested(self.opt.replicas, self.p, self.cluster.devices)
         rep.check_slices(self.opt.replicas, b, ms)
         n_units = self.builder.at(1).n
 
-        allowed = {m: rep.allowed(self.opt.replicas, self.p, b // m, bool(fpga)) for m in ms}
+        allowed = {m: rep.allowed(self.opt.replicas, self.p, b // m, bool(unreplicable)) for m in ms}
         if not any(self.p // d <= n_units for ds in allowed.values() for d in ds):
-            groups = [d for d in rep.allowed("auto", self.p, b // min(ms), bool(fpga))
+            groups = [d for d in rep.allowed("auto", self.p, b // min(ms), bool(unreplicable))
                       if self.p // d <= n_units]  # would replica groups fit?
             raise PipeccError(f"{self.p} devices but only {n_units} units to place; use fewer "
                               "devices" + (" or --replicas auto" if groups else ""))
@@ -272,13 +274,14 @@ class Balancer:
         if not self.opt.training:
             return [("inference", m, d) for m in ms for d in degrees(m)]
         scheds = TRAINING_SCHEDULES if self.opt.schedule == "auto" else (self.opt.schedule,)
-        fpgas = [d.name for d in self.cluster.devices if d.kind == "fpga"]
-        if fpgas and self.opt.schedule in ZERO_BUBBLE:
-            raise UsageError(f"--schedule {self.opt.schedule} splits every stage's backward into "
-                             f"input and weight gradients, which the FPGA backend cannot run "
-                             f"({fpgas[0]} in --devices); use --schedule 1f1b, or leave the FPGA out")
-        if fpgas:  # auto: the zero-bubble schedules are not candidates (see above)
-            scheds = tuple(s for s in scheds if s not in ZERO_BUBBLE)
+
+        def refused(s: str) -> str | None:  # the zero-bubble rule on these devices
+            draft = techniques.sketch(schedule=s, devices=self.cluster.devices)
+            return techniques.zero_bubble.requires(draft, techniques.COMPILED)
+        if self.opt.schedule in ZERO_BUBBLE and refused(self.opt.schedule):
+            raise UsageError(f"--schedule {self.opt.schedule}: {refused(self.opt.schedule)}")
+        # auto: a zero-bubble schedule these devices cannot run is no candidate
+        scheds = tuple(s for s in scheds if s not in ZERO_BUBBLE or not refused(s))
         out = []
         for s in scheds:
             for m in ms:
@@ -529,9 +532,9 @@ class Balancer:
         model of every d-replicated plan, so the least is valid for all. comm=False: the
         comm-blind bound of earlier releases (reported next to it)."""
         mb = self.opt.batch_size // cand.microbatches
-        has_fpga = any(dev.kind == "fpga" for dev in self.cluster.devices)
+        unreplicable = not all(dev.can(caps.REPLICATE) for dev in self.cluster.devices)
         best = math.inf
-        for d in rep.allowed("auto", self.p, mb, has_fpga):
+        for d in rep.allowed("auto", self.p, mb, unreplicable):
             if d == cand.replicas:
                 units, prob = cand.units, cand.problem
             elif self.p // d > cand.units.n:

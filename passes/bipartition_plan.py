@@ -5,17 +5,18 @@
     shipping costs) ─► simulate both ─► the plan with FP/BP ranges when faster, else unchanged;
     a decision line either way
 
-Scope v1 (PAPERS-SPEC §3.8, /work/shared Bi-Partition contract): a training plan under 1f1b or
-gpipe, one stage per device, replicas 1, equal micro-batches, no recomputing stage, no FPGA
-stage, at least two stages, no split layers, and the users of a shared weight in one piece
-(the runtime's scope, `backends.torch.bipartition`: no cut lies between them). A misplaced segment may not hold the loss / last node (the DP
+Scope v1 (PAPERS-SPEC §3.8): Bi-Partition's rule, `pipecc.ir.techniques.bipartition.requires`
+(a training plan under 1f1b or gpipe, one stage per device, replicas 1, equal micro-batches, no
+recomputing stage, stash-keeping devices, at least two stages, no split layers), and what
+needs the graph, `graph_requires`: the users of a shared weight in one piece (no cut lies
+between them). A misplaced segment may not hold the loss / last node (the DP
 keeps it in the last worker's core), a module whose buffers training mutates (BatchNorm in
 training mode: the forward and backward worker would each hold running statistics) or a node
 whose value is not tensors (the runtime ships saved tensors only): `segment_blockers`.
 The runtime mode is "ship" (a segment's saved tensors travel to its backward worker);
 "recompute" is only costed (its best cut pair is stated in the decision line: the misplaced
 forward runs twice, so it never beats the single cut by much, PAPERS-SPEC §3.2), and
-`check_plan` refuses a plan that asks for it.
+the rule refuses a plan that asks for it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipecc.errors import PipeccError
+from pipecc.ir import techniques
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
@@ -35,39 +36,10 @@ from pipecc.passes.recompute import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.umpipe_plan import _unit_bounds
 
-__all__ = ["why_not", "segment_blockers", "shared_weights", "apply", "check_plan", "describe", "WINDOW"]
+__all__ = ["graph_requires", "segment_blockers", "shared_weights", "apply", "describe", "WINDOW"]
 
 WINDOW = 8  # units each cut may move (PAPERS-SPEC §3.4's Δ)
 WIDEST = 16  # ... doubled once while a cut sits at the window's edge and the result improves
-
-
-def why_not(plan: Plan, graph: AnnotatedGraph | None = None) -> str | None:
-    """Why `plan` cannot take separate FP/BP cuts (v1 scope; with `graph`, also tied weights),
-    or None when it can."""
-    if not plan.options.get("training", True) or plan.schedule == "inference":
-        return "an inference plan (no backward pass)"
-    if plan.schedule not in ("1f1b", "gpipe"):
-        return f"schedule {plan.schedule} (Bi-Partition runs under 1f1b or gpipe only)"
-    if plan.replicas > 1:
-        return f"{plan.replicas} replicas per stage (Bi-Partition needs replicas 1)"
-    if plan.virtual_stages > 1 or len({s.device for s in plan.stages}) != len(plan.stages):
-        return "a device holding more than one stage"
-    if plan.microbatch_sizes:
-        return "unequal micro-batches"
-    if any(s.recompute for s in plan.stages):
-        return "stages that recompute their activations"
-    if plan.activation_balancing:
-        return "activation balancing (BPipe moves the stages' saved tensors itself)"
-    if plan.fpga_stages():
-        return "FPGA stages (inference-only, one-tensor boundaries)"
-    if len(plan.stages) < 2:
-        return "one stage (no pipeline)"
-    if plan.split_layers:
-        return "split layers (the runtime cuts Bi-Partition pieces from unsplit layers)"
-    tied = _tied_across(plan, shared_weights(graph)) if graph is not None else None
-    if tied is not None:
-        return f"tied weights in different stages ({tied})"
-    return None
 
 
 def _tensor_only(value: Any) -> bool:
@@ -295,35 +267,26 @@ def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, uni
         "tail_s": list(costs.tail_s or [])}
 
 
-def check_plan(graph: AnnotatedGraph, plan: Plan) -> None:
-    """A PipeccError (one line) for a Bi-Partition plan the runtime cannot execute (module
-    docstring). `pipecc plan` never makes one; an edited plan.json can."""
-    if plan.bipartition_mode not in ("", "ship", "recompute"):
-        raise PipeccError(f"plan: bipartition_mode {plan.bipartition_mode!r} is not one of "
-                          "'', 'ship', 'recompute'; re-plan with --bipartition off|auto")
-    if not plan.is_bipartition() or plan.schedule == "inference":
-        return  # an inference folder runs the forward ranges (contract); nothing to refuse
-    if plan.bipartition_mode == "recompute":
-        raise PipeccError("plan: bipartition_mode 'recompute' is only costed, the runtime ships "
-                          "stashes; re-plan with --bipartition auto (mode ship) or off")
-    if plan.bipartition_mode != "ship":
-        raise PipeccError("plan: stages have separate backward ranges but bipartition_mode is "
-                          "empty; set it to 'ship' or re-plan with --bipartition auto")
-    why = why_not(plan, graph)
-    if why is not None:
-        raise PipeccError(f"plan: separate forward/backward cuts cannot run with {why}; "
-                          "re-plan with --bipartition off")
-    pieces = plan.bipartition_pieces()
+def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
+    """The part of Bi-Partition's rule that needs the graph (`pipecc.ir.techniques.bipartition`
+    has the rest), or None: tied weights in different pieces, and in a segment (forward and
+    backward on different workers) the model's last node (the loss) or a `segment_blockers`
+    node. Before the search (no separate cuts yet) only the tied weights can refuse."""
+    tied = _tied_across(plan, shared_weights(graph))
+    if tied is not None:
+        return f"separate forward/backward cuts (Bi-Partition) with tied weights in different stages ({tied}); re-plan"
+    if not techniques.bipartition.uses(plan):
+        return None
     blockers = segment_blockers(graph)
-    last = plan.stages[-1].nodes[-1] if plan.stages[-1].nodes else None
-    for kind, fp, bp, nodes in pieces:
+    last = plan.stages[-1].nodes[-1] if plan.stages and plan.stages[-1].nodes else None
+    for kind, fp, bp, nodes in plan.bipartition_pieces():
         if kind != "segment":
             continue
         for n in nodes:
             if n == last:
-                raise PipeccError(f"plan: the last node {n} (the loss) runs forward on stage "
-                                  f"{fp} and backward on stage {bp}; re-plan")
+                return (f"plan: the last node {n} (the loss) runs forward on stage {fp} and backward on "
+                        f"stage {bp}; re-plan")
             if n in blockers:
-                raise PipeccError(f"plan: node {n} ({blockers[n]}) runs forward on stage {fp} "
-                                  f"and backward on stage {bp}, which the runtime cannot do; "
-                                  "re-plan with --bipartition auto or off")
+                return (f"plan: node {n} ({blockers[n]}) runs forward on stage {fp} and backward on stage "
+                        f"{bp}, which the runtime cannot do; re-plan with --bipartition auto or off")
+    return None

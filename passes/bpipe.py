@@ -23,9 +23,10 @@ n_s - 1 frees anything, so the pair stays idle (None). The partitioner takes eac
 count from the generated schedule assuming A_partner ≈ A_own (2.10 item 3, v1); the simulator
 then checks the exact bytes, an acceptor holding its evictor's stashes.
 
-Scope v1 (anything else is not considered by "auto" and refused with "on"): training, schedule
-1f1b, replicas 1, equal micro-batches, no FPGA device, no `--recompute full`. `refusal(plan)`
-says why a (possibly hand-edited) plan with `activation_balancing` cannot run.
+Scope (anything else is not considered by "auto" and refused with "on"): BPipe's rule,
+`pipecc.ir.techniques.bpipe.requires` (training, 1f1b, one stage per device, replicas 1, equal
+micro-batches, devices that keep an autograd stash, no `--recompute full`), asked here on a
+sketch of the options (`_sketch`) and by the verifier, compile and `pipecc run` on the plan.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import math
 from typing import Any, Sequence
 
 from pipecc.errors import PipeccError, UsageError
+from pipecc.ir import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.registry import schedule_for
@@ -52,23 +54,15 @@ EPSILON = 0.02
 POLICY = "jit"  # PAPERS-SPEC.md 2.4: fewer transfers than "eager" when stages overflow by little
 
 
-def scope(bal: Balancer) -> str | None:
-    """Why BPipe cannot be considered with these options and devices, or None."""
+def _sketch(bal: Balancer) -> Plan:
+    """The plans the search would make, as BPipe's rule reads them (1f1b, one stage per device,
+    every stage recomputing under `--recompute full`): `pipecc.ir.techniques.bpipe.requires`
+    asks it before any candidate exists."""
     opt = bal.opt
-    if not opt.training:
-        return "a forward-only plan stashes no activations"
-    if opt.schedule not in ("auto", "1f1b"):
-        return f"--schedule {opt.schedule}: BPipe pairs stages under 1F1B only (use --schedule 1f1b)"
-    if opt.replicas not in (1, "auto"):
-        return f"--replicas {opt.replicas}: BPipe pairs single devices (use --replicas 1)"
-    fpgas = [f"{d} ({dev.name})" for d, dev in enumerate(bal.cluster.devices) if dev.kind == "fpga"]
-    if fpgas:
-        return f"FPGA device {fpgas[0]} keeps no autograd stash to move"
-    if opt.recompute == "full":
-        return "--recompute full keeps only each stage's inputs; BPipe replaces recomputation"
-    if bal.p < 2:
-        return "one device has no partner"
-    return None
+    return techniques.sketch(schedule="1f1b" if opt.schedule == "auto" else opt.schedule,
+                             devices=bal.cluster.devices, training=opt.training,
+                             replicas=1 if opt.replicas == "auto" else int(opt.replicas),
+                             recompute=opt.recompute == "full")
 
 
 def check(bal: Balancer) -> None:
@@ -76,9 +70,9 @@ def check(bal: Balancer) -> None:
     mode = bal.opt.activation_balancing
     if mode not in MODES:
         raise UsageError(f"--activation-balancing {mode!r}: choose auto, on or off")
-    why = scope(bal) if mode == "on" else None
+    why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED) if mode == "on" else None
     if why is not None:
-        raise UsageError(f"--activation-balancing on: {why}; or use --activation-balancing auto")
+        raise UsageError(f"--activation-balancing on: {why}")
 
 
 def thresholds(static: Sequence[float], act: Sequence[float], p: int, m: int,
@@ -228,7 +222,7 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
     bal.estimate = {}
     if mode == "off":
         return results, []
-    why = scope(bal)
+    why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED)
     if why is not None:
         bal.estimate = {"used": False, "reason": why}
         return results, [f"BPipe (activation balancing) not considered: {why}"]
@@ -296,55 +290,3 @@ def plan_fields(cand: _Candidate) -> list[dict[str, Any]]:
     p = len(ks)
     return [{"evictor": s, "acceptor": p - 1 - s, "threshold": int(k), "policy": POLICY}
             for s, k in enumerate(ks) if k is not None]
-
-
-def refusal(plan: Plan) -> str | None:
-    """Why `plan`'s activation balancing cannot run (one line), or None (also without BPipe).
-    For compile: a hand-edited plan out of scope is refused, never run wrong."""
-    pairs = plan.activation_balancing
-    if not pairs:
-        return None
-    p = len(plan.stages)
-    if plan.schedule != "1f1b":
-        return f"activation balancing (BPipe) runs under 1f1b only, the plan's schedule is {plan.schedule}"
-    if plan.virtual_stages != 1 or plan.replicas != 1:
-        return "activation balancing (BPipe) needs one stage per device (virtual_stages 1, replicas 1)"
-    if plan.microbatch_sizes is not None:
-        return "activation balancing (BPipe) needs equal micro-batches (microbatch_sizes is set)"
-    if not plan.options.get("training", True):
-        return "activation balancing (BPipe) in a forward-only plan"
-    if plan.fpga_stages():
-        return f"activation balancing (BPipe) with FPGA stage {min(plan.fpga_stages())}"
-    if any(s.recompute for s in plan.stages):
-        return "activation balancing (BPipe) with recomputing stages"
-    if plan.is_bipartition():
-        return "activation balancing (BPipe) with separate forward/backward cuts (Bi-Partition)"
-    seen: set[int] = set()
-    for pair in pairs:
-        try:
-            s, a, k = int(pair["evictor"]), int(pair["acceptor"]), int(pair["threshold"])
-        except (KeyError, TypeError, ValueError):
-            return f"activation_balancing entry {pair!r} needs integer evictor, acceptor and threshold"
-        if a != p - 1 - s or not 0 <= s < p // 2:
-            return (f"odd BPipe pairing ({s}, {a}): pairs are (s, p-1-s) with s < p//2 "
-                    f"(p = {p})")
-        if s in seen:
-            return f"stage {s} appears in two BPipe pairs"
-        seen.add(s)
-        if not 1 <= k <= p - s:
-            return f"BPipe threshold {k} of stage {s} is out of range 1..{p - s}"
-        if pair.get("policy", POLICY) not in BPIPE_POLICIES:
-            return f"BPipe policy {pair.get('policy')!r}: choose {' or '.join(BPIPE_POLICIES)}"
-    return None
-
-
-def check_plan(plan: Plan, *, in_process: bool = False) -> None:
-    """PipeccError (one line) for a plan whose BPipe the runtime cannot run (`refusal`), or any
-    BPipe in the one-process drop-in module (`in_process`: no partner to move stashes to)."""
-    if in_process and plan.activation_balancing:
-        raise PipeccError("the drop-in module runs every stage in one process: activation "
-                          "balancing (BPipe) runs with `pipecc compile` and `pipecc run`; plan "
-                          "with activation_balancing='off'")
-    why = refusal(plan)
-    if why is not None:
-        raise PipeccError(f"{why}; plan again without it (--activation-balancing off) or fix the plan")

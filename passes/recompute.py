@@ -19,10 +19,11 @@ Modes (`PlanOptions.recompute`):
     which stages recompute and why ("stage 2 recomputes its activations: 41.2 GB > 36 GB
     without").
 
-Refused (one line): recomputation in a forward-only plan (nothing to recompute for), "full"
-with an FPGA device (its stages are dataflow hardware without a torch forward to re-run; "auto"
-never picks them) and "full" on a model with BatchNorm in training mode (recomputing updates
-its running statistics a second time; "auto" never picks a stage that holds one).
+Refused (one line): what `pipecc.ir.techniques.recompute.requires` refuses (recomputation in a
+forward-only plan; "full" on a device that cannot recompute, an FPGA card's dataflow hardware:
+"auto" never picks those, `caps.RECOMPUTE`) and, needing the graph (`graph_requires`), "full"
+on a model with BatchNorm in training mode (recomputing updates its running statistics a second
+time; "auto" never picks a stage that holds one).
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ import dataclasses
 from typing import Any, Sequence
 
 from pipecc.errors import UsageError
+from pipecc.ir import techniques
 from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
 from pipecc.ir.schedule.registry import VIRTUAL
+from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
 from pipecc.passes.replicas import slice_size
 
@@ -68,21 +72,34 @@ def check(bal: Balancer) -> None:
         raise UsageError(f"--recompute {mode!r}: choose none, full or auto")
     if mode == "none":
         return
-    if not bal.opt.training:
-        raise UsageError(f"--recompute {mode} with --inference: a forward-only plan has no backward "
-                         "pass to recompute activations for; drop --recompute")
+    # "auto" recomputes only stages whose devices can, so only its forward-only rule applies
+    draft = techniques.sketch(schedule="1f1b", devices=bal.cluster.devices, recompute=True,
+                              training=bal.opt.training)
+    caps = techniques.COMPILED if mode == "full" else techniques.Capabilities(kinds={})
+    why = techniques.recompute.requires(draft, caps)
+    if why is not None:
+        raise UsageError(f"--recompute {mode}: {why}")
     if mode != "full":
         return
-    fpgas = [f"{d} ({dev.name})" for d, dev in enumerate(bal.cluster.devices) if dev.kind == "fpga"]
-    if fpgas:
-        raise UsageError(f"--recompute full: FPGA device {', '.join(fpgas)} cannot recompute "
-                         "activations (its stage is dataflow hardware, not a torch forward); use "
-                         "--recompute auto, which recomputes only CPU/GPU stages")
     bn = training_batchnorm_names(bal.graph)
     if bn:
         raise UsageError(f"--recompute full: BatchNorm {bn[0]} in training mode would update its "
                          "running statistics twice when its stage recomputes; use --recompute "
                          "auto, which recomputes only stages without BatchNorm")
+
+
+def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
+    """The part of recomputation's rule that needs the graph (`pipecc.ir.techniques.recompute`
+    has the rest): a recomputed stage holding BatchNorm in training mode would update its
+    running statistics twice. None when no such stage."""
+    marked = [s for s in plan.stages if s.recompute]
+    bn = set(training_batchnorm_names(graph)) if marked else set()
+    for s in marked:
+        held = [n for n in s.nodes if n in bn]
+        if held:
+            return (f"stage {s.index} recomputes activations but holds BatchNorm {held[0]} in training mode, "
+                    "whose running statistics would be updated twice; plan with --recompute auto or none")
+    return None
 
 
 def evaluate_candidate(bal: Balancer, schedule: str, m: int, d: int = 1) -> _Candidate:
@@ -143,11 +160,11 @@ def _auto(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> _Candidat
 
 
 def _allowed(bal: Balancer, n: int, order: Sequence[int], d: int = 1) -> list[bool]:
-    """Stages that may recompute: on a CPU/GPU (FPGA stages are hardware dataflow; replica
-    groups, d > 1, never hold one)."""
+    """Stages that may recompute: on a device that can (`caps.RECOMPUTE`: not an FPGA card's
+    dataflow hardware; replica groups, d > 1, never hold one)."""
     if d > 1:
         return [True] * n
-    return [bal.cluster.devices[order[k % bal.p]].kind != "fpga" for k in range(n)]
+    return [bal.cluster.devices[order[k % bal.p]].can(caps.RECOMPUTE) for k in range(n)]
 
 
 def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> list[bool]:

@@ -40,6 +40,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipecc.errors import UsageError
+from pipecc.ir import techniques
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes.partition import PartitionProblem
 from pipecc.passes.units import Units
 from pipecc.targets.hardware import Link
@@ -52,8 +54,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_requested(requested: int | str, n: int, fpga: Sequence[str]) -> None:
-    """One-line UsageErrors for a `--replicas N` the devices cannot take."""
+def check_requested(requested: int | str, n: int, devices: Sequence[Any]) -> None:
+    """One-line UsageErrors for a `--replicas N` the devices cannot take (the replica groups'
+    rule, `pipecc.ir.techniques.replicas.requires`, on the groups N would make)."""
     if requested == "auto":
         return
     d = int(requested)
@@ -62,9 +65,10 @@ def check_requested(requested: int | str, n: int, fpga: Sequence[str]) -> None:
     if n % d:
         raise UsageError(f"--replicas {d} does not divide the {n} devices; use a divisor of "
                          f"{n}: {', '.join(map(str, divisors(n)))}")
-    if d > 1 and fpga:
-        raise UsageError(f"--replicas {d}: FPGA devices are never replicated ({fpga[0]} in "
-                         "--devices); use --replicas 1 or leave the FPGA out")
+    why = techniques.replicas.requires(techniques.sketch(schedule="1f1b", devices=devices, replicas=d),
+                                       techniques.COMPILED)
+    if why is not None:
+        raise UsageError(f"--replicas {d}: {why}")
 
 
 def check_slices(requested: int | str, batch: int, ms: Sequence[int]) -> None:
@@ -87,10 +91,11 @@ def slice_size(mb: int, d: int) -> int:
     return -(-mb // d)
 
 
-def allowed(requested: int | str, n: int, mb: int, has_fpga: bool) -> list[int]:
-    """The degrees a plan with micro-batch size mb may use (module docstring)."""
+def allowed(requested: int | str, n: int, mb: int, unreplicable: bool) -> list[int]:
+    """The degrees a plan with micro-batch size mb may use (module docstring); `unreplicable`:
+    some device cannot join a replica group (`caps.REPLICATE`: an FPGA card)."""
     ds = divisors(n) if requested == "auto" else [int(requested)]
-    return [d for d in ds if d <= mb and not (d > 1 and has_fpga)]
+    return [d for d in ds if d <= mb and not (d > 1 and unreplicable)]
 
 
 def groups(order: Sequence[int], d: int) -> list[list[int]]:
@@ -194,15 +199,16 @@ def decisions(bal: Any, cand: Any) -> list[str]:
     out = [f"{shape(d)}: predicted {cand.timeline.iteration_s:.4g} s per iteration"
            + (" vs " + ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + others[-1]
               if others else "")]
-    if d == 1 and any(dev.kind == "fpga" for dev in bal.cluster.devices):
+    if d == 1 and not all(dev.can(caps.REPLICATE) for dev in bal.cluster.devices):
         out.append("replicas 1: FPGA devices are never replicated")
     return out + order_note
 
 
 def without_fpgas(cluster: Any) -> tuple[Any, list[int]]:
-    """The cluster of `cluster`'s devices other than FPGA cards (same links), and their indices."""
+    """The cluster of `cluster`'s devices that can train (`caps.BACKWARD`: all but FPGA cards;
+    same links), and their indices."""
     from pipecc.targets.hardware import Cluster
-    keep = [i for i, d in enumerate(cluster.devices) if d.kind != "fpga"]
+    keep = [i for i, d in enumerate(cluster.devices) if d.can(caps.BACKWARD)]
     return (Cluster(devices=tuple(cluster.devices[i] for i in keep),
                     links=tuple(tuple(cluster.links[i][j] for j in keep) for i in keep)), keep)
 

@@ -12,9 +12,10 @@ unprofiled device each node adds LAUNCH_S per forward call and twice that per ba
 same in compute and UMPIPE would only ever trade fill/drain against link latency. A profiled
 device's curves already carry their measured overhead `a`, so nothing is added there.
 
-Where UMPIPE applies: a training plan under GPipe row order, one stage per device, no replica
-groups, no recomputing stage, no FPGA stage (the runtime's and the recurrence's scope); `auto`
-says in the plan's decisions why it did not try otherwise, an explicit list is refused.
+Where UMPIPE applies is its rule, `pipecc.ir.techniques.umpipe.requires` (a training plan under
+GPipe row order, one stage per device, no replica groups, no recomputing stage, devices that take
+chunks of different sizes: the runtime's and the recurrence's scope); `auto` says in the plan's
+decisions why it did not try otherwise, an explicit list is refused.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from pipecc.errors import UsageError
+from pipecc.ir import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes import umpipe
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.simulate import simulate
 
-__all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "why_not"]
+__all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "base_options"]
 
 # Seconds per kernel call added per node on an unprofiled device (module docstring).
 # gpu: 5 us, "a few microseconds" of launch overhead per CUDA kernel (NVIDIA Technical Blog,
@@ -61,25 +63,6 @@ def check_given(sizes: Sequence[int], batch: int) -> None:
                          "least 1")
     if sum(sizes) != batch:
         raise UsageError(f"--microbatch-sizes {text} sums to {sum(sizes)}, not the batch size {batch}")
-
-
-def why_not(plan: Plan) -> str | None:
-    """Why `plan` cannot take unequal micro-batches, or None when it can."""
-    if not plan.options.get("training", True):
-        return "an inference plan (unequal micro-batches are a training schedule)"
-    if plan.schedule != "gpipe":
-        return f"schedule {plan.schedule} (unequal micro-batches run under gpipe only)"
-    if plan.replicas > 1:
-        return f"{plan.replicas} replicas per stage (unequal micro-batches need replicas 1)"
-    if plan.virtual_stages > 1 or len({s.device for s in plan.stages}) != len(plan.stages):
-        return "a device holding more than one stage"
-    if any(s.recompute for s in plan.stages):
-        return "stages that recompute their activations"
-    if plan.fpga_stages():
-        return "FPGA stages (their generated kernels have a fixed batch)"
-    if len(plan.stages) < 2:
-        return "one stage (no pipeline)"
-    return None
 
 
 def _unit_bounds(units: Any, plan: Plan) -> list[int]:
@@ -209,13 +192,12 @@ def base_options(sizes: Any, schedule: str, replicas: int | str, microbatches: i
     one-line usage errors for what cannot take it."""
     text = ",".join(map(str, sizes))
     check_given(sizes, batch)
-    if not training:
-        raise UsageError(f"--microbatch-sizes {text} needs a training plan (not --inference)")
-    if schedule not in ("auto", "gpipe"):
-        raise UsageError(f"--microbatch-sizes {text} runs under --schedule gpipe only, not "
-                         f"{schedule}; drop --schedule or use --microbatch-sizes equal")
-    if replicas not in ("auto", 1):
-        raise UsageError(f"--microbatch-sizes {text} needs --replicas 1, not {replicas}")
+    # NOTE: the devices are not known yet (the driver asks again on the chosen plan)
+    draft = techniques.sketch(schedule="gpipe" if schedule == "auto" else schedule, devices=[{}, {}],
+                              training=training, replicas=1 if replicas == "auto" else int(replicas))
+    why = techniques.umpipe.requires(draft, techniques.COMPILED)
+    if why is not None:
+        raise UsageError(f"--microbatch-sizes {text}: {why}")
     if microbatches not in ("auto", len(sizes)):
         raise UsageError(f"--microbatches {microbatches} conflicts with --microbatch-sizes {text} "
                          f"({len(sizes)} sizes); give one of them")

@@ -48,10 +48,12 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.frontend import torch_capture
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
+from pipecc.ir import techniques
 from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
                              AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
 
 if TYPE_CHECKING:  # the backends load only when a compile needs them
@@ -326,12 +328,11 @@ def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: f
     from pipecc.passes import split_search, umpipe_plan
     from pipecc.passes.balance import Balancer
     assert state.plan is not None and state.graph is not None
-    why = umpipe_plan.why_not(state.plan)
+    why = techniques.umpipe.requires(state.plan, techniques.COMPILED)
     if why is not None:
         if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
-            raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))} cannot be used with "
-                             f"{why}; use --microbatch-sizes equal")
-        state.plan.decisions.append(f"unequal micro-batches (UMPIPE) not tried: {why}")
+            raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))}: {why}")
+        state.plan.decisions.append(f"UMPIPE not tried: {why}")
         return
     balancer = Balancer(state.graph, cluster, options,
                         splittable=split_search.splittable_names(state.graph))
@@ -354,7 +355,7 @@ def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster:
         base, g = chosen, state.graph
         bal = balancer if g is graph else Balancer(g, cluster, options,
                                                    splittable=split_search.splittable_names(g))
-    why = bipartition_plan.why_not(base, g)
+    why = techniques.bipartition.requires(base, techniques.COMPILED) or bipartition_plan.graph_requires(g, base)
     if why is not None:
         chosen.decisions.append(f"Bi-Partition not tried: {why}")
         return
@@ -461,7 +462,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
         steps.append(Step("bipartition", partial(_bipartition, balancer=balancer, graph=graph,
                                                  cluster=cluster, options=options),
                           "searching separate forward/backward cuts"))
-    fpgas = [d for d in cluster.devices if d.kind == "fpga"]
+    fpgas = [d for d in cluster.devices if not d.can(caps.BACKWARD)]  # the FPGA cards: no backward pass
     if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and profile is None):
         state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
@@ -576,41 +577,34 @@ def _batch_statistics_now(graph: AnnotatedGraph, name: str) -> bool:
     return bool(module.training or getattr(module, "running_mean", None) is None)
 
 
-def check_recompute(graph: AnnotatedGraph, plan: Plan) -> None:
-    """A PipeccError (one line) for a plan whose recomputed stage the runtime cannot run as the
-    model does: one on an FPGA card (dataflow hardware, no torch forward to re-run), one in a
-    forward-only plan, or one holding BatchNorm in training mode (recomputing it would update
-    its running statistics twice). `pipecc plan` never makes such a plan; an edited one can."""
-    from pipecc.passes.recompute import training_batchnorm_names
-    marked = [s for s in plan.stages if s.recompute]
-    if not marked:
-        return
-    if plan.schedule == "inference":
-        raise PipeccError(f"stage {marked[0].index} recomputes activations in an inference plan, "
-                          "which has no backward pass; plan it without --recompute")
-    fpga = plan.fpga_stages()
-    for s in marked:
-        if s.index in fpga:
-            raise PipeccError(f"stage {s.index} on FPGA {fpga[s.index]} cannot recompute "
-                              "activations; plan with --recompute auto or none")
-    bn = set(training_batchnorm_names(graph))
-    for s in marked:
-        held = [n for n in s.nodes if n in bn]
-        if held:
-            raise PipeccError(f"stage {s.index} recomputes activations but holds BatchNorm "
-                              f"{held[0]} in training mode, whose running statistics would be "
-                              "updated twice; plan with --recompute auto or none")
-
-
-def check_bipartition(graph: AnnotatedGraph, plan: Plan) -> None:
-    """A PipeccError (one line) for separate forward/backward cuts the runtime cannot run
-    (`passes.bipartition_plan.check_plan`); nothing for a plan without them. (The one-process
-    drop-in module runs the forward ranges as stages and lets autograd run every backward in
+def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capabilities) -> None:
+    """A PipeccError (one line) for a plan a technique's rule refuses on these capabilities
+    (`pipecc.ir.techniques.requires`: BPipe, UMPIPE, Bi-Partition, recomputation, replica
+    groups, zero-bubble; `pipecc plan` never makes one, an edited plan.json can), then the
+    rules that need the graph (BatchNorm in a recomputed stage or a Bi-Partition segment, tied
+    weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
+    module runs Bi-Partition's forward ranges as stages and lets autograd run every backward in
     place: the same numbers, no messages to ship.)"""
-    if not plan.bipartition_mode and not plan.is_bipartition():
-        return
-    from pipecc.passes.bipartition_plan import check_plan
-    check_plan(graph, plan)
+    from pipecc.passes import bipartition_plan, recompute
+    from pipecc.runtime.replicas import replica_problem
+    why = techniques.requires(plan, capabilities) or recompute.graph_requires(graph, plan)
+    if why is None and techniques.bipartition.uses(plan):
+        why = bipartition_plan.graph_requires(graph, plan)
+    if why is None and isinstance(plan.replicas, int):
+        why = replica_problem(plan.batch_size, plan.microbatches, plan.replicas)
+        why = why and why.replace("use --microbatches", "plan with --microbatches")
+    if why is not None:
+        raise PipeccError(why)
+
+
+def capabilities_of(backends: Sequence[Backend], in_process: bool = False) -> caps.Capabilities:
+    """What every one of `backends` executes (their compiled folders', or with `in_process`
+    their drop-in modules')."""
+    run = frozenset(caps.ALL)
+    for b in backends:
+        run &= b.module_capabilities if in_process else b.capabilities
+    return caps.DROP_IN if in_process and run == caps.IN_PROCESS else (
+        caps.COMPILED if run == caps.COMPILED_FOLDER else caps.Capabilities(runtime=run))
 
 
 def _trainable(graph: AnnotatedGraph) -> bool:
@@ -656,10 +650,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
         raise PipeccError("the model has no trainable parameters, so a training pipeline has "
                           "nothing to train (`pipecc run` would fail): compile it with "
                           "--inference for a forward-only pipeline")
-    check_recompute(graph, plan)
-    check_bipartition(graph, plan)
-    from pipecc.passes.bpipe import check_plan
-    check_plan(plan)
+    check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
@@ -684,10 +675,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     over several micro-batches: a warning (`warnings.warn`), or refused with
     `strict_batchnorm`; for a model in eval mode, when the module is switched to `train()`."""
     from pipecc.backends.base import Target
-    check_recompute(graph, plan)
-    check_bipartition(graph, plan)
-    from pipecc.passes.bpipe import check_plan
-    check_plan(plan, in_process=True)
+    check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)

@@ -12,6 +12,7 @@ import pytest
 from helpers import ROOT, run_cli, zoo_module
 from pipecc import cost, driver
 from pipecc.errors import PipeccError, UsageError
+from pipecc.ir import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import bpipe, one_f_one_b, validate
 from pipecc.passes import bpipe as bp
@@ -88,7 +89,7 @@ def test_memory_bound_plan_uses_bpipe(mlp, tmp_path) -> None:
     again = Plan.from_json(json.loads(p.dumps()))
     assert again.activation_balancing == p.activation_balancing and again.estimate == p.estimate
     validate(bpipe(one_f_one_b(8, 8), again.bpipe_thresholds()))
-    assert bp.refusal(again) is None
+    assert techniques.requires(again) is None
     # the report's timeline (rebuilt from the plan) is the planner's, stash transfers included
     from pipecc.report.artifacts import timeline_for
     assert timeline_for(again).iteration_s == pytest.approx(p.predicted_iteration_s, rel=1e-6)
@@ -118,10 +119,10 @@ def test_on_forces_it_and_off_never_looks(mlp, tmp_path) -> None:
 def test_out_of_scope_auto_says_why_and_on_refuses(mlp, tmp_path) -> None:
     devices = cluster(tmp_path, 40e6, n=4)
     p = plan(mlp, devices, schedule="gpipe")
-    assert "BPipe (activation balancing) not considered: --schedule gpipe: BPipe pairs stages " \
-           "under 1F1B only (use --schedule 1f1b)" in p.decisions
-    for kw, match in ((dict(schedule="gpipe"), "--schedule gpipe"),
-                      (dict(recompute="full"), "--recompute full"),
+    assert "BPipe (activation balancing) not considered: activation balancing (BPipe) pairs stages " \
+           "under the 1f1b schedule only, not gpipe: use --schedule 1f1b, or --activation-balancing off" in p.decisions
+    for kw, match in ((dict(schedule="gpipe"), "1f1b schedule only, not gpipe"),
+                      (dict(recompute="full"), "replaces recomputation"),
                       (dict(training=False), "forward-only")):
         with pytest.raises(UsageError, match=f"--activation-balancing on: .*{match}"):
             plan(mlp, devices, "on", **{"recompute": "none", **kw})
@@ -134,20 +135,18 @@ def test_refusal_of_edited_plans(mlp, tmp_path) -> None:
     def edited(**changes) -> str | None:
         data = json.loads(good.dumps())
         data.update(changes)
-        return bp.refusal(Plan.from_json(data))
+        return techniques.bpipe.requires(Plan.from_json(data), techniques.COMPILED)
     pairs = good.activation_balancing
-    assert "odd BPipe pairing (0, 2)" in edited(activation_balancing=[{**pairs[0], "acceptor": 2}])
-    assert "odd BPipe pairing (5, 2)" in edited(activation_balancing=[{"evictor": 5, "acceptor": 2,
-                                                                       "threshold": 1}])
-    assert "under 1f1b only" in edited(schedule="gpipe")
+    assert "odd pairing (0, 2)" in edited(activation_balancing=[{**pairs[0], "acceptor": 2}])
+    assert "odd pairing (5, 2)" in edited(activation_balancing=[{"evictor": 5, "acceptor": 2,
+                                                                 "threshold": 1}])
+    assert "under the 1f1b schedule only" in edited(schedule="gpipe")
     assert "out of range" in edited(activation_balancing=[{**pairs[0], "threshold": 0}])
-    assert "two BPipe pairs" in edited(activation_balancing=[pairs[0], pairs[0]])
+    assert "two pairs" in edited(activation_balancing=[pairs[0], pairs[0]])
     assert "policy" in edited(activation_balancing=[{**pairs[0], "policy": "lazy"}])
-    with pytest.raises(PipeccError, match="drop-in module"):
-        bp.check_plan(good, in_process=True)
+    assert "drop-in module" in techniques.bpipe.requires(good, techniques.DROP_IN)
     bad = Plan.from_json({**json.loads(good.dumps()), "schedule": "interleaved"})
-    with pytest.raises(PipeccError, match=r"under 1f1b only.*--activation-balancing off"):
-        bp.check_plan(bad)
+    assert re.search(r"under the 1f1b schedule only.*--activation-balancing off", techniques.requires(bad))
 
 
 # ---------------------------------------------------------------------------- flash attention
@@ -179,7 +178,8 @@ def test_cli_flags_and_one_line_errors(capsys) -> None:
             "--no-split-layers"]
     code, out, err = run_cli([*base, "--schedule", "gpipe", "--activation-balancing", "on"], capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("pipecc: error: --activation-balancing on: --schedule gpipe"), err
+    assert err.startswith("pipecc: error: --activation-balancing on: activation balancing (BPipe) pairs stages "
+                          "under the 1f1b schedule only, not gpipe"), err
     code, out, err = run_cli([*base, "--activation-balancing", "sometimes"], capsys)
     assert code == 2 and "--activation-balancing" in err and err.count("\n") == 1
     code, out, err = run_cli([*base, "--microbatch-sizes", "2,6", "--activation-balancing", "on"], capsys)

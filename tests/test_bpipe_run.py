@@ -251,11 +251,11 @@ def test_schedule_from_the_folders_pairs() -> None:
 
 @pytest.mark.parametrize("kind, pairs, error", [
     ("gpipe", PAIRS, "runs under the 1f1b schedule with one stage per rank, not schedule 'gpipe'"),
-    ("1f1b", [dict(PAIRS[0], acceptor=2)], "pairs stage 0 with stage 2; BPipe pairs stage s with stage 3"),
-    ("1f1b", [dict(PAIRS[1], evictor=2, acceptor=2)], "pairs stage 2 with stage 2"),
-    ("1f1b", [PAIRS[0], PAIRS[0]], "lists evictor stage 0 twice"),
-    ("1f1b", [dict(PAIRS[0], threshold=0)], "threshold is 0, it must be an integer >= 1"),
-    ("1f1b", [PAIRS[0], dict(PAIRS[1], policy="eager")], "mixes return policies"),
+    ("1f1b", [dict(PAIRS[0], acceptor=2)], "odd pairing (0, 2), pairs are (s, p-1-s) with s < p//2 (p = 4)"),
+    ("1f1b", [dict(PAIRS[1], evictor=2, acceptor=2)], "odd pairing (2, 2)"),
+    ("1f1b", [PAIRS[0], PAIRS[0]], "stage 0 appears in two pairs"),
+    ("1f1b", [dict(PAIRS[0], threshold=0)], "threshold 0 of stage 0 is out of range 1..4"),
+    ("1f1b", [PAIRS[0], dict(PAIRS[1], policy="eager")], "mix return policies"),
 ])
 def test_schedule_refuses_bad_pairs(kind: str, pairs: list[dict], error: str) -> None:
     from pipecc.runtime.engine import build_schedule
@@ -379,9 +379,9 @@ def test_nccl_like_wire_verifies(bpipe_out: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--schedule", "gpipe"], "--schedule gpipe: this folder balances activation memory between stages (0->3, 1->2, "
-                              "BPipe), which runs under 1f1b only; drop --schedule"),
-    (["--schedule", "zb-h1"], "--schedule zb-h1: this folder balances activation memory"),
+    (["--schedule", "gpipe"], "--schedule gpipe: activation balancing (BPipe) pairs stages under the 1f1b schedule "
+                              "only, not gpipe: use --schedule 1f1b, or --activation-balancing off (or drop --schedule)"),
+    (["--schedule", "zb-h1"], "--schedule zb-h1: activation balancing (BPipe) pairs stages under the 1f1b schedule"),
 ])
 def test_run_refuses_other_schedules(bpipe_out: Path, capsys, flags: list[str], error: str) -> None:
     from helpers import run_cli
@@ -401,27 +401,27 @@ def test_one_process_runs_the_folder_without_balancing(bpipe_out: Path, capsys) 
 
 
 @pytest.mark.parametrize("change, error", [
-    ({"schedule": "gpipe"}, "activation balancing (BPipe) runs under the 1f1b schedule only, the plan says 'gpipe'"),
-    ({"schedule": "inference"}, "runs under the 1f1b schedule only, the plan says 'inference'"),
-    ({"virtual_stages": 2}, "cannot run with 2 virtual stages per rank"),
-    ({"replicas": 2}, "cannot run with replicas 2"),
-    ({"microbatch_sizes": [[1, 3, 4]] * 4}, "cannot run with unequal micro-batch sizes"),
-    ({"activation_balancing": [dict(PAIRS[0], acceptor=2)]}, "pairs stage 0 with stage 2"),
-    ({"activation_balancing": [dict(PAIRS[0], evictor=3, acceptor=0)]}, "pairs stage 3 with stage 0"),
-    ({"activation_balancing": [dict(PAIRS[0], threshold=-1)]}, "threshold is -1"),
-    ({"activation_balancing": [dict(PAIRS[0], policy="lazy")]}, "activation balancing"),
+    ({"schedule": "gpipe"}, "activation balancing (BPipe) pairs stages under the 1f1b schedule only, not gpipe"),
+    ({"schedule": "inference"}, "activation balancing (BPipe) needs a training plan"),
+    ({"virtual_stages": 2}, "needs one stage per device, not 2"),
+    ({"replicas": 2}, "pairs single devices, not replica groups of 2"),
+    ({"microbatch_sizes": [[1, 3, 4]] * 4}, "needs equal micro-batches"),
+    ({"activation_balancing": [dict(PAIRS[0], acceptor=2)]}, "odd pairing (0, 2)"),
+    ({"activation_balancing": [dict(PAIRS[0], evictor=3, acceptor=0)]}, "odd pairing (3, 0)"),
+    ({"activation_balancing": [dict(PAIRS[0], threshold=-1)]}, "threshold -1 of stage 0 is out of range"),
+    ({"activation_balancing": [dict(PAIRS[0], policy="lazy")]}, "policy 'lazy'"),
 ])
-def test_compile_refuses_what_cannot_run(gpt_plan, change: dict, error: str) -> None:
+def test_bpipe_rule_refuses_what_cannot_run(gpt_plan, change: dict, error: str) -> None:
+    """BPipe's rule (`pipecc.ir.techniques.bpipe.requires`) on edited plans: one line each; the
+    folder's record of a plan without pairs is []."""
     import dataclasses
 
     from pipecc.backends.torch.compile import check_activation_balancing
+    from pipecc.ir import techniques
     analysis, plan, graph = gpt_plan
     bad = dataclasses.replace(plan, **{"activation_balancing": PAIRS, **change})
-    sizes = bad.microbatch_sizes and [list(r) for r in bad.microbatch_sizes]
-    with pytest.raises(PipeccError) as caught:
-        check_activation_balancing(bad, sizes)
-    message = str(caught.value)
-    assert error in message and "\n" not in message and caught.value.exit_code == 1
+    message = techniques.bpipe.requires(bad, techniques.COMPILED)
+    assert message is not None and error in message and "\n" not in message
     assert check_activation_balancing(dataclasses.replace(plan, activation_balancing=[])) == []
 
 
@@ -439,6 +439,5 @@ def test_cli_compile_refusal_is_one_line_and_writes_nothing(gpt_plan, tmp_path: 
     code, _, err = run_cli(["compile", str(ROOT / "models" / "gpt.py"), "-d", "4xcpu", "--replicas", "1",
                             "-o", str(out), "-q"], capsys)
     assert code == 1 and err.count("\n") == 1
-    # NOTE: the driver's check (passes.bpipe) or the backend's (check_activation_balancing), whichever runs first
-    assert err.startswith("pipecc: error: activation balancing (BPipe) runs under") and "1f1b" in err
+    assert err.startswith("pipecc: error: activation balancing (BPipe) pairs stages under the 1f1b schedule only")
     assert not out.exists() and not list(tmp_path.iterdir())

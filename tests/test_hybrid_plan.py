@@ -224,7 +224,7 @@ def test_verify_plan_checks_groups(mlp):
     with pytest.raises(IRError, match="belongs on rank 1: devices \\[2, 3\\]"):
         verify_plan(mlp.graph, bad)
     bad = dataclasses.replace(plan, replicas=3)
-    with pytest.raises(IRError, match="positive divisor of its 4 devices"):
+    with pytest.raises(IRError, match="positive divisor of the plan's 4 devices"):
         verify_plan(mlp.graph, bad)
     plain, _ = driver.plan(mlp, "4xa100", split_layers=False)
     plain.stages[0].replica_devices = [0, 1]
@@ -288,7 +288,7 @@ BAD = [
      "replicas; use fewer replicas or a larger batch"),
     (["--devices", "2xa100", "-b", "4", "-m", "4", "--replicas", "2"],
      "a micro-batch of 1 splits over at most 1 replica;"),
-    (["--devices", "a100,u250", "--replicas", "2"], "FPGA devices are never replicated"),
+    (["--devices", "a100,u250", "--replicas", "2"], "(fpga u250) is never replicated"),
     (["--devices", "2xa100", "--replicas", "0"], "--replicas: must be a positive integer"),
     (["--devices", "2xa100", "--replicas", "two"], "--replicas: expected a positive integer"),
 ]

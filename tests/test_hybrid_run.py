@@ -168,12 +168,12 @@ def test_microbatches_that_do_not_split_over_the_replicas_are_refused(pp_dp: Pat
 
 
 def test_compile_refuses_plans_the_runtime_cannot_run(tmp_path: Path) -> None:
-    from pipecc.backends.torch.compile import check_replicas
+    from pipecc.ir import techniques
     analysis, plan, graph = replicated_plan("2xcpu", 2)
-    check_replicas(plan)
+    assert techniques.replicas.requires(plan, techniques.COMPILED) is None
     plan.stages[1].replica_devices = [3, 2]
-    with pytest.raises(PipeccError, match=r"stage 1 runs on devices \[3, 2\]; with replicas 2 a stage's group"):
-        check_replicas(plan)
+    assert "stage 1 runs on device 2 with replicas [3, 2]; with 2 replicas per stage and 2 pipeline ranks it " \
+           "belongs on rank 1: devices [2, 3]" in techniques.replicas.requires(plan, techniques.COMPILED)
     plan.stages[1].replica_devices = [2, 3]
     plan.microbatches = 8
     with pytest.raises(PipeccError, match=r"a micro-batch of 1 splits over at most 1 replica; plan with "

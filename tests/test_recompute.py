@@ -202,10 +202,11 @@ def test_old_plans_load_and_the_field_round_trips(big_mlp) -> None:
 # ---------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "cpu,u250", "--recompute", "full"],
-     "--recompute full: FPGA device 1 (u250) cannot recompute activations"),
+     "--recompute full: activation recomputation: stage 1 (fpga u250) cannot recompute activations"),
     (["--devices", "2xcpu", "--recompute", "full", "--inference"],
-     "--recompute full with --inference: a forward-only plan has no backward pass"),
-    (["--devices", "2xcpu", "--recompute", "auto", "--inference"], "--recompute auto with --inference"),
+     "--recompute full: activation recomputation in a forward-only plan"),
+    (["--devices", "2xcpu", "--recompute", "auto", "--inference"],
+     "--recompute auto: activation recomputation in a forward-only plan"),
     (["--devices", "2xcpu", "--recompute", "bogus"], "argument --recompute: invalid choice: 'bogus'"),
 ])
 def test_bad_recompute_is_one_usage_line(argv, message, capsys) -> None:

@@ -199,7 +199,8 @@ def test_auto_says_why_it_was_not_tried(gpt_analysis):
     plan, _ = driver.plan(gpt_analysis, "2xa100", schedule="1f1b", replicas=1,
                           microbatch_sizes="auto", split_layers=False)
     assert plan.microbatch_sizes is None
-    assert any("UMPIPE) not tried: schedule 1f1b" in d for d in plan.decisions)
+    assert any("UMPIPE not tried: unequal micro-batches (UMPIPE) run under the gpipe schedule only, not 1f1b"
+               in d for d in plan.decisions)
 
 
 def test_equal_is_the_default(gpt_analysis):
@@ -225,10 +226,10 @@ def test_cli_given_sizes(capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--microbatch-sizes", "3,3"], "--microbatch-sizes 3,3 sums to 6, not the batch size 8"),
     (["--microbatch-sizes", "4,0,4"], "--microbatch-sizes 4,0,4 has a size of 0"),
-    (["--microbatch-sizes", "3,5", "--schedule", "1f1b"], "runs under --schedule gpipe only"),
-    (["--microbatch-sizes", "3,5", "--replicas", "2"], "needs --replicas 1, not 2"),
+    (["--microbatch-sizes", "3,5", "--schedule", "1f1b"], "run under the gpipe schedule only, not 1f1b"),
+    (["--microbatch-sizes", "3,5", "--replicas", "2"], "need replicas 1, not 2"),
     (["--microbatch-sizes", "3,5", "--microbatches", "4"], "--microbatches 4 conflicts"),
-    (["--microbatch-sizes", "3,5", "--inference"], "needs a training plan"),
+    (["--microbatch-sizes", "3,5", "--inference"], "need a training plan"),
     (["--microbatch-sizes", "x"], "expected auto, equal or sizes like 3,5"),
 ])
 def test_cli_bad_sizes_are_one_line_usage_errors(capsys, extra, message):

@@ -357,8 +357,8 @@ def test_one_process_runs_the_unequal_folder(unequal_out: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--schedule", "1f1b"], "--schedule 1f1b: this folder splits the batch unequally per stage (1 3 4 | 4 4), "
-                             "which runs under gpipe only; drop --schedule"),
+    (["--schedule", "1f1b"], "--schedule 1f1b: unequal micro-batches (UMPIPE) run under the gpipe schedule only, "
+                             "not 1f1b: use --schedule gpipe, or --microbatch-sizes equal (or drop --schedule)"),
     (["-m", "2"], "--microbatches 2: this folder splits the batch unequally per stage"),
 ])
 def test_run_refuses_overrides(unequal_out: Path, capsys, flags: list[str], error: str) -> None:
@@ -367,21 +367,25 @@ def test_run_refuses_overrides(unequal_out: Path, capsys, flags: list[str], erro
 
 
 def test_compile_refuses_what_cannot_run(mlp_plan, tmp_path: Path) -> None:
-    from backends.torch.compile import check_microbatch_sizes
+    from backends.torch.compile import marker_sizes
     from pipecc import driver
+    from pipecc.ir import techniques
     analysis, plan, graph = mlp_plan
     unequal = dataclasses.replace(plan, microbatches=3, microbatch_sizes=SIZES)
-    assert check_microbatch_sizes(unequal) == SIZES
-    assert check_microbatch_sizes(dataclasses.replace(plan, microbatch_sizes=[[4, 4], [4, 4]])) is None
-    for change, error in [
-        ({"schedule": "1f1b"}, "gpipe schedule only, the plan says '1f1b'"),
-        ({"replicas": 2}, "cannot run with replicas 2"),
+    assert marker_sizes(unequal) == SIZES and techniques.requires(unequal) is None
+    assert marker_sizes(dataclasses.replace(plan, microbatch_sizes=[[4, 4], [4, 4]])) is None
+    for change, error in [  # UMPIPE's rule
+        ({"schedule": "1f1b"}, "run under the gpipe schedule only, not 1f1b"),
+        ({"replicas": 2}, "need replicas 1, not 2"),
+    ]:
+        assert error in techniques.umpipe.requires(dataclasses.replace(unequal, **change), techniques.COMPILED)
+    for change, error in [  # what the runtime cannot slice
         ({"microbatch_sizes": [[1, 3, 3], [4, 4]]}, "stage 0 sum to 7, the batch is 8 rows"),
         ({"microbatch_sizes": [[0, 8], [4, 4]]}, "stage 0 must be positive integers"),
         ({"microbatch_sizes": [[8]]}, "lists 1 stages, the pipeline has 2"),
     ]:
         with pytest.raises(PipeccError, match=error.replace("(", r"\(").replace("'", ".")):
-            check_microbatch_sizes(dataclasses.replace(unequal, **change))
+            marker_sizes(dataclasses.replace(unequal, **change))
     with pytest.raises(PipeccError, match="gpipe schedule only"):
         driver.compile(analysis, dataclasses.replace(unequal, schedule="1f1b"), graph, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

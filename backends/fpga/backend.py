@@ -25,11 +25,16 @@ from pipecc.backends.fpga.pipeline import check_boundary, compile_fpga_stages, m
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as caps
 from pipecc.targets.fpga_model import parse_number
 
 
 class FpgaBackend(Backend):
     name = "fpga"
+    # its folder runs under `pipecc run` like the torch backend's (FPGA stages in C simulation);
+    # what an FPGA *stage* cannot do is its device kind's (`capabilities.DEVICE_KINDS["fpga"]`)
+    capabilities = caps.COMPILED_FOLDER
+    module_capabilities = caps.IN_PROCESS
 
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
         """What can be checked without writing, so a bad plan fails before any file is."""

@@ -16,22 +16,26 @@ from typing import Any, Sequence
 from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
-from pipecc.backends.torch.bipartition import check_bipartition, cut_pieces, payload_notes
-from pipecc.backends.torch.compile import check_replicas, pipelined_module
+from pipecc.backends.torch.bipartition import cut_pieces, payload_notes, pieces_of
+from pipecc.backends.torch.compile import pipelined_module
 from pipecc.backends.torch.inplace import check_in_place
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as caps
 
 
 class TorchBackend(Backend):
     name = "torch"
+    capabilities = caps.COMPILED_FOLDER  # `pipecc run`: one process per rank
+    module_capabilities = caps.IN_PROCESS  # every stage in one process: no stash moves between ranks
 
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
-        check_replicas(plan)  # PP x DP groups the runtime can execute
+        # NOTE: the techniques' scope (replicas, Bi-Partition, ...) the driver asked already
+        # (`pipecc.ir.techniques.requires` with this backend's capabilities)
         check_in_place(graph, stages)  # in-place writes to received values the stages can make
-        pieces = check_bipartition(graph, plan)  # Bi-Partition plans the runtime can execute
+        pieces = pieces_of(plan)
         if pieces:
-            cut_pieces(graph, pieces)
+            cut_pieces(graph, pieces)  # the pieces' generated code: tied weights, tensor boundaries
         return None  # every graph node has a torch form; cut_stages checked the placement
 
     def writers(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],

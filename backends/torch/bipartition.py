@@ -34,11 +34,11 @@ compares them with the plan's `extra_send_bytes` (a note beyond ±25 %, never a 
 about a second for the first segment (torch's AOTAutograd import), well under a second for each
 further segment and shape on CPU, and the segment's weights copied once more in memory.
 
-Refused in one line (`check_bipartition`), nothing written: mode "recompute" (costed only: with
-recomputation a misplaced segment's forward runs twice, never faster than the single cut at c_j,
-spec §3.2), an empty core, a segment holding the model's last node, BatchNorm (buffers training
-mutates) or a non-tensor value at its boundary; schedules other than 1f1b and gpipe, replicas,
-unequal micro-batches, FPGA stages, recomputed stages, split layers and tied weights.
+Where Bi-Partition can run is one rule (`pipecc.ir.techniques.bipartition.requires`, and the
+graph's part `passes.bipartition_plan.graph_requires`: the loss, BatchNorm or a non-tensor value
+in a segment, tied weights), asked by the driver before compile. Refused here in one line,
+nothing written, is what only the generated code shows (`cut_pieces`, `trace_segments`): tied
+weights among the cut pieces, a non-tensor or tuple boundary, a segment AOTAutograd cannot split.
 """
 
 from __future__ import annotations
@@ -49,68 +49,29 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from torch import nn
 
 from pipecc.backends.torch.codegen import generate_stage
 from pipecc.backends.torch.stages import Stage, cut_stages, port_json, ports_json
 from pipecc.errors import PipeccError
-from pipecc.ir.graph import META_NAME, AnnotatedGraph, TensorInfo
+from pipecc.ir.graph import AnnotatedGraph, TensorInfo
 from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import bipartition
 
-SCHEDULES = ("1f1b", "gpipe")
 FIX = "plan with --bipartition off"
 PAYLOAD_TOLERANCE = 0.25  # |traced - planned| / planned beyond which `payload_notes` says so
 
 
 def uses_bipartition(plan: Plan) -> bool:
-    """True when the compiled folder needs Bi-Partition workers (a training plan whose backward
-    ranges differ from its forward ranges)."""
-    return plan.schedule != "inference" and (plan.is_bipartition() or plan.bipartition_mode == "recompute")
+    """True when the compiled folder needs Bi-Partition workers (`pipecc.ir.techniques.bipartition.uses`:
+    a training plan whose backward ranges differ from its forward ranges)."""
+    return bipartition.uses(plan)
 
 
-def check_bipartition(graph: AnnotatedGraph, plan: Plan) -> list[tuple[str, int, int, list[str]]]:
-    """The plan's pieces, or a one-line PipeccError for a Bi-Partition plan the runtime cannot
-    execute (module docstring). [] for a plan without Bi-Partition."""
-    if not uses_bipartition(plan):
-        return []
-    mode = plan.bipartition_mode
-    if mode == "recompute":
-        raise PipeccError("bipartition_mode 'recompute' is costed only, the runtime ships saved tensors instead "
-                          "(with recomputation a misplaced segment's forward runs twice, never faster than the "
-                          f"single cut); {FIX} or re-plan with mode 'ship'")
-    if mode != "ship":
-        raise PipeccError(f"the plan has backward ranges unlike its forward ranges but bipartition_mode {mode!r}; "
-                          f"the runtime runs mode 'ship' only: {FIX}")
-    pieces = plan.bipartition_pieces()  # a PipeccError for an empty core or a bad cover
-    problems = [
-        (plan.schedule not in SCHEDULES, f"schedule {plan.schedule!r} (Bi-Partition runs 1f1b and gpipe only)"),
-        (plan.replicas != 1, f"replicas {plan.replicas}"),
-        (plan.microbatch_sizes is not None and len({b for row in plan.microbatch_sizes for b in row}) > 1,
-         "unequal micro-batch sizes"),
-        (bool(plan.fpga_stages()), f"an FPGA stage ({next(iter(plan.fpga_stages().values()), '')})"),
-        (any(s.recompute for s in plan.stages), "recomputed stages (--recompute)"),
-        (bool(plan.split_layers), "split layers"),
-    ]
-    for bad, what in problems:
-        if bad:
-            raise PipeccError(f"a Bi-Partition plan cannot run with {what}; {FIX}")
-    last = [n for s in plan.stages for n in s.nodes][-1]
-    modules = dict(graph.gm.named_modules())
-    by_name = {n.meta.get(META_NAME): n for n in graph.gm.graph.nodes if META_NAME in n.meta}
-    for kind, fp, bp, nodes in pieces:
-        if kind != "segment":
-            continue
-        where = f"the segment from {nodes[0]!r} (forward on stage {fp}, backward on stage {bp})"
-        if last in nodes:
-            raise PipeccError(f"{where} holds the model's last node {last!r}; {FIX}")
-        for name in nodes:
-            node = by_name.get(name)
-            target = modules.get(str(node.target)) if node is not None and node.op == "call_module" else None
-            if isinstance(target, nn.modules.batchnorm._BatchNorm) or (
-                    node is not None and "batch_norm" in str(node.target)):
-                raise PipeccError(f"{where} holds BatchNorm {name!r}, whose running statistics its forward "
-                                  f"worker's replica would update; {FIX}")
-    return pieces
+def pieces_of(plan: Plan) -> list[tuple[str, int, int, list[str]]]:
+    """The plan's pieces (`Plan.bipartition_pieces`), [] for a plan without Bi-Partition. The
+    scope was asked before (`pipecc.ir.techniques.bipartition.requires`, and the graph's part,
+    `passes.bipartition_plan.graph_requires`); what remains here is the generated code's."""
+    return plan.bipartition_pieces() if uses_bipartition(plan) else []
 
 
 def cut_pieces(graph: AnnotatedGraph, pieces: Sequence[tuple[str, int, int, list[str]]]) -> list[Stage]:

@@ -6,7 +6,7 @@
                              micro-batches, stages, "replicas" (PP x DP: devices per stage, each
                              replica loading the same stage_<i>/; `pipecc run` starts one rank
                              per device), "microbatch_sizes" (UMPIPE: one size list per stage,
-                             null for equal splits; `check_microbatch_sizes`), "bipartition"
+                             null for equal splits; `marker_sizes`), "bipartition"
                              ("ship" when the workers hold Bi-Partition segments, else "";
                              `backends.torch.bipartition`), "activation_balancing" (BPipe: the
                              plan's pairs, [] when off; `check_activation_balancing`) and the
@@ -65,7 +65,7 @@ import torch
 
 from pipecc import progress
 
-from pipecc.backends.torch.bipartition import check_bipartition, write_workers
+from pipecc.backends.torch.bipartition import pieces_of, write_workers
 from pipecc.backends.torch.bpipe import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
@@ -76,7 +76,6 @@ from pipecc.ir.plan import Plan, schedule_of
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
-from pipecc.runtime.replicas import replica_problem
 from pipecc.runtime.reslice import check_sizes
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.trust import file_sha256
@@ -159,10 +158,11 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     n = len(stages)
     if n != len(plan.stages):
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
-    check_replicas(plan)
-    sizes = check_microbatch_sizes(plan)
-    pieces = check_bipartition(graph, plan)
-    balancing = check_activation_balancing(plan, sizes)
+    # NOTE: the techniques' scope the driver asked before any stage was cut
+    # (`pipecc.ir.techniques.requires`); here only what the folder records is derived
+    sizes = marker_sizes(plan)
+    pieces = pieces_of(plan)
+    balancing = check_activation_balancing(plan)
     (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
     # NOTE: first, so that a stage calling a model-file function loads here too (segment tracing):
     # it finds the model file through the marker (pipecc.runtime.modelfuncs)
@@ -199,42 +199,10 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
             path.write_text(content, encoding="utf-8")
 
 
-def check_replicas(plan: Plan) -> None:
-    """Refuse a replicated plan (PP x DP) the runtime cannot execute (`pipecc.runtime.replicas`):
-    stage j's group must be devices j*d .. j*d+d-1 (rank = device), no FPGA stage replicated, and
-    every micro-batch must have at least d samples (equal micro-batches; the replicas' slices may
-    differ by one sample, `pipecc.runtime.replicas`)."""
-    d = plan.replicas
-    if not isinstance(d, int) or d < 1:
-        raise PipeccError(f"the plan says replicas {d!r}; it must be a positive integer")
-    groups = {s.index: plan.stage_devices(s) for s in plan.stages}
-    if d == 1:
-        bad = [i for i, g in groups.items() if len(g) != 1]
-        if bad:
-            raise PipeccError(f"stage {bad[0]} has the replica group {groups[bad[0]]} but the plan says replicas 1")
-        return
-    if len(plan.devices) % d:
-        raise PipeccError(f"replicas {d} does not divide the plan's {len(plan.devices)} devices")
-    for s in plan.stages:
-        want = list(range(s.device, s.device + d))
-        if s.device % d or groups[s.index] != want:
-            raise PipeccError(f"stage {s.index} runs on devices {groups[s.index]}; with replicas {d} a stage's group "
-                              f"must be {d} consecutive devices from a multiple of {d} (the runtime's rank order)")
-    fpga = plan.fpga_stages()
-    if fpga:
-        raise PipeccError(f"stage {min(fpga)} runs on an FPGA ({fpga[min(fpga)]}), which is never replicated; "
-                          "plan it with --replicas 1")
-    problem = replica_problem(plan.batch_size, plan.microbatches, d)
-    if problem:
-        raise PipeccError(problem.replace("use --microbatches", "plan with --microbatches"))
-
-
-def check_microbatch_sizes(plan: Plan) -> list[list[int]] | None:
+def marker_sizes(plan: Plan) -> list[list[int]] | None:
     """The plan's per-stage micro-batch sizes (UMPIPE) as `pipecc.json` records them: None when
-    absent or every stage splits the batch equally (`split_sizes`, as the runtime does
-    without sizes). Refuses what the runtime cannot execute (`pipecc.runtime.reslice`): lists
-    not one per stage of positive sizes summing to the batch, unequal sizes under a schedule
-    other than gpipe, with replicas, or with an FPGA stage (compiled for one micro-batch shape)."""
+    absent or every stage splits the batch equally (`split_sizes`, as the runtime does without
+    sizes); lists the runtime cannot slice (`pipecc.runtime.reslice.check_sizes`) refused."""
     sizes = getattr(plan, "microbatch_sizes", None)
     if sizes is None:
         return None
@@ -243,16 +211,6 @@ def check_microbatch_sizes(plan: Plan) -> list[list[int]] | None:
     if plan.microbatches <= plan.batch_size and all(
             row == split_sizes(plan.batch_size, plan.microbatches) for row in sizes):
         return None
-    if plan.schedule != "gpipe":
-        raise PipeccError(f"unequal micro-batch sizes run under the gpipe schedule only, the plan says "
-                          f"{plan.schedule!r}; plan with --schedule gpipe or --microbatch-sizes equal")
-    if plan.replicas != 1:
-        raise PipeccError(f"unequal micro-batch sizes cannot run with replicas {plan.replicas}; plan with "
-                          "--replicas 1 or --microbatch-sizes equal")
-    fpga = plan.fpga_stages()
-    if fpga:
-        raise PipeccError(f"stage {min(fpga)} runs on an FPGA ({fpga[min(fpga)]}), compiled for one micro-batch "
-                          "shape; plan with --microbatch-sizes equal")
     return sizes
 
 

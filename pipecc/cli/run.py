@@ -257,16 +257,13 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     from pipecc.runtime.stash import folder_balancing
     from pipecc.runtime.trust import model_file
 
-    if marker.get("bipartition") and isinstance(schedule, str) and schedule not in ("1f1b", "gpipe", "inference"):
-        raise UsageError(f"{args.out} is a Bi-Partition pipeline, which runs the 1f1b and gpipe schedules only; "
-                         f"give --schedule 1f1b or gpipe instead of {schedule}")
     m = args.microbatches or int(marker.get("microbatches") or 4)
     batch = int(marker.get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")
     model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
-        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.schedule, args.microbatches),
-                       folder_balancing(marker, args.schedule))
+        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.microbatches),
+                       folder_balancing(marker))
     except ValueError as e:
         shown = schedule if isinstance(schedule, str) else "(schedule.txt)"
         raise UsageError(f"--schedule {shown} with {ranks} ranks and {m} micro-batches: {e}") from None

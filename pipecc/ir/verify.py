@@ -4,7 +4,7 @@ naming the first violation: a failure is a bug in a pass, not a user error.
     verify(graph, costed=False)          fx lint; every node annotated (and costed)
     verify_plan(graph, plan)             every node placed once, stages non-empty, on valid
                                          devices and acyclic (no value flows backwards);
-                                         replica groups consistent (below)
+                                         every technique it uses admissible (below)
     verify_plan(graph, plan, stages)     and the cut stages' ports: every value crossing a
                                          cut is sent once and received once, in matching order
 
@@ -20,10 +20,10 @@ stage a..b-1 and received by every stage a+1..b. Stages and ports are read by du
 (`index`, `nodes`, `receives`, `sends`; ports' `name`, `producer`, `stage`), so the IR
 imports no backend.
 
-Replica groups (PP x DP, `Plan.replicas` = d): d divides the n devices, P = n/d pipeline
-ranks; stage k sits on rank j = k % P (the schedule's round robin: one stage per rank, v with
-interleaving), `device` = j*d and `replica_devices` = [j*d .. j*d+d-1] (global rank
-g = j*d + r); with d = 1 `replica_devices` is [] or [device]. No FPGA stage is replicated.
+Every technique the plan uses must be admissible (`pipecc.ir.techniques.requires` on a compiled
+folder's capabilities): replica groups (PP x DP: d divides the devices, stage k on rank k % P,
+its group devices j*d .. j*d+d-1), BPipe pairs, unequal micro-batches, separate forward/backward
+cuts, recomputation and zero-bubble schedules, each by its one rule.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, IRError, verify
+from pipecc.ir import techniques
 from pipecc.ir.plan import Plan
 
 __all__ = ["IRError", "verify", "verify_plan"]
@@ -45,7 +46,7 @@ def verify_plan(graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any] | None 
     """Check that `plan` places `graph` soundly and, given the cut `stages`, that their ports
     match (see the module docstring). Raises IRError naming the first violation."""
     stage_of = _placement(graph, plan)
-    _replica_groups(plan)
+    _techniques(plan)
     _acyclic(graph, stage_of)
     if stages is not None:
         _ports(graph, plan, stages)
@@ -76,29 +77,12 @@ def _placement(graph: AnnotatedGraph, plan: Plan) -> dict[str, int]:
     return stage_of
 
 
-def _replica_groups(plan: Plan) -> None:
-    """The replica-group rules of the module docstring."""
-    d, n = plan.replicas, len(plan.devices)
-    if not isinstance(d, int) or isinstance(d, bool) or d < 1 or n % d:
-        raise IRError(f"plan replicas {d!r} must be a positive divisor of its {n} devices")
-    ranks = n // d
-    for k, stage in enumerate(plan.stages):
-        group = list(stage.replica_devices)
-        if d == 1:
-            if group not in ([], [stage.device]):
-                raise IRError(f"stage {k} lists replica devices {group} in a plan without "
-                              "replication")
-            continue
-        j = k % ranks
-        want = list(range(j * d, j * d + d))
-        if stage.device != j * d or group != want:
-            raise IRError(f"stage {k} runs on device {stage.device} with replicas {group}; with "
-                          f"{d} replicas per stage and {ranks} pipeline ranks it belongs on "
-                          f"rank {j}: devices {want}")
-        kinds = {plan.devices[g].get("kind") for g in group}
-        if "fpga" in kinds:
-            raise IRError(f"stage {k} replicates an FPGA stage (devices {group}); FPGA stages "
-                          "are never replicated")
+def _techniques(plan: Plan) -> None:
+    """The techniques' rules (`pipecc.ir.techniques.requires`) on a compiled folder's
+    capabilities: replica groups, BPipe pairs, unequal micro-batches, separate cuts, ..."""
+    why = techniques.requires(plan, techniques.COMPILED)
+    if why is not None:
+        raise IRError(why)
 
 
 def _follows_tuple(node: fx.Node) -> fx.Node | None:

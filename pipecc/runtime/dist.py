@@ -42,6 +42,7 @@ from torch import nn
 from pipecc.errors import PipeccError, UsageError, printable
 from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES
 from pipecc.runtime import lifeline
+from pipecc.runtime.admit import check_folder_plan
 from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
@@ -358,9 +359,9 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
     count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
     world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
-    sizes = folder_sizes(meta, args.schedule, args.microbatches)  # unequal micro-batches: gpipe only
+    sizes = folder_sizes(meta, args.microbatches)  # unequal micro-batches: gpipe only
     # BPipe: 1f1b on one rank per stage; one process (every stage on one rank) runs without it
-    balancing = folder_balancing(meta, args.schedule) if under_torchrun else None
+    balancing = folder_balancing(meta) if under_torchrun else None
     # Under torchrun the folder's schedule.txt runs as it is (forward only: without its backward
     # actions); --schedule or --microbatches build one by name from the folder's plan instead, and
     # one process (every stage on one rank) runs the schedule built for it, as below.
@@ -521,11 +522,12 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
                   why: str, one_process: bool = False) -> None:
     """Refuse, before any process group exists, what the run could only fail at later (one line).
 
-    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``).
-    ``one_process`` (no torchrun): activation balancing is off, so any ``--schedule`` goes."""
-    folder_sizes(meta, args.schedule, args.microbatches)
-    if not one_process:
-        folder_balancing(meta, args.schedule)
+    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``); the
+    techniques' rules on the folder's plan are ``pipecc.runtime.admit``'s. ``one_process`` (no
+    torchrun): activation balancing is off, so any ``--schedule`` BPipe refuses goes."""
+    folder_sizes(meta, args.microbatches)
+    folder_balancing(meta)
+    check_folder_plan(meta, read_plan(Path(args.out)), args.schedule, one_process=one_process)
     if batch and m > batch:
         raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
                          f"for; give --microbatches {batch} or fewer")

@@ -139,10 +139,9 @@ class Reslicer:
         return ready
 
 
-def folder_sizes(meta: dict[str, Any] | None, schedule: str | None, microbatches: int | None) -> list[list[int]] | None:
+def folder_sizes(meta: dict[str, Any] | None, microbatches: int | None) -> list[list[int]] | None:
     """A compiled folder's per-stage micro-batch sizes (``pipecc.json``'s ``microbatch_sizes``;
-    None: equal splits), refusing the run options they cannot run with (``UsageError``): a
-    ``--schedule`` other than gpipe, any ``--microbatches``."""
+    None: equal splits), refusing any ``--microbatches`` (``UsageError``)."""
     sizes = (meta or {}).get("microbatch_sizes")
     if sizes is None:
         return None
@@ -151,9 +150,7 @@ def folder_sizes(meta: dict[str, Any] | None, schedule: str | None, microbatches
                                                   for b in row) for row in sizes):
         raise PipeccError(f"pipecc.json says microbatch_sizes {sizes!r}; compile again")
     shown = " | ".join(" ".join(map(str, row)) for row in sizes)
-    if schedule not in (None, "gpipe"):
-        raise UsageError(f"--schedule {schedule}: this folder splits the batch unequally per stage ({shown}), "
-                         "which runs under gpipe only; drop --schedule")
+    # NOTE: which schedules run them is UMPIPE's rule, asked of the folder's plan (pipecc.runtime.admit)
     if microbatches is not None:
         raise UsageError(f"--microbatches {microbatches}: this folder splits the batch unequally per stage "
                          f"({shown}); drop --microbatches, or compile again with equal micro-batches")

@@ -54,7 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipecc.errors import PipeccError, UsageError
+from pipecc.errors import PipeccError
+from pipecc.ir.techniques.bpipe import pairs_problem
 from pipecc.runtime.wire import ALIGN, Wire, pack_tensors, packed_layout, packed_views  # ALIGN: where every storage starts
 
 __all__ = ["ALIGN", "Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "layout",
@@ -286,46 +287,29 @@ def recv_stash(wire: Wire, peer: int, tag_of: Callable[[int], int], what: str,
 # ---------------------------------------------------------------------------- the folder's pairs
 
 
-def folder_balancing(meta: dict[str, Any] | None, schedule: str | None) -> list[dict] | None:
+def folder_balancing(meta: dict[str, Any] | None) -> list[dict] | None:
     """A compiled folder's BPipe pairs (``pipecc.json``'s ``activation_balancing``; None when
-    absent or empty), refusing a ``--schedule`` other than 1f1b (``UsageError``, one line)."""
+    absent or empty). Where they can run (1f1b, ...) is BPipe's rule, asked of the folder's plan
+    (``pipecc.runtime.admit``)."""
     pairs = (meta or {}).get("activation_balancing")
     if not pairs:
         return None
     if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
         raise PipeccError(f"pipecc.json says activation_balancing {pairs!r}; compile again")
-    if schedule not in (None, "1f1b"):
-        shown = ", ".join(f"{p.get('evictor')}->{p.get('acceptor')}" for p in pairs)
-        raise UsageError(f"--schedule {schedule}: this folder balances activation memory between stages "
-                         f"({shown}, BPipe), which runs under 1f1b only; drop --schedule, or compile again "
-                         "with --activation-balancing off")
     return pairs
 
 
 def bpipe_thresholds(balancing: Sequence[dict], stages: int) -> tuple[list[int | None], str]:
     """Per stage its eviction threshold K (None: not an evictor) and the pairs' return policy,
-    from ``pipecc.json``'s ``activation_balancing``; refuses what the runtime cannot execute: a
-    pairing other than (s, p-1-s) with s < p // 2, a stage in two pairs, K < 1, mixed policies."""
+    from ``pipecc.json``'s ``activation_balancing``; refuses pairs BPipe's rule refuses
+    (``pipecc.ir.techniques.bpipe.pairs_problem``: a pairing other than (s, p-1-s) with
+    s < p // 2, a stage in two pairs, K out of range, mixed policies)."""
+    why = pairs_problem(balancing, stages)  # BPipe's rule on the pairs (pipecc.ir.techniques.bpipe)
+    if why is not None:
+        raise PipeccError(why)
     thresholds: list[int | None] = [None] * stages
     policies = set()
     for pair in balancing:
-        try:
-            s, a, k = int(pair["evictor"]), int(pair["acceptor"]), pair["threshold"]
-            policy = str(pair.get("policy", "jit"))
-        except (KeyError, TypeError, ValueError):
-            raise PipeccError(f"activation_balancing entry {pair!r} needs integer evictor, acceptor and "
-                              "threshold; compile again") from None
-        if not 0 <= s < stages // 2 or a != stages - 1 - s:
-            raise PipeccError(f"activation balancing pairs stage {s} with stage {a}; BPipe pairs stage s with "
-                              f"stage {stages - 1 - s if 0 <= s < stages else 'p-1-s'} (s < {stages // 2} of "
-                              f"{stages} stages); fix the plan or compile with --activation-balancing off")
-        if thresholds[s] is not None:
-            raise PipeccError(f"activation balancing lists evictor stage {s} twice; fix the plan")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise PipeccError(f"activation balancing: stage {s}'s threshold is {k!r}, it must be an integer "
-                              ">= 1; fix the plan")
-        thresholds[s] = k
-        policies.add(policy)
-    if len(policies) > 1:
-        raise PipeccError(f"activation balancing mixes return policies {sorted(policies)}; use one")
+        thresholds[int(pair["evictor"])] = int(pair["threshold"])
+        policies.add(str(pair.get("policy", "jit")))
     return thresholds, policies.pop() if policies else "jit"

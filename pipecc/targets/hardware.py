@@ -24,6 +24,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pipecc.ir.techniques import capabilities as _caps
+
 KINDS = ("cpu", "gpu", "fpga")
 GPU_DTYPES = ("fp32", "tf32", "fp16", "bf16")
 FPGA_DTYPES = GPU_DTYPES + ("fixed16", "int8")
@@ -84,6 +86,14 @@ class Device:
     def __hash__(self) -> int:  # mappings are plain dicts; hash the scalar identity
         return hash((self.name, self.kind, self.placement, self.memory_bytes,
                      self.mem_bandwidth, tuple(sorted(self.peak_flops.items()))))
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What a stage on this device can do (`pipecc.ir.techniques.capabilities`: by kind)."""
+        return _caps.of_kind(self.kind)
+
+    def can(self, capability: str) -> bool:
+        return capability in self.capabilities
 
     def peak(self, dtype: Any = "fp32", matmul: bool = True) -> float:
         """Peak FLOP/s for ``dtype``, matmul-class or other (no efficiency applied)."""

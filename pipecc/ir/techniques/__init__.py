@@ -1,0 +1,65 @@
+"""The paper techniques' scope rules, one module each, pure functions over plan fields
+(onnx-ir's `requires`): where a technique can run, asked alike by the planner, the plan
+verifier (`pipecc.ir.verify.verify_plan`), compile (`pipecc.driver.compile`) and the
+compiled-folder loader (`pipecc run`, which imports no compiler: hence here, in the IR).
+
+    <technique>.requires(plan, caps) -> str | None
+        None: admissible; else one line naming the problem and the fix
+    <technique>.uses(plan) -> bool      whether `plan` applies the technique
+    requires(plan, caps)                the first reason of any technique `plan` uses
+
+| module | technique | what it asks of the plan |
+|---|---|---|
+| `bpipe` | activation balancing (BPipe) | 1f1b, one stage per device, no replicas, equal micro-batches, stash-keeping devices, no recomputation, no Bi-Partition, a process per rank; well-formed pairs |
+| `umpipe` | unequal micro-batches (UMPIPE) | gpipe, one stage per device, no replicas, no recomputation, variable-micro-batch devices, no BPipe or Bi-Partition |
+| `bipartition` | separate forward/backward cuts | 1f1b or gpipe, one stage per device, no replicas, equal micro-batches, no recomputation, no BPipe, stash-keeping devices, no split layers; mode ship |
+| `recompute` | activation recomputation | training, recompute-capable devices |
+| `replicas` | replica groups (PP x DP) | groups on consecutive devices per rank, replicable devices |
+| `zero_bubble` | zb-h1 | split-backward-capable devices |
+
+A planner asks a technique's `requires` *before* it searches (the context rules hold whether
+or not the plan applies the technique yet), on the plan it would extend or on a `sketch` of its
+options; compile and the loader ask `requires` for the techniques the plan uses. What needs the
+graph stays beside the search (`passes.bipartition_plan.graph_requires`,
+`passes.recompute.graph_requires`); what needs generated code stays in the backend.
+`docs/techniques.md` shows which pairs compose (`matrix`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pipecc.ir.plan import Plan, StagePlan
+from pipecc.ir.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
+from pipecc.ir.techniques.capabilities import COMPILED, DROP_IN, Capabilities
+
+__all__ = ["TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "requires", "sketch"]
+
+TECHNIQUES = (umpipe, bpipe, bipartition, recompute, replicas, zero_bubble)
+
+
+def requires(plan: Plan, caps: Capabilities = COMPILED) -> str | None:
+    """The first reason any technique `plan` uses cannot run on `caps`, or None."""
+    for technique in TECHNIQUES:
+        if technique.uses(plan):
+            why = technique.requires(plan, caps)
+            if why is not None:
+                return why
+    return None
+
+
+def sketch(*, schedule: str, devices: Sequence[Any], training: bool = True,
+           replicas: int = 1, recompute: bool = False, batch_size: int = 1,
+           microbatches: int = 1) -> Plan:
+    """A plan with one stage per device (per replica group of `replicas`; nodes unknown) for asking a technique's `requires`
+    about planner options before any partition exists. `devices`: plan device dicts, or
+    objects with `kind` and `name` (`pipecc.targets.hardware.Device`)."""
+    devices = [dict(d) if isinstance(d, dict) else {"kind": d.kind, "name": d.name} for d in devices]
+    d = max(replicas, 1)
+    stages = [StagePlan(index=j, device=j * d, nodes=[], recompute=recompute,
+                        replica_devices=list(range(j * d, j * d + d)) if d > 1 else [])
+              for j in range(len(devices) // d)]
+    return Plan(model="", batch_size=batch_size, microbatches=microbatches, schedule=schedule,
+                devices=devices, stages=stages, split_layers=[], bottleneck_s=0.0,
+                lower_bound_s=0.0, predicted_iteration_s=0.0, bubble_fraction=0.0, replicas=replicas,
+                options={"training": training})

@@ -1,0 +1,72 @@
+"""Bi-Partition's rule (separate forward/backward cuts, `passes.bipartition`,
+`passes.bipartition_plan`): where a stage's backward range may differ from its forward range.
+One `requires`, asked by the planner (before the windowed search), the plan verifier, compile
+and `pipecc run`. What needs the graph (tied weights, BatchNorm or the loss in a segment,
+non-tensor boundaries) is `passes.bipartition_plan.graph_requires`, beside the search that
+avoids it; what needs generated code (AOTAutograd splitting a segment) is the torch backend's.
+
+v1 scope (PAPERS-SPEC §3.8): a training plan under 1f1b or gpipe, one stage per device,
+replicas 1, equal micro-batches, no recomputing stage, no BPipe pairs, stages whose devices
+keep an autograd stash, at least two stages, no split layers (the runtime cuts pieces from
+unsplit layers); the runtime mode is "ship" ("recompute" is costed only: a misplaced segment's
+forward would run twice, never faster than the single cut, §3.2).
+"""
+
+from __future__ import annotations
+
+from pipecc.errors import PipeccError
+from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as cap
+from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
+
+NAME = "Bi-Partition"
+TAG = "separate forward/backward cuts (Bi-Partition)"
+OFF = "--bipartition off"
+SCHEDULES = ("1f1b", "gpipe")
+MODES = ("", "ship", "recompute")
+
+
+def uses(plan: Plan) -> bool:
+    return bipartition_on(plan)
+
+
+def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
+    """Why separate forward/backward cuts cannot run in `plan` on `caps` (one line with the
+    fix), or None; the context rules hold whether or not the plan has such cuts yet."""
+    if plan.bipartition_mode not in MODES:
+        return f"{TAG}: bipartition_mode {plan.bipartition_mode!r} is not one of '', 'ship', 'recompute'; re-plan"
+    if not training(plan):
+        return f"{TAG} need a training plan (an inference plan has no backward pass); use {OFF}"
+    if plan.schedule not in SCHEDULES:
+        return f"{TAG} run under the 1f1b or gpipe schedule only, not {plan.schedule}: use --schedule 1f1b, or {OFF}"
+    if plan.replicas != 1:
+        return f"{TAG} need replicas 1, not {plan.replicas}: use --replicas 1, or {OFF}"
+    if stages_per_device(plan) != 1:
+        return f"{TAG} need one stage per device, not {stages_per_device(plan)}: use {OFF}"
+    if unequal(plan):
+        return f"{TAG} need equal micro-batches: use --microbatch-sizes equal, or {OFF}"
+    if recomputing(plan):
+        return (f"{TAG} with stage {recomputing(plan)[0]} recomputing its activations: use --recompute none, "
+                f"or {OFF}")
+    if plan.activation_balancing:
+        return f"{TAG} with activation balancing (BPipe moves the stages' saved tensors itself): use {OFF}"
+    where = caps.first_lacking(plan, cap.SAVED_TENSOR_STASH)
+    if where is not None:
+        return f"{TAG}: {where} keeps no autograd stash to ship; use {OFF}"
+    if len(plan.stages) < 2:
+        return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
+    if plan.split_layers:
+        return f"{TAG} with split layers (the runtime cuts pieces from unsplit layers): use --no-split-layers, or {OFF}"
+    if not uses(plan):
+        return None
+    if plan.bipartition_mode == "recompute":
+        return (f"{TAG}: mode 'recompute' is only costed, the runtime ships saved tensors (a misplaced "
+                f"segment's forward would run twice, never faster than the single cut); re-plan with "
+                f"--bipartition auto (mode ship), or {OFF}")
+    if plan.bipartition_mode != "ship":
+        return f"{TAG}: stages have separate backward ranges but bipartition_mode is empty; set it to 'ship' or re-plan"
+    try:
+        plan.bipartition_pieces()
+    except PipeccError as exc:
+        return f"{TAG}: {exc}"
+    return None

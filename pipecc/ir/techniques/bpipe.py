@@ -1,0 +1,85 @@
+"""BPipe's rule (activation balancing, `passes.bpipe`): where pairing stage s with p-1-s and
+moving stashes between them can run. One `requires`, asked by the planner (before it
+considers BPipe, on a sketch of the options), the plan verifier, compile and `pipecc run`.
+
+BPipe moves autograd saved tensors between the ranks of a 1F1B pipeline (PAPERS-SPEC.md 2.2):
+so a training plan under 1f1b, one stage per device, no replica groups, equal micro-batches,
+stages whose devices keep an autograd stash and a runtime with one process per rank; it
+replaces recomputation (a recomputing stage keeps only its inputs) and does not move
+Bi-Partition's segment stashes. The pairs themselves: (s, p-1-s) with s < p//2, each stage in
+one pair, 1 <= K <= p - s, one return policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
+from pipecc.ir.techniques import capabilities as cap
+from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
+
+NAME = "BPipe"
+TAG = "activation balancing (BPipe)"
+OFF = "--activation-balancing off"
+
+
+def uses(plan: Plan) -> bool:
+    return bool(plan.activation_balancing)
+
+
+def pairs_problem(pairs: Sequence[Any], p: int) -> str | None:
+    """Why `pairs` (`Plan.activation_balancing`) is not a pairing of `p` stages the schedule can
+    build, or None."""
+    seen: set[int] = set()
+    policies: set[str] = set()
+    for pair in pairs:
+        try:
+            s, a, k = int(pair["evictor"]), int(pair["acceptor"]), pair["threshold"]
+        except (KeyError, TypeError, ValueError):
+            return f"{TAG}: entry {pair!r} needs integer evictor, acceptor and threshold; fix the plan or use {OFF}"
+        if a != p - 1 - s or not 0 <= s < p // 2:
+            return (f"{TAG}: odd pairing ({s}, {a}), pairs are (s, p-1-s) with s < p//2 (p = {p}); "
+                    f"fix the plan or use {OFF}")
+        if s in seen:
+            return f"{TAG}: stage {s} appears in two pairs; fix the plan or use {OFF}"
+        seen.add(s)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= p - s:
+            return f"{TAG}: threshold {k!r} of stage {s} is out of range 1..{p - s}; fix the plan or use {OFF}"
+        policy = str(pair.get("policy", "jit")) if isinstance(pair, dict) else "jit"
+        if policy not in POLICIES:
+            return f"{TAG}: policy {policy!r}, choose {' or '.join(POLICIES)}; fix the plan or use {OFF}"
+        policies.add(policy)
+    if len(policies) > 1:
+        return f"{TAG}: the pairs mix return policies {sorted(policies)}; use one, or {OFF}"
+    return None
+
+
+def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
+    """Why BPipe cannot run in `plan` on `caps` (one line with the fix), or None. The context
+    rules hold whether or not the plan has pairs yet (the planner asks before it makes them)."""
+    if not training(plan):
+        return f"{TAG} needs a training plan (a forward-only one stashes no activations); use {OFF}"
+    if plan.schedule != "1f1b":
+        return f"{TAG} pairs stages under the 1f1b schedule only, not {plan.schedule}: use --schedule 1f1b, or {OFF}"
+    if stages_per_device(plan) != 1:
+        return f"{TAG} needs one stage per device, not {stages_per_device(plan)}: use --schedule 1f1b, or {OFF}"
+    if plan.replicas != 1:
+        return f"{TAG} pairs single devices, not replica groups of {plan.replicas}: use --replicas 1, or {OFF}"
+    if unequal(plan):
+        return f"{TAG} needs equal micro-batches, the plan has unequal ones: use --microbatch-sizes equal, or {OFF}"
+    where = caps.first_lacking(plan, cap.SAVED_TENSOR_STASH)
+    if where is not None:
+        return f"{TAG}: {where} keeps no autograd stash to move; use {OFF}"
+    if recomputing(plan):
+        return (f"{TAG} replaces recomputation, but stage {recomputing(plan)[0]} recomputes its activations: "
+                f"use --recompute none or auto, or {OFF}")
+    if bipartition_on(plan):
+        return (f"{TAG} does not move the stashes of Bi-Partition's separate forward and backward cuts: "
+                f"use --bipartition off, or {OFF}")
+    if len(plan.stages) < 2:
+        return f"{TAG} needs two stages or more (one stage has no partner); use {OFF}"
+    if not caps.runtime_can(cap.STASH_TRANSFER):
+        return (f"{TAG} moves saved tensors between ranks, which {caps.where} cannot: compile with "
+                f"`pipecc compile` and run with `pipecc run`, or plan with {OFF}")
+    return pairs_problem(plan.activation_balancing, len(plan.stages))

@@ -1,0 +1,37 @@
+"""Activation recomputation's rule (`--recompute`, `passes.recompute`): which stages may re-run
+their forward inside their backward. One `requires`, asked by the planner (`--recompute
+full`, on a sketch where every stage recomputes), the plan verifier, compile and `pipecc run`.
+BatchNorm in training mode (its running statistics would update twice) needs the graph:
+`passes.recompute.graph_requires`.
+"""
+
+from __future__ import annotations
+
+from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as cap
+from pipecc.ir.techniques.facts import recomputing, training
+
+NAME = "recompute"
+TAG = "activation recomputation"
+OFF = "--recompute auto or none"
+
+
+def uses(plan: Plan) -> bool:
+    return bool(recomputing(plan))
+
+
+def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
+    """Why `plan`'s recomputing stages cannot run on `caps` (one line with the fix), or None."""
+    marked = recomputing(plan)
+    if not marked:
+        return None
+    if not training(plan):
+        return (f"{TAG} in a forward-only plan: stage {marked[0]} recomputes, but there is no backward pass; "
+                "plan without --recompute")
+    where = caps.first_lacking(plan, cap.RECOMPUTE, only=set(marked))
+    if where is not None:
+        return (f"{TAG}: {where} cannot recompute activations (its stage is dataflow hardware, not a "
+                f"torch forward); use {OFF}")
+    if not caps.runtime_can(cap.RECOMPUTE):
+        return f"{TAG}: {caps.where} cannot re-run a stage's forward; use {OFF}"
+    return None

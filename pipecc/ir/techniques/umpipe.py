@@ -1,0 +1,49 @@
+"""UMPIPE's rule (unequal micro-batches per stage, `passes.umpipe`, `passes.umpipe_plan`): where
+per-stage chunk sizes can run. One `requires`, asked by the planner (before it searches sizes),
+the plan verifier, compile and `pipecc run`.
+
+The recurrence and the runtime's re-slicing (`pipecc.runtime.reslice`) follow GPipe's row
+order with one stage per device and no replica groups (PAPERS-SPEC.md §1); a recomputing stage
+is not modelled, every stage's device must take chunks of different sizes (an FPGA kernel is
+compiled for one), and the sizes are not moved by BPipe's pairs or Bi-Partition's segments.
+"""
+
+from __future__ import annotations
+
+from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import capabilities as cap
+from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
+
+NAME = "UMPIPE"
+TAG = "unequal micro-batches (UMPIPE)"
+OFF = "--microbatch-sizes equal"
+
+
+def uses(plan: Plan) -> bool:
+    return unequal(plan)
+
+
+def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
+    """Why unequal micro-batches cannot run in `plan` on `caps` (one line with the fix), or
+    None; the context rules hold whether or not the plan has sizes yet."""
+    if not training(plan):
+        return f"{TAG} need a training plan (they are a training schedule); use {OFF}"
+    if plan.schedule != "gpipe":
+        return f"{TAG} run under the gpipe schedule only, not {plan.schedule}: use --schedule gpipe, or {OFF}"
+    if plan.replicas != 1:
+        return f"{TAG} need replicas 1, not {plan.replicas}: use --replicas 1, or {OFF}"
+    if stages_per_device(plan) != 1:
+        return f"{TAG} need one stage per device, not {stages_per_device(plan)}: use {OFF}"
+    if recomputing(plan):
+        return (f"{TAG} do not model recomputation, but stage {recomputing(plan)[0]} recomputes its "
+                f"activations: use --recompute none, or {OFF}")
+    where = caps.first_lacking(plan, cap.VARIABLE_MICROBATCH)
+    if where is not None:
+        return f"{TAG}: {where} is compiled for one micro-batch shape; use {OFF}"
+    if plan.activation_balancing:
+        return f"{TAG} with activation balancing (BPipe, equal micro-batches only): use --activation-balancing off, or {OFF}"
+    if bipartition_on(plan):
+        return f"{TAG} with Bi-Partition's separate forward and backward cuts: use --bipartition off, or {OFF}"
+    if len(plan.stages) < 2:
+        return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
+    return None

@@ -1,0 +1,32 @@
+"""The zero-bubble schedules' rule (`zb-h1`, `pipecc.runtime.split_backward`): every stage's
+backward runs as an input-gradient action I and a weight-gradient action W. One `requires`,
+asked by the planner (an explicit `--schedule zb-h1`; `auto` leaves the schedule out where it
+would refuse), the plan verifier, compile and `pipecc run --schedule`.
+"""
+
+from __future__ import annotations
+
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule import ZERO_BUBBLE
+from pipecc.ir.techniques import capabilities as cap
+
+NAME = "zero-bubble"
+TAG = "the zero-bubble schedule"
+OFF = "--schedule 1f1b"
+
+
+def uses(plan: Plan) -> bool:
+    return plan.schedule in ZERO_BUBBLE
+
+
+def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
+    """Why `plan`'s zero-bubble schedule cannot run on `caps` (one line with the fix), or None."""
+    if not uses(plan):
+        return None
+    where = caps.first_lacking(plan, cap.SPLIT_BACKWARD)
+    if where is not None:
+        return (f"{TAG} {plan.schedule} splits every stage's backward into input and weight gradients, "
+                f"which {where} cannot run; use {OFF}, or leave that device out")
+    if not caps.runtime_can(cap.SPLIT_BACKWARD):
+        return f"{TAG} {plan.schedule}: {caps.where} cannot split a backward; use {OFF}"
+    return None

@@ -1,0 +1,191 @@
+"""Each technique's one rule (`pipecc.ir.techniques.<t>.requires`) gives the same answer
+wherever it is asked: the planner (an error or a decision line naming the same reason), the
+plan verifier (`verify_plan`: an IRError with the line), compile (a PipeccError with the line,
+nothing written) and the folder loader (`pipecc run` on a compiled folder whose plan.json was
+edited into the case: exit 1 and the same line). And docs/techniques.md's composition matrix is
+the rules' (`pipecc.ir.techniques.matrix`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from helpers import ROOT, run_cli, zoo_path
+from pipecc import driver
+from pipecc.errors import PipeccError
+from pipecc.ir import techniques
+from pipecc.ir.graph import IRError
+from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import matrix
+from pipecc.ir.verify import verify_plan
+
+MLP = str(zoo_path("mlp"))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Any, Plan, Any, Path]:
+    """The mlp planned on two CPUs under 1f1b (4 micro-batches of 2), and its compiled folder."""
+    analysis = driver.analyze(MLP, batch_size=8)
+    plan, graph = driver.plan(analysis, "cpu,cpu", microbatches=4, schedule="1f1b", replicas=1,
+                              split_layers=False, activation_balancing="off")
+    out = tmp_path_factory.mktemp("techniques") / "out"
+    driver.compile(analysis, plan, graph, out)
+    return analysis, plan, graph, out
+
+
+def _copy(plan: Plan) -> Plan:
+    return Plan.from_json(json.loads(plan.dumps()))
+
+
+def _bpipe(p: Plan) -> None:
+    p.schedule = "gpipe"
+    p.activation_balancing = [{"evictor": 0, "acceptor": 1, "threshold": 1, "policy": "jit"}]
+
+
+def _umpipe(p: Plan) -> None:
+    p.microbatches, p.microbatch_sizes = 3, [[1, 3, 4], [2, 2, 4]]
+
+
+def _bipartition(p: Plan) -> None:
+    p.schedule, p.bipartition_mode = "zb-h1", "ship"
+    first, second = p.stages
+    first.backward_nodes, second.backward_nodes = first.nodes[:-1], first.nodes[-1:] + second.nodes
+
+
+def _recompute(p: Plan) -> None:
+    p.schedule, p.options["training"] = "inference", False
+    p.stages[0].recompute = True
+
+
+def _fpga(p: Plan, index: int) -> None:
+    p.devices[index] = {**p.devices[index], "name": "u250", "kind": "fpga"}
+
+
+def _replicas(p: Plan) -> None:  # 4 devices, stage j on [2j, 2j+1], device 0 an FPGA card
+    p.devices = [dict(p.devices[0]) for _ in range(4)]
+    _fpga(p, 0)
+    p.replicas = 2
+    for j, s in enumerate(p.stages):
+        s.device, s.replica_devices = 2 * j, [2 * j, 2 * j + 1]
+
+
+def _zero_bubble(p: Plan) -> None:
+    p.schedule = "zb-h1"
+    _fpga(p, 1)
+
+
+def _planner_error(**kwargs: Any) -> Callable[[Any], str]:
+    """The planner's one-line refusal for these options."""
+    def ask(analysis: Any) -> str:
+        with pytest.raises(PipeccError) as caught:
+            driver.plan(analysis, **{"devices": "cpu,cpu", "microbatches": 4, "split_layers": False, **kwargs})
+        return str(caught.value)
+    return ask
+
+
+def _planner_decision(**kwargs: Any) -> Callable[[Any], str]:
+    """The planner's decision lines for these options (a technique "auto" does not try)."""
+    def ask(analysis: Any) -> str:
+        plan, _ = driver.plan(analysis, **{"devices": "cpu,cpu", "microbatches": 4, "split_layers": False,
+                                           **kwargs})
+        return "\n".join(plan.decisions)
+    return ask
+
+
+# technique -> (edit of the base plan into a case its rule refuses, the planner asked the same)
+CASES = {
+    techniques.bpipe: (_bpipe, _planner_error(schedule="gpipe", activation_balancing="on")),
+    techniques.umpipe: (_umpipe, _planner_error(schedule="1f1b", microbatch_sizes="1,3,4")),
+    techniques.bipartition: (_bipartition, _planner_decision(schedule="zb-h1", replicas=1, bipartition="auto",
+                                                             activation_balancing="off")),
+    techniques.recompute: (_recompute, _planner_error(training=False, recompute="full")),
+    techniques.replicas: (_replicas, _planner_error(devices="cpu,u250", replicas=2)),
+    techniques.zero_bubble: (_zero_bubble, _planner_error(devices="cpu,u250", schedule="zb-h1")),
+}
+
+
+def test_every_technique_has_a_case() -> None:
+    assert set(CASES) == set(techniques.TECHNIQUES)
+
+
+@pytest.mark.parametrize("technique", list(CASES), ids=lambda t: t.NAME)
+def test_one_answer_in_planner_verifier_compile_and_loader(base, tmp_path: Path, capsys, technique) -> None:
+    analysis, plan, graph, out = base
+    edit, planner = CASES[technique]
+    bad = _copy(plan)
+    edit(bad)
+    reason = technique.requires(bad, techniques.COMPILED)
+    assert reason is not None and reason.startswith(technique.TAG) and "\n" not in reason
+    assert techniques.requires(bad) == reason  # the first rule the plan's techniques break
+    # the planner, asked for the same thing, gives the same reason (after the option it names)
+    assert reason in planner(analysis)
+    # the verifier
+    with pytest.raises(IRError) as caught:
+        verify_plan(graph, bad)
+    assert str(caught.value) == reason
+    # compile: the line, nothing written
+    target = tmp_path / "out"
+    with pytest.raises(PipeccError) as caught:
+        driver.compile(analysis, bad, graph, target)
+    assert str(caught.value) == reason and not target.exists()
+    # the loader: the compiled folder with this plan.json
+    folder = tmp_path / "edited"
+    shutil.copytree(out, folder)
+    (folder / "plan.json").write_text(bad.dumps())
+    code, stdout, err = run_cli(["run", str(folder), "--print-command"], capsys)
+    assert (code, stdout, err) == (1, "", f"pipecc: error: {reason}\n")
+
+
+def test_the_unedited_folder_is_admitted(base, capsys) -> None:
+    analysis, plan, graph, out = base
+    assert techniques.requires(plan) is None
+    code, stdout, err = run_cli(["run", str(out), "--print-command"], capsys)
+    assert code == 0 and err == "" and "torch.distributed.run" in stdout
+
+
+def test_a_run_schedule_the_folder_cannot_take_names_it(base, tmp_path: Path, capsys) -> None:
+    """pipecc.json's BPipe pairs under `--schedule gpipe`: BPipe's line, after the option."""
+    analysis, plan, graph, out = base
+    folder = tmp_path / "bp"
+    shutil.copytree(out, folder)
+    marker = json.loads((folder / "pipecc.json").read_text())
+    marker["activation_balancing"] = [{"evictor": 0, "acceptor": 1, "threshold": 1, "policy": "jit"}]
+    (folder / "pipecc.json").write_text(json.dumps(marker))
+    code, _, err = run_cli(["run", str(folder), "--print-command", "--schedule", "gpipe"], capsys)
+    with_pairs = dataclasses.replace(_copy(plan), schedule="gpipe", activation_balancing=marker["activation_balancing"])
+    assert code == 2 and err == (f"pipecc: error: --schedule gpipe: {techniques.bpipe.requires(with_pairs, techniques.COMPILED)}"
+                                 " (or drop --schedule)\n")
+
+
+def test_the_drop_in_module_lacks_stash_transfer(base) -> None:
+    """BPipe needs a process per rank: the drop-in module's capabilities refuse it, in one line."""
+    analysis, plan, graph, out = base
+    paired = _copy(plan)
+    paired.activation_balancing = [{"evictor": 0, "acceptor": 1, "threshold": 1, "policy": "jit"}]
+    reason = techniques.bpipe.requires(paired, techniques.DROP_IN)
+    assert reason is not None and "drop-in module" in reason and techniques.requires(paired) is None
+    with pytest.raises(PipeccError) as caught:
+        driver.compile_module(analysis.spec.model, graph, paired, analysis.spec.example_inputs)
+    assert str(caught.value) == reason
+
+
+def test_docs_matrix_is_the_rules() -> None:
+    """docs/techniques.md between its markers is `matrix.markdown()` (regenerate with
+    `python -m pipecc.ir.techniques.matrix`)."""
+    text = (ROOT / "docs" / "techniques.md").read_text()
+    begin, end = "<!-- matrix:begin -->\n", "<!-- matrix:end -->"
+    shown = text[text.index(begin) + len(begin):text.index(end)]
+    assert shown == matrix.markdown(), "docs/techniques.md is stale: python -m pipecc.ir.techniques.matrix"
+
+
+def test_the_matrix_is_symmetric_in_what_composes() -> None:
+    names = list(matrix.TURN_ON)
+    for a in names:
+        assert techniques.requires(matrix.with_on(a)) is None  # every technique alone is admitted
+        for b in names:
+            if a != b:
+                assert (matrix.pair(a, b) is None) == (matrix.pair(b, a) is None), (a, b)

@@ -40,7 +40,7 @@ from pipecc.ir import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.ir.schedule.transforms import BPIPE_POLICIES, bpipe_pairs
+from pipecc.ir.schedule.transforms import bpipe_pairs
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S
 

@@ -7,7 +7,7 @@ from inside its `Proxy` (`symbolically traced variables cannot be used as inputs
 flow`, or a paragraph on iteration), torch.export with a page about guards and symbols. Neither
 says where. The traceback of fx's error does: the last frame outside torch and pipecc is the
 model's line, and the `Proxy` method it entered names the construct (`__bool__`: a branch,
-`__iter__`: a loop, `__len__`: `len()`). `refusal` turns that into
+`__iter__`: a loop, `__len__`: `len()`). `explain` turns that into
 
     forward branches on a tensor's value at model.py:12 (`if h.sum() > 0:`) ...; compute both
     branches and select with torch.where(cond, a, b), or ...
@@ -47,7 +47,7 @@ def _ours(filename: str) -> bool:
     return path.startswith(_TORCH + os.sep) or path.startswith(_PIPECC + os.sep)
 
 
-def refusal(fx_exc: BaseException, export_why: str) -> str | None:
+def explain(fx_exc: BaseException, export_why: str) -> str | None:
     """The one-line message (module docstring) for fx's error, or None."""
     frames = traceback.extract_tb(fx_exc.__traceback__)
     user = [i for i, f in enumerate(frames) if not _ours(f.filename)]

@@ -94,7 +94,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
                              "are kept as opaque modules")
                 return gm, "fx", notes
         export_why = type(exp_exc).__name__
-        named = capture_errors.refusal(fx_exc, export_why)  # the construct and the way out
+        named = capture_errors.explain(fx_exc, export_why)  # the construct and the way out
         if named is not None:
             raise CaptureError(named) from exp_exc
         raise CaptureError(

@@ -1,6 +1,7 @@
 """Shared test helpers: the zoo at tiny size and the reference FLOP counter."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -61,27 +62,32 @@ GROUPED_CONV_FIX = {**REFERENCE_EXTRAS, torch.ops.aten.convolution_backward: _co
 
 
 def reference_flops(model: torch.nn.Module, inputs: tuple, loss=None, target=None,
-                    mapping: dict | None = None) -> tuple[int, int]:
+                    mapping: dict | None = None, device: str = "meta") -> tuple[int, int]:
     """FlopCounterMode forward and backward totals, run on the meta device.
 
     On CPU, torch's fused LSTM and flash-attention kernels are invisible to FlopCounterMode;
     on meta they decompose into the mm/bmm calls it counts, which is the convention we follow.
     `mapping` replaces REFERENCE_EXTRAS (tests/real_zoo.py adds GROUPED_CONV_FIX to it).
+    `device="cpu"` runs a copy for real, with scaled_dot_product_attention held to its math
+    path (the same mm/bmm calls), for models whose forward reads data (`.item()`, `.all()` in
+    Hugging Face's mask code), which the meta device cannot; it has no view into fused LSTMs.
     """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     mapping = REFERENCE_EXTRAS if mapping is None else mapping
-    model = copy.deepcopy(model).to("meta")
-    meta = tuple(x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
-                 else x for x in inputs)
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
-        model(*meta)
-    forward = fc.get_total_flops()
-    with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
-        out = model(*meta)
-        if loss is not None:
-            t = target.to("meta") if isinstance(target, torch.Tensor) else target
-            loss(out, t).backward()
-        else:
-            out.float().sum().backward()
+    model = copy.deepcopy(model).to(device)
+    moved = tuple(x.detach().to(device).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
+                  else x for x in inputs)
+    with sdpa_kernel(SDPBackend.MATH) if device == "cpu" else contextlib.nullcontext():
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+            model(*moved)
+        forward = fc.get_total_flops()
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+            out = model(*moved)
+            if loss is not None:
+                t = target.to(device) if isinstance(target, torch.Tensor) else target
+                loss(out, t).backward()
+            else:
+                out.float().sum().backward()
     return forward, fc.get_total_flops() - forward
 
 

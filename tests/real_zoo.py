@@ -192,9 +192,12 @@ class CheckFailed(AssertionError):
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+    """An exception as one line: its type and the first line of its message (for
+    torch.testing.assert_close also which item differs and by how much)."""
+    text = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    keep = text[:1] + [ln for ln in text[1:] if ln.startswith(("Mismatched elements", "Greatest absolute",
+                                                              "The failure occurred"))]
+    return f"{type(exc).__name__}: {' '.join(keep)}".strip()
 
 
 def _cli(*argv: str) -> str:
@@ -222,7 +225,8 @@ def check_cost(path: Path) -> str:
     graph = driver.analyze_module(spec.model, spec.example_inputs, model_name=path.stem)
     totals = cost.totals(graph)
     ref_fwd, ref_bwd = reference_flops(spec.model, spec.example_inputs, spec.loss_fn,
-                                       spec.make_target(BATCH), mapping=GROUPED_CONV_FIX)
+                                       spec.make_target(BATCH), mapping=GROUPED_CONV_FIX,
+                                       device="cpu")
     fwd = totals["forward_flops_matmul"] / ref_fwd
     bwd = totals["backward_flops_matmul"] / ref_bwd
     ratios = f"{fwd:.3f}/{bwd:.3f}"

@@ -18,6 +18,7 @@ a different error fails too (so a fix that moves the failure elsewhere is seen).
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,19 @@ from helpers import GROUPED_CONV_FIX, reference_flops
 from pipecc import cost, driver
 
 # (model, check) -> a stable part of its current error line (bench/real_models.py's table).
-KNOWN: dict[tuple[str, str], str] = {}
+_VERIFY = "run failed: verify: rank"  # a rank's outputs or gradients differ from the model's
+_DROPIN = "drop-in outputs differ"
+KNOWN: dict[tuple[str, str], str] = {
+    # issue 19.1: export stages hold dropout's train flag fixed (and --verify compares
+    # train-mode outputs with dropout active)
+    **{(m, c): _VERIFY for m in ("gpt2", "bert", "t5") for c in ("verify_train", "verify_eval")},
+    **{(m, "dropin"): _DROPIN for m in ("gpt2", "bert", "t5")},
+    # issue 19.7: the drop-in returns a plain dict where the model returns a ModelOutput
+    **{(m, "dropin"): "drop-in returns dict where the model returns" for m in ("llama", "vit_hf")},
+    # the default use_cache=True returns a DynamicCache, which the capture refuses in a line
+    # that blames data-dependent control flow
+    ("gpt2_use_cache", "cost"): "DynamicCache", ("gpt2_use_cache", "compile"): "DynamicCache",
+}
 
 
 class KnownFailure(AssertionError):
@@ -109,6 +122,8 @@ def test_model_files_keep_the_contract(tmp_path: Path) -> None:
     `pipecc run` builds it for itself), without touching the global RNG."""
     from pipecc.frontend.modelfile import import_model_file
     for model in real_zoo.MODELS:
+        if importlib.util.find_spec(model.library) is None:
+            continue  # test_real_model skips it with the reason
         module = import_model_file(real_zoo.write_model_file(model, tmp_path))
         rng = torch.get_rng_state()
         first = (module.example_inputs(2), module.example_target(2))

@@ -20,7 +20,6 @@ on 2xcpu: eval-mode outputs, their type, and the parameters' gradients equal the
 from __future__ import annotations
 
 import copy
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -325,7 +324,3 @@ class ModelRun:
                 self.results[check] = ("fail", one_line(e))
         return self.results[check]
 
-
-def describe(model: RealModel) -> str:
-    """The build expression, wrapped for a table or a report."""
-    return textwrap.shorten(model.build, 100)

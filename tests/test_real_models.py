@@ -49,6 +49,9 @@ KNOWN: dict[tuple[str, str], str] = {
     # differ from the model's: not investigated, stochastic depth is the common part
     ("efficientnet_b0", "dropin"): "drop-in gradient of", ("convnext_tiny", "dropin"): "drop-in",
     ("swin_t", "dropin"): _DROPIN,
+    # issue 19.5: forward(x, attn_mask=None): the defaulted argument became a required input
+    **{("vit_tiny_timm", c): "takes input 'attn_mask'" for c in ("verify_train", "verify_eval")},
+    ("vit_tiny_timm", "dropin"): "missing input 'attn_mask'",
     # not in issue 19: the capture fixes the batch size, so a micro-batch of 1 is refused
     **{("wav2vec2", c): "the compiled stage expects [4, 1600]" for c in ("verify_train", "verify_eval")},
     ("wav2vec2", "dropin"): _DROPIN,

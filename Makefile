@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not real"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Shared test helpers: the zoo at tiny size and the reference FLOP counter."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ["bert", "gnmt", "gpt", "mlp", "resnet50", "tiny_cnn", "vgg16"]
@@ -37,25 +38,56 @@ def _dot_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 REFERENCE_EXTRAS = {torch.ops.aten.mv: _mv_flop, torch.ops.aten.dot: _dot_flop}
 
 
-def reference_flops(model: torch.nn.Module, inputs: tuple, loss=None, target=None) -> tuple[int, int]:
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                        transposed, _output_padding, groups, output_mask, out_shape=None,
+                        **kwargs) -> int:
+    """convolution_backward as torch 2.13 counts it, but with the weight gradient of a grouped
+    convolution divided by `groups` (torch counts it as if groups were 1: pytorch PR #183405;
+    tests/test_cost_formulas.py documents the bug against the unfixed reference). Each group's
+    weight gradient correlates its own input channels with its own output channels."""
+    def t(shape):  # swap the batch and channel dimensions
+        return [shape[1], shape[0], *shape[2:]]
+    flops = 0
+    if output_mask[0]:
+        flops += conv_flop_count(grad_out_shape, w_shape, out_shape[0], not transposed)
+    if output_mask[1]:
+        a, b = (grad_out_shape, x_shape) if transposed else (x_shape, grad_out_shape)
+        flops += conv_flop_count(t(a), t(b), t(out_shape[1]), transposed=False) // groups
+    return flops
+
+
+# The reference with torch's grouped-convolution backward fixed (depthwise convolutions:
+# MobileNet, EfficientNet, ConvNeXt); the zoo has none and keeps REFERENCE_EXTRAS.
+GROUPED_CONV_FIX = {**REFERENCE_EXTRAS, torch.ops.aten.convolution_backward: _conv_backward_flop}
+
+
+def reference_flops(model: torch.nn.Module, inputs: tuple, loss=None, target=None,
+                    mapping: dict | None = None, device: str = "meta") -> tuple[int, int]:
     """FlopCounterMode forward and backward totals, run on the meta device.
 
     On CPU, torch's fused LSTM and flash-attention kernels are invisible to FlopCounterMode;
     on meta they decompose into the mm/bmm calls it counts, which is the convention we follow.
+    `mapping` replaces REFERENCE_EXTRAS (tests/real_zoo.py adds GROUPED_CONV_FIX to it).
+    `device="cpu"` runs a copy for real, with scaled_dot_product_attention held to its math
+    path (the same mm/bmm calls), for models whose forward reads data (`.item()`, `.all()` in
+    Hugging Face's mask code), which the meta device cannot; it has no view into fused LSTMs.
     """
-    model = copy.deepcopy(model).to("meta")
-    meta = tuple(x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
-                 else x for x in inputs)
-    with FlopCounterMode(display=False, custom_mapping=REFERENCE_EXTRAS) as fc:
-        model(*meta)
-    forward = fc.get_total_flops()
-    with FlopCounterMode(display=False, custom_mapping=REFERENCE_EXTRAS) as fc:
-        out = model(*meta)
-        if loss is not None:
-            t = target.to("meta") if isinstance(target, torch.Tensor) else target
-            loss(out, t).backward()
-        else:
-            out.float().sum().backward()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    mapping = REFERENCE_EXTRAS if mapping is None else mapping
+    model = copy.deepcopy(model).to(device)
+    moved = tuple(x.detach().to(device).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor)
+                  else x for x in inputs)
+    with sdpa_kernel(SDPBackend.MATH) if device == "cpu" else contextlib.nullcontext():
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+            model(*moved)
+        forward = fc.get_total_flops()
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fc:
+            out = model(*moved)
+            if loss is not None:
+                t = target.to(device) if isinstance(target, torch.Tensor) else target
+                loss(out, t).backward()
+            else:
+                out.float().sum().backward()
     return forward, fc.get_total_flops() - forward
 
 

@@ -23,8 +23,9 @@ SIZE_NOTE = "# NOTE(size):"
 # (imports torch only) and, for an FPGA stage's rank, the FPGA backend's C-simulation module.
 RUNTIME_MAY_IMPORT = ("pipecc.errors", "pipecc.runtime", "pipecc.ir.schedule",
                       "pipecc.frontend.modelfile", "pipecc.backends.fpga")
-# What the IR may import: nothing of the compiler around it.
-IR_MAY_IMPORT = ("pipecc.errors", "pipecc.ir")
+# What the IR may import: nothing of the compiler around it (report.formatting, how numbers and
+# tables are written, imports only pipecc.errors: the plan's summary for people uses it).
+IR_MAY_IMPORT = ("pipecc.errors", "pipecc.ir", "pipecc.report.formatting")
 
 
 def modules() -> dict[str, Path]:

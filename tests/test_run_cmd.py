@@ -83,6 +83,7 @@ def test_mlp_runs_and_verifies(mlp_run: subprocess.CompletedProcess) -> None:
     assert "pipecc: error" not in mlp_run.stderr
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_gpt_runs_and_verifies(gpt_out: Path) -> None:
     result = pipecc("run", str(gpt_out), "--steps", "2", "--verify", "--timeout", "30")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -91,6 +92,7 @@ def test_gpt_runs_and_verifies(gpt_out: Path) -> None:
     assert len(losses(result.stdout)) == 2
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_verify_catches_a_planted_bug(mlp_out: Path, tmp_path: Path) -> None:
     """A stage that computes something else (here: outputs scaled by 1.01) fails --verify."""
     out = tmp_path / "buggy"
@@ -108,6 +110,7 @@ def test_verify_catches_a_planted_bug(mlp_out: Path, tmp_path: Path) -> None:
     assert not losses(result.stdout)
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_two_nodes_match_one(mlp_out: Path, mlp_run: subprocess.CompletedProcess) -> None:
     """Two launchers (one process each) rendezvous on 127.0.0.1: the losses of one machine."""
     port = free_port()
@@ -181,6 +184,7 @@ def all_gone(tree: ProcessTree, within: float) -> bool:
     return not tree.alive()
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.xdist_group(name="run_faults")
 def test_ctrl_c_is_one_line_and_stops_everything(mlp_out: Path) -> None:
     proc = start("run", str(mlp_out), "--steps", "1000000", "--timeout", str(FALLBACK_S))
@@ -193,6 +197,7 @@ def test_ctrl_c_is_one_line_and_stops_everything(mlp_out: Path) -> None:
     assert all_gone(tree, within=STOPS_WITHIN_S), tree.alive()
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.xdist_group(name="run_faults")
 def test_killed_agent_stops_its_workers(mlp_out: Path) -> None:
     proc = start("run", str(mlp_out), "--steps", "1000000", "--timeout", str(FALLBACK_S))
@@ -210,6 +215,7 @@ def test_killed_agent_stops_its_workers(mlp_out: Path) -> None:
     assert all_gone(tree, within=STOPS_WITHIN_S), tree.alive()
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.xdist_group(name="run_faults")
 def test_hung_rank_is_named_and_the_run_ends_within_the_timeout(mlp_out: Path, tmp_path: Path) -> None:
     """Rank 1 hangs in its first forward (for an hour) and ignores SIGTERM; rank 0 times out
@@ -236,6 +242,7 @@ def test_hung_rank_is_named_and_the_run_ends_within_the_timeout(mlp_out: Path, t
     assert timeout <= took < FALLBACK_S, took
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.xdist_group(name="run_faults")
 def test_checkpoint_kill_and_resume_is_bitwise(mlp_out: Path, tmp_path: Path) -> None:
     """16 Adam steps straight == checkpoints every 4, everything SIGKILLed after one, --resume."""

@@ -125,6 +125,7 @@ def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
         assert [int(results[f"peak_sends.{r}"]) for r in range(2)] == ([4, 4] if schedule == "gpipe" else [2, 2])
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
     """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches.
     zb-h1: input gradients (I) of several tensors crossing a cut, weight gradients (W) later."""
@@ -135,6 +136,7 @@ def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
         assert_stash_profile(results, schedule, 3, 5)
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_zb_v_on_two_ranks_matches_single_process(tmp_path: Path) -> None:
     """ZB-V as schedule text: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (the V's point hands
     over locally), I and W split, skip/ids/objects relayed, 5 uneven micro-batches. Gloo tags:
@@ -179,10 +181,12 @@ def two_nodes(two_ranks: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_two_node_rendezvous(two_nodes: Path) -> None:
     assert_matches_reference(load_results(two_nodes, "1f1b", 2), "1f1b")
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_checkpoint_resume_is_bitwise(two_ranks: Path, two_nodes: Path) -> None:
     """4 steps straight == 2 steps, checkpoint, new processes with another init load it, 2 steps."""
     for rank in range(2):
@@ -196,6 +200,7 @@ def test_checkpoint_resume_is_bitwise(two_ranks: Path, two_nodes: Path) -> None:
     assert {p.suffix for p in (two_ranks / "ckpt").iterdir()} == {".json", ".safetensors"}  # no pickle
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_dead_or_hung_peer_stops_the_others(tmp_path: Path, how: str) -> None:
     """Rank 0 exits (or hangs for an hour) before sending: rank 1 fails, naming rank 0, and the

@@ -49,6 +49,7 @@ from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProble
                                      best_device_order, evaluate, lower_bound, partition)
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.units import Units, UnitBuilder
+from pipecc.report.formatting import count
 from pipecc.targets.fpga_timing import FpgaCosts
 from pipecc.targets.hardware import Cluster, Device
 from pipecc.targets.profiled import Profile, ProfiledCosts, profile_decisions, time_source
@@ -601,7 +602,7 @@ class Balancer:
                 recompute=bool(cand.recompute[k]) if cand.recompute else False,
                 replica_devices=list(range((k % P) * d, (k % P) * d + d)) if d > 1 else [],
                 allreduce_s=float(cand.allreduce[k]) if cand.allreduce else 0.0))
-        decisions = [f"schedule {cand.schedule} with {cand.microbatches} micro-batches of "
+        decisions = [f"schedule {cand.schedule} with {count(cand.microbatches, 'micro-batch')} of "
                      f"{self.opt.batch_size // cand.microbatches}: predicted "
                      f"{cand.timeline.iteration_s:.4g} s per iteration, bubble "
                      f"{cand.timeline.bubble_fraction:.1%}"]

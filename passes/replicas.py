@@ -178,7 +178,7 @@ def decisions(bal: Any, cand: Any) -> list[str]:
 
     def shape(x: int) -> str:
         return (f"{x} replicas per stage x {bal.p // x} stage{'s' if bal.p // x > 1 else ''}"
-                if x > 1 else f"no replication ({bal.p} stages)")
+                if x > 1 else f"no replication ({bal.p} stage{'s' if bal.p > 1 else ''})")
     order_note = ["--choose-order orders the devices of the plain pipeline (1 replica) only: "
                   "replica groups are consecutive devices in the given order"] \
         if bal.opt.choose_order and bal.p > 1 else []

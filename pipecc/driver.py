@@ -55,6 +55,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
+from pipecc.report.formatting import count
 
 if TYPE_CHECKING:  # the backends load only when a compile needs them
     from pipecc.backends.base import Backend, Target
@@ -178,7 +179,7 @@ def ir_text(state: State) -> str:
         recv = ", ".join(p.producer for p in stage.receives)
         send = ", ".join(p.producer for p in stage.sends)
         lines.append(f"stage {stage.index}: receives [{recv}] sends [{send}] "
-                     f"({len(stage.nodes)} nodes)")
+                     f"({count(len(stage.nodes), 'node')})")
     return "\n".join(lines) + "\n"
 
 
@@ -316,7 +317,7 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
     result, graph = tried[0]
     for other, _ in tried[1:]:
         result.decisions.append(
-            f"after layer splitting, {other.schedule} with {other.microbatches} micro-batches "
+            f"after layer splitting, {other.schedule} with {count(other.microbatches, 'micro-batch')} "
             f"predicts {other.predicted_iteration_s:.4g} s per iteration vs "
             f"{result.predicted_iteration_s:.4g} s")
     state.plan, state.graph = result, graph
@@ -450,7 +451,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     splittable = split_search.splittable_names(graph) if split_layers else []
     balancer = Balancer(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, balancer=balancer),
-                  f"planning on {len(cluster.devices)} devices")]
+                  f"planning on {count(len(cluster.devices), 'device')}")]
     if split_layers and splittable and len(cluster.devices) > 1:
         steps.append(Step("split layers", partial(_split_layers, balancer=balancer,
                                                   cluster=cluster, options=options, debug=debug)))

@@ -17,3 +17,22 @@ import torchvision_ops  # noqa: E402,F401
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
+
+
+def slow_node_ids() -> set[str]:
+    """The node ids tests/slow_tests.txt lists (measured: see its header)."""
+    lines = (line.split("#", 1)[0].strip() for line in SLOW_LIST.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests of slow_tests.txt `slow`: `make test-fast` (-m "not slow") leaves them out."""
+    import pytest
+
+    slow = slow_node_ids()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)

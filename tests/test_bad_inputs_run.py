@@ -169,6 +169,7 @@ def test_worker_debug_shows_the_traceback(mlp_out: Path, tmp_path: Path, monkeyp
         dist.main([str(out), "--steps", "1", "--schedule", "interleaved", "--debug"])
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_launch_with_a_broken_stage_is_one_line(mlp_out: Path, tmp_path: Path) -> None:
     """A real launch: rank 0 cannot import its stage.py; rank 1 waits for it. One line, no traceback."""
     case = next(c for c in CASES if c.name == "stage.py fails to import")

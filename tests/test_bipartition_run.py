@@ -153,6 +153,7 @@ def test_folder_holds_cores_and_segments_with_owner_and_replica(bip_out: Path) -
     assert len(list(worker0.parameters())) == 2 and len(list(worker1.parameters())) == 6
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_torchrun_verify_matches_one_process(bip_out: Path, planned, tmp_path) -> None:
     # 4 micro-batches of 6 samples (2, 2, 1, 1): the segments' graphs are traced per shape
     steps, lr = 3, 0.5

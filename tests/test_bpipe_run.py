@@ -216,6 +216,7 @@ def _transport_worker(rank: int, init: str, result: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_stash_travels_between_two_gloo_processes(tmp_path: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init = f"file://{tempfile.mkdtemp(dir=tmp_path)}/store"
@@ -301,6 +302,7 @@ def test_compiled_folder_records_the_pairs(bpipe_out: Path) -> None:
     assert marker["activation_balancing"] == PAIRS and marker["schedule"] == "1f1b"
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_torchrun_bpipe_folder_verifies_and_evicts(bpipe_out: Path) -> None:
     import json
 
@@ -364,12 +366,14 @@ def _launch(out: Path, tmp_path: Path, **env: str):
                           capture_output=True, text=True, env=env, timeout=180)
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_planted_restore_bug_fails_verify(bpipe_out: Path, tmp_path: Path) -> None:
     result = _launch(bpipe_out, tmp_path, PLANT="restore")
     assert result.returncode != 0
     assert "verify: rank 0 stage 0 gradient of" in result.stderr and "differs" in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_nccl_like_wire_verifies(bpipe_out: Path, tmp_path: Path) -> None:
     """The stash messages (a header, then a message per storage) keep NCCL's in-order matching on
     the partner pair's own directed groups."""

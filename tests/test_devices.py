@@ -308,7 +308,10 @@ def test_measure_cpu_is_fast_and_feeds_the_catalog():
 
     t0 = time.perf_counter()
     m = dv.measure_cpu()
-    assert time.perf_counter() - t0 < 1.0 and m["seconds"] < 1.0
+    took = time.perf_counter() - t0
+    # a fixed, small workload (~0.1 s on a quiet machine, returned as "seconds"); the
+    # bound catches a workload grown by orders of magnitude, never load (issue 21)
+    assert 0 < m["seconds"] <= took < 30.0
     assert m["fp32_flops"] > 1e8 and m["mem_bandwidth"] > 1e8
     cat = load_catalog().with_measured_cpu(m)
     cpu = parse_devices("cpu", cat).devices[0]

@@ -87,6 +87,7 @@ def dp(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------------- launches
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_two_stages_two_replicas_verify_and_json(pp_dp: Path) -> None:
     marker = json.loads((pp_dp / "pipecc.json").read_text())
     assert marker["replicas"] == 2 and len(marker["devices"]) == 4 and marker["num_stages"] == 2
@@ -102,6 +103,7 @@ def test_two_stages_two_replicas_verify_and_json(pp_dp: Path) -> None:
     assert document["batch_size"] == 8 and document["steps"] == 1
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_uneven_slices_run_and_verify(tmp_path: Path) -> None:
     """2 stages x 2 replicas, micro-batches of 3 rows: replica 0 takes 2 of each, replica 1 one
     (ports, messages and loss weights per replica); --verify checks outputs, loss and gradients."""
@@ -126,6 +128,7 @@ def _replicas_agree(step_dir: Path) -> None:
     assert keys and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in keys)
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_plain_data_parallel_verify_resume_and_inference(dp: Path, tmp_path: Path) -> None:
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--optimizer", "adam", "--timeout", "60"]
     first = pipecc("run", str(dp), "--steps", "2", "--verify", *ckpt)

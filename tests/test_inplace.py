@@ -263,6 +263,7 @@ def test_write_through_a_view_in_one_stage_matches_the_model(files: dict[str, Pa
 
 
 # ----------------------------------------------------------------------------- torchrun
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_run_verify_with_a_cut_before_an_inplace_op(files: dict[str, Path], tmp_path: Path) -> None:
     """The bug: rank 1 raised 'a leaf Variable that requires grad is being used in an in-place
     operation'. Stage 1 starts with relu_ on its received `a` and runs under recomputation;

@@ -73,7 +73,8 @@ def test_summary_table_marks_bottleneck_and_bound(gpt_out, capsys):
         assert f"{s.nodes[0]} .. {s.nodes[-1]}" in rows[s.index]
     assert f"balance ratio {plan.balance_ratio:.3f}" in out
     assert "lower bound" in out and "bottleneck" in out
-    assert f"schedule {plan.schedule}" in out and f"{plan.microbatches} micro-batches" in out
+    mbs = f"{plan.microbatches} micro-batches" if plan.microbatches > 1 else "1 micro-batch "
+    assert f"schedule {plan.schedule}" in out and mbs in out
     assert "device 0 |" in out  # the schedule drawn
 
 

@@ -148,6 +148,7 @@ def two_ranks(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name, route", [("mlp", "stages"), ("mlp", "policy"), ("gpt", "stages"),
                                          ("gpt", "policy"), ("skip", "stages"), ("gpt", "zb"), ("skip", "zb")])
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_gpipe_on_two_ranks_matches_one_process(two_ranks: Path, name: str, route: str) -> None:
     from safetensors.torch import load_file
 

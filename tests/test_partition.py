@@ -311,5 +311,7 @@ def test_20k_nodes_on_16_devices_plans_fast(tight: bool):
     balance = part.bottleneck / np.mean(part.stage_time)
     print(f"\n20k x 16 ({'memory-bound' if tight else 'no memory limit'}): {elapsed:.2f} s, "
           f"bottleneck {part.bottleneck:.4f} s, max/mean {balance:.4f}")
-    assert elapsed < 10.0 and part.fits and isinstance(part, Partition)
+    # ~1-2 s on a quiet 2-core machine (bench/bench_plan_speed.py times the whole planner); the
+    # bound only catches a blow-up (a quadratic search takes hours), never load (issue 21)
+    assert elapsed < 120.0 and part.fits and isinstance(part, Partition)
     assert lower_bound(pr) <= part.bottleneck

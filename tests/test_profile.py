@@ -293,6 +293,7 @@ def _quick_link(backend, devices):
 
 
 # ---------------------------------------------------------------------------- across hosts
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_two_launchers_measure_the_cross_host_link(tmp_path):
     """Node 0 and node 1 as two `pipecc profile` processes meeting at 127.0.0.1:PORT: node 0
     writes the profile with the cross-host link in `links`; node 1 prints one line, writes

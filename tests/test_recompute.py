@@ -356,6 +356,7 @@ def test_plan_text_and_inspect_show_recomputing_stages(tmp_path, capsys) -> None
         (out / "stage_1" / "stage.py").read_text()
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.xdist_group(name="run_cmd")
 def test_run_verify_with_recompute(tmp_path) -> None:
     """One torchrun launch: the checkpointed stage.py files train like the model, under the

@@ -56,6 +56,7 @@ def cpu_out(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------------- launches
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @needs_gxx
 def test_mixed_fpga_pipeline_runs_and_verifies(mixed_out: Path) -> None:
     result = pipecc("run", str(mixed_out), "--steps", "2", "--verify")
@@ -69,6 +70,7 @@ def test_mixed_fpga_pipeline_runs_and_verifies(mixed_out: Path) -> None:
     assert (mixed_out / "stage_1" / "hls" / "csim_build").is_dir()  # rank 1 ran the C simulation
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_cpu_inference_folder_runs_forward_only(cpu_out: Path) -> None:
     result = pipecc("run", str(cpu_out), "--steps", "2", "--verify", "--timeout", "30")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -77,6 +77,7 @@ def mlp_out(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------------------- launches
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_training_run_prints_one_document(mlp_out: Path) -> None:
     result = pipecc("run", str(mlp_out), "--json", "--schedule", "1f1b", "--steps", "3", "--verify",
                     "--timeout", "30")
@@ -93,6 +94,7 @@ def test_training_run_prints_one_document(mlp_out: Path) -> None:
     assert "pipecc: error" not in result.stderr
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_inference_folder_reports_no_backward(tmp_path: Path) -> None:
     out = compile_mlp(tmp_path / "infer", "--inference")
     doc = document(pipecc("run", str(out), "--json", "--steps", "3", "--warmup-steps", "2", "--timeout", "30"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from pipecc.ir.schedule import format as schedule_text, interleaved_1f1b, one_f_
 from pipecc.runtime.checkpoints import RunCheckpoints
 from pipecc.runtime.dist import main
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
-from pipecc.runtime.launcher import root_cause
+from pipecc.runtime.launcher import ProcessTree, root_cause
 from pipecc.runtime.ports import from_json, to_json
 from pipecc.runtime.wire import check_fifo, send_release
 
@@ -124,6 +125,7 @@ def test_two_ranks_match_single_process(two_ranks: Path, schedule: str) -> None:
         assert [int(results[f"peak_sends.{r}"]) for r in range(2)] == ([4, 4] if schedule == "gpipe" else [2, 2])
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
     """The middle rank relays the skip tensor, the integer ids and an int; 5 uneven microbatches.
     zb-h1: input gradients (I) of several tensors crossing a cut, weight gradients (W) later."""
@@ -134,6 +136,7 @@ def test_three_ranks_relay_skip_ids_and_objects(tmp_path: Path) -> None:
         assert_stash_profile(results, schedule, 3, 5)
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_zb_v_on_two_ranks_matches_single_process(tmp_path: Path) -> None:
     """ZB-V as schedule text: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (the V's point hands
     over locally), I and W split, skip/ids/objects relayed, 5 uneven micro-batches. Gloo tags:
@@ -178,10 +181,12 @@ def two_nodes(two_ranks: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_two_node_rendezvous(two_nodes: Path) -> None:
     assert_matches_reference(load_results(two_nodes, "1f1b", 2), "1f1b")
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_checkpoint_resume_is_bitwise(two_ranks: Path, two_nodes: Path) -> None:
     """4 steps straight == 2 steps, checkpoint, new processes with another init load it, 2 steps."""
     for rank in range(2):
@@ -195,22 +200,37 @@ def test_checkpoint_resume_is_bitwise(two_ranks: Path, two_nodes: Path) -> None:
     assert {p.suffix for p in (two_ranks / "ckpt").iterdir()} == {".json", ".safetensors"}  # no pickle
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_dead_or_hung_peer_stops_the_others(tmp_path: Path, how: str) -> None:
-    """Rank 0 exits (or hangs) before sending: rank 1 fails within the timeout, naming rank 0."""
+    """Rank 0 exits (or hangs for an hour) before sending: rank 1 fails, naming rank 0, and the
+    launch ends. No wall-clock limit a loaded machine can break (issue 21): the line says which
+    mechanism fired (the receive's timeout, the dead peer's closed socket); the time is bounded
+    only far below the hour-long hang, and a launch past twice that bound is killed and fails."""
     timeout = 2.0
+    bound_s = 120.0  # normal: the timeout plus torchrun's start-up, a few seconds
     start = time.monotonic()
-    result = subprocess.run(torchrun_cmd(2, "fault", str(tmp_path), "--how", how, "--timeout", str(timeout)),
-                            env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout + 60)
+    proc = subprocess.Popen(torchrun_cmd(2, "fault", str(tmp_path), "--how", how, "--timeout", str(timeout)),
+                            env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=2 * bound_s)
+    except subprocess.TimeoutExpired:
+        tree = ProcessTree(proc.pid)
+        tree.refresh()
+        for pid in [proc.pid, *tree.alive()]:
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"the launch did not end ({how}): the others were not stopped") from None
     elapsed = time.monotonic() - start
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "pipecc: error:" in line]
-    assert errors, result.stderr[-3000:]
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if "pipecc: error:" in line]
+    assert errors, stderr[-3000:]
     if how == "hang":
         assert "rank 1: timed out after 2.0 s waiting for RECV_F mb 0 from rank 0" in errors[0]
+        assert elapsed >= timeout
     else:
         assert "rank 1: RECV_F mb 0 from rank 0 failed" in errors[0]
-    assert elapsed < timeout + 10 + 5  # + torchrun and interpreter start-up
+    assert elapsed < bound_s, elapsed
 
 
 # ---------------------------------------------------------------------------- in process
@@ -322,25 +342,30 @@ def test_worker_stops_when_its_agent_or_launcher_is_gone(lost: str, tmp_path: Pa
     from pipecc.runtime.lifeline import ENV, launcher_id
 
     worker = ("import time; from pipecc.runtime import lifeline; lifeline.start('rank 0'); "
-              "print('ready', flush=True); time.sleep(60)")
+              "print('ready', flush=True); time.sleep(600)")
     parent_code = ("import subprocess, sys, time; "
                    "w = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stderr=open(sys.argv[2], 'w')); "
-                   "print(w.pid, flush=True); time.sleep(60)")
-    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                   "print(w.pid, flush=True); time.sleep(600)")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     parent = subprocess.Popen([sys.executable, "-c", parent_code, worker, str(tmp_path / "err")], cwd=ROOT,
                               env={**env(), ENV: launcher_id(launcher.pid)}, stdout=subprocess.PIPE, text=True)
+    pid = 0
     try:
         pid = int(parent.stdout.readline())
         assert parent.stdout.readline() == "ready\n"
         (parent if lost == "agent" else launcher).kill()
+        # the worker sleeps 10 minutes: ending well before, with the lifeline's line, is the
+        # lifeline at work (normally within its 0.5 s poll; no tighter limit, issue 21)
         killed = time.monotonic()
-        while time.monotonic() - killed < 5 and not exited(pid):
+        while time.monotonic() - killed < 120 and not exited(pid):
             time.sleep(0.05)
-        assert time.monotonic() - killed < 3
+        assert exited(pid), f"worker {pid} still runs 120 s after its {lost} was killed"
         gone = "the torchrun agent" if lost == "agent" else f"pipecc run (pid {launcher.pid})"
         err = (tmp_path / "err").read_text()
         assert f"pipecc: error: rank 0: {gone}" in err and "is gone; stopping" in err, err
     finally:
+        if pid and not exited(pid):
+            os.kill(pid, signal.SIGKILL)
         for p in (parent, launcher):
             p.kill()
             p.wait()

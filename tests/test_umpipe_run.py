@@ -343,6 +343,7 @@ def test_compiled_folder_records_the_sizes(unequal_out: Path) -> None:
     assert marker["microbatch_sizes"] == SIZES and marker["schedule"] == "gpipe"
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_torchrun_unequal_folder_verifies(unequal_out: Path) -> None:
     result = pipecc("run", str(unequal_out), "--verify", "--steps", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -230,6 +230,7 @@ def zb_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, run_pipecc("run", str(out), "--steps", "2", "--verify", "--json", "--timeout", "30")
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_compiled_zb_h1_runs_and_verifies(zb_run) -> None:
     out, result = zb_run
     assert result.returncode == 0, result.stderr[-3000:]
@@ -239,6 +240,7 @@ def test_compiled_zb_h1_runs_and_verifies(zb_run) -> None:
     assert all(s["backward_s"] > 0 and s["backward_samples"] == 4 for s in doc["stages"])  # I + W per mb
 
 
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_compiled_zb_h1_reports_i_and_w(zb_run) -> None:
     out, _ = zb_run
     kinds = {e["kind"] for e in json.loads((out / "timeline.json").read_text())["events"]}

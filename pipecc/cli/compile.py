@@ -31,7 +31,7 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipecc import driver, progress
     from pipecc.backends.torch.compile import check_output_folder
-    from pipecc.report.formatting import terminal_text
+    from pipecc.report.formatting import count, terminal_text
     check_output_folder(args.output, args.force)  # now, not after minutes of analysis
     args.compare = True  # the report shows the baselines' figures
     analysis, plan, graph = plan_from_args(args)
@@ -45,8 +45,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(terminal_text(f"pipecc: {line}"), file=sys.stderr)
     if not args.quiet:
         groups = f" x {plan.replicas} replicas" if plan.replicas > 1 else ""
-        print(terminal_text(f"wrote {done.out}: {len(done.stages)} stages{groups}, schedule {plan.schedule}, "
-                            f"{plan.microbatches} micro-batches; run it with `pipecc run {args.output}`"))
+        print(terminal_text(f"wrote {done.out}: {count(len(done.stages), 'stage')}{groups}, schedule "
+                            f"{plan.schedule}, {count(plan.microbatches, 'micro-batch')}; run it with "
+                            f"`pipecc run {args.output}`"))
         if plan.is_bipartition():
             segments = [(f, b) for kind, f, b, _ in plan.bipartition_pieces() if kind == "segment"]
             where = ", ".join(f"forward on {f} / backward on {b}" for f, b in segments)

@@ -24,20 +24,45 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     return p
 
 
+def check_plan_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(cluster, profile): what needs no model, checked before the analysis (which takes
+    seconds to minutes), so a misspelled device name is one line at once: the devices (names,
+    counts, a cluster file), --replicas against them, --fpga-number, the --profile file and
+    the devices it timed. driver.plan checks them again (the Python API has no CLI)."""
+    from pipecc.errors import UsageError
+    from pipecc.targets.devices import DeviceSpecError, parse_devices
+    try:
+        cluster = parse_devices(args.devices)  # at once: nothing here imports torch
+    except DeviceSpecError as exc:
+        raise UsageError(str(exc)) from exc
+    from pipecc.targets.fpga_model import parse_number  # NOTE: these import torch (seconds)
+    parse_number(args.fpga_number)
+    if args.replicas != "auto":
+        from pipecc.passes.replicas import check_requested
+        check_requested(args.replicas, len(cluster.devices), [d.name for d in cluster.devices if d.kind == "fpga"])
+    profile = None
+    if args.profile is not None:
+        from pipecc.targets.profiled import check_devices, load_profile
+        profile = load_profile(args.profile)
+        check_devices(profile, cluster)
+    return cluster, profile
+
+
 def plan_from_args(args: argparse.Namespace):
     """(analysis, plan, graph) for the model and plan options on the command line."""
+    cluster, profile = check_plan_args(args)  # NOTE: first: importing the driver imports torch (seconds)
     from pipecc import driver
     from pipecc.frontend.modelfile import parse_model_args
     analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
                               batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
                               debug=args.debug, dump_ir=args.dump_ir)
-    plan, graph = driver.plan(analysis, args.devices, microbatches=args.microbatches,
+    plan, graph = driver.plan(analysis, cluster, microbatches=args.microbatches,
                               schedule=args.schedule, coarse=args.coarse,
                               choose_order=args.choose_order,
                               split_layers=not args.no_split_layers,
                               compare=getattr(args, "compare", False),
                               training=not args.inference, recompute=args.recompute,
-                              fpga_number=args.fpga_number, profile=args.profile,
+                              fpga_number=args.fpga_number, profile=profile,
                               replicas=args.replicas,
                               microbatch_sizes=args.microbatch_sizes,
                               bipartition=args.bipartition,

@@ -8,12 +8,14 @@ whose human node names (`META_NAME`) the plan lists.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import VIRTUAL, schedule_for
+from pipecc.report.formatting import count, human, seconds, text_table
 
 
 @dataclass
@@ -214,6 +216,43 @@ class Plan:
                 out[int(s.index)] = str(dev.get("name"))
         return out
 
+    # -- for people (the Python API: `pm.plan`); `pipecc plan` prints report.text.plan_table
+    def __repr__(self) -> str:
+        """One line: the dataclass's own repr is thousands of characters (issue 21)."""
+        shape = count(len(self.stages), "stage")
+        if self.replicas > 1:
+            shape += f" x {count(self.replicas, 'replica')}"
+        mbs = ("unequal micro-batches" if self.microbatch_sizes
+               else count(self.microbatches, "micro-batch"))
+        return (f"Plan({self.model}: {shape} on {devices_text([d.get('name', '?') for d in self.devices])}, "
+                f"batch {self.batch_size} in {mbs}, schedule {self.schedule}, "
+                f"{seconds(self.predicted_iteration_s)} per iteration predicted)")
+
+    def __str__(self) -> str:
+        return self.summary_text()
+
+    def summary_text(self) -> str:
+        """What `summary` prints: the one-line description, the stage table, the figures."""
+        slowest = max(range(len(self.stages)), default=0,
+                      key=lambda i: self.stages[i].forward_s + self.stages[i].backward_s + self.stages[i].comm_s)
+        rows = [[f"{s.index}{' *' if s.index == slowest else ''}",
+                 devices_text([self.devices[d].get("name", "?") if 0 <= d < len(self.devices) else "?"
+                               for d in self.stage_devices(s)]),
+                 s.nodes[0] if s.nodes else "-", s.nodes[-1] if s.nodes else "-", str(len(s.nodes)),
+                 seconds(s.forward_s), seconds(s.backward_s), seconds(s.comm_s), human(s.peak_memory_bytes, "B")]
+                for s in self.stages]
+        table = text_table(["stage", "device", "first node", "last node", "nodes", "fwd", "bwd", "comm",
+                            "peak mem"], rows, left=4)
+        return "\n".join([
+            repr(self), "", table, "",
+            f"bottleneck {seconds(self.bottleneck_s)} per micro-batch (stage marked *), lower bound "
+            f"{seconds(self.lower_bound_s)}, bubble {self.bubble_fraction:.1%}"])
+
+    def summary(self, file: TextIO | None = None) -> None:
+        """Print the stage table (per micro-batch: forward, backward, communication, peak
+        memory), as `pipecc plan` does for the command line; `str(plan)` is the same text."""
+        print(self.summary_text(), file=file or sys.stdout)
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["balance_ratio"] = self.balance_ratio
@@ -245,3 +284,14 @@ def schedule_of(plan: Plan) -> Schedule:
                         microbatch_sizes=plan.microbatch_sizes or None,
                         bpipe_thresholds=plan.bpipe_thresholds() if balancing else None,
                         bpipe_policy=str(balancing[0].get("policy", "jit")) if balancing else "jit")
+
+
+def devices_text(names: list[str]) -> str:
+    """Device names, runs of one kind counted: ["a100", "a100", "v100"] -> "2x a100, v100"."""
+    runs: list[list[Any]] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ", ".join(f"{k}x {name}" if k > 1 else str(name) for name, k in runs) or "no devices"

@@ -31,7 +31,7 @@ from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
 from pipecc.report.figures import (bipartition_lines, bottleneck_stage, bpipe_lines, device_capacities, first_last,
                                    memory_kind, recompute_line)
-from pipecc.report.formatting import human, seconds, shapes_text, text_table
+from pipecc.report.formatting import count, human, seconds, shapes_text, text_table
 from pipecc.report.text import replica_group, replica_rows, sizes_text
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 
@@ -319,14 +319,14 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
                      ", ".join(s["split_layers"]) or "-"])
     mb = data["microbatch_size"]
     lines = [
-        f"{c.path}: {plan.model}, {len(plan.stages)} stages on {len(plan.devices)} devices",
+        f"{c.path}: {plan.model}, {count(len(plan.stages), 'stage')} on {count(len(plan.devices), 'device')}",
         f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages} stages per device)"
                                        if plan.virtual_stages > 1 else "")
         + (f", unequal micro-batches per stage: {sizes_text(plan)} (batch {plan.batch_size}); "
            f"figures per micro-batch of "
            f"{plan.options.get('umpipe_chunk_costs', {}).get('stage_figures_microbatch', '?')}"
            if plan.microbatch_sizes else
-           f", {plan.microbatches} micro-batches of {mb} (batch {plan.batch_size}); ")
+           f", {count(plan.microbatches, 'micro-batch')} of {mb} (batch {plan.batch_size}); ")
         + (f"{plan.replicas} replicas per stage, each on {replica_rows(mb, plan.replicas)} samples of "
            "every micro-batch; figures per replica and micro-batch"
            + (" (the largest slice)" if mb % plan.replicas else "") if plan.replicas > 1

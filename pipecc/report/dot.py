@@ -10,7 +10,7 @@ from typing import Any
 
 from pipecc.ir.plan import Plan
 from pipecc.report.artifacts import MODEL_INPUT
-from pipecc.report.formatting import human, printable, shapes_text
+from pipecc.report.formatting import count, human, printable, shapes_text
 from pipecc.report.text import replica_group
 
 DOT_TIMEOUT_S = 60
@@ -26,7 +26,7 @@ def _q(text: Any) -> str:
 def dot_text(plan: Plan, graph: dict[str, Any] | None) -> str:
     """Graphviz from the plan and graph.json: one `subgraph cluster_<i>` per stage, model inputs
     and the output outside, cross-stage edges labelled with the bytes per micro-batch, in red."""
-    title = (f"{plan.model}: {len(plan.stages)} stages, schedule {plan.schedule}; "
+    title = (f"{plan.model}: {count(len(plan.stages), 'stage')}, schedule {plan.schedule}; "
              "edge labels: bytes per micro-batch")
     lines = [f"digraph {_q(plan.model)} {{", "  rankdir=TB;", "  compound=true;",
              '  node [shape=box, style="rounded,filled", fillcolor="#f5f7fa", '
@@ -37,7 +37,7 @@ def dot_text(plan: Plan, graph: dict[str, Any] | None) -> str:
             dev = plan.devices[s.device]["name"] if s.device < len(plan.devices) else "?"
             dev = replica_group(plan, s) if plan.replicas > 1 else dev
             lines.append(f"  subgraph cluster_{s.index} {{ label={_q(f'stage {s.index} · {dev}')}; "
-                         f"s{s.index} [label={_q(f'{len(s.nodes)} nodes')}]; }}")
+                         f"s{s.index} [label={_q(count(len(s.nodes), 'node'))}]; }}")
         for s in plan.stages[:-1]:
             lines.append(f"  s{s.index} -> s{s.index + 1} [label={_q(human(s.send_bytes, 'B'))}];")
         return "\n".join(lines + ["}"])

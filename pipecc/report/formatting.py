@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from pipecc.errors import printable
 
-__all__ = ["human", "printable", "seconds", "shapes_text", "terminal_text", "text_table"]  # printable: from pipecc.errors
+__all__ = ["count", "human", "printable", "seconds", "shapes_text", "terminal_text",
+           "text_table"]  # printable: from pipecc.errors
+
+
+def count(n: int, noun: str, plural: str = "") -> str:
+    """'1 stage', '2 stages', '1 micro-batch', '4 micro-batches': a number and its noun, in
+    the singular for exactly one (plural: `plural`, else noun + "es" after ch/sh/s/x, + "s")."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {plural or noun + ('es' if noun.endswith(('ch', 'sh', 's', 'x')) else 's')}"
 
 
 def human(n: float, unit: str = "") -> str:

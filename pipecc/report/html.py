@@ -24,7 +24,7 @@ from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timel
 from pipecc.report.compiled import load_compiled, timeline_of
 from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import bipartition_lines, bottleneck_stage, device_capacities, first_last
-from pipecc.report.formatting import human, seconds
+from pipecc.report.formatting import count, human, seconds
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
                                esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
                                stage_time_svg)
@@ -286,8 +286,8 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
 <title>pipecc report: {esc(plan.model)}</title><style>{CSS}</style></head>
 <body><main>
 <h1>pipecc report: {esc(plan.model)}</h1>
-<p class="sub">batch {plan.batch_size} in {plan.microbatches} micro-batches of {mb} · schedule
-{esc(sched)} · {len(plan.stages)} stages on {esc(devs)} · {esc(plan.dtype)}</p>
+<p class="sub">batch {plan.batch_size} in {count(plan.microbatches, 'micro-batch')} of {mb} · schedule
+{esc(sched)} · {count(len(plan.stages), 'stage')} on {esc(devs)} · {esc(plan.dtype)}</p>
 <div class="figures">{fig_html}</div>
 
 <h2>Pipeline schedule</h2>
@@ -332,7 +332,7 @@ def _device_summary(plan: Plan) -> str:
             groups[-1][1] += 1
         else:
             groups.append([d["name"], 1])
-    out = f"{len(plan.devices)} devices: " + ", ".join(f"{k}× {n}" if k > 1 else n for n, k in groups)
+    out = f"{count(len(plan.devices), 'device')}: " + ", ".join(f"{k}× {n}" if k > 1 else n for n, k in groups)
     if plan.replicas > 1:  # PP x DP: each pipeline rank is a group of consecutive devices
         p = pipeline_ranks(plan)
         out += (f" in {p} replica group{'s' if p > 1 else ''} of {plan.replicas} (each stage's "

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from pipecc.ir.plan import Plan
 from pipecc.targets.timing import MEMORY_HEADROOM
 from pipecc.report.figures import bottleneck_stage, first_last
-from pipecc.report.formatting import human, seconds
+from pipecc.report.formatting import count, human, seconds
 
 F_COLORS = ("#4c78a8", "#9ecae9", "#2f4b7c", "#6baed6")   # forward, by interleaved chunk
 B_COLORS = ("#f58518", "#ffbf79", "#b35806", "#fdae6b")   # backward (zero-bubble: its I part)
@@ -287,7 +287,7 @@ def stage_flow_svg(plan: Plan, graph: dict[str, Any] | None) -> str:
                          + (" …" if len(s.nodes) > 8 else ""), ' rx="6" stroke="#7a8ca3"'))
         out.append(_text(x + box_w / 2, y + 18, f"stage {s.index}", "rowlabel bold", "middle"))
         out.append(_text(x + box_w / 2, y + 34, stage_label(plan, s), "small", "middle"))
-        out.append(_text(x + box_w / 2, y + 50, f"{ops} nodes, {human(s.forward_flops)}FLOP fwd",
+        out.append(_text(x + box_w / 2, y + 50, f"{count(ops, 'node')}, {human(s.forward_flops)}FLOP fwd",
                          "small", "middle"))
         first, last = first_last(s.nodes)
         out.append(_text(x + box_w / 2, y + 66, _short(first), "small", "middle"))

@@ -6,7 +6,7 @@ from typing import Any
 
 from pipecc.cost import TOTAL_FIELDS, NodeCost, totals
 from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, tensors_in
-from pipecc.report.formatting import human, text_table
+from pipecc.report.formatting import count, human, text_table
 
 NODE_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
                "param_bytes", "output_bytes", "bytes_moved",
@@ -41,31 +41,34 @@ def cost_table(graph: AnnotatedGraph, by_module: int = 0, max_formula: int = 40)
     headers = ["node" if not by_module else "module", "op", "fwd FLOPs", "formula (fwd)",
                "bwd FLOPs", "params", "output"]
     rows: list[list[str]] = []
+    def short(formula: Any) -> str:
+        text = str(formula)
+        return text[: max_formula - 1] + "…" if len(text) > max_formula else text
+
     if by_module:
         groups: dict[str, dict[str, Any]] = {}
-        for n in data["nodes"]:
+        costs = [node.meta[META_COST] for node in graph.gm.graph.nodes if node.op != "output"]
+        for n, c in zip(data["nodes"], costs):  # the same nodes, in the same order
             key = ".".join(n["name"].split(".")[:by_module])
             g = groups.setdefault(key, {"ops": 0, "forward_flops": 0, "backward_flops": 0,
-                                        "param_bytes": 0, "output_bytes": 0})
+                                        "param_bytes": 0, "output_bytes": 0, "formula": 0})
             g["ops"] += 1
+            g["formula"] += c.forward_flops  # a sum of the nodes' expressions (sympy adds terms)
             for f in ("forward_flops", "backward_flops", "param_bytes", "output_bytes"):
                 g[f] += n[f]
         for key, g in groups.items():
-            rows.append([key, f"{g['ops']} ops", human(g["forward_flops"]), "",
+            rows.append([key, count(g["ops"], "op"), human(g["forward_flops"]), short(g["formula"]),
                          human(g["backward_flops"]), human(g["param_bytes"], "B"),
                          human(g["output_bytes"], "B")])
     else:
         for n in data["nodes"]:
-            formula = n["forward_flops_expr"]
-            if len(formula) > max_formula:
-                formula = formula[: max_formula - 1] + "…"
-            rows.append([n["name"], n["op"], human(n["forward_flops"]), formula,
+            rows.append([n["name"], n["op"], human(n["forward_flops"]), short(n["forward_flops_expr"]),
                          human(n["backward_flops"]), human(n["param_bytes"], "B"),
                          human(n["output_bytes"], "B")])
     t = data["total"]
     symbols = ", ".join(f"{k}={v}" for k, v in data["symbols"].items()) or "none"
     lines = [
-        f"{graph.model_name}: {len(data['nodes'])} nodes, captured with {graph.source}; "
+        f"{graph.model_name}: {count(len(data['nodes']), 'node')}, captured with {graph.source}; "
         f"symbols {symbols}",
         "",
         text_table(headers, rows),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipecc.ir.plan import Plan
 from pipecc.report.figures import bipartition_lines, bottleneck_stage, bpipe_lines, first_last, recompute_line
-from pipecc.report.formatting import human, seconds, text_table
+from pipecc.report.formatting import count, human, seconds, text_table
 
 
 def replica_group(plan: Plan, stage) -> str:
@@ -41,7 +41,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
     lines = [
         f"{plan.model}: batch {plan.batch_size}, "
         + (f"unequal micro-batches per stage (UMPIPE): {sizes_text(plan)}, " if plan.microbatch_sizes
-           else f"{plan.microbatches} micro-batches, ")
+           else f"{count(plan.microbatches, 'micro-batch')}, ")
         + f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
         + (f", {plan.replicas} replicas per stage (each on "
            f"{replica_rows(plan.batch_size // plan.microbatches, plan.replicas)} of every micro-batch's "

@@ -163,6 +163,13 @@ class PipelinedModule(nn.Module):
         devices = ", ".join(str(d) for d in self._pipecc_devices)
         return f"stages={len(self._pipecc_stages)}, microbatches={self._pipecc_microbatches}, devices=[{devices}]"
 
+    def __repr__(self) -> str:
+        """One line, not nn.Module's tree of every adopted submodule (issue 21): the owner, the
+        stages and their devices, the micro-batches; `print(pm.plan)` has the stage table."""
+        plan = self.__dict__.get("plan")  # set by pipecc.compile / pipecc.load
+        schedule = f", schedule {plan.schedule}" if getattr(plan, "schedule", None) else ""
+        return (f"PipelinedModule({type(self._pipecc_owner).__name__}: {self.extra_repr()}{schedule})")
+
     def pipeline_info(self) -> dict[str, Any]:
         """Stage count, micro-batches, devices and the stage modules (for inspection and tests)."""
         return {"stages": list(self._pipecc_stages), "microbatches": self._pipecc_microbatches,

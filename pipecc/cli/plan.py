@@ -39,7 +39,7 @@ def check_plan_args(args: argparse.Namespace) -> tuple[Any, Any]:
     parse_number(args.fpga_number)
     if args.replicas != "auto":
         from pipecc.passes.replicas import check_requested
-        check_requested(args.replicas, len(cluster.devices), [d.name for d in cluster.devices if d.kind == "fpga"])
+        check_requested(args.replicas, len(cluster.devices), cluster.devices)
     profile = None
     if args.profile is not None:
         from pipecc.targets.profiled import check_devices, load_profile

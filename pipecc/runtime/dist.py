@@ -124,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Checkpoints (``pipecc.runtime.checkpoints``): ``--checkpoint-dir DIR`` saves every rank's
     model, optimizer and RNG state every ``--checkpoint-every N`` steps and after the last,
-    atomically; ``--resume`` continues from the newest one (``--steps`` counts from the start).
+    atomically; ``--resume`` continues from the newest one (``--steps`` counts from the start),
+    after checking its checksums, its state for NaN/Inf and the run's options against those it
+    was trained with; one run holds the folder's lock at a time (``pipecc.runtime.ckptlock``).
 
     Replicated stages (``pipecc.json``: ``"replicas": d > 1``, ``pipecc.runtime.replicas``): under
     torchrun with n ranks, global rank g runs pipeline rank g // d (its stages, the schedule built

@@ -122,7 +122,8 @@ def _replicas_agree(step_dir: Path) -> None:
     them equal), and each its own file set."""
     from safetensors.torch import load_file
     assert sorted(p.name for p in step_dir.iterdir()) == [
-        "stage_0.json", "stage_0.safetensors", "stage_1.json", "stage_1.safetensors"]
+        "stage_0.json", "stage_0.safetensors", "stage_0.sha256", "stage_1.json", "stage_1.safetensors",
+        "stage_1.sha256"]  # each file set with its checksums (pipecc.runtime.checkpoints)
     a, b = (load_file(step_dir / f"stage_{g}.safetensors") for g in (0, 1))
     keys = [k for k in a if not k.startswith("rng.")]
     assert keys and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in keys)

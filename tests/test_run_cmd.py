@@ -277,7 +277,8 @@ def test_checkpoint_kill_and_resume_is_bitwise(mlp_out: Path, tmp_path: Path) ->
         got = load_file(tmp_path / "ckpt" / "step_16" / f"stage_{rank}.safetensors")
         assert want.keys() == got.keys() and any(k.startswith("optim.") for k in got)
         assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest.json", "step_12", "step_16"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".pipecc-run.lock", "latest.json", "step_12",
+                                                                      "step_16"]  # the lock: tests/test_trust.py
 
 
 # ---------------------------------------------------------------------------- in process

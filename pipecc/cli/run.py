@@ -363,6 +363,7 @@ def _child_env() -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    lock = _lock_checkpoints(args, create=False)  # a folder in use names its run before any other check
     launch = launch_plan(args)
     commands = torchrun_commands(args, launch)
     if args.print_command:
@@ -377,7 +378,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(omp + shlex.join(cmd))
         return 0
     (cmd,) = commands.values()
+    lock = lock or _lock_checkpoints(args, create=True)  # the checks passed: a new folder may be made now
+    env = _child_env()
+    if args.checkpoint_dir is not None:
+        from pipecc.runtime.ckptlock import LOCK_ENV
+        env[LOCK_ENV] = str(Path(args.checkpoint_dir).resolve())  # the ranks do not lock it again
     verbose = bool(getattr(args, "verbose", False) or getattr(args, "debug", False))
     if verbose:
         print("pipecc run: " + shlex.join(cmd), file=sys.stderr, flush=True)
-    return supervise(cmd, _child_env(), verbose, json_only=args.json)
+    try:
+        return supervise(cmd, env, verbose, json_only=args.json)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_checkpoints(args: argparse.Namespace, create: bool) -> Any:
+    """Hold ``--checkpoint-dir``'s lock for this run (``pipecc.runtime.ckptlock``): node 0's
+    launcher holds it for the whole launch; None without a folder (yet), on other nodes, or
+    when only printing the command."""
+    if args.checkpoint_dir is None or args.print_command or args.node_rank not in (None, 0):
+        return None
+    from pipecc.runtime.ckptlock import CheckpointLock
+    return CheckpointLock.take(args.checkpoint_dir, create=create)

@@ -9,9 +9,9 @@ arguments given with `--model-arg KEY=VALUE` go to `build_model`; they are also 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -61,19 +61,32 @@ def _call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def import_model_file(path: Path) -> Any:
-    """Import a model file as a fresh module (not cached in sys.modules)."""
-    if not path.exists():
-        raise PipeccError(f"model file {str(path)!r} does not exist")
-    if path.suffix != ".py":
-        raise PipeccError(f"model file {str(path)!r} is neither .py nor .onnx")
+def import_model_file(path: Path, source: bytes | None = None) -> Any:
+    """Run a model file as a fresh module (registered in sys.modules under a name of its own).
+
+    ``source`` is the file's bytes as already read (and hashed, ``pipecc.runtime.trust.
+    model_source``); without it the file is read here, once. Either way those bytes are compiled
+    from memory: the import system is never asked, so no ``__pycache__`` bytecode (which it
+    trusts on a matching mtime and size) runs instead of the source, and nothing is re-read
+    from the path after it was hashed.
+    """
+    path = Path(path)
+    if source is None:
+        if not path.exists():
+            raise PipeccError(f"model file {str(path)!r} does not exist")
+        if path.suffix != ".py":
+            raise PipeccError(f"model file {str(path)!r} is neither .py nor .onnx")
+        try:
+            source = path.read_bytes()
+        except OSError as exc:
+            raise PipeccError(f"cannot read the model file {path} ({exc.strerror or exc})") from None
     name = f"{MODULE_PREFIX}{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(name)
+    module.__file__ = str(path)  # tracebacks, inspect.getsource and torch's source lookups
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
-        spec.loader.exec_module(module)
+        code = compile(source, str(path), "exec", dont_inherit=True)
+        exec(code, module.__dict__)  # noqa: S102 - the user's model file, as `python model.py` would run it
     except SystemExit as exc:
         raise _exited(f"importing {path.name}", exc) from None
     except Exception as exc:  # the user's code: report, don't crash

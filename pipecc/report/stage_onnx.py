@@ -93,16 +93,27 @@ def _marker(out: Path) -> dict[str, Any]:
                           "(no readable pipecc.json)") from None
 
 
+def trusted_model_source(out: str | Path, marker: dict[str, Any] | None = None) -> tuple[Path | None, bytes | str]:
+    """The model file's hashed bytes, checked as ``pipecc run`` checks them (``pipecc.runtime.trust``).
+
+    Raises a one-line ``PipeccError`` when the folder's ``model_path`` is there but is not the file
+    it was compiled from (or the folder recorded no hash): ``inspect --onnx`` runs the folder's
+    code, so it refuses what ``run`` refuses. (None, why) when there is no ``.py`` model file.
+    """
+    from pipecc.runtime.trust import model_source
+    return model_source(_marker(Path(out)) if marker is None else marker, out)
+
+
 def model_inputs(out: str | Path, batch: int, seed: int = 0) -> dict[str, Any]:
     """Port name -> value of the model's inputs at `batch`, from the model file when it exists."""
     out = Path(out)
     marker = _marker(out)
     ports = json.loads((out / "stage_0" / "ports.json").read_text(encoding="utf-8"))
     specs = sorted(ports.get("model_inputs") or marker.get("model_inputs") or [], key=lambda d: d["index"])
-    path = Path(marker.get("model_path") or "")
-    if path.suffix == ".py" and path.is_file():
+    path, source = trusted_model_source(out, marker)
+    if path is not None and isinstance(source, bytes):
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file
-        module = import_model_file(path)
+        module = import_model_file(path, source)  # the bytes hashed, compiled from memory
         values = _call_with_accepted(module.example_inputs, batch, **(marker.get("model_args") or {}))
         values = tuple(values) if isinstance(values, (tuple, list)) else (values,)
         return {d["name"]: values[d["index"]] for d in specs if d["index"] < len(values)}

@@ -1,9 +1,12 @@
 """Checkpoints of a command-line run: ``pipecc run OUT --checkpoint-dir DIR [--checkpoint-every N]
 [--resume]``.
 
-    DIR/latest.json              {"format", "step", "world", "folder"}: the newest complete checkpoint
+    DIR/latest.json              {"format", "step", "world", "folder", "run"}: the newest complete
+                                 checkpoint; "run": the options it was trained with (``run_options``)
     DIR/step_<S>/stage_<r>.safetensors, stage_<r>.json   rank r's state after S steps
                                                           (``PipelineRuntime.save_checkpoint``)
+    DIR/step_<S>/stage_<r>.sha256   {file name: hex sha256} of rank r's two files, written after them
+    DIR/.pipecc-run.lock         held (flock) by the run that uses DIR (``pipecc.runtime.ckptlock``)
 
 ``r`` is the global rank: with replicated stages (PP x DP) every replica writes its own files
 (their weights are equal; each also has its own RNG state), so a resume restores every rank.
@@ -20,6 +23,20 @@ checks that it was written for this compiled folder (``folder``: a hash of the s
 ports) and this many ranks, loads model, optimizer and RNG state, and continues at that step:
 ``--steps N`` counts from the start, so the resumed run does steps S .. N-1, and its losses and
 weights are bit-identical to those of a run that was never interrupted.
+
+Trust. A resume checks, before it continues, what a damaged or edited checkpoint would change
+silently: every rank's files against the sha256 written with them (a flipped byte, an edited
+``stage_<r>.json`` such as its optimizer class), the optimizer class against this run's, and
+every loaded weight, buffer and optimizer state tensor for NaN or Inf; each is refused in one
+line. Checkpoints of an older pipecc (``pipecc-run-checkpoint/1``: no checksums, no recorded
+options) still load, with a note that they were not checked.
+
+Options on resume (``check_resume``): another ``--optimizer`` or ``--seed`` than the checkpoint
+was trained with is refused (the optimizer state belongs to its class; the seed draws the data
+and the saved RNG state belongs to it, so the result would be neither run); another ``--lr`` or
+``-m`` is taken, with a note (a deliberate learning-rate change on resume is common; other
+micro-batches give the same gradients up to rounding, not bit-identical ones). ``--steps`` at or
+below the checkpoint's step is refused ("already past --steps"): there would be nothing to train.
 """
 
 from __future__ import annotations
@@ -37,10 +54,14 @@ import torch.distributed as dist
 from pipecc.errors import PipeccError
 from pipecc.runtime.engine import PipelineRuntime
 
-__all__ = ["LATEST", "RunCheckpoints", "folder_fingerprint", "read_latest"]
+__all__ = ["DEFAULT_LR", "LATEST", "RunCheckpoints", "check_resume", "folder_fingerprint", "read_latest",
+           "run_options"]
 
 LATEST = "latest.json"
-FORMAT = "pipecc-run-checkpoint/1"
+FORMAT = "pipecc-run-checkpoint/2"
+OLD_FORMAT = "pipecc-run-checkpoint/1"  # an older pipecc's: no checksums, no recorded options
+SUMS = ".sha256"
+DEFAULT_LR = 1e-3
 KEEP = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -65,16 +86,68 @@ def read_latest(directory: Path) -> dict[str, Any] | None:
         latest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise PipeccError(f"{path} is unreadable ({e}); give another --checkpoint-dir") from None
-    if not isinstance(latest, dict) or latest.get("format") != FORMAT or not isinstance(latest.get("step"), int):
+    if not isinstance(latest, dict) or latest.get("format") not in (FORMAT, OLD_FORMAT) \
+            or not isinstance(latest.get("step"), int):
         raise PipeccError(f"{path} is not a pipecc run checkpoint; give another --checkpoint-dir")
     return latest
+
+
+def run_options(optimizer: str | None, lr: float | None, seed: int, microbatches: int) -> dict[str, Any]:
+    """What a checkpoint records of the run that wrote it (and a resume compares)."""
+    return {"optimizer": optimizer or "sgd", "lr": DEFAULT_LR if lr is None else float(lr), "seed": int(seed),
+            "microbatches": int(microbatches)}
+
+
+def check_resume(latest: dict[str, Any], run: dict[str, Any], steps: int | None, directory: Path) -> list[str]:
+    """Refuse (PipeccError) a resume whose result would not be what was asked; the notes on what
+    changed otherwise (see the module docstring for which is which)."""
+    step = int(latest["step"])
+    if steps is not None and steps <= step:
+        raise PipeccError(f"--resume: the checkpoint in {directory} is at step {step}, already past --steps {steps}"
+                          f"{'' if steps < step else ' (nothing left to train)'}; give --steps {step + 1} or more")
+    if latest.get("format") == OLD_FORMAT:
+        return [f"note: the checkpoint in {directory} was written by an older pipecc: it has no checksums and no "
+                "recorded options, so neither is checked"]
+    was = latest.get("run") if isinstance(latest.get("run"), dict) else {}
+    for key, flag in (("optimizer", "--optimizer"), ("seed", "--seed")):
+        if key in was and was[key] != run[key]:
+            raise PipeccError(f"--resume: the checkpoint in {directory} was trained with {flag} {was[key]}, this run "
+                              f"asks {flag} {run[key]}; give {flag} {was[key]} to continue it, or another "
+                              "--checkpoint-dir to start over")
+    notes = []
+    for key, flag in (("lr", "--lr"), ("microbatches", "--microbatches")):
+        if key in was and was[key] != run[key]:
+            rounding = "; not bit-identical to an uninterrupted run" if key == "microbatches" else ""
+            notes.append(f"note: resuming with {flag} {run[key]}; the checkpoint was trained with {flag} {was[key]} "
+                         f"(the steps from {step} on use {run[key]}{rounding})")
+    return notes
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _nonfinite(named: Any) -> str | None:
+    """The name of the first floating tensor in (name, value) pairs holding NaN or Inf."""
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()) \
+                and not bool(torch.isfinite(value).all()):
+            return name
+    return None
 
 
 class RunCheckpoints:
     """One rank's side of ``--checkpoint-dir``; ``resume`` and ``save`` are collective."""
 
-    def __init__(self, directory: Path, runtime: PipelineRuntime, fingerprint: str, every: int | None) -> None:
+    def __init__(self, directory: Path, runtime: PipelineRuntime, fingerprint: str, every: int | None,
+                 run: dict[str, Any] | None = None) -> None:
         self.directory, self.runtime, self.fingerprint, self.every = Path(directory), runtime, fingerprint, every
+        self.run = run  # run_options of this run: recorded in latest.json, compared on resume
+        self.notes: list[str] = []  # what resume found changed (or unchecked), for the run to print
 
     def due(self, done: int, steps: int) -> bool:
         """Save after ``done`` steps? Every ``--checkpoint-every`` steps, and after the last one."""
@@ -94,14 +167,80 @@ class RunCheckpoints:
         if latest is not None and latest.get("world") != self.runtime.global_world:
             raise PipeccError(f"--resume: the checkpoint in {self.directory} is of a {latest.get('world')}-rank "
                               f"run, this one has {self.runtime.global_world} ranks")
-        return self.runtime.load_checkpoint(self.directory / f"step_{step}")
+        folder = self.directory / f"step_{step}"
+        old = latest is not None and latest.get("format") == OLD_FORMAT
+        self.notes = check_resume(latest, self.run, None, self.directory) if latest is not None and self.run else []
+        if not old:
+            self._check_sums(folder)
+        self._check_optimizer(folder)
+        try:
+            loaded = self.runtime.load_checkpoint(folder)
+        except PipeccError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError, OSError) as e:
+            raise PipeccError(f"--resume: the checkpoint in {folder} cannot be loaded ({type(e).__name__}: {e}); "
+                              "it is damaged: give another --checkpoint-dir to start over") from None
+        self._check_finite(folder)
+        return loaded
+
+    def _check_sums(self, folder: Path) -> None:
+        """This rank's files against the sha256 written with them."""
+        base = f"stage_{self.runtime.global_rank}"
+        try:
+            sums = json.loads((folder / f"{base}{SUMS}").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            sums = None
+        if not isinstance(sums, dict):
+            raise PipeccError(f"--resume: {folder / (base + SUMS)} is missing or unreadable, so the checkpoint cannot "
+                              "be checked; give another --checkpoint-dir to start over")
+        for name in (f"{base}.safetensors", f"{base}.json"):
+            try:
+                actual = _sha256(folder / name)
+            except OSError as e:
+                raise PipeccError(f"--resume: cannot read {folder / name} ({e.strerror or e})") from None
+            if actual != sums.get(name):
+                raise PipeccError(f"--resume: {folder / name} does not match the sha256 written with it (it was "
+                                  "changed or damaged); give another --checkpoint-dir to start over")
+
+    def _check_optimizer(self, folder: Path) -> None:
+        """The checkpoint's optimizer class is this run's (its state belongs to that class)."""
+        opt = self.runtime.optimizer
+        try:
+            meta = json.loads((folder / f"stage_{self.runtime.global_rank}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # load_checkpoint names it
+        saved = (meta.get("optimizer") or {}).get("class") if isinstance(meta, dict) else None
+        if opt is not None and saved is not None and saved != type(opt).__name__:
+            raise PipeccError(f"--resume: the checkpoint in {folder} holds {saved} optimizer state, this run's "
+                              f"optimizer is {type(opt).__name__}; give the --optimizer it was trained with")
+
+    def _check_finite(self, folder: Path) -> None:
+        """Refuse NaN or Inf in the loaded weights, buffers or optimizer state."""
+        for s, module in zip(self.runtime.stage_ids, self.runtime.modules):
+            bad = _nonfinite(module.state_dict().items())
+            if bad is not None:
+                raise PipeccError(f"--resume: the checkpoint in {folder} holds NaN or Inf in stage {s}'s {bad}; "
+                                  "resume from an earlier one or start over")
+        if self.runtime.optimizer is not None:
+            state = self.runtime.optimizer.state_dict().get("state", {})
+            bad = _nonfinite((f"{p}.{k}", v) for p, entry in state.items() for k, v in entry.items())
+            if bad is not None:
+                raise PipeccError(f"--resume: the checkpoint in {folder} holds NaN or Inf in the optimizer state "
+                                  f"({bad}); resume from an earlier one or start over")
 
     def save(self, step: int) -> Path:
         """Write this rank's state after ``step`` steps; when all ranks have, point ``latest.json`` at it."""
         target = self.directory / f"step_{step}"
         self.runtime.save_checkpoint(target, step)
+        base = f"stage_{self.runtime.global_rank}"
+        sums = {name: _sha256(target / name) for name in (f"{base}.safetensors", f"{base}.json")}
+        tmp_sums = target / f".{base}{SUMS}.{os.getpid()}.tmp"
+        tmp_sums.write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp_sums, target / f"{base}{SUMS}")
         self._agree(0)  # every rank's files are in place
         latest = {"format": FORMAT, "step": step, "world": self.runtime.global_world, "folder": self.fingerprint}
+        if self.run is not None:
+            latest["run"] = self.run
         tmp = self.directory / f".{LATEST}.{self.runtime.global_rank}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(latest, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.directory / LATEST)
@@ -114,7 +253,7 @@ class RunCheckpoints:
                        if m and int(m.group(1)) <= newest)
         for old in steps[:-KEEP]:
             folder = self.directory / f"step_{old}"
-            for suffix in (".safetensors", ".json"):
+            for suffix in (".safetensors", ".json", SUMS):
                 (folder / f"stage_{self.runtime.global_rank}{suffix}").unlink(missing_ok=True)
             try:
                 folder.rmdir()  # only once every rank removed its files

@@ -43,7 +43,9 @@ from pipecc.errors import PipeccError, UsageError, printable
 from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES
 from pipecc.runtime import lifeline
 from pipecc.runtime.admit import check_folder_plan
-from pipecc.runtime.checkpoints import LATEST, RunCheckpoints, folder_fingerprint, read_latest
+from pipecc.runtime.checkpoints import DEFAULT_LR, LATEST, RunCheckpoints, check_resume, folder_fingerprint, \
+    read_latest, run_options
+from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, unflatten
@@ -122,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Checkpoints (``pipecc.runtime.checkpoints``): ``--checkpoint-dir DIR`` saves every rank's
     model, optimizer and RNG state every ``--checkpoint-every N`` steps and after the last,
-    atomically; ``--resume`` continues from the newest one (``--steps`` counts from the start).
+    atomically; ``--resume`` continues from the newest one (``--steps`` counts from the start),
+    after checking its checksums, its state for NaN/Inf and the run's options against those it
+    was trained with; one run holds the folder's lock at a time (``pipecc.runtime.ckptlock``).
 
     Replicated stages (``pipecc.json``: ``"replicas": d > 1``, ``pipecc.runtime.replicas``): under
     torchrun with n ranks, global rank g runs pipeline rank g // d (its stages, the schedule built
@@ -336,6 +340,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     document goes to ``stdout`` (default: ``sys.stdout``)."""
     stage_dirs = _stage_dirs(args.out)
     meta = _read_marker(args.out)
+    lock = _lock_checkpoints(args, create=False)  # held until this returns; a folder in use names its run
     try:
         from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
     except ImportError:
@@ -357,6 +362,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
+    lock = lock or _lock_checkpoints(args, create=True)  # the checks passed: a new folder may be made now
     count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
     world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
     sizes = folder_sizes(meta, args.microbatches)  # unequal micro-batches: gpipe only
@@ -396,7 +402,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         return _run_forward(args, meta, stage_dirs, specs, data, modules, ports, rank, world, config,
                             load_stage, why, stdout, replicas, rows)
     params = [p for mod in modules for p in mod.parameters()]
-    optimizer = _make_optimizer(args.optimizer or "sgd", params, 1e-3 if args.lr is None else args.lr)
+    optimizer = _make_optimizer(args.optimizer or "sgd", params, DEFAULT_LR if args.lr is None else args.lr)
     runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer, replicas)
     timer = _timer(args, runtime)
     is_last = runtime.last_stage in runtime.stage_ids
@@ -448,9 +454,11 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     checkpoints, first = None, 0
     if args.checkpoint_dir is not None:
         checkpoints = RunCheckpoints(args.checkpoint_dir, runtime, folder_fingerprint(stage_dirs),
-                                     args.checkpoint_every)
+                                     args.checkpoint_every, run_options(args.optimizer, args.lr, args.seed, m))
         if args.resume:
             first = checkpoints.resume()
+            for note in checkpoints.notes if speaks else ():
+                print(note, flush=True)
             if speaks:
                 print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
                       flush=True)
@@ -471,6 +479,14 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _lock_checkpoints(args: argparse.Namespace, create: bool) -> CheckpointLock | None:
+    """``--checkpoint-dir``'s lock when this process must hold it: one process, or rank 0 of a
+    torchrun started by hand; under ``pipecc run`` its launcher holds it (``LOCK_ENV``)."""
+    if args.checkpoint_dir is None or os.environ.get("RANK", "0") != "0" or LOCK_ENV in os.environ:
+        return None
+    return CheckpointLock.take(args.checkpoint_dir, create=create)
 
 
 def _replica_count(meta: dict[str, Any] | None) -> int:
@@ -564,6 +580,8 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
     if latest is not None and not args.resume:
         raise PipeccError(f"{args.checkpoint_dir} already holds a checkpoint (step {latest['step']}): give --resume "
                           "to continue from it, or another --checkpoint-dir to start over")
+    if latest is not None:  # the options it was trained with, --steps against its step (refusals only here)
+        check_resume(latest, run_options(args.optimizer, args.lr, args.seed, m), args.steps, Path(args.checkpoint_dir))
 
 
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.trust import HASH_KEY, model_file
+from pipecc.runtime.trust import HASH_KEY, model_source
 
 __all__ = ["model_function"]
 
@@ -41,13 +41,13 @@ def model_function(stage_file: str | Path, qualname: str) -> Any:
     except (OSError, ValueError) as e:
         raise PipeccError(f"{what}, but {out / 'pipecc.json'} cannot be read ({type(e).__name__}); "
                           "compile the folder again") from None
-    path, why = model_file(meta if isinstance(meta, dict) else None, out)  # raises on a changed file
-    if path is None:
-        raise PipeccError(f"{what}, but {why}; restore the model file beside the folder or compile again")
+    path, source = model_source(meta if isinstance(meta, dict) else None, out)  # raises on a changed file
+    if path is None or not isinstance(source, bytes):
+        raise PipeccError(f"{what}, but {source}; restore the model file beside the folder or compile again")
     key = (str(path.resolve()), str(meta.get(HASH_KEY)))
     if key not in _IMPORTED:
         from pipecc.frontend.modelfile import import_model_file  # torch and pipecc.errors only
-        _IMPORTED[key] = import_model_file(path)
+        _IMPORTED[key] = import_model_file(path, source)  # the bytes hashed, compiled from memory
     obj: Any = _IMPORTED[key]
     for part in qualname.split("."):
         obj = getattr(obj, part, None)

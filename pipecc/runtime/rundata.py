@@ -23,7 +23,7 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
-from pipecc.runtime.trust import model_file
+from pipecc.runtime.trust import model_source
 
 __all__ = ["RunData", "TiedGradients"]
 
@@ -74,13 +74,13 @@ class RunData:
         first = StagePorts.from_json(specs[0])
         if meta is None:
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs)
-        path, why = model_file(meta, out)  # NOTE: raises unless the file is the one recorded by hash
-        if path is None:
-            note = f"note: {why}; training on seeded random inputs with the mean of the outputs as the loss"
+        path, source = model_source(meta, out)  # NOTE: raises unless the file is the one recorded by hash
+        if path is None or not isinstance(source, bytes):
+            note = f"note: {source}; training on seeded random inputs with the mean of the outputs as the loss"
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs, note=note)
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only
 
-        module = import_model_file(path)
+        module = import_model_file(path, source)  # the bytes hashed, compiled from memory
         model_args = dict(meta.get("model_args") or {})
         batch = int(meta.get("batch_size") or first.batch_size or 1)
 

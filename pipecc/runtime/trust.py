@@ -8,6 +8,14 @@ records (``file_sha256`` of the file it compiled). An edited ``model_path`` poin
 file, an edited model file, or a folder from a pipecc that recorded no hash is refused with a
 one-line error that says to compile again.
 
+The bytes hashed are the bytes run: ``model_source`` reads the file once, hashes those bytes and
+hands them on; ``pipecc.frontend.modelfile.import_model_file`` compiles them from memory into a
+fresh module, so neither an edit between the check and the import nor a planted
+``__pycache__/*.pyc`` (which the import system would take for the file when its recorded
+mtime and size match) can run code that was not hashed. What the hash does not cover: the
+modules ``model.py`` itself imports, and the folder's ``stage.py`` files (see the README's "a
+compiled folder is code").
+
 Imports hashlib and ``pipecc.errors`` only.
 """
 
@@ -19,7 +27,7 @@ from typing import Any
 
 from pipecc.errors import PipeccError
 
-__all__ = ["HASH_KEY", "file_sha256", "model_file", "verify_problem"]
+__all__ = ["HASH_KEY", "file_sha256", "model_file", "model_source", "verify_problem"]
 
 HASH_KEY = "model_sha256"  # pipecc.json: hex sha256 of the model file's bytes at compile time
 
@@ -38,7 +46,18 @@ def model_file(meta: dict[str, Any] | None, out: str | Path | None = None) -> tu
 
     ``meta`` is the ``pipecc.json`` of the compiled folder ``out``. Raises ``PipeccError`` when
     the file is there but is not the one recorded by hash: the run must not fall back to random
-    data then, the folder or the file was changed.
+    data then, the folder or the file was changed. A check only: to import the file, take
+    ``model_source``'s bytes (the file may change after this returns).
+    """
+    path, source = model_source(meta, out)
+    return (path, "") if isinstance(source, bytes) else (None, source)
+
+
+def model_source(meta: dict[str, Any] | None, out: str | Path | None = None) -> tuple[Path | None, bytes | str]:
+    """(the model file, the bytes of it that hash to the recorded sha256) or (None, why there is none).
+
+    Read once: the bytes returned are the bytes hashed, to be compiled from memory (never
+    re-read from the path, never taken from a bytecode cache). Raises as ``model_file`` does.
     """
     where = f"{out}/pipecc.json" if out is not None else "pipecc.json"
     raw = str((meta or {}).get("model_path") or "")
@@ -57,13 +76,16 @@ def model_file(meta: dict[str, Any] | None, out: str | Path | None = None) -> tu
         raise PipeccError(f"{where} records no {HASH_KEY} for the model file {raw} (a folder from an older "
                           f"pipecc), so pipecc will not import that file: {fix}")
     try:
-        actual = file_sha256(path)
+        with open(path, "rb") as f:
+            source = f.read()
     except OSError as e:
         raise PipeccError(f"cannot read the model file {raw} ({e.strerror or e})") from None
-    if actual != recorded.lower():
+    digest = hashlib.sha256()
+    digest.update(source)
+    if digest.hexdigest() != recorded.lower():
         raise PipeccError(f"the model file {raw} is not the one this folder was compiled from (its sha256 "
                           f"differs from {where}'s {HASH_KEY}), so pipecc will not import it: {fix}")
-    return path, ""
+    return path, source
 
 
 def verify_problem(meta: dict[str, Any] | None, out: str | Path | None = None) -> str | None:

@@ -33,6 +33,19 @@ BATCH = 4
 FLOP_TOLERANCE = 0.02
 CLI_TIMEOUT = 900.0  # seconds; torchrun with two ranks importing transformers on a busy machine
 
+# The children's PYTHONPATH starts with rank_site/, whose sitecustomize.py imports torchvision_ops
+# in every process they start (torchrun's ranks too): a rank imports a stage file, which may import
+# torchvision by module path, before the model file that imports torchvision_ops itself.
+RANK_SITE = TESTS / "rank_site"
+
+
+def child_env() -> dict[str, str]:
+    """The environment additions of the suite's `pipecc` children (RANK_SITE first on the path)."""
+    import os
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(RANK_SITE)] + ([rest] if rest else []))}
+
+
 # What a failing check reports: the last `pipecc: error:` line of the command, or the exception.
 ERROR_PREFIX = "pipecc: error: "
 
@@ -201,7 +214,7 @@ def one_line(exc: BaseException) -> str:
 
 def _cli(*argv: str) -> str:
     """`pipecc ARGV`; its stdout, or CheckFailed with its last error line."""
-    result = run_pipecc(*argv, timeout=CLI_TIMEOUT)
+    result = run_pipecc(*argv, timeout=CLI_TIMEOUT, env=child_env())
     if result.returncode != 0:
         lines = [ln for ln in (result.stderr + result.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith(ERROR_PREFIX)]

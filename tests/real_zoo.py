@@ -117,12 +117,16 @@ MODELS: list[RealModel] = [
               "hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, "
               "num_labels=10))",
               _IMAGES, _LABELS, "labels"),
-    # 1600 samples of audio: two conv layers (stride 5, 2) give 159 frames. NOTE: layerdrop=0.0:
-    # the default (0.1) skips encoder layers on a torch.rand() read in Python (data-dependent
-    # control flow, refused at capture); the second row keeps the default to show the refusal
-    RealModel("wav2vec2", "transformers", _HF, _WAV2VEC2.format(", layerdrop=0.0"),
+    # 1600 samples of audio: two conv layers (stride 5, 2) give 159 frames. NOTE: layerdrop=0.0
+    # and mask_time_prob=0.0, as a config without those regularisers has: the default layerdrop
+    # (0.1) skips encoder layers on a torch.rand() read in Python, and the default SpecAugment
+    # (mask_time_prob=0.05) draws its masks with np.random, which a graph would freeze; both are
+    # refused at capture, and the two rows after it keep one default each to show the refusal
+    RealModel("wav2vec2", "transformers", _HF, _WAV2VEC2.format(", layerdrop=0.0, mask_time_prob=0.0"),
               _AUDIO, _FRAMES, "tokens"),
-    RealModel("wav2vec2_layerdrop", "transformers", _HF, _WAV2VEC2.format(""),
+    RealModel("wav2vec2_layerdrop", "transformers", _HF, _WAV2VEC2.format(", mask_time_prob=0.0"),
+              _AUDIO, _FRAMES, "tokens", checks=("cost", "compile")),
+    RealModel("wav2vec2_specaugment", "transformers", _HF, _WAV2VEC2.format(", layerdrop=0.0"),
               _AUDIO, _FRAMES, "tokens", checks=("cost", "compile")),
     RealModel("resnet18", "torchvision", _TV, "torchvision.models.resnet18(num_classes=10)",
               _IMAGES, _LABELS, "labels"),

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
-from pipecc.frontend import capture_errors, fx_tracer
+from pipecc.frontend import capture_errors, fx_tracer, host_random
 from pipecc.frontend.modes import capture_both
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
@@ -65,7 +65,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     """
     notes: list[str] = []
     try:
-        gm = fx_tracer.trace(model, len(example_inputs))
+        gm = _fx_trace(model, len(example_inputs))
         return gm, "fx", notes
     except PipeccError:  # names fx cannot write: torch.export writes code the same way
         raise
@@ -89,7 +89,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         opaque = [name for name, m in model.named_modules() if fx_tracer.sees_into(m)]
         if opaque:  # last resort: keep them whole (costed by a guess, not compilable)
             with contextlib.suppress(Exception):
-                gm = fx_tracer.trace(model, len(example_inputs), see_into=False)
+                gm = _fx_trace(model, len(example_inputs), see_into=False)
                 notes.append(f"could not trace into {', '.join(opaque[:3])} ({fx_error}); they "
                              "are kept as opaque modules")
                 return gm, "fx", notes
@@ -115,6 +115,23 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     gm.recompile()
     notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")
     return gm, "export", notes
+
+
+class _EagerDraw(Exception):
+    """torch.fx ran a random function for real while tracing (`torch.rand([])`: no Proxy among
+    its arguments), so its graph would replay that one draw forever; torch.export keeps the
+    draw as an operator, so the capture falls back to it."""
+
+
+def _fx_trace(model: torch.nn.Module, n_inputs: int, **kwargs: Any) -> fx.GraphModule:
+    """`fx_tracer.trace`, refusing (`_EagerDraw`) a trace that drew from torch's generator."""
+    rng = torch.get_rng_state()
+    gm = fx_tracer.trace(model, n_inputs, **kwargs)
+    if not torch.equal(rng, torch.get_rng_state()):
+        torch.set_rng_state(rng)
+        raise _EagerDraw("forward drew torch random numbers that no input flows into while "
+                         "torch.fx traced it, which fx would keep as constants")
+    return gm
 
 
 class _Refinable(CaptureError):
@@ -440,7 +457,8 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
     check_symbols(symbols, example_inputs)
     with quiet_torch_logging():
         watch = capture_errors.Watch()
-        returned, output = _check_forward(model, example_inputs, watch)
+        with host_random.watch():  # numpy draws are refused by the capture; undo the check's
+            returned, output = _check_forward(model, example_inputs, watch)
         try:
             gm, source, notes = capture_both(model, example_inputs, symbols, capture)  # train and eval
         except _Refinable as exc:

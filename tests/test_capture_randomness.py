@@ -141,3 +141,28 @@ def test_a_draw_no_input_flows_into_stays_random() -> None:
     """fx would bake the trace's draw into the graph; the capture keeps it an operator."""
     graph = driver.analyze_module(_Noise(), (torch.randn(2, 4),))
     assert any("randn" in str(n.target) for n in graph.gm.graph.nodes), graph.gm.code
+
+
+class _FixedBatch(nn.Module):
+    """Uses the batch size as a Python number: torch.export fixes the batch at the example's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(x.shape[0])
+        return self.b(torch.relu(self.a(x))) + torch.arange(n * 4, dtype=x.dtype).view(n, 4)
+
+
+def test_dropin_of_a_fixed_batch_refuses_other_batches() -> None:
+    """A batch of 1 would broadcast against the fixed [4, 4] constant and return 4 rows of
+    something else: refused in one line; the captured batch equals the model."""
+    model, x = _FixedBatch(), torch.randn(4, 4)
+    pm = pipecc.compile(model, (x,), "2xcpu")
+    torch.testing.assert_close(pm(x), model(x))
+    for b in (1, 2, 6):
+        with pytest.raises(PipeccError) as err:
+            pm(torch.randn(b, 4))
+        assert "\n" not in str(err.value)
+        assert f"input 'x' is [{b}, 4], but the captured graph only runs at [4, 4]" in str(err.value)

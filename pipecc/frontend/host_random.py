@@ -109,7 +109,7 @@ def _np_changed(np: Any, saved: Any) -> bool:
     return now[0] != saved[0] or not np.array_equal(now[1], saved[1]) or now[2:] != saved[2:]
 
 
-def refusal(draws: Draws, mode: str) -> str:
+def refusal_line(draws: Draws, mode: str) -> str:
     """The one-line reason for a forward that draws outside torch in `mode` ("train"/"eval")."""
     return (f"could not capture the model: forward draws random numbers with {draws.describe()} in "
             f"{mode} mode, which a captured graph would hold as constants (every step would reuse "

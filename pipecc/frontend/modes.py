@@ -54,14 +54,14 @@ def capture_both(model: torch.nn.Module, inputs: tuple, symbols: Sequence[Any],
         with host_random.watch() as draws:
             gm, source, notes = capture(model, inputs, symbols)
         if draws:
-            raise CaptureError(host_random.refusal(draws, "mixed train/eval"))
+            raise CaptureError(host_random.refusal_line(draws, "mixed train/eval"))
         return _one_mode(gm, source, notes, model.training, "the model's modules were in mixed "
                          "train/eval modes at capture")
     own = model.training
     with _modes(model, own), host_random.watch() as draws:
         gm, source, notes = capture(model, inputs, symbols)
     if draws:  # the graph would replay the capture's numbers (pipecc.frontend.host_random)
-        raise CaptureError(host_random.refusal(draws, "train" if own else "eval"))
+        raise CaptureError(host_random.refusal_line(draws, "train" if own else "eval"))
     try:
         with _modes(model, not own), host_random.watch() as draws:
             other, other_source, _ = capture(model, inputs, symbols)

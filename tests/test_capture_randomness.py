@@ -15,7 +15,16 @@ from torch import nn
 import pipecc
 from pipecc import driver
 from pipecc.errors import CaptureError, PipeccError
-from pipecc.ir.train_flag import META_ONE_MODE
+from pipecc.ir.train_flag import META_BY_MODE, META_ONE_MODE
+
+
+def _skip_rows(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth's signature (`stochastic_depth(x, p, mode, self.training)`) at p = 1:
+    every row dropped in training, the identity in eval: which mode ran is visible."""
+    return x * (1.0 - p) if training else x
+
+
+torch.fx.wrap("_skip_rows")
 
 
 class _NumpyMask(nn.Module):
@@ -166,3 +175,29 @@ def test_dropin_of_a_fixed_batch_refuses_other_batches() -> None:
             pm(torch.randn(b, 4))
         assert "\n" not in str(err.value)
         assert f"input 'x' is [{b}, 4], but the captured graph only runs at [4, 4]" in str(err.value)
+
+
+class _Depth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return x + _skip_rows(self.b(h), 1.0, self.training)
+
+
+def test_a_wrapped_function_gets_the_training_flag_of_the_mode_it_runs_in() -> None:
+    """A wrapped function that takes `self.training` (torchvision's stochastic_depth) receives
+    the module's flag, not the capture's: train drops the branch, eval keeps it."""
+    model, x = _Depth().train(), torch.randn(4, 4)
+    graph = driver.analyze_module(model, (x,))
+    node = next(n for n in graph.gm.graph.nodes if n.target is _skip_rows)
+    assert node.meta[META_BY_MODE] == {2: (True, False)}
+    pm = pipecc.compile(model, (x,), "2xcpu")
+    pm.train()
+    torch.testing.assert_close(pm(x), x)
+    pm.eval()
+    model.eval()
+    torch.testing.assert_close(pm(x), model(x))
+    assert not torch.allclose(model(x), x)

@@ -10,8 +10,24 @@ file: without this the rank fails where a real CPU torchvision would import fine
 Python imports only the first `sitecustomize` on sys.path, so this one shadows the system's
 (Debian's apport crash-report hook, nothing the suite needs); the suite's venv has none of its own.
 """
+import importlib.abc
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for torchvision_ops
-import torchvision_ops  # noqa: E402,F401  (defines the schemas when _C cannot load)
+_TESTS = str(Path(__file__).resolve().parents[1])  # tests/, for torchvision_ops
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Imports torchvision_ops just before the first `import torchvision`, so a process that
+    never imports torchvision (pip, a plain CLI call) does not pay for importing torch here."""
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001 - importlib's protocol
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            if _TESTS not in sys.path:
+                sys.path.append(_TESTS)
+            import torchvision_ops  # noqa: F401  (defines the schemas when _C cannot load)
+        return None  # the usual finders import torchvision itself
+
+
+sys.meta_path.insert(0, _BeforeTorchvision())

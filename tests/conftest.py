@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # NOTE: before anything imports torchvision (transformers and timm do): the registry's
 # torchvision for torch 2.13 is a CUDA build whose C ops cannot load here (see the module)
 import torchvision_ops  # noqa: E402,F401
+import real_zoo  # noqa: E402  (the same for the CLI children the tests start: tests/rank_site)
+
+os.environ.update(real_zoo.child_env())
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("dev", deadline=None)

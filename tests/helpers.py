@@ -103,9 +103,11 @@ def model_args(kwargs: dict[str, Any]) -> list[str]:
     return [f"{k}={v}" for k, v in kwargs.items()]
 
 
-def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """`pipecc ARGV` in a child process (one thread per process, unbuffered output)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`pipecc ARGV` in a child process (one thread per process, unbuffered output); `env`
+    adds to (or replaces in) this process's environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([*PIPECC, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from pipecc.errors import CaptureError
+from pipecc.frontend import host_random
 from pipecc.ir.train_flag import META_BY_MODE, META_ONE_MODE
 
 Capture = Callable[..., tuple[fx.GraphModule, str, list[str]]]
@@ -49,18 +51,26 @@ def capture_both(model: torch.nn.Module, inputs: tuple, symbols: Sequence[Any],
     """`capture(model, inputs, symbols)` in both modes, merged (see the module docstring)."""
     flags = {m.training for m in model.modules()}
     if len(flags) > 1:
-        gm, source, notes = capture(model, inputs, symbols)
+        with host_random.watch() as draws:
+            gm, source, notes = capture(model, inputs, symbols)
+        if draws:
+            raise CaptureError(host_random.refusal_line(draws, "mixed train/eval"))
         return _one_mode(gm, source, notes, model.training, "the model's modules were in mixed "
                          "train/eval modes at capture")
     own = model.training
-    with _modes(model, own):
+    with _modes(model, own), host_random.watch() as draws:
         gm, source, notes = capture(model, inputs, symbols)
+    if draws:  # the graph would replay the capture's numbers (pipecc.frontend.host_random)
+        raise CaptureError(host_random.refusal_line(draws, "train" if own else "eval"))
     try:
-        with _modes(model, not own):
+        with _modes(model, not own), host_random.watch() as draws:
             other, other_source, _ = capture(model, inputs, symbols)
     except Exception as exc:  # noqa: BLE001 - any failure means: one mode only
         why = f"the {'eval' if own else 'train'}-mode capture failed: {type(exc).__name__}"
         return _one_mode(gm, source, notes, own, why)
+    if draws:
+        return _one_mode(gm, source, notes, own, f"the {'eval' if own else 'train'}-mode forward draws "
+                         f"random numbers with {draws.describe()}, which a graph cannot keep random")
     train, eval_ = (gm, other) if own else (other, gm)
     try:
         if other_source != source:

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
-from pipecc.frontend import capture_errors, fx_tracer
+from pipecc.frontend import capture_errors, fx_tracer, host_random
 from pipecc.frontend.modes import capture_both
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
@@ -65,7 +65,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     """
     notes: list[str] = []
     try:
-        gm = fx_tracer.trace(model, len(example_inputs))
+        gm = _fx_trace(model, len(example_inputs))
         return gm, "fx", notes
     except PipeccError:  # names fx cannot write: torch.export writes code the same way
         raise
@@ -89,15 +89,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
         opaque = [name for name, m in model.named_modules() if fx_tracer.sees_into(m)]
         if opaque:  # last resort: keep them whole (costed by a guess, not compilable)
             with contextlib.suppress(Exception):
-                gm = fx_tracer.trace(model, len(example_inputs), see_into=False)
+                gm = _fx_trace(model, len(example_inputs), see_into=False)
                 notes.append(f"could not trace into {', '.join(opaque[:3])} ({fx_error}); they "
                              "are kept as opaque modules")
                 return gm, "fx", notes
         export_why = type(exp_exc).__name__
         named = capture_errors.explain(fx_exc, export_why)  # the construct and the way out
         if named is not None:
-            raise CaptureError(named) from exp_exc
-        raise CaptureError(
+            raise _Refinable(exp_exc, named, capture_errors.fx_site(fx_exc)) from exp_exc
+        raise _Refinable(
+            exp_exc,
             f"could not capture the model: torch.fx failed ({fx_error}) and torch.export failed "
             f"({type(exp_exc).__name__}: {_first_line(exp_exc)}); remove data-dependent Python "
             "control flow from forward"
@@ -114,6 +115,34 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
     gm.recompile()
     notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")
     return gm, "export", notes
+
+
+class _EagerDraw(Exception):
+    """torch.fx ran a random function for real while tracing (`torch.rand([])`: no Proxy among
+    its arguments), so its graph would replay that one draw forever; torch.export keeps the
+    draw as an operator, so the capture falls back to it."""
+
+
+def _fx_trace(model: torch.nn.Module, n_inputs: int, **kwargs: Any) -> fx.GraphModule:
+    """`fx_tracer.trace`, refusing (`_EagerDraw`) a trace that drew from torch's generator."""
+    rng = torch.get_rng_state()
+    gm = fx_tracer.trace(model, n_inputs, **kwargs)
+    if not torch.equal(rng, torch.get_rng_state()):
+        torch.set_rng_state(rng)
+        raise _EagerDraw("forward drew torch random numbers that no input flows into while "
+                         "torch.fx traced it, which fx would keep as constants")
+    return gm
+
+
+class _Refinable(CaptureError):
+    """Both routes failed; `from_module` may name the construct better with what the forward
+    check saw (`_refined`): the model's line where it branched (`site`: fx's, else the one in
+    `export_exc`'s traceback) and the random draws before it."""
+
+    def __init__(self, export_exc: BaseException, message: str,
+                 site: Any = None) -> None:
+        super().__init__(message)
+        self.export_exc, self.site = export_exc, site
 
 
 @contextlib.contextmanager
@@ -427,8 +456,13 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
         symbols = default_symbols(example_inputs, b)
     check_symbols(symbols, example_inputs)
     with quiet_torch_logging():
-        returned = _check_forward(model, example_inputs)
-        gm, source, notes = capture_both(model, example_inputs, symbols, capture)  # train and eval
+        watch = capture_errors.Watch()
+        with host_random.watch():  # numpy draws are refused by the capture; undo the check's
+            returned, output = _check_forward(model, example_inputs, watch)
+        try:
+            gm, source, notes = capture_both(model, example_inputs, symbols, capture)  # train and eval
+        except _Refinable as exc:
+            raise CaptureError(_refined(exc, output, watch)) from exc
         if source == "fx":
             fx_tracer.keep_output_class(gm, returned)
         try:
@@ -479,16 +513,33 @@ def _check_output(gm: fx.GraphModule) -> None:
                           "returns a tensor (or a tuple, list or dict of tensors)")
 
 
-def _check_forward(model: torch.nn.Module, inputs: tuple) -> type:
+_NO_OUTPUT = object()  # the fake forward failed; the real one's output is not kept
+
+
+def _refined(exc: _Refinable, output: Any, watch: capture_errors.Watch) -> str:
+    """`exc`'s line, or one naming the construct: a non-tensor output (a DynamicCache), or a
+    Python branch on a torch random draw (layerdrop)."""
+    found = capture_errors.foreign_output(output) if output is not _NO_OUTPUT else None
+    if found:
+        return capture_errors.output_refusal(found)
+    site = exc.site or capture_errors.data_dependent_site(exc.export_exc)
+    named = capture_errors.random_branch_refusal(site, watch.draws) if site is not None else None
+    return named or str(exc)
+
+
+def _check_forward(model: torch.nn.Module, inputs: tuple,
+                   watch: capture_errors.Watch | None = None) -> tuple[type, Any]:
     """Run forward once under fake tensors so a broken model fails with its own error; the
-    class of what it returns."""
+    class of what it returns and the (fake) output itself, or _NO_OUTPUT when only the real
+    forward ran. `watch` records the torch random draws of the fake run."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_inputs(mode, inputs, {})
     try:
         with fake_weights(model, mode), shape_safe_batchnorm(model), mode, \
-                pywarnings.catch_warnings():
+                pywarnings.catch_warnings(), (watch or contextlib.nullcontext()):
             pywarnings.simplefilter("ignore")
-            return type(model(*fake))
+            out = model(*fake)
+            return type(out), out
     except SystemExit as exc:
         raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:
@@ -501,7 +552,7 @@ def _check_forward(model: torch.nn.Module, inputs: tuple) -> type:
                           f"{_first_line(fake_exc)}") from fake_exc
     try:  # data-dependent code needs real values: check for real (and undo what it changes)
         with preserved_state(model, weights=True), torch.no_grad():
-            return type(model(*inputs))
+            return type(model(*inputs)), _NO_OUTPUT
     except SystemExit as exc:
         raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:

@@ -67,6 +67,13 @@ class PipelinedModule(nn.Module):
         self._pipecc_receives = [[p["name"] for p in spec["receives"]] for spec in ports]
         self._pipecc_sends = [[p["name"] for p in spec["sends"]] for spec in ports]
         self._pipecc_inputs = sorted(ports[0]["model_inputs"], key=lambda d: d["index"])
+        # NOTE: a model input whose port has no batch dim but a shape was captured at that shape
+        # only (export specialised the batch: forward used it as a Python number); other shapes
+        # would fail deep in a stage or, where they broadcast, compute something else
+        names = {d["name"] for d in self._pipecc_inputs}
+        self._pipecc_fixed = {p["name"]: tuple(int(n) for n in p["shape"]) for p in ports[0]["receives"]
+                              if p["name"] in names and p.get("kind", "tensor") == "tensor"
+                              and p.get("batch_dim") is None and p.get("shape")}
         self._pipecc_output = ports[-1]["model_output"]
         self._pipecc_microbatches = int(microbatches)
         self._pipecc_devices = [torch.device(d) for d in devices]
@@ -177,7 +184,9 @@ class PipelinedModule(nn.Module):
 
     # -- running
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        chunks = self._split(self._bind(args, kwargs))
+        env = self._bind(args, kwargs)
+        self._check_fixed(env)
+        chunks = self._split(env)
         outputs = [build_output(self._pipecc_output, self._run(chunk)) for chunk in chunks]
         return outputs[0] if len(outputs) == 1 else merge_outputs(outputs)
 
@@ -196,17 +205,28 @@ class PipelinedModule(nn.Module):
             raise TypeError(f"unexpected inputs {sorted(kwargs)}")
         return env
 
+    def _check_fixed(self, env: dict[str, Any]) -> None:
+        """One line for an input of another shape than a graph fixed at capture accepts."""
+        for name, shape in self._pipecc_fixed.items():
+            v = env.get(name)
+            if isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
+                raise PipeccError(f"input {name!r} is {list(v.shape)}, but the captured graph only runs at "
+                                  f"{list(shape)}: the capture fixed its batch size (forward uses it as a "
+                                  "Python number, e.g. int(x.shape[0]) or a numpy array of that size); call "
+                                  "it with that shape, or compile with an example of the batch you run")
+
     def _split(self, env: dict[str, Any]) -> list[dict[str, Any]]:
         batched = [v for v in env.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if not batched or self._pipecc_microbatches == 1:
-            return [env]
+        if not batched or self._pipecc_microbatches == 1 or self._pipecc_fixed:
+            return [env]  # a graph fixed at the whole batch runs it in one piece
         batch = batched[0].shape[0]
         m = min(self._pipecc_microbatches, batch)
         if m <= 1:
             return [env]
         chunks: list[dict[str, Any]] = [{} for _ in range(m)]
         for name, value in env.items():
-            split = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+            split = (isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+                     and name not in self._pipecc_fixed)
             parts = split_batch(value, m) if split else [value] * m
             for chunk, part in zip(chunks, parts):
                 chunk[name] = part

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,3 +40,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+
+
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (several xdist workers share the cores), restored after."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -18,12 +18,7 @@ from helpers import zoo_module
 from pipecc.errors import PipeccError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_cnn(train: bool) -> tuple[torch.nn.Module, torch.Tensor]:

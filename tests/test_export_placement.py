@@ -24,12 +24,7 @@ from pipecc.ir.graph import AnnotatedGraph, tensors_in
 from pipecc.passes.units import UnitBuilder
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Deep(nn.Module):

@@ -22,12 +22,7 @@ from pipecc.runtime.ports import build_output
 Pair = collections.namedtuple("Pair", "logits hidden")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Net(nn.Module):

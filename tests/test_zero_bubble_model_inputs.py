@@ -65,12 +65,7 @@ def example_inputs(batch_size=4):
 SPLIT_SCHEDULE = "rank 0: 0F0 1F0 0F1 1F1 1I0 0I0 1I1 0I1 1W0 0W0 1W1 0W1"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def encdec(tmp_path: Path) -> tuple[Path, Any]:

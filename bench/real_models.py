@@ -10,7 +10,8 @@ The models and the checks are tests/real_zoo.py's, the ones tests/test_real_mode
 ratio of FlopCounterMode's, within 2 %), `pipecc compile --devices 2xcpu` with the defaults and
 with `--replicas 1` (stages x replicas), `pipecc run --verify` on the `--replicas 1` folder
 (train) and on a `--inference --replicas 1` folder (eval), and the drop-in `pipecc.compile`
-(eval-mode outputs, their type and the gradients). Each failure is listed under the table with
+(eval-mode outputs, their type and the gradients), and for the encoder-decoders `run --verify
+--schedule zb-h1` on the `--replicas 1` folder. Each failure is listed under the table with
 its one-line error. The table says what happened on this checkout, nothing more: it does not
 compare against a stored answer.
 """
@@ -33,7 +34,8 @@ from results import replace_section  # noqa: E402
 
 SECTION = "real-models"
 HEADERS = {"cost": "cost (fwd/bwd)", "compile": "compile", "compile_r1": "compile --replicas 1",
-           "verify_train": "verify train", "verify_eval": "verify eval", "dropin": "drop-in"}
+           "verify_train": "verify train", "verify_eval": "verify eval", "dropin": "drop-in",
+           "verify_zb": "verify zb-h1"}
 
 
 def run_matrix(names: list[str], checks: list[str], say=print) -> list[dict]:

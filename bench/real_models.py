@@ -61,6 +61,7 @@ def run_matrix(names: list[str], checks: list[str], say=print) -> list[dict]:
 def markdown(rows: list[dict], checks: list[str], wall_s: float) -> str:
     """The pass table, its failures numbered below it."""
     failures: list[str] = []
+    refusals: list[str] = []
     lines = ["| model | library | " + " | ".join(HEADERS[c] for c in checks) + " | s |",
              "|---|---|" + "---|" * len(checks) + "---|"]
     for row in rows:
@@ -72,17 +73,24 @@ def markdown(rows: list[dict], checks: list[str], wall_s: float) -> str:
             status, detail = row["results"][check]
             if status == "pass":
                 cells.append(detail if check in ("cost", "compile", "compile_r1") else "pass")
+            elif real_zoo.BY_NAME[row["name"]].checks:  # a row kept to show the library default's refusal
+                refusals.append(f"{row['name']} {HEADERS[check]}: {detail}")
+                cells.append(f"refused ({len(refusals)})")
             else:
                 failures.append(f"{row['name']} {HEADERS[check]}: {detail}")
                 cells.append(f"**FAIL** [{len(failures)}]")
         lines.append(f"| {row['name']} | {row['library']} | " + " | ".join(cells) + f" | {row['seconds']:.0f} |")
     passed = sum(r == "pass" for row in rows for r, _ in row["results"].values())
-    total = sum(len(row["results"]) for row in rows)
-    head = [f"Real models (`bench/real_models.py`): {passed} of {total} checks pass; {wall_s:.0f} s wall "
+    total = sum(len(row["results"]) for row in rows) - len(refusals)
+    head = [f"Real models (`bench/real_models.py`): {passed} of {total} checks pass, and {len(refusals)} "
+            f"refusals of library defaults no pipeline can run as written (one line each, listed below); "
+            f"{wall_s:.0f} s wall "
             f"on {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f} at the end). Compile "
             "cells: stages x replicas of the plan on 2xcpu, batch 4. Cost: pipecc's matmul-class "
             "FLOPs over FlopCounterMode's (grouped-convolution backward fixed), forward/backward.", ""]
     tail = ["", "Failures:", ""] + [f"{i}. {f}" for i, f in enumerate(failures, 1)] if failures else []
+    tail += ["", "Refusals (the rows that keep a library default):", ""] + [
+        f"({i}) {f}" for i, f in enumerate(refusals, 1)] if refusals else []
     return "\n".join(head + lines + tail) + "\n"
 
 

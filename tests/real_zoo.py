@@ -273,7 +273,8 @@ def check_compile(path: Path, out: Path, *flags: str) -> str:
     import json
     _cli("compile", str(path), "--devices", "2xcpu", "-b", str(BATCH), "-o", str(out), *flags)
     plan = json.loads((out / "plan.json").read_text())
-    return f"{len(plan['stages'])} stages x {plan.get('replicas', 1)}"
+    n = len(plan["stages"])
+    return f"{n} stage{'s' if n != 1 else ''} x {plan.get('replicas', 1)}"
 
 
 def check_verify(out: Path, *flags: str) -> str:

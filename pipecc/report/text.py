@@ -86,10 +86,26 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                                  for b in plan.baselines]))
     if verbose:
         lines += ["", "decisions:"] + [f"  {d}" for d in plan.decisions]
-        lines += [f"  rejected {a['schedule']} m={a['microbatches']}"
-                  + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
-                  + f": {a['reason']}" for a in plan.alternatives]
+        lines += alternative_lines(plan)
     return "\n".join(lines)
+
+
+TOP_ALTERNATIVES = 3
+
+
+def alternative_lines(plan: Plan, top: int = TOP_ALTERNATIVES) -> list[str]:
+    """The `top` runners-up of the planner's search (fastest first), and how many more there
+    were: `-v` is read by a person, who wants the choices that nearly won, not ~40 lines of
+    every configuration tried (all of them stay in plan.json's `alternatives`)."""
+    ranked = list(plan.alternatives)  # the planner records them fastest first
+    lines = [f"  runner-up {a['schedule']} m={a['microbatches']}"
+             + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
+             + f": {a['reason']}" for a in ranked[:top]]
+    rest = len(ranked) - top
+    if rest > 0:
+        lines.append(f"  ... and {count(rest, 'other configuration')} tried "
+                     "(plan.json's \"alternatives\" lists every one with its reason)")
+    return lines
 
 
 def replica_rows(mb: int, d: int) -> str:

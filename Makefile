@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pipecc-installed
 DEMO   := demo_out
 # a GPT small enough for two CPU processes; --replicas 1 asks for pipeline stages (the CLI's
 # `auto` may choose plain data parallelism, which is no pipeline: see the README)
-DEMO_MODEL := models/gpt.py -b 8 -m 4 --model-arg n_layer=4 --model-arg n_head=4 \
+DEMO_MODEL := models/gpt.py -b 8 --model-arg n_layer=4 --model-arg n_head=4 \
 	--model-arg n_embd=128 --model-arg vocab_size=1000 --model-arg block_size=64 \
 	--model-arg seq_len=32
 
@@ -28,7 +28,7 @@ demo: $(STAMP)
 	@echo "== 1/4 cost: FLOPs, weights and activations per block of a small GPT"
 	$(VENV)/bin/pipecc cost $(DEMO_MODEL) --by-module 2
 	@echo "== 2/4 compile: cut it into pipeline stages over two CPU processes"
-	$(VENV)/bin/pipecc compile $(DEMO_MODEL) --devices 2xcpu --replicas 1 -o $(DEMO)
+	$(VENV)/bin/pipecc compile $(DEMO_MODEL) --devices 2xcpu --replicas 1 -m 4 -o $(DEMO)
 	@echo "== 3/4 inspect: the stages, their nodes and the schedule"
 	$(VENV)/bin/pipecc inspect $(DEMO)
 	@echo "== 4/4 run: train 20 steps with torchrun, one process per rank; --verify checks outputs, loss and gradients"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import bipartition_lines, bottleneck_stage, bpipe_lines, first_last, recompute_line
+from pipecc.report.figures import bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines, first_last, recompute_line
 from pipecc.report.formatting import count, human, seconds, text_table
 
 
@@ -51,7 +51,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         text_table(["stage", "device", "first node", "last node", "fwd FLOPs", "fwd", "bwd",
                     "sends", "comm", "peak mem", "split layers"], rows),
         "",
-        f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *)",
+        f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *; {bottleneck_note(plan)})",
         f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}"
         + (f"   (comm-blind bound {seconds(plan.lower_bound_compute_s)}, ratio "
            f"{plan.balance_ratio_compute:.3f})" if plan.lower_bound_compute_s > 0 else ""),

@@ -130,8 +130,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (action.option_strings and "default" not in text and default not in (None, False, True)
-                and default is not argparse.SUPPRESS and text is not argparse.SUPPRESS):
+        unset = default is None or default is False or default is True or default is argparse.SUPPRESS
+        if action.option_strings and "default" not in text and not unset and text is not argparse.SUPPRESS:
             text += " (default: %(default)s)"
         return text
 

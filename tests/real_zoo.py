@@ -4,7 +4,7 @@ Each entry is a model exactly as its library builds it: the library's own class 
 small config, random weights, train mode with the dropout the config has, and only the inputs a
 user must give (a forward argument with a default is left out unless a later positional input
 needs it, e.g. T5's attention mask before `decoder_input_ids`). `write_model_file` turns an entry
-into a model file for the command line (the README's convention: `build_model`,
+into a model file for the command line (docs/model-files.md's convention: `build_model`,
 `example_inputs`, `loss_fn`, `example_target`); tests/test_real_models.py and
 bench/real_models.py run the same checks on the same files, so the pass table the bench prints is
 what the suite asserts.

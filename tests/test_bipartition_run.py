@@ -75,7 +75,7 @@ def loss_fn(outputs, target):
     return F.cross_entropy(outputs, target)
 '''
 A, C = (0, 4, 6, 11), (0, 2, 8, 11)  # forward and backward cuts over the 11 nodes
-# the zoo MLP on which the planner keeps a cut pair (README "Forward/backward cuts")
+# the zoo MLP on which the planner keeps a cut pair (docs/bipartition.md)
 MLP_ARGS = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
             "--model-arg", "num_classes=256"]
 

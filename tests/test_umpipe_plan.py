@@ -230,7 +230,7 @@ def test_cli_given_sizes(capsys):
     (["--microbatch-sizes", "3,5", "--replicas", "2"], "need replicas 1, not 2"),
     (["--microbatch-sizes", "3,5", "--microbatches", "4"], "--microbatches 4 conflicts"),
     (["--microbatch-sizes", "3,5", "--inference"], "need a training plan"),
-    (["--microbatch-sizes", "x"], "expected auto, equal or sizes like 3,5"),
+    (["--microbatch-sizes", "x"], "expected auto, off or sizes like 3,5"),
 ])
 def test_cli_bad_sizes_are_one_line_usage_errors(capsys, extra, message):
     from helpers import run_cli

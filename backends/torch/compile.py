@@ -69,7 +69,7 @@ from pipecc.backends.torch.bipartition import pieces_of, write_workers
 from pipecc.backends.torch.bpipe import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
-from pipecc.backends.torch.stages import Stage, ports_json
+from pipecc.backends.torch.stages import Stage, plan_as_cut, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan, schedule_of
@@ -163,7 +163,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     sizes = marker_sizes(plan)
     pieces = pieces_of(plan)
     balancing = check_activation_balancing(plan)
-    (tmp / "plan.json").write_text(plan.dumps(), encoding="utf-8")
+    (tmp / "plan.json").write_text(plan_as_cut(plan, graph).dumps(), encoding="utf-8")  # the stage.py's nodes
     # NOTE: first, so that a stage calling a model-file function loads here too (segment tracing):
     # it finds the model file through the marker (pipecc.runtime.modelfuncs)
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "model": graph.model_name,

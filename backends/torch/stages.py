@@ -128,6 +128,26 @@ def normalise_stage_of(graph: AnnotatedGraph, stage_of: dict[str, int]) -> dict[
     return placed
 
 
+def plan_as_cut(plan: Any, graph: AnnotatedGraph) -> Any:
+    """`plan` with each stage's `nodes` as the cut places them (`normalise_stage_of`): a
+    tuple-unpacking `getitem` listed on the next stage, or an `x.device` listed on an earlier
+    one, is where its stage.py computes it. The compiled folder's plan.json and report.html
+    show this, so they, `pipecc inspect` (which reads plan.json and graph.json) and each
+    stage.py's docstring list the same nodes (issue 21, item 6). Parameter reads (`get_attr`,
+    which a plan may list) belong to no stage and are left out: each stage.py reads its own
+    weights. The moved nodes cost nothing (tuple items, device and dtype reads, parameter
+    reads), so the stages' figures stay the plan's. The same plan object when nothing moves."""
+    import dataclasses
+    placed = normalise_stage_of(graph, plan.stage_of())
+    reads = {n.meta[META_NAME] for n in graph.compute_nodes() if n.op == "get_attr"}
+    where = {name: placed.get(name, s.index) for s in plan.stages for name in s.nodes if name not in reads}
+    if all(where.get(name) == s.index for s in plan.stages for name in s.nodes):
+        return plan
+    order = [name for s in plan.stages for name in s.nodes if name in where]
+    stages = [dataclasses.replace(s, nodes=[n for n in order if where[n] == s.index]) for s in plan.stages]
+    return dataclasses.replace(plan, stages=stages)
+
+
 def _is_metadata(node: fx.Node) -> bool:
     """`getattr(x, "device")` and the like: a value no runtime can send as JSON."""
     value = node.meta.get(META_VALUE)

@@ -16,7 +16,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Sequence
 
-from pipecc.cli.args import Parser
+from pipecc.cli.args import Parser, finish_help
 from pipecc.errors import PipeccError
 
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for module in (cost, plan, compile_cmd, devices, run, inspect, csim, profile):
         module.add_parser(sub, common)
+    finish_help(sub)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pipecc.errors import UsageError
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
@@ -58,80 +59,208 @@ def microbatches(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
-def microbatch_sizes(text: str) -> str | list[int]:
-    """auto | equal | S1,S2,... (each > 0; the sum is checked against the batch size later)."""
-    if text in ("auto", "equal"):
-        return text
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, equal or sizes like 3,5, got {text!r}") from None
-    return sizes
-
-
 def replicas(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
+# ----------------------------------------------------------------------------- one vocabulary
+# Every technique switch on the command line reads `auto|on|off` (a technique that has nothing
+# to force offers `auto|off`); args.py maps the words to the values the planner has always
+# taken (`recompute="full"`, `microbatch_sizes="equal"`, ...), so plan.json, the Python API and
+# the planner are unchanged. The old CLI spellings (`--recompute none|full`,
+# `--microbatch-sizes equal`) keep working: they are the planner's own values, which plan.json's
+# `options` and the Python API still use, so a user who copies one from there is not refused.
+SWITCHES: dict[str, dict[str, str]] = {
+    "recompute": {"auto": "auto", "on": "full", "off": "none"},
+    "activation_balancing": {"auto": "auto", "on": "on", "off": "off"},
+    "bipartition": {"auto": "auto", "off": "off"},
+}
+OLD_SPELLINGS: dict[str, dict[str, str]] = {
+    "recompute": {"none": "none", "full": "full"},
+}
+
+
+def switch(name: str) -> Any:
+    """The argparse `type` of switch `name`: a CLI word (or an old spelling) -> the planner's value."""
+    words, old = SWITCHES[name], OLD_SPELLINGS.get(name, {})
+
+    def parse(text: str) -> str:
+        if text in words:
+            return words[text]
+        if text in old:
+            return old[text]
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(words)})")
+    parse.__name__ = name
+    return parse
+
+
+def microbatch_sizes(text: str) -> str | list[int]:
+    """auto | off | S1,S2,... (each > 0; the sum is checked against the batch size later).
+    off is the planner's "equal" (every stage splits the batch equally), still accepted."""
+    if text in ("auto", "equal"):
+        return text
+    if text == "off":
+        return "equal"
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or sizes like 3,5, got {text!r}") from None
+    return sizes
+
+
+class _SplitLayers(argparse.Action):
+    """`--split-layers auto|off` and the old flag `--no-split-layers` set one field,
+    `no_split_layers`, which cli/plan.py hands to the planner as `split_layers=not ...`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string == "--no-split-layers":
+            setattr(namespace, self.dest, True)
+        elif values in ("auto", "off"):
+            setattr(namespace, self.dest, values == "off")
+        else:
+            parser.error(f"argument --split-layers: invalid choice: {values!r} (choose from auto, off)")
+
+
+# ----------------------------------------------------------------------------- help
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples keep their lines; every option whose help does not name its default gets
+    "(default: X)" appended, so `--help` shows each default without repeating it by hand."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is True or default is argparse.SUPPRESS
+        if action.option_strings and "default" not in text and not unset and text is not argparse.SUPPRESS:
+            text += " (default: %(default)s)"
+        return text
+
+
+def group(p: argparse.ArgumentParser, title: str) -> Any:
+    """The argument group of `p` called `title` (made on first use), so several helpers can
+    add to one group: `basic`, `schedule`, `techniques`; the rest land in the parser's own
+    options, which plan and compile title "output"."""
+    for g in p._action_groups:  # NOTE: argparse has no public lookup of a group by title
+        if g.title == title:
+            return g
+    return p.add_argument_group(title)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
-                   help="a .py model file (defining build_model and example_inputs; see the "
-                   "README's model-file section) or an .onnx file")
-    p.add_argument("--batch-size", "-b", type=positive_int, default=1, metavar="B",
+    g = group(p, "basic")
+    g.add_argument("model", metavar="MODEL",
+                   help="a .py model file (defining build_model and example_inputs; see "
+                   "docs/model-files.md) or an .onnx file")
+    g.add_argument("--batch-size", "-b", type=positive_int, default=1, metavar="B",
                    help="example batch size (the value of the symbol B; default 1)")
-    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
-                   help="keyword argument for build_model (repeatable)")
-    p.add_argument("--symbol", action="append", metavar="NAME=INPUT:DIM",
-                   help="mark another symbolic dimension, e.g. S=0:1 (dim 1 of input 0)")
+    g.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                   help="keyword argument for build_model (repeatable; default: none)")
+    g.add_argument("--symbol", action="append", metavar="NAME=INPUT:DIM",
+                   help="mark another symbolic dimension, e.g. S=0:1 (dim 1 of input 0; default: "
+                   "only the batch B)")
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", "-d", required=True, metavar="SPEC",
-                   help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml")
-    p.add_argument("--microbatches", "-m", type=microbatches, default="auto", metavar="M|auto")
-    p.add_argument("--schedule", choices=["auto", *TRAINING_SCHEDULES], default="auto")
-    p.add_argument("--replicas", type=replicas, default="auto", metavar="auto|N",
-                   help="run every stage on a group of N devices that split each micro-batch "
-                   "(data parallel inside the stage, gradients all-reduced in the group); N must "
-                   "divide the device count; auto (default): pipecc chooses N with the cuts; 1: the "
-                   "plain pipeline; N = the device count: plain data parallelism")
-    p.add_argument("--microbatch-sizes", type=microbatch_sizes, default="equal",
-                   metavar="auto|equal|S1,S2,...",
-                   help="UMPIPE: per-stage micro-batch sizes. equal (default): every stage splits "
-                   "the batch into equal micro-batches; auto: when the chosen plan runs gpipe, "
-                   "search each stage's own sizes (genetic search, at most 10 s) and keep them "
-                   "if faster; S1,S2,...: these sizes (summing to the batch size) on every stage, "
-                   "under gpipe with replicas 1")
-    p.add_argument("--bipartition", choices=["off", "auto"], default="off",
-                   help="Bi-Partition: separate forward and backward cuts (a layer's forward on "
-                   "one device, its backward on the next; its saved tensors and weights travel). "
-                   "off (default); auto: search them around the chosen cuts (training, 1f1b or "
-                   "gpipe, replicas 1) and keep them only if the simulated iteration is faster")
-    p.add_argument("--coarse", action="store_true", help="cut only at block boundaries")
-    p.add_argument("--choose-order", action="store_true",
-                   help="let pipecc order the devices (interchangeable types)")
-    p.add_argument("--no-split-layers", action="store_true", help="never split a layer across devices")
-    p.add_argument("--inference", action="store_true", help="plan forward passes only")
-    p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
-                   help="activation recomputation (torch.utils.checkpoint per stage): none (default), "
-                   "full (every stage) or auto (only the stages that need it to fit memory)")
-    p.add_argument("--activation-balancing", choices=["auto", "on", "off"], default="auto",
-                   help="BPipe: under 1F1B, stage s sends stashed activations to stage p-1-s and "
-                   "takes them back before their backward, to spend the freed memory on a larger "
-                   "micro-batch or no recomputation. auto (default): only where pipecc's estimate "
-                   "predicts a speed-up; on: always (1f1b, replicas 1); off: never")
-    p.add_argument("--flash-attention", action="store_true",
-                   help="cost fused attention as flash attention runs it: no stashed scores, "
-                   "recomputed in backward (default: the math path, which keeps them)")
-    p.add_argument("--fpga-number", default="float", metavar="FORMAT",
-                   help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
-                   "the plan costs FPGA stages in it")
-    p.add_argument("--profile", metavar="PROFILE_JSON",
-                   help="measured costs from `pipecc profile`: the plan uses its curves for the "
-                   "devices it timed, the roofline elsewhere")
+    p._optionals.title = "output"  # NOTE: -h, -v, -q, --debug, --json, -o, ... (argparse's own group)
+    basic = group(p, "basic")
+    basic.add_argument("--devices", "-d", required=True, metavar="SPEC",
+                       help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml "
+                       "(`pipecc devices` lists the names; required)")
+    basic.add_argument("--profile", metavar="PROFILE_JSON",
+                       help="measured costs from `pipecc profile`: the plan uses its curves for the "
+                       "devices it timed, the roofline elsewhere (default: the roofline only; on a "
+                       "CPU, profile first)")
+    sched = group(p, "schedule")
+    sched.add_argument("--microbatches", "-m", type=microbatches, default="auto", metavar="auto|M",
+                       help="micro-batches per iteration: auto (default) lets the planner choose, "
+                       "M a fixed count (it must divide the batch)")
+    sched.add_argument("--schedule", choices=["auto", *TRAINING_SCHEDULES], default="auto",
+                       help=f"pipeline schedule: auto (default) tries {', '.join(TRAINING_SCHEDULES)} "
+                       "and keeps the fastest that fits")
+    sched.add_argument("--replicas", type=replicas, default="auto", metavar="auto|N",
+                       help="run every stage on a group of N devices that split each micro-batch "
+                       "(data parallel inside the stage, gradients all-reduced in the group); N must "
+                       "divide the device count; auto (default): pipecc chooses N with the cuts, and "
+                       "may choose plain data parallelism; 1: the plain pipeline (stages); N = the "
+                       "device count: plain data parallelism")
+    sched.add_argument("--inference", action="store_true",
+                       help="plan forward passes only (default: training)")
+    tech = group(p, "techniques (auto|on|off)")
+    tech.add_argument("--split-layers", dest="no_split_layers", action=_SplitLayers, default=False,
+                      metavar="auto|off",
+                      help="split a layer too heavy for one device across devices: auto (default) "
+                      "where it pays, off never (old spelling: --no-split-layers)")
+    tech.add_argument("--no-split-layers", dest="no_split_layers", action=_SplitLayers, nargs=0,
+                      default=False, help=argparse.SUPPRESS)
+    tech.add_argument("--recompute", type=switch("recompute"), default="off", metavar="auto|on|off",
+                      help="activation recomputation (torch.utils.checkpoint per stage): off (default), "
+                      "on (every stage) or auto (only the stages that need it to fit memory); "
+                      "old spellings none|full still work")
+    tech.add_argument("--activation-balancing", type=switch("activation_balancing"), default="auto",
+                      metavar="auto|on|off",
+                      help="BPipe: under 1F1B, stage s sends stashed activations to stage p-1-s and "
+                      "takes them back before their backward, to spend the freed memory on a larger "
+                      "micro-batch or no recomputation. auto (default): only where pipecc's estimate "
+                      "predicts a speed-up; on: always (1f1b, replicas 1); off: never")
+    tech.add_argument("--bipartition", type=switch("bipartition"), default="off", metavar="auto|off",
+                      help="Bi-Partition: separate forward and backward cuts (a layer's forward on "
+                      "one device, its backward on the next; its saved tensors and weights travel). "
+                      "off (default); auto: search them around the chosen cuts (training, 1f1b or "
+                      "gpipe, replicas 1) and keep them only if the simulated iteration is faster")
+    tech.add_argument("--microbatch-sizes", type=microbatch_sizes, default="off",
+                      metavar="auto|off|S1,S2,...",
+                      help="UMPIPE: per-stage micro-batch sizes. off (default): every stage splits "
+                      "the batch into equal micro-batches; auto: when the chosen plan runs gpipe, "
+                      "search each stage's own sizes (genetic search, at most 10 s) and keep them "
+                      "if faster; S1,S2,...: these sizes (summing to the batch size) on every stage, "
+                      "under gpipe with replicas 1 (old spelling of off: equal)")
+    tech.add_argument("--flash-attention", action="store_true",
+                      help="cost fused attention as flash attention runs it: no stashed scores, "
+                      "recomputed in backward (default: the math path, which keeps them)")
+    tech.add_argument("--coarse", action="store_true",
+                      help="cut only at block boundaries (default: at any node)")
+    tech.add_argument("--choose-order", action="store_true",
+                      help="let pipecc order the devices (interchangeable types; default: stage i "
+                      "on device i)")
+    tech.add_argument("--fpga-number", default="float", metavar="FORMAT",
+                      help="number format of FPGA stages: float or ap_fixed<W,I> (default float); "
+                      "the plan costs FPGA stages in it")
     p.add_argument("--dump-ir", metavar="DIR",
                    help="write the IR after each compiler step to DIR/NNN_<step>.txt (the graph "
-                   "with each node's name, kind and cost; the plan once planned)")
+                   "with each node's name, kind and cost; the plan once planned; default: not written)")
+
+
+# ----------------------------------------------------------------------------- examples
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "cost": ("pipecc cost models/gpt.py -b 8 --by-module 2",
+             "pipecc cost models/mlp.py -b 32 --model-arg depth=8 --json"),
+    "devices": ("pipecc devices", "pipecc devices --json"),
+    "plan": ("pipecc plan models/mlp.py -b 32 --devices 2xcpu --replicas 1 -m 4 -v",
+             "pipecc plan models/gpt.py -b 8 --devices 4xa100 --compare --recompute auto -o plan.json"),
+    "compile": ("pipecc compile models/mlp.py -b 32 --devices 2xcpu --replicas 1 -o out",
+                "pipecc compile models/gpt.py -b 8 --devices 2xcpu --schedule zb-h1 --profile prof.json -o gpt_out"),
+    "run": ("pipecc run out --steps 100 --verify",
+            "pipecc run out --steps 1000 --checkpoint-dir ckpt --checkpoint-every 100 --resume"),
+    "inspect": ("pipecc inspect out", "pipecc inspect out --stage 1 --format json"),
+    "csim": ("pipecc csim fpga_out", "pipecc csim fpga_out --stage 1 --threaded --fifo-depth 4"),
+    "profile": ("pipecc profile models/mlp.py -b 32 --devices 2xcpu -o prof.json",
+                "pipecc profile models/gpt.py -b 8 --devices cpu --no-cache --json"),
+}
+
+
+def finish_help(sub: Any) -> None:
+    """Give every subcommand the shared help formatter and its examples (its epilog)."""
+    import textwrap
+    for name, p in sub.choices.items():
+        p.formatter_class = HelpFormatter
+        if p.description and "\n" not in p.description:  # the raw formatter keeps lines as given
+            p.description = textwrap.fill(p.description, 88)
+        p._action_groups.remove(p._optionals)  # NOTE: the options without a group last, after
+        p._action_groups.append(p._optionals)  # basic/schedule/techniques: output and diagnostics
+        lines = EXAMPLES.get(name, ())
+        if lines:
+            p.epilog = "examples:\n" + "\n".join(f"  {line}" for line in lines) + \
+                "\n\nmore: docs/cli.md (every option, the CLI and Python API defaults)"
 
 
 def check_output_file(path: str) -> None:

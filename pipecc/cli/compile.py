@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from pipecc.cli.args import add_model_args, add_plan_args
@@ -48,6 +49,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(terminal_text(f"wrote {done.out}: {count(len(done.stages), 'stage')}{groups}, schedule "
                             f"{plan.schedule}, {count(plan.microbatches, 'micro-batch')}; run it with "
                             f"`pipecc run {args.output}`"))
+        report = Path(done.out) / "report.html"
+        if report.is_file():
+            opener = "open" if sys.platform == "darwin" else "xdg-open"  # NOTE: `open` on Linux is openvt
+            print(terminal_text(f"report: {report} (`{opener} {report}` or any browser)"))
         if plan.is_bipartition():
             segments = [(f, b) for kind, f, b, _ in plan.bipartition_pieces() if kind == "segment"]
             where = ", ".join(f"forward on {f} / backward on {b}" for f, b in segments)

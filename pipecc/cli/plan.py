@@ -81,8 +81,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         check_output_file(args.output)  # now, not after minutes of analysis
     _, plan, _ = plan_from_args(args)
-    for decision in plan.decisions:
-        progress.explain(decision)
+    if args.json:  # NOTE: otherwise the -v table lists the decisions: once is enough
+        for decision in plan.decisions:
+            progress.explain(decision)
     if args.output:
         write_atomic(args.output, plan.dumps() + "\n")
     if args.json:

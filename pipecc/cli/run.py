@@ -386,8 +386,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False) or getattr(args, "debug", False))
     if verbose:
         print("pipecc run: " + shlex.join(cmd), file=sys.stderr, flush=True)
+    from pipecc.cli.runprogress import RunProgress
+    steps = RunProgress(args.steps, sys.stderr if args.json else sys.stdout,  # where the step lines go
+                        quiet=bool(getattr(args, "quiet", False)), verbose=verbose)
     try:
-        return supervise(cmd, env, verbose, json_only=args.json)
+        return supervise(cmd, env, verbose, json_only=args.json, steps=steps)
     finally:
         if lock is not None:
             lock.release()

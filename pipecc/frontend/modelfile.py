@@ -95,7 +95,7 @@ def import_model_file(path: Path, source: bytes | None = None) -> Any:
     if missing:
         raise PipeccError(
             f"{path.name} does not define {', '.join(missing)}; a model file needs "
-            "build_model(**kwargs) and example_inputs(batch_size=1) (see the README's Command line section)"
+            "build_model(**kwargs) and example_inputs(batch_size=1) (see docs/model-files.md)"
         )
     return module
 

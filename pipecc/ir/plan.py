@@ -245,7 +245,8 @@ class Plan:
                             "peak mem"], rows, left=4)
         return "\n".join([
             repr(self), "", table, "",
-            f"bottleneck {seconds(self.bottleneck_s)} per micro-batch (stage marked *), lower bound "
+            f"bottleneck {seconds(self.bottleneck_s)} per micro-batch (stage marked *; communication "
+            "overlapped as the runtime sends), lower bound "
             f"{seconds(self.lower_bound_s)}, bubble {self.bubble_fraction:.1%}"])
 
     def summary(self, file: TextIO | None = None) -> None:

@@ -29,8 +29,8 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import (bipartition_lines, bottleneck_stage, bpipe_lines, device_capacities, first_last,
-                                   memory_kind, recompute_line)
+from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines,
+                                   device_capacities, first_last, memory_kind, recompute_line)
 from pipecc.report.formatting import count, human, seconds, shapes_text, text_table
 from pipecc.report.text import replica_group, replica_rows, sizes_text
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
@@ -314,7 +314,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
                      replica_group(plan, plan.stages[s['index']]) if plan.replicas > 1
                      else f"{s['device']} {s['device_name']}", f"{s['first_node']} .. {s['last_node']}",
                      str(s["num_nodes"]), human(s["forward_flops"]), human(s["param_bytes"], "B"),
-                     seconds(s["forward_s"]), seconds(s["backward_s"]), mem,
+                     seconds(s["forward_s"]), seconds(s["backward_s"]), seconds(s["comm_s"]), mem,
                      human(s["recv_bytes"], "B"), human(s["send_bytes"], "B"),
                      ", ".join(s["split_layers"]) or "-"])
     mb = data["microbatch_size"]
@@ -332,12 +332,12 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
            + (" (the largest slice)" if mb % plan.replicas else "") if plan.replicas > 1
            else "" if plan.microbatch_sizes else "figures per micro-batch"),
         "",
-        text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd",
+        text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd", "comm",
                     "peak mem / capacity", "in", "out", "split-layer shards"], rows, left=3,
-                   right_from=11),
+                   right_from=12),
         "",
         f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch: stage "
-        f"{data['bottleneck_stage']} (marked *)",
+        f"{data['bottleneck_stage']} (marked *; {bottleneck_note(plan)})",
         f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}",
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",

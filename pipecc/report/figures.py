@@ -15,6 +15,22 @@ def bottleneck_stage(plan: Plan) -> int:
                key=lambda i: plan.stages[i].forward_s + plan.stages[i].backward_s + plan.stages[i].comm_s)
 
 
+BOTTLENECK_WITH_COMM = "communication overlapped as the runtime sends"
+
+
+def bottleneck_note(plan: Plan) -> str:
+    """What `bottleneck_s` is, beside the sum of the bottleneck stage's own figures: the plan's
+    bottleneck is the pipeline's steady-state time per micro-batch with each transfer
+    overlapping other micro-batches' compute (`passes.partition`), so it lies between that
+    stage's fwd + bwd and its fwd + bwd + comm, which the stage bars and tables show.
+    Every view prints this one line, so none shows one number unlabelled."""
+    k = bottleneck_stage(plan)
+    s = plan.stages[k]
+    from pipecc.report.formatting import seconds
+    return (f"{BOTTLENECK_WITH_COMM}; stage {k} alone: fwd + bwd {seconds(s.forward_s + s.backward_s)}, "
+            f"fwd + bwd + comm {seconds(s.forward_s + s.backward_s + s.comm_s)}")
+
+
 def device_capacities(plan: Plan, cluster: Any = None) -> list[float | None]:
     """Memory bytes of each plan device, as the planner counts a stage's memory against it:
     DRAM (or HBM) for CPUs and GPUs, on-chip BRAM for FPGA cards (`memory_kind`). From

@@ -23,7 +23,8 @@ from pipecc.ir.schedule.registry import ZERO_BUBBLE
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
 from pipecc.report.compiled import load_compiled, timeline_of
 from pipecc.report.dot import dot_text, graphviz_svg
-from pipecc.report.figures import bipartition_lines, bottleneck_stage, device_capacities, first_last
+from pipecc.report.figures import (BOTTLENECK_WITH_COMM, bipartition_lines, bottleneck_note, bottleneck_stage,
+                                   device_capacities, first_last)
 from pipecc.report.formatting import count, human, seconds
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
                                esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
@@ -237,6 +238,9 @@ def render_report(graph: Any, plan: Plan, timeline: Any = None, *, cluster: Any 
     data = graph_data if graph_data is not None else (graph_json(graph, plan) if graph is not None else None)
     tl = timeline_json(timeline if timeline is not None else timeline_for(plan)) \
         if not isinstance(timeline, dict) else timeline
+    if graph is not None:  # the stages' node lists as their stage.py computes them, as plan.json has them
+        from pipecc.backends.torch.stages import plan_as_cut
+        plan = plan_as_cut(plan, graph)
     return render_page(plan, data, tl, device_capacities(plan, cluster))
 
 
@@ -258,7 +262,8 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
                (f"{plan.batch_size / plan.predicted_iteration_s:,.0f}/s"
                 if plan.predicted_iteration_s > 0 else "-", "samples per second"),
                (f"{plan.bubble_fraction:.1%}", "bubble (idle share)"),
-               (seconds(plan.bottleneck_s), f"bottleneck: stage {bottleneck_stage(plan)}"),
+               (seconds(plan.bottleneck_s), f"bottleneck: stage {bottleneck_stage(plan)}, "
+                f"{BOTTLENECK_WITH_COMM}"),
                (seconds(plan.lower_bound_s), "lower bound, any split"),
                (f"{plan.balance_ratio:.3f}", "balance ratio (1 = optimal)")]
     fig_html = "".join(f'<div class="fig"><b>{esc(v)}</b><span>{esc(k)}</span></div>' for v, k in figures)
@@ -298,7 +303,9 @@ hatched gaps are bubbles. Hover a block for its times.</p>
 {_legend(plan)}
 
 <h2>Stages</h2>
-<div class="row"><div><h4>Compute and communication per micro-batch</h4>{stage_time_svg(plan)}
+<div class="row"><div><h4>Compute and communication per micro-batch</h4>
+<p class="note">Each bar sums a stage's forward, backward and communication (no overlap). The
+bottleneck ({esc(seconds(plan.bottleneck_s))}) is shorter: {esc(bottleneck_note(plan))}.</p>{stage_time_svg(plan)}
 {_keys([(F_COLORS[0], "forward"), (B_COLORS[0], "backward"), (COMM_C, "communication")], indent=190)}</div>
 <div><h4>Peak memory per device against its capacity</h4>{memory_svg(plan, capacities)}
 <p class="note">Weights, gradients, optimizer state and stashed activations; the planner keeps

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import bipartition_lines, bottleneck_stage, bpipe_lines, first_last, recompute_line
+from pipecc.report.figures import bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines, first_last, recompute_line
 from pipecc.report.formatting import count, human, seconds, text_table
 
 
@@ -51,7 +51,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         text_table(["stage", "device", "first node", "last node", "fwd FLOPs", "fwd", "bwd",
                     "sends", "comm", "peak mem", "split layers"], rows),
         "",
-        f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *)",
+        f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *; {bottleneck_note(plan)})",
         f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}"
         + (f"   (comm-blind bound {seconds(plan.lower_bound_compute_s)}, ratio "
            f"{plan.balance_ratio_compute:.3f})" if plan.lower_bound_compute_s > 0 else ""),
@@ -86,10 +86,26 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                                  for b in plan.baselines]))
     if verbose:
         lines += ["", "decisions:"] + [f"  {d}" for d in plan.decisions]
-        lines += [f"  rejected {a['schedule']} m={a['microbatches']}"
-                  + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
-                  + f": {a['reason']}" for a in plan.alternatives]
+        lines += alternative_lines(plan)
     return "\n".join(lines)
+
+
+TOP_ALTERNATIVES = 3
+
+
+def alternative_lines(plan: Plan, top: int = TOP_ALTERNATIVES) -> list[str]:
+    """The `top` runners-up of the planner's search (fastest first), and how many more there
+    were: `-v` is read by a person, who wants the choices that nearly won, not ~40 lines of
+    every configuration tried (all of them stay in plan.json's `alternatives`)."""
+    ranked = list(plan.alternatives)  # the planner records them fastest first
+    lines = [f"  runner-up {a['schedule']} m={a['microbatches']}"
+             + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
+             + f": {a['reason']}" for a in ranked[:top]]
+    rest = len(ranked) - top
+    if rest > 0:
+        lines.append(f"  ... and {count(rest, 'other configuration')} tried "
+                     "(plan.json's \"alternatives\" lists every one with its reason)")
+    return lines
 
 
 def replica_rows(mb: int, d: int) -> str:

@@ -224,9 +224,12 @@ def _kill(pid: int, sig: int) -> None:
 # ----------------------------------------------------------------------------- running
 
 
-def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: bool = False) -> int:
+def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: bool = False,
+              steps: Any = None) -> int:
     """Run torchrun with ``env``, stream its output, return 0 or raise one ``PipeccError`` line;
-    ``json_only``: only the run's JSON document goes to stdout, every other line to stderr."""
+    ``json_only``: only the run's JSON document goes to stdout, every other line to stderr.
+    ``steps`` (`pipecc.cli.runprogress.RunProgress`): sees each stdout line first and may draw
+    or drop the step lines; told before any other output, and closed at the end."""
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, bufsize=1, errors="replace")
@@ -235,10 +238,19 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
     watch, tree = _Watch(verbose), ProcessTree(proc.pid)
 
     def out(text: str) -> None:
+        if steps is not None and not text.startswith(_DOCUMENT) and not watch.muted:
+            if steps.line(text):
+                return
+            steps.interrupt()
         _write(sys.stderr if json_only and not text.startswith(_DOCUMENT) else sys.stdout, text, watch)
 
+    def err(text: str) -> None:
+        if steps is not None:
+            steps.interrupt()
+        watch.line(text)
+
     pumps = [threading.Thread(target=_pump, args=(proc.stdout, out), daemon=True),
-             threading.Thread(target=_pump, args=(proc.stderr, watch.line), daemon=True)]
+             threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True)]
     for thread in pumps:
         thread.start()
     stopped_it = False
@@ -262,6 +274,8 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
             raise
     for thread in pumps:
         thread.join(timeout=5)
+    if steps is not None:
+        steps.close()
     rc = proc.returncode
     if rc == 0 and not watch.errors:
         return 0

@@ -13,8 +13,8 @@ hands them on; ``pipecc.frontend.modelfile.import_model_file`` compiles them fro
 fresh module, so neither an edit between the check and the import nor a planted
 ``__pycache__/*.pyc`` (which the import system would take for the file when its recorded
 mtime and size match) can run code that was not hashed. What the hash does not cover: the
-modules ``model.py`` itself imports, and the folder's ``stage.py`` files (see the README's "a
-compiled folder is code").
+modules ``model.py`` itself imports, and the folder's ``stage.py`` files (see docs/safety.md and the
+README's "a compiled folder is code").
 
 Imports hashlib and ``pipecc.errors`` only.
 """

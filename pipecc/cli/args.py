@@ -98,10 +98,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatch-sizes", type=microbatch_sizes, default="equal",
                    metavar="auto|equal|S1,S2,...",
                    help="UMPIPE: per-stage micro-batch sizes. equal (default): every stage splits "
-                   "the batch into equal micro-batches; auto: when the chosen plan runs gpipe, "
-                   "search each stage's own sizes (genetic search, at most 10 s) and keep them "
+                   "the batch into equal micro-batches; auto: when the chosen plan runs gpipe or "
+                   "1f1b, search each stage's own sizes (genetic search, at most 10 s) and keep them "
                    "if faster; S1,S2,...: these sizes (summing to the batch size) on every stage, "
-                   "under gpipe with replicas 1")
+                   "under gpipe (or --schedule 1f1b) with replicas 1")
     p.add_argument("--bipartition", choices=["off", "auto"], default="off",
                    help="Bi-Partition: separate forward and backward cuts (a layer's forward on "
                    "one device, its backward on the next; its saved tensors and weights travel). "

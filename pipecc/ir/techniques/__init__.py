@@ -11,7 +11,7 @@ compiled-folder loader (`pipecc run`, which imports no compiler: hence here, in 
 | module | technique | what it asks of the plan |
 |---|---|---|
 | `bpipe` | activation balancing (BPipe) | 1f1b, one stage per device, no replicas, equal micro-batches, stash-keeping devices, no recomputation, no Bi-Partition, a process per rank; well-formed pairs |
-| `umpipe` | unequal micro-batches (UMPIPE) | gpipe, one stage per device, no replicas, no recomputation, variable-micro-batch devices, no BPipe or Bi-Partition |
+| `umpipe` | unequal micro-batches (UMPIPE) | gpipe or 1f1b, one stage per device, no replicas, no recomputation, variable-micro-batch devices |
 | `bipartition` | separate forward/backward cuts | 1f1b or gpipe, one stage per device, no replicas, equal micro-batches, no recomputation, no BPipe, stash-keeping devices, no split layers; mode ship |
 | `recompute` | activation recomputation | training, recompute-capable devices |
 | `replicas` | replica groups (PP x DP) | groups on consecutive devices per rank, replicable devices |

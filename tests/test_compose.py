@@ -1,0 +1,139 @@
+"""Techniques composed in one plan (issue 18, item 2): UMPIPE's unequal micro-batches under
+1F1B, BPipe with replica groups and with `--recompute auto`, Bi-Partition with split layers.
+Each composition is planned with the CLI's flags on a zoo model, compiled, and run under
+torchrun with `pipecc run --verify` (outputs, loss and gradients of the single-process model);
+the IR and planner halves are checked here without processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from helpers import MLP_TINY, model_args
+from helpers import run_pipecc as pipecc
+from pipecc.ir.schedule import format, gpipe_uneven, one_f_one_b, one_f_one_b_uneven, parse, schedule_for, validate
+
+pytestmark = pytest.mark.xdist_group(name="compose")
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = [str(ROOT / "models" / "mlp.py"), *sum((["--model-arg", a] for a in model_args(MLP_TINY)), [])]
+
+
+def _verified(out: Path, *extra: str) -> str:
+    """`pipecc run OUT --verify` under torchrun (2 steps): its output, once it passed."""
+    result = pipecc("run", str(out), "--verify", "--steps", "2", "--timeout", "120", *extra, timeout=300)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
+    assert "gradients match the single-process run" in text, text[-4000:]
+    return text
+
+
+# ---------------------------------------------------------------------------- (a) UMPIPE x 1F1B
+
+def _random_split(rng: random.Random, batch: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, batch), rng.randint(0, min(6, batch - 1)))) if batch > 1 else []
+    edges = [0, *cuts, batch]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def test_uneven_1f1b_with_equal_lists_is_1f1b() -> None:
+    for p in range(1, 6):
+        for m in range(1, 9):
+            assert one_f_one_b_uneven([[3] * m] * p).actions == one_f_one_b(p, m).actions, (p, m)
+
+
+def test_uneven_1f1b_random_sizes_are_valid_and_round_trip() -> None:
+    rng = random.Random(18)
+    for _ in range(300):
+        batch = rng.randint(1, 12)
+        sizes = [_random_split(rng, batch) for _ in range(rng.randint(1, 5))]
+        schedule = one_f_one_b_uneven(sizes)
+        validate(schedule)  # complete, matched, deadlock-free
+        assert parse(format(schedule)) == schedule
+        for s, row in enumerate(schedule.actions):  # each stage's chunks in order, as the re-slicer needs
+            for kind in ("F", "B"):
+                seen = [a.microbatch for a in row if a.kind.name == kind]
+                assert seen == list(range(len(sizes[s])))
+
+
+def test_uneven_1f1b_holds_fewer_samples_than_gpipe() -> None:
+    """1F1B's point: stage s keeps about p - s chunks in flight, GPipe the whole batch."""
+    sizes = [[1, 3, 2, 2], [4, 4]]
+    assert gpipe_uneven(sizes).stash_sample_profile() == [8, 8]
+    assert one_f_one_b_uneven(sizes).stash_sample_profile() == [5, 4]
+    # a downstream chunk needing more upstream chunks than the cap lets through still runs
+    wide = one_f_one_b_uneven([[1] * 8, [8]])
+    validate(wide)
+    assert wide.stash_sample_profile() == [8, 8]
+
+
+def test_schedule_for_builds_uneven_1f1b() -> None:
+    sizes = [[1, 3, 4], [4, 4]]
+    assert schedule_for("1f1b", 2, 3, microbatch_sizes=sizes) == one_f_one_b_uneven(sizes)
+    assert schedule_for("gpipe", 2, 3, microbatch_sizes=sizes) == gpipe_uneven(sizes)
+
+
+def test_simulated_pricing_is_the_simulator() -> None:
+    """The search's price of a split under 1F1B is the event simulator's timeline."""
+    from pipecc.passes import umpipe
+    from pipecc.passes.simulate import simulate
+    curves = umpipe.Curves.from_functions(3, 8, f=lambda s, b: 1.0 + b * (s + 1), g=lambda s, b: 2.0 + 2 * b,
+                                          send_f=lambda s, b: 0.1 * b, send_b=lambda s, b: 0.1 * b)
+    price = umpipe.SimulatedPricing(curves, "1f1b")
+    population = [[[2, 2, 4], [4, 4], [1, 7]], [[8], [8], [8]], [[2] * 4] * 3]
+    got = price.times(population)
+    for t, sizes in zip(got, population):
+        want = simulate(one_f_one_b_uneven(sizes), umpipe.stage_costs(sizes, curves)).iteration_s
+        assert t == pytest.approx(want)
+    gpipe = umpipe.GPipePricing(curves).times(population)
+    assert list(gpipe) == pytest.approx([umpipe.end_times(sz, curves).T for sz in population])
+    res = umpipe.search(curves, budget_s=5.0, price=price)
+    assert res.T <= res.edp_T + 1e-12  # never worse than the best equal split under 1F1B
+
+
+def test_planner_searches_sizes_under_1f1b() -> None:
+    """`--microbatch-sizes auto` on a 1f1b plan: the search runs (it is no longer "not tried")."""
+    from pipecc import driver
+    analysis = driver.analyze("models/mlp.py", model_args=MLP_TINY, batch_size=8)
+    plan, _ = driver.plan(analysis, "2xcpu", batch_size=8, schedule="1f1b", replicas=1,
+                          microbatch_sizes="auto", umpipe_budget_s=2.0)
+    assert plan.schedule == "1f1b"
+    line = next(d for d in plan.decisions if "UMPIPE" in d)
+    assert line.startswith("unequal micro-batches (UMPIPE): "), line
+
+
+@pytest.mark.slow  # torchrun launches
+def test_umpipe_under_1f1b_plans_compiles_and_verifies(tmp_path: Path) -> None:
+    plan_file = tmp_path / "plan.json"
+    result = pipecc("plan", *MLP, "-b", "8", "--devices", "cpu,cpu", "--schedule", "1f1b",
+                    "--microbatch-sizes", "1,3,4", "-o", str(plan_file))
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = json.loads(plan_file.read_text())
+    assert planned["schedule"] == "1f1b" and planned["microbatch_sizes"] == [[1, 3, 4], [1, 3, 4]]
+    out = tmp_path / "out"
+    result = pipecc("compile", *MLP, "-b", "8", "--devices", "cpu,cpu", "--schedule", "1f1b",
+                    "--microbatch-sizes", "1,3,4", "-o", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    schedule = parse((out / "schedule.txt").read_text())
+    assert schedule == one_f_one_b_uneven([[1, 3, 4], [1, 3, 4]])
+    _verified(out)
+
+
+@pytest.mark.slow  # torchrun launches
+def test_umpipe_under_1f1b_reslices_between_stages(tmp_path: Path) -> None:
+    """Different sizes on the two stages (stage 1 re-slices stage 0's chunks) under 1F1B."""
+    from pipecc import driver
+    model = str(ROOT / "models" / "mlp.py")
+    analysis = driver.analyze(model, model_args=MLP_TINY, batch_size=8)
+    plan, graph = driver.plan(analysis, "2xcpu", batch_size=8, microbatches=2, schedule="1f1b", replicas=1)
+    sizes = [[1, 3, 4], [4, 4]]
+    plan = dataclasses.replace(plan, model_path=model, model_args=dict(MLP_TINY), microbatches=3,
+                               microbatch_sizes=sizes)
+    out = tmp_path / "mlp"
+    driver.compile(analysis, plan, graph, out)
+    assert parse((out / "schedule.txt").read_text()) == one_f_one_b_uneven(sizes)
+    _verified(out)

@@ -24,12 +24,12 @@ MLP = [str(ROOT / "models" / "mlp.py"), *sum((["--model-arg", a] for a in model_
 
 
 def _verified(out: Path, *extra: str) -> str:
-    """`pipecc run OUT --verify` under torchrun (2 steps): its output, once it passed."""
+    """`pipecc run OUT --verify` under torchrun (2 steps): its stdout, once it passed."""
     result = pipecc("run", str(out), "--verify", "--steps", "2", "--timeout", "120", *extra, timeout=300)
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
     assert "gradients match the single-process run" in text, text[-4000:]
-    return text
+    return result.stdout
 
 
 # ---------------------------------------------------------------------------- (a) UMPIPE x 1F1B
@@ -137,3 +137,118 @@ def test_umpipe_under_1f1b_reslices_between_stages(tmp_path: Path) -> None:
     driver.compile(analysis, plan, graph, out)
     assert parse((out / "schedule.txt").read_text()) == one_f_one_b_uneven(sizes)
     _verified(out)
+
+
+# ---------------------------------------------------------------------------- the rules
+
+def test_every_pair_that_does_not_compose_is_refused_by_one_rule() -> None:
+    from pipecc.ir.techniques import matrix
+    names = list(matrix.TURN_ON)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            per_order = matrix.refusers(a, b)
+            assert all(len(who) <= 1 for who in per_order), (a, b, per_order)
+            if matrix.pair(a, b) is not None and per_order:  # refused (not just two schedules)
+                assert all(len(who) == 1 for who in per_order), (a, b, per_order)
+    for a, b in (("UMPIPE", "BPipe"), ("UMPIPE", "Bi-Partition"), ("BPipe", "Bi-Partition")):
+        assert matrix.pair(a, b) is not None  # still out of scope, each by one rule
+    for a, b in (("BPipe", "replicas"), ("BPipe", "recompute")):
+        assert matrix.pair(a, b) is None  # the compositions of item 2
+
+
+def test_bpipe_refuses_a_recomputing_evictor_only() -> None:
+    from pipecc.ir import techniques
+    from pipecc.ir.techniques import matrix
+    plan = matrix.with_on("BPipe", "recompute", "replicas")
+    assert techniques.requires(plan) is None and plan.replicas == 2 and plan.stages[-1].recompute
+    plan.stages[0].recompute = True  # the evictor
+    why = techniques.bpipe.requires(plan, techniques.COMPILED)
+    assert why is not None and why.startswith("activation balancing (BPipe): evictor stage 0 recomputes")
+
+
+# ---------------------------------------------------------------------------- (b) BPipe x replicas, x recompute
+
+TINY_GPT = [str(ROOT / "models" / "gpt.py"), *sum((["--model-arg", f"{k}={v}"] for k, v in
+                                                   dict(n_layer=2, n_head=2, n_embd=32, vocab_size=101,
+                                                        block_size=16, seq_len=8).items()), [])]
+# 12 Linear layers of 32 on 4 small devices (230 kB each): 1F1B's stage 0 overflows; with
+# `--recompute auto --activation-balancing on` the evictors move activations to an acceptor
+# that recomputes (found by the planner, not set by hand)
+DEEP_MLP = [str(ROOT / "models" / "mlp.py"), *sum((["--model-arg", a] for a in model_args(
+    dict(MLP_TINY, depth=12))), [])]
+
+
+def _small_devices(tmp_path: Path, memory_bytes: float, n: int = 4) -> str:
+    """n CPUs of `memory_bytes` each on one fast link (stash transfers hide)."""
+    names = ", ".join(['"small"'] * n)
+    links = "[" + ", ".join("[" + ", ".join('""' if i == j else '"fast"' for j in range(n)) + "]" for i in range(n)) + "]"
+    path = tmp_path / "devices.toml"
+    path.write_text(f'devices = [{names}]\nlink_matrix = {links}\n[device.small]\nbase = "cpu"\n'
+                    f'memory_bytes = {memory_bytes}\nsource = "user: a small test device"\n'
+                    '[link.fast]\nbandwidth = 1e12\nlatency = 1e-6\nsource = "user: test link"\n')
+    return f"@{path}"
+
+
+DEEP_FLAGS = ["-b", "512", "-m", "8", "--schedule", "1f1b", "--replicas", "1", "--recompute", "auto",
+              "--activation-balancing", "on", "--no-split-layers"]
+
+
+def test_planner_composes_bpipe_with_recompute_auto(tmp_path: Path) -> None:
+    from pipecc import driver
+    analysis = driver.analyze(DEEP_MLP[0], model_args=dict(MLP_TINY, depth=12), batch_size=512)
+    plan, _ = driver.plan(analysis, _small_devices(tmp_path, 230e3), microbatches=8, schedule="1f1b",
+                          replicas=1, recompute="auto", activation_balancing="on", split_layers=False)
+    evictors = {p["evictor"] for p in plan.activation_balancing}
+    recomputing = {s.index for s in plan.stages if s.recompute}
+    assert evictors and recomputing and not evictors & recomputing, (evictors, recomputing)
+    with pytest.raises(Exception, match="no split fits memory"):  # BPipe alone fits none of these devices
+        driver.plan(analysis, _small_devices(tmp_path, 230e3), microbatches=8, schedule="1f1b", replicas=1,
+                    recompute="none", activation_balancing="on", split_layers=False)
+
+
+def test_planner_pairs_replica_groups() -> None:
+    from pipecc import driver
+    analysis = driver.analyze(TINY_GPT[0], model_args=dict(n_layer=2, n_head=2, n_embd=32, vocab_size=101,
+                                                           block_size=16, seq_len=8), batch_size=8)
+    plan, _ = driver.plan(analysis, "4xcpu", microbatches=4, schedule="1f1b", replicas=2,
+                          activation_balancing="on")
+    assert plan.replicas == 2 and len(plan.stages) == 2
+    assert plan.activation_balancing == [{"evictor": 0, "acceptor": 1, "threshold": 1, "policy": "jit"}]
+    assert [s.replica_devices for s in plan.stages] == [[0, 1], [2, 3]]
+
+
+def _evictions(text: str) -> dict[tuple[int, int], float]:
+    """(stage, replica) -> stash bytes its SEND_S moved, from `pipecc run --json`'s stdout."""
+    rows = json.loads(text)["stages"]
+    return {(r["index"], r["replica"]): r["stash_evicted_bytes"] for r in rows}
+
+
+@pytest.mark.slow  # torchrun launches
+def test_bpipe_with_replicas_plans_compiles_and_verifies(tmp_path: Path) -> None:
+    """2 stages of 6 Linear layers (internal activations to move) on 2 replica groups of 2."""
+    flags = ["-b", "64", "-m", "4", "--devices", "4xcpu", "--schedule", "1f1b", "--replicas", "2",
+             "--activation-balancing", "on", "--no-split-layers"]
+    result = pipecc("plan", *DEEP_MLP, *flags, "-o", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = json.loads((tmp_path / "plan.json").read_text())
+    assert planned["replicas"] == 2 and planned["activation_balancing"]
+    out = tmp_path / "out"
+    result = pipecc("compile", *DEEP_MLP, *flags, "-o", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    moved = _evictions(_verified(out, "--json"))
+    assert moved[(0, 0)] > 0 and moved[(0, 1)] > 0  # both replicas of the evictor move their slice's stash
+    assert moved[(1, 0)] == moved[(1, 1)] == 0
+
+
+@pytest.mark.slow  # torchrun launches
+def test_bpipe_with_recompute_auto_plans_compiles_and_verifies(tmp_path: Path) -> None:
+    devices = _small_devices(tmp_path, 230e3)
+    out = tmp_path / "out"
+    result = pipecc("compile", *DEEP_MLP, *DEEP_FLAGS, "--devices", devices, "-o", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = json.loads((out / "plan.json").read_text())
+    evictors = {p["evictor"] for p in planned["activation_balancing"]}
+    recomputing = {s["index"] for s in planned["stages"] if s["recompute"]}
+    assert evictors and recomputing and not evictors & recomputing
+    moved = _evictions(_verified(out, "--json"))
+    assert all(moved[(s, 0)] > 0 for s in evictors), moved

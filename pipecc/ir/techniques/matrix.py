@@ -5,9 +5,9 @@ to print the tables.
 
 The example: 8 nodes, batch 8 in 4 micro-batches, 4 stages of two nodes on CPUs/GPUs, 1f1b.
 Each technique's `turn_on` sets what it needs (UMPIPE: unequal sizes, under 1f1b unless the
-plan runs gpipe; BPipe: 1f1b and a pair; Bi-Partition: a segment between stages 0 and 1; recomputation: every stage; replicas:
-groups of 2; zero-bubble: zb-h1; interleaving: 2 stages per device; split layers: one layer in
-two); a pair composes when, turned on in one order or the other, both stay on and no rule
+plan runs gpipe; BPipe: 1f1b and a pair; Bi-Partition: a segment between stages 0 and 1;
+recomputation: the last stage; replicas: groups of 2; zero-bubble: zb-h1; interleaving: 2
+stages per device; split layers: one layer in two); a pair composes when, turned on in one order or the other, both stay on and no rule
 refuses. A pair that does not is refused by exactly one technique's rule (`refusers`; the
 test asks it of every pair), so a scope rule is written once.
 """
@@ -63,9 +63,8 @@ def _bipartition(p: Plan) -> None:
     p.stages[1].backward_nodes = p.stages[0].nodes[1:] + p.stages[1].nodes
 
 
-def _recompute(p: Plan) -> None:
-    for s in p.stages:
-        s.recompute = True
+def _recompute(p: Plan) -> None:  # the last stage: an acceptor (BPipe's evictors never recompute)
+    p.stages[-1].recompute = True
 
 
 def _replicas(p: Plan) -> None:

@@ -6,10 +6,12 @@ the IR and planner halves are checked here without processes."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -252,3 +254,59 @@ def test_bpipe_with_recompute_auto_plans_compiles_and_verifies(tmp_path: Path) -
     assert evictors and recomputing and not evictors & recomputing
     moved = _evictions(_verified(out, "--json"))
     assert all(moved[(s, 0)] > 0 for s in evictors), moved
+
+
+# ---------------------------------------------------------------------------- (c) Bi-Partition x split layers
+
+# the zoo MLP whose wide layer 2 the planner splits over two CPUs (its shards on both stages)
+WIDE = dict(in_features=256, hidden=1024, depth=3, num_classes=256)
+WIDE_MLP = [str(ROOT / "models" / "mlp.py"), *sum((["--model-arg", a] for a in model_args(WIDE)), [])]
+
+
+def _with_segment(plan: Any) -> Any:
+    """`plan` with its last forward node of stage 0 (a split layer's first shard) run backward
+    on stage 1: a segment holding a shard."""
+    plan = copy.deepcopy(plan)
+    order = [n for s in plan.stages for n in s.nodes]
+    cut = len(plan.stages[0].nodes) - 1
+    plan.stages[0].backward_nodes, plan.stages[1].backward_nodes = order[:cut], order[cut:]
+    plan.bipartition_mode = "ship"
+    return plan
+
+
+def test_planner_searches_cut_pairs_on_the_split_plan() -> None:
+    """`--bipartition auto` on a plan that splits a layer: the cut pairs are searched on the
+    split plan's own graph (before, only on the unsplit plan), and the rule admits the result."""
+    from pipecc import driver
+    from pipecc.ir import techniques
+    analysis = driver.analyze(WIDE_MLP[0], model_args=WIDE, batch_size=32)
+    plan, graph = driver.plan(analysis, "2xcpu", microbatches=8, schedule="1f1b", replicas=1, bipartition="auto")
+    assert plan.split_layers and "bipartition" in plan.options  # the split plan's own search ran
+    assert not any("not tried" in d for d in plan.decisions if "Bi-Partition" in d)
+    segmented = _with_segment(plan)
+    assert segmented.is_bipartition() and techniques.requires(segmented) is None
+    assert segmented.stages[0].nodes[-1].endswith(".shard0")
+
+
+@pytest.mark.slow  # torchrun launches
+def test_bipartition_with_split_layers_plans_compiles_and_verifies(tmp_path: Path) -> None:
+    """`pipecc plan` splits layer 2 over the two CPUs; the forward of its first shard stays on
+    stage 0, its backward moves to stage 1 (a segment owned by worker 1, replicated on worker 0);
+    compile and `run --verify` (each shard's gradient against its slice of the model's)."""
+    from pipecc import driver
+    from pipecc.ir.plan import Plan
+    flags = ["-b", "8", "-m", "4", "--devices", "2xcpu", "--replicas", "1", "--schedule", "1f1b"]
+    result = pipecc("plan", *WIDE_MLP, *flags, "-o", str(tmp_path / "plan.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    planned = Plan.from_json(json.loads((tmp_path / "plan.json").read_text()))
+    assert planned.split_layers
+    analysis = driver.analyze(WIDE_MLP[0], model_args=WIDE, batch_size=8)
+    plan, graph = driver.plan(analysis, "2xcpu", microbatches=4, schedule="1f1b", replicas=1)
+    assert [s.nodes for s in plan.stages] == [s.nodes for s in planned.stages]  # the CLI's plan
+    plan = dataclasses.replace(_with_segment(plan), model_path=WIDE_MLP[0], model_args=dict(WIDE))
+    out = tmp_path / "out"
+    driver.compile(analysis, plan, graph, out)
+    marker = json.loads((out / "pipecc.json").read_text())
+    assert marker["bipartition"] == "ship"
+    assert (out / "stage_0" / "segment_0.py").is_file() and (out / "stage_1" / "segment_0.py").is_file()
+    _verified(out)

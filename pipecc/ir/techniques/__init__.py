@@ -12,7 +12,7 @@ compiled-folder loader (`pipecc run`, which imports no compiler: hence here, in 
 |---|---|---|
 | `bpipe` | activation balancing (BPipe) | 1f1b, one stage per pipeline rank (replica groups and recomputation compose), equal micro-batches, stash-keeping devices, no Bi-Partition, a process per rank; well-formed pairs |
 | `umpipe` | unequal micro-batches (UMPIPE) | gpipe or 1f1b, one stage per device, no replicas, no recomputation, variable-micro-batch devices |
-| `bipartition` | separate forward/backward cuts | 1f1b or gpipe, one stage per device, no replicas, equal micro-batches, no recomputation, stash-keeping devices, no split layers; mode ship |
+| `bipartition` | separate forward/backward cuts | 1f1b or gpipe, one stage per device, no replicas, equal micro-batches, no recomputation, stash-keeping devices (split layers compose); mode ship |
 | `recompute` | activation recomputation | training, recompute-capable devices |
 | `replicas` | replica groups (PP x DP) | groups on consecutive devices per rank, replicable devices |
 | `zero_bubble` | zb-h1 | split-backward-capable devices |

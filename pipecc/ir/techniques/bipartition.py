@@ -7,8 +7,9 @@ avoids it; what needs generated code (AOTAutograd splitting a segment) is the to
 
 v1 scope (PAPERS-SPEC §3.8): a training plan under 1f1b or gpipe, one stage per device,
 replicas 1, equal micro-batches, no recomputing stage, stages whose devices
-keep an autograd stash, at least two stages, no split layers (the runtime cuts pieces from
-unsplit layers); the runtime mode is "ship" ("recompute" is costed only: a misplaced segment's
+keep an autograd stash, at least two stages; split layers compose (a split layer's shards are
+graph nodes, cut into cores and segments like any other, their slices named by the workers'
+`SHARDS`); the runtime mode is "ship" ("recompute" is costed only: a misplaced segment's
 forward would run twice, never faster than the single cut, §3.2). BPipe pairs are BPipe's rule
 to refuse (it does not move the segments' stashes), not this one.
 """
@@ -54,8 +55,6 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
         return f"{TAG}: {where} keeps no autograd stash to ship; use {OFF}"
     if len(plan.stages) < 2:
         return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
-    if plan.split_layers:
-        return f"{TAG} with split layers (the runtime cuts pieces from unsplit layers): use --no-split-layers, or {OFF}"
     if not uses(plan):
         return None
     if plan.bipartition_mode == "recompute":

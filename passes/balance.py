@@ -394,7 +394,8 @@ class Balancer:
             received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
             act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
         if bpipe is not None:  # NOTE: the partitioner's stash: the received input counts too
-            act = [a + (float(part.cut_bytes[k - 1]) if k > 0 else 0.0) for k, a in enumerate(act)]
+            redone = prob.recompute or (False,) * stages  # (a recomputing stage's act is it already)
+            act = [a + (float(part.cut_bytes[k - 1]) if k > 0 and not redone[k] else 0.0) for k, a in enumerate(act)]
         split: dict[str, list[float]] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             d = self.p * v // stages  # replicas per stage group
@@ -408,10 +409,10 @@ class Balancer:
         sched = schedule_for(schedule, stages, m, num_ranks=stages // v, bpipe_thresholds=bpipe,
                              bpipe_policy=bpipe_pass.POLICY)
         if bpipe is not None:
-            devs = order or tuple(range(self.p))
+            devs, per = order or tuple(range(self.p)), self.p // stages  # per: replicas of a stage
             costs.stash_transfer_s = [
                 [0.0 if free_stash or sched.partner is None or sched.partner[k] is None
-                 else self.cluster.link(devs[k], devs[sched.partner[k]]).time(act[k])] * m
+                 else self.cluster.link(devs[k * per], devs[sched.partner[k] * per]).time(act[k])] * m
                 for k in range(stages)]
         if allreduce is not None:
             per_rank = [0.0] * sched.num_ranks
@@ -449,8 +450,8 @@ class Balancer:
         results: list[_Candidate] = []
         lost: list[dict[str, Any]] = []
         tried = self.candidates()
-        if self.opt.activation_balancing == "on":  # BPipe forced: 1F1B on single devices only
-            tried = [c for c in tried if c[0] == "1f1b" and c[2] == 1] or tried
+        if self.opt.activation_balancing == "on":  # BPipe forced: 1F1B only
+            tried = [c for c in tried if c[0] == "1f1b"] or tried
         for schedule, m, d in tried:
             try:
                 results.append(recompute_pass.evaluate_candidate(self, schedule, m, d))
@@ -458,7 +459,7 @@ class Balancer:
                 lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
                              "reason": str(exc)})
         results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
-        ms = sorted({m for s, m, d in tried if s == "1f1b" and d == 1})
+        ms = sorted({(m, d) for s, m, d in tried if s == "1f1b" and self.p // d > 1})  # BPipe's (m, replicas)
         results, self._bpipe_notes = bpipe_pass.apply(self, results, ms)
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"

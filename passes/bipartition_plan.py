@@ -7,7 +7,8 @@
 
 Scope v1 (PAPERS-SPEC §3.8): Bi-Partition's rule, `pipecc.ir.techniques.bipartition.requires`
 (a training plan under 1f1b or gpipe, one stage per device, replicas 1, equal micro-batches, no
-recomputing stage, stash-keeping devices, at least two stages, no split layers), and what
+recomputing stage, stash-keeping devices, at least two stages; split layers compose: the
+driver searches the cut pairs on a split plan's rewritten graph), and what
 needs the graph, `graph_requires`: the users of a shared weight in one piece (no cut lies
 between them). A misplaced segment may not hold the loss / last node (the DP
 keeps it in the last worker's core), a module whose buffers training mutates (BatchNorm in

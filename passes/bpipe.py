@@ -7,7 +7,7 @@ before their backward, so both hold about (p+1)/2; the memory freed buys a large
 or no recomputation. Its re-evaluation (arXiv 2024) found the gain negligible once flash
 attention shrinks activations, and proposed estimating it first: this pass is that estimate.
 
-    for each micro-batch count m (1F1B, one stage per device):
+    for each micro-batch count m and replica degree d (1F1B, one stage per pipeline rank):
         memory-blind cuts ─► per-stage W (static) and A (stash) bytes ─► K_s per pair (2.3, +1)
         ─► balanced counts (schedule.bpipe(...).stash_profile()) as the partitioner's in-flight
         ─► exact cuts ─► simulate with stash transfers on the pair links and the timeline
@@ -23,10 +23,19 @@ n_s - 1 frees anything, so the pair stays idle (None). The partitioner takes eac
 count from the generated schedule assuming A_partner ≈ A_own (2.10 item 3, v1); the simulator
 then checks the exact bytes, an acceptor holding its evictor's stashes.
 
+Composition (issue 18): with replica groups (`--replicas`, PP x DP) the pairs are pipeline
+ranks, replica r of group s evicting to replica r of group p-1-s, every figure a replica's
+slice (`passes.replicas`) and the groups' all-reduce in the timeline; with `--recompute auto`
+a candidate that fits nowhere without recomputation recomputes some stages (the acceptors'
+half first, then those the search without BPipe recomputes, `_with_recompute`); a recomputing
+stage stashes only its inputs, which the runtime keeps for its input gradients anyway, so it
+never evicts (BPipe's rule refuses such a pair): the evictors move their activations to
+acceptors that make room by recomputing. "full" recomputes every stage, so nothing evicts.
+
 Scope (anything else is not considered by "auto" and refused with "on"): BPipe's rule,
-`pipecc.ir.techniques.bpipe.requires` (training, 1f1b, one stage per device, replicas 1, equal
-micro-batches, devices that keep an autograd stash, no `--recompute full`), asked here on a
-sketch of the options (`_sketch`) and by the verifier, compile and `pipecc run` on the plan.
+`pipecc.ir.techniques.bpipe.requires` (training, 1f1b, one stage per pipeline rank, equal
+micro-batches, devices that keep an autograd stash), asked here on a sketch of the options
+(`_sketch`) and by the verifier, compile and `pipecc run` on the plan.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.ir.schedule.transforms import bpipe_pairs
+from pipecc.ir.techniques import capabilities as caps
+from pipecc.passes import replicas as rep
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S
 
@@ -99,43 +110,56 @@ def thresholds(static: Sequence[float], act: Sequence[float], p: int, m: int,
 
 def _stage_bytes(prob: Any, bounds: Sequence[int], cuts: Sequence[float]) -> tuple[list[float], list[float]]:
     """[stage] static bytes and stash bytes per micro-batch (internal activations plus the
-    received input), as `passes.partition` counts them."""
+    received input), as `passes.partition` counts them. A recomputing stage (`prob.recompute`)
+    stashes only its received input; the one micro-batch it re-creates in each backward counts
+    as static (`passes.recompute`'s memory model)."""
     import numpy as np
     p = len(bounds) - 1
     static = np.broadcast_to(np.asarray(prob.static_mem, dtype=float), (p, len(prob.out_bytes)))
     act = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), (p, len(prob.out_bytes)))
     received = [0.0] + [float(x) for x in cuts]
+    redo = prob.recompute or (False,) * p
     W = [float(static[k, bounds[k]:bounds[k + 1]].sum()) for k in range(p)]
-    A = [float(act[k, bounds[k]:bounds[k + 1]].sum()) + received[k] for k in range(p)]
+    inner = [float(act[k, bounds[k]:bounds[k + 1]].sum()) for k in range(p)]
+    W = [w + (a if r else 0.0) for w, a, r in zip(W, inner, redo)]
+    A = [(0.0 if r else a) + received[k] for k, (a, r) in enumerate(zip(inner, redo))]
     return W, A
 
 
-def _overlap(bal: Balancer, prob: Any, part: Any, s: int) -> float:
+def _overlap(bal: Balancer, prob: Any, part: Any, s: int, d: int = 1) -> float:
     """The fraction of one more stash evictor s holds at its peak because its SEND_S is still
-    moving while its next forward runs: transfer seconds over forward seconds, at most 1."""
+    moving while its next forward runs: transfer seconds over forward seconds, at most 1. With
+    d replicas, replica r of group s sends to replica r of group p-1-s (the first pair speaks
+    for all: groups are consecutive devices)."""
     import numpy as np
     a, e = part.bounds[s], part.bounds[s + 1]
+    p = len(part.bounds) - 1
     forward = float(np.asarray(prob.fwd)[s, a:e].sum())
     W, A = _stage_bytes(prob, part.bounds, part.cut_bytes)
-    moving = bal.cluster.link(s, bal.p - 1 - s).time(A[s])
+    moving = bal.cluster.link(s * d, (p - 1 - s) * d).time(A[s])
     return min(moving / forward, 1.0) if forward > 0 else 1.0
 
 
-def evaluate_candidate(bal: Balancer, m: int, forced: bool = False) -> _Candidate:
-    """The BPipe candidate with m micro-batches (1F1B, one stage per device, no recomputation):
-    K_s from the memory-blind cuts' bytes, then every K shifted by 0, -1, +1, -2, +2 (the cuts
-    move with K, so the formula's K need not be best); the fastest that fits exactly wins.
-    Raises InfeasibleError when none fits with balanced memory."""
-    p, mb = bal.p, bal.opt.batch_size // m
-    plain = bal.problem(bal.builder.at(mb), mb, "1f1b", m, tuple(range(p)))
+def evaluate_candidate(bal: Balancer, m: int, forced: bool = False, d: int = 1,
+                       recompute: Sequence[bool] | None = None) -> _Candidate:
+    """The BPipe candidate with m micro-batches (1F1B, one stage per pipeline rank; with d
+    replicas every stage on a group of d devices, each replica pairing with the same replica
+    of its partner group, `passes.replicas`; `recompute[k]`: stage k recomputes, and does not
+    evict, its stash being its inputs): K_s from the memory-blind cuts' bytes, then every
+    K shifted by 0, -1, +1, -2, +2 (the cuts move with K, so the formula's K need not be best);
+    the fastest that fits exactly wins. Raises InfeasibleError when none fits with balanced
+    memory."""
+    p, mb = bal.p // d, rep.slice_size(bal.opt.batch_size // m, d)
+    plain = bal.problem(bal.builder.at(mb), mb, "1f1b", m, tuple(range(bal.p)), 1, recompute, d)
     blind = partition(dataclasses.replace(plain, mem_cap=[math.inf] * p))  # memory-blind first
     if blind.bottleneck >= CANNOT_RUN_S:
         raise InfeasibleError(f"BPipe with {m} micro-batches: no placement runs on these devices")
     W, A = _stage_bytes(plain, blind.bounds, blind.cut_bytes)
-    first = thresholds(W, A, p, m, forced)
+    redo = plain.recompute or (False,) * p  # a recomputing stage's stash is its inputs, which stay on it:
+    first = [None if redo[s] else k for s, k in enumerate(thresholds(W, A, p, m, forced))]  # it never evicts
     if all(k is None for k in first):
         raise InfeasibleError(f"BPipe with {m} micro-batches: no pair frees memory by evicting")
-    overlap = {s: _overlap(bal, plain, blind, s) for s, k in enumerate(first) if k is not None}
+    overlap = {s: _overlap(bal, plain, blind, s, d) for s, k in enumerate(first) if k is not None}
     fits, errors, seen = [], [], set()
     for shift in (0, -1, 1, -2, 2):
         ks = tuple(None if k is None else min(max(k + shift, 1), max(min(p - s, m) - 1, 1))
@@ -144,7 +168,7 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False) -> _Candidat
             continue
         seen.add(ks)
         try:
-            fits.append(_fit(bal, plain, m, ks, overlap))
+            fits.append(_fit(bal, plain, m, ks, overlap, d))
         except InfeasibleError as exc:
             errors.append(str(exc))
     if not fits:
@@ -152,28 +176,33 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False) -> _Candidat
     return min(fits, key=lambda c: c.timeline.iteration_s)
 
 
-def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: dict[int, float]) -> _Candidate:
+def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: dict[int, float],
+         d: int = 1) -> _Candidate:
     """The candidate with thresholds `ks`: cuts for the balanced counts (each evictor's plus its
-    `overlap`), then the simulator's exact check. InfeasibleError when it does not fit."""
-    p, mb, order = bal.p, bal.opt.batch_size // m, tuple(range(bal.p))
+    `overlap`), then the simulator's exact check (with d replicas, the groups' all-reduce too).
+    InfeasibleError when it does not fit."""
+    p, mb, order = bal.p // d, rep.slice_size(bal.opt.batch_size // m, d), tuple(range(bal.p))
     counts = [float(c) for c in schedule_for("1f1b", p, m, bpipe_thresholds=ks, bpipe_policy=POLICY).stash_profile()]
     for s, extra in overlap.items():  # NOTE: an eviction still moving while the next F grows
         counts[s] += extra            # (simulate's timeline sweep) costs that F's share so far
     part = partition(dataclasses.replace(plain, inflight=tuple(counts)))  # InfeasibleError
-    prob, part = bal.recost(dataclasses.replace(plain, inflight=tuple(counts)), part.bounds, order, mb)
-    timeline = bal._simulate(part, prob, "1f1b", m, 1, order=order, bpipe=list(ks))
+    prob, part = bal.recost(dataclasses.replace(plain, inflight=tuple(counts)), part.bounds, order, mb, d)
+    units = bal.builder.at(mb)
+    allreduce = rep.stage_allreduce_s(bal, units, part.bounds, order, d) if d > 1 else None
+    timeline = bal._simulate(part, prob, "1f1b", m, 1, order=order, bpipe=list(ks), allreduce=allreduce)
     for k, (peak, cap) in enumerate(zip(timeline.peak_memory_bytes, plain.mem_cap)):
         if peak > cap * (1 + 1e-9):
             raise InfeasibleError(f"BPipe with {m} micro-batches: stage {k} peaks at {peak / 1e9:.4g} GB > "
                                   f"{cap / 1e9:.4g} GB once stashes move (acceptor bytes, transfers in flight)")
-    return bal.candidate("1f1b", m, order, part, prob, bal.builder.at(mb), timeline, raw=plain,
-                         thresholds=tuple(ks))
+    return bal.candidate("1f1b", m, order, part, prob, units, timeline, raw=plain,
+                         recompute=tuple(bool(r) for r in prob.recompute or ()), replicas=d,
+                         allreduce=list(allreduce or []), thresholds=tuple(ks))
 
 
 def memory_before(bal: Balancer, cand: _Candidate) -> list[float]:
     """[stage] peak bytes of the candidate's cuts under plain 1F1B (no stash moves)."""
-    return list(bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1,
-                              order=cand.order, bpipe=[None] * bal.p).peak_memory_bytes)
+    return list(bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
+                              bpipe=[None] * cand.ranks, allreduce=cand.allreduce or None).peak_memory_bytes)
 
 
 def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
@@ -181,7 +210,7 @@ def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
     its iteration minus the same schedule's with free transfers, and the most seconds any
     evictor spends sending out and taking back."""
     free = bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
-                         bpipe=cand.thresholds, free_stash=True)
+                         bpipe=cand.thresholds, free_stash=True, allreduce=cand.allreduce or None)
     busy: dict[int, float] = {}
     for e in cand.timeline.events:
         if e.kind in (ActionKind.SEND_S, ActionKind.SEND_R):
@@ -192,7 +221,7 @@ def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
 
 def _stash_seconds(bal: Balancer, cand: _Candidate) -> list[list[float]]:
     """[stage][mb] one-way seconds of the candidate's stash transfers (0 off the evictors)."""
-    table = [[0.0] * cand.microbatches for _ in range(bal.p)]
+    table = [[0.0] * cand.microbatches for _ in range(cand.ranks)]
     for e in cand.timeline.events:
         if e.kind is ActionKind.SEND_S:
             table[e.stage][e.microbatch] = e.duration
@@ -214,10 +243,71 @@ def _config(d: dict[str, Any]) -> str:
     return f"{what} {d['iteration_s']:.4g} s"
 
 
-def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[list[_Candidate], list[str]]:
+def _with_recompute(bal: Balancer, m: int, d: int, forced: bool, results: Sequence[_Candidate]) -> _Candidate:
+    """The BPipe candidate for (m, d) under the balancer's `--recompute` mode: "none" never
+    recomputes, "full" recomputes every stage (BPipe then moves the stages' inputs); "auto"
+    tries no recomputation first and, where nothing fits, the stages the search without BPipe
+    recomputes at the same (m, d), then every stage that may (its device can, no training-mode
+    BatchNorm: `passes.recompute`), each first on the acceptors' half only: a recomputing stage
+    stashes only its inputs, which the runtime keeps for its input gradients anyway, so it has
+    nothing to evict (`evaluate_candidate` leaves it out of the pairs). InfeasibleError when
+    none fits."""
+    from pipecc.passes.recompute import training_batchnorm_names
+    mode, p = bal.opt.recompute, bal.p // d
+    if mode == "none":
+        return evaluate_candidate(bal, m, forced, d)
+    if mode == "full":
+        return evaluate_candidate(bal, m, forced, d, [True] * p)
+    try:
+        return evaluate_candidate(bal, m, forced, d)
+    except InfeasibleError as exc:
+        error = exc
+    may = [d > 1 or bal.cluster.devices[k * d].can(caps.RECOMPUTE) for k in range(p)]
+    same = [tuple(c.recompute) for c in results
+            if (c.schedule, c.microbatches, c.replicas) == ("1f1b", m, d) and any(c.recompute)]
+    bn = set(training_batchnorm_names(bal.graph))
+    upper = [k >= p // 2 for k in range(p)]  # acceptors (and a middle stage): evictors keep their stash to move
+    options = [tuple(f and u for f, u in zip(flags, upper)) for flags in [*same, tuple(may)]]
+    for flags in dict.fromkeys([options[0], *same, *options[1:], tuple(may)]):
+        flags = tuple(f and a for f, a in zip(flags, may))
+        for _ in range(p):
+            if not any(flags):
+                break
+            try:
+                cand = evaluate_candidate(bal, m, forced, d, list(flags))
+            except InfeasibleError:
+                break
+            b = cand.part.bounds
+            held = [k for k in range(p) if flags[k] and bn & {n for u in range(b[k], b[k + 1])
+                                                               for n in cand.units.names[u]}]
+            if not held:
+                return _fewer(bal, m, forced, d, cand)
+            flags = tuple(f and k not in held for k, f in enumerate(flags))
+    raise error
+
+
+def _fewer(bal: Balancer, m: int, forced: bool, d: int, cand: _Candidate) -> _Candidate:
+    """`cand` with recomputation kept only on the stages that overflow at its cuts without it,
+    stashing BPipe's balanced counts (`cand.problem.inflight`), when that fits and is no slower:
+    the memory BPipe freed buys back what recomputation cost."""
+    from pipecc.passes.partition import evaluate
+    memory = evaluate(dataclasses.replace(cand.problem, recompute=None), cand.part.bounds).stage_memory
+    need = [bool(r) and mem > cap for r, mem, cap in zip(cand.recompute, memory, cand.problem.mem_cap)]
+    if need == list(cand.recompute):
+        return cand
+    try:
+        fewer = evaluate_candidate(bal, m, forced, d, need if any(need) else None)
+    except InfeasibleError:
+        return cand
+    return fewer if fewer.timeline.iteration_s <= cand.timeline.iteration_s else cand
+
+
+def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int | tuple[int, int]]
+          ) -> tuple[list[_Candidate], list[str]]:
     """Weigh BPipe against `results` (the search without it, best first; may be empty): returns
-    the results with the BPipe candidate first when it is used, and the decision lines.
-    Sets `bal.estimate` (PAPERS-SPEC.md 2.7; {} with mode "off")."""
+    the results with the BPipe candidate first when it is used, and the decision lines. `ms`:
+    the micro-batch counts to try, each m or (m, d replicas). Sets `bal.estimate`
+    (PAPERS-SPEC.md 2.7; {} with mode "off")."""
     mode = bal.opt.activation_balancing
     bal.estimate = {}
     if mode == "off":
@@ -227,9 +317,9 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
         bal.estimate = {"used": False, "reason": why}
         return results, [f"BPipe (activation balancing) not considered: {why}"]
     tried, lost = [], []
-    for m in ms:
+    for m, d in [x if isinstance(x, tuple) else (x, 1) for x in ms]:
         try:
-            tried.append(evaluate_candidate(bal, m, forced=mode == "on"))
+            tried.append(_with_recompute(bal, m, d, mode == "on", results))
         except InfeasibleError as exc:
             lost.append(str(exc))
     base = results[0] if results else None
@@ -243,7 +333,7 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
         if mode == "on":
             raise PipeccError(f"--activation-balancing on: {reason}; use --activation-balancing auto")
         return results, [f"BPipe not used: {reason}"]
-    best = min(tried, key=lambda c: (c.timeline.iteration_s, c.microbatches))
+    best = min(tried, key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
     speedup = base.timeline.iteration_s / best.timeline.iteration_s if base else math.inf
     exposed, moving = _transfers(bal, best)
     hidden = 1.0 - exposed / moving if moving > 0 else 1.0
@@ -254,8 +344,10 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
     if base is None:
         reason = "nothing fits memory without it"
     elif speedup > 1 + EPSILON:
+        fewer = sum(best.recompute) < sum(base.recompute)
         reason = "the freed memory buys " + ("a larger micro-batch" if best.microbatches < base.microbatches
-                                             else "no recomputation" if any(base.recompute)
+                                             else "fewer recomputing stages" if fewer and any(best.recompute)
+                                             else "no recomputation" if fewer
                                              else "better-balanced cuts")
     elif not any(base.recompute) and best.microbatches >= base.microbatches:
         reason = "memory does not bind" + (" (flash attention)" if flash else "")
@@ -266,7 +358,7 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int]) -> tuple[
     bal.estimate = {
         "used": used, "speedup": speedup if math.isfinite(speedup) else None,
         "threshold": 1 + EPSILON, "baseline": before_cfg, "bpipe": after,
-        "pairs": [{"evictor": s, "acceptor": bal.p - 1 - s, "threshold": k}
+        "pairs": [{"evictor": s, "acceptor": best.ranks - 1 - s, "threshold": k}
                   for s, k in enumerate(best.thresholds) if k is not None],
         "hidden_fraction": hidden, "exposed_transfer_s": exposed,
         "memory_before_bytes": memory_before(bal, best),

@@ -1,4 +1,4 @@
-"""UMPIPE: unequal micro-batch sizes per stage under GPipe row order (tied mode).
+"""UMPIPE: unequal micro-batch sizes per stage under GPipe or 1F1B row order (tied mode).
 
     per-stage cost curves f_s(b), g_s(b), link times ─► end-time recurrence (loop and
     vectorised over a population) ─► search: TiDGAP-style GA seeded with every equal split
@@ -14,8 +14,11 @@ Decisions (shared with the runtime):
   forward and its backward chunks; chunks are contiguous sample intervals in order. (A
   backward chunk that cuts through a forward chunk's autograd graph would cost that whole
   chunk's backward, spec §1.8 pitfall 1; free backward sizes need recompute.)
-- *Schedule*: GPipe row order only (every stage: all forward chunks in sample order, then all
-  backward chunks in sample order): ``pipecc.ir.schedule.gpipe_uneven``.
+- *Schedule*: GPipe row order (every stage: all forward chunks in sample order, then all
+  backward chunks in sample order, ``pipecc.ir.schedule.gpipe_uneven``), priced by the
+  recurrence below; or 1F1B's (``one_f_one_b_uneven``), which has none: the search then prices
+  each split with the event simulator (``SimulatedPricing``, spec §1.3), whose peak memory
+  depends on the split (spec §1.8, pitfall 6).
 
 Time model (spec §1.3), the model of ``passes.simulate`` for that order — one FIFO transfer at a
 time per directed link, transfers overlap compute, a consumer chunk waits for every producer
@@ -53,9 +56,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipecc.passes.simulate import StageCosts
+from pipecc.ir.schedule.registry import schedule_for
+from pipecc.passes.simulate import StageCosts, simulate
 
-__all__ = ["stage_costs", "Curves", "Recurrence", "SearchResult", "equal_splits", "end_times", "greedy_dp",
+__all__ = ["stage_costs", "Curves", "GPipePricing", "Recurrence", "SearchResult", "SimulatedPricing", "equal_splits",
+           "end_times", "greedy_dp",
            "local_greedy", "population_times", "search", "parse_sizes", "check_sizes"]
 
 
@@ -273,6 +278,45 @@ def population_times(sizes: np.ndarray | Sequence[Sequence[Sequence[int]]], curv
 
 
 # ----------------------------------------------------------------------------- search
+class GPipePricing:
+    """What a split costs under GPipe row order: the recurrence (``population_times``) and
+    every chunk stashed at once (``Curves.memory``). The search's default."""
+
+    def __init__(self, curves: Curves) -> None:
+        self.curves = curves
+
+    def times(self, population: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+        return population_times(population, self.curves)
+
+    def memory(self, sizes: Sequence[Sequence[int]]) -> list[float]:
+        return self.curves.memory(sizes)
+
+
+class SimulatedPricing:
+    """What a split costs under another row order with no recurrence (1F1B, PAPERS-SPEC.md
+    §1.3: "generate the action rows and run the event simulator"): ``passes.simulate`` over
+    ``schedule_for(schedule, ..., microbatch_sizes=sizes)``, whose peak memory counts the
+    samples each stage holds in flight (§1.4). Each split is simulated once (a cache)."""
+
+    def __init__(self, curves: Curves, schedule: str) -> None:
+        self.curves, self.schedule = curves, schedule
+        self._seen: dict[tuple[tuple[int, ...], ...], tuple[float, list[float]]] = {}
+
+    def _run(self, sizes: Sequence[Sequence[int]]) -> tuple[float, list[float]]:
+        key = tuple(tuple(int(b) for b in row) for row in sizes)
+        if key not in self._seen:
+            timeline = simulate(schedule_for(self.schedule, len(key), max(len(r) for r in key),
+                                             microbatch_sizes=key), stage_costs(key, self.curves))
+            self._seen[key] = (float(timeline.iteration_s), [float(x) for x in timeline.peak_memory_bytes])
+        return self._seen[key]
+
+    def times(self, population: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+        return np.array([self._run(ind)[0] for ind in population])
+
+    def memory(self, sizes: Sequence[Sequence[int]]) -> list[float]:
+        return self._run(sizes)[1] if self.curves.mem is not None else [0.0] * self.curves.stages
+
+
 def equal_splits(batch: int, most: int | None = None) -> list[list[int]]:
     """The EDP records: [B/m] * m for every m dividing B (m <= most)."""
     return [[batch // m] * m for m in range(1, batch + 1)
@@ -284,11 +328,12 @@ def _uniform(batch: int, b: int) -> list[int]:
     return [b] * (batch // b) + ([batch % b] if batch % b else [])
 
 
-def _fitness(population: list[list[list[int]]], curves: Curves, penalty: float) -> np.ndarray:
-    t = population_times(population, curves)
+def _fitness(population: list[list[list[int]]], curves: Curves, penalty: float,
+             price: GPipePricing | SimulatedPricing) -> np.ndarray:
+    t = price.times(population)
     if curves.cap is None or curves.mem is None:
         return t
-    over = np.array([sum(max(0.0, m - c) / c for m, c in zip(curves.memory(ind), curves.cap)
+    over = np.array([sum(max(0.0, m - c) / c for m, c in zip(price.memory(ind), curves.cap)
                          if math.isfinite(c) and c > 0) for ind in population])
     return t + penalty * over
 
@@ -304,7 +349,8 @@ def local_greedy(curves: Curves) -> list[list[int]]:
     return out
 
 
-def greedy_dp(curves: Curves, candidates: Sequence[int] | None = None, beam: int = 8) -> list[list[int]]:
+def greedy_dp(curves: Curves, candidates: Sequence[int] | None = None, beam: int = 8,
+              price: GPipePricing | SimulatedPricing | None = None) -> list[list[int]]:
     """Global greedy-based DP (spec §1.5): every stage a uniform size from `candidates`;
     stages visited 0..p-1, each choice scored by T with later stages given the same size;
     the best `beam` prefixes kept."""
@@ -314,7 +360,7 @@ def greedy_dp(curves: Curves, candidates: Sequence[int] | None = None, beam: int
     for s in range(p):
         options = [pre + [b] for pre in prefixes for b in sizes]
         pop = [[_uniform(B, x) for x in opt] + [_uniform(B, opt[-1])] * (p - s - 1) for opt in options]
-        scores = population_times(pop, curves)
+        scores = (price or GPipePricing(curves)).times(pop)
         order = np.argsort(scores, kind="stable")[:beam]
         prefixes = [options[i] for i in order]
     return [_uniform(B, b) for b in prefixes[0]]
@@ -393,7 +439,8 @@ class _Ops:
 
 def search(curves: Curves, *, quantum: int | None = None, population: int = 64,
            generations: int = 300, patience: int = 40, budget_s: float = 10.0,
-           seed: int = 0, most_chunks: int | None = None) -> SearchResult:
+           seed: int = 0, most_chunks: int | None = None,
+           price: GPipePricing | SimulatedPricing | None = None) -> SearchResult:
     """TiDGAP-style GA (tied mode: one chromosome, a cut set per stage) over `curves`.
 
     The initial population holds every equal split (EDP) with at most `most_chunks` chunks,
@@ -402,9 +449,11 @@ def search(curves: Curves, *, quantum: int | None = None, population: int = 64,
     3, crossover 0.9, mutation 1/p per gene. Stops after `generations`, `patience` generations
     without a relative improvement of 1e-6, or `budget_s` seconds. A fixed `seed`: the same
     input gives the same answer, unless the wall-clock budget stops it (then a slower or busier
-    machine may stop a few generations earlier).
+    machine may stop a few generations earlier). `price` (default ``GPipePricing``): what a
+    split costs, in seconds and bytes per stage (``SimulatedPricing`` for 1F1B).
     """
     start = time.perf_counter()
+    price = price or GPipePricing(curves)
     B, p = curves.batch, curves.stages
     q = quantum or max(1, B // 64)
     k_max = max(64, len(equal_splits(B, most_chunks)[-1]))
@@ -413,19 +462,19 @@ def search(curves: Curves, *, quantum: int | None = None, population: int = 64,
 
     edps = equal_splits(B, most_chunks)
     edp_pop = [[list(e)] * p for e in edps]
-    edp_t = population_times(edp_pop, curves)
+    edp_t = price.times(edp_pop)
     penalty = 10.0 * float(edp_t.min())  # λ of spec §1.5: overflowing splits lose to any fitting one
-    edp_fit = _fitness(edp_pop, curves, penalty)
+    edp_fit = _fitness(edp_pop, curves, penalty, price)
     best_edp = int(np.argmin(edp_fit))
 
     greedy = local_greedy(curves)
-    dp = greedy_dp(curves, candidates=sorted({b for e in edps for b in e} | set(range(q, B + 1, q))))
+    dp = greedy_dp(curves, candidates=sorted({b for e in edps for b in e} | set(range(q, B + 1, q))), price=price)
     seeds = [[_cuts(r) for r in ind] for ind in edp_pop + [greedy, dp]]
     pop = seeds[:population] if len(seeds) >= population else seeds
     while len(pop) < population:
         pop.append([ops.random_gene() for _ in range(p)])
     # NOTE: every EDP record is scored even when the population cannot hold them all
-    fit = _fitness([[_sizes(g, B) for g in ind] for ind in pop], curves, penalty)
+    fit = _fitness([[_sizes(g, B) for g in ind] for ind in pop], curves, penalty, price)
     best_i = int(np.argmin(fit))
     best, best_fit = pop[best_i], float(fit[best_i])
     if float(edp_fit[best_edp]) < best_fit:
@@ -446,7 +495,7 @@ def search(curves: Curves, *, quantum: int | None = None, population: int = 64,
                     ops.mutate(child, s)
             children.append(child)
         pop = children
-        fit = _fitness([[_sizes(g, B) for g in ind] for ind in pop], curves, penalty)
+        fit = _fitness([[_sizes(g, B) for g in ind] for ind in pop], curves, penalty, price)
         i = int(np.argmin(fit))
         if fit[i] < best_fit * (1 - 1e-6):
             best, best_fit, stale = pop[i], float(fit[i]), 0
@@ -456,11 +505,11 @@ def search(curves: Curves, *, quantum: int | None = None, population: int = 64,
                 stopped = "converged"
                 break
     sizes = [_sizes(g, B) for g in best]
-    result = SearchResult(sizes, float(population_times([sizes], curves)[0]), list(edps[best_edp]),
+    result = SearchResult(sizes, float(price.times([sizes])[0]), list(edps[best_edp]),
                           float(edp_t[best_edp]), generations=gen,
                           seconds=time.perf_counter() - start, stopped=stopped)
     for name, ind in (("local-greedy", greedy), ("greedy-dp", dp)):
-        result.baselines[name] = (ind, float(population_times([ind], curves)[0]))
+        result.baselines[name] = (ind, float(price.times([ind])[0]))
     result.fits = curves.cap is None or all(
-        m <= c for m, c in zip(curves.memory(sizes), curves.cap))
+        m <= c for m, c in zip(price.memory(sizes), curves.cap))
     return result

@@ -12,8 +12,12 @@ unprofiled device each node adds LAUNCH_S per forward call and twice that per ba
 same in compute and UMPIPE would only ever trade fill/drain against link latency. A profiled
 device's curves already carry their measured overhead `a`, so nothing is added there.
 
+The search prices a split under the plan's schedule (`pricing`): GPipe's recurrence, or the
+event simulator over 1F1B's row order with unequal chunks (`pipecc.ir.schedule.one_f_one_b_uneven`,
+PAPERS-SPEC.md §1.3), whose memory depends on the split.
+
 Where UMPIPE applies is its rule, `pipecc.ir.techniques.umpipe.requires` (a training plan under
-GPipe row order, one stage per device, no replica groups, no recomputing stage, devices that take
+GPipe's or 1F1B's row order, one stage per device, no replica groups, no recomputing stage, devices that take
 chunks of different sizes: the runtime's and the recurrence's scope); `auto` says in the plan's
 decisions why it did not try otherwise, an explicit list is refused.
 """
@@ -33,7 +37,7 @@ from pipecc.passes import umpipe
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.simulate import simulate
 
-__all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "base_options"]
+__all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "base_options", "pricing"]
 
 # Seconds per kernel call added per node on an unprofiled device (module docstring).
 # gpu: 5 us, "a few microseconds" of launch overhead per CUDA kernel (NVIDIA Technical Blog,
@@ -131,8 +135,9 @@ def apply(plan: Plan, balancer: Any, mode: str | list[int], *, budget_s: float =
     `microbatches` (stage 0's chunk count) and stage peak memory follow the sizes."""
     curves = curves_for_plan(balancer, plan)
     B, p = plan.batch_size, len(plan.stages)
+    price = pricing(curves, plan.schedule)
     if mode == "auto":
-        res = umpipe.search(curves, budget_s=budget_s, most_chunks=64)
+        res = umpipe.search(curves, budget_s=budget_s, most_chunks=64, price=price)
         base = (f"GA {res.generations} generations, {res.seconds:.1f} s; local greedy "
                 f"{res.baselines['local-greedy'][1]:.4g} s, greedy DP {res.baselines['greedy-dp'][1]:.4g} s; "
                 f"the planner's {plan.microbatches} equal micro-batches predict "
@@ -163,13 +168,14 @@ def apply(plan: Plan, balancer: Any, mode: str | list[int], *, budget_s: float =
         m = len(mode)
         versus = ""
         if B % m == 0:
-            t_eq = umpipe.end_times([[B // m] * m] * p, curves).T
+            t_eq = float(price.times([[[B // m] * m] * p])[0])
             versus = f" vs {t_eq:.4g} s for {m} equal micro-batches"
         plan.decisions.append(
-            f"micro-batch sizes {list(mode)} on every stage (--microbatch-sizes): predicted "
-            f"{umpipe.end_times(sizes, curves).T:.4g} s with per-call overhead{versus}")
+            f"micro-batch sizes {list(mode)} on every stage (--microbatch-sizes, {plan.schedule}): predicted "
+            f"{float(price.times([sizes])[0]):.4g} s with per-call overhead{versus}")
     costs = umpipe.stage_costs(sizes, curves)
-    timeline = simulate(schedule_for("gpipe", len(sizes), len(sizes[0]), microbatch_sizes=sizes), costs)
+    timeline = simulate(schedule_for(plan.schedule, len(sizes), max(len(r) for r in sizes), microbatch_sizes=sizes),
+                        costs)
     # NOTE: the stage table's forward_s/backward_s stay the planner's figures at its equal
     # micro-batch; the per-chunk seconds the prediction used travel with the plan (reports
     # rebuild the timeline from them: `pipecc.report.artifacts.timeline_for`)
@@ -186,10 +192,16 @@ def apply(plan: Plan, balancer: Any, mode: str | list[int], *, budget_s: float =
     return plan
 
 
+def pricing(curves: umpipe.Curves, schedule: str) -> umpipe.GPipePricing | umpipe.SimulatedPricing:
+    """How the search prices a split under `schedule`: GPipe's recurrence, or the event
+    simulator for 1F1B's row order (`passes.umpipe`'s docstring)."""
+    return umpipe.GPipePricing(curves) if schedule == "gpipe" else umpipe.SimulatedPricing(curves, schedule)
+
+
 def base_options(sizes: Any, schedule: str, replicas: int | str, microbatches: int | str,
                      training: bool, batch: int) -> tuple[str, int | str, int | str]:
-    """(schedule, replicas, microbatches) for the base plan of `--microbatch-sizes S1,S2,...`;
-    one-line usage errors for what cannot take it."""
+    """(schedule, replicas, microbatches) for the base plan of `--microbatch-sizes S1,S2,...`
+    (gpipe unless 1f1b is asked for); one-line usage errors for what cannot take it."""
     text = ",".join(map(str, sizes))
     check_given(sizes, batch)
     # NOTE: the devices are not known yet (the driver asks again on the chosen plan)
@@ -202,4 +214,4 @@ def base_options(sizes: Any, schedule: str, replicas: int | str, microbatches: i
         raise UsageError(f"--microbatches {microbatches} conflicts with --microbatch-sizes {text} "
                          f"({len(sizes)} sizes); give one of them")
     m: int | str = len(sizes) if batch % len(sizes) == 0 else "auto"
-    return "gpipe", 1, m
+    return ("gpipe" if schedule == "auto" else schedule), 1, m

@@ -342,13 +342,15 @@ def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: f
 
 def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster: Any,
                  options: Any) -> None:
-    """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan, or, when
-    it splits layers (which Bi-Partition v1 does not run), on the balancer's unsplit plan of
-    `graph`, kept only if faster than the split one. A decision line either way."""
+    """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan; when it
+    splits layers, first on its split graph (`_bipartition_split`), then on the balancer's
+    unsplit plan of `graph`, kept only if faster than the split one. A decision line either way."""
     from pipecc.passes import bipartition_plan, split_search
     from pipecc.passes.balance import Balancer
     assert state.plan is not None and state.graph is not None
     chosen = state.plan
+    if chosen.split_layers and state.candidate is not None:
+        _bipartition_split(state, cluster=cluster, options=options)  # split layers compose (issue 18)
     if chosen.split_layers and state.candidate is not None:
         base = balancer.to_plan(state.candidate, balancer.alternatives(state.candidate))
         g, bal = graph, balancer
@@ -379,6 +381,22 @@ def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster:
                 f"{result.predicted_iteration_s:.4g} s per iteration, the plan with split layers "
                 f"{chosen.predicted_iteration_s:.4g} s ({line.removeprefix('Bi-Partition: ')})")
     chosen.decisions.append(line)
+
+
+def _bipartition_split(state: State, *, cluster: Any, options: Any) -> None:
+    """Separate forward/backward cuts on the chosen plan with its split layers, on its rewritten
+    graph (a split layer's shards are nodes like any other), when the rule admits that plan:
+    `state.plan` gets the cut pair when it is faster, else a decision line says why not."""
+    from pipecc.passes import bipartition_plan, split_search
+    from pipecc.passes.balance import Balancer
+    assert state.plan is not None and state.graph is not None
+    why = techniques.bipartition.requires(state.plan, techniques.COMPILED) or bipartition_plan.graph_requires(
+        state.graph, state.plan)
+    if why is not None:
+        state.plan.decisions.append(f"Bi-Partition with split layers not tried: {why}")
+        return
+    bal = Balancer(state.graph, cluster, options, splittable=split_search.splittable_names(state.graph))
+    bipartition_plan.apply(state.plan, bal, state.graph, window=options.bipartition_window)
 
 
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,

@@ -408,7 +408,6 @@ def test_one_process_runs_the_folder_without_balancing(bpipe_out: Path, capsys) 
     ({"schedule": "gpipe"}, "activation balancing (BPipe) pairs stages under the 1f1b schedule only, not gpipe"),
     ({"schedule": "inference"}, "activation balancing (BPipe) needs a training plan"),
     ({"virtual_stages": 2}, "needs one stage per device, not 2"),
-    ({"replicas": 2}, "pairs single devices, not replica groups of 2"),
     ({"microbatch_sizes": [[1, 3, 4]] * 4}, "needs equal micro-batches"),
     ({"activation_balancing": [dict(PAIRS[0], acceptor=2)]}, "odd pairing (0, 2)"),
     ({"activation_balancing": [dict(PAIRS[0], evictor=3, acceptor=0)]}, "odd pairing (3, 0)"),

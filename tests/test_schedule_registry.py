@@ -69,8 +69,10 @@ def test_schedule_for_refuses_what_cannot_be_built() -> None:
         schedule_for("1f1b", 4, 4, num_ranks=2)
     with pytest.raises(ValueError, match="do not divide"):
         schedule_for("interleaved", 5, 4, num_ranks=2)
-    with pytest.raises(ValueError, match="gpipe schedule only"):
-        schedule_for("1f1b", 3, 4, microbatch_sizes=SIZES)
+    with pytest.raises(ValueError, match="gpipe or 1f1b schedule only"):
+        schedule_for("zb-h1", 3, 4, microbatch_sizes=SIZES)
+    with pytest.raises(ValueError, match="1f1b put one stage on each rank"):
+        schedule_for("1f1b", 3, 4, num_ranks=1, microbatch_sizes=SIZES)
     with pytest.raises(ValueError, match="1f1b with one stage per rank"):
         schedule_for("gpipe", 4, 4, bpipe_thresholds=THRESHOLDS)
     with pytest.raises(ValueError, match="divisible"):

@@ -47,7 +47,7 @@ def _bpipe(p: Plan) -> None:
 
 
 def _umpipe(p: Plan) -> None:
-    p.microbatches, p.microbatch_sizes = 3, [[1, 3, 4], [2, 2, 4]]
+    p.schedule, p.microbatches, p.microbatch_sizes = "zb-h1", 3, [[1, 3, 4], [2, 2, 4]]
 
 
 def _bipartition(p: Plan) -> None:
@@ -99,7 +99,7 @@ def _planner_decision(**kwargs: Any) -> Callable[[Any], str]:
 # technique -> (edit of the base plan into a case its rule refuses, the planner asked the same)
 CASES = {
     techniques.bpipe: (_bpipe, _planner_error(schedule="gpipe", activation_balancing="on")),
-    techniques.umpipe: (_umpipe, _planner_error(schedule="1f1b", microbatch_sizes="1,3,4")),
+    techniques.umpipe: (_umpipe, _planner_error(schedule="zb-h1", microbatch_sizes="1,3,4")),
     techniques.bipartition: (_bipartition, _planner_decision(schedule="zb-h1", replicas=1, bipartition="auto",
                                                              activation_balancing="off")),
     techniques.recompute: (_recompute, _planner_error(training=False, recompute="full")),

@@ -196,10 +196,10 @@ def test_plan_json_round_trips_and_old_plans_load(auto_plan):
 
 def test_auto_says_why_it_was_not_tried(gpt_analysis):
     from pipecc import driver
-    plan, _ = driver.plan(gpt_analysis, "2xa100", schedule="1f1b", replicas=1,
+    plan, _ = driver.plan(gpt_analysis, "2xa100", schedule="zb-h1", replicas=1,
                           microbatch_sizes="auto", split_layers=False)
     assert plan.microbatch_sizes is None
-    assert any("UMPIPE not tried: unequal micro-batches (UMPIPE) run under the gpipe schedule only, not 1f1b"
+    assert any("UMPIPE not tried: unequal micro-batches (UMPIPE) run under the gpipe or 1f1b schedule only, not zb-h1"
                in d for d in plan.decisions)
 
 
@@ -226,7 +226,7 @@ def test_cli_given_sizes(capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--microbatch-sizes", "3,3"], "--microbatch-sizes 3,3 sums to 6, not the batch size 8"),
     (["--microbatch-sizes", "4,0,4"], "--microbatch-sizes 4,0,4 has a size of 0"),
-    (["--microbatch-sizes", "3,5", "--schedule", "1f1b"], "run under the gpipe schedule only, not 1f1b"),
+    (["--microbatch-sizes", "3,5", "--schedule", "zb-h1"], "run under the gpipe or 1f1b schedule only, not zb-h1"),
     (["--microbatch-sizes", "3,5", "--replicas", "2"], "need replicas 1, not 2"),
     (["--microbatch-sizes", "3,5", "--microbatches", "4"], "--microbatches 4 conflicts"),
     (["--microbatch-sizes", "3,5", "--inference"], "need a training plan"),

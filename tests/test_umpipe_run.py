@@ -298,8 +298,8 @@ def test_random_sizes_match_one_process() -> None:
 
 def test_unequal_sizes_bad_input() -> None:
     modules, ports = _chain(2)
-    with pytest.raises(UsageError, match="gpipe schedule only"):
-        PipelineRuntime(modules, ports, 0, 1, RunConfig("1f1b", 2, microbatch_sizes=[[1, 3], [4]], device="cpu"))
+    with pytest.raises(UsageError, match="gpipe or 1f1b schedule only, not 'zb-h1'"):
+        PipelineRuntime(modules, ports, 0, 1, RunConfig("zb-h1", 2, microbatch_sizes=[[1, 3], [4]], device="cpu"))
     with pytest.raises(PipeccError, match="sum to 5, the batch is 4"):
         PipelineRuntime(modules, ports, 0, 1, RunConfig("gpipe", 2, microbatch_sizes=[[2, 3], [5]], device="cpu"))
     with pytest.raises(PipeccError, match=r"holds stages \[0, 1, 2\] in this schedule but got 2 modules"):
@@ -358,8 +358,8 @@ def test_one_process_runs_the_unequal_folder(unequal_out: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("flags, error", [
-    (["--schedule", "1f1b"], "--schedule 1f1b: unequal micro-batches (UMPIPE) run under the gpipe schedule only, "
-                             "not 1f1b: use --schedule gpipe, or --microbatch-sizes equal (or drop --schedule)"),
+    (["--schedule", "zb-h1"], "--schedule zb-h1: unequal micro-batches (UMPIPE) run under the gpipe or 1f1b schedule "
+                              "only, not zb-h1: use --schedule 1f1b, or --microbatch-sizes equal (or drop --schedule)"),
     (["-m", "2"], "--microbatches 2: this folder splits the batch unequally per stage"),
 ])
 def test_run_refuses_overrides(unequal_out: Path, capsys, flags: list[str], error: str) -> None:
@@ -376,7 +376,7 @@ def test_compile_refuses_what_cannot_run(mlp_plan, tmp_path: Path) -> None:
     assert marker_sizes(unequal) == SIZES and techniques.requires(unequal) is None
     assert marker_sizes(dataclasses.replace(plan, microbatch_sizes=[[4, 4], [4, 4]])) is None
     for change, error in [  # UMPIPE's rule
-        ({"schedule": "1f1b"}, "run under the gpipe schedule only, not 1f1b"),
+        ({"schedule": "zb-h1"}, "run under the gpipe or 1f1b schedule only, not zb-h1"),
         ({"replicas": 2}, "need replicas 1, not 2"),
     ]:
         assert error in techniques.umpipe.requires(dataclasses.replace(unequal, **change), techniques.COMPILED)
@@ -387,6 +387,6 @@ def test_compile_refuses_what_cannot_run(mlp_plan, tmp_path: Path) -> None:
     ]:
         with pytest.raises(PipeccError, match=error.replace("(", r"\(").replace("'", ".")):
             marker_sizes(dataclasses.replace(unequal, **change))
-    with pytest.raises(PipeccError, match="gpipe schedule only"):
-        driver.compile(analysis, dataclasses.replace(unequal, schedule="1f1b"), graph, tmp_path / "bad")
+    with pytest.raises(PipeccError, match="gpipe or 1f1b schedule only"):
+        driver.compile(analysis, dataclasses.replace(unequal, schedule="zb-h1"), graph, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

@@ -210,10 +210,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     tech.add_argument("--microbatch-sizes", type=microbatch_sizes, default="off",
                       metavar="auto|off|S1,S2,...",
                       help="UMPIPE: per-stage micro-batch sizes. off (default): every stage splits "
-                      "the batch into equal micro-batches; auto: when the chosen plan runs gpipe, "
-                      "search each stage's own sizes (genetic search, at most 10 s) and keep them "
-                      "if faster; S1,S2,...: these sizes (summing to the batch size) on every stage, "
-                      "under gpipe with replicas 1 (old spelling of off: equal)")
+                      "the batch into equal micro-batches; auto: when the chosen plan runs gpipe or "
+                      "1f1b, search each stage's own sizes (genetic search, at most 10 s) and keep "
+                      "them if faster; S1,S2,...: these sizes (summing to the batch size) on every "
+                      "stage, under gpipe (or --schedule 1f1b) with replicas 1 (old spelling of off: equal)")
     tech.add_argument("--flash-attention", action="store_true",
                       help="cost fused attention as flash attention runs it: no stashed scores, "
                       "recomputed in backward (default: the math path, which keeps them)")

@@ -28,7 +28,8 @@ target is split along dim 0 like the batch. When
 and ``step`` returns that full-batch loss.
 
 Unequal micro-batches (UMPIPE; ``RunConfig.microbatch_sizes``, one size list per stage): the
-schedule is ``gpipe_uneven`` (GPipe's row order; other schedules and replicas are refused),
+schedule is ``gpipe_uneven`` or ``one_f_one_b_uneven`` (GPipe's or 1F1B's row order; other
+schedules and replicas are refused),
 every stage splits its own inputs and target by its own sizes, receives upstream chunks whole
 and re-slices them (``pipecc.runtime.reslice``), and the last stage weights chunk k's loss by
 ``b_k / B``.
@@ -87,7 +88,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
-from pipecc.ir.schedule.registry import SCHEDULES, VIRTUAL, schedule_for
+from pipecc.ir.schedule.registry import SCHEDULES, UNEVEN, VIRTUAL, schedule_for
 from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only
 from pipecc.ir.schedule.validate import validate
@@ -164,8 +165,9 @@ def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_p
     folder's ``schedule.txt``, parsed), a name or the schedule's text form.
 
     A name is built by ``pipecc.ir.schedule.schedule_for``, the same function the planner and
-    compile use. ``sizes`` (unequal micro-batches, one list per stage): only "gpipe" runs them
-    (``gpipe_uneven``), and ``microbatches`` is ignored (the longest list counts).
+    compile use. ``sizes`` (unequal micro-batches, one list per stage): "gpipe" and "1f1b" run
+    them (``gpipe_uneven``, ``one_f_one_b_uneven``), and ``microbatches`` is ignored (the longest
+    list counts).
     ``balancing`` (BPipe pairs, ``bpipe_thresholds``): only "1f1b" with one stage per rank runs
     them, as ``bpipe(one_f_one_b(world, m), thresholds, policy)``."""
     if isinstance(kind, Schedule):
@@ -184,11 +186,11 @@ def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_p
         except (ValueError, ScheduleError) as e:
             raise PipeccError(f"activation balancing: {getattr(e, 'summary', e)}") from None
     if sizes is not None:
-        if kind != "gpipe":
-            raise UsageError(f"unequal micro-batch sizes run under the gpipe schedule only, not {kind!r}; "
-                             "drop --schedule or compile with equal micro-batches")
+        if kind not in UNEVEN:
+            raise UsageError(f"unequal micro-batch sizes run under the {' or '.join(UNEVEN)} schedule only, not "
+                             f"{kind!r}; drop --schedule or compile with equal micro-batches")
         try:
-            return schedule_for("gpipe", len(sizes), microbatches, num_ranks=world, microbatch_sizes=sizes)
+            return schedule_for(kind, len(sizes), microbatches, num_ranks=world, microbatch_sizes=sizes)
         except ValueError as e:
             raise PipeccError(f"microbatch_sizes: {getattr(e, 'summary', e)}") from None
     if kind.lstrip().startswith(("rank ", "sizes:", "partner:")):

@@ -8,7 +8,8 @@ buffers", the leaves that ``RECV_F`` made ``requires_grad``) and builds its chun
 so that the backward of chunk ``k`` accumulates into each buffer's ``.grad`` exactly the rows it
 used. A buffer's gradient is complete (and is sent upstream, under the buffer's own chunk
 index: ``(B, s, j)``) once every chunk of ``s+1`` that overlaps it has run its backward — which,
-with GPipe's in-order backwards, is right after the backward of the last of them. A buffer
+with in-order backwards (GPipe's and 1F1B's rows alike), is right after the backward of the last
+of them. A buffer
 that matches a chunk exactly is passed through as is, so aligned stages run as before.
 
 Rows. A batch dim of ``c * B`` rows (``B*S``) holds ``c`` consecutive rows per sample, as the
@@ -16,8 +17,10 @@ runtime's equal split assumes (``pipecc.runtime.ports``); a value without batch 
 in every chunk and is taken from the first overlapping buffer (its gradient goes there, which
 sums to the same parameter gradient upstream).
 
-Only the GPipe row order runs with unequal sizes, one B per chunk (tied mode: forward chunks
-are backward chunks); ``pipecc.runtime.engine`` refuses zero-bubble and replicas with them.
+Any row order that runs each stage's forwards and backwards in chunk order works: the GPipe
+and 1F1B orders run with unequal sizes (``pipecc.ir.schedule.UNEVEN``), one B per chunk (tied
+mode: forward chunks are backward chunks); ``pipecc.runtime.engine`` refuses zero-bubble and
+replicas with them.
 Imports torch, ``pipecc.ir.schedule`` and ``pipecc.runtime.ports``.
 """
 

@@ -356,9 +356,10 @@ def share_replicas(modules: Sequence[nn.Module]) -> None:
                     r.module = owners[r.boundary]
 
 
-def worker_class(names: dict[str, str]) -> type:
-    """A ``BipartitionWorker`` subclass whose ``PARAM_NAMES`` maps its attributes to the model's."""
-    return type("BipartitionWorker", (BipartitionWorker,), {"PARAM_NAMES": dict(names)})
+def worker_class(names: dict[str, str], shards: dict[str, tuple] | None = None) -> type:
+    """A ``BipartitionWorker`` subclass whose ``PARAM_NAMES`` maps its attributes to the model's
+    and ``SHARDS`` its split layers' slices (attribute -> (original name, dim, start, size))."""
+    return type("BipartitionWorker", (BipartitionWorker,), {"PARAM_NAMES": dict(names), "SHARDS": dict(shards or {})})
 
 
 @dataclass

@@ -80,11 +80,13 @@ def _build(folder: Path, file: str, class_name: str) -> nn.Module:
 
 def _load_worker(folder: Path, core: nn.Module, ports: dict[str, Any]) -> nn.Module:
     """A Bi-Partition worker (``pipecc.runtime.segments``): its core and its segments' modules,
-    owned or replica; ``PARAM_NAMES`` names the core's and the owned segments' tensors."""
+    owned or replica; ``PARAM_NAMES`` names the core's and the owned segments' tensors, ``SHARDS``
+    their split layers' slices (a slice of a split layer may sit in a core or in a segment)."""
     from pipecc.runtime.segments import worker_class
 
     worker = int(ports.get("stage", 0))
     names = {f"core.{a}": n for a, n in getattr(type(core), "PARAM_NAMES", {}).items()}
+    shards = {f"core.{a}": v for a, v in getattr(type(core), "SHARDS", {}).items()}
     segments = []
     try:
         for info in ports["bipartition"]["segments"]:
@@ -94,9 +96,11 @@ def _load_worker(folder: Path, core: nn.Module, ports: dict[str, Any]) -> nn.Mod
             if int(info["bp_worker"]) == worker:  # the owner's tensors are the model's
                 names.update({f"segment_{int(info['boundary'])}.{a}": n
                               for a, n in getattr(type(module), "PARAM_NAMES", {}).items()})
+                shards.update({f"segment_{int(info['boundary'])}.{a}": v
+                               for a, v in getattr(type(module), "SHARDS", {}).items()})
     except (KeyError, TypeError, ValueError) as e:
         raise PipeccError(f"{folder / 'ports.json'}: bad bipartition section ({_gist(e)}); {RECOMPILE}") from None
-    return worker_class(names)(core, segments, ports, worker)
+    return worker_class(names, shards)(core, segments, ports, worker)
 
 
 def check_weights_file(path: str | Path) -> None:
@@ -223,6 +227,7 @@ def _assemble_shards(owner: nn.Module, modules: Sequence[nn.Module],
         _register(owner, name, full, True)
         registered[name] = full
         for start, size, _, module, attr in pieces:
+            module, attr = _split(module, attr)  # a Bi-Partition worker's "core.<attr>" / "segment_<b>.<attr>"
             del module._parameters[attr]
             hook = getattr(module, "_pipecc_shard_views", None)
             if hook is None:

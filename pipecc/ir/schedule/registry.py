@@ -18,10 +18,10 @@ from functools import lru_cache
 
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1
-from pipecc.ir.schedule.transforms import bpipe, gpipe_uneven
+from pipecc.ir.schedule.transforms import bpipe, gpipe_uneven, one_f_one_b_uneven
 from pipecc.ir.schedule.validate import validate
 
-__all__ = ["REGISTRY", "SCHEDULES", "SPLIT_BACKWARD_COST", "TRAINING_SCHEDULES", "VIRTUAL", "ZERO_BUBBLE",
+__all__ = ["REGISTRY", "SCHEDULES", "SPLIT_BACKWARD_COST", "TRAINING_SCHEDULES", "UNEVEN", "VIRTUAL", "ZERO_BUBBLE",
            "ScheduleKind", "by_name", "schedule_for"]
 
 
@@ -63,6 +63,8 @@ SCHEDULES = tuple(REGISTRY)  # every name, as plans, `pipecc run --schedule` and
 TRAINING_SCHEDULES = tuple(n for n, k in REGISTRY.items() if k.training)  # what --schedule auto tries
 ZERO_BUBBLE = tuple(n for n, k in REGISTRY.items() if k.split_backward)  # backward split into I and W
 VIRTUAL = tuple(n for n, k in REGISTRY.items() if k.virtual_stages)  # may hold several stages per rank
+# the schedules that run unequal micro-batches (UMPIPE): their row orders with per-stage sizes
+UNEVEN = ("gpipe", "1f1b")
 
 # What pipecc's runtime pays for the split: its I and W together cost SPLIT_BACKWARD_COST times
 # one plain backward B, each part scaled alike. Measured on CPU (one thread, middle stages of
@@ -94,8 +96,9 @@ def schedule_for(name: str, num_stages: int, num_microbatches: int, *, num_ranks
     """The validated schedule of a plan: `name` over `num_stages` stages on `num_ranks` ranks
     (default one per stage; several stages per rank only for a schedule in ``VIRTUAL``).
 
-    ``microbatch_sizes`` (UMPIPE, one list per stage): ``gpipe_uneven`` (gpipe only;
-    `num_microbatches` is then the longest list's length and not read). ``bpipe_thresholds``
+    ``microbatch_sizes`` (UMPIPE, one list per stage): ``gpipe_uneven`` for gpipe,
+    ``one_f_one_b_uneven`` for 1f1b (one stage per rank); `num_microbatches` is then the
+    longest list's length and not read. ``bpipe_thresholds``
     (BPipe, one entry per stage, None for a stage that does not evict): ``bpipe(one_f_one_b(p,
     m), thresholds, bpipe_policy)`` (1f1b, one stage per rank; all None: plain 1F1B). The
     inference schedule is the name "inference".
@@ -117,11 +120,14 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
         raise ValueError(f"{num_stages} stages do not divide over {ranks} ranks")
     virtual = num_stages // ranks
     if sizes is not None:
-        if name != "gpipe":
-            raise ValueError(f"unequal micro-batch sizes run under the gpipe schedule only, not {name!r}")
+        if name not in UNEVEN:
+            raise ValueError(f"unequal micro-batch sizes run under the gpipe or 1f1b schedule only, not {name!r}")
         if len(sizes) != num_stages:
             raise ValueError(f"microbatch_sizes has {len(sizes)} stage lists for {num_stages} stages")
-        schedule = gpipe_uneven(sizes, ranks)
+        if name == "1f1b" and ranks != num_stages:
+            raise ValueError(f"unequal micro-batch sizes under 1f1b put one stage on each rank, not "
+                             f"{num_stages} stages on {ranks} ranks")
+        schedule = gpipe_uneven(sizes, ranks) if name == "gpipe" else one_f_one_b_uneven(sizes)
     elif thresholds is not None:
         if name != "1f1b" or virtual != 1:
             raise ValueError(f"BPipe inserts its transfers into 1f1b with one stage per rank, not {name!r} "

@@ -1,10 +1,12 @@
 """Schedule transforms over the generators' output: unequal micro-batches (UMPIPE's GPipe
-with per-stage chunk sizes, ``gpipe_uneven``), BPipe's stash transfers inserted into 1F1B
+and 1F1B with per-stage chunk sizes, ``gpipe_uneven`` and ``one_f_one_b_uneven``), BPipe's stash transfers inserted into 1F1B
 (``bpipe``) and the forward-only view of a training schedule (``forward_only``).
 
 UMPIPE (PAPERS-SPEC.md section 1): ``F(s, k)`` needs every chunk of ``s-1`` that overlaps chunk
-``k``'s samples; ``B(s, k)`` (or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` builds
-the one row order the runtime executes with unequal sizes (GPipe's).
+``k``'s samples; ``B(s, k)`` (or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` and
+``one_f_one_b_uneven`` build the two row orders the runtime executes with unequal sizes
+(GPipe's and 1F1B's); both run each stage's forwards and its backwards in chunk order, which is
+all the runtime's re-slicing needs (``pipecc.runtime.reslice``).
 
 BPipe (PAPERS-SPEC.md 2.3-2.4): ``bpipe(one_f_one_b(p, m), thresholds)`` builds the schedule;
 ``Schedule.stash_profile`` counts an evicted stash on the acceptor.
@@ -19,7 +21,7 @@ from pipecc.ir.schedule.chunks import check_size_lists, overlapping
 from pipecc.ir.schedule.generators import one_f_one_b
 from pipecc.ir.schedule.validate import validate
 
-__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven"]
+__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven", "one_f_one_b_uneven"]
 
 
 def _place_comms_uneven(
@@ -94,6 +96,64 @@ def gpipe_uneven(sizes: Sequence[Sequence[int]], num_ranks: int | None = None) -
         compute.append(row)
     m = max(len(row) for row in table)
     return Schedule(p, len(table), m, placement, _place_comms_uneven(compute, placement, table), table)
+
+
+def one_f_one_b_uneven(sizes: Sequence[Sequence[int]]) -> Schedule:
+    """1F1B (PipeDream-flush) with per-stage chunk sizes (UMPIPE under 1F1B, tied mode), stage
+    ``s`` on rank ``s``: PAPERS-SPEC.md §1.3 gives 1F1B-like orders no recurrence, so the rows
+    come from a dependency walk and the planner prices them with the event simulator.
+
+    Rank ``s`` keeps at most ``p - s`` of its chunks in flight (forwarded, backward not yet
+    run), as 1F1B keeps ``min(p - s, m)`` micro-batches: it runs its next forward while it is
+    under that cap, else its next backward, each in chunk order, waiting for what the action
+    needs (``F(s, k)`` every chunk of ``s-1`` overlapping chunk ``k``; ``B(s, k)`` the backward
+    of every chunk of ``s+1`` overlapping it). Where every rank waits (a chunk of ``s+1`` that
+    needs more chunks of ``s`` than the cap lets through), the lowest stage held back by its cap
+    runs one more forward, so the walk always ends; a stage then stashes more than ``p - s``
+    chunks (``stash_sample_profile`` counts its samples). With equal lists the rows are
+    ``one_f_one_b``'s. Raises ValueError for size lists that are empty, not positive or of
+    different sums.
+    """
+    table = tuple(tuple(row) for row in sizes)
+    check_size_lists(table)
+    p = len(table)
+    needs = [[]] + [overlapping(table[s - 1], table[s]) for s in range(1, p)]  # F(s, k) <- F(s-1, j)
+    grads = [overlapping(table[s + 1], table[s]) for s in range(p - 1)] + [[]]  # B(s, k) <- B(s+1, j)
+    done_f, done_b = [0] * p, [0] * p  # chunks forwarded / backwarded, in order
+    cap = [p - s for s in range(p)]  # chunks in flight, as 1F1B's min(p - s, m)
+    rows: list[list[Action]] = [[] for _ in range(p)]
+    total = sum(len(row) for row in table)
+
+    def forward_ready(s: int) -> bool:
+        k = done_f[s]
+        return s == 0 or max(needs[s][k]) < done_f[s - 1]
+
+    def backward_ready(s: int) -> bool:
+        k = done_b[s]
+        return k < done_f[s] and (s == p - 1 or max(grads[s][k]) < done_b[s + 1])
+
+    while sum(done_b) < total:
+        moved = False
+        for s in range(p):
+            forwards_left = done_f[s] < len(table[s])
+            if forwards_left and done_f[s] - done_b[s] < cap[s]:
+                if forward_ready(s):
+                    rows[s].append(_F(s, done_f[s]))
+                    done_f[s] += 1
+                    moved = True
+            elif done_b[s] < done_f[s] and backward_ready(s):
+                rows[s].append(_B(s, done_b[s]))
+                done_b[s] += 1
+                moved = True
+        if not moved:  # every rank waits: the lowest stage its cap holds back forwards once more
+            held = [s for s in range(p) if done_f[s] < len(table[s]) and forward_ready(s)]
+            # NOTE: the lowest stage with forwards left has its inputs, so `held` is never empty
+            s = held[0]
+            rows[s].append(_F(s, done_f[s]))
+            done_f[s] += 1
+    placement = tuple(range(p))
+    m = max(len(row) for row in table)
+    return Schedule(p, p, m, placement, _place_comms_uneven(rows, placement, table), table)
 
 
 

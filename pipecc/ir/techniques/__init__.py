@@ -10,9 +10,9 @@ compiled-folder loader (`pipecc run`, which imports no compiler: hence here, in 
 
 | module | technique | what it asks of the plan |
 |---|---|---|
-| `bpipe` | activation balancing (BPipe) | 1f1b, one stage per device, no replicas, equal micro-batches, stash-keeping devices, no recomputation, no Bi-Partition, a process per rank; well-formed pairs |
-| `umpipe` | unequal micro-batches (UMPIPE) | gpipe, one stage per device, no replicas, no recomputation, variable-micro-batch devices, no BPipe or Bi-Partition |
-| `bipartition` | separate forward/backward cuts | 1f1b or gpipe, one stage per device, no replicas, equal micro-batches, no recomputation, no BPipe, stash-keeping devices, no split layers; mode ship |
+| `bpipe` | activation balancing (BPipe) | 1f1b, one stage per pipeline rank (replica groups and recomputation compose), equal micro-batches, stash-keeping devices, no Bi-Partition, a process per rank; well-formed pairs |
+| `umpipe` | unequal micro-batches (UMPIPE) | gpipe or 1f1b, one stage per device, no replicas, no recomputation, variable-micro-batch devices |
+| `bipartition` | separate forward/backward cuts | 1f1b or gpipe, one stage per device, no replicas, equal micro-batches, no recomputation, stash-keeping devices (split layers compose); mode ship |
 | `recompute` | activation recomputation | training, recompute-capable devices |
 | `replicas` | replica groups (PP x DP) | groups on consecutive devices per rank, replicable devices |
 | `zero_bubble` | zb-h1 | split-backward-capable devices |
@@ -22,7 +22,8 @@ or not the plan applies the technique yet), on the plan it would extend or on a 
 options; compile and the loader ask `requires` for the techniques the plan uses. What needs the
 graph stays beside the search (`passes.bipartition_plan.graph_requires`,
 `passes.recompute.graph_requires`); what needs generated code stays in the backend.
-`docs/techniques.md` shows which pairs compose (`matrix`).
+`docs/techniques.md` shows which pairs compose (`matrix`); a pair that does not is refused by
+one rule only (the technique whose scope excludes it), so each reason is written once.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ non-tensor boundaries) is `passes.bipartition_plan.graph_requires`, beside the s
 avoids it; what needs generated code (AOTAutograd splitting a segment) is the torch backend's.
 
 v1 scope (PAPERS-SPEC §3.8): a training plan under 1f1b or gpipe, one stage per device,
-replicas 1, equal micro-batches, no recomputing stage, no BPipe pairs, stages whose devices
-keep an autograd stash, at least two stages, no split layers (the runtime cuts pieces from
-unsplit layers); the runtime mode is "ship" ("recompute" is costed only: a misplaced segment's
-forward would run twice, never faster than the single cut, §3.2).
+replicas 1, equal micro-batches, no recomputing stage, stages whose devices
+keep an autograd stash, at least two stages; split layers compose (a split layer's shards are
+graph nodes, cut into cores and segments like any other, their slices named by the workers'
+`SHARDS`); the runtime mode is "ship" ("recompute" is costed only: a misplaced segment's
+forward would run twice, never faster than the single cut, §3.2). BPipe pairs are BPipe's rule
+to refuse (it does not move the segments' stashes), not this one.
 """
 
 from __future__ import annotations
@@ -48,15 +50,11 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if recomputing(plan):
         return (f"{TAG} with stage {recomputing(plan)[0]} recomputing its activations: use --recompute none, "
                 f"or {OFF}")
-    if plan.activation_balancing:
-        return f"{TAG} with activation balancing (BPipe moves the stages' saved tensors itself): use {OFF}"
     where = caps.first_lacking(plan, cap.SAVED_TENSOR_STASH)
     if where is not None:
         return f"{TAG}: {where} keeps no autograd stash to ship; use {OFF}"
     if len(plan.stages) < 2:
         return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
-    if plan.split_layers:
-        return f"{TAG} with split layers (the runtime cuts pieces from unsplit layers): use --no-split-layers, or {OFF}"
     if not uses(plan):
         return None
     if plan.bipartition_mode == "recompute":

@@ -3,11 +3,14 @@ moving stashes between them can run. One `requires`, asked by the planner (befor
 considers BPipe, on a sketch of the options), the plan verifier, compile and `pipecc run`.
 
 BPipe moves autograd saved tensors between the ranks of a 1F1B pipeline (PAPERS-SPEC.md 2.2):
-so a training plan under 1f1b, one stage per device, no replica groups, equal micro-batches,
-stages whose devices keep an autograd stash and a runtime with one process per rank; it
-replaces recomputation (a recomputing stage keeps only its inputs) and does not move
-Bi-Partition's segment stashes. The pairs themselves: (s, p-1-s) with s < p//2, each stage in
-one pair, 1 <= K <= p - s, one return policy.
+so a training plan under 1f1b, one stage per pipeline rank, equal micro-batches, stages whose
+devices keep an autograd stash and a runtime with one process per rank; it does not move
+Bi-Partition's segment stashes. It composes with replica groups (replica r of stage s pairs
+with replica r of stage p-1-s: the pairs are pipeline ranks) and with recomputation on any
+stage but an evictor (a recomputing stage stashes only its inputs, which the runtime keeps for
+the input gradients anyway: evicting them would move nothing and free nothing).
+The pairs themselves: (s, p-1-s) with s < p//2, each stage in one pair, 1 <= K <= p - s, one
+return policy.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, Sequence
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
 from pipecc.ir.techniques import capabilities as cap
-from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
+from pipecc.ir.techniques.facts import bipartition_on, stages_per_device, training, unequal
 
 NAME = "BPipe"
 TAG = "activation balancing (BPipe)"
@@ -64,16 +67,11 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
         return f"{TAG} pairs stages under the 1f1b schedule only, not {plan.schedule}: use --schedule 1f1b, or {OFF}"
     if stages_per_device(plan) != 1:
         return f"{TAG} needs one stage per device, not {stages_per_device(plan)}: use --schedule 1f1b, or {OFF}"
-    if plan.replicas != 1:
-        return f"{TAG} pairs single devices, not replica groups of {plan.replicas}: use --replicas 1, or {OFF}"
     if unequal(plan):
         return f"{TAG} needs equal micro-batches, the plan has unequal ones: use --microbatch-sizes equal, or {OFF}"
     where = caps.first_lacking(plan, cap.SAVED_TENSOR_STASH)
     if where is not None:
         return f"{TAG}: {where} keeps no autograd stash to move; use {OFF}"
-    if recomputing(plan):
-        return (f"{TAG} replaces recomputation, but stage {recomputing(plan)[0]} recomputes its activations: "
-                f"use --recompute none or auto, or {OFF}")
     if bipartition_on(plan):
         return (f"{TAG} does not move the stashes of Bi-Partition's separate forward and backward cuts: "
                 f"use --bipartition off, or {OFF}")
@@ -82,4 +80,13 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if not caps.runtime_can(cap.STASH_TRANSFER):
         return (f"{TAG} moves saved tensors between ranks, which {caps.where} cannot: compile with "
                 f"`pipecc compile` and run with `pipecc run`, or plan with {OFF}")
-    return pairs_problem(plan.activation_balancing, len(plan.stages))
+    why = pairs_problem(plan.activation_balancing, len(plan.stages))
+    if why is not None:
+        return why
+    for pair in plan.activation_balancing:
+        s = int(pair["evictor"])
+        if plan.stages[s].recompute:
+            return (f"{TAG}: evictor stage {s} recomputes its activations, so it stashes only its inputs, which "
+                    f"stay on it for its input gradients (nothing to move); recompute on the acceptors only, or "
+                    f"use {OFF}")
+    return None

@@ -4,11 +4,12 @@ checks the page against it, so it cannot drift). Run `python -m pipecc.ir.techni
 to print the tables.
 
 The example: 8 nodes, batch 8 in 4 micro-batches, 4 stages of two nodes on CPUs/GPUs, 1f1b.
-Each technique's `turn_on` sets what it needs (UMPIPE: gpipe and unequal sizes; BPipe: 1f1b and
-a pair; Bi-Partition: a segment between stages 0 and 1; recomputation: every stage; replicas:
-groups of 2; zero-bubble: zb-h1; interleaving: 2 stages per device; split layers: one layer in
-two); a pair composes when, turned on in one order or the other, both stay on and no rule
-refuses.
+Each technique's `turn_on` sets what it needs (UMPIPE: unequal sizes, under 1f1b unless the
+plan runs gpipe; BPipe: 1f1b and a pair; Bi-Partition: a segment between stages 0 and 1;
+recomputation: the last stage; replicas: groups of 2; zero-bubble: zb-h1; interleaving: 2
+stages per device; split layers: one layer in two); a pair composes when, turned on in one order or the other, both stay on and no rule
+refuses. A pair that does not is refused by exactly one technique's rule (`refusers`; the
+test asks it of every pair), so a scope rule is written once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pipecc.ir.plan import Plan, SplitLayer, StagePlan
+from pipecc.ir.schedule.registry import UNEVEN
 from pipecc.ir.techniques import TECHNIQUES, capabilities as cap, requires
 
 STAGES, NODES_PER_STAGE = 4, 2
@@ -43,7 +45,9 @@ def place(plan: Plan) -> Plan:
 
 
 def _umpipe(p: Plan) -> None:
-    p.schedule, p.microbatch_sizes = "gpipe", [[1, 3, 2, 2] for _ in p.stages]
+    if p.schedule not in UNEVEN:
+        p.schedule = "1f1b"
+    p.microbatch_sizes = [[1, 3, 2, 2] if k % 2 else [4, 4] for k in range(len(p.stages))]
 
 
 def _bpipe(p: Plan) -> None:
@@ -59,9 +63,8 @@ def _bipartition(p: Plan) -> None:
     p.stages[1].backward_nodes = p.stages[0].nodes[1:] + p.stages[1].nodes
 
 
-def _recompute(p: Plan) -> None:
-    for s in p.stages:
-        s.recompute = True
+def _recompute(p: Plan) -> None:  # the last stage: an acceptor (BPipe's evictors never recompute)
+    p.stages[-1].recompute = True
 
 
 def _replicas(p: Plan) -> None:
@@ -119,6 +122,17 @@ def pair(a: str, b: str) -> str | None:
         if why is not None:
             reasons.append(why)
     return reasons[0] if reasons else f"{a} and {b} need different schedules"
+
+
+def refusers(a: str, b: str) -> list[list[str]]:
+    """Per order in which both stay on, the techniques whose rule refuses the plan with a and b
+    on (`NAME`s; a pair that composes has an empty list in some order)."""
+    out = []
+    for order in ((a, b), (b, a)):
+        plan = with_on(*order)
+        if all(is_on(n, plan) for n in order):
+            out.append([t.NAME for t in TECHNIQUES if t.uses(plan) and t.requires(plan, cap.COMPILED) is not None])
+    return out
 
 
 def needs(name: str) -> list[str]:

@@ -2,17 +2,20 @@
 per-stage chunk sizes can run. One `requires`, asked by the planner (before it searches sizes),
 the plan verifier, compile and `pipecc run`.
 
-The recurrence and the runtime's re-slicing (`pipecc.runtime.reslice`) follow GPipe's row
-order with one stage per device and no replica groups (PAPERS-SPEC.md §1); a recomputing stage
-is not modelled, every stage's device must take chunks of different sizes (an FPGA kernel is
-compiled for one), and the sizes are not moved by BPipe's pairs or Bi-Partition's segments.
+The runtime's re-slicing (`pipecc.runtime.reslice`) runs each stage's chunks in order, so
+GPipe's and 1F1B's row orders both take unequal sizes (`pipecc.ir.schedule.UNEVEN`: the
+recurrence prices GPipe, the event simulator 1F1B, PAPERS-SPEC.md §1.3), with one stage per
+device and no replica groups; a recomputing stage is not modelled and every stage's device must
+take chunks of different sizes (an FPGA kernel is compiled for one). BPipe's pairs and
+Bi-Partition's segments assume equal micro-batches: their rules refuse the pair, not this one.
 """
 
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.registry import UNEVEN
 from pipecc.ir.techniques import capabilities as cap
-from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
+from pipecc.ir.techniques.facts import recomputing, stages_per_device, training, unequal
 
 NAME = "UMPIPE"
 TAG = "unequal micro-batches (UMPIPE)"
@@ -28,8 +31,9 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     None; the context rules hold whether or not the plan has sizes yet."""
     if not training(plan):
         return f"{TAG} need a training plan (they are a training schedule); use {OFF}"
-    if plan.schedule != "gpipe":
-        return f"{TAG} run under the gpipe schedule only, not {plan.schedule}: use --schedule gpipe, or {OFF}"
+    if plan.schedule not in UNEVEN:
+        return (f"{TAG} run under the gpipe or 1f1b schedule only, not {plan.schedule}: use --schedule 1f1b, "
+                f"or {OFF}")
     if plan.replicas != 1:
         return f"{TAG} need replicas 1, not {plan.replicas}: use --replicas 1, or {OFF}"
     if stages_per_device(plan) != 1:
@@ -40,10 +44,6 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     where = caps.first_lacking(plan, cap.VARIABLE_MICROBATCH)
     if where is not None:
         return f"{TAG}: {where} is compiled for one micro-batch shape; use {OFF}"
-    if plan.activation_balancing:
-        return f"{TAG} with activation balancing (BPipe, equal micro-batches only): use --activation-balancing off, or {OFF}"
-    if bipartition_on(plan):
-        return f"{TAG} with Bi-Partition's separate forward and backward cuts: use --bipartition off, or {OFF}"
     if len(plan.stages) < 2:
         return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
     return None

@@ -1,7 +1,7 @@
 """Choosing intra-layer splits (BaPipe): which heavy layers to shard, into what sizes.
 
 Policy on top of two mechanisms: `passes.split_layers.split_node` (the graph rewrite) and
-`passes.balance.Balancer` (the exact partitioner). For each splittable layer heavier than half
+`passes.plan_search.Planner` (the exact partitioner). For each splittable layer heavier than half
 a balanced stage (heaviest first, at most `max_layers`), on a copy of the graph:
   1. split it into q fine equal shards (q = min(4·stages, extent)): the partitioner then places
      contiguous runs of shards on neighbouring stages — choosing the shard sizes;

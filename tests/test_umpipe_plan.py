@@ -265,7 +265,8 @@ def test_bench_papers_synthetic():
 # ----------------------------------------------------------------------------- chunk costs
 def _curves_of(analysis, devices, profile=None):
     from pipecc import driver
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.passes.umpipe_plan import curves_for_plan
     from pipecc.targets.devices import parse_devices
     from pipecc.targets.profiled import use_profile
@@ -274,7 +275,7 @@ def _curves_of(analysis, devices, profile=None):
                               split_layers=False)
     if profile is not None:
         profile, cluster = use_profile(profile, analysis, cluster)
-    balancer = Balancer(graph, cluster, PlanOptions(batch_size=8, schedule="gpipe", profile=profile))
+    balancer = Planner(graph, cluster, PlanOptions(batch_size=8, schedule="gpipe", profile=profile))
     return plan, balancer, curves_for_plan(balancer, plan)
 
 
@@ -299,11 +300,11 @@ def test_chunk_costs_add_the_per_call_overhead_to_the_roofline():
     from test_plan_profile import MLP, TINY
     analysis = driver.analyze(MLP, model_args=TINY, batch_size=8)
     plan, balancer, curves = _curves_of(analysis, "cpu,cpu")
-    units = balancer.builder.at(4)
-    fwd, bwd = balancer.times(units, 4)
+    units = balancer.tables.builder.at(4)
+    fwd, bwd = balancer.tables.times(units, 4)
     calls = [0] * len(plan.stages)
     for k, stage in enumerate(plan.stages):
-        calls[k] = sum(1 for g in balancer.builder.groups for n in g
+        calls[k] = sum(1 for g in balancer.tables.builder.groups for n in g
                        if n.op != "get_attr" and n.meta[META_NAME] in stage.nodes)
     unit_of = {nm: u for u, names in enumerate(units.names) for nm in names}
     for k, stage in enumerate(plan.stages):

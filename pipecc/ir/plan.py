@@ -78,7 +78,7 @@ class Plan:
     # groups when replicas > 1 (the all-reduce, once per iteration, is in predicted_iteration_s)
     bottleneck_s: float
     # no plan with this micro-batch count beats bottleneck_s = lower_bound_s: any cuts, layer
-    # splits or replication degree the devices allow (`passes.balance.Balancer.lower_bound`)
+    # splits or replication degree the devices allow (`passes.plan_emit.lower_bound`)
     lower_bound_s: float
     predicted_iteration_s: float
     bubble_fraction: float

@@ -26,7 +26,7 @@ stage's measured fwd+bwd over the fastest's.
 Holdout-style models (bench/models_holdout/: a U-Net with skips, a MobileNet-like depthwise net,
 a two-input model, Hugging Face GPT-2 and BERT built from a config with random weights): planned
 only, `pipecc plan MODEL --devices 4xa100 -b 256`, reporting `balance_ratio` (bottleneck / the
-communication-aware bound) and `balance_ratio_compute` (/ the old comm-blind bound).
+communication-aware bound).
 
 Internals: analysis, planning and compile run in this process (`pipecc.driver`, what `pipecc
 compile` calls); profile and run are the CLI in subprocesses. The functions under "report" are
@@ -219,16 +219,16 @@ def headline(cases: list[dict[str, Any]]) -> list[str]:
 
 
 def holdout_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model | arguments | schedule | m | split layers | balance_ratio (new bound) | "
-             "balance_ratio_compute (old bound) | new ≤ 1.10 |", "|---|---|---|--:|--:|--:|--:|---|"]
+    lines = ["| model | arguments | schedule | m | split layers | balance_ratio | ≤ 1.10 |",
+             "|---|---|---|--:|--:|--:|---|"]
     for r in rows:
         args = ", ".join(f"{k}={v}" for k, v in r.get("args", {}).items()) or "defaults"
         if "error" in r:
-            lines.append(f"| {r['model']} | {args} | not planned: {r['error'][:160]} ||||||")
+            lines.append(f"| {r['model']} | {args} | not planned: {r['error'][:160]} |||||")
             continue
         ok = "met" if r["balance_ratio"] <= HOLDOUT_TARGET else "**missed**"
         lines.append(f"| {r['model']} | {args} | {r['schedule']} | {r['microbatches']} | {r['split_layers']} | "
-                     f"{r['balance_ratio']:.3f} | {r['balance_ratio_compute']:.3f} | {ok} |")
+                     f"{r['balance_ratio']:.3f} | {ok} |")
     return lines
 
 
@@ -411,9 +411,8 @@ def holdout(names: list[str], timeout: float) -> list[dict[str, Any]]:
         plan = json.loads(r.stdout)
         rows.append({"model": name, "args": spec["args"], "schedule": plan["schedule"],
                      "microbatches": plan["microbatches"], "split_layers": len(plan["split_layers"]),
-                     "balance_ratio": plan["balance_ratio"], "balance_ratio_compute": plan["balance_ratio_compute"]})
-        print(f"holdout {name}: {rows[-1]['balance_ratio']:.3f} (old {rows[-1]['balance_ratio_compute']:.3f})",
-              file=sys.stderr)
+                     "balance_ratio": plan["balance_ratio"]})
+        print(f"holdout {name}: {rows[-1]['balance_ratio']:.3f}", file=sys.stderr)
     return rows
 
 

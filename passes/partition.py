@@ -83,11 +83,6 @@ class PartitionProblem:
     blocked: Sequence[Sequence[bool]] | None = None  # [link k][boundary 0..n]: cut forbidden
     labels: Sequence[str] | None = None  # [stage] how messages name its device ("device k")
     training: bool = True  # gradients travel back (1F1B windows); False: forward-only stream
-    # "overlapped": transfers as the runtime runs them (module docstring); "charged": the
-    # model of earlier releases, each transfer added to the compute of both its stages
-    # (x2 when training: activation and gradient) and no link resource. The planner tries
-    # both (the simulator chooses), so it never places worse than before.
-    comm: str = "overlapped"
     # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
     recompute: Sequence[bool] | None = None
     # Bi-Partition (`passes.bipartition`) only: [node] bytes of saved tensors a node's backward
@@ -197,18 +192,8 @@ def _link1(pr: PartitionProblem, k: int, nbytes: float) -> float:
 
 
 def _penalty(pr: PartitionProblem, k: int, s: int, X: Sequence[float]) -> float:
-    """What a cut of link k at boundary s adds to both its stages: CANNOT_RUN_S if blocked,
-    plus, under comm="charged", the transfer itself."""
-    pen = CANNOT_RUN_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
-    if pr.comm == "charged":
-        pen += (2.0 if pr.training else 1.0) * _link1(pr, k, X[s])
-    return pen
-
-
-def _charged(pr: PartitionProblem) -> bool:
-    if pr.comm not in ("overlapped", "charged"):
-        raise ValueError(f"comm={pr.comm!r}: 'overlapped' or 'charged'")
-    return pr.comm == "charged"
+    """What a cut of link k at boundary s adds to both its stages: CANNOT_RUN_S if blocked."""
+    return CANNOT_RUN_S if pr.blocked is not None and pr.blocked[k][s] else 0.0
 
 
 def _fits(mem: float, cap: float, tol: float = 0.0) -> bool:
@@ -244,7 +229,7 @@ def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Parti
     tol = ar.mem_tol
     fits = all(_fits(m, c, tol) for m, c in zip(mems, ar.caps))
     cuts = tuple(float(ar.X[s]) for s in b[1:-1])
-    links = tuple(0.0 if _charged(pr) else _link1(pr, k, x) for k, x in enumerate(cuts))
+    links = tuple(_link1(pr, k, x) for k, x in enumerate(cuts))
     return Partition(b, tuple(times), tuple(mems), cuts, bottleneck(times, links, pr.training),
                      fits, links)
 
@@ -418,8 +403,6 @@ def _link_table(pr: PartitionProblem, ar: _Arrays) -> tuple[np.ndarray, np.ndarr
     pen = np.zeros_like(table)
     if pr.blocked is not None and ar.p > 1:
         pen = CANNOT_RUN_S * np.asarray(pr.blocked, dtype=float)[: ar.p - 1]
-    if _charged(pr):  # the transfer joins both stages' compute; the link is no resource
-        pen, table = pen + (2.0 if pr.training else 1.0) * table, np.zeros_like(table)
     return table, pen
 
 
@@ -451,7 +434,7 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: tuple[np.ndarray, n
 
 
 def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
-                comm: bool = True, bipartition: bool = False) -> float:
+                bipartition: bool = False) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
@@ -462,7 +445,7 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
         B ≥ Σ_d λ_d L_d = Σ_i Σ_d x[d][i] λ_d c[d][i] ≥ Σ_i min_d λ_d c[d][i] =: F(λ).
     (2) A node that may not be split (splittable None: none may) runs whole on one device:
     B ≥ min_d c[d][i].
-    Communication (comm=True). With p stages there are p-1 cuts, and every possible cut
+    Communication. With p stages there are p-1 cuts, and every possible cut
     point s ∈ 1..n-1 carries at least x0 = min_s X[s] bytes; a cut inside a split layer
     carries the later shards' input, so it is taken to carry something (> 0 bytes) when the
     boundary before the layer does and possibly nothing otherwise: x0 drops to "one byte's
@@ -477,7 +460,6 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     We start from λ_d ∝ 1/Σ_i c[d][i] (exact for identical devices), also try λ = 1/p, and
     take mirror-ascent steps along the supergradient of F (per-device loads of the cheapest
     assignment), keeping the best value of (4) seen: every λ gives a valid bound.
-    comm=False gives the comm-blind bound max(F, (2)) of earlier releases.
     bipartition=True (separate forward and backward cuts, `passes.bipartition`): a whole
     node's forward and backward may sit on different devices, so (2) becomes
     max(min_d fwd[d][i], min_d bwd[d][i]) (PAPERS-SPEC §3.4: min_d (f+g) is not a bound
@@ -491,7 +473,7 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
         return 0.0
-    tau = _link_floor(problem, splittable) if comm else np.zeros(0)
+    tau = _link_floor(problem, splittable)
     ring = 2.0 * float(tau.sum()) if problem.training else 0.0
     c = np.where(c >= CANNOT_RUN_S, np.inf, c)  # "cannot run here": x[d][i] = 0 is forced
     whole = np.ones(c.shape[1], bool) if splittable is None else ~np.asarray(splittable, bool)

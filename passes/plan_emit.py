@@ -45,15 +45,14 @@ class SearchRecord:
     bpipe_notes: list[str] = field(default_factory=list)
 
 
-def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
+def lower_bound(ev: Evaluator, cand: Candidate) -> float:
     """A bottleneck no plan with the candidate's micro-batch count beats, whatever its cuts,
     layer splits or replication degree: the least over every degree d the devices and the
     micro-batch allow (`passes.replicas.allowed`, whatever --replicas asked) of
     `partition.lower_bound` on that degree's problem (P = n/d groups at a slice of mb/d,
     `passes.replicas.group_problem`; d = 1: the candidate's devices with `bound_problem`'s
     costs). Each is valid for its d because the group problem *is* the partitioner's
-    model of every d-replicated plan, so the least is valid for all. comm=False: the
-    comm-blind bound of earlier releases (reported next to it)."""
+    model of every d-replicated plan, so the least is valid for all."""
     assert isinstance(ev.options.batch_size, int)
     mb = ev.options.batch_size // cand.microbatches
     unreplicable = not all(dev.can(caps.REPLICATE) for dev in ev.cluster.devices)
@@ -70,7 +69,7 @@ def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
             prob = ev.problem(units, rep.slice_size(mb, d), "1f1b", cand.microbatches, order, 1, d=d)
         if d == 1:
             prob = ev.tables.bound_problem(prob, cand.order, mb)
-        best = min(best, partition_lower_bound(prob, units.splittable, comm=comm))
+        best = min(best, partition_lower_bound(prob, units.splittable))
     return best
 
 
@@ -100,7 +99,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
     assert isinstance(opt.batch_size, int)
     part, units, prob = cand.part, cand.units, cand.problem
     fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
-    lb, lb_compute = lower_bound(ev, cand), lower_bound(ev, cand, comm=False)
+    lb = lower_bound(ev, cand)
     d, P = cand.replicas, cand.ranks
     mb = rep.slice_size(opt.batch_size // cand.microbatches, d)
     weights = tables.weight_times(part, prob, cand.order, mb, d)
@@ -143,7 +142,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
                   "placement": cluster.devices[x].placement, "given_index": x}
                  for x in cand.order],
         stages=stages, split_layers=[], bottleneck_s=float(part.bottleneck),
-        lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
+        lower_bound_s=float(lb),
         predicted_iteration_s=float(cand.timeline.iteration_s),
         bubble_fraction=float(cand.timeline.bubble_fraction), dtype=opt.dtype,
         activation_balancing=bpipe_pass.plan_fields(cand), estimate=dict(search.estimate),

@@ -188,7 +188,7 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
     stages = len(plan.stages)
     max_layers = stages if max_layers is None else max_layers
     budget = min(3 * stages, 16) if budget is None else budget
-    lower, lower_compute, baselines = plan.lower_bound_s, plan.lower_bound_compute_s, plan.baselines
+    lower, baselines = plan.lower_bound_s, plan.baselines
     names = splittable_names(graph)
     tried: set[str] = set()
     heavy = sorted((n for n in names if layer_time(n) > 0.5 * lower), key=layer_time, reverse=True)
@@ -249,5 +249,5 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
             break
     # the bound and the baselines stay those of the unsplit graph: the bound already covers
     # every split, and other tools would partition the original layers
-    plan.lower_bound_s, plan.lower_bound_compute_s, plan.baselines = lower, lower_compute, baselines
+    plan.lower_bound_s, plan.baselines = lower, baselines
     return plan, graph

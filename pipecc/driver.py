@@ -373,8 +373,6 @@ def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, clust
         state.plan = result
         return
     chosen.lower_bound_s = min(chosen.lower_bound_s, result.lower_bound_s)
-    if chosen.lower_bound_compute_s and result.lower_bound_compute_s:
-        chosen.lower_bound_compute_s = min(chosen.lower_bound_compute_s, result.lower_bound_compute_s)
     line = next(d for d in reversed(result.decisions) if d.startswith("Bi-Partition"))
     if result.is_bipartition() and result.predicted_iteration_s < chosen.predicted_iteration_s:
         result.decisions.append(f"Bi-Partition on unsplit layers beats the plan with split layers: "

@@ -58,14 +58,14 @@ def test_markdown_tables(tmp_path):
               "cases": [_case(), {"model": "mlp", "devices": "3xcpu",
                                   "variants": {"analytic": {"error": "RuntimeError: boom"}}}],
               "holdout": [{"model": "unet", "args": {}, "schedule": "gpipe", "microbatches": 64,
-                           "split_layers": 0, "balance_ratio": 1.23, "balance_ratio_compute": 1.5},
+                           "split_layers": 0, "balance_ratio": 1.23},
                           {"model": "hf_bert", "args": {"n": 2}, "error": "PipeccError: nope"}]}
     text = bf.markdown(report, "python bench/bench_fidelity.py")
     assert "No GPU was available" in text
     assert "| vgg16 | 2xcpu | profiled | 4 | 10.00 / 11.00 | 1.10 | 1.00 / 2.00 ✗ | 1/2 | 1.00 / 2.00 |" in text
     assert "| vgg16 | 2xcpu | 2.00 / 2.67 | 11.00 / 11.00 | **missed** |" in text  # imbalance table
     assert "| mlp | 3xcpu | analytic | | not run: RuntimeError: boom |" in text
-    assert "| unet | defaults | gpipe | 64 | 0 | 1.230 | 1.500 | **missed** |" in text
+    assert "| unet | defaults | gpipe | 64 | 0 | 1.230 | **missed** |" in text
     assert "not planned: PipeccError: nope" in text
     assert "stages within ±15%: **3 of 4**" not in text  # analytic and profiled count separately
     assert "- profiled: stages within ±15%: **1 of 2**" in text

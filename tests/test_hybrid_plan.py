@@ -198,7 +198,6 @@ def test_lower_bound_holds_for_every_degree(model, devices, batch):
     for c in bal.results:
         lb = plan_emit.lower_bound(bal.evaluator, c)
         assert lb <= c.part.bottleneck * (1 + 1e-9), (c.schedule, c.microbatches, c.replicas)
-        assert plan_emit.lower_bound(bal.evaluator, c, comm=False) <= c.part.bottleneck * (1 + 1e-9)
         # any plan with the same m (and stages per rank: an interleaved plan's bottleneck is
         # per virtual stage, a different quantity) and any d
         for other in bal.results:

@@ -90,9 +90,6 @@ class Plan:
     model_args: dict[str, Any] = field(default_factory=dict)
     model_path: str = ""
     options: dict[str, Any] = field(default_factory=dict)
-    # the comm-blind bound of earlier releases, shown next to lower_bound_s for one release
-    # (0.0: a plan written before it)
-    lower_bound_compute_s: float = 0.0
     # PP x DP: every stage runs on `replicas` devices (1: plain pipeline; replicas == number of
     # devices with one stage: plain data parallelism). Pipeline rank j, replica r is rank
     # j * replicas + r and runs on devices[j * replicas + r]; see StagePlan.replica_devices.
@@ -129,12 +126,6 @@ class Plan:
     @property
     def balance_ratio(self) -> float:
         return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else float("inf")
-
-    @property
-    def balance_ratio_compute(self) -> float:
-        """bottleneck / the comm-blind bound (the ratio earlier releases reported)."""
-        lb = self.lower_bound_compute_s
-        return self.bottleneck_s / lb if lb > 0 else float("inf")
 
     @property
     def pipeline_ranks(self) -> int:
@@ -256,7 +247,6 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["balance_ratio"] = self.balance_ratio
-        data["balance_ratio_compute"] = self.balance_ratio_compute
         return data
 
     def dumps(self) -> str:
@@ -266,7 +256,6 @@ class Plan:
     def from_json(cls, data: dict[str, Any]) -> "Plan":
         data = dict(data)
         data.pop("balance_ratio", None)
-        data.pop("balance_ratio_compute", None)
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
         return cls(**data)

@@ -52,9 +52,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                     "sends", "comm", "peak mem", "split layers"], rows),
         "",
         f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *)",
-        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}"
-        + (f"   (comm-blind bound {seconds(plan.lower_bound_compute_s)}, ratio "
-           f"{plan.balance_ratio_compute:.3f})" if plan.lower_bound_compute_s > 0 else ""),
+        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}",
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
     ]

@@ -22,7 +22,8 @@ times of XF_j, XB_j, the 1F1B steady state generalises `partition.bottleneck`: a
 crossing the window k..l goes down every link with its forward message and up with its
 gradient message, so
     B = max( max_j T_j, max_j max(tf_j, tb_j), max_{k<l} (Σ_{k..l} T + Σ_{k..l-1} (tf + tb)) / (l-k+1) )
-which is `partition.bottleneck` when a = c (tf = tb = t).
+which is `partition.bottleneck` when a = c (tf = tb = t). comm="charged" adds tf + tb to both
+ends' T instead (no link resource), as `partition` does.
 Memory (spec §3.5): the BP range holds weights, gradients and optimizer state (`static_mem`);
 the FP-only units hold a replica of their weights (`param_bytes`, default `static_mem`, an
 over-estimate). Stashes: worker j holds its core's from F to B, and the segment at its left
@@ -54,7 +55,7 @@ from typing import Sequence
 import numpy as np
 
 from pipecc.passes.partition import (
-    CANNOT_RUN_S, InfeasibleError, Partition, PartitionProblem, _arrays, _fits,
+    CANNOT_RUN_S, InfeasibleError, Partition, PartitionProblem, _arrays, _charged, _fits,
     _link1, _T_RTOL, partition)
 
 MODES = ("ship", "recompute")
@@ -67,7 +68,7 @@ class BiPartition:
 
     fwd_bounds: tuple[int, ...]
     bwd_bounds: tuple[int, ...]
-    stage_time: tuple[float, ...]          # T_j (compute)
+    stage_time: tuple[float, ...]          # T_j (compute, + charged transfers)
     stage_memory: tuple[float, ...]
     fwd_cut_bytes: tuple[float, ...]       # XF_j per boundary (one micro-batch)
     bwd_cut_bytes: tuple[float, ...]       # XB_j per boundary
@@ -113,6 +114,7 @@ class _Costs:
             raise ValueError("Bi-Partition needs a training problem (inference has no backward)")
         ar = _arrays(pr)
         self.pr, self.ar, self.mode, self.n, self.p = pr, ar, mode, ar.n, ar.p
+        self.charged = _charged(pr)
         self.PF = _prefix(np.asarray(pr.fwd, dtype=float))
         self.PB = _prefix(np.asarray(pr.bwd, dtype=float))
         self.PS = _prefix(ar.static)
@@ -166,6 +168,7 @@ def _evaluate(cs: _Costs, a: Sequence[int], c: Sequence[int]) -> BiPartition:
         for k in (j - 1, j):
             if 0 <= k < p - 1:
                 t += cs.blocked(k, a[k + 1]) + (cs.blocked(k, c[k + 1]) if c[k + 1] != a[k + 1] else 0.0)
+                t += tf[k] + tb[k] if cs.charged else 0.0
         times.append(t)
         replica = max(0.0, cs.PPar[c[j]] - cs.PPar[a[j]]) + max(0.0, cs.PPar[a[j + 1]] - cs.PPar[c[j + 1]])
         held = cs.PA[j, min(a[j + 1], c[j + 1])] - cs.PA[j, min(a[j], c[j])]
@@ -173,10 +176,14 @@ def _evaluate(cs: _Costs, a: Sequence[int], c: Sequence[int]) -> BiPartition:
                           + ar.act_factor(j) * held + ar.inflight[j] * ar.X[a[j]]))
     tol = ar.mem_tol
     fits = all(_fits(m, cap, tol) for m, cap in zip(mems, ar.caps))
+    if cs.charged:
+        tf_res, tb_res = [0.0] * len(tf), [0.0] * len(tb)
+    else:
+        tf_res, tb_res = tf, tb
     return BiPartition(a, c, tuple(times), tuple(mems), tuple(xf), tuple(xb), tuple(extra),
                        tuple(sync), tuple(tf), tuple(tb),
                        tuple(cs.link(k, x) for k, x in enumerate(sync)),
-                       bottleneck_bi(times, tf, tb), cs.mode, fits)
+                       bottleneck_bi(times, tf_res, tb_res), cs.mode, fits)
 
 
 def bottleneck_bi(stage_time: Sequence[float], fwd_link: Sequence[float],
@@ -261,6 +268,10 @@ def _steps(cs: _Costs, cands: list[list[int]], no_segment: np.ndarray | None) ->
         if j < p - 1:
             out = info[j]
             T = T + np.array([[x[2] for x in out]])
+        if cs.charged:
+            T = T + tf_in + tb_in
+            if j < p - 1:
+                T = T + np.array([[x[0] + x[1] for x in info[j]]])
         replica = np.maximum(0.0, cs.PPar[pc] - cs.PPar[pa]) + np.maximum(0.0, cs.PPar[ca] - cs.PPar[cc])
         held = cs.PA[j][np.minimum(ca, cc)] - cs.PA[j][np.minimum(pa, pc)]
         mem = (cs.PS[j][cc] - cs.PS[j][pc] + replica + ar.act_factor(j) * held
@@ -268,7 +279,7 @@ def _steps(cs: _Costs, cands: list[list[int]], no_segment: np.ndarray | None) ->
         ok = (np.maximum(pa, pc) < np.minimum(ca, cc)) & (pa < ca) & (pc < cc)
         ok &= mem <= ar.caps[j] + 1e-12 * abs(ar.caps[j]) + tol
         T = np.where(ok, T, np.inf)
-        if j < p - 1:
+        if j < p - 1 and not cs.charged:
             tsum = np.array([x[0] + x[1] for x in info[j]])
             tmax = np.array([max(x[0], x[1]) for x in info[j]])
         else:

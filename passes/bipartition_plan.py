@@ -177,15 +177,16 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
     base = evaluate_bi(prob, bounds, bounds)
     t_single = _simulate(base, prob, plan)
     tried: list[tuple[BiPartition, PartitionProblem, Timeline]] = []
-    try:
-        bi = bipartition(prob, window, "ship", single=single, no_segment=no_segment,
-                         no_cut=no_cut, widen_to=max(window, WIDEST))
-        if bi.is_split:  # NOTE: costed once more by evaluate_bi, as every other cut pair is
+    for variant in (prob, dataclasses.replace(prob, comm="charged")):
+        try:
+            bi = bipartition(variant, window, "ship", single=single, no_segment=no_segment,
+                             no_cut=no_cut, widen_to=max(window, WIDEST))
+        except InfeasibleError:
+            continue
+        if bi.is_split:  # cost it on the real (overlapped) model
             bi = evaluate_bi(prob, bi.fwd_bounds, bi.bwd_bounds)
             if bi.fits:
                 tried.append((bi, prob, _simulate(bi, prob, plan)))
-    except InfeasibleError:
-        pass
     try:
         rc = bipartition(prob, window, "recompute", single=single, no_segment=no_segment,
                          no_cut=no_cut)

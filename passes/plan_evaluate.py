@@ -86,11 +86,17 @@ class Evaluator:
         timeline = self.simulate(part, prob, schedule, m, v, order=order, allreduce=allreduce)
         # NOTE: the partitioner is exact for its model: the 1F1B steady state with transfers
         # overlapped. With few micro-batches, or GPipe's two one-way streams, fill and drain
-        # weigh more, and cuts exact for the stream model (training=False) can simulate
-        # faster: the simulator chooses.
-        stream = dataclasses.replace(raw, training=False)
-        alt = partition(stream) if stream != raw else None
-        if alt is not None and alt.bottleneck < CANNOT_RUN_S and tuple(alt.bounds) != tuple(part.bounds):
+        # weigh more, and cuts exact for the stream model (training=False) or for transfers
+        # charged to both stages (`PartitionProblem.comm`) can simulate faster: the simulator
+        # chooses.
+        tried = {tuple(part.bounds)}
+        for other in (dataclasses.replace(raw, training=False), dataclasses.replace(raw, comm="charged")):
+            if other == raw:
+                continue
+            alt = partition(other)
+            if alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
+                continue
+            tried.add(tuple(alt.bounds))
             prob2, part2 = tables.recost(raw, alt.bounds, order, mb, d)
             allreduce2 = rep.stage_allreduce_s(tables, units, part2.bounds, order, d) if d > 1 else None
             timeline2 = self.simulate(part2, prob2, schedule, m, v, order=order, allreduce=allreduce2)

@@ -67,7 +67,7 @@ from pipecc.passes.bipartition import bipartition, brute_force_bi, evaluate_bi
 from pipecc.passes.partition import PartitionProblem, brute_force, evaluate, lower_bound, partition
 
 
-def _problem(f, g, p, out=None, link=None, caps=None, act=None, static=None):
+def _problem(f, g, p, out=None, link=None, caps=None, act=None, static=None, charged=False):
     n = len(f[0]) if isinstance(f[0], list) else len(f)
     f = f if isinstance(f[0], list) else [list(f)] * p
     g = g if isinstance(g[0], list) else [list(g)] * p
@@ -75,7 +75,7 @@ def _problem(f, g, p, out=None, link=None, caps=None, act=None, static=None):
         fwd=f, bwd=g, out_bytes=out or [0.0] * n, last_use=[min(i + 1, n) for i in range(n)],
         static_mem=static or [0.0] * n, act_mem=act or [0.0] * n,
         mem_cap=caps or [math.inf] * p, inflight=[p - j for j in range(p)],
-        link_time=link or (lambda k, b: 0.0))
+        link_time=link or (lambda k, b: 0.0), comm="charged" if charged else "overlapped")
 
 
 def test_spec_example_ship_beats_single_cut_and_recompute_does_not():
@@ -114,7 +114,7 @@ def test_equal_cuts_cost_what_the_single_cut_costs():
             assert bi.fits == one.fits
 
 
-def _random_problem(rng, n, p):
+def _random_problem(rng, n, p, charged=False):
     f = [[rng.uniform(0.1, 3.0) for _ in range(n)] for _ in range(p)]
     g = [[2 * x * rng.uniform(0.5, 1.5) for x in row] for row in f]
     out = [float(rng.randint(0, 4) * 1000) for _ in range(n)]
@@ -122,18 +122,19 @@ def _random_problem(rng, n, p):
     static = [float(rng.randint(0, 3) * 1000) for _ in range(n)]
     bw = [rng.uniform(2e3, 2e4) for _ in range(p)]
     caps = [rng.choice([math.inf, 3e4, 6e4]) for _ in range(p)]
-    return _problem(f, g, p, out=out, act=act, static=static, caps=caps,
+    return _problem(f, g, p, out=out, act=act, static=static, caps=caps, charged=charged,
                     link=lambda k, b: 1e-3 + b / bw[k])
 
 
-def test_windowed_dp_is_exact_against_brute_force():
-    rng = random.Random(7)
+@pytest.mark.parametrize("charged", [False, True])
+def test_windowed_dp_is_exact_against_brute_force(charged):
+    rng = random.Random(7 + charged)
     checked = 0
     for _ in range(40):
         n, p = rng.randint(3, 7), rng.randint(2, 3)
         if p > n:
             continue
-        pr = _random_problem(rng, n, p)
+        pr = _random_problem(rng, n, p, charged)
         for mode in ("ship", "recompute"):
             try:
                 ref = brute_force_bi(pr, mode)

@@ -101,3 +101,37 @@ def test_bottleneck_formula_by_hand():
     assert bottleneck([4.0, 4.0, 4.0], [1.0, 1.0]) == pytest.approx((12 + 4) / 3)
     assert bottleneck([4.0, 4.0, 4.0], [1.0, 1.0], training=False) == 4.0
     assert bottleneck([1.0, 1.0], [7.0]) == 8.0  # pair window (1 + 1 + 14) / 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_n=7, max_p=3, memory=False), st.booleans())
+def test_charged_mode_is_the_old_model_and_exact(pr: PartitionProblem, training: bool):
+    """comm="charged" (the second cut model the planner tries; the simulator keeps the faster
+    cuts): T_k + (2 when training) * transfer on both sides of each cut,
+    max over stages, and the partitioner finds its optimum (brute force)."""
+    import itertools
+    pr = dataclasses.replace(pr, training=training, comm="charged")
+    n, p = len(pr.out_bytes), len(pr.mem_cap)
+    if n < p:
+        return
+    factor = 2.0 if training else 1.0
+
+    def old(bounds):
+        part = evaluate(pr, bounds)
+        times = []
+        for k in range(p):
+            t = float(np.asarray(pr.fwd)[k, bounds[k]:bounds[k + 1]].sum()
+                      + np.asarray(pr.bwd)[k, bounds[k]:bounds[k + 1]].sum())
+            for j, x in ((k - 1, part.cut_bytes[k - 1] if k > 0 else 0.0),
+                         (k, part.cut_bytes[k] if k < p - 1 else 0.0)):
+                if 0 <= j < p - 1 and x > 0:
+                    t += factor * pr.link_time(j, x)
+            times.append(t)
+        return max(times), part
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = (0, *cuts, n)
+        value, part = old(bounds)
+        assert part.bottleneck == pytest.approx(value, rel=1e-9, abs=1e-12)
+        best = min(best, value)
+    assert partition(pr).bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)

@@ -27,9 +27,6 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 # the order in which they run.
 from __future__ import annotations
 
-# NOTE(size): the driver is the one place where analyze, plan and compile read as lists of steps
-# with the checks between them; the passes' policies live in their own modules.
-
 import itertools
 import os
 import time

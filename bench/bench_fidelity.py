@@ -341,17 +341,17 @@ def equal_plan(analysis: Any, devices: str, schedule: str, m: int, profile_path:
         prof, cluster = use_profile(str(profile_path), analysis, cluster)
     opts = PlanOptions(batch_size=analysis.graph.batch_size, microbatches=m, schedule=schedule,
                        split_layers=False, compare=True, profile=prof)
-    balancer = Planner(analysis.graph, cluster, opts)
-    plan, cand = balancer.run()
+    planner = Planner(analysis.graph, cluster, opts)
+    plan, cand = planner.run()
     base = plan.baselines[0]
     assert base["name"].startswith("equal-count"), base["name"]
     mb = opts.batch_size // cand.microbatches
-    prob, part = balancer.tables.recost(cand.raw or cand.problem, base["bounds"], cand.order, mb)
+    prob, part = planner.tables.recost(cand.raw or cand.problem, base["bounds"], cand.order, mb)
     # NOTE: the planner's own evaluator, so that the equal split's predicted step comes from
     # the very simulator that predicts pipecc's own.
-    timeline = balancer.evaluator.simulate(part, prob, cand.schedule, cand.microbatches, cand.virtual)
+    timeline = planner.evaluator.simulate(part, prob, cand.schedule, cand.microbatches, cand.virtual)
     eq = dataclasses.replace(cand, part=part, problem=prob, timeline=timeline)
-    out = plan_emit.to_plan(balancer.evaluator, eq, [], balancer.record)
+    out = plan_emit.to_plan(planner.evaluator, eq, [], planner.record)
     out.decisions.insert(0, f"bench_fidelity: stages at the bounds {base['bounds']} of {base['name']}")
     return out
 

@@ -101,7 +101,7 @@ def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
 
 
 def evaluate_candidate(ev: Evaluator, schedule: str, m: int, d: int = 1) -> Candidate:
-    """The candidate (schedule, m, d replicas) under the balancer's recompute mode (module
+    """The candidate (schedule, m, d replicas) under the options' recompute mode (module
     docstring)."""
     check(ev)
     mode = ev.options.recompute

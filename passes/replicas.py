@@ -30,7 +30,8 @@ parameter bytes (fp32 gradients, the size of fp32 weights).
 Allowed degrees (`allowed`): d divides n, d <= B/m (every replica gets a non-empty slice of
 every micro-batch; slices may differ by one sample, as DDP's do when the batch does not divide),
 no FPGA device when d > 1 (FPGA stages are never replicated). When d divides B/m every figure
-is the equal-slice one, mb/d. Pure numbers over the balancer's cost tables; no torch.
+is the equal-slice one, mb/d. Pure numbers over the planner's cost tables (`passes.plan_costs`);
+no torch.
 """
 
 from __future__ import annotations

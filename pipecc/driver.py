@@ -89,7 +89,7 @@ class State:
     graph: AnnotatedGraph | None = None
     costed: bool = False                   # every node carries META_COST
     plan: Plan | None = None
-    candidate: Any = None                  # the balancer's choice the split search starts from
+    candidate: Any = None                  # the planner's choice the split search starts from
     stages: list[Any] | None = None        # cut stages (pipecc.backends.torch.Stage)
     backends: list[Backend] = field(default_factory=list)
     extra_files: dict[str, str] = field(default_factory=dict)

@@ -170,7 +170,7 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
         for s in range(min(us) + 1, max(us) + 1) if us else ():
             no_cut[s] = True
     bound_prob = ev.tables.bound_problem(prob, [int(d.get("given_index", i))
-                                               for i, d in enumerate(plan.devices)], mb)
+                                                for i, d in enumerate(plan.devices)], mb)
     plan.lower_bound_s = min(plan.lower_bound_s, lower_bound(bound_prob, units.splittable,
                                                              bipartition=True))
     single = evaluate(prob, bounds)

@@ -171,8 +171,8 @@ def _fit(ev: Evaluator, plain: Any, m: int, ks: Sequence[int | None], overlap: d
 
 def memory_before(ev: Evaluator, cand: Candidate) -> list[float]:
     """[stage] peak bytes of the candidate's cuts under plain 1F1B (no stash moves)."""
-    return list(ev.simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1,
-                              order=cand.order, bpipe=[None] * ev.p, bpipe_policy=POLICY).peak_memory_bytes)
+    return list(ev.simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
+                            bpipe=[None] * ev.p, bpipe_policy=POLICY).peak_memory_bytes)
 
 
 def _transfers(ev: Evaluator, cand: Candidate) -> tuple[float, float]:
@@ -180,7 +180,7 @@ def _transfers(ev: Evaluator, cand: Candidate) -> tuple[float, float]:
     its iteration minus the same schedule's with free transfers, and the most seconds any
     evictor spends sending out and taking back."""
     free = ev.simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
-                         bpipe=cand.thresholds, bpipe_policy=POLICY, free_stash=True)
+                       bpipe=cand.thresholds, bpipe_policy=POLICY, free_stash=True)
     busy: dict[int, float] = {}
     for e in cand.timeline.events:
         if e.kind in (ActionKind.SEND_S, ActionKind.SEND_R):

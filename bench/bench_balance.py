@@ -2,7 +2,7 @@
 and the predicted speedup and memory of pipecc's pipeline against data parallelism.
 
 Every number here comes from pipecc's cost model (roofline times per `Device.compute_time`,
-link latency + bytes/bandwidth, the memory model of `passes.balance`): these are predictions
+link latency + bytes/bandwidth, the memory model of `passes.plan_problem`): these are predictions
 for the listed devices, not measurements.
 
 What runs
@@ -45,7 +45,7 @@ for identical devices; before commit 6aead83 it was far too low with an FPGA, wh
 run" stand-in time of 1e9 s skewed its starting prices). Both are valid lower bounds, so is
 their maximum; the bound is taken on the analysed graph, not the split one (split shards add
 a little work no bound may assume). With an FPGA both bounds cost its units at the FPGA
-model's MAC floor (`Balancer.bound_problem`: MACs at the card's whole usable DSP budget, which
+model's MAC floor (`CostTables.bound_problem`, passes.plan_costs: MACs at the card's whole usable DSP budget, which
 no stage holding them can beat) and leave out units whose BRAM alone exceeds the card; the
 planner's own stage times on the FPGA are the model's full dataflow estimate, so GPU+FPGA
 ratios are looser than the others by construction.
@@ -53,7 +53,7 @@ ratios are looser than the others by construction.
 
 Data parallelism (DP), for the speedup/memory table. Each participating device runs the whole
 model on batch/n samples (n participants, equal split). Device time = Σ over units of forward +
-backward time on that device at batch/n, from the same `Balancer.times` the planner uses;
+backward time on that device at batch/n, from the same `CostTables.times` the planner uses;
 heterogeneous DP is bounded by the slowest device. Gradients are all-reduced with a ring:
     t_ar = 2(n−1)/n · param_bytes / min ring-link bandwidth + 2(n−1) · max ring-link latency
 over the cluster's links between consecutive participants (a100↔a100 nvlink3, a100↔v100 the
@@ -116,7 +116,8 @@ from pipecc.targets.devices import Cluster, parse_devices  # noqa: E402
 from pipecc.errors import PipeccError  # noqa: E402
 from pipecc.passes import baselines as baseline_rules  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402
-from pipecc.passes.balance import Balancer, PlanOptions  # noqa: E402
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.plan_search import Planner  # noqa: E402
 from pipecc.passes.partition import evaluate, lower_bound  # noqa: E402
 from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM  # noqa: E402
 
@@ -221,11 +222,11 @@ def _problem(plan, graph, cluster: Cluster, batch: int):
     """Rebuild the partition problem pipecc solved for this plan (same units, order, m)."""
     opts = PlanOptions(batch_size=batch, microbatches=plan.microbatches, schedule=plan.schedule,
                        split_layers=False)
-    bal = Balancer(graph, cluster, opts, splittable=split_search.splittable_names(graph))
+    bal = Planner(graph, cluster, opts, splittable=split_search.splittable_names(graph))
     mb = batch // plan.microbatches
-    units = bal.builder.at(mb)
+    units = bal.tables.builder.at(mb)
     order = tuple(d["given_index"] for d in plan.devices)
-    return bal.problem(units, mb, plan.schedule, plan.microbatches, order), units, order, bal
+    return bal.evaluator.problem(units, mb, plan.schedule, plan.microbatches, order), units, order, bal
 
 
 def _plan_bounds(plan, units) -> tuple[int, ...]:
@@ -245,8 +246,8 @@ def data_parallel(graph, cluster: Cluster, batch: int) -> dict[str, Any]:
     With an FPGA in the cluster, DP runs on the GPUs alone when the FPGA cannot run some op,
     and otherwise on whichever of {all devices, GPUs alone} is faster (an equal share of the
     batch on a slow card would bound everyone)."""
-    probe = Balancer(graph, cluster, PlanOptions(batch_size=batch))
-    fwd1, _ = probe.times(probe.builder.at(1), 1)
+    probe = Planner(graph, cluster, PlanOptions(batch_size=batch))
+    fwd1, _ = probe.tables.times(probe.tables.builder.at(1), 1)
     gpus = [d for d, dev in enumerate(cluster.devices) if dev.kind != "fpga"]
     runs_all = all(bool(np.all(fwd1[d] < CANNOT_RUN_S)) for d in range(len(cluster.devices)))
     options = [list(range(len(cluster.devices)))] if runs_all else []
@@ -262,9 +263,9 @@ def _dp_on(graph, cluster: Cluster, part: list[int], batch: int) -> dict[str, An
     sub = Cluster(devices=tuple(cluster.devices[d] for d in part),
                   links=tuple(tuple(cluster.links[i][j] for j in part) for i in part))
     n, share = len(part), batch / len(part)
-    bal = Balancer(graph, sub, PlanOptions(batch_size=batch))
-    units = bal.builder.at(share)
-    fwd, bwd = bal.times(units, share)
+    bal = Planner(graph, sub, PlanOptions(batch_size=batch))
+    units = bal.tables.builder.at(share)
+    fwd, bwd = bal.tables.times(units, share)
     f, b = fwd.sum(axis=1), bwd.sum(axis=1)
     param_bytes = float(units.param_bytes.sum())
     if n > 1:
@@ -356,13 +357,13 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
     repeated input reads) that no bound may assume, and the other tools never split layers."""
     mb = batch // plan.microbatches
     prob, units, order, bal = _problem(plan, graph, cluster, batch)
-    _, mine = bal.recost(prob, _plan_bounds(plan, units), order, mb)
+    _, mine = bal.tables.recost(prob, _plan_bounds(plan, units), order, mb)
     if not math.isclose(mine.bottleneck, plan.bottleneck_s, rel_tol=1e-9):
         row["notes"].append(f"rebuilt problem disagrees with the plan: bottleneck "
                             f"{mine.bottleneck:.6g} vs {plan.bottleneck_s:.6g} s")
     base, base_units, _, base_bal = _problem(plan, original, cluster, batch) \
         if graph is not original else (prob, units, order, bal)
-    bound = base_bal.bound_problem(base, order, mb)  # FPGA rows: the MAC floor (see Balancer)
+    bound = base_bal.tables.bound_problem(base, order, mb)  # FPGA rows: the MAC floor (see CostTables)
     cost = np.asarray(bound.fwd) + np.asarray(bound.bwd)
     types = [cluster.devices[d].name for d in order]
     planner_lb = lower_bound(bound, base_units.splittable)
@@ -381,7 +382,7 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
                       "block-partition": lambda: baseline_rules.block_partition(cost[0], p)})
     for name, rule in rules.items():
         try:
-            _, part = base_bal.recost(base, rule(), order, mb)
+            _, part = base_bal.tables.recost(base, rule(), order, mb)
             found[name] = {"bottleneck_s": part.bottleneck, "fits_memory": part.fits}
         except Exception as exc:  # noqa: BLE001
             found[name] = {"error": f"{type(exc).__name__}: {exc}"}

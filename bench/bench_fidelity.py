@@ -16,7 +16,7 @@ the predicted iteration time:
   equal     the plan's baseline "equal-count (torch.distributed.pipelining)": an equal number of
             graph units per stage, on the profiled costs, with the profiled plan's schedule and
             micro-batches (`equal_plan`: the baseline's bounds turned into a Plan through the
-            balancer's own `to_plan`, so its predictions use the same cost model).
+            planner's own `plan_emit.to_plan`, so its predictions use the same cost model).
 
 All three use one schedule and micro-batch count (default 1F1B, 4), so step times differ by the
 split only. Ratios are measured / predicted (1.00: exact; > 1: the plan was optimistic).
@@ -330,8 +330,10 @@ def profile(name: str, devices: str, out: Path, timeout: float) -> None:
 
 
 def equal_plan(analysis: Any, devices: str, schedule: str, m: int, profile_path: Path | None):
-    """The equal-count baseline's split as a Plan, costed by the balancer's own `to_plan`."""
-    from pipecc.passes.balance import Balancer, PlanOptions
+    """The equal-count baseline's split as a Plan, costed by the planner's own `plan_emit.to_plan`."""
+    from pipecc.passes import plan_emit
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.targets.devices import parse_devices
     cluster, prof = parse_devices(devices), None
     if profile_path is not None:
@@ -339,17 +341,17 @@ def equal_plan(analysis: Any, devices: str, schedule: str, m: int, profile_path:
         prof, cluster = use_profile(str(profile_path), analysis, cluster)
     opts = PlanOptions(batch_size=analysis.graph.batch_size, microbatches=m, schedule=schedule,
                        split_layers=False, compare=True, profile=prof)
-    balancer = Balancer(analysis.graph, cluster, opts)
-    plan, cand = balancer.run()
+    planner = Planner(analysis.graph, cluster, opts)
+    plan, cand = planner.run()
     base = plan.baselines[0]
     assert base["name"].startswith("equal-count"), base["name"]
     mb = opts.batch_size // cand.microbatches
-    prob, part = balancer.recost(cand.raw or cand.problem, base["bounds"], cand.order, mb)
-    # NOTE: `_simulate` is the balancer's private timeline step; the bench reuses it so that the
-    # equal split's predicted step comes from the very simulator that predicts pipecc's own.
-    timeline = balancer._simulate(part, prob, cand.schedule, cand.microbatches, cand.virtual)
+    prob, part = planner.tables.recost(cand.raw or cand.problem, base["bounds"], cand.order, mb)
+    # NOTE: the planner's own evaluator, so that the equal split's predicted step comes from
+    # the very simulator that predicts pipecc's own.
+    timeline = planner.evaluator.simulate(part, prob, cand.schedule, cand.microbatches, cand.virtual)
     eq = dataclasses.replace(cand, part=part, problem=prob, timeline=timeline)
-    out = balancer.to_plan(eq, [])
+    out = plan_emit.to_plan(planner.evaluator, eq, [], planner.record)
     out.decisions.insert(0, f"bench_fidelity: stages at the bounds {base['bounds']} of {base['name']}")
     return out
 

@@ -113,7 +113,8 @@ def compare(curves: Any, budget_s: float) -> dict[str, Any]:
 
 def model_rows(names: list[str], devices: list[str], batches: list[int], budget_s: float) -> list[dict]:
     from pipecc import driver
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.passes.umpipe_plan import curves_for_plan
     from pipecc.targets.devices import parse_devices
     rows = []
@@ -126,8 +127,8 @@ def model_rows(names: list[str], devices: list[str], batches: list[int], budget_
                 start = time.perf_counter()
                 plan, graph = driver.plan(analysis, cluster, batch_size=B, schedule="gpipe",
                                           replicas=1, split_layers=False)
-                balancer = Balancer(graph, cluster, PlanOptions(batch_size=B, schedule="gpipe"))
-                curves = curves_for_plan(balancer, plan)
+                ev = Planner(graph, cluster, PlanOptions(batch_size=B, schedule="gpipe")).evaluator
+                curves = curves_for_plan(ev, plan)
                 row = {"case": name, "devices": spec, "batch": B, **compare(curves, budget_s)}
                 row["wall_s"] = time.perf_counter() - start
                 rows.append(row)

@@ -1,6 +1,6 @@
 """Bi-Partition in the planner: FP/BP cut pairs for a chosen plan, and the compile-time check.
 
-    plan (its partition, devices, schedule, m) ─► PartitionProblem of its units (the balancer's
+    plan (its partition, devices, schedule, m) ─► PartitionProblem of its units (the evaluator's
     costs) ─► passes.bipartition.bipartition (windowed exact DP around the plan's cuts, stash
     shipping costs) ─► simulate both ─► the plan with FP/BP ranges when faster, else unchanged;
     a decision line either way
@@ -33,6 +33,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate, lower_bound
+from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.recompute import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.passes.umpipe_plan import _unit_bounds
@@ -97,9 +98,9 @@ def _tied_across(plan: Plan, shared: dict[str, list[str]]) -> str | None:
     return None
 
 
-def _problem(balancer: Any, plan: Plan, units: Any, mb: int) -> PartitionProblem:
+def _problem(ev: Evaluator, plan: Plan, units: Any, mb: int) -> PartitionProblem:
     order = tuple(int(d.get("given_index", i)) for i, d in enumerate(plan.devices))
-    prob = balancer.problem(units, mb, plan.schedule, plan.microbatches, order)
+    prob = ev.problem(units, mb, plan.schedule, plan.microbatches, order)
     act = np.asarray(prob.act_mem, dtype=float)
     return dataclasses.replace(prob, stash_bytes=act.max(axis=0) if act.ndim > 1 else act,
                                param_bytes=np.asarray(units.param_bytes, dtype=float))
@@ -153,14 +154,14 @@ def describe(plan: Plan) -> str:
     return f"FP cuts {_cuts(info['fwd_bounds'])}, BP cuts {_cuts(info['bwd_bounds'])}"
 
 
-def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WINDOW) -> Plan:
+def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WINDOW) -> Plan:
     """`plan` with separate FP/BP cuts when they simulate faster than its single cut (module
     docstring); its lower bounds are lowered to the Bi-Partition bound either way (any plan now
-    includes FP/BP cut pairs). `balancer` must be built on `graph`, the plan's graph."""
+    includes FP/BP cut pairs). `ev` must be built on `graph`, the plan's graph."""
     mb = plan.batch_size // plan.microbatches
-    units = balancer.builder.at(mb)
+    units = ev.builder.at(mb)
     bounds = _unit_bounds(units, plan)
-    prob = _problem(balancer, plan, units, mb)
+    prob = _problem(ev, plan, units, mb)
     blockers = segment_blockers(graph)
     no_segment = [any(n in blockers for n in group) for group in units.names]
     unit_of = {n: u for u, group in enumerate(units.names) for n in group}
@@ -169,13 +170,10 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
         us = [unit_of[n] for n in users if n in unit_of]
         for s in range(min(us) + 1, max(us) + 1) if us else ():
             no_cut[s] = True
-    bound_prob = balancer.bound_problem(prob, [int(d.get("given_index", i))
-                                               for i, d in enumerate(plan.devices)], mb)
+    bound_prob = ev.tables.bound_problem(prob, [int(d.get("given_index", i))
+                                                for i, d in enumerate(plan.devices)], mb)
     plan.lower_bound_s = min(plan.lower_bound_s, lower_bound(bound_prob, units.splittable,
                                                              bipartition=True))
-    if plan.lower_bound_compute_s:
-        plan.lower_bound_compute_s = min(plan.lower_bound_compute_s, lower_bound(
-            bound_prob, units.splittable, comm=False, bipartition=True))
     single = evaluate(prob, bounds)
     base = evaluate_bi(prob, bounds, bounds)
     t_single = _simulate(base, prob, plan)
@@ -214,7 +212,7 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
                               f"(window ±{window} units; {rc_line})")
         return plan
     bi, prob, tl = tried[0]
-    _fill(plan, bi, prob, tl, units, balancer)
+    _fill(plan, bi, prob, tl, units, ev)
     info.update(used=True, fwd_bounds=list(bi.fwd_bounds), bwd_bounds=list(bi.bwd_bounds),
                 iteration_s=tl.iteration_s, bottleneck_s=bi.bottleneck,
                 stash_bytes=[float(x) for x in bi.misplaced_stash_bytes],
@@ -229,13 +227,13 @@ def apply(plan: Plan, balancer: Any, graph: AnnotatedGraph, *, window: int = WIN
 
 
 def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, units: Any,
-          balancer: Any) -> None:
+          ev: Evaluator) -> None:
     """Write the cut pair into the plan (contract: nodes = FP range, backward_nodes = BP)."""
     a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(plan.stages)
     fwd, bwd = np.asarray(prob.fwd, dtype=float), np.asarray(prob.bwd, dtype=float)
     order = [int(d.get("given_index", i)) for i, d in enumerate(plan.devices)]
     mb = plan.batch_size // plan.microbatches
-    weights = balancer.weight_times(evaluate(prob, c), prob, order, mb)
+    weights = ev.tables.weight_times(evaluate(prob, c), prob, order, mb)
     costs = stage_costs(bi, prob, plan.microbatches)
     for j, s in enumerate(plan.stages):
         s.nodes = [n for u in range(a[j], a[j + 1]) for n in units.names[u]]

@@ -53,10 +53,9 @@ from pipecc.ir.schedule.transforms import bpipe_pairs
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import InfeasibleError, partition
+from pipecc.passes.plan_candidate import Candidate
+from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.targets.timing import CANNOT_RUN_S
-
-# NOTE: `Balancer` and `_Candidate` (passes.balance) are Any here: balance calls this module.
-Balancer = _Candidate = Any
 
 MODES = ("auto", "on", "off")
 # [D] the estimate must promise more than 2% before "auto" uses BPipe: below that the gain is
@@ -65,23 +64,23 @@ EPSILON = 0.02
 POLICY = "jit"  # PAPERS-SPEC.md 2.4: fewer transfers than "eager" when stages overflow by little
 
 
-def _sketch(bal: Balancer) -> Plan:
+def _sketch(ev: Evaluator) -> Plan:
     """The plans the search would make, as BPipe's rule reads them (1f1b, one stage per device,
     every stage recomputing under `--recompute full`): `pipecc.ir.techniques.bpipe.requires`
     asks it before any candidate exists."""
-    opt = bal.opt
+    opt = ev.options
     return techniques.sketch(schedule="1f1b" if opt.schedule == "auto" else opt.schedule,
-                             devices=bal.cluster.devices, training=opt.training,
+                             devices=ev.cluster.devices, training=opt.training,
                              replicas=1 if opt.replicas == "auto" else int(opt.replicas),
                              recompute=opt.recompute == "full")
 
 
-def check(bal: Balancer) -> None:
+def check(ev: Evaluator) -> None:
     """UsageError (one line) for a mode that is unknown, or "on" with options out of scope."""
-    mode = bal.opt.activation_balancing
+    mode = ev.options.activation_balancing
     if mode not in MODES:
         raise UsageError(f"--activation-balancing {mode!r}: choose auto, on or off")
-    why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED) if mode == "on" else None
+    why = techniques.bpipe.requires(_sketch(ev), techniques.COMPILED) if mode == "on" else None
     if why is not None:
         raise UsageError(f"--activation-balancing on: {why}")
 
@@ -126,7 +125,7 @@ def _stage_bytes(prob: Any, bounds: Sequence[int], cuts: Sequence[float]) -> tup
     return W, A
 
 
-def _overlap(bal: Balancer, prob: Any, part: Any, s: int, d: int = 1) -> float:
+def _overlap(ev: Evaluator, prob: Any, part: Any, s: int, d: int = 1) -> float:
     """The fraction of one more stash evictor s holds at its peak because its SEND_S is still
     moving while its next forward runs: transfer seconds over forward seconds, at most 1. With
     d replicas, replica r of group s sends to replica r of group p-1-s (the first pair speaks
@@ -136,12 +135,12 @@ def _overlap(bal: Balancer, prob: Any, part: Any, s: int, d: int = 1) -> float:
     p = len(part.bounds) - 1
     forward = float(np.asarray(prob.fwd)[s, a:e].sum())
     W, A = _stage_bytes(prob, part.bounds, part.cut_bytes)
-    moving = bal.cluster.link(s * d, (p - 1 - s) * d).time(A[s])
+    moving = ev.cluster.link(s * d, (p - 1 - s) * d).time(A[s])
     return min(moving / forward, 1.0) if forward > 0 else 1.0
 
 
-def evaluate_candidate(bal: Balancer, m: int, forced: bool = False, d: int = 1,
-                       recompute: Sequence[bool] | None = None) -> _Candidate:
+def evaluate_candidate(ev: Evaluator, m: int, forced: bool = False, d: int = 1,
+                       recompute: Sequence[bool] | None = None) -> Candidate:
     """The BPipe candidate with m micro-batches (1F1B, one stage per pipeline rank; with d
     replicas every stage on a group of d devices, each replica pairing with the same replica
     of its partner group, `passes.replicas`; `recompute[k]`: stage k recomputes, and does not
@@ -149,8 +148,8 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False, d: int = 1,
     K shifted by 0, -1, +1, -2, +2 (the cuts move with K, so the formula's K need not be best);
     the fastest that fits exactly wins. Raises InfeasibleError when none fits with balanced
     memory."""
-    p, mb = bal.p // d, rep.slice_size(bal.opt.batch_size // m, d)
-    plain = bal.problem(bal.builder.at(mb), mb, "1f1b", m, tuple(range(bal.p)), 1, recompute, d)
+    p, mb = ev.p // d, rep.slice_size(ev.options.batch_size // m, d)
+    plain = ev.problem(ev.builder.at(mb), mb, "1f1b", m, tuple(range(ev.p)), 1, recompute, d)
     blind = partition(dataclasses.replace(plain, mem_cap=[math.inf] * p))  # memory-blind first
     if blind.bottleneck >= CANNOT_RUN_S:
         raise InfeasibleError(f"BPipe with {m} micro-batches: no placement runs on these devices")
@@ -159,7 +158,7 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False, d: int = 1,
     first = [None if redo[s] else k for s, k in enumerate(thresholds(W, A, p, m, forced))]  # it never evicts
     if all(k is None for k in first):
         raise InfeasibleError(f"BPipe with {m} micro-batches: no pair frees memory by evicting")
-    overlap = {s: _overlap(bal, plain, blind, s, d) for s, k in enumerate(first) if k is not None}
+    overlap = {s: _overlap(ev, plain, blind, s, d) for s, k in enumerate(first) if k is not None}
     fits, errors, seen = [], [], set()
     for shift in (0, -1, 1, -2, 2):
         ks = tuple(None if k is None else min(max(k + shift, 1), max(min(p - s, m) - 1, 1))
@@ -168,7 +167,7 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False, d: int = 1,
             continue
         seen.add(ks)
         try:
-            fits.append(_fit(bal, plain, m, ks, overlap, d))
+            fits.append(_fit(ev, plain, m, ks, overlap, d))
         except InfeasibleError as exc:
             errors.append(str(exc))
     if not fits:
@@ -176,41 +175,44 @@ def evaluate_candidate(bal: Balancer, m: int, forced: bool = False, d: int = 1,
     return min(fits, key=lambda c: c.timeline.iteration_s)
 
 
-def _fit(bal: Balancer, plain: Any, m: int, ks: Sequence[int | None], overlap: dict[int, float],
-         d: int = 1) -> _Candidate:
+def _fit(ev: Evaluator, plain: Any, m: int, ks: Sequence[int | None], overlap: dict[int, float],
+         d: int = 1) -> Candidate:
     """The candidate with thresholds `ks`: cuts for the balanced counts (each evictor's plus its
     `overlap`), then the simulator's exact check (with d replicas, the groups' all-reduce too).
     InfeasibleError when it does not fit."""
-    p, mb, order = bal.p // d, rep.slice_size(bal.opt.batch_size // m, d), tuple(range(bal.p))
+    p, mb, order = ev.p // d, rep.slice_size(ev.options.batch_size // m, d), tuple(range(ev.p))
     counts = [float(c) for c in schedule_for("1f1b", p, m, bpipe_thresholds=ks, bpipe_policy=POLICY).stash_profile()]
     for s, extra in overlap.items():  # NOTE: an eviction still moving while the next F grows
         counts[s] += extra            # (simulate's timeline sweep) costs that F's share so far
     part = partition(dataclasses.replace(plain, inflight=tuple(counts)))  # InfeasibleError
-    prob, part = bal.recost(dataclasses.replace(plain, inflight=tuple(counts)), part.bounds, order, mb, d)
-    units = bal.builder.at(mb)
-    allreduce = rep.stage_allreduce_s(bal, units, part.bounds, order, d) if d > 1 else None
-    timeline = bal._simulate(part, prob, "1f1b", m, 1, order=order, bpipe=list(ks), allreduce=allreduce)
+    prob, part = ev.tables.recost(dataclasses.replace(plain, inflight=tuple(counts)), part.bounds, order, mb, d)
+    units = ev.builder.at(mb)
+    allreduce = rep.stage_allreduce_s(ev.tables, units, part.bounds, order, d) if d > 1 else None
+    timeline = ev.simulate(part, prob, "1f1b", m, 1, order=order, bpipe=list(ks), bpipe_policy=POLICY,
+                           allreduce=allreduce)
     for k, (peak, cap) in enumerate(zip(timeline.peak_memory_bytes, plain.mem_cap)):
         if peak > cap * (1 + 1e-9):
             raise InfeasibleError(f"BPipe with {m} micro-batches: stage {k} peaks at {peak / 1e9:.4g} GB > "
                                   f"{cap / 1e9:.4g} GB once stashes move (acceptor bytes, transfers in flight)")
-    return bal.candidate("1f1b", m, order, part, prob, units, timeline, raw=plain,
+    return Candidate("1f1b", m, order, part, prob, units, timeline, raw=plain,
                          recompute=tuple(bool(r) for r in prob.recompute or ()), replicas=d,
                          allreduce=list(allreduce or []), thresholds=tuple(ks))
 
 
-def memory_before(bal: Balancer, cand: _Candidate) -> list[float]:
+def memory_before(ev: Evaluator, cand: Candidate) -> list[float]:
     """[stage] peak bytes of the candidate's cuts under plain 1F1B (no stash moves)."""
-    return list(bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
-                              bpipe=[None] * cand.ranks, allreduce=cand.allreduce or None).peak_memory_bytes)
+    return list(ev.simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
+                            bpipe=[None] * cand.ranks, bpipe_policy=POLICY,
+                            allreduce=cand.allreduce or None).peak_memory_bytes)
 
 
-def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
+def _transfers(ev: Evaluator, cand: Candidate) -> tuple[float, float]:
     """(exposed seconds, busiest pair's transfer seconds) of the candidate's stash transfers:
     its iteration minus the same schedule's with free transfers, and the most seconds any
     evictor spends sending out and taking back."""
-    free = bal._simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
-                         bpipe=cand.thresholds, free_stash=True, allreduce=cand.allreduce or None)
+    free = ev.simulate(cand.part, cand.problem, "1f1b", cand.microbatches, 1, order=cand.order,
+                       bpipe=cand.thresholds, bpipe_policy=POLICY, free_stash=True,
+                       allreduce=cand.allreduce or None)
     busy: dict[int, float] = {}
     for e in cand.timeline.events:
         if e.kind in (ActionKind.SEND_S, ActionKind.SEND_R):
@@ -219,7 +221,7 @@ def _transfers(bal: Balancer, cand: _Candidate) -> tuple[float, float]:
     return max(cand.timeline.iteration_s - free.iteration_s, 0.0), max(busy.values(), default=0.0)
 
 
-def _stash_seconds(bal: Balancer, cand: _Candidate) -> list[list[float]]:
+def _stash_seconds(ev: Evaluator, cand: Candidate) -> list[list[float]]:
     """[stage][mb] one-way seconds of the candidate's stash transfers (0 off the evictors)."""
     table = [[0.0] * cand.microbatches for _ in range(cand.ranks)]
     for e in cand.timeline.events:
@@ -228,7 +230,7 @@ def _stash_seconds(bal: Balancer, cand: _Candidate) -> list[list[float]]:
     return table
 
 
-def _describe(c: _Candidate, batch: int) -> dict[str, Any]:
+def _describe(c: Candidate, batch: int) -> dict[str, Any]:
     return {"schedule": c.schedule, "microbatches": c.microbatches,
             "microbatch_size": batch // c.microbatches, "replicas": c.replicas,
             "recompute": any(c.recompute), "iteration_s": float(c.timeline.iteration_s),
@@ -243,7 +245,7 @@ def _config(d: dict[str, Any]) -> str:
     return f"{what} {d['iteration_s']:.4g} s"
 
 
-def _with_recompute(bal: Balancer, m: int, d: int, forced: bool, results: Sequence[_Candidate]) -> _Candidate:
+def _with_recompute(ev: Evaluator, m: int, d: int, forced: bool, results: Sequence[Candidate]) -> Candidate:
     """The BPipe candidate for (m, d) under the balancer's `--recompute` mode: "none" never
     recomputes, "full" recomputes every stage (BPipe then moves the stages' inputs); "auto"
     tries no recomputation first and, where nothing fits, the stages the search without BPipe
@@ -253,19 +255,19 @@ def _with_recompute(bal: Balancer, m: int, d: int, forced: bool, results: Sequen
     nothing to evict (`evaluate_candidate` leaves it out of the pairs). InfeasibleError when
     none fits."""
     from pipecc.passes.recompute import training_batchnorm_names
-    mode, p = bal.opt.recompute, bal.p // d
+    mode, p = ev.options.recompute, ev.p // d
     if mode == "none":
-        return evaluate_candidate(bal, m, forced, d)
+        return evaluate_candidate(ev, m, forced, d)
     if mode == "full":
-        return evaluate_candidate(bal, m, forced, d, [True] * p)
+        return evaluate_candidate(ev, m, forced, d, [True] * p)
     try:
-        return evaluate_candidate(bal, m, forced, d)
+        return evaluate_candidate(ev, m, forced, d)
     except InfeasibleError as exc:
         error = exc
-    may = [d > 1 or bal.cluster.devices[k * d].can(caps.RECOMPUTE) for k in range(p)]
+    may = [d > 1 or ev.cluster.devices[k * d].can(caps.RECOMPUTE) for k in range(p)]
     same = [tuple(c.recompute) for c in results
             if (c.schedule, c.microbatches, c.replicas) == ("1f1b", m, d) and any(c.recompute)]
-    bn = set(training_batchnorm_names(bal.graph))
+    bn = set(training_batchnorm_names(ev.graph))
     upper = [k >= p // 2 for k in range(p)]  # acceptors (and a middle stage): evictors keep their stash to move
     options = [tuple(f and u for f, u in zip(flags, upper)) for flags in [*same, tuple(may)]]
     for flags in dict.fromkeys([options[0], *same, *options[1:], tuple(may)]):
@@ -274,19 +276,19 @@ def _with_recompute(bal: Balancer, m: int, d: int, forced: bool, results: Sequen
             if not any(flags):
                 break
             try:
-                cand = evaluate_candidate(bal, m, forced, d, list(flags))
+                cand = evaluate_candidate(ev, m, forced, d, list(flags))
             except InfeasibleError:
                 break
             b = cand.part.bounds
             held = [k for k in range(p) if flags[k] and bn & {n for u in range(b[k], b[k + 1])
                                                                for n in cand.units.names[u]}]
             if not held:
-                return _fewer(bal, m, forced, d, cand)
+                return _fewer(ev, m, forced, d, cand)
             flags = tuple(f and k not in held for k, f in enumerate(flags))
     raise error
 
 
-def _fewer(bal: Balancer, m: int, forced: bool, d: int, cand: _Candidate) -> _Candidate:
+def _fewer(ev: Evaluator, m: int, forced: bool, d: int, cand: Candidate) -> Candidate:
     """`cand` with recomputation kept only on the stages that overflow at its cuts without it,
     stashing BPipe's balanced counts (`cand.problem.inflight`), when that fits and is no slower:
     the memory BPipe freed buys back what recomputation cost."""
@@ -296,30 +298,28 @@ def _fewer(bal: Balancer, m: int, forced: bool, d: int, cand: _Candidate) -> _Ca
     if need == list(cand.recompute):
         return cand
     try:
-        fewer = evaluate_candidate(bal, m, forced, d, need if any(need) else None)
+        fewer = evaluate_candidate(ev, m, forced, d, need if any(need) else None)
     except InfeasibleError:
         return cand
     return fewer if fewer.timeline.iteration_s <= cand.timeline.iteration_s else cand
 
 
-def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int | tuple[int, int]]
-          ) -> tuple[list[_Candidate], list[str]]:
+def apply(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int, int]]
+          ) -> tuple[list[Candidate], list[str], dict[str, Any]]:
     """Weigh BPipe against `results` (the search without it, best first; may be empty): returns
-    the results with the BPipe candidate first when it is used, and the decision lines. `ms`:
-    the micro-batch counts to try, each m or (m, d replicas). Sets `bal.estimate`
-    (PAPERS-SPEC.md 2.7; {} with mode "off")."""
-    mode = bal.opt.activation_balancing
-    bal.estimate = {}
+    the results with the BPipe candidate first when it is used, the decision lines and the
+    estimate (PAPERS-SPEC.md 2.7; {} with mode "off"). `ms`: the micro-batch counts to try,
+    each m or (m, d replicas)."""
+    mode = ev.options.activation_balancing
     if mode == "off":
-        return results, []
-    why = techniques.bpipe.requires(_sketch(bal), techniques.COMPILED)
+        return results, [], {}
+    why = techniques.bpipe.requires(_sketch(ev), techniques.COMPILED)
     if why is not None:
-        bal.estimate = {"used": False, "reason": why}
-        return results, [f"BPipe (activation balancing) not considered: {why}"]
+        return results, [f"BPipe (activation balancing) not considered: {why}"], {"used": False, "reason": why}
     tried, lost = [], []
     for m, d in [x if isinstance(x, tuple) else (x, 1) for x in ms]:
         try:
-            tried.append(_with_recompute(bal, m, d, mode == "on", results))
+            tried.append(_with_recompute(ev, m, d, mode == "on", results))
         except InfeasibleError as exc:
             lost.append(str(exc))
     base = results[0] if results else None
@@ -328,19 +328,19 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int | tuple[int
         if lost and all("no pair frees memory" in x for x in lost):
             reason = ("no pair frees memory by evicting at any micro-batch count (with one stash "
                       "in flight an evictor gains only when it holds 3 or more)")
-        bal.estimate = {"used": False, "reason": reason,
-                        "baseline": _describe(base, bal.opt.batch_size) if base else None}
+        estimate = {"used": False, "reason": reason,
+                    "baseline": _describe(base, ev.options.batch_size) if base else None}
         if mode == "on":
             raise PipeccError(f"--activation-balancing on: {reason}; use --activation-balancing auto")
-        return results, [f"BPipe not used: {reason}"]
+        return results, [f"BPipe not used: {reason}"], estimate
     best = min(tried, key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
     speedup = base.timeline.iteration_s / best.timeline.iteration_s if base else math.inf
-    exposed, moving = _transfers(bal, best)
+    exposed, moving = _transfers(ev, best)
     hidden = 1.0 - exposed / moving if moving > 0 else 1.0
     used = mode == "on" or speedup > 1 + EPSILON
-    flash = bool(bal.opt.flash_attention)
-    after = _describe(best, bal.opt.batch_size)
-    before_cfg = _describe(base, bal.opt.batch_size) if base else None
+    flash = bool(ev.options.flash_attention)
+    after = _describe(best, ev.options.batch_size)
+    before_cfg = _describe(base, ev.options.batch_size) if base else None
     if base is None:
         reason = "nothing fits memory without it"
     elif speedup > 1 + EPSILON:
@@ -355,28 +355,28 @@ def apply(bal: Balancer, results: list[_Candidate], ms: Sequence[int | tuple[int
         reason = "the freed memory buys too little" + (" (flash attention)" if flash else "")
     if hidden < 0.95 and moving > 0:
         reason += f"; stash transfers {hidden:.0%} hidden"
-    bal.estimate = {
+    estimate = {
         "used": used, "speedup": speedup if math.isfinite(speedup) else None,
         "threshold": 1 + EPSILON, "baseline": before_cfg, "bpipe": after,
         "pairs": [{"evictor": s, "acceptor": best.ranks - 1 - s, "threshold": k}
                   for s, k in enumerate(best.thresholds) if k is not None],
         "hidden_fraction": hidden, "exposed_transfer_s": exposed,
-        "memory_before_bytes": memory_before(bal, best),
+        "memory_before_bytes": memory_before(ev, best),
         "memory_after_bytes": [float(x) for x in best.timeline.peak_memory_bytes],
         "memory_cap_bytes": [float(c) for c in best.raw.mem_cap] if best.raw is not None else [],
         "flash_attention": flash, "reason": reason,
-        "stash_transfer_s": [max(row, default=0.0) for row in _stash_seconds(bal, best)]}
+        "stash_transfer_s": [max(row, default=0.0) for row in _stash_seconds(ev, best)]}
     ratio = "no baseline fits" if base is None else f"estimated {speedup:.2f}x"
     detail = f"BPipe {_config(after)} vs without {_config(before_cfg) if before_cfg else '(none fits)'}"
     if used:
-        pairs = ", ".join(f"({p['evictor']}, {p['acceptor']}) K={p['threshold']}" for p in bal.estimate["pairs"])
+        pairs = ", ".join(f"({p['evictor']}, {p['acceptor']}) K={p['threshold']}" for p in estimate["pairs"])
         forced = " (--activation-balancing on)" if mode == "on" and speedup <= 1 + EPSILON else ""
         line = f"BPipe used{forced}: {ratio} ({reason}; {detail}); pairs {pairs}"
-        return [best] + results, [line]
-    return results, [f"BPipe not used: {ratio} ({reason}; {detail})"]
+        return [best] + results, [line], estimate
+    return results, [f"BPipe not used: {ratio} ({reason}; {detail})"], estimate
 
 
-def plan_fields(cand: _Candidate) -> list[dict[str, Any]]:
+def plan_fields(cand: Candidate) -> list[dict[str, Any]]:
     """`Plan.activation_balancing` of a candidate (its thresholds)."""
     ks = getattr(cand, "thresholds", ()) or ()
     p = len(ks)

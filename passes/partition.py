@@ -83,10 +83,12 @@ class PartitionProblem:
     blocked: Sequence[Sequence[bool]] | None = None  # [link k][boundary 0..n]: cut forbidden
     labels: Sequence[str] | None = None  # [stage] how messages name its device ("device k")
     training: bool = True  # gradients travel back (1F1B windows); False: forward-only stream
-    # "overlapped": transfers as the runtime runs them (module docstring); "charged": the
-    # model of earlier releases, each transfer added to the compute of both its stages
-    # (x2 when training: activation and gradient) and no link resource. The planner tries
-    # both (the simulator chooses), so it never places worse than before.
+    # "overlapped": transfers as the runtime runs them (module docstring); "charged": each
+    # transfer added to the compute of both its stages (x2 when training: activation and
+    # gradient), no link resource. Not a leftover: the planner partitions both ways and the
+    # simulator keeps the faster cuts, and the charged ones win where fill and drain or a
+    # slow link dominate (22 of 172 zoo plans at TINY sizes, up to 22% faster: GPT on 2xcpu
+    # under gpipe; measured when the comm-blind bound was dropped, issue 18).
     comm: str = "overlapped"
     # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
     recompute: Sequence[bool] | None = None
@@ -477,7 +479,7 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     We start from λ_d ∝ 1/Σ_i c[d][i] (exact for identical devices), also try λ = 1/p, and
     take mirror-ascent steps along the supergradient of F (per-device loads of the cheapest
     assignment), keeping the best value of (4) seen: every λ gives a valid bound.
-    comm=False gives the comm-blind bound max(F, (2)) of earlier releases.
+    comm=False gives the compute-only bound max(F, (2)) (plan.json's `lower_bound_compute_s`).
     bipartition=True (separate forward and backward cuts, `passes.bipartition`): a whole
     node's forward and backward may sit on different devices, so (2) becomes
     max(min_d fwd[d][i], min_d bwd[d][i]) (PAPERS-SPEC §3.4: min_d (f+g) is not a bound

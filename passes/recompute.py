@@ -29,7 +29,7 @@ time; "auto" never picks a stage that holds one).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 from pipecc.errors import UsageError
 from pipecc.ir import techniques
@@ -38,11 +38,9 @@ from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.ir.plan import Plan
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
+from pipecc.passes.plan_candidate import Candidate
+from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.replicas import slice_size
-
-# NOTE: `Balancer` and its `_Candidate` (passes.balance) are typed Any here: balance calls this
-# module, so importing them back, even for type checking only, is an import cycle.
-Balancer = _Candidate = Any
 
 MODES = ("none", "full", "auto")
 
@@ -65,23 +63,23 @@ def training_batchnorm_names(graph: AnnotatedGraph) -> list[str]:
     return names
 
 
-def check(bal: Balancer) -> None:
+def check(ev: Evaluator) -> None:
     """UsageError (one line) for a `--recompute` mode these devices or this model cannot take."""
-    mode = bal.opt.recompute
+    mode = ev.options.recompute
     if mode not in MODES:
         raise UsageError(f"--recompute {mode!r}: choose none, full or auto")
     if mode == "none":
         return
     # "auto" recomputes only stages whose devices can, so only its forward-only rule applies
-    draft = techniques.sketch(schedule="1f1b", devices=bal.cluster.devices, recompute=True,
-                              training=bal.opt.training)
+    draft = techniques.sketch(schedule="1f1b", devices=ev.cluster.devices, recompute=True,
+                              training=ev.options.training)
     caps = techniques.COMPILED if mode == "full" else techniques.Capabilities(kinds={})
     why = techniques.recompute.requires(draft, caps)
     if why is not None:
         raise UsageError(f"--recompute {mode}: {why}")
     if mode != "full":
         return
-    bn = training_batchnorm_names(bal.graph)
+    bn = training_batchnorm_names(ev.graph)
     if bn:
         raise UsageError(f"--recompute full: BatchNorm {bn[0]} in training mode would update its "
                          "running statistics twice when its stage recomputes; use --recompute "
@@ -102,41 +100,41 @@ def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
     return None
 
 
-def evaluate_candidate(bal: Balancer, schedule: str, m: int, d: int = 1) -> _Candidate:
-    """The candidate (schedule, m, d replicas) under the balancer's recompute mode (module
+def evaluate_candidate(ev: Evaluator, schedule: str, m: int, d: int = 1) -> Candidate:
+    """The candidate (schedule, m, d replicas) under the options' recompute mode (module
     docstring)."""
-    check(bal)
-    mode = bal.opt.recompute
-    n = bal.p // d * (bal.opt.virtual_stages if schedule in VIRTUAL else 1)
+    check(ev)
+    mode = ev.options.recompute
+    n = ev.p // d * (ev.options.virtual_stages if schedule in VIRTUAL else 1)
     if mode == "none":
-        return bal.evaluate_candidate(schedule, m, d=d)
+        return ev.evaluate(schedule, m, d=d)
     if mode == "full":
-        cand = bal.evaluate_candidate(schedule, m, recompute=[True] * n, d=d)
+        cand = ev.evaluate(schedule, m, recompute=[True] * n, d=d)
         cand.notes.append("every stage recomputes its activations (--recompute full)")
         return cand
-    return _auto(bal, schedule, m, n, d)
+    return _auto(ev, schedule, m, n, d)
 
 
-def hint(bal: Balancer, schedule: str, m: int, reason: str, d: int = 1) -> str:
+def hint(ev: Evaluator, schedule: str, m: int, reason: str, d: int = 1) -> str:
     """`reason` (why (schedule, m) fits no memory) plus "or recompute activations" when the
     mode is "none" and recomputing every stage that may would fit it."""
-    if bal.opt.recompute != "none" or not bal.opt.training or "no split fits memory" not in reason:
+    if ev.options.recompute != "none" or not ev.options.training or "no split fits memory" not in reason:
         return reason
-    n = bal.p // d * (bal.opt.virtual_stages if schedule in VIRTUAL else 1)
-    if _feasible(bal, schedule, m, _allowed(bal, n, tuple(range(bal.p)), d), d) is None:
+    n = ev.p // d * (ev.options.virtual_stages if schedule in VIRTUAL else 1)
+    if _feasible(ev, schedule, m, _allowed(ev, n, tuple(range(ev.p)), d), d) is None:
         return reason
     return f"{reason}, or recompute activations (--recompute auto)"
 
 
-def _auto(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> _Candidate:
-    base: _Candidate | None = None
+def _auto(ev: Evaluator, schedule: str, m: int, n: int, d: int = 1) -> Candidate:
+    base: Candidate | None = None
     error: InfeasibleError | None = None
     try:
-        base = bal.evaluate_candidate(schedule, m, d=d)
+        base = ev.evaluate(schedule, m, d=d)
     except InfeasibleError as exc:
         error = exc
-    allowed = _allowed(bal, n, base.order if base is not None else tuple(range(bal.p)), d)
-    over = _over_cap_roomy(bal, schedule, m, n, d)
+    allowed = _allowed(ev, n, base.order if base is not None else tuple(range(ev.p)), d)
+    over = _over_cap_roomy(ev, schedule, m, n, d)
     want = [o and a for o, a in zip(over, allowed)]
     if base is not None and not any(want):
         return base  # memory does not bind: nothing to gain
@@ -144,11 +142,11 @@ def _auto(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> _Candidat
     for flags in (want, allowed):
         if not any(flags):
             continue
-        best = _feasible(bal, schedule, m, flags, d)
+        best = _feasible(ev, schedule, m, flags, d)
         if best is not None:
             break
     if best is not None:  # drop recomputation where the chosen cuts fit without it
-        best = _fewer(bal, schedule, m, best, d)
+        best = _fewer(ev, schedule, m, best, d)
     if best is None:
         if error is not None:
             raise error
@@ -159,19 +157,19 @@ def _auto(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> _Candidat
     return best
 
 
-def _allowed(bal: Balancer, n: int, order: Sequence[int], d: int = 1) -> list[bool]:
+def _allowed(ev: Evaluator, n: int, order: Sequence[int], d: int = 1) -> list[bool]:
     """Stages that may recompute: on a device that can (`caps.RECOMPUTE`: not an FPGA card's
     dataflow hardware; replica groups, d > 1, never hold one)."""
     if d > 1:
         return [True] * n
-    return [bal.cluster.devices[order[k % bal.p]].can(caps.RECOMPUTE) for k in range(n)]
+    return [ev.cluster.devices[order[k % ev.p]].can(caps.RECOMPUTE) for k in range(n)]
 
 
-def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) -> list[bool]:
+def _over_cap_roomy(ev: Evaluator, schedule: str, m: int, n: int, d: int = 1) -> list[bool]:
     """Stages that overflow their memory at the cuts a memory-blind partition chooses."""
-    v = n // (bal.p // d)
-    mb = slice_size(bal.opt.batch_size // m, d)
-    prob = bal.problem(bal.builder.at(mb), mb, schedule, m, tuple(range(bal.p)), v, d=d)
+    v = n // (ev.p // d)
+    mb = slice_size(ev.options.batch_size // m, d)
+    prob = ev.problem(ev.builder.at(mb), mb, schedule, m, tuple(range(ev.p)), v, d=d)
     roomy = dataclasses.replace(prob, mem_cap=[float("inf")] * len(prob.mem_cap))
     try:
         part = evaluate(prob, partition(roomy).bounds)
@@ -180,14 +178,14 @@ def _over_cap_roomy(bal: Balancer, schedule: str, m: int, n: int, d: int = 1) ->
     return [mem > cap for mem, cap in zip(part.stage_memory, prob.mem_cap)]
 
 
-def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool], d: int = 1) -> _Candidate | None:
+def _feasible(ev: Evaluator, schedule: str, m: int, flags: list[bool], d: int = 1) -> Candidate | None:
     """The candidate with `flags` recomputing, minus recomputation on BatchNorm stages (a stage
     holding training-mode BatchNorm must not recompute); None if nothing fits."""
-    bn = set(training_batchnorm_names(bal.graph))
+    bn = set(training_batchnorm_names(ev.graph))
     flags = list(flags)
     for _ in range(len(flags) + 1):
         try:
-            cand = bal.evaluate_candidate(schedule, m, recompute=flags, d=d)
+            cand = ev.evaluate(schedule, m, recompute=flags, d=d)
         except InfeasibleError:
             return None
         bad = [k for k, names in enumerate(_stage_names(cand)) if flags[k] and bn & set(names)]
@@ -200,35 +198,35 @@ def _feasible(bal: Balancer, schedule: str, m: int, flags: list[bool], d: int = 
     return None
 
 
-def _fewer(bal: Balancer, schedule: str, m: int, cand: _Candidate, d: int = 1) -> _Candidate:
+def _fewer(ev: Evaluator, schedule: str, m: int, cand: Candidate, d: int = 1) -> Candidate:
     """`cand` with recomputation only on the stages whose memory at its cuts needs it, when that
     plan is feasible and no slower."""
     need = [r and over for r, over in zip(cand.recompute, _over_without(cand))]
     if list(need) == list(cand.recompute) or not any(need):
         return cand
-    fewer = _feasible(bal, schedule, m, need, d)
+    fewer = _feasible(ev, schedule, m, need, d)
     if fewer is not None and fewer.timeline.iteration_s <= cand.timeline.iteration_s:
         return fewer
     return cand
 
 
-def _memory_without(cand: _Candidate) -> tuple[float, ...]:
+def _memory_without(cand: Candidate) -> tuple[float, ...]:
     """Each stage's memory at `cand`'s cuts if no stage recomputed."""
     return evaluate(dataclasses.replace(cand.problem, recompute=None), cand.part.bounds).stage_memory
 
 
-def _over_without(cand: _Candidate) -> list[bool]:
+def _over_without(cand: Candidate) -> list[bool]:
     caps = cand.problem.mem_cap
     return [mem > cap for mem, cap in zip(_memory_without(cand), caps)]
 
 
-def _stage_names(cand: _Candidate) -> list[list[str]]:
+def _stage_names(cand: Candidate) -> list[list[str]]:
     b = cand.part.bounds
     return [[nm for u in range(b[k], b[k + 1]) for nm in cand.units.names[u]]
             for k in range(len(b) - 1)]
 
 
-def _why(cand: _Candidate, base: _Candidate | None) -> list[str]:
+def _why(cand: Candidate, base: Candidate | None) -> list[str]:
     """One decision line per recomputing stage, and what the plan without it would have done."""
     gb = lambda x: f"{x / 1e9:.3g} GB"  # noqa: E731
     out = []

@@ -30,7 +30,8 @@ parameter bytes (fp32 gradients, the size of fp32 weights).
 Allowed degrees (`allowed`): d divides n, d <= B/m (every replica gets a non-empty slice of
 every micro-batch; slices may differ by one sample, as DDP's do when the batch does not divide),
 no FPGA device when d > 1 (FPGA stages are never replicated). When d divides B/m every figure
-is the equal-slice one, mb/d. Pure numbers over the balancer's cost tables; no torch.
+is the equal-slice one, mb/d. Pure numbers over the planner's cost tables (`passes.plan_costs`);
+no torch.
 """
 
 from __future__ import annotations
@@ -43,11 +44,10 @@ from pipecc.errors import UsageError
 from pipecc.ir import techniques
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes.partition import PartitionProblem
+from pipecc.passes.plan_candidate import Candidate
+from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.units import Units
 from pipecc.targets.hardware import Link
-
-# NOTE: `bal` below is a `passes.balance.Balancer` (times, costs, cluster, opt); typed Any
-# because balance imports this module
 
 
 def divisors(n: int) -> list[int]:
@@ -114,22 +114,22 @@ def ring_allreduce_s(ring: Sequence[Link], grad_bytes: float) -> float:
     return 2 * (d - 1) / d * grad_bytes / bw + 2 * (d - 1) * lat
 
 
-def group_ring(bal: Any, group: Sequence[int]) -> list[Link]:
+def group_ring(tables: CostTables, group: Sequence[int]) -> list[Link]:
     d = len(group)
-    return [bal.cluster.link(group[r], group[(r + 1) % d]) for r in range(d)] if d > 1 else []
+    return [tables.cluster.link(group[r], group[(r + 1) % d]) for r in range(d)] if d > 1 else []
 
 
-def group_problem(bal: Any, units: Units, mbr: int, inflight: Sequence[int],
+def group_problem(tables: CostTables, units: Units, mbr: int, inflight: Sequence[int],
                   order: Sequence[int], d: int, v: int = 1) -> PartitionProblem:
     """The partition problem over P = n/d replica groups (module docstring); `mbr` = the
     replicas' largest slice of a micro-batch (`slice_size`: ceil(mb/d)), `units` evaluated at
     it; stage k on group k % P."""
-    fwd, bwd = bal.times(units, mbr)
+    fwd, bwd = tables.times(units, mbr)
     grp = groups(order, d)
     p = len(grp)
     gfwd = np.stack([fwd[g].max(axis=0) for g in grp])
     gbwd = np.stack([bwd[g].max(axis=0) for g in grp])
-    mems = [[bal.costs[x].memory(units, v) for x in g] for g in grp]
+    mems = [[tables.costs[x].memory(units, v) for x in g] for g in grp]
     static = np.stack([np.max([np.broadcast_to(m.static, (units.n,)) for m in ms], axis=0)
                        for ms in mems])
     act = np.stack([np.max([np.broadcast_to(m.act, (units.n,)) for m in ms], axis=0)
@@ -142,64 +142,64 @@ def group_problem(bal: Any, units: Units, mbr: int, inflight: Sequence[int],
     def link_time(k: int, nbytes: float) -> float:
         if not pairs[k] or nbytes <= 0:
             return 0.0
-        return max(bal.cluster.link(a, b).time(nbytes) for a, b in pairs[k])
+        return max(tables.cluster.link(a, b).time(nbytes) for a, b in pairs[k])
 
-    names = [", ".join(bal.cluster.devices[x].name for x in g) for g in grp]
+    names = [", ".join(tables.cluster.devices[x].name for x in g) for g in grp]
     return PartitionProblem(
         fwd=gfwd[stages], bwd=gbwd[stages], out_bytes=units.values["output_bytes"],
         last_use=units.last_use, static_mem=static[stages], act_mem=act[stages],
         mem_cap=[caps[j] for j in stages], inflight=list(inflight), link_time=link_time,
-        training=bal.opt.training,
+        training=tables.options.training,
         labels=[f"replica group {j} (devices {grp[j][0]}-{grp[j][-1]}: {names[j]})"
                 for j in stages])
 
 
-def stage_allreduce_s(bal: Any, units: Units, bounds: Sequence[int],
+def stage_allreduce_s(tables: CostTables, units: Units, bounds: Sequence[int],
                       order: Sequence[int], d: int) -> list[float]:
     """[stage] seconds of its group's gradient all-reduce per iteration (0 without training
     or replication)."""
     grp = groups(order, d)
     out = []
     for k in range(len(bounds) - 1):
-        if d < 2 or not bal.opt.training:
+        if d < 2 or not tables.options.training:
             out.append(0.0)
             continue
         grad = float(units.param_bytes[bounds[k]:bounds[k + 1]].sum())
-        out.append(ring_allreduce_s(group_ring(bal, grp[k % len(grp)]), grad))
+        out.append(ring_allreduce_s(group_ring(tables, grp[k % len(grp)]), grad))
     return out
 
 
-def decisions(bal: Any, cand: Any) -> list[str]:
+def decisions(tables: CostTables, cand: Candidate, results: Sequence[Candidate]) -> list[str]:
     """Why this replication degree: the best plan of every other degree tried (nothing
     when --replicas is 1 and the plan is the plain pipeline)."""
-    if bal.opt.replicas != "auto" and cand.replicas == 1:
+    if tables.options.replicas != "auto" and cand.replicas == 1:
         return []
     d, P = cand.replicas, cand.ranks
 
     def shape(x: int) -> str:
-        return (f"{x} replicas per stage x {bal.p // x} stage{'s' if bal.p // x > 1 else ''}"
-                if x > 1 else f"no replication ({bal.p} stage{'s' if bal.p > 1 else ''})")
+        return (f"{x} replicas per stage x {tables.p // x} stage{'s' if tables.p // x > 1 else ''}"
+                if x > 1 else f"no replication ({tables.p} stage{'s' if tables.p > 1 else ''})")
     order_note = ["--choose-order orders the devices of the plain pipeline (1 replica) only: "
                   "replica groups are consecutive devices in the given order"] \
-        if bal.opt.choose_order and bal.p > 1 else []
-    if bal.opt.replicas != "auto":
+        if tables.options.choose_order and tables.p > 1 else []
+    if tables.options.replicas != "auto":
         return [f"{shape(d)} (--replicas {d}): predicted {cand.timeline.iteration_s:.4g} s "
                 f"per iteration, all-reduce up to {max(cand.allreduce, default=0.0):.4g} s "
                 "overlapped with the last backward"] + order_note
     best: dict[int, Any] = {}
-    for c in getattr(bal, "results", []):
+    for c in results:
         best.setdefault(c.replicas, c)
     others = []
     for x in sorted(best):
         if x == d:
             continue
-        what = ("the plain pipeline" if x == 1 else "pure data parallelism" if x == bal.p
-                else f"{x} replicas per stage x {bal.p // x} stages")
+        what = ("the plain pipeline" if x == 1 else "pure data parallelism" if x == tables.p
+                else f"{x} replicas per stage x {tables.p // x} stages")
         others.append(f"{best[x].timeline.iteration_s:.4g} s for {what}")
     out = [f"{shape(d)}: predicted {cand.timeline.iteration_s:.4g} s per iteration"
            + (" vs " + ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + others[-1]
               if others else "")]
-    if d == 1 and not all(dev.can(caps.REPLICATE) for dev in bal.cluster.devices):
+    if d == 1 and not all(dev.can(caps.REPLICATE) for dev in tables.cluster.devices):
         out.append("replicas 1: FPGA devices are never replicated")
     return out + order_note
 

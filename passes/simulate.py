@@ -361,6 +361,9 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         clock[r] = max(clock[r], end)
 
     # validate() proved the rows finish; advance each until it waits on an unsent message.
+    # NOTE: pipecc/ir/schedule/validate.py's deadlock check (4) runs the same "advance every
+    # rank until it blocks on a receive" loop; one helper there (rows, is-ready, on-step) could
+    # serve both (the schedule IR's owner's call, left for it).
     pc = [0] * R
     progress = True
     while progress:

@@ -1,7 +1,7 @@
 """Choosing intra-layer splits (BaPipe): which heavy layers to shard, into what sizes.
 
 Policy on top of two mechanisms: `passes.split_layers.split_node` (the graph rewrite) and
-`passes.balance.Balancer` (the exact partitioner). For each splittable layer heavier than half
+`passes.plan_search.Planner` (the exact partitioner). For each splittable layer heavier than half
 a balanced stage (heaviest first, at most `max_layers`), on a copy of the graph:
   1. split it into q fine equal shards (q = min(4·stages, extent)): the partitioner then places
      contiguous runs of shards on neighbouring stages — choosing the shard sizes;
@@ -188,7 +188,7 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
     stages = len(plan.stages)
     max_layers = stages if max_layers is None else max_layers
     budget = min(3 * stages, 16) if budget is None else budget
-    lower, lower_compute, baselines = plan.lower_bound_s, plan.lower_bound_compute_s, plan.baselines
+    lower, baselines = plan.lower_bound_s, plan.baselines
     names = splittable_names(graph)
     tried: set[str] = set()
     heavy = sorted((n for n in names if layer_time(n) > 0.5 * lower), key=layer_time, reverse=True)
@@ -249,5 +249,5 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
             break
     # the bound and the baselines stay those of the unsplit graph: the bound already covers
     # every split, and other tools would partition the original layers
-    plan.lower_bound_s, plan.lower_bound_compute_s, plan.baselines = lower, lower_compute, baselines
+    plan.lower_bound_s, plan.baselines = lower, baselines
     return plan, graph

@@ -4,7 +4,7 @@
     b = 1..B ─► passes.umpipe.search (auto) or the given list ─► the plan with per-stage
     `microbatch_sizes`, its predicted time (the recurrence) and a decision line
 
-Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): `Balancer.times(units_b, b)` summed
+Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): `CostTables.times(units_b, b)` summed
 over the stage's units for every chunk size b (the device's model: roofline, or the profiled
 curves `a + c·b` with `--profile`). The roofline has a knee but no per-call cost, so on an
 unprofiled device each node adds LAUNCH_S per forward call and twice that per backward call
@@ -35,6 +35,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes import umpipe
 from pipecc.passes.partition import cut_bytes
+from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.simulate import simulate
 
 __all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "base_options", "pricing"]
@@ -83,35 +84,35 @@ def _unit_bounds(units: Any, plan: Plan) -> list[int]:
     return bounds
 
 
-def curves_for_plan(balancer: Any, plan: Plan) -> umpipe.Curves:
+def curves_for_plan(ev: Evaluator, plan: Plan) -> umpipe.Curves:
     """f_s(b), g_s(b), link times and memory of the plan's stages for b = 1..B (module
-    docstring). `balancer` must be built on the plan's graph (after layer splitting)."""
+    docstring). `ev` must be built on the plan's graph (after layer splitting)."""
     from pipecc.targets.profiled import ProfiledCosts
     B, p = plan.batch_size, len(plan.stages)
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     devs = [order[s.device] for s in plan.stages]
-    bounds = _unit_bounds(balancer.builder.at(1), plan)
-    calls = np.array([sum(1 for n in g if n.op != "get_attr") for g in balancer.builder.groups])
+    bounds = _unit_bounds(ev.builder.at(1), plan)
+    calls = np.array([sum(1 for n in g if n.op != "get_attr") for g in ev.builder.groups])
     over = []
     for k, d in enumerate(devs):
-        model = balancer.costs[d]
-        launch = 0.0 if isinstance(model, ProfiledCosts) else LAUNCH_S.get(balancer.cluster.devices[d].kind, 0.0)
+        model = ev.tables.costs[d]
+        launch = 0.0 if isinstance(model, ProfiledCosts) else LAUNCH_S.get(ev.cluster.devices[d].kind, 0.0)
         over.append(launch * float(calls[bounds[k]:bounds[k + 1]].sum()))
     f, g = np.zeros((p, B + 1)), np.zeros((p, B + 1))
     send_f, send_b = np.zeros((p, B + 1)), np.zeros((p, B + 1))
     mem, static, cap = np.zeros((p, B + 1)), np.zeros(p), np.zeros(p)
-    links = [balancer.cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
+    links = [ev.cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
              for k in range(p - 1)]
     for b in range(1, B + 1):
-        units = balancer.builder.at(b)
-        fwd, bwd = balancer.times(units, b)
+        units = ev.builder.at(b)
+        fwd, bwd = ev.tables.times(units, b)
         cuts = cut_bytes(units.values["output_bytes"], units.last_use)
         for k, d in enumerate(devs):
             a, e = bounds[k], bounds[k + 1]
             f[k, b] = fwd[d, a:e].sum() + over[k]
             g[k, b] = bwd[d, a:e].sum() + 2 * over[k]
             recv = cuts[a - 1] if k > 0 else 0.0
-            memory = balancer.costs[d].memory(units, 1)
+            memory = ev.tables.costs[d].memory(units, 1)
             mem[k, b] = float(memory.act[a:e].sum()) + recv
             if b == 1:
                 static[k], cap[k] = float(memory.static[a:e].sum()), float(memory.cap)
@@ -119,7 +120,7 @@ def curves_for_plan(balancer: Any, plan: Plan) -> umpipe.Curves:
                 nbytes = cuts[e - 1]
                 send_f[k, b] = links[k].time(nbytes) if nbytes > 0 else 0.0
                 # the gradient of stage k's chunk goes back over the link from k+1 to k
-                back = balancer.cluster.link(devs[k + 1], devs[k])
+                back = ev.cluster.link(devs[k + 1], devs[k])
                 send_b[k + 1, b] = back.time(nbytes) if nbytes > 0 else 0.0
     return umpipe.Curves(f, g, send_f, send_b, mem=mem, static=static, cap=cap)
 
@@ -128,12 +129,12 @@ def _describe(sizes: Sequence[Sequence[int]]) -> str:
     return ", ".join(f"stage {s} {list(row)}" for s, row in enumerate(sizes))
 
 
-def apply(plan: Plan, balancer: Any, mode: str | list[int], *, budget_s: float = 10.0) -> Plan:
+def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float = 10.0) -> Plan:
     """The plan with `mode`'s micro-batch sizes: "auto" runs the GA on its partition and keeps
     the result when faster than the best equal split; a list is used for every stage. The
     plan's stage costs stay the planner's; `predicted_iteration_s`, `bubble_fraction`,
     `microbatches` (stage 0's chunk count) and stage peak memory follow the sizes."""
-    curves = curves_for_plan(balancer, plan)
+    curves = curves_for_plan(ev, plan)
     B, p = plan.batch_size, len(plan.stages)
     price = pricing(curves, plan.schedule)
     if mode == "auto":

@@ -1,6 +1,7 @@
 """pipecc: a pipeline-parallel compiler for deep-learning models.
 
     pipecc.compile(model, example_inputs, devices, **plan_options) -> PipelinedModule
+    pipecc.compile(model, example_inputs, devices, options=pipecc.PlanOptions(...))
     pipecc.load(OUT) -> PipelinedModule
     pm.plan -> pipecc.Plan: print(pm.plan) or pm.plan.summary() shows its stage table
 
@@ -11,7 +12,7 @@ Attributes load lazily so that `import pipecc` stays cheap and the runtime (whic
 from typing import Any as _Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "load", "PipelinedModule", "Plan"]
+__all__ = ["compile", "load", "PipelinedModule", "Plan", "PlanOptions"]
 
 
 def __dir__() -> list[str]:
@@ -29,4 +30,7 @@ def __getattr__(name: str) -> _Any:
     if name == "Plan":
         from pipecc.ir.plan import Plan
         return Plan
+    if name == "PlanOptions":
+        from pipecc.passes.plan_options import PlanOptions
+        return PlanOptions
     raise AttributeError(f"module 'pipecc' has no attribute {name!r}")

@@ -18,6 +18,7 @@ import torch
 
 from pipecc import driver
 from pipecc.errors import UsageError
+from pipecc.passes.plan_options import PlanOptions
 from pipecc.targets.devices import Cluster, parse_devices
 from pipecc.runtime import local
 from pipecc.runtime.local import PipelinedModule
@@ -41,15 +42,15 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
             **plan_options: Any) -> PipelinedModule:
     """Plan `model` over `devices` and return the drop-in PipelinedModule.
 
-    `plan_options` are those of `pipecc.driver.plan` (microbatches, schedule, coarse,
-    choose_order, split_layers, training, recompute="none"|"full"|"auto", replicas: N devices per
-    stage, default 1 here — one process runs every stage, so replica groups would not run side by
-    side; debug and dump_ir apply to every step; a plan with unequal per-stage microbatch_sizes
-    is refused: `pipecc run` runs those), plus, for
-    FPGA devices, `fpga_number` ("float" or "ap_fixed<W,I>") and `fpga_dir` (where to keep
-    the HLS projects; default a temporary folder removed with the module), and `profile`
-    (a `pipecc profile` JSON file or its loaded dict; its node names must be the model's):
-    measured costs for the devices it timed. The model's
+    `plan_options` are the fields of `pipecc.passes.plan_options.PlanOptions` (microbatches,
+    schedule, coarse, choose_order, split_layers, training, recompute="none"|"full"|"auto",
+    replicas: N devices per stage, default 1 — one process runs every stage, so replica groups
+    would not run side by side; `profile`: a `pipecc profile` JSON file or its loaded dict, its
+    node names the model's, measured costs for the devices it timed; a plan with unequal
+    per-stage microbatch_sizes is refused: `pipecc run` runs those; `fpga_number`, "float" here,
+    or "ap_fixed<W,I>"), or `options=PlanOptions(...)` itself, plus `debug` and `dump_ir` (every
+    step), and for FPGA devices `fpga_dir` (where to keep the HLS projects; default a temporary
+    folder removed with the module). The model's
     parameters are shared, not copied: an optimizer built on `model.parameters()` before
     wrapping keeps working, and the analysis leaves the model's parameters, buffers, train
     flags and RNG state as it found them.
@@ -59,19 +60,21 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     which `compile` warns about; `microbatches=1` gives equal outputs, and
     `strict_batchnorm=True` refuses such a pipeline instead of warning.
     """
-    fpga_number = plan_options.pop("fpga_number", "float")
     fpga_dir = plan_options.pop("fpga_dir", None)
     strict_batchnorm = bool(plan_options.pop("strict_batchnorm", False))
-    debug, dump_ir = plan_options.get("debug", False), plan_options.get("dump_ir")
+    debug, dump_ir = bool(plan_options.pop("debug", False)), plan_options.pop("dump_ir", None)
+    options = PlanOptions.of(plan_options.pop("options", None), **plan_options)
+    if "fpga_number" not in plan_options and options.fpga_number is None:
+        options = PlanOptions.of(options, fpga_number="float")
+    fpga_number = options.fpga_number
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     cluster = parse_devices(devices) if not isinstance(devices, Cluster) else devices
     graph = driver.analyze_module(model, inputs, model_name=type(model).__name__, debug=debug,
                                   dump_ir=dump_ir)
-    # NOTE: one process runs every stage here, so replica groups could not run side by side:
-    # the drop-in plans the plain pipeline unless asked otherwise (`pipecc run` runs replicas)
-    plan_options.setdefault("replicas", 1)
-    plan_options.setdefault("activation_balancing", "off")  # NOTE: BPipe needs one process per stage
-    plan, graph = driver.plan(graph, cluster, fpga_number=fpga_number, **plan_options)
+    # NOTE: one process runs every stage here, so replica groups and BPipe's pairs could not
+    # run side by side: PlanOptions' defaults (replicas 1, no activation balancing) are the
+    # drop-in's (`pipecc run` runs both)
+    plan, graph = driver.plan(graph, cluster, options, debug=debug, dump_ir=dump_ir)
     if plan.microbatch_sizes is not None:  # NOTE: the one-process module splits equally (v1)
         raise UsageError("the drop-in module runs equal micro-batches only; unequal per-stage "
                          "sizes (microbatch_sizes) run with `pipecc compile` and `pipecc run`")

@@ -27,9 +27,6 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 # the order in which they run.
 from __future__ import annotations
 
-# NOTE(size): the driver is the one place where analyze, plan and compile read as lists of steps
-# with the checks between them; the passes' policies live in their own modules.
-
 import itertools
 import os
 import time
@@ -52,13 +49,16 @@ from pipecc.ir import techniques
 from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
                              AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
-from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
+from pipecc.passes.plan_options import PlanOptions
 from pipecc.report.formatting import count
 
-if TYPE_CHECKING:  # the backends load only when a compile needs them
+if TYPE_CHECKING:  # the backends and the planner load only when a step needs them
     from pipecc.backends.base import Backend, Target
+    from pipecc.passes.plan_evaluate import Evaluator
+    from pipecc.passes.plan_search import Planner
+    from pipecc.targets.hardware import Cluster
 
 
 @dataclass
@@ -89,7 +89,7 @@ class State:
     graph: AnnotatedGraph | None = None
     costed: bool = False                   # every node carries META_COST
     plan: Plan | None = None
-    candidate: Any = None                  # the balancer's choice the split search starts from
+    candidate: Any = None                  # the planner's choice the split search starts from
     stages: list[Any] | None = None        # cut stages (pipecc.backends.torch.Stage)
     backends: list[Backend] = field(default_factory=list)
     extra_files: dict[str, str] = field(default_factory=dict)
@@ -270,11 +270,20 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
 
 
 # ----------------------------------------------------------------------------- plan
-def _balance(state: State, *, balancer: Any) -> None:
-    state.plan, state.candidate = balancer.run()
+def _balance(state: State, *, planner: Planner) -> None:
+    state.plan, state.candidate = planner.run()
 
 
-def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, debug: bool) -> None:
+def _evaluator(graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions) -> Evaluator:
+    """An evaluator over `graph` (a layer-split graph has its own units and costs)."""
+    from pipecc.passes import split_search
+    from pipecc.passes.plan_costs import CostTables
+    from pipecc.passes.plan_evaluate import Evaluator
+    return Evaluator(CostTables(graph, cluster, options, splittable=split_search.splittable_names(graph)))
+
+
+def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: PlanOptions,
+                  debug: bool) -> None:
     """The split search from the best candidate of every schedule; the fastest result kept.
 
     NOTE: splitting can reorder schedules (interleaved, with twice the stages, gains most: 20%
@@ -283,12 +292,12 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
     planned, and the plan made for it after.
     """
     from pipecc.passes import split_search
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_search import Planner
     assert state.graph is not None and state.plan is not None
     graph, result, cand = state.graph, state.plan, state.candidate
     tried: list[tuple[Any, AnnotatedGraph]] = []
-    for cand_k in balancer.contenders():
-        plan_k = result if cand_k is cand else balancer.to_plan(cand_k, balancer.alternatives(cand_k))
+    for cand_k in planner.contenders():
+        plan_k = result if cand_k is cand else planner.to_plan(cand_k)
         if len(plan_k.stages) == 1:  # one stage (plain data parallelism): no cut to refine
             tried.append((plan_k, graph))
             continue
@@ -299,13 +308,13 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
         def replan(g: AnnotatedGraph, keep: bool, fixed=fixed) -> Plan:
             if debug:
                 verify(g, costed=True)
-            opts = PlanOptions(**{**options.__dict__, **(fixed if keep else {}), "compare": False})
-            planned = Balancer(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
+            opts = PlanOptions.of(options, **(fixed if keep else {}), compare=False)
+            planned = Planner(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
             if debug:
                 verify_plan(g, planned)
             return planned
 
-        times = balancer.unit_times(cand_k)
+        times = planner.unit_times(cand_k)
         with progress.step(f"splitting layers ({plan_k.schedule}, {plan_k.microbatches} "
                            "micro-batches)"):
             plan_k, graph_k = split_search.search(graph, plan_k, replan,
@@ -323,11 +332,10 @@ def _split_layers(state: State, *, balancer: Any, cluster: Any, options: Any, de
     state.plan, state.graph = result, graph
 
 
-def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: float) -> None:
+def _unequal(state: State, *, cluster: Cluster, options: PlanOptions, mode: Any) -> None:
     """UMPIPE on the chosen plan's partition (`passes.umpipe_plan`): "auto" searches per-stage
     micro-batch sizes when the plan allows them (else says why not), a list is used as given."""
-    from pipecc.passes import split_search, umpipe_plan
-    from pipecc.passes.balance import Balancer
+    from pipecc.passes import umpipe_plan
     assert state.plan is not None and state.graph is not None
     why = techniques.umpipe.requires(state.plan, techniques.COMPILED)
     if why is not None:
@@ -335,34 +343,31 @@ def _unequal(state: State, *, cluster: Any, options: Any, mode: Any, budget_s: f
             raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))}: {why}")
         state.plan.decisions.append(f"UMPIPE not tried: {why}")
         return
-    balancer = Balancer(state.graph, cluster, options,
-                        splittable=split_search.splittable_names(state.graph))
-    state.plan = umpipe_plan.apply(state.plan, balancer, mode, budget_s=budget_s)
+    state.plan = umpipe_plan.apply(state.plan, _evaluator(state.graph, cluster, options), mode,
+                                   budget_s=options.umpipe_budget_s)
 
 
-def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster: Any,
-                 options: Any) -> None:
+def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, cluster: Cluster,
+                 options: PlanOptions) -> None:
     """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan; when it
-    splits layers, first on its split graph (`_bipartition_split`), then on the balancer's
+    splits layers, first on its split graph (`_bipartition_split`), then on the planner's
     unsplit plan of `graph`, kept only if faster than the split one. A decision line either way."""
-    from pipecc.passes import bipartition_plan, split_search
-    from pipecc.passes.balance import Balancer
+    from pipecc.passes import bipartition_plan
     assert state.plan is not None and state.graph is not None
     chosen = state.plan
     if chosen.split_layers and state.candidate is not None:
         _bipartition_split(state, cluster=cluster, options=options)  # split layers compose (issue 18)
     if chosen.split_layers and state.candidate is not None:
-        base = balancer.to_plan(state.candidate, balancer.alternatives(state.candidate))
-        g, bal = graph, balancer
+        base = planner.to_plan(state.candidate)
+        g, ev = graph, planner.evaluator
     else:
         base, g = chosen, state.graph
-        bal = balancer if g is graph else Balancer(g, cluster, options,
-                                                   splittable=split_search.splittable_names(g))
+        ev = planner.evaluator if g is graph else _evaluator(g, cluster, options)
     why = techniques.bipartition.requires(base, techniques.COMPILED) or bipartition_plan.graph_requires(g, base)
     if why is not None:
         chosen.decisions.append(f"Bi-Partition not tried: {why}")
         return
-    result = bipartition_plan.apply(base, bal, g, window=options.bipartition_window)
+    result = bipartition_plan.apply(base, ev, g, window=options.bipartition_window)
     if base is chosen:
         state.plan = result
         return
@@ -383,107 +388,88 @@ def _bipartition(state: State, *, balancer: Any, graph: AnnotatedGraph, cluster:
     chosen.decisions.append(line)
 
 
-def _bipartition_split(state: State, *, cluster: Any, options: Any) -> None:
+def _bipartition_split(state: State, *, cluster: Cluster, options: PlanOptions) -> None:
     """Separate forward/backward cuts on the chosen plan with its split layers, on its rewritten
     graph (a split layer's shards are nodes like any other), when the rule admits that plan:
     `state.plan` gets the cut pair when it is faster, else a decision line says why not."""
-    from pipecc.passes import bipartition_plan, split_search
-    from pipecc.passes.balance import Balancer
+    from pipecc.passes import bipartition_plan
     assert state.plan is not None and state.graph is not None
     why = techniques.bipartition.requires(state.plan, techniques.COMPILED) or bipartition_plan.graph_requires(
         state.graph, state.plan)
     if why is not None:
         state.plan.decisions.append(f"Bi-Partition with split layers not tried: {why}")
         return
-    bal = Balancer(state.graph, cluster, options, splittable=split_search.splittable_names(state.graph))
-    bipartition_plan.apply(state.plan, bal, state.graph, window=options.bipartition_window)
+    bipartition_plan.apply(state.plan, _evaluator(state.graph, cluster, options), state.graph,
+                           window=options.bipartition_window)
 
 
-def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int | None = None,
-         microbatches: int | str = "auto", schedule: str = "auto", coarse: bool = False,
-         choose_order: bool = False, split_layers: bool = True, compare: bool = False,
-         training: bool = True, dtype: str = "fp32", fpga_number: str | None = None,
-         profile: Any = None, replicas: int | str = 1, debug: bool = False,
-         dump_ir: str | Path | None = None, recompute: str = "none",
-         microbatch_sizes: str | Sequence[int] = "equal", umpipe_budget_s: float = 10.0,
-         bipartition: str = "off", activation_balancing: str = "off", flash_attention: bool = False):
+def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
+                    cluster: Cluster) -> tuple[PlanOptions, Cluster]:
+    """`options` as the planner reads them, and the cluster it plans on: the batch size the
+    graph's when None; a `microbatch_sizes` list parsed and checked, fixing the base plan's
+    schedule, replicas and micro-batch count (`passes.umpipe_plan.base_options`); a profile
+    loaded, checked against the model and devices, its links measured (`use_profile`)."""
+    graph = analysis.graph if isinstance(analysis, Analysis) else analysis
+    batch = options.batch_size or graph.batch_size
+    sizes: Any = options.microbatch_sizes
+    fixed: dict[str, Any] = {}
+    if isinstance(sizes, str) and sizes not in ("auto", "equal"):
+        from pipecc.passes.umpipe_plan import parse_option
+        sizes = parse_option(sizes)
+    if not isinstance(sizes, str):
+        from pipecc.passes import umpipe_plan
+        sizes = [int(b) for b in sizes]
+        schedule, replicas, microbatches = umpipe_plan.base_options(
+            sizes, options.schedule, options.replicas, options.microbatches, options.training, batch)
+        fixed = dict(schedule=schedule, replicas=replicas, microbatches=microbatches)
+    profile = options.profile
+    if profile is not None:  # checked against the model and devices; its links measured
+        from pipecc.targets.profiled import use_profile
+        profile, cluster = use_profile(profile, analysis, cluster)
+    return PlanOptions.of(options, batch_size=batch, microbatch_sizes=sizes, profile=profile,
+                          **fixed), cluster
+
+
+def plan(analysis: Analysis | AnnotatedGraph, devices: Any, options: PlanOptions | None = None, *,
+         debug: bool = False, dump_ir: str | Path | None = None, **fields: Any) -> tuple[Plan, AnnotatedGraph]:
     """Balance a costed graph over devices. Returns (plan, graph) — the graph may have been
-    rewritten by intra-layer splitting, and the plan's node names refer to it. `profile`
-    (a `pipecc profile` file or its loaded dict) gives measured costs where it has them.
-    `replicas` ("auto" or N): every stage on a group of that many devices splitting its
-    micro-batches (PP x DP, `pipecc.passes.replicas`); "auto" chooses it with the cuts (the
-    default of `pipecc plan/compile`); 1 (the default here): the plain pipeline.
-    `recompute`: activation recomputation, "none", "full" or "auto" (`passes.recompute`).
-    `microbatch_sizes` (UMPIPE, `passes.umpipe_plan`): "equal" (default: every stage splits the
-    batch into equal micro-batches), "auto" (search per-stage sizes on the chosen plan's
-    partition when it runs gpipe, in at most `umpipe_budget_s` seconds) or a list of sizes
-    summing to the batch, used by every stage (forces gpipe and replicas 1).
-    `bipartition` (`passes.bipartition_plan`): "off" (default) or "auto": search separate
-    forward/backward cuts around the chosen plan's and keep them when the simulated iteration
-    is faster (training, 1f1b/gpipe, replicas 1; otherwise a decision says why not).
-    `activation_balancing` (BPipe, `passes.bpipe`): "off" (default here), "auto" (where its
-    estimate pays; `pipecc plan`'s default) or "on". `flash_attention`: `cost.annotate`'s."""
+    rewritten by intra-layer splitting, and the plan's node names refer to it.
+
+    `options` (`passes.plan_options.PlanOptions`, whose docstring says what each field does)
+    with `fields` replacing its values (`plan(g, "2xcpu", microbatches=4)`); the defaults are
+    the Python API's (`replicas=1`, `activation_balancing="off"`). `debug` verifies the IR after
+    each step, `dump_ir` writes it (`Instruments`)."""
     from pipecc.passes import split_search
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
+    options = PlanOptions.of(options, **fields)
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     try:
         cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
     except DeviceSpecError as exc:
         raise UsageError(str(exc)) from exc
-    if schedule != "auto" and schedule not in TRAINING_SCHEDULES:
-        raise UsageError(f"--schedule {schedule!r}: choose auto, {', '.join(TRAINING_SCHEDULES[:-1])} or "
-                         f"{TRAINING_SCHEDULES[-1]}")
-    if recompute not in ("none", "full", "auto"):
-        raise UsageError(f"--recompute {recompute!r}: choose none, full or auto")
-    if activation_balancing == "on" and microbatch_sizes not in ("equal", "auto"):
-        raise UsageError("--activation-balancing on needs equal micro-batches: drop --microbatch-sizes")
-    cost.recost_attention(graph, bool(flash_attention))
-    if replicas != "auto" and (isinstance(replicas, bool) or not isinstance(replicas, int)
-                               or replicas < 1):
-        raise UsageError(f"--replicas {replicas!r}: use auto or a positive integer")
-    if bipartition not in ("off", "auto"):
-        raise UsageError(f"--bipartition {bipartition!r}: choose off or auto")
-    if fpga_number is not None:
-        from pipecc.targets.fpga_model import parse_number
-        parse_number(fpga_number)  # a bad format is an error even without FPGA devices
-    sizes_mode: Any = microbatch_sizes
-    if isinstance(sizes_mode, str) and sizes_mode not in ("auto", "equal"):
-        from pipecc.passes.umpipe_plan import parse_option
-        sizes_mode = parse_option(sizes_mode)
-    if not isinstance(sizes_mode, str):
-        from pipecc.passes import umpipe_plan
-        sizes_mode = [int(b) for b in sizes_mode]
-        schedule, replicas, microbatches = umpipe_plan.base_options(
-            sizes_mode, schedule, replicas, microbatches, training, batch_size or graph.batch_size)
-    if profile is not None:  # checked against the model and devices; its links measured
-        from pipecc.targets.profiled import use_profile
-        profile, cluster = use_profile(profile, analysis, cluster)
-    options = PlanOptions(batch_size=batch_size or graph.batch_size, microbatches=microbatches,
-                          schedule=schedule, coarse=coarse, choose_order=choose_order,
-                          split_layers=split_layers, compare=compare, training=training,
-                          dtype=dtype, fpga_number=fpga_number, profile=profile,
-                          recompute=recompute, replicas=replicas, bipartition=bipartition,
-                          activation_balancing=activation_balancing,
-                          flash_attention=bool(flash_attention))
-    splittable = split_search.splittable_names(graph) if split_layers else []
-    balancer = Balancer(graph, cluster, options, splittable=splittable)
-    steps = [Step("balance", partial(_balance, balancer=balancer),
+    cost.recost_attention(graph, bool(options.flash_attention))
+    given_profile = options.profile
+    options, cluster = resolve_options(options, analysis, cluster)
+    sizes_mode = options.microbatch_sizes
+    splittable = split_search.splittable_names(graph) if options.split_layers else []
+    planner = Planner(graph, cluster, options, splittable=splittable)
+    steps = [Step("balance", partial(_balance, planner=planner),
                   f"planning on {count(len(cluster.devices), 'device')}")]
-    if split_layers and splittable and len(cluster.devices) > 1:
-        steps.append(Step("split layers", partial(_split_layers, balancer=balancer,
+    if options.split_layers and splittable and len(cluster.devices) > 1:
+        steps.append(Step("split layers", partial(_split_layers, planner=planner,
                                                   cluster=cluster, options=options, debug=debug)))
     if sizes_mode != "equal":
         steps.append(Step("unequal micro-batches", partial(
-            _unequal, cluster=cluster, options=options, mode=sizes_mode, budget_s=umpipe_budget_s),
+            _unequal, cluster=cluster, options=options, mode=sizes_mode),
             "searching unequal micro-batch sizes"))
-    if bipartition == "auto":
-        steps.append(Step("bipartition", partial(_bipartition, balancer=balancer, graph=graph,
+    if options.bipartition == "auto":
+        steps.append(Step("bipartition", partial(_bipartition, planner=planner, graph=graph,
                                                  cluster=cluster, options=options),
                           "searching separate forward/backward cuts"))
     fpgas = [d for d in cluster.devices if not d.can(caps.BACKWARD)]  # the FPGA cards: no backward pass
-    if not (training and replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
-            and profile is None):
+    if not (options.training and options.replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
+            and given_profile is None):
         state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
         return state.plan, state.graph
     # NOTE: data parallelism on the GPUs alone is one of the plans --replicas auto weighs: a
@@ -500,13 +486,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, *, batch_size: int |
     from pipecc.passes import replicas as rep
     sub, keep = rep.without_fpgas(cluster)
     try:
-        alone = plan(graph, sub, batch_size=batch_size, microbatches=microbatches, schedule=schedule,
-                     coarse=coarse, choose_order=choose_order, split_layers=split_layers,
-                     compare=compare, training=training, dtype=dtype, fpga_number=fpga_number,
-                     replicas="auto", debug=debug, recompute=recompute,
-                     microbatch_sizes=microbatch_sizes, umpipe_budget_s=umpipe_budget_s,
-                     bipartition=bipartition,
-                     activation_balancing=activation_balancing, flash_attention=flash_attention)
+        alone = plan(graph, sub, options, debug=debug)
     except PipeccError:
         if whole is None:
             raise

@@ -90,14 +90,14 @@ def test_spec_example_ship_beats_single_cut_and_recompute_does_not():
     assert brute_force_bi(pr, mode="recompute").bottleneck == 12.0
     assert bipartition(pr, mode="recompute").bottleneck == 12.0
     # single cut: item max_i (f+g) = 9 dominates; Bi-Partition: fluid 7.5 (item term 6)
-    assert lower_bound(pr, comm=False) == pytest.approx(9.0)
-    assert lower_bound(pr, comm=False, bipartition=True) == pytest.approx(7.5)
+    assert lower_bound(pr) == pytest.approx(9.0)
+    assert lower_bound(pr, bipartition=True) == pytest.approx(7.5)
     one = _problem([1.0, 3.0, 1.0], [2.0, 6.0, 2.0], 1)  # item terms alone
-    assert lower_bound(one, comm=False) == 15.0
+    assert lower_bound(one) == 15.0
     pr4 = _problem([1.0, 3.0, 1.0], [2.0, 6.0, 2.0], 4)
     # item term with Bi-Partition: max_i max(f_i, g_i) = 6, not max_i (f+g) = 9
-    assert lower_bound(pr4, comm=False, bipartition=True) == pytest.approx(6.0)
-    assert lower_bound(pr4, comm=False) == pytest.approx(9.0)
+    assert lower_bound(pr4, bipartition=True) == pytest.approx(6.0)
+    assert lower_bound(pr4) == pytest.approx(9.0)
 
 
 def test_equal_cuts_cost_what_the_single_cut_costs():

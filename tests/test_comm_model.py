@@ -106,8 +106,8 @@ def test_bottleneck_formula_by_hand():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(max_n=7, max_p=3, memory=False), st.booleans())
 def test_charged_mode_is_the_old_model_and_exact(pr: PartitionProblem, training: bool):
-    """comm="charged" (the model of earlier releases, which the planner still tries so it never
-    places worse than before): T_k + (2 when training) * transfer on both sides of each cut,
+    """comm="charged" (the second cut model the planner tries; the simulator keeps the faster
+    cuts): T_k + (2 when training) * transfer on both sides of each cut,
     max over stages, and the partitioner finds its optimum (brute force)."""
     import itertools
     pr = dataclasses.replace(pr, training=training, comm="charged")

@@ -17,8 +17,10 @@ from pipecc.ir.graph import IRError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import by_name
 from pipecc.ir.verify import verify_plan
+from pipecc.passes import plan_emit
 from pipecc.passes import replicas as rep
-from pipecc.passes.balance import Balancer, PlanOptions
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.plan_search import Planner
 from pipecc.passes.simulate import StageCosts, simulate
 from pipecc.report.artifacts import timeline_for
 from pipecc.report.html import render_report
@@ -37,9 +39,9 @@ def tiny_cnn():
                           batch_size=8)
 
 
-def _balancer(analysis, devices: str, **opts) -> Balancer:
+def _balancer(analysis, devices: str, **opts) -> Planner:
     options = PlanOptions(batch_size=analysis.graph.batch_size, **opts)
-    return Balancer(analysis.graph, parse_devices(devices), options)
+    return Planner(analysis.graph, parse_devices(devices), options)
 
 
 # ----------------------------------------------------------------------------- simulator
@@ -121,16 +123,16 @@ def test_groups_take_the_slowest_member_and_the_slowest_pair(mlp):
     """2xa100,2xv100 at d = 2: group 0 = the a100s, group 1 = the v100s; with d = 2 on the
     mixed order a100,v100,a100,v100 each group is one of each and runs at the v100's pace."""
     bal = _balancer(mlp, "a100,v100,a100,v100", replicas=2)
-    units = bal.builder.at(2)
-    fwd, bwd = bal.times(units, 2)
-    prob = bal.problem(units, 2, "1f1b", 2, (0, 1, 2, 3), 1, d=2)
+    units = bal.tables.builder.at(2)
+    fwd, bwd = bal.tables.times(units, 2)
+    prob = bal.evaluator.problem(units, 2, "1f1b", 2, (0, 1, 2, 3), 1, d=2)
     assert (prob.fwd[0] == fwd[[0, 1]].max(axis=0)).all() and (prob.bwd[1] == bwd[[2, 3]].max(axis=0)).all()
     cl = bal.cluster
     want = max(cl.link(0, 2).time(1e6), cl.link(1, 3).time(1e6))
     assert prob.link_time(0, 1e6) == want
-    mem = bal.costs[0].memory(units, 1)
+    mem = bal.tables.costs[0].memory(units, 1)
     assert (prob.static_mem[0] == mem.static).all() and prob.mem_cap[0] == min(
-        bal.costs[0].memory(units, 1).cap, bal.costs[1].memory(units, 1).cap)
+        bal.tables.costs[0].memory(units, 1).cap, bal.tables.costs[1].memory(units, 1).cap)
 
 
 def test_single_stage_plan_equals_the_data_parallel_model(tiny_cnn):
@@ -165,7 +167,7 @@ def test_uneven_slices_are_planned_at_the_largest_slice():
     bal = _balancer(analysis, "3xa100", replicas=3, microbatches=1)
 
     def stage_s(mb):
-        fwd, bwd = bal.times(bal.builder.at(mb), mb)
+        fwd, bwd = bal.tables.times(bal.tables.builder.at(mb), mb)
         return float(fwd[0].sum()), float(bwd[0].sum())
     assert (plan.stages[0].forward_s, plan.stages[0].backward_s) == pytest.approx(stage_s(11), rel=1e-12)
     assert stage_s(10)[0] < stage_s(11)[0]  # the check tells 10 from 11 samples
@@ -194,16 +196,16 @@ def test_lower_bound_holds_for_every_degree(model, devices, batch):
     bal.run()
     assert len({c.replicas for c in bal.results}) >= 2
     for c in bal.results:
-        lb = bal.lower_bound(c)
+        lb = plan_emit.lower_bound(bal.evaluator, c)
         assert lb <= c.part.bottleneck * (1 + 1e-9), (c.schedule, c.microbatches, c.replicas)
-        assert bal.lower_bound(c, comm=False) <= c.part.bottleneck * (1 + 1e-9)
+        assert plan_emit.lower_bound(bal.evaluator, c, comm=False) <= c.part.bottleneck * (1 + 1e-9)
         # any plan with the same m (and stages per rank: an interleaved plan's bottleneck is
         # per virtual stage, a different quantity) and any d
         for other in bal.results:
             if (other.microbatches, other.virtual) == (c.microbatches, c.virtual):
                 assert lb <= other.part.bottleneck * (1 + 1e-9), (c, other)
     for m in {c.microbatches for c in bal.results}:  # one number per m, whatever d
-        same = [bal.lower_bound(o) for o in bal.results if o.microbatches == m and o.virtual == 1]
+        same = [plan_emit.lower_bound(bal.evaluator, o) for o in bal.results if o.microbatches == m and o.virtual == 1]
         assert max(same) == pytest.approx(min(same), rel=1e-12)
 
 

@@ -14,7 +14,8 @@ from pipecc.backends.fpga.pipeline import check_boundary
 from pipecc.backends.torch import cut_stages
 from pipecc.targets.devices import parse_devices
 from pipecc.errors import PipeccError
-from pipecc.passes.balance import Balancer, PlanOptions
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.plan_search import Planner
 from pipecc.targets.timing import CANNOT_RUN_S
 
 
@@ -79,9 +80,9 @@ def test_fpga_stage_time_is_the_fpga_model_time_of_the_whole_stage():
 
 def test_fpga_stage_boundaries_carry_one_tensor():
     graph = _graph(ResidualMLP())
-    bal = Balancer(graph, parse_devices("cpu,u250,cpu"), PlanOptions(batch_size=4, training=False))
-    ok = bal.builder.one_tensor_cut
-    names = [[n.name for n in g] for g in bal.builder.groups]
+    bal = Planner(graph, parse_devices("cpu,u250,cpu"), PlanOptions(batch_size=4, training=False))
+    ok = bal.tables.builder.one_tensor_cut
+    names = [[n.name for n in g] for g in bal.tables.builder.groups]
     inside = [s for s in range(1, len(names)) if names[s - 1][-1].startswith(("fc1", "relu"))]
     assert inside and not ok[inside].any()   # the skip crosses every cut inside a block
     assert ok.sum() >= 3                     # between blocks and before the head: one tensor
@@ -120,12 +121,12 @@ def test_lower_bound_holds_against_every_placement_on_an_fpga(training):
     cluster = parse_devices("cpu,u250,cpu")
     opts = PlanOptions(batch_size=4, microbatches=2, schedule="gpipe" if training else "auto",
                        training=training, split_layers=False)
-    bal = Balancer(graph, cluster, opts)
+    bal = Planner(graph, cluster, opts)
     plan, cand = bal.run()
     mb = 2
     prob = cand.raw
-    n = len(bal.builder.groups)
-    best = min(bal.recost(prob, (0, a, b, n), (0, 1, 2), mb)[1].bottleneck
+    n = len(bal.tables.builder.groups)
+    best = min(bal.tables.recost(prob, (0, a, b, n), (0, 1, 2), mb)[1].bottleneck
                for a, b in itertools.combinations(range(1, n), 2))
     assert best < CANNOT_RUN_S
     assert plan.lower_bound_s <= best * (1 + 1e-12)

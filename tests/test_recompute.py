@@ -113,25 +113,27 @@ def test_simulator_peak_counts_inputs_and_one_recomputed_working_set() -> None:
 
 
 def test_recomputed_backward_pays_one_more_forward(big_mlp) -> None:
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.targets.devices import parse_devices
-    bal = Balancer(big_mlp.graph, parse_devices("2xcpu"), PlanOptions(batch_size=4096))
-    units = bal.builder.at(512)
-    plain = bal.problem(units, 512, "gpipe", 8, (0, 1))
-    redo = bal.problem(units, 512, "gpipe", 8, (0, 1), recompute=[False, True])
+    bal = Planner(big_mlp.graph, parse_devices("2xcpu"), PlanOptions(batch_size=4096))
+    units = bal.tables.builder.at(512)
+    plain = bal.evaluator.problem(units, 512, "gpipe", 8, (0, 1))
+    redo = bal.evaluator.problem(units, 512, "gpipe", 8, (0, 1), recompute=[False, True])
     np.testing.assert_allclose(np.asarray(redo.fwd), np.asarray(plain.fwd))
     np.testing.assert_allclose(np.asarray(redo.bwd)[0], np.asarray(plain.bwd)[0])
     np.testing.assert_allclose(np.asarray(redo.bwd)[1], np.asarray(plain.bwd)[1] + np.asarray(plain.fwd)[1])
 
 
 def test_an_fpga_stage_never_recomputes() -> None:
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.targets.devices import parse_devices
     graph = driver.analyze(MLP, model_args=MLP_TINY, batch_size=2).graph
     for order in ((0, 1), (1, 0)):  # --choose-order may put the card at either end
-        bal = Balancer(graph, parse_devices("cpu,u250"), PlanOptions(batch_size=2, recompute="auto"))
-        units = bal.builder.at(1)
-        prob = bal.problem(units, 1, "gpipe", 2, order, recompute=[True, True])
+        bal = Planner(graph, parse_devices("cpu,u250"), PlanOptions(batch_size=2, recompute="auto"))
+        units = bal.tables.builder.at(1)
+        prob = bal.evaluator.problem(units, 1, "gpipe", 2, order, recompute=[True, True])
         assert prob.recompute == tuple(bal.cluster.devices[d].kind != "fpga" for d in order)
 
 
@@ -139,10 +141,11 @@ def test_an_fpga_stage_never_recomputes() -> None:
 def test_partitioner_memory_equals_simulated_peak_for_recomputed_stages(big_mlp, schedule) -> None:
     """Two models of one memory: M_k (inputs of every micro-batch in flight + one working set)
     and the simulator's walk over the schedule's rows agree exactly."""
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.targets.devices import parse_devices
-    bal = Balancer(big_mlp.graph, parse_devices("3xcpu"), PlanOptions(batch_size=4096))
-    cand = bal.evaluate_candidate(schedule, 8, recompute=[True, True, True])
+    bal = Planner(big_mlp.graph, parse_devices("3xcpu"), PlanOptions(batch_size=4096))
+    cand = bal.evaluator.evaluate(schedule, 8, recompute=[True, True, True])
     assert cand.recompute == (True, True, True)
     assert list(cand.part.stage_memory) == pytest.approx(cand.timeline.peak_memory_bytes, rel=1e-12)
 

@@ -118,7 +118,7 @@ def test_schedule_of_uneven_and_bpipe_plans_is_what_the_report_built() -> None:
 
 @pytest.mark.parametrize("name,n,m,v", [p for p in PLANS if p[0] != "inference" or p[3] == 1])
 def test_schedule_for_is_what_the_planner_built(name: str, n: int, m: int, v: int) -> None:
-    # passes/balance.py Balancer._simulate and _inflight: by_name(schedule, stages // v, m, v)
+    # passes/plan_evaluate.py Evaluator.simulate and plan_problem.inflight: by_name(schedule, stages // v, m, v)
     v_used = v if name == "interleaved" else 1
     assert schedule_for(name, n, m, num_ranks=n // v_used) == _old_by_name(name, n // v_used, m, v_used)
     # ... with BPipe: bpipe(by_name("1f1b", p, m, 1), thresholds, POLICY); all None: plain 1F1B

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from pipecc import driver
-from pipecc.passes.balance import Balancer, PlanOptions
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.plan_search import Planner
 from pipecc.targets import fpga_model
 from pipecc.targets.devices import load_catalog, parse_devices
 from pipecc.targets.fpga_timing import BRAM18_BYTES, FpgaCosts
@@ -24,8 +25,8 @@ def _graph(width: int = 32, batch: int = 4):
 
 
 def test_roofline_costs_are_the_device_roofline():
-    bal = Balancer(_graph(), parse_devices("a100"), PlanOptions(batch_size=4))
-    units = bal.builder.at(2)
+    bal = Planner(_graph(), parse_devices("a100"), PlanOptions(batch_size=4))
+    units = bal.tables.builder.at(2)
     dev = load_catalog().device("a100")
     v = units.values
     for training in (True, False):
@@ -47,16 +48,16 @@ def test_roofline_costs_are_the_device_roofline():
 
 def test_fpga_costs_are_the_fpga_model():
     graph = _graph()
-    bal = Balancer(graph, parse_devices("cpu,u250"), PlanOptions(batch_size=4, training=False))
-    costs = bal.costs[1]
-    assert isinstance(costs, FpgaCosts) and isinstance(bal.costs[0], RooflineCosts)
-    units, mb = bal.builder.at(4), 4
+    bal = Planner(graph, parse_devices("cpu,u250"), PlanOptions(batch_size=4, training=False))
+    costs = bal.tables.costs[1]
+    assert isinstance(costs, FpgaCosts) and isinstance(bal.tables.costs[0], RooflineCosts)
+    units, mb = bal.tables.builder.at(4), 4
     fwd, bwd = costs.unit_times(units, mb)
     assert not bwd.any()
-    refused = [u for u, g in enumerate(bal.builder.groups)
+    refused = [u for u, g in enumerate(bal.tables.builder.groups)
                if not all(fpga_model.supported(n) for n in g)]
     assert refused and all(fwd[u] == CANNOT_RUN_S for u in refused)     # the softmax
-    for u, g in enumerate(bal.builder.groups):
+    for u, g in enumerate(bal.tables.builder.groups):
         if u in refused:
             continue
         nodes = [n for n in g if n.op != "get_attr"]
@@ -72,9 +73,9 @@ def test_fpga_costs_are_the_fpga_model():
 
 
 def test_devices_of_one_type_share_one_model():
-    bal = Balancer(_graph(), parse_devices("cpu,u250,cpu,u250"), PlanOptions(batch_size=4))
-    assert bal.costs[0] is bal.costs[2] and bal.costs[1] is bal.costs[3]
-    assert bal.costs[0] is not bal.costs[1]
+    bal = Planner(_graph(), parse_devices("cpu,u250,cpu,u250"), PlanOptions(batch_size=4))
+    assert bal.tables.costs[0] is bal.tables.costs[2] and bal.tables.costs[1] is bal.tables.costs[3]
+    assert bal.tables.costs[0] is not bal.tables.costs[1]
 
 
 class _Refuses(RooflineCosts):
@@ -96,10 +97,10 @@ def test_the_balancer_asks_each_device_model(device, refused):
     """Swap one device's model: the plan keeps the refused unit off that device (here that
     forces the cut next to it), with a lower bound that knows it cannot run there."""
     opts = PlanOptions(batch_size=4, microbatches=1, training=False, split_layers=False)
-    bal = Balancer(_graph(), parse_devices("cpu,cpu"), opts)
-    bal.costs[device] = _Refuses(bal.costs[device], refused)
+    bal = Planner(_graph(), parse_devices("cpu,cpu"), opts)
+    bal.tables.costs[device] = _Refuses(bal.tables.costs[device], refused)
     plan, cand = bal.run()
-    names = bal.builder.at(4).names
+    names = bal.tables.builder.at(4).names
     held = {nm for s in plan.stages if s.device == device for nm in s.nodes}
     assert not any(nm in held for u in refused for nm in names[u])
     assert plan.bottleneck_s < CANNOT_RUN_S and plan.lower_bound_s <= plan.bottleneck_s

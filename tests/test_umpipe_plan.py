@@ -265,7 +265,8 @@ def test_bench_papers_synthetic():
 # ----------------------------------------------------------------------------- chunk costs
 def _curves_of(analysis, devices, profile=None):
     from pipecc import driver
-    from pipecc.passes.balance import Balancer, PlanOptions
+    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_search import Planner
     from pipecc.passes.umpipe_plan import curves_for_plan
     from pipecc.targets.devices import parse_devices
     from pipecc.targets.profiled import use_profile
@@ -274,8 +275,8 @@ def _curves_of(analysis, devices, profile=None):
                               split_layers=False)
     if profile is not None:
         profile, cluster = use_profile(profile, analysis, cluster)
-    balancer = Balancer(graph, cluster, PlanOptions(batch_size=8, schedule="gpipe", profile=profile))
-    return plan, balancer, curves_for_plan(balancer, plan)
+    ev = Planner(graph, cluster, PlanOptions(batch_size=8, schedule="gpipe", profile=profile)).evaluator
+    return plan, ev, curves_for_plan(ev, plan)
 
 
 def test_chunk_costs_are_the_profiled_curves_with_a_profile():
@@ -298,12 +299,12 @@ def test_chunk_costs_add_the_per_call_overhead_to_the_roofline():
     from pipecc.passes.umpipe_plan import LAUNCH_S
     from test_plan_profile import MLP, TINY
     analysis = driver.analyze(MLP, model_args=TINY, batch_size=8)
-    plan, balancer, curves = _curves_of(analysis, "cpu,cpu")
-    units = balancer.builder.at(4)
-    fwd, bwd = balancer.times(units, 4)
+    plan, ev, curves = _curves_of(analysis, "cpu,cpu")
+    units = ev.builder.at(4)
+    fwd, bwd = ev.tables.times(units, 4)
     calls = [0] * len(plan.stages)
     for k, stage in enumerate(plan.stages):
-        calls[k] = sum(1 for g in balancer.builder.groups for n in g
+        calls[k] = sum(1 for g in ev.builder.groups for n in g
                        if n.op != "get_attr" and n.meta[META_NAME] in stage.nodes)
     unit_of = {nm: u for u, names in enumerate(units.names) for nm in names}
     for k, stage in enumerate(plan.stages):

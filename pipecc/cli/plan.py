@@ -48,27 +48,30 @@ def check_plan_args(args: argparse.Namespace) -> tuple[Any, Any]:
     return cluster, profile
 
 
+def options_from_args(args: argparse.Namespace, profile: Any = None):
+    """The command line's plan options as one `PlanOptions` (where they are checked), from the
+    flags of `add_plan_args` (`pipecc plan`, `pipecc compile`); `profile` as `check_plan_args`
+    loaded it."""
+    from pipecc.passes.plan_options import PlanOptions
+    return PlanOptions(microbatches=args.microbatches, schedule=args.schedule, coarse=args.coarse,
+                       choose_order=args.choose_order, split_layers=not args.no_split_layers,
+                       compare=getattr(args, "compare", False), training=not args.inference,
+                       recompute=args.recompute, fpga_number=args.fpga_number, profile=profile,
+                       replicas=args.replicas, microbatch_sizes=args.microbatch_sizes,
+                       bipartition=args.bipartition, activation_balancing=args.activation_balancing,
+                       flash_attention=args.flash_attention)
+
+
 def plan_from_args(args: argparse.Namespace):
     """(analysis, plan, graph) for the model and plan options on the command line."""
     cluster, profile = check_plan_args(args)  # NOTE: first: importing the driver imports torch (seconds)
     from pipecc import driver
     from pipecc.frontend.modelfile import parse_model_args
+    options = options_from_args(args, profile)
     analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
                               batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
                               debug=args.debug, dump_ir=args.dump_ir)
-    plan, graph = driver.plan(analysis, cluster, microbatches=args.microbatches,
-                              schedule=args.schedule, coarse=args.coarse,
-                              choose_order=args.choose_order,
-                              split_layers=not args.no_split_layers,
-                              compare=getattr(args, "compare", False),
-                              training=not args.inference, recompute=args.recompute,
-                              fpga_number=args.fpga_number, profile=profile,
-                              replicas=args.replicas,
-                              microbatch_sizes=args.microbatch_sizes,
-                              bipartition=args.bipartition,
-                              activation_balancing=args.activation_balancing,
-                              flash_attention=args.flash_attention,
-                              debug=args.debug, dump_ir=args.dump_ir)
+    plan, graph = driver.plan(analysis, cluster, options, debug=args.debug, dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
     return analysis, plan, graph

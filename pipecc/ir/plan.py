@@ -78,7 +78,7 @@ class Plan:
     # groups when replicas > 1 (the all-reduce, once per iteration, is in predicted_iteration_s)
     bottleneck_s: float
     # no plan with this micro-batch count beats bottleneck_s = lower_bound_s: any cuts, layer
-    # splits or replication degree the devices allow (`passes.balance.Balancer.lower_bound`)
+    # splits or replication degree the devices allow (`passes.plan_emit.lower_bound`)
     lower_bound_s: float
     predicted_iteration_s: float
     bubble_fraction: float
@@ -90,7 +90,8 @@ class Plan:
     model_args: dict[str, Any] = field(default_factory=dict)
     model_path: str = ""
     options: dict[str, Any] = field(default_factory=dict)
-    # the comm-blind bound of earlier releases, shown next to lower_bound_s for one release
+    # the comm-blind bound (no message costs; CONTRACT §6b), shown next to lower_bound_s: how much
+    # of the distance to the bound is communication
     # (0.0: a plan written before it)
     lower_bound_compute_s: float = 0.0
     # PP x DP: every stage runs on `replicas` devices (1: plain pipeline; replicas == number of
@@ -132,7 +133,7 @@ class Plan:
 
     @property
     def balance_ratio_compute(self) -> float:
-        """bottleneck / the comm-blind bound (the ratio earlier releases reported)."""
+        """bottleneck / the comm-blind bound."""
         lb = self.lower_bound_compute_s
         return self.bottleneck_s / lb if lb > 0 else float("inf")
 

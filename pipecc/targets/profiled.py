@@ -205,7 +205,7 @@ def check_devices(profile: Profile, cluster: Cluster) -> None:
 def measured_links(cluster: Cluster, profile: Profile) -> Cluster:
     """`cluster` with the profile's measured link between every two covered devices whose
     torch device types are the ones the link was measured between (NOTE: the hook through
-    which the profile's link reaches the planner: `Balancer.problem` reads `Cluster.link`)."""
+    which the profile's link reaches the planner: `passes.plan_problem.problem` reads `Cluster.link`)."""
     link = profile.measured_link()
     if link is None:
         return cluster

@@ -1,0 +1,148 @@
+"""The planner's cost tables: what a unit, a stage and its weight gradients cost on each device.
+
+What a unit costs on a device, in time and memory, is that device's cost model
+(`pipecc.targets.timing.DeviceCosts`, picked once per device type by `device_costs`): the
+roofline for CPUs and GPUs, measured curves where a `pipecc profile` timed the device, the
+FPGA model behind estimates.json for FPGA cards. `CostTables` holds them for one graph and
+cluster and answers the numeric questions the rest of the planner asks:
+
+    times(units, mb)          [device][unit] forward and backward seconds (cached per mb)
+    recost(prob, bounds, ..)  a partition with each stage re-costed as a whole where its
+                              device's model says so (FPGA dataflow stages: estimates.json)
+    weight_times(part, ..)    [stage] the weight-gradient share of each backward (zero-bubble W)
+    bound_problem(prob, ..)   the costs a lower bound may use (FPGA: the MAC floor)
+    unit_times(units, mb)     each single-node unit's time on its fastest device (layer splits)
+
+Pure numbers over the device models; the problems built from them are `passes.plan_problem`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from pipecc.ir.graph import AnnotatedGraph
+from pipecc.passes.partition import Partition, PartitionProblem, evaluate
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.units import UnitBuilder, Units
+from pipecc.targets.fpga_timing import FpgaCosts
+from pipecc.targets.hardware import Cluster, Device
+from pipecc.targets.profiled import ProfiledCosts
+from pipecc.targets.timing import CANNOT_RUN_S, DeviceCosts, RooflineCosts
+
+__all__ = ["CostTables", "device_costs"]
+
+
+def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> DeviceCosts:
+    """The one place that picks a device's cost model: FPGA cards get the FPGA model of
+    estimates.json (in the plan's FPGA number format), a device the profile timed its
+    measured curves (the roofline for nodes without one), everything else the roofline."""
+    if device.kind == "fpga":
+        return FpgaCosts(device, builder.graph, builder.groups,
+                         number=options.fpga_number or options.dtype, training=options.training)
+    roofline = RooflineCosts(device, dtype=options.dtype, training=options.training,
+                             optimizer_states=options.optimizer_states)
+    target = options.profile.target_for(device) if options.profile is not None else None
+    if target is not None:
+        return ProfiledCosts(roofline, builder.graph, builder.groups, options.profile, target)
+    return roofline
+
+
+class CostTables:
+    """One graph's costs on one cluster under `options` (module docstring). `costs[d]` is
+    device d's model; devices of one type share it (the FPGA model caches its costs)."""
+
+    def __init__(self, graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions,
+                 splittable: Sequence[str] = ()) -> None:
+        assert isinstance(options.batch_size, int), "the driver resolves batch_size first"
+        self.graph, self.cluster, self.options = graph, cluster, options
+        self.builder = UnitBuilder(graph, coarse=options.coarse, splittable=splittable)
+        self.p = len(cluster.devices)
+        models: dict[str, DeviceCosts] = {}
+        for dev in cluster.devices:
+            if dev.name not in models:
+                models[dev.name] = device_costs(dev, self.builder, options)
+        self.costs: list[DeviceCosts] = [models[dev.name] for dev in cluster.devices]
+        self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
+
+    def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
+        """[device][unit] forward and backward seconds at micro-batch size mb."""
+        if mb in self._times:
+            return self._times[mb]
+        fwd = np.zeros((self.p, units.n))
+        bwd = np.zeros((self.p, units.n))
+        done: dict[int, int] = {}  # NOTE: devices of one type share their model: time it once
+        for d, costs in enumerate(self.costs):
+            if id(costs) in done:
+                fwd[d], bwd[d] = fwd[done[id(costs)]], bwd[done[id(costs)]]
+                continue
+            fwd[d], bwd[d] = costs.unit_times(units, mb)
+            done[id(costs)] = d
+        self._times[mb] = (fwd, bwd)
+        return fwd, bwd
+
+    def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
+               mb: int, d: int = 1) -> tuple[PartitionProblem, Partition]:
+        """The partition at `bounds` with each stage's additive unit times replaced by its
+        device model's time of the whole stage where the model has one (`stage_times`: an
+        FPGA stage's dataflow time, as in `estimates.json`). Other stages are unchanged."""
+        fwd = np.array(prob.fwd, dtype=float)
+        bwd = np.array(prob.bwd, dtype=float)
+        changed = False
+        for k in range(len(bounds) - 1):
+            a, e = bounds[k], bounds[k + 1]
+            if fwd[k, a:e].sum() >= CANNOT_RUN_S:
+                continue
+            # NOTE: replica groups (d > 1) hold no FPGA: the group's first device speaks for it
+            whole = self.costs[order[(k % (self.p // d)) * d]].stage_times(range(a, e), fwd[k, a:e], mb)
+            if whole is None:
+                continue
+            fwd[k, a:e], bwd[k, a:e] = whole
+            changed = True
+        if not changed:
+            return prob, evaluate(prob, bounds)
+        prob = dataclasses.replace(prob, fwd=fwd, bwd=bwd)
+        return prob, evaluate(prob, bounds)
+
+    def weight_times(self, part: Partition, prob: PartitionProblem, order: Sequence[int],
+                     mb: int, d: int = 1) -> list[float]:
+        """[stage] seconds of the stage's backward that compute weight gradients (zero-bubble
+        W): its units' backward seconds in `prob` times their device's `weight_share` (with d
+        replicas, `mb` is a replica's slice and stage k's device the first of group k % (p/d))."""
+        if mb not in self._shares:
+            units = self.builder.at(mb)
+            self._shares[mb] = np.stack([c.weight_share(units, mb) for c in self.costs])
+        share, bwd = self._shares[mb], np.array(prob.bwd, dtype=float)
+        redo = prob.recompute or []
+        out = []
+        for k in range(len(part.bounds) - 1):
+            a, e = part.bounds[k], part.bounds[k + 1]
+            own = bwd[k, a:e] - (np.asarray(prob.fwd)[k, a:e] if k < len(redo) and redo[k] else 0.0)
+            dev = order[(k % (self.p // d)) * d]
+            out.append(float((own * share[dev, a:e]).sum()))  # a re-run forward is I's
+        return out
+
+    def bound_problem(self, prob: PartitionProblem, order: Sequence[int],
+                      mb: int) -> PartitionProblem:
+        """`prob` with the costs a lower bound may use: each device model's `floor_times`
+        where it has them (FPGA: the MAC floor, which no stage holding the unit can beat,
+        while the additive unit times the partitioner uses may exceed a dataflow stage's;
+        units whose on-chip memory alone exceeds the card count as unable to run there)."""
+        floors = [self.costs[order[k % self.p]].floor_times(mb)
+                  for k in range(len(prob.mem_cap))]
+        if all(f is None for f in floors):
+            return prob
+        fwd, bwd = np.array(prob.fwd, dtype=float), np.array(prob.bwd, dtype=float)
+        for k, floor in enumerate(floors):
+            if floor is not None:
+                fwd[k], bwd[k] = floor
+        return dataclasses.replace(prob, fwd=fwd, bwd=bwd)
+
+    def unit_times(self, units: Units, mb: int) -> dict[str, float]:
+        """Each single-node unit's fwd+bwd time on its fastest device, by node name."""
+        fwd, bwd = self.times(units, mb)
+        best = (fwd + bwd).min(axis=0)
+        return {names[-1]: float(best[u]) for u, names in enumerate(units.names)}

@@ -1,0 +1,157 @@
+"""The emitter: a chosen `Candidate` written as the `Plan`, with its bounds and baselines.
+
+    to_plan(ev, cand, lost, search)  stages (nodes, times, bytes, memory, devices), the proven
+                                     lower bound, the decision lines, the baselines (--compare)
+    lower_bound(ev, cand)            no plan with cand's micro-batch count beats it
+    baselines(ev, cand)              the partitions other tools would produce, same cost model
+
+With replicas d > 1, stage k runs on pipeline rank j = k % P (P = n/d): devices j*d ..
+j*d+d-1 (`StagePlan.replica_devices`, `device` = j*d), its forward_s/backward_s a replica's
+(slice of mb/d, slowest member), `allreduce_s` its group's gradient all-reduce per iteration.
+`bottleneck_s` stays the steady-state seconds per micro-batch of B/m samples (the P-rank
+pipeline of groups; the all-reduce, once per iteration, is in `predicted_iteration_s`), so it
+and `lower_bound_s` compare across d.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipecc.ir.plan import Plan, StagePlan
+from pipecc.ir.techniques import capabilities as caps
+from pipecc.passes import baselines as base_rules
+from pipecc.passes import bpipe as bpipe_pass
+from pipecc.passes import replicas as rep
+from pipecc.passes.partition import lower_bound as partition_lower_bound
+from pipecc.passes.plan_candidate import Candidate
+from pipecc.passes.plan_evaluate import Evaluator
+from pipecc.report.formatting import count
+from pipecc.targets.profiled import profile_decisions, time_source
+
+__all__ = ["SearchRecord", "baselines", "lower_bound", "to_plan"]
+
+
+@dataclass
+class SearchRecord:
+    """What the search found besides the candidate it writes: every feasible candidate (best
+    first), the BPipe estimate and decision lines (`passes.bpipe.apply`)."""
+
+    results: list[Candidate] = field(default_factory=list)
+    estimate: dict[str, Any] = field(default_factory=dict)
+    bpipe_notes: list[str] = field(default_factory=list)
+
+
+def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
+    """A bottleneck no plan with the candidate's micro-batch count beats, whatever its cuts,
+    layer splits or replication degree: the least over every degree d the devices and the
+    micro-batch allow (`passes.replicas.allowed`, whatever --replicas asked) of
+    `partition.lower_bound` on that degree's problem (P = n/d groups at a slice of mb/d,
+    `passes.replicas.group_problem`; d = 1: the candidate's devices with `bound_problem`'s
+    costs). Each is valid for its d because the group problem *is* the partitioner's
+    model of every d-replicated plan, so the least is valid for all. comm=False: the
+    comm-blind bound (plan.json's `lower_bound_compute_s`, reported next to it)."""
+    assert isinstance(ev.options.batch_size, int)
+    mb = ev.options.batch_size // cand.microbatches
+    unreplicable = not all(dev.can(caps.REPLICATE) for dev in ev.cluster.devices)
+    best = math.inf
+    for d in rep.allowed("auto", ev.p, mb, unreplicable):
+        if d == cand.replicas:
+            units, prob = cand.units, cand.problem
+        elif ev.p // d > cand.units.n:
+            continue
+        else:
+            units = ev.builder.at(rep.slice_size(mb, d))
+            order = cand.order if d == 1 else tuple(range(ev.p))
+            # NOTE: the schedule only sets in-flight counts (memory), which no bound uses
+            prob = ev.problem(units, rep.slice_size(mb, d), "1f1b", cand.microbatches, order, 1, d=d)
+        if d == 1:
+            prob = ev.tables.bound_problem(prob, cand.order, mb)
+        best = min(best, partition_lower_bound(prob, units.splittable, comm=comm))
+    return best
+
+
+def baselines(ev: Evaluator, cand: Candidate) -> list[dict[str, Any]]:
+    """The partitions other tools would produce, on the same cost model."""
+    assert isinstance(ev.options.batch_size, int)
+    units, prob = cand.units, cand.raw or cand.problem
+    p, mb = len(prob.mem_cap), rep.slice_size(ev.options.batch_size // cand.microbatches, cand.replicas)
+    fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
+    ref_times = fwd[0] + bwd[0]
+    out = []
+    for name, bounds in [
+        ("equal-count (torch.distributed.pipelining)", base_rules.equal_count(units.n, p)),
+        ("equal-params (DeepSpeed parameters)", base_rules.equal_params(units.param_bytes, p)),
+        ("block-partition by time (torchgpipe)", base_rules.block_partition(ref_times, p)),
+    ]:
+        _, part = ev.tables.recost(prob, bounds, cand.order, mb, cand.replicas)
+        out.append({"name": name, "bounds": list(part.bounds), "bottleneck_s": part.bottleneck,
+                    "fits_memory": bool(getattr(part, "fits", True))})
+    return out
+
+
+def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
+            search: SearchRecord) -> Plan:
+    """The Plan of `cand` (module docstring); `lost`: why every other candidate lost."""
+    opt, tables, cluster = ev.options, ev.tables, ev.cluster
+    assert isinstance(opt.batch_size, int)
+    part, units, prob = cand.part, cand.units, cand.problem
+    fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
+    lb, lb_compute = lower_bound(ev, cand), lower_bound(ev, cand, comm=False)
+    d, P = cand.replicas, cand.ranks
+    mb = rep.slice_size(opt.batch_size // cand.microbatches, d)
+    weights = tables.weight_times(part, prob, cand.order, mb, d)
+    stages = []
+    for k in range(len(part.bounds) - 1):
+        a, e = part.bounds[k], part.bounds[k + 1]
+        names = [nm for u in range(a, e) for nm in units.names[u]]
+        recv = part.cut_bytes[k - 1] if k > 0 else 0.0
+        send = part.cut_bytes[k] if k < len(part.cut_bytes) else 0.0
+        comm = 2 * prob.link_time(k - 1, recv) if k > 0 else 0.0
+        comm += 2 * prob.link_time(k, send) if k < len(part.bounds) - 2 else 0.0
+        stages.append(StagePlan(
+            index=k, device=(k % P) * d, nodes=names,
+            forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
+            backward_weight_s=weights[k],
+            send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
+            peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])
+            if cand.virtual == 1 else int(part.stage_memory[k]),
+            forward_flops=int(units.values["forward_flops"][a:e].sum()),
+            param_bytes=int(units.param_bytes[a:e].sum()),
+            time_source=time_source(tables.costs[cand.order[(k % P) * d]], names),
+            recompute=bool(cand.recompute[k]) if cand.recompute else False,
+            replica_devices=list(range((k % P) * d, (k % P) * d + d)) if d > 1 else [],
+            allreduce_s=float(cand.allreduce[k]) if cand.allreduce else 0.0))
+    decisions = [f"schedule {cand.schedule} with {count(cand.microbatches, 'micro-batch')} of "
+                 f"{opt.batch_size // cand.microbatches}: predicted "
+                 f"{cand.timeline.iteration_s:.4g} s per iteration, bubble "
+                 f"{cand.timeline.bubble_fraction:.1%}"]
+    if cand.order != tuple(range(ev.p)):
+        decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
+    decisions += rep.decisions(tables, cand, search.results)
+    decisions += profile_decisions(tables.costs, cluster, mb)
+    decisions += cand.notes  # e.g. which stages recompute their activations, and why
+    if bool(cand.thresholds) == bool(search.estimate.get("used")):  # BPipe used or not, and why
+        decisions += search.bpipe_notes
+    return Plan(
+        model=ev.graph.model_name, batch_size=opt.batch_size,
+        microbatches=cand.microbatches, schedule=cand.schedule,
+        devices=[{"name": cluster.devices[x].name, "kind": cluster.devices[x].kind,
+                  "placement": cluster.devices[x].placement, "given_index": x}
+                 for x in cand.order],
+        stages=stages, split_layers=[], bottleneck_s=float(part.bottleneck),
+        lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
+        predicted_iteration_s=float(cand.timeline.iteration_s),
+        bubble_fraction=float(cand.timeline.bubble_fraction), dtype=opt.dtype,
+        activation_balancing=bpipe_pass.plan_fields(cand), estimate=dict(search.estimate),
+        virtual_stages=cand.virtual, decisions=decisions, alternatives=lost, replicas=d,
+        baselines=baselines(ev, cand) if opt.compare else [],
+        options={"coarse": opt.coarse, "choose_order": opt.choose_order,
+                 "training": opt.training, "recompute": opt.recompute,
+                 "activation_balancing": opt.activation_balancing,
+                 "flash_attention": opt.flash_attention,
+                 "replicas_requested": opt.replicas,
+                 **{k: x for c in tables.costs for k, x in c.plan_options().items()}})

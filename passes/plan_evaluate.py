@@ -1,0 +1,192 @@
+"""The evaluator: what a candidate plan costs, as a `Candidate` with its simulated `Timeline`.
+
+    Evaluator(tables)
+      .problem(units, mb, schedule, m, order, v, recompute, d) -> PartitionProblem
+      .simulate(part, prob, schedule, m, v, ...)               -> Timeline
+      .evaluate(schedule, m, recompute=None, d=1)              -> Candidate
+
+`evaluate` is one candidate of the search: the exact partition of (schedule, m micro-batches,
+d replicas, recomputing stages) on its problem (`passes.plan_problem`), re-costed where a
+device model costs whole stages (`CostTables.recost`), simulated under its schedule. The
+technique passes (`passes.recompute`, `passes.bpipe`, `passes.replicas`, `passes.umpipe_plan`,
+`passes.bipartition_plan`) ask an `Evaluator` for problems, timelines and candidates; the
+search (`passes.plan_search`) drives them and the emitter (`passes.plan_emit`) writes the plan.
+
+Zero-bubble schedules (``ZERO_BUBBLE``: zb-h1) split each stage's backward into I (input
+gradient) and W (weight gradient); the simulator gets both, each stage's W being the sum over
+its units of the backward seconds times the device model's `weight_share`. The partitioner
+itself still balances F + B per stage (the 1F1B steady state, which ZB-H1 shares). No FPGA
+plan uses them: the FPGA backend has no separate weight-gradient pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, VIRTUAL, ZERO_BUBBLE, schedule_for
+from pipecc.passes import plan_problem
+from pipecc.passes import replicas as rep
+from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
+                                     best_device_order, partition)
+from pipecc.passes.plan_candidate import Candidate
+from pipecc.passes.plan_costs import CostTables
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.simulate import StageCosts, Timeline, simulate
+from pipecc.passes.units import UnitBuilder, Units
+from pipecc.targets.hardware import Cluster
+from pipecc.targets.timing import CANNOT_RUN_S
+
+__all__ = ["Evaluator"]
+
+
+class Evaluator:
+    """Costs candidates on one graph and cluster (module docstring). `tables` holds the
+    numbers; `options`, `cluster`, `graph`, `builder` and `p` (the device count) are its."""
+
+    def __init__(self, tables: CostTables) -> None:
+        self.tables = tables
+        self.options: PlanOptions = tables.options
+        self.cluster: Cluster = tables.cluster
+        self.graph: AnnotatedGraph = tables.graph
+        self.builder: UnitBuilder = tables.builder
+        self.p: int = tables.p
+
+    def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
+                v: int = 1, recompute: Sequence[bool] | None = None, d: int = 1) -> PartitionProblem:
+        """`passes.plan_problem.problem` over these tables."""
+        return plan_problem.problem(self.tables, units, mb, schedule, m, order, v, recompute, d)
+
+    def evaluate(self, schedule: str, m: int, recompute: Sequence[bool] | None = None,
+                 d: int = 1) -> Candidate:
+        """The best partition for (schedule, m, d replicas), with `recompute[k]` stages
+        recomputing. InfeasibleError when nothing fits."""
+        opt, tables = self.options, self.tables
+        assert isinstance(opt.batch_size, int)
+        mb = rep.slice_size(opt.batch_size // m, d)  # NOTE: d replicas: the largest slice
+        units = self.builder.at(mb)
+        v = opt.virtual_stages if schedule in VIRTUAL else 1
+        order = tuple(range(self.p))
+        prob = self.problem(units, mb, schedule, m, order, v, recompute, d)
+        if opt.choose_order and v == 1 and self.p > 1 and d == 1:
+            types = [dev.name for dev in self.cluster.devices]
+            order, part = best_device_order(
+                lambda o: self.problem(units, mb, schedule, m, o, 1, recompute), types)
+            prob = self.problem(units, mb, schedule, m, order, v, recompute)
+        else:
+            part = partition(prob)
+        if part.bottleneck >= CANNOT_RUN_S:
+            raise InfeasibleError(self._unsupported_message(prob, order))
+        raw = prob
+        prob, part = tables.recost(prob, part.bounds, order, mb, d)
+        allreduce = rep.stage_allreduce_s(tables, units, part.bounds, order, d) if d > 1 else None
+        timeline = self.simulate(part, prob, schedule, m, v, order=order, allreduce=allreduce)
+        # NOTE: the partitioner is exact for its model: the 1F1B steady state with transfers
+        # overlapped. With few micro-batches, or GPipe's two one-way streams, fill and drain
+        # weigh more, and cuts exact for the stream model (training=False) or for transfers
+        # charged to both stages (`PartitionProblem.comm`) can simulate faster: the simulator
+        # chooses.
+        tried = {tuple(part.bounds)}
+        for other in (dataclasses.replace(raw, training=False), dataclasses.replace(raw, comm="charged")):
+            if other == raw:
+                continue
+            alt = partition(other)
+            if alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
+                continue
+            tried.add(tuple(alt.bounds))
+            prob2, part2 = tables.recost(raw, alt.bounds, order, mb, d)
+            allreduce2 = rep.stage_allreduce_s(tables, units, part2.bounds, order, d) if d > 1 else None
+            timeline2 = self.simulate(part2, prob2, schedule, m, v, order=order, allreduce=allreduce2)
+            if timeline2.iteration_s < timeline.iteration_s:
+                prob, part, timeline, allreduce = prob2, part2, timeline2, allreduce2
+        return Candidate(schedule, m, order, part, prob, units, timeline, v, raw=raw,
+                         recompute=tuple(bool(r) for r in prob.recompute or ()),
+                         replicas=d, allreduce=list(allreduce or []))
+
+    def simulate(self, part: Partition, prob: PartitionProblem, schedule: str, m: int,
+                 v: int, order: Sequence[int] | None = None,
+                 allreduce: Sequence[float] | None = None,
+                 bpipe: Sequence[int | None] | None = None, bpipe_policy: str | None = None,
+                 free_stash: bool = False) -> Timeline:
+        """The timeline of `part` on `prob` under `schedule` with m micro-batches, v stages per
+        rank. `allreduce` [stage]: replica groups' all-reduce seconds (summed per rank), None
+        without replication. `bpipe` [stage]: BPipe thresholds (1F1B, one stage per device)
+        under `bpipe_policy` (`passes.bpipe.POLICY`): a stash (internal activations plus the
+        received input, as the partitioner counts it) moves over the pair's link (free with
+        `free_stash`); all None: the same stash bytes without moves (memory before balancing)."""
+        stages = len(part.bounds) - 1
+        fwd = np.asarray(prob.fwd)
+        bwd = np.asarray(prob.bwd)
+        f = [float(fwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
+        b = [float(bwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
+        send = [prob.link_time(k, part.cut_bytes[k]) if k < stages - 1 else 0.0 for k in range(stages)]
+        back = [0.0] + send[:-1]
+        act_mem = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), fwd.shape)
+        static_mem = np.broadcast_to(np.asarray(prob.static_mem, dtype=float), fwd.shape)
+        act = [float(act_mem[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
+        static = [float(static_mem[k, part.bounds[k]:part.bounds[k + 1]].sum())
+                  for k in range(stages)]
+        redo = None
+        if prob.recompute is not None:  # stash the received inputs; re-create `act` in each B
+            redo = [a if r else 0.0 for a, r in zip(act, prob.recompute)]
+            received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
+            act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
+        if bpipe is not None:  # NOTE: the partitioner's stash: the received input counts too
+            redone = prob.recompute or (False,) * stages  # (a recomputing stage's act is it already)
+            act = [a + (float(part.cut_bytes[k - 1]) if k > 0 and not redone[k] else 0.0) for k, a in enumerate(act)]
+        split: dict[str, list[float] | float] = {}
+        if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
+            assert isinstance(self.options.batch_size, int)
+            d = self.p * v // stages  # replicas per stage group
+            w = self.tables.weight_times(part, prob, order or tuple(range(self.p)),
+                                         rep.slice_size(self.options.batch_size // m, d), d)
+            split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)],
+                     "split_cost": SPLIT_BACKWARD_COST}  # what the runtime's split measured
+        costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
+                                     activation_bytes=act, static_bytes=static,
+                                     recompute_bytes=redo, **split)  # type: ignore[arg-type]
+        if bpipe is not None and bpipe_policy is None:
+            raise ValueError("bpipe thresholds need their bpipe_policy")
+        sched = schedule_for(schedule, stages, m, num_ranks=stages // v, bpipe_thresholds=bpipe,
+                             bpipe_policy=bpipe_policy or "jit")
+        if bpipe is not None:
+            devs, per = order or tuple(range(self.p)), self.p // stages  # per: replicas of a stage
+            costs.stash_transfer_s = [
+                [0.0 if free_stash or sched.partner is None or sched.partner[k] is None
+                 else self.cluster.link(devs[k * per], devs[sched.partner[k] * per]).time(act[k])] * m
+                for k in range(stages)]
+        if allreduce is not None:
+            per_rank = [0.0] * sched.num_ranks
+            for k, t in enumerate(allreduce):
+                per_rank[sched.stage_to_rank[k]] += t
+            costs.allreduce_s = per_rank
+        return simulate(sched, costs)
+
+    def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
+        """Why every placement puts something on an FPGA it cannot take: memory elsewhere,
+        no one-tensor boundary around the FPGA stage, or ops it cannot generate.
+        NOTE: the FPGA cost model is the one that refuses units and cuts, hence the words."""
+        costs, devices = self.tables.costs, self.cluster.devices
+        fpgas = ", ".join(f"{k} ({devices[d].name})" for k, d in enumerate(order)
+                          if costs[d].one_tensor_boundaries)
+        bad = next((b for c in costs if (b := c.unsupported_nodes())), [])
+        example = f"{bad[0].meta['pipecc.op']} at node {bad[0].meta['pipecc.name']}" if bad else "?"
+        fix = ("leave the FPGA out of --devices" if self.options.choose_order and self.p > 1
+               else "put a CPU/GPU there or use --choose-order")
+        roomy = dataclasses.replace(prob, mem_cap=[float("inf")] * len(prob.mem_cap))
+        if partition(roomy).bottleneck < CANNOT_RUN_S:
+            short = [f"{k} ({devices[d].name})" for k, d in enumerate(order)
+                     if not costs[d].one_tensor_boundaries]
+            return (f"no placement fits memory: the only splits that fit put on FPGA device "
+                    f"{fpgas} ops it cannot generate (e.g. {example}) or a boundary of more than "
+                    f"one tensor, because device {', '.join(short)} cannot hold the rest; add "
+                    f"devices with more memory or use more micro-batches")
+        if partition(dataclasses.replace(roomy, blocked=None)).bottleneck < CANNOT_RUN_S:
+            return (f"FPGA device {fpgas} needs a stage boundary of one float32 tensor on each "
+                    f"side, and no such cut leaves it only ops it can generate; {fix}")
+        return (f"FPGA device {fpgas} would have to run ops the FPGA backend cannot "
+                f"generate (e.g. {example}); {fix}")
+

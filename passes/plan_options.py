@@ -1,0 +1,90 @@
+"""`PlanOptions`: every planning option, its default and its check, in one place.
+
+The command line (`pipecc.cli.plan.options_from_args` converts the parsed flags once),
+`pipecc.driver.plan` (its keywords are these fields, `PlanOptions.of`) and `pipecc.compile`
+(`**plan_options`) all build one of these; the planner's passes (`passes.plan_*`, the
+technique modules) read it. A bad value is one `UsageError` line naming the flag and the
+choices, raised when the options are built (`__post_init__`), before any search runs.
+
+The defaults are the Python API's (`driver.plan`, `pipecc.compile`): the plain pipeline
+(`replicas=1`) and no activation balancing, because one process (the drop-in module) cannot
+run replica groups or BPipe's pairs side by side. The command line's own defaults are its
+flags' (`--replicas auto`, `--activation-balancing auto`, `--fpga-number float`).
+
+What needs the model is resolved by the driver: `batch_size=None` is the graph's example
+batch, and a `microbatch_sizes` list fixes the schedule, replicas and micro-batch count
+(`passes.umpipe_plan.base_options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipecc.errors import UsageError
+from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
+
+__all__ = ["ACTIVATION_BALANCING", "BIPARTITION", "RECOMPUTE", "PlanOptions"]
+
+RECOMPUTE = ("none", "full", "auto")          # passes.recompute
+ACTIVATION_BALANCING = ("auto", "on", "off")  # passes.bpipe
+BIPARTITION = ("off", "auto")                 # passes.bipartition_plan
+
+
+@dataclass
+class PlanOptions:
+    """What the planner may choose and how it costs the model (module docstring)."""
+
+    batch_size: int | None = None     # None: the graph's example batch (the driver resolves it)
+    microbatches: int | str = "auto"  # M or "auto"
+    schedule: str = "auto"            # "auto" or one of the registry's training schedules
+    training: bool = True             # False: forward passes only (the inference schedule)
+    optimizer_states: int = 2         # Adam: two moments per weight
+    dtype: str = "fp32"
+    coarse: bool = False              # cut only at block boundaries
+    choose_order: bool = False        # order interchangeable devices
+    split_layers: bool = True         # intra-layer splits (passes.split_search)
+    virtual_stages: int = 2           # stages per rank under interleaved
+    compare: bool = False             # add the baselines' partitions to the plan
+    fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
+    profile: Any = None               # measured costs (a `pipecc profile` file, its dict or Profile)
+    recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
+    replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
+    microbatch_sizes: str | Sequence[int] = "equal"  # UMPIPE: equal, auto or S1,S2,... (passes.umpipe_plan)
+    umpipe_budget_s: float = 10.0     # UMPIPE's search budget under microbatch_sizes="auto"
+    bipartition: str = "off"          # separate FP/BP cuts: off or auto (passes.bipartition_plan)
+    bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
+    activation_balancing: str = "off"  # BPipe: auto, on or off (passes.bpipe)
+    flash_attention: bool = False     # cost fused attention as flash attention runs it (cost.annotate)
+
+    def __post_init__(self) -> None:
+        if self.schedule != "auto" and self.schedule not in TRAINING_SCHEDULES:
+            raise UsageError(f"--schedule {self.schedule!r}: choose auto, {', '.join(TRAINING_SCHEDULES[:-1])} or "
+                             f"{TRAINING_SCHEDULES[-1]}")
+        if self.recompute not in RECOMPUTE:
+            raise UsageError(f"--recompute {self.recompute!r}: choose none, full or auto")
+        if self.activation_balancing == "on" and self.microbatch_sizes not in ("equal", "auto"):
+            raise UsageError("--activation-balancing on needs equal micro-batches: drop --microbatch-sizes")
+        if self.replicas != "auto" and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
+                                        or self.replicas < 1):
+            raise UsageError(f"--replicas {self.replicas!r}: use auto or a positive integer")
+        if self.bipartition not in BIPARTITION:
+            raise UsageError(f"--bipartition {self.bipartition!r}: choose off or auto")
+        if self.activation_balancing not in ACTIVATION_BALANCING:
+            raise UsageError(f"--activation-balancing {self.activation_balancing!r}: choose auto, on or off")
+        if self.fpga_number is not None:
+            from pipecc.targets.fpga_model import parse_number  # NOTE: imports torch
+            parse_number(self.fpga_number)  # a bad format is an error even without FPGA devices
+
+    @classmethod
+    def of(cls, options: PlanOptions | None = None, **fields: Any) -> PlanOptions:
+        """`options` (default: the defaults) with `fields` replacing its values; an unknown
+        field is one line naming the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise UsageError(f"unknown plan option {unknown[0]!r}; the plan options are "
+                             f"{', '.join(sorted(known))}")
+        return dataclasses.replace(options, **fields) if options is not None else cls(**fields)

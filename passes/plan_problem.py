@@ -1,0 +1,96 @@
+"""The partition problem of one candidate: a `PartitionProblem` from the cost tables.
+
+Stage k runs on device order[k % p] with the memory its device's model counts
+(`DeviceCosts.memory`: DRAM for CPUs/GPUs, on-chip BRAM for FPGA cards) and as many
+micro-batches in flight as the schedule stashes there (`inflight`, from the generated
+schedule). A unit a device cannot run costs CANNOT_RUN_S there, and a device whose stages
+take one float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
+A stage with `recompute[k]` pays one more forward in its backward and holds one
+micro-batch's activations (`passes.recompute`); with d > 1 replicas the problem is over
+replica groups (`passes.replicas.group_problem`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pipecc.ir.schedule.registry import schedule_for
+from pipecc.ir.techniques import capabilities as caps
+from pipecc.passes import replicas as rep
+from pipecc.passes.partition import PartitionProblem
+from pipecc.passes.plan_costs import CostTables
+from pipecc.passes.units import Units
+
+__all__ = ["inflight", "problem", "recomputing"]
+
+
+def recomputing(prob: PartitionProblem, recompute: Sequence[bool] | None) -> PartitionProblem:
+    """`prob` with `recompute[k]` stages paying one more forward in their backward (and marked,
+    for the memory model) — what `problem` does on its own devices."""
+    if recompute is None or not any(recompute):
+        return prob
+    if len(recompute) != len(prob.mem_cap):
+        raise ValueError(f"recompute needs one flag per stage ({len(prob.mem_cap)}), got {len(recompute)}")
+    fwd = np.asarray(prob.fwd, dtype=float)
+    bwd = np.asarray(prob.bwd, dtype=float) + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd, 0.0)
+    return dataclasses.replace(prob, bwd=bwd, recompute=tuple(bool(r) for r in recompute))
+
+
+@functools.lru_cache(maxsize=256)  # NOTE: --choose-order asks once per device order
+def inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """Micro-batches stashed at once by each of p stages (v per rank): the schedule's peak
+    stash per rank (gpipe: m; 1f1b: min(ranks - r, m)), spread evenly over a rank's stages."""
+    prof = schedule_for(schedule, p, m, num_ranks=p // v).rank_stash_profile()
+    return tuple(math.ceil(prof[k % (p // v)] / v) for k in range(p))
+
+
+def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
+            v: int = 1, recompute: Sequence[bool] | None = None, d: int = 1) -> PartitionProblem:
+    """The problem of (schedule, m micro-batches of mb, device order, v stages per rank,
+    recomputing stages, d replicas) over `tables` (module docstring). With d > 1, stage k is on
+    replica group k % (p/d) and `mb` is a replica's slice."""
+    p, training, cluster = tables.p, tables.options.training, tables.cluster
+    if d > 1:
+        P = p // d
+        held = inflight(schedule, P * v, m, v) if training else [1] * (P * v)
+        prob = rep.group_problem(tables, units, mb, held, order, d, v)
+        return recomputing(prob, recompute)  # NOTE: no FPGA is ever replicated
+    fwd, bwd = tables.times(units, mb)
+    devs = [order[k % p] for k in range(p * v)]
+    if recompute is not None and len(recompute) != len(devs):
+        raise ValueError(f"recompute needs one flag per stage ({len(devs)}), got {len(recompute)}")
+    if recompute is not None:  # never on a device that cannot (an FPGA card; any order may put one anywhere)
+        recompute = [bool(r) and cluster.devices[x].can(caps.RECOMPUTE) for r, x in zip(recompute, devs)]
+    if recompute is not None and any(recompute):  # the re-run forward joins the backward
+        bwd = bwd[devs] + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd[devs], 0.0)
+        fwd, devs_t = fwd[devs], list(range(len(devs)))
+    else:
+        recompute, devs_t = None, devs
+    mems = [tables.costs[x].memory(units, v) for x in devs]
+    held = inflight(schedule, p * v, m, v) if training else [1] * (p * v)
+    held = [i if mem.inflight is None else mem.inflight for i, mem in zip(held, mems)]
+    links = [cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
+             for k in range(len(devs) - 1)]
+
+    def link_time(k: int, nbytes: float) -> float:
+        return links[k].time(nbytes) if links[k] is not None and nbytes > 0 else 0.0
+    one = [tables.costs[x].one_tensor_boundaries for x in devs]
+    blocked = None
+    if any(one):  # such a stage takes one float32 tensor in and sends one out
+        bad = ~tables.builder.one_tensor_cut
+        none = np.zeros_like(bad)
+        blocked = [bad if one[k] or one[k + 1] else none for k in range(len(devs) - 1)]
+    return PartitionProblem(
+        fwd=fwd[devs_t], bwd=bwd[devs_t], out_bytes=units.values["output_bytes"],
+        last_use=units.last_use, static_mem=np.stack([mem.static for mem in mems]),
+        act_mem=np.stack([mem.act for mem in mems]), mem_cap=[mem.cap for mem in mems],
+        inflight=held, link_time=link_time, blocked=blocked, training=training,
+        recompute=None if recompute is None else tuple(bool(r) for r in recompute),
+        labels=[f"device {k} ({cluster.devices[x].name}"
+                + (f", {mem.what}" if mem.what else "") + ")"
+                for k, (x, mem) in enumerate(zip(devs, mems))])

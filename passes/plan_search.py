@@ -1,0 +1,175 @@
+"""The balance search: choose schedule, micro-batch count, replication degree and cuts.
+
+    costed graph + cluster ─► cost tables (passes.plan_costs) ─► for each (schedule, m, d):
+    evaluate (passes.plan_evaluate: problem ─► exact partition ─► simulate), through the
+    recompute pass's mode ─► BPipe weighed against the best (passes.bpipe) ─► the fastest
+    that fits memory ─► Plan (passes.plan_emit)
+
+Layer splitting (`passes.split_search`), unequal micro-batches (`passes.umpipe_plan`) and
+separate forward/backward cuts (`passes.bipartition_plan`) run after it, on its plan, as the
+driver's later steps. `Planner` holds one search's state (its candidates, best first, and the
+BPipe estimate); the numbers are the evaluator's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from pipecc.errors import PipeccError, UsageError
+from pipecc.ir import techniques
+from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.registry import TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE
+from pipecc.ir.techniques import capabilities as caps
+from pipecc.passes import bpipe as bpipe_pass
+from pipecc.passes import recompute as recompute_pass
+from pipecc.passes import replicas as rep
+from pipecc.passes.partition import InfeasibleError
+from pipecc.passes.plan_costs import CostTables
+from pipecc.passes.plan_emit import SearchRecord, to_plan
+from pipecc.passes.plan_candidate import Candidate
+from pipecc.passes.plan_evaluate import Evaluator
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.targets.hardware import Cluster
+
+__all__ = ["Planner"]
+
+
+class Planner:
+    """One balance search over `graph` on `cluster` (module docstring): `run()` returns the
+    Plan and the candidate it was written from; `results` then holds every feasible candidate,
+    best first, and `infeasible` why the others fit nothing."""
+
+    def __init__(self, graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions,
+                 splittable: Sequence[str] = ()) -> None:
+        self.tables = CostTables(graph, cluster, options, splittable)
+        self.evaluator = Evaluator(self.tables)
+        self.options, self.cluster, self.p = options, cluster, self.tables.p
+        self.record = SearchRecord()
+        self.infeasible: list[dict[str, Any]] = []
+
+    @property
+    def results(self) -> list[Candidate]:
+        return self.record.results
+
+    def candidates(self) -> list[tuple[str, int, int]]:
+        """(schedule, micro-batches, replicas) to try: every schedule and m, each with every
+        replication degree d allowed (`passes.replicas.allowed`); P = n/d pipeline ranks. One
+        rank (plain data parallelism) has one meaningful schedule: 1f1b."""
+        opt, p, devices = self.options, self.p, self.cluster.devices
+        assert isinstance(opt.batch_size, int)
+        b = opt.batch_size
+        if opt.microbatches == "auto":
+            ms = [m for m in range(1, b + 1) if b % m == 0 and m <= 64]
+        else:
+            m = int(opt.microbatches)
+            if m < 1 or b % m:
+                raise UsageError(f"--microbatches {m} must divide the batch size {b}")
+            ms = [m]
+        unreplicable = [dev.name for dev in devices if not dev.can(caps.REPLICATE)]
+        rep.check_requested(opt.replicas, p, devices)
+        rep.check_slices(opt.replicas, b, ms)
+        n_units = self.tables.builder.at(1).n
+
+        allowed = {m: rep.allowed(opt.replicas, p, b // m, bool(unreplicable)) for m in ms}
+        if not any(p // d <= n_units for ds in allowed.values() for d in ds):
+            groups = [d for d in rep.allowed("auto", p, b // min(ms), bool(unreplicable))
+                      if p // d <= n_units]  # would replica groups fit?
+            raise PipeccError(f"{p} devices but only {n_units} units to place; use fewer "
+                              "devices" + (" or --replicas auto" if groups else ""))
+
+        def degrees(m: int) -> list[int]:
+            return [d for d in allowed[m] if p // d <= n_units]
+        if not opt.training:
+            return [("inference", m, d) for m in ms for d in degrees(m)]
+        scheds = TRAINING_SCHEDULES if opt.schedule == "auto" else (opt.schedule,)
+
+        def refused(s: str) -> str | None:  # the zero-bubble rule on these devices
+            draft = techniques.sketch(schedule=s, devices=devices)
+            return techniques.zero_bubble.requires(draft, techniques.COMPILED)
+        if opt.schedule in ZERO_BUBBLE and refused(opt.schedule):
+            raise UsageError(f"--schedule {opt.schedule}: {refused(opt.schedule)}")
+        # auto: a zero-bubble schedule these devices cannot run is no candidate
+        scheds = tuple(s for s in scheds if s not in ZERO_BUBBLE or not refused(s))
+        out = []
+        for s in scheds:
+            for m in ms:
+                for d in degrees(m):
+                    P = p // d
+                    if s in VIRTUAL and (m % P or opt.virtual_stages < 2 or P == 1):
+                        continue
+                    if P == 1 and s != "1f1b" and opt.schedule == "auto":
+                        continue  # one rank: gpipe is 1f1b holding every micro-batch at once
+                    out.append((s, m, d))
+        if not out:
+            raise UsageError(f"--schedule interleaved needs a micro-batch count divisible by "
+                             f"{p} devices")
+        return out
+
+    def run(self) -> tuple[Plan, Candidate]:
+        ev = self.evaluator
+        bpipe_pass.check(ev)
+        results: list[Candidate] = []
+        lost: list[dict[str, Any]] = []
+        tried = self.candidates()
+        if self.options.activation_balancing == "on":  # BPipe forced: 1F1B only
+            tried = [c for c in tried if c[0] == "1f1b"] or tried
+        for schedule, m, d in tried:
+            try:
+                results.append(recompute_pass.evaluate_candidate(ev, schedule, m, d))
+            except InfeasibleError as exc:
+                lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
+                             "reason": str(exc)})
+        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
+        ms = sorted({(m, d) for s, m, d in tried if s == "1f1b" and self.p // d > 1})  # BPipe's (m, replicas)
+        results, notes, estimate = bpipe_pass.apply(ev, results, ms)
+        self.record = SearchRecord(results, estimate, notes)
+        if not results:
+            reason = lost[0]["reason"] if lost else "no candidate"
+            if lost:  # would recomputing activations fit it? (only with --recompute none)
+                reason = recompute_pass.hint(ev, lost[0]["schedule"], lost[0]["microbatches"], reason,
+                                             lost[0].get("replicas", 1))
+            if "on-chip BRAM" in reason:
+                reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
+                           "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
+            raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
+                              else f"no schedule fits memory: {reason}")
+        self.infeasible = lost
+        best = results[0]
+        return self.to_plan(best), best
+
+    def to_plan(self, cand: Candidate) -> Plan:
+        """The Plan of `cand`, with why every other candidate lost (`alternatives`)."""
+        return to_plan(self.evaluator, cand, self.alternatives(cand), self.record)
+
+    def alternatives(self, chosen: Candidate) -> list[dict[str, Any]]:
+        """Why every other (schedule, micro-batches) lost to `chosen` (before layer splits)."""
+        out = list(self.infeasible)
+        for c in self.results:
+            if c is not chosen:
+                out.append({"schedule": c.schedule, "microbatches": c.microbatches,
+                            "replicas": c.replicas,
+                            "reason": f"slower: {c.timeline.iteration_s:.4g} s per iteration "
+                                      f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
+                                      f"{chosen.timeline.iteration_s:.4g} s"})
+        return out
+
+    def contenders(self, within: float = math.inf, most: int = len(TRAINING_SCHEDULES)) -> list[Candidate]:
+        """The fastest candidate of each schedule within `within` of the best (at most
+        `most`, best first): layer splitting may reorder these, so each gets split. (A
+        replicated candidate competes under its schedule's name like any other.)"""
+        out: list[Candidate] = []
+        top = self.results[0].timeline.iteration_s
+        for c in self.results:
+            if c.timeline.iteration_s > top * (1 + within) or len(out) >= most:
+                break
+            if all(o.schedule != c.schedule for o in out):
+                out.append(c)
+        return out
+
+    def unit_times(self, cand: Candidate) -> dict[str, float]:
+        """Each single-node unit's fwd+bwd time on its fastest device, by node name."""
+        assert isinstance(self.options.batch_size, int)
+        mb = rep.slice_size(self.options.batch_size // cand.microbatches, cand.replicas)
+        return self.tables.unit_times(cand.units, mb)

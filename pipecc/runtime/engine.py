@@ -89,7 +89,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.ir.schedule.registry import SCHEDULES, VIRTUAL, schedule_for
 from pipecc.ir.schedule.text import ScheduleError, parse
-from pipecc.ir.schedule.transforms import forward_only
+from pipecc.ir.schedule.transforms import forward_only, with_collectives
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime.ports import (
     Port,
@@ -296,6 +296,8 @@ class PipelineRuntime:
         self.grad_sync = None if self.replicas.count == 1 else GradientAllReduce(
             self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
         self._bip = self._bipartition()  # stage -> its Bi-Partition program (pipecc.runtime.segments)
+        # the collectives the run needs (a schedule built by name, or text without them, gets them here)
+        self.schedule = with_collectives(self.schedule, self.replicas.count, self._refreshing(self._bip))
         # Bi-Partition: True when the caller runs after_optimizer_step after every step (dist.py's
         # training loop): the replicas' refresh receive is then posted during the step
         self.refresh_follows = False
@@ -370,13 +372,11 @@ class PipelineRuntime:
             self._refresh_posted[runner.boundary] = self._wire.post(
                 params, self.schedule.stage_to_rank[runner.bp], tags, "the replica refresh")
 
-    def _refresh_points(self, schedule: Schedule) -> dict[Action, int]:
-        """Bi-Partition: each replica-holding stage's last F of this rank -> that stage."""
-        last: dict[int, Action] = {}
-        for a in schedule.actions[self.rank]:
-            if a.kind is ActionKind.F and a.stage in self._bip:
-                last[a.stage] = a
-        return {a: s for s, a in last.items()}
+    @staticmethod
+    def _refreshing(programs: dict[int, WorkerProgram]) -> list[int]:
+        """Bi-Partition: the stages holding a replica of a segment another stage owns (their
+        schedule row has a REFRESH)."""
+        return sorted(s for s, program in programs.items() if any(not r.owner for r in program.module.runners))
 
     # -- public API ----------------------------------------------------------------------
 
@@ -474,10 +474,10 @@ class PipelineRuntime:
         self.peak_stash = self._wire.peak_inflight = 0
         release = send_release(schedule, self.rank)
         deferred: dict[tuple[int, int], list[Action]] = {}  # BPipe: RECV_R's releases, until it arrived
-        reduce_after = self._last_gradient_actions(schedule) if training and self.grad_sync is not None else {}
-        refresh_after = self._refresh_points(schedule) if training and self.refresh_follows and self._bip else {}
+        reduce_after = self._reduce_points(schedule) if training and self.grad_sync is not None else {}
         for action in schedule.actions[self.rank]:
-            if action in reduce_after:
+            if action in reduce_after:  # (a REDUCE still pending of another stage completes first)
+                self.grad_sync.disarm()
                 self.grad_sync.arm(self._module(action.stage).parameters())
             key = (action.stage, action.microbatch)
             if action.kind.is_backward and key in self._returning:
@@ -486,10 +486,6 @@ class PipelineRuntime:
                 self._timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
                 self._wire.release(deferred.pop(key, ()))
             self._timed(action, partial(self._execute, action, training))
-            if action in reduce_after:
-                self.grad_sync.disarm()
-            if action in refresh_after:
-                self._post_refresh(refresh_after[action])
             if action.kind is ActionKind.RECV_R:  # only posted: its releases wait for its arrival
                 deferred[key] = release.get(action, [])
             else:
@@ -508,14 +504,18 @@ class PipelineRuntime:
         else:
             self.timer.run(action, execute)
 
-    def _last_gradient_actions(self, schedule: Schedule) -> set[Action]:
-        """Replicas: each stage's last action of this rank that accumulates parameter gradients
-        (B; W where a schedule splits the weight gradient off), whose gradients are final."""
+    def _reduce_points(self, schedule: Schedule) -> set[Action]:
+        """Replicas: for each REDUCE of this rank's row, the stage's last gradient action before
+        it (B, or W when the backward is split): its parameters' all-reduce is started from that
+        action's hooks, overlapping it, and REDUCE completes the launch."""
         last: dict[int, Action] = {}
+        points = set()
         for a in schedule.actions[self.rank]:
-            if a.kind.name in ("B", "W"):
+            if a.kind.frees_stash:
                 last[a.stage] = a
-        return set(last.values())
+            elif a.kind is ActionKind.REDUCE and a.stage in last:
+                points.add(last[a.stage])
+        return points
 
     def _execute(self, a: Action, training: bool) -> None:
         s, mb = a.stage, a.microbatch
@@ -550,8 +550,14 @@ class PipelineRuntime:
                                                        self._bip[s].backward_extra(mb, self.device))
             else:
                 self._inbox[("B", s, mb)] = self._recv(a, [p for p in self._ports(s).out_leaves if p.carries_grad])
-        elif a.kind in (ActionKind.SEND_S, ActionKind.RECV_S, ActionKind.SEND_R, ActionKind.RECV_R):
+        elif a.kind.is_stash:
             self._move_stash(a)
+        elif a.kind is ActionKind.REDUCE:
+            if self.grad_sync is not None:  # no replicas: nothing to reduce
+                self.grad_sync.disarm()
+        elif a.kind is ActionKind.REFRESH:
+            if training and self.refresh_follows and s in self._bip:
+                self._post_refresh(s)
 
     def _move_stash(self, a: Action) -> None:
         """BPipe (``pipecc.runtime.stash``): SEND_S evicts (stage, mb)'s saved activations to the

@@ -116,4 +116,4 @@ def test_the_runtime_takes_reduce_from_the_file(replicated, tmp_path) -> None:
     (folder / "schedule.txt").write_text(moved + "\n")
     run = run_pipecc("run", str(folder), "--steps", "1", "--verify", "--timeout", "60")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "verify: outputs, loss and 12 gradients match the single-process run" in run.stderr
+    assert "verify: outputs, loss and 12 gradients match the single-process run" in run.stdout + run.stderr

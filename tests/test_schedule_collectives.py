@@ -117,3 +117,19 @@ def test_the_runtime_takes_reduce_from_the_file(replicated, tmp_path) -> None:
     run = run_pipecc("run", str(folder), "--steps", "1", "--verify", "--timeout", "60")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "verify: outputs, loss and 12 gradients match the single-process run" in run.stdout + run.stderr
+
+
+def test_a_bipartition_plans_schedule_refreshes_its_replica_holders(tmp_path) -> None:
+    """The cuts of tests/test_bipartition_run.py: the segment of boundary 1 runs forward on stage 0
+    (owned by 1), that of boundary 2 forward on stage 2 (owned by 1): stages 0 and 2 hold
+    replicas, so their rows REFRESH after their last F; stage 1, the owner, does not."""
+    from test_bipartition_run import _analysis, _bipartition
+
+    from pipecc.ir.plan import schedule_of
+
+    _, plan, _ = _analysis(tmp_path)
+    bip = _bipartition(plan)
+    schedule = schedule_of(bip)
+    refresh = {a for row in schedule.actions for a in row if a.kind.is_collective}
+    assert refresh == {Action(F, 0, 2), Action(F, 2, 2)}
+    assert without_collectives(schedule) == schedule_of(plan) == one_f_one_b(3, 3)

@@ -8,6 +8,7 @@ inference) iteration; it is the contract between the planner, the compiled folde
     actions     ``ActionKind``, ``Action``, ``Schedule`` (what each action means)
     text        the round-tripping text form (``format``/``parse``), ``ScheduleError``'s grid
     generators  gpipe, 1f1b, interleaved 1F1B, ZB-H1, ZB-V, inference
+    progress    ``advance``: every rank's row run until it blocks (validate, transforms, simulator)
     validate    the rules every schedule is checked against (complete, matched, deadlock-free)
     transforms  ``gpipe_uneven`` (UMPIPE), ``bpipe`` (stash transfers), the collectives
                 (``gradient_reduce``, ``weight_refresh``), ``forward_only``
@@ -23,6 +24,7 @@ from __future__ import annotations
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.ir.schedule.chunks import chunk_bounds, overlapping
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.registry import (REGISTRY, SCHEDULES, SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, VIRTUAL,
                                          ZERO_BUBBLE, ScheduleKind, by_name, schedule_for)
 from pipecc.ir.schedule.text import ScheduleError, format, format_grid, parse, parse_action
@@ -43,6 +45,7 @@ __all__ = [
     "TRAINING_SCHEDULES",
     "VIRTUAL",
     "ZERO_BUBBLE",
+    "advance",
     "bpipe",
     "bpipe_pairs",
     "by_name",

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pipecc.ir.schedule.actions import _B, _F, Action, ActionKind, Schedule
 from pipecc.ir.schedule.chunks import check_size_lists, overlapping
 from pipecc.ir.schedule.generators import one_f_one_b
+from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven", "gradient_reduce",
@@ -117,26 +118,23 @@ def _unit_times(base: Schedule, backward: float) -> dict[Action, tuple[float, fl
     acceptor's returns with."""
     last = base.num_stages - 1
     done: dict[Action, tuple[float, float]] = {}
-    pc, clock = [0] * base.num_ranks, [0.0] * base.num_ranks
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(base.actions):
-            while pc[r] < len(row):
-                a = row[pc[r]]
-                if a.kind.is_compute:
-                    s, mb = a.stage, a.microbatch
-                    if a.kind is ActionKind.F:
-                        deps = [_F(s - 1, mb)] if s > 0 else []
-                    else:
-                        deps = [_F(s, mb)] + ([_B(s + 1, mb)] if s < last else [])
-                    if any(d not in done for d in deps):
-                        break
-                    start = max([clock[r]] + [done[d][1] for d in deps])
-                    clock[r] = start + (1.0 if a.kind is ActionKind.F else backward)
-                    done[a] = (start, clock[r])
-                pc[r] += 1
-                progress = True
+    clock = [0.0] * base.num_ranks
+
+    def deps(a: Action) -> list[Action]:
+        s, mb = a.stage, a.microbatch
+        if not a.kind.is_compute:
+            return []
+        if a.kind is ActionKind.F:
+            return [_F(s - 1, mb)] if s > 0 else []
+        return [_F(s, mb)] + ([_B(s + 1, mb)] if s < last else [])
+
+    def run(a: Action, r: int) -> None:
+        if a.kind.is_compute:
+            start = max([clock[r]] + [done[d][1] for d in deps(a)])
+            clock[r] = start + (1.0 if a.kind is ActionKind.F else backward)
+            done[a] = (start, clock[r])
+
+    advance(base, lambda a: any(d not in done for d in deps(a)), run)
     return done
 
 

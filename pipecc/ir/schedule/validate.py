@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from pipecc.ir.schedule.actions import _B, _F, _I, _W, Action, ActionKind, Schedule
+from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.text import ScheduleError
 
 __all__ = ["validate"]
@@ -243,20 +244,9 @@ def validate(schedule: Schedule) -> None:
                 before(Action(ActionKind.RECV_S, s, mb), r, i, a, "returns what it accepted")
 
     # (4) deadlock: advance every row until it blocks on a receive whose send has not run
-    pc = [0] * schedule.num_ranks
-    sent: set[tuple[str, int, int]] = set()
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(schedule.actions):
-            while pc[r] < len(row):
-                a = row[pc[r]]
-                if a.kind.is_recv and schedule.message(a) not in sent:
-                    break
-                if a.kind.is_send:
-                    sent.add(schedule.message(a))
-                pc[r] += 1
-                progress = True
+    sent: set[tuple[str, int, int] | None] = set()
+    pc = advance(schedule, lambda a: a.kind.is_recv and schedule.message(a) not in sent,
+                 lambda a, r: sent.add(schedule.message(a)) if a.kind.is_send else None)
     stuck = [(r, pc[r]) for r in range(schedule.num_ranks) if pc[r] < len(schedule.actions[r])]
     if stuck:
         waits = ", ".join(f"rank {r} at step {i} ({schedule.actions[r][i]})" for r, i in stuck)

@@ -83,7 +83,6 @@ from pipecc.runtime.wire import Wire, check_fifo, directed_groups, send_release
 __all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
 
 
-
 # ---------------------------------------------------------------------------- schedules
 
 

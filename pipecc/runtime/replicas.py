@@ -37,7 +37,7 @@ is reduced by the REDUCE. NOTE: collectives of one group must be issued in the s
 order on every member: the replicas run the same stage code on the same graph, and autograd visits
 it in the same order on each, so the hooks fire in the same order.
 
-Imports torch and ``pipecc.errors`` only.
+Imports torch, ``pipecc.errors`` and the schedule IR's ``ActionKind`` only.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
+from pipecc.ir.schedule.actions import ActionKind
 from pipecc.runtime.wire import wait_until
 
 __all__ = ["GradientAllReduce", "ReduceActions", "Replicas", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
@@ -261,7 +262,7 @@ class ReduceActions:
         for a in row:
             if a.kind.frees_stash:
                 last[a.stage] = a
-            elif a.kind.name == "REDUCE" and a.stage in last:
+            elif a.kind is ActionKind.REDUCE and a.stage in last:
                 self.points.add(last[a.stage])
 
     def before(self, action: Any) -> None:

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.ir.schedule.validate import validate
+from pipecc.ir.schedule.progress import advance
 
 __all__ = ["Event", "StageCosts", "Timeline", "simulate"]
 
@@ -361,21 +362,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         clock[r] = max(clock[r], end)
 
     # validate() proved the rows finish; advance each until it waits on an unsent message.
-    # NOTE: pipecc/ir/schedule/validate.py's deadlock check (4) runs the same "advance every
-    # rank until it blocks on a receive" loop; one helper there (rows, is-ready, on-step) could
-    # serve both (the schedule IR's owner's call, left for it).
-    pc = [0] * R
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(schedule.actions):
-            while pc[r] < len(row):
-                a = row[pc[r]]
-                if a.kind.is_recv and schedule.message(a) not in arrival:
-                    break
-                run(a, r)
-                pc[r] += 1
-                progress = True
+    advance(schedule, lambda a: a.kind.is_recv and schedule.message(a) not in arrival, run)
 
     training = schedule.is_training
     if schedule.partner is not None:

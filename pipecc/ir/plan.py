@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import VIRTUAL, schedule_for
+from pipecc.ir.schedule.transforms import with_collectives
 from pipecc.report.formatting import count, human, seconds, text_table
 
 
@@ -277,15 +278,19 @@ class Plan:
 def schedule_of(plan: Plan) -> Schedule:
     """The plan's final, validated action list (``pipecc.ir.schedule.schedule_for`` over its
     fields): what compile writes as ``OUT/schedule.txt``, the runtime executes and the report
-    draws. Only a schedule in ``VIRTUAL`` holds ``virtual_stages`` stages per rank; UMPIPE's
+    draws, its collectives included (``with_collectives``: REDUCE when the stages have replicas,
+    REFRESH on Bi-Partition's replica-holding workers). Only a schedule in ``VIRTUAL`` holds ``virtual_stages`` stages per rank; UMPIPE's
     sizes and BPipe's thresholds come from the plan. ValueError when they cannot be built."""
     n = len(plan.stages)
     v = max(plan.virtual_stages, 1) if plan.schedule in VIRTUAL else 1
     balancing = plan.activation_balancing
-    return schedule_for(plan.schedule, n, plan.microbatches, num_ranks=n // v,
-                        microbatch_sizes=plan.microbatch_sizes or None,
-                        bpipe_thresholds=plan.bpipe_thresholds() if balancing else None,
-                        bpipe_policy=str(balancing[0].get("policy", "jit")) if balancing else "jit")
+    schedule = schedule_for(plan.schedule, n, plan.microbatches, num_ranks=n // v,
+                            microbatch_sizes=plan.microbatch_sizes or None,
+                            bpipe_thresholds=plan.bpipe_thresholds() if balancing else None,
+                            bpipe_policy=str(balancing[0].get("policy", "jit")) if balancing else "jit")
+    refresh = sorted({f for kind, f, _, _ in plan.bipartition_pieces() if kind == "segment"}) \
+        if plan.is_bipartition() else []
+    return with_collectives(schedule, plan.replicas, refresh)
 
 
 def devices_text(names: list[str]) -> str:

@@ -140,7 +140,10 @@ def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
     from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
     from pipecc.passes.simulate import StageCosts, simulate
 
-    schedule = schedule_of(plan) if schedule is None else schedule
+    from pipecc.ir.schedule.transforms import without_collectives
+
+    # the simulator charges REDUCE and REFRESH as costs (allreduce_s, the tail), not as actions
+    schedule = without_collectives(schedule_of(plan) if schedule is None else schedule)
     if plan.microbatch_sizes:
         return _uneven_timeline(plan, schedule)
     n, m = len(plan.stages), plan.microbatches

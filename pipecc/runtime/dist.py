@@ -32,6 +32,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -335,9 +336,47 @@ def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float) -> torch.o
     return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
 
 
+@dataclass
+class RankRun:
+    """This rank's share of a compiled folder, loaded and checked (``load_rank``): what the
+    training loop (``train``) or the forward-only loop (``_run_forward``) runs. ``lock`` is the
+    ``--checkpoint-dir`` lock this process holds while it runs (None: none, or the launcher's)."""
+
+    stage_dirs: list[Path]
+    meta: dict[str, Any] | None
+    specs: list[dict[str, Any]]
+    forward: bool  # forward passes only (an inference-only folder, or --schedule inference)
+    why: str  # why forward only, for messages
+    schedule_name: str
+    m: int
+    batch: int
+    config: RunConfig
+    rank: int  # the pipeline rank
+    world: int  # the pipeline ranks
+    replicas: Replicas
+    modules: list[nn.Module]
+    ports: list[dict]
+    data: RunData
+    rows: tuple  # stage 0's inputs as this replica feeds them
+    target: Any
+    load_stage: Callable
+    lock: CheckpointLock | None
+
+
 def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
-    """The body of ``main``: load this rank's stages and data, verify, train; ``--json``'s
-    document goes to ``stdout`` (default: ``sys.stdout``)."""
+    """The body of ``main``: load this rank's share of the folder (``load_rank``), then run the
+    training loop (``train``) or the forward passes; ``--json``'s document goes to ``stdout``
+    (default: ``sys.stdout``)."""
+    run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
+    if run.forward:
+        return _run_forward(args, run.meta, run.stage_dirs, run.specs, run.data, run.modules, run.ports, run.rank,
+                            run.world, run.config, run.load_stage, run.why, stdout, run.replicas, run.rows)
+    return train(args, run, stdout)
+
+
+def load_rank(args: argparse.Namespace) -> RankRun:
+    """Folder loading: check the folder and the options against it (before any process group
+    exists), join the process group, and load this rank's stages, ports and data."""
     stage_dirs = _stage_dirs(args.out)
     meta = _read_marker(args.out)
     lock = _lock_checkpoints(args, create=False)  # held until this returns; a folder in use names its run
@@ -399,11 +438,19 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         for i, s in enumerate(schedule.stages_of(rank)):
             if (stage_dirs[s] / "hls").is_dir():
                 modules[i] = _load_fpga_stage(stage_dirs[s], s)
-        return _run_forward(args, meta, stage_dirs, specs, data, modules, ports, rank, world, config,
-                            load_stage, why, stdout, replicas, rows)
+    return RankRun(stage_dirs, meta, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
+                   modules, ports, data, rows, target, load_stage, lock)
+
+
+def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) -> int:
+    """The training loop: ``--steps`` steps of this rank's stages (``--verify`` checks the first,
+    ``--checkpoint-dir`` saves and resumes, ``--json`` times them)."""
+    modules, ports, data, replicas, batch, m = run.modules, run.ports, run.data, run.replicas, run.batch, run.m
+    stage_dirs, meta, specs, load_stage = run.stage_dirs, run.meta, run.specs, run.load_stage
+    rows = run.rows
     params = [p for mod in modules for p in mod.parameters()]
     optimizer = _make_optimizer(args.optimizer or "sgd", params, DEFAULT_LR if args.lr is None else args.lr)
-    runtime = PipelineRuntime(modules, ports, rank, world, config, data.loss_fn, optimizer, replicas)
+    runtime = PipelineRuntime(modules, ports, run.rank, run.world, run.config, data.loss_fn, optimizer, replicas)
     timer = _timer(args, runtime)
     is_last = runtime.last_stage in runtime.stage_ids
     speaks = is_last and replicas.index == 0  # replicas: one of the last stage's prints
@@ -411,7 +458,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         print(data.note, flush=True)
     tied = TiedGradients(runtime, modules, specs)
     inputs = rows if 0 in runtime.stage_ids else None
-    target = target if is_last else None
+    target = run.target if is_last else None
 
     verifier = None
     if args.verify_stages_only:
@@ -471,7 +518,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
             if speaks:
                 print(f"checkpoint: step {i + 1} saved in {where}", flush=True)
     if timer is not None:
-        _print_times(runtime, timer, args.out, schedule_name, batch, stdout or sys.stdout)
+        _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout)
     if dist.is_initialized():
         # NOTE: every rank past its last message before any tears its process group down; a
         # rank destroying gloo's pairs while a peer still drains a collective (--json's gather)

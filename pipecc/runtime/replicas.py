@@ -26,23 +26,24 @@ the replica's batch (``1/m``), i.e. ``s_r / B``, so with a per-sample mean loss 
 SUMMED over the replicas are those of the full-batch mean loss, and the replicas' losses summed
 are the full-batch loss (``PipelineRuntime.step`` sums them over the last stage's group).
 
-Gradients (``GradientAllReduce``). During a stage's last gradient-accumulating action of a step
-(its last B), every parameter gets a post-accumulate-grad hook
+Gradients (``GradientAllReduce``, run by the schedule's ``REDUCE`` actions: ``ReduceActions``).
+``REDUCE(s, j)`` follows stage s's last gradient-accumulating action of the step (its last B, or
+W; ``pipecc.ir.schedule.transforms.gradient_reduce``). During that action every parameter gets a post-accumulate-grad hook
 (``Tensor.register_post_accumulate_grad_hook``) that starts an asynchronous ``all_reduce`` (SUM)
 of its final gradient in the stage's group as soon as autograd has written it, so the all-reduce
 overlaps the rest of that backward; ``wait`` (before the optimizer step, at the end of
 ``PipelineRuntime.step``) completes them. A parameter whose hook did not fire but has a gradient
-is reduced right after the action. NOTE: collectives of one group must be issued in the same
+is reduced by the REDUCE. NOTE: collectives of one group must be issued in the same
 order on every member: the replicas run the same stage code on the same graph, and autograd visits
 it in the same order on each, so the hooks fire in the same order.
 
-Imports torch and ``pipecc.errors`` only.
+Imports torch, ``pipecc.errors`` and the schedule IR's ``ActionKind`` only.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +51,10 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
+from pipecc.ir.schedule.actions import ActionKind
 from pipecc.runtime.wire import wait_until
 
-__all__ = ["GradientAllReduce", "Replicas", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
+__all__ = ["GradientAllReduce", "ReduceActions", "Replicas", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
            "replica_rows", "replica_slice", "replica_target", "slice_sizes"]
 
 
@@ -239,3 +241,40 @@ class GradientAllReduce:
                 raise PipeccError(f"rank {self.rank}: the gradient all-reduce of its replicas failed, a replica "
                                   f"exited or crashed ({str(e).strip().splitlines()[0] if str(e).strip() else e})") \
                     from None
+
+
+class ReduceActions:
+    """The executor's REDUCE handler: ``prepare(row)`` finds, for each REDUCE of the rank's row,
+    the stage's last gradient action before it; ``before`` arms the all-reduce's hooks on that
+    action's stage (``params_of(stage)``), so the reduction starts during its backward, and the
+    REDUCE (``run``) completes the launch. Without replicas (``sync`` None) a REDUCE does nothing:
+    a group of one is its own sum."""
+
+    def __init__(self, sync: GradientAllReduce | None, params_of: Callable[[int], Iterable[torch.nn.Parameter]]):
+        self.sync, self.params_of = sync, params_of
+        self.points: set[Any] = set()
+
+    def prepare(self, row: Sequence[Any], training: bool) -> None:
+        self.points = set()
+        if not training or self.sync is None:
+            return
+        last: dict[int, Any] = {}
+        for a in row:
+            if a.kind.frees_stash:
+                last[a.stage] = a
+            elif a.kind is ActionKind.REDUCE and a.stage in last:
+                self.points.add(last[a.stage])
+
+    def before(self, action: Any) -> None:
+        if action in self.points:  # (a REDUCE still pending of another stage completes first)
+            self.sync.disarm()
+            self.sync.arm(self.params_of(action.stage))
+
+    def run(self, action: Any, training: bool) -> None:
+        if self.sync is not None:
+            self.sync.disarm()
+
+    def wait(self) -> None:
+        """Before the caller's optimizer step: every all-reduce of the step completed."""
+        if self.sync is not None:
+            self.sync.wait()

@@ -4,7 +4,7 @@ text form (``pipecc.ir.schedule.text``), written by compile and executed by the 
 The folder carries its schedule so that what runs is what was planned, validated and
 reported, not a second build from the schedule's name: ``read_schedule_file`` parses it,
 validates it and checks it against the folder (its stage count and micro-batches, as
-``pipecc.json`` records them). Every problem is one line naming the fix: a folder without the
+``pipecc.json`` records them; a replicated folder's every stage its REDUCE). Every problem is one line naming the fix: a folder without the
 file was compiled by an older pipecc (compile again); one that does not parse, breaks a
 schedule rule or does not fit the folder was edited or damaged.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.errors import PipeccError
-from pipecc.ir.schedule.actions import Schedule
+from pipecc.ir.schedule.actions import ActionKind, Schedule
 from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.validate import validate
 
@@ -56,6 +56,12 @@ def _mismatch(schedule: Schedule, num_stages: int, meta: dict[str, Any]) -> str:
     """Why ``schedule`` cannot run this folder's stages and micro-batches ("" when it can)."""
     if schedule.num_stages != num_stages:
         return f"it has {schedule.num_stages} stages, the folder {num_stages}"
+    reduced = {a.stage for row in schedule.actions for a in row if a.kind is ActionKind.REDUCE}
+    replicas = meta.get("replicas")
+    if schedule.is_training and isinstance(replicas, int) and replicas > 1 and len(reduced) < num_stages:
+        missing = min(set(range(num_stages)) - reduced)
+        return (f"stage {missing} has no REDUCE action (the gradient all-reduce of its {replicas} replicas, "
+                "pipecc.json's replicas)")
     sizes = meta.get("microbatch_sizes")
     if sizes:
         wanted = tuple(tuple(row) for row in sizes) if isinstance(sizes, list) else None

@@ -17,17 +17,24 @@ in Python for every micro-batch); the walk for every parameter would give I + W 
 The planner, the report and `run --json` price I + W at `pipecc.ir.schedule.SPLIT_BACKWARD_COST`
 (1.2) times B from these figures, not at the paper's 1.0.
 
-``input_backward`` is I, ``weight_backward`` the W of what torch's split saved; the engine runs
-the walk itself (``torch.autograd.backward(..., inputs=walk)``) before ``weight_backward``.
+``input_backward`` is I, ``weight_backward`` the W of what torch's split saved; ``ZeroBubble``,
+the executor's handler of I and W actions, runs them on a stage runner and keeps, from each I to
+its W, what W needs (the roots, their gradients, torch's groups, the parameters left to the walk),
+which it runs itself (``torch.autograd.backward(..., inputs=walk)``) before ``weight_backward``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-__all__ = ["input_backward", "weight_backward"]
+from pipecc.ir.schedule.actions import Action
+
+if TYPE_CHECKING:  # NOTE: typing only; the handler is given its runners
+    from pipecc.runtime.stage_runner import StageRunner
+
+__all__ = ["ZeroBubble", "input_backward", "weight_backward"]
 
 
 def input_backward(roots: list, grads: list | None, inputs: list,
@@ -65,3 +72,54 @@ def weight_backward(params: list, groups: list) -> None:
     from torch.distributed.pipelining._backward import stage_backward_weight
 
     stage_backward_weight(params, groups, retain_graph=True)
+
+
+class ZeroBubble:
+    """The executor's I and W handler (``zb-h1``, ``zb-v``); ``runner_of(stage)`` gives the stage's
+    ``StageRunner``. Per step (``reset``): ``roots[(stage, mb)]``, what W needs after I."""
+
+    def __init__(self, runner_of: Any) -> None:
+        self.runner_of = runner_of
+        self.reset()
+
+    def reset(self) -> None:
+        # after I, for W: (outputs, their grads, torch's param groups, parameters left to a walk)
+        self.roots: dict[tuple[int, int], tuple[list, list | None, list, list]] = {}
+
+    @property
+    def leftover(self) -> list[tuple[int, int]]:
+        return sorted(self.roots)
+
+    def input(self, a: Action, training: bool) -> None:
+        """I: the gradient of the stage's inputs, handed to stage s - 1; what W needs is kept."""
+        runner: StageRunner = self.runner_of(a.stage)
+        s, mb = a.stage, a.microbatch
+        in_leaves, outs = runner.stash[mb]
+        roots, grads = runner.output_grads(mb, outs)
+        params = [q for q in runner.module.parameters() if q.requires_grad]
+        wanted = [x for x, p in zip(in_leaves, runner.ports.in_leaves) if p.carries_grad] if s > 0 else []
+        need = [x for x in wanted if isinstance(x, torch.Tensor) and x.requires_grad]
+        got: Sequence[Any] = ()
+        groups: list = []
+        walk = params  # stage 0, or nothing to differentiate: W walks for every parameter
+        if roots and need:
+            got, groups, walk = input_backward(roots, grads, need, params)
+        if walk:
+            self.roots[(s, mb)] = (roots, grads, groups, walk)
+        else:  # NOTE: W starts from torch's saved gradients: let go of the rest of the graph
+            self.roots[(s, mb)] = ([], None, groups, walk)
+            runner.stash[mb] = ([], None)
+        if s == 0:
+            return  # no input gradient to send
+        found = {id(x): g for x, g in zip(need, got)}
+        runner.hand_down(mb, [found[id(x)] if found.get(id(x)) is not None else torch.zeros_like(x) for x in wanted])
+
+    def weight(self, a: Action, training: bool) -> None:
+        """W: the parameters' gradients, accumulated into ``.grad``; frees the graph and the stash."""
+        runner: StageRunner = self.runner_of(a.stage)
+        runner.stash.pop(a.microbatch)
+        roots, grads, groups, walk = self.roots.pop((a.stage, a.microbatch))
+        if roots and walk:
+            torch.autograd.backward(roots, grads, inputs=walk, retain_graph=bool(groups))
+        if groups:
+            weight_backward([q for q in runner.module.parameters() if q.requires_grad], groups)

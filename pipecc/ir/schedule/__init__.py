@@ -8,8 +8,10 @@ inference) iteration; it is the contract between the planner, the compiled folde
     actions     ``ActionKind``, ``Action``, ``Schedule`` (what each action means)
     text        the round-tripping text form (``format``/``parse``), ``ScheduleError``'s grid
     generators  gpipe, 1f1b, interleaved 1F1B, ZB-H1, ZB-V, inference
+    progress    ``advance``: every rank's row run until it blocks (validate, transforms, simulator)
     validate    the rules every schedule is checked against (complete, matched, deadlock-free)
-    transforms  ``gpipe_uneven``, ``one_f_one_b_uneven`` (UMPIPE), ``bpipe`` (stash transfers), ``forward_only``
+    transforms  ``gpipe_uneven``, ``one_f_one_b_uneven`` (UMPIPE), ``bpipe`` (stash transfers), the
+                collectives (``gradient_reduce``, ``weight_refresh``), ``forward_only``
     registry    every schedule by name (``REGISTRY``) and ``schedule_for``, plan fields -> schedule
 
 This package is the schedule IR's interface: it exports the public names of its modules.
@@ -22,11 +24,13 @@ from __future__ import annotations
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.ir.schedule.chunks import chunk_bounds, overlapping
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.registry import (REGISTRY, SCHEDULES, SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, VIRTUAL,
                                          ZERO_BUBBLE, ScheduleKind, by_name, schedule_for)
 from pipecc.ir.schedule.text import ScheduleError, format, format_grid, parse, parse_action
 from pipecc.ir.schedule.transforms import (BPIPE_POLICIES, bpipe, bpipe_pairs, forward_only, gpipe_uneven,
-                                           one_f_one_b_uneven)
+                                           gradient_reduce, one_f_one_b_uneven, weight_refresh,
+                                           with_collectives, without_collectives)
 from pipecc.ir.schedule.validate import validate
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "TRAINING_SCHEDULES",
     "VIRTUAL",
     "ZERO_BUBBLE",
+    "advance",
     "bpipe",
     "bpipe_pairs",
     "by_name",
@@ -51,6 +56,7 @@ __all__ = [
     "forward_only",
     "gpipe",
     "gpipe_uneven",
+    "gradient_reduce",
     "inference",
     "interleaved_1f1b",
     "one_f_one_b",
@@ -60,6 +66,9 @@ __all__ = [
     "parse_action",
     "schedule_for",
     "validate",
+    "weight_refresh",
+    "with_collectives",
+    "without_collectives",
     "zb_h1",
     "zb_v",
 ]

@@ -16,6 +16,17 @@ always the *local* (virtual) stage doing the work, as in torch.distributed.pipel
     RECV_S   BPipe: acceptor ``stage`` receives its partner's stash of ``microbatch``
     SEND_R   BPipe: acceptor ``stage`` sends that stash back
     RECV_R   BPipe: evictor ``stage`` receives it back (before its B of ``microbatch``)
+    REDUCE   replica groups: all-reduce ``stage``'s parameter gradients over its replicas, right
+             after the stage's last gradient action (``microbatch`` is that action's); the
+             runtime starts it during that action (per-parameter hooks) and completes it here
+    REFRESH  Bi-Partition: ``stage`` reads its segment replicas' weights for the last time this
+             iteration (``microbatch``: its last F); their refresh from the owners, sent after
+             the optimizer step, is received into them from here on
+
+REDUCE and REFRESH are the schedule's collectives: they move no activation or gradient of a
+micro-batch and take part in no message matching; a schedule has at most one of each per stage
+(``pipecc.ir.schedule.transforms.gradient_reduce``/``weight_refresh`` insert them,
+``without_collectives`` removes them for the simulator, which charges them as costs).
 
 A training schedule runs, for every (stage, microbatch), either one B or an I and a later W
 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024: splitting B lets the gradient go
@@ -64,6 +75,8 @@ class ActionKind(str, Enum):
     RECV_S = "RECV_S"
     SEND_R = "SEND_R"
     RECV_R = "RECV_R"
+    REDUCE = "REDUCE"
+    REFRESH = "REFRESH"
 
     @property
     def is_compute(self) -> bool:
@@ -86,6 +99,11 @@ class ActionKind(str, Enum):
     @property
     def is_recv(self) -> bool:
         return self in (ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.RECV_S, ActionKind.RECV_R)
+
+    @property
+    def is_collective(self) -> bool:
+        """REDUCE or REFRESH: a stage's once-per-iteration collective (no micro-batch message)."""
+        return self in (ActionKind.REDUCE, ActionKind.REFRESH)
 
     @property
     def is_stash(self) -> bool:

@@ -2,7 +2,8 @@
 ``format(parse(t)) == t`` for canonical text; and the grid ``ScheduleError`` prints.
 
 An action is ``{stage}{kind}{microbatch}`` (``0F3``, ``2RECV_B1``, ``1I0``); a schedule is one
-line per rank, ``rank 0: 0F0 0SEND_F0 0F1 ...``. An unequal (UMPIPE) schedule starts with a line
+line per rank, ``rank 0: 0F0 0SEND_F0 0F1 ...``; the collectives read ``1REDUCE3`` (all-reduce
+stage 1's gradients after its B of micro-batch 3) and ``0REFRESH3``. An unequal (UMPIPE) schedule starts with a line
 ``sizes: 1 3 4 | 4 4`` (stage lists separated by ``|``); a BPipe schedule has a line
 ``partner: 3 2 1 0`` (``-``: none) before the rows. A compiled folder carries its schedule in
 this form (``OUT/schedule.txt``), which the runtime parses, validates and executes.
@@ -18,7 +19,7 @@ from pipecc.ir.schedule.chunks import check_size_lists
 
 __all__ = ["ScheduleError", "format", "format_grid", "parse", "parse_action"]
 
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_S|RECV_S|SEND_R|RECV_R|F|B|I|W)(\d+)")
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|SEND_S|RECV_S|SEND_R|RECV_R|REDUCE|REFRESH|F|B|I|W)(\d+)")
 _ROW_RE = re.compile(r"rank (\d+):(.*)")
 _SIZES_RE = re.compile(r"sizes:(.*)")
 _PARTNER_RE = re.compile(r"partner:(.*)")

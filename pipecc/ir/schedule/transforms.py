@@ -1,6 +1,8 @@
 """Schedule transforms over the generators' output: unequal micro-batches (UMPIPE's GPipe
-and 1F1B with per-stage chunk sizes, ``gpipe_uneven`` and ``one_f_one_b_uneven``), BPipe's stash transfers inserted into 1F1B
-(``bpipe``) and the forward-only view of a training schedule (``forward_only``).
+and 1F1B with per-stage chunk sizes, ``gpipe_uneven`` and ``one_f_one_b_uneven``), BPipe's stash
+transfers inserted into 1F1B (``bpipe``), the collectives (``gradient_reduce`` for replica groups,
+``weight_refresh`` for Bi-Partition's segment replicas, ``without_collectives`` the simulator's
+view) and the forward-only view of a training schedule (``forward_only``).
 
 UMPIPE (PAPERS-SPEC.md section 1): ``F(s, k)`` needs every chunk of ``s-1`` that overlaps chunk
 ``k``'s samples; ``B(s, k)`` (or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` and
@@ -14,14 +16,16 @@ BPipe (PAPERS-SPEC.md 2.3-2.4): ``bpipe(one_f_one_b(p, m), thresholds)`` builds 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pipecc.ir.schedule.actions import _B, _F, Action, ActionKind, Schedule
 from pipecc.ir.schedule.chunks import check_size_lists, overlapping
 from pipecc.ir.schedule.generators import one_f_one_b
+from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.validate import validate
 
-__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven", "one_f_one_b_uneven"]
+__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven", "gradient_reduce",
+           "one_f_one_b_uneven", "weight_refresh", "with_collectives", "without_collectives"]
 
 
 def _place_comms_uneven(
@@ -174,26 +178,23 @@ def _unit_times(base: Schedule, backward: float) -> dict[Action, tuple[float, fl
     acceptor's returns with."""
     last = base.num_stages - 1
     done: dict[Action, tuple[float, float]] = {}
-    pc, clock = [0] * base.num_ranks, [0.0] * base.num_ranks
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(base.actions):
-            while pc[r] < len(row):
-                a = row[pc[r]]
-                if a.kind.is_compute:
-                    s, mb = a.stage, a.microbatch
-                    if a.kind is ActionKind.F:
-                        deps = [_F(s - 1, mb)] if s > 0 else []
-                    else:
-                        deps = [_F(s, mb)] + ([_B(s + 1, mb)] if s < last else [])
-                    if any(d not in done for d in deps):
-                        break
-                    start = max([clock[r]] + [done[d][1] for d in deps])
-                    clock[r] = start + (1.0 if a.kind is ActionKind.F else backward)
-                    done[a] = (start, clock[r])
-                pc[r] += 1
-                progress = True
+    clock = [0.0] * base.num_ranks
+
+    def deps(a: Action) -> list[Action]:
+        s, mb = a.stage, a.microbatch
+        if not a.kind.is_compute:
+            return []
+        if a.kind is ActionKind.F:
+            return [_F(s - 1, mb)] if s > 0 else []
+        return [_F(s, mb)] + ([_B(s + 1, mb)] if s < last else [])
+
+    def run(a: Action, r: int) -> None:
+        if a.kind.is_compute:
+            start = max([clock[r]] + [done[d][1] for d in deps(a)])
+            clock[r] = start + (1.0 if a.kind is ActionKind.F else backward)
+            done[a] = (start, clock[r])
+
+    advance(base, lambda a: any(d not in done for d in deps(a)), run)
     return done
 
 
@@ -333,3 +334,66 @@ def forward_only(schedule: Schedule) -> Schedule:
                       schedule.microbatch_sizes)
     validate(result)
     return result
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def _rebuilt(schedule: Schedule, rows: Sequence[Sequence[Action]]) -> Schedule:
+    """``schedule`` with other action rows (same placement, sizes and pairs), validated."""
+    result = Schedule(schedule.num_ranks, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank,
+                      tuple(tuple(row) for row in rows), schedule.microbatch_sizes, schedule.partner)
+    validate(result)
+    return result
+
+
+def _after_last(schedule: Schedule, kind: ActionKind, stages: Sequence[int] | None,
+                marks: Callable[[Action], bool]) -> Schedule:
+    """``schedule`` with ``Action(kind, s, j)`` right after the last action of stage ``s`` on
+    its row for which ``marks`` holds (``j``: that action's micro-batch), for every stage in
+    ``stages`` (None: all) that has no ``kind`` action yet; a row's other actions keep their order."""
+    wanted = set(range(schedule.num_stages) if stages is None else stages)
+    have = {a.stage for row in schedule.actions for a in row if a.kind is kind}
+    rows = []
+    for row in schedule.actions:
+        last = {a.stage: i for i, a in enumerate(row) if marks(a) and a.stage in wanted - have}
+        after = {i: Action(kind, row[i].stage, row[i].microbatch) for i in last.values()}
+        rows.append([x for i, a in enumerate(row) for x in ((a, after[i]) if i in after else (a,))])
+    return _rebuilt(schedule, rows)
+
+
+def gradient_reduce(schedule: Schedule) -> Schedule:
+    """Replica groups (PP x DP): a training schedule with ``REDUCE(s, j)`` right after every
+    stage's last gradient action (its last B, or W when the backward is split), which all-reduces
+    the stage's gradients over its replicas (``pipecc.runtime.replicas``). Stages that have their
+    REDUCE already keep it, so applying it twice changes nothing."""
+    if not schedule.is_training:
+        return schedule
+    return _after_last(schedule, ActionKind.REDUCE, None, lambda a: a.kind.frees_stash)
+
+
+def weight_refresh(schedule: Schedule, stages: Sequence[int]) -> Schedule:
+    """Bi-Partition: a training schedule with ``REFRESH(s, j)`` right after the last F of each of
+    ``stages`` (the workers holding a replica of a misplaced segment, ``pipecc.runtime.segments``):
+    from there the replica is not read again this iteration, so its refresh from the owner can
+    be received into it while the rank runs its remaining backwards. Idempotent, as
+    ``gradient_reduce``."""
+    if not schedule.is_training or not stages:
+        return schedule
+    return _after_last(schedule, ActionKind.REFRESH, stages, lambda a: a.kind is ActionKind.F)
+
+
+def with_collectives(schedule: Schedule, replicas: int = 1, refresh_stages: Sequence[int] = ()) -> Schedule:
+    """The schedule a plan runs: ``gradient_reduce`` when its stages have ``replicas`` > 1, then
+    ``weight_refresh`` of ``refresh_stages`` (Bi-Partition's replica-holding workers)."""
+    if replicas > 1:
+        schedule = gradient_reduce(schedule)
+    return weight_refresh(schedule, refresh_stages)
+
+
+def without_collectives(schedule: Schedule) -> Schedule:
+    """The schedule without its REDUCE and REFRESH actions: what the simulator times (it charges
+    the all-reduce as a per-rank cost, ``StageCosts.allreduce_s``, and the refresh as the tail)."""
+    if not any(a.kind.is_collective for row in schedule.actions for a in row):
+        return schedule
+    return _rebuilt(schedule, [[a for a in row if not a.kind.is_collective] for row in schedule.actions])

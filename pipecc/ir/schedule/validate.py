@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from pipecc.ir.schedule.actions import _B, _F, _I, _W, Action, ActionKind, Schedule
+from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.text import ScheduleError
 
 __all__ = ["validate"]
@@ -70,6 +71,37 @@ def _check_stash_role(schedule: Schedule, a: Action, r: int, i: int, fail: Calla
         fail(f"rank {r} step {i}: {a} in a forward-only schedule", (r, i))
 
 
+def _check_collective(a: Action, r: int, i: int, training: bool,
+                      seen: dict[tuple[ActionKind, int], tuple[int, int]], fail: Callable[..., NoReturn]) -> None:
+    """REDUCE and REFRESH: training schedules only, at most one of each per stage."""
+    if not training:
+        fail(f"rank {r} step {i}: {a} in a forward-only schedule", (r, i))
+    first = seen.setdefault((a.kind, a.stage), (r, i))
+    if first != (r, i):
+        fail(f"rank {r} step {i}: {a} is stage {a.stage}'s second {a.kind.value} (one per stage and iteration)",
+             first, (r, i))
+
+
+def _check_collective_order(schedule: Schedule, fail: Callable[..., NoReturn]) -> None:
+    """REDUCE after every gradient action (B or W) of its stage, REFRESH after every F of its
+    stage: what they act on is final by then (along the row, which is the rank's time)."""
+    for r, row in enumerate(schedule.actions):
+        last: dict[tuple[str, int], int] = {}
+        for i, a in enumerate(row):
+            if a.kind.frees_stash:
+                last[("grad", a.stage)] = i
+            elif a.kind is ActionKind.F:
+                last[("F", a.stage)] = i
+        for i, a in enumerate(row):
+            if not a.kind.is_collective:
+                continue
+            what, why = (("grad", "the gradients it all-reduces are final after them") if a.kind is ActionKind.REDUCE
+                         else ("F", "the replicas it refreshes are read until then"))
+            after = last.get((what, a.stage), -1)
+            if after > i:
+                fail(f"rank {r} step {i}: {a} runs before {row[after]} ({why})", (r, i), (r, after))
+
+
 def validate(schedule: Schedule) -> None:
     """Raise ``ScheduleError`` unless the schedule is complete, ordered, matched and deadlock-free.
 
@@ -88,6 +120,8 @@ def validate(schedule: Schedule) -> None:
     evictor, RECV_S/SEND_R only on the acceptor; every SEND_S has its RECV_R; SEND_S after the
     F, RECV_R after the SEND_S and before the B, SEND_R after the RECV_S; stash messages take
     part in matching (2) and in the deadlock run (4).
+    Collectives: REDUCE and REFRESH only in training schedules, at most one of each per stage,
+    REDUCE after the stage's every B or W, REFRESH after its every F.
     The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice).
     """
     S = schedule.num_stages
@@ -101,6 +135,7 @@ def validate(schedule: Schedule) -> None:
     if schedule.partner is not None:
         _check_pairing(schedule, fail)
     where: dict[Action, tuple[int, int]] = {}
+    collectives: dict[tuple[ActionKind, int], tuple[int, int]] = {}
     for r, row in enumerate(schedule.actions):
         for i, a in enumerate(row):
             if not (0 <= a.stage < S):
@@ -120,6 +155,8 @@ def validate(schedule: Schedule) -> None:
                 fail(f"rank {r} step {i}: {a} in a forward-only schedule", (r, i))
             if a.kind.is_stash:
                 _check_stash_role(schedule, a, r, i, fail)
+            if a.kind.is_collective:
+                _check_collective(a, r, i, training, collectives, fail)
             where[a] = (r, i)
     for s in range(S):
         if owner[s] == -1:
@@ -147,6 +184,8 @@ def validate(schedule: Schedule) -> None:
         if a.kind is ActionKind.RECV_R and Action(ActionKind.SEND_S, a.stage, a.microbatch) not in where:
             fail(f"rank {r} step {i}: {a} takes back a stash that was never evicted "
                  f"(missing {Action(ActionKind.SEND_S, a.stage, a.microbatch)})", (r, i))
+
+    _check_collective_order(schedule, fail)
 
     # (2) matching
     sends = {schedule.message(a): where[a] for a in where if a.kind.is_send}
@@ -205,20 +244,9 @@ def validate(schedule: Schedule) -> None:
                 before(Action(ActionKind.RECV_S, s, mb), r, i, a, "returns what it accepted")
 
     # (4) deadlock: advance every row until it blocks on a receive whose send has not run
-    pc = [0] * schedule.num_ranks
-    sent: set[tuple[str, int, int]] = set()
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(schedule.actions):
-            while pc[r] < len(row):
-                a = row[pc[r]]
-                if a.kind.is_recv and schedule.message(a) not in sent:
-                    break
-                if a.kind.is_send:
-                    sent.add(schedule.message(a))
-                pc[r] += 1
-                progress = True
+    sent: set[tuple[str, int, int] | None] = set()
+    pc = advance(schedule, lambda a: a.kind.is_recv and schedule.message(a) not in sent,
+                 lambda a, r: sent.add(schedule.message(a)) if a.kind.is_send else None)
     stuck = [(r, pc[r]) for r in range(schedule.num_ranks) if pc[r] < len(schedule.actions[r])]
     if stuck:
         waits = ", ".join(f"rank {r} at step {i} ({schedule.actions[r][i]})" for r, i in stuck)

@@ -1,0 +1,175 @@
+"""The executor's message actions: ``Messages`` runs SEND_F, RECV_F, SEND_B and RECV_B for a rank's
+stage runners, numbers every message (``tag``) and checks, before the first step, that each
+remote neighbour reads the same boundary from ports.json (``handshake``).
+
+A message carries a boundary's leaves: tensors as they are, objects as a length and a JSON
+payload (``pipecc.runtime.wire``). A message with Bi-Partition's saved tensors (``SAVED`` ports
+after the usual ones) sends all its tensors as one packed payload (``wire.pack_tensors``,
+``recv_packed``: one message, as the planner charges a boundary). The ports each message carries
+are the stage runner's (``StageRunner.grad_sends`` and friends; a Bi-Partition runner has its
+own). The wire is the runtime's ``_wire`` at the time of the call (a test may swap it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipecc.errors import PipeccError
+from pipecc.ir.schedule.actions import Action, ActionKind
+from pipecc.runtime.ports import Port, describe
+from pipecc.runtime.segments import SAVED
+from pipecc.runtime.wire import (decode_object, encode_object, fingerprint, pack_tensors, packed_layout, packed_views,
+                                 peer_rank)
+
+
+__all__ = ["MAX_PORTS", "Messages"]
+
+MAX_PORTS = 1024  # values crossing one stage boundary
+
+
+class Messages:
+    """SEND/RECV of activations and gradients for the runtime ``rt``'s stages."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+
+    def tag(self, direction: int, stage: int, mb: int, leaf: int) -> int:
+        """The gloo tag of a leaf's first message (even; an object's payload gets tag + 1).
+
+        Both ends compute it from (direction, receiving stage, mb, leaf) alone, so it must not
+        depend on anything only one side knows. Unique within a step: ``rt.m`` is the largest
+        chunk count of any stage (unequal sizes: ``mb`` is the upstream stage's chunk).
+        Directions: 0 forward, 1 backward, 2 the handshake, 3 BPipe's eviction and
+        Bi-Partition's refresh, 4 BPipe's return.
+        """
+        rt = self.rt
+        tag = (((direction * rt.schedule.num_stages + stage) * rt.m + mb) * MAX_PORTS + leaf) * 2
+        if leaf >= MAX_PORTS or tag >= 2**31:
+            raise PipeccError(f"too many ports ({leaf + 1}), stages or microbatches for 31-bit message tags")
+        return tag
+
+    # -- the action handlers ------------------------------------------------------------------
+
+    def send_forward(self, a: Action, training: bool) -> None:
+        values = self.rt.mailbox.outbox.pop(("F", a.stage, a.microbatch))
+        ports = self.rt.runner(a.stage).ports.out_leaves
+        self.send(a, values, [*ports, *[SAVED] * (len(values) - len(ports))])  # Bi-Partition: saved after
+
+    def send_backward(self, a: Action, training: bool) -> None:
+        values = self.rt.mailbox.outbox.pop(("B", a.stage, a.microbatch))
+        ports = self.rt.runner(a.stage).grad_sends()
+        self.send(a, values, [*ports, *[SAVED] * (len(values) - len(ports))])
+
+    def recv_forward(self, a: Action, training: bool) -> None:
+        runner = self.rt.runner(a.stage)
+        extra = runner.forward_extra(a.microbatch, training)
+        leaves = self.recv(a, runner.ports.in_leaves, extra)
+        if training:
+            for v, port in zip(leaves, runner.ports.in_leaves):
+                if port.carries_grad:
+                    v.requires_grad_(True)
+        self.rt.mailbox.inbox[("F", a.stage, a.microbatch)] = leaves
+
+    def recv_backward(self, a: Action, training: bool) -> None:
+        runner = self.rt.runner(a.stage)
+        self.rt.mailbox.inbox[("B", a.stage, a.microbatch)] = self.recv(a, runner.grad_receives(),
+                                                                        runner.backward_extra(a.microbatch))
+
+    # -- the wire ------------------------------------------------------------------------------
+
+    def send(self, a: Action, values: Sequence[Any], ports: Sequence[Port]) -> None:
+        rt = self.rt
+        peer = rt.replicas.rank_of(peer_rank(rt.schedule, a))
+        forward = a.kind is ActionKind.SEND_F
+        receiver = a.stage + 1 if forward else a.stage - 1
+        what = f"{a.kind.value} mb {a.microbatch}"
+        payloads = []
+        packed = any(p is SAVED for p in ports)  # Bi-Partition: its tensors go as one payload (wire.pack_tensors)
+        if packed:
+            tensors = [i for i, port in enumerate(ports) if port.kind == "tensor"]
+            rt._wire.send(pack_tensors([values[i] for i in tensors], rt.device), peer,
+                          self.tag(0 if forward else 1, receiver, a.microbatch, tensors[0]), what, key=a)
+        for i, (v, port) in enumerate(zip(values, ports)):
+            tag = self.tag(0 if forward else 1, receiver, a.microbatch, i)
+            if port.kind == "tensor":
+                if not packed:
+                    rt._wire.send(v, peer, tag, what, key=a)
+            else:
+                data = encode_object(v, f"{what} port {port.name!r}").to(rt.device)
+                length = torch.tensor([data.numel()], dtype=torch.int64, device=rt.device)
+                rt._wire.send(length, peer, tag, what, key=a)
+                payloads.append((data, tag + 1))
+        for data, tag in payloads:
+            rt._wire.send(data, peer, tag, what, key=a)
+
+    def recv(self, a: Action, ports: Sequence[Port], extra: Sequence[torch.Tensor] = ()) -> list[Any]:
+        rt = self.rt
+        peer = rt.replicas.rank_of(peer_rank(rt.schedule, a))
+        direction = 0 if a.kind is ActionKind.RECV_F else 1
+        what = f"{a.kind.value} mb {a.microbatch}" + (f" of stage {a.stage}" if len(rt.stage_ids) > 1 else "")
+        batch = rt.runner(a.stage).ports.batch_size
+        first: list[torch.Tensor] = []
+        for port in ports:
+            if port.kind == "tensor":  # RECV_F: an upstream chunk (unequal sizes: its own size)
+                shape = port.microbatch_shape(a.microbatch, batch, rt.split_of(
+                    a.stage - 1 if a.kind is ActionKind.RECV_F else a.stage))
+                first.append(torch.empty(shape, dtype=port.dtype, device=rt.device))
+            else:
+                first.append(torch.empty(1, dtype=torch.int64, device=rt.device))
+        tags = [self.tag(direction, a.stage, a.microbatch, i) for i in range(len(ports) + len(extra))]
+        if extra:  # Bi-Partition's saved tensors: every tensor leaf arrives in one payload (``send``)
+            first, extra = self.recv_packed(first, ports, extra, peer, tags, what)
+        else:
+            rt._wire.recv([*first, *extra], peer, tags, what)
+        objects = [i for i, p in enumerate(ports) if p.kind == "object"]
+        if not objects:
+            return [*first, *extra]
+        payloads = [torch.empty(int(first[i].item()), dtype=torch.uint8, device=rt.device) for i in objects]
+        rt._wire.recv(payloads, peer, [tags[i] + 1 for i in objects], what)
+        values: list[Any] = list(first)
+        for i, data in zip(objects, payloads):
+            values[i] = decode_object(data, rt.device)
+        return [*values, *extra]
+
+    def recv_packed(self, first: list[torch.Tensor], ports: Sequence[Port], extra: Sequence[torch.Tensor], peer: int,
+                    tags: Sequence[int], what: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Receive a message whose tensor leaves (``first``'s tensor ports, then ``extra``) travel
+        packed, with the object ports' lengths; returns the leaves as views of the payload."""
+        rt = self.rt
+        leaves = [i for i, p in enumerate(ports) if p.kind == "tensor"]
+        objects = [i for i, p in enumerate(ports) if p.kind != "tensor"]
+        tensors = [first[i] for i in leaves] + list(extra)
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        payload = torch.empty(packed_layout(specs)[1], dtype=torch.uint8, device=rt.device)
+        rt._wire.recv([payload, *[first[i] for i in objects]], peer,
+                      [tags[leaves[0] if leaves else len(ports)], *[tags[i] for i in objects]], what)
+        views = packed_views(payload, specs)
+        for i, v in zip(leaves, views):
+            first[i] = v
+        return first, views[len(leaves):]
+
+    def handshake(self) -> None:
+        """Check with every remote neighbour that both read the same boundary from ports.json.
+
+        Neighbours that disagree would otherwise exchange messages of the wrong size, which
+        gloo reports only as a closed connection.
+        """
+        rt = self.rt
+        for s in rt.stage_ids:
+            if s < rt.last_stage and s + 1 not in rt.stage_ids:
+                peer = rt.replicas.rank_of(rt.schedule.stage_to_rank[s + 1])
+                digest = fingerprint(rt.runner(s).ports.out_leaves).to(rt.device)
+                rt._wire.send(digest, peer, self.tag(2, s + 1, 0, 0), "the port handshake", key=s)
+        for s in rt.stage_ids:
+            if s > 0 and s - 1 not in rt.stage_ids:
+                peer = rt.replicas.rank_of(rt.schedule.stage_to_rank[s - 1])
+                got = torch.empty(32, dtype=torch.uint8, device=rt.device)
+                rt._wire.recv([got], peer, [self.tag(2, s, 0, 0)], "the port handshake")
+                if not torch.equal(got.cpu(), fingerprint(rt.runner(s).ports.in_leaves)):
+                    ports = ", ".join(f"{p.name}:{describe(p)}" for p in rt.runner(s).ports.in_leaves)
+                    raise PipeccError(f"rank {rt.global_rank}: stage {s} receives ({ports}) but stage {s - 1} "
+                                      f"on rank {peer} sends something else; are both from the same compilation?")
+        rt._wire.flush()

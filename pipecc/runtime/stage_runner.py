@@ -1,0 +1,197 @@
+"""One stage of a rank: ``StageRunner`` runs its F and B actions and owns what they keep between
+actions, the stage's stash (per micro-batch: the input leaves and the outputs, or the scaled loss
+on the last stage) and, on the last stage, the micro-batch losses and kept outputs.
+
+The executor (``pipecc.runtime.engine.PipelineRuntime``) holds one runner per stage the schedule
+places on its rank and hands each action to its handler (``PipelineRuntime.handlers``); F and B
+are the runner's. What a stage exchanges with its neighbours goes through the rank's mailbox
+(``Mailbox``: received or locally handed-over values, values waiting for their SEND): a local
+neighbour's values are put straight into the inbox, detached, as a receive would deliver them.
+
+Technique hooks, each with its own module: BPipe's capture of an evicted micro-batch's saved
+activations (``capture`` from ``pipecc.runtime.stash_moves``), Bi-Partition's programs (a
+``pipecc.runtime.bipartition_exec.BipartitionRunner`` overrides the computation and the ports
+its messages carry), the zero-bubble I and W (``pipecc.runtime.split_backward.ZeroBubble``, which
+uses ``output_grads`` and ``hand_down``), unequal micro-batches' re-slicing
+(``pipecc.runtime.reslice.Reslicer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipecc.errors import PipeccError
+from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, split_sizes, unflatten
+
+
+__all__ = ["Mailbox", "StageRunner"]
+
+
+@dataclass
+class Mailbox:
+    """A rank's values in flight, per step: ``inbox[("F"|"B", stage, mb)]`` what arrived (or a
+    local neighbour handed over) for ``stage``; ``outbox[...]`` what ``stage``'s next SEND takes."""
+
+    inbox: dict[tuple[str, int, int], list] = field(default_factory=dict)
+    outbox: dict[tuple[str, int, int], list] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.inbox, self.outbox = {}, {}
+
+
+class StageRunner:
+    """Stage ``stage`` of this rank: its module, its ports, and its per-step state (``reset``)."""
+
+    def __init__(self, rt: Any, stage: int, module: nn.Module, ports: StagePorts) -> None:
+        self.rt, self.stage, self.module, self.ports = rt, stage, module, ports
+        self.first, self.last = stage == 0, stage == rt.last_stage
+        self.reset()
+
+    def reset(self) -> None:
+        """Per step: nothing stashed, no losses, no kept outputs."""
+        self.stash: dict[int, tuple[list, Any]] = {}  # mb -> (input leaves, outputs | scaled loss)
+        self.losses: list[torch.Tensor] = []
+        self.results: dict[int, list] = {}
+
+    @property
+    def leftover(self) -> list[tuple[int, int]]:
+        """(stage, mb) still stashed: a schedule that left work undone."""
+        return [(self.stage, mb) for mb in self.stash]
+
+    # -- the ports of the stage's messages (Bi-Partition's runner adds its own) ----------------
+
+    def grad_sends(self) -> list[Port]:
+        """The ports of the gradient message this stage sends upstream (SEND_B)."""
+        return [p for p in self.ports.in_leaves if p.carries_grad]
+
+    def grad_receives(self) -> list[Port]:
+        """The ports of the gradient message this stage receives from downstream (RECV_B)."""
+        return [p for p in self.ports.out_leaves if p.carries_grad]
+
+    def forward_extra(self, mb: int, training: bool) -> list[torch.Tensor]:
+        """Buffers after the usual ports of a forward message (none; Bi-Partition's saved tensors)."""
+        return []
+
+    def backward_extra(self, mb: int) -> list[torch.Tensor]:
+        """Buffers after the usual ports of a backward message (none; Bi-Partition's)."""
+        return []
+
+    # -- F -----------------------------------------------------------------------------------
+
+    def input_leaves(self, mb: int, training: bool) -> list[Any]:
+        """F's input: stage 0's split batch, the re-sliced upstream chunks (unequal sizes) or
+        what the inbox holds."""
+        rt = self.rt
+        if self.first:
+            return rt.inputs[mb]
+        if rt.reslice.active(self.stage):
+            return rt.reslice.forward_leaves(self.stage, mb, rt.mailbox.inbox, training)
+        return rt.mailbox.inbox.pop(("F", self.stage, mb))
+
+    def compute(self, mb: int, leaves: list[Any], training: bool,
+                capture: contextlib.AbstractContextManager | None) -> tuple[tuple, list[Any], list[Any]]:
+        """The stage's forward: (outputs, their leaves, extra buffers for the message)."""
+        with torch.set_grad_enabled(training), capture or contextlib.nullcontext():
+            outs = as_tuple(self.module(*unflatten(leaves, self.ports.receives)))
+        return outs, flatten(outs, self.ports.sends, f"rank {self.rt.global_rank} stage {self.stage} output"), []
+
+    def forward(self, mb: int, training: bool, capture: contextlib.AbstractContextManager | None = None) -> None:
+        """F: run the stage on micro-batch ``mb``; stash what B needs, hand the outputs on (or,
+        on the last stage, keep the scaled loss or the outputs)."""
+        rt, s = self.rt, self.stage
+        leaves = self.input_leaves(mb, training)
+        outs, out_leaves, extra = self.compute(mb, leaves, training, capture)
+        self.check(mb, out_leaves, self.ports.out_leaves)
+        if self.last:
+            if not training:
+                self.results[mb] = out_leaves
+                return
+            if rt.keep_outputs:
+                self.results[mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+            loss = self.loss(outs, mb)
+            self.losses.append(loss.detach())
+            self.stash[mb] = (leaves, loss)
+        else:
+            if training:
+                self.stash[mb] = (leaves, out_leaves)
+            if s + 1 in rt.stage_ids:  # local neighbour: hand over detached copies, like a receive
+                rt.mailbox.inbox[("F", s + 1, mb)] = [
+                    o.detach().requires_grad_(training and p.carries_grad) if p.kind == "tensor" else o
+                    for o, p in zip(out_leaves, self.ports.out_leaves)] + list(extra)
+            else:
+                rt.mailbox.outbox[("F", s, mb)] = [*out_leaves, *extra]
+        rt.peak_stash = max(rt.peak_stash, rt.stashed())
+
+    def loss(self, outs: tuple, mb: int) -> torch.Tensor:
+        """Micro-batch ``mb``'s loss times its share of the batch (and the replica's weight)."""
+        rt = self.rt
+        value = outs[0] if len(outs) == 1 else outs
+        loss = rt.loss_fn(value, rt.targets[mb]) if rt.loss_fn is not None else outs[0]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipeccError(f"rank {rt.global_rank}: the loss must be a scalar tensor, got "
+                              f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
+        n = self.ports.batch_size
+        sizes = rt.schedule.microbatch_sizes
+        if sizes is not None:  # b_k / B (n: the sizes' sum, check_sizes)
+            share = sizes[self.stage][mb] / sum(sizes[0])
+        else:
+            share = split_sizes(n, rt.m)[mb] / n if n is not None else 1.0 / rt.m
+        return loss.reshape(()) * (share * rt.replicas.weight)
+
+    def check(self, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:
+        """Fail early, naming the port, when an output does not match the spec its peer relies on."""
+        batch = self.ports.batch_size
+        for v, port in zip(leaves, ports):
+            if port.kind != "tensor":
+                continue
+            shape = port.microbatch_shape(mb, batch, self.rt.split_of(self.stage))
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != port.dtype:
+                got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
+                    else type(v).__name__
+                raise PipeccError(f"rank {self.rt.global_rank} stage {self.stage} mb {mb}: output {port.name!r} is "
+                                  f"{got}, ports.json says {list(shape)} {str(port.dtype).removeprefix('torch.')}")
+
+    # -- B -----------------------------------------------------------------------------------
+
+    def output_grads(self, mb: int, outs: Any) -> tuple[list, list | None]:
+        """The backward's roots and their gradients: the scaled loss on the last stage (no
+        gradient), else the outputs that carry one with the gradients received for them."""
+        if self.last:
+            return [outs], None
+        grads = iter(self.rt.mailbox.inbox.pop(("B", self.stage, mb)))
+        pairs = [(o, next(grads)) for o, p in zip(outs, self.ports.out_leaves) if p.carries_grad]
+        pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(self, mb: int) -> None:
+        """B: input and weight gradients of micro-batch ``mb``; the input gradients go upstream."""
+        in_leaves, outs = self.stash.pop(mb)
+        roots, grads = self.output_grads(mb, outs)
+        if self.last:
+            torch.autograd.backward(roots)  # the scaled loss
+        elif roots:
+            torch.autograd.backward(roots, grads)
+        self.rt.stash_moves.backward_done(self.stage, mb)  # BPipe: its saved activations were unpacked
+        if self.first:
+            return
+        if self.rt.reslice.active(self.stage):  # unequal sizes: the upstream chunks whose gradient is complete
+            ready = self.rt.reslice.backward_done(self.stage, mb)
+        else:
+            ready = [(mb, [x.grad if x.grad is not None else torch.zeros_like(x)
+                           for x, p in zip(in_leaves, self.ports.in_leaves) if p.carries_grad])]
+        for j, input_grads in ready:
+            self.hand_down(j, input_grads)
+
+    def hand_down(self, mb: int, input_grads: list) -> None:
+        """The gradient of the stage's inputs for upstream chunk ``mb``: into a local upstream
+        stage's inbox, else the outbox of this stage's SEND_B."""
+        if self.stage - 1 in self.rt.stage_ids:
+            self.rt.mailbox.inbox[("B", self.stage - 1, mb)] = input_grads
+        else:
+            self.rt.mailbox.outbox[("B", self.stage, mb)] = input_grads

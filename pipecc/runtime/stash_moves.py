@@ -1,0 +1,120 @@
+"""BPipe's actions in the executor: ``StashMoves`` runs SEND_S, RECV_S, SEND_R and RECV_R and holds
+their per-step state (the stash format, its transfer and capture: ``pipecc.runtime.stash``).
+
+A micro-batch the schedule evicts (it has a ``SEND_S`` on this rank) runs its forward under
+saved-tensor hooks that file every saved activation in its store (``capture``); SEND_S packs the
+store's storages into one payload, sends it to the partner stage p-1-s and drops them (the wire
+lets go of the payload once the send completed, ``Wire.collect``); the partner keeps them from
+RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and the micro-batch's backward waits
+for it first (``before_backward``), so ``unpack`` finds them. Inputs and outputs of the stage
+stay (the stage runner holds them). Only then are the sends RECV_R proves complete released
+(``wire.send_release``: ``release_after``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Any
+
+import torch
+
+from pipecc.errors import PipeccError
+from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+from pipecc.runtime.stash import Prefetch, SavedTensors, module_storages, recv_packed, send_stash, storage_key
+from pipecc.runtime.wire import peer_rank
+
+
+__all__ = ["StashMoves"]
+
+
+class StashMoves:
+    """The stash transfers of the runtime ``rt``'s stages (no-ops on a schedule without them)."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.evicted: dict[int, list[int]] = {}  # stage -> bytes of each SEND_S of the last step
+        self.reset(None, False)
+
+    def reset(self, schedule: Schedule | None, training: bool) -> None:
+        """Per step: (stage, mb) -> the saved activations of an evicted micro-batch (this rank's
+        stage); (evictor stage, mb) -> the partner's storages this rank keeps for it."""
+        self.saved: dict[tuple[int, int], SavedTensors] = {}
+        self.foreign: dict[tuple[int, int], torch.Tensor] = {}  # packed payloads (stash.pack)
+        self.returning: dict[tuple[int, int], Prefetch] = {}  # RECV_R posted, B not yet run
+        self.deferred: dict[tuple[int, int], list[Action]] = {}  # RECV_R's releases, until it arrived
+        self.moving: list[Action] = []  # SEND_S/SEND_R whose buffers may still be on their way
+        rank = self.rt.rank
+        self.evicting = {(a.stage, a.microbatch) for a in schedule.actions[rank]
+                         if a.kind is ActionKind.SEND_S} if training and schedule is not None else set()
+        self.evicted = {}
+
+    @property
+    def leftover(self) -> list:
+        return sorted([*self.saved, *self.foreign, *self.returning])
+
+    def capture(self, s: int, mb: int, module: torch.nn.Module) -> contextlib.AbstractContextManager | None:
+        """F of an evicted micro-batch: the context that files its saved activations (else None)."""
+        if (s, mb) not in self.evicting:
+            return None
+        store = self.saved[(s, mb)] = SavedTensors(module_storages([module]),
+                                                   f"rank {self.rt.global_rank} stage {s} mb {mb}")
+        return store.capture()
+
+    def backward_done(self, s: int, mb: int) -> None:
+        """After B: its saved activations were unpacked."""
+        self.saved.pop((s, mb), None)
+
+    def before_backward(self, action: Action) -> None:
+        """Before a backward action: the prefetched stash must be here; waiting for it is a
+        receive wait (timed as RECV_R), and only then are the sends RECV_R proves complete released."""
+        key = (action.stage, action.microbatch)
+        if key in self.returning:
+            self.rt.timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
+            self.rt._wire.release(self.deferred.pop(key, ()))
+
+    def release_after(self, action: Action, releases: list[Action]) -> None:
+        """The sends ``action`` proves complete: released now, or (RECV_R, only posted) once it arrived."""
+        if action.kind is ActionKind.RECV_R:
+            self.deferred[(action.stage, action.microbatch)] = releases
+        else:
+            self.rt._wire.release(releases)
+        if self.moving:
+            self.moving = self.rt._wire.collect(self.moving)
+
+    def run(self, a: Action, training: bool) -> None:
+        """SEND_S evicts (stage, mb)'s saved activations to the partner, RECV_S keeps the
+        evictor's, SEND_R sends them back, RECV_R posts their return."""
+        rt = self.rt
+        s, mb = a.stage, a.microbatch
+        evictor = s if a.kind in (ActionKind.SEND_S, ActionKind.RECV_R) else rt.schedule.partner[s]
+        peer = rt.replicas.rank_of(peer_rank(rt.schedule, a))
+        direction = 3 if a.kind in (ActionKind.SEND_S, ActionKind.RECV_S) else 4
+
+        def tag_of(i: int) -> int:
+            return rt.messages.tag(direction, evictor, mb, i)
+
+        what = f"{a.kind.value} mb {mb} of stage {evictor}"
+        if a.kind is ActionKind.SEND_S:
+            store = self.saved.get((s, mb))
+            if store is None:
+                raise PipeccError(f"rank {rt.global_rank}: {a} before {s}F{mb} (nothing captured to evict)")
+            leaves, outs = rt.runner(s).stash[mb]
+            resident = frozenset(storage_key(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor))
+            buffers = store.evict(resident)
+            self.evicted.setdefault(s, []).append(sum(b.numel() for b in buffers))
+            if rt.timer is not None:
+                rt.timer.note_eviction(s, self.evicted[s][-1])
+            send_stash(rt._wire, buffers, peer, tag_of, what, a, rt.device)
+            self.moving.append(a)
+        elif a.kind is ActionKind.RECV_S:
+            self.foreign[(evictor, mb)] = recv_packed(rt._wire, peer, tag_of, what, rt.device)  # kept whole
+        elif a.kind is ActionKind.SEND_R:
+            send_stash(rt._wire, self.foreign.pop((evictor, mb)), peer, tag_of, what, a, rt.device, counted=False)
+            self.moving.append(a)
+        else:  # RECV_R: a prefetch, completed right before B (``before_backward``)
+            self.returning[(s, mb)] = Prefetch(rt._wire, peer, tag_of, what, rt.device, self.saved[(s, mb)].away_sizes)
+
+    def _returned(self, s: int, mb: int) -> None:
+        """Wait for the stash RECV_R posted and put it back into (s, mb)'s store."""
+        self.saved[(s, mb)].restore(self.returning.pop((s, mb)).wait())

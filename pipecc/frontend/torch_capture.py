@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
-from pipecc.frontend import capture_errors, fx_tracer, host_random
+from pipecc.frontend import capture_errors, fx_tracer, host_random, regions
 from pipecc.frontend.modes import capture_both
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
@@ -113,6 +113,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+    regions.inline_no_grad(gm)  # torch.no_grad() blocks: ops on detached inputs
     notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")
     return gm, "export", notes
 

@@ -79,6 +79,7 @@ _ALONG_DIM.update({"topk": (2, "dim"), "kthvalue": (2, "dim"), "renorm": (2, "di
 _DEFAULT_DIM = {"sort": -1, "argsort": -1, "topk": -1, "kthvalue": -1, "median": -1,
                 "mode": -1, "diff": -1, "cat": 0, "concat": 0, "concatenate": 0, "glu": -1}
 _ALONG_DIMS = {"flip": (1, "dims"), "roll": (2, "dims")}  # a list of dims
+META_MIXING = "pipecc.batch_mixing"  # graph module meta: find_mixing's finding, for the folder
 _BATCH_NORM = frozenset("batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
                         "_native_batch_norm_legit_no_training native_batch_norm "
                         "cudnn_batch_norm miopen_batch_norm".split())
@@ -122,18 +123,12 @@ def find_mixing(graph: AnnotatedGraph, *, training: bool = True) -> Mixing | Non
     return None
 
 
-def mixing_message(graph: AnnotatedGraph, microbatches: int, replicas: int = 1, *,
-                   training: bool = True) -> str | None:
-    """`find_mixing`'s one line for a plan that splits the batch, or None (nothing split or
-    nothing mixed)."""
-    if microbatches <= 1 and replicas <= 1:
-        return None
-    found = find_mixing(graph, training=training)
-    if found is None:
-        return None
+def pieces(microbatches: int, replicas: int = 1) -> str:
+    """How a plan splits the batch, in words ("2 micro-batches and 2 replicas"); "" when it
+    does not (one micro-batch, no replicas: nothing to refuse)."""
     parts = [f"{microbatches} micro-batches"] if microbatches > 1 else []
     parts += [f"{replicas} replicas"] if replicas > 1 else []
-    return found.message(" and ".join(parts))
+    return " and ".join(parts)
 
 
 # ----------------------------------------------------------------------------- the walk

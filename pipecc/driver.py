@@ -625,6 +625,18 @@ def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool, *,
     return _batchnorm_message(note)
 
 
+def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
+    """Refuse (one line naming the node) a plan that splits the batch of a model whose nodes
+    mix samples (`pipecc.passes.batchdim`); the finding is kept for the compiled folder
+    (`pipecc.json`'s `batch_mixing`: `pipecc run -m N` asks it again)."""
+    from pipecc.passes import batchdim
+    found = batchdim.find_mixing(graph, training=plan.schedule != "inference")
+    graph.gm.meta[batchdim.META_MIXING] = found
+    pieces = batchdim.pieces(plan.microbatches, replicas)
+    if found is not None and pieces:
+        raise PipeccError(found.message(pieces))
+
+
 def _strict_batchnorm_message(note: str) -> str:
     return (f"strict_batchnorm: {note}, so its outputs would differ from the model's; use "
             "microbatches=1 (or eval mode)")
@@ -653,6 +665,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "--inference for a forward-only pipeline")
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
+    _separable(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
     steps = [Step("cut stages", _cut_stages),
@@ -678,6 +691,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     from pipecc.backends.base import Target
     check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
+    _separable(graph, plan, 1)  # one process runs each micro-batch whole (no replicas' slices)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)
     in_train_mode = batchnorm_note(graph, plan)  # what `train()` would start

@@ -179,9 +179,15 @@ def trace(model: nn.Module, given: int | None = None, *, see_into: bool = True) 
     tracer = _Tracer(see_into)
     concrete = untaken_defaults(model, given) if given is not None else {}
     before = _versions(model)
-    with _traceable_transformers():
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    written = [name for name, v in _versions(model).items() if before.get(name, v) != v]
+    slots = [(m, dict(m._buffers)) for m in model.modules()]
+    try:
+        with _traceable_transformers():
+            graph = tracer.trace(model, concrete_args=concrete or None)
+    finally:  # `self.n = self.n + 1` while tracing assigned a Proxy to the buffer: undone
+        assigned = [key for m, kept in slots for key, b in m._buffers.items() if kept.get(key) is not b]
+        for m, kept in slots:
+            m._buffers.update(kept)
+    written = [name for name, v in _versions(model).items() if before.get(name, v) != v] + assigned
     if written:
         raise Untraceable(f"forward writes {written[0]} in place where fx cannot record it")
     if tracer.no_grad_nodes:

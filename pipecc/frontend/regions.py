@@ -48,7 +48,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, inputs: lis
     with gm.graph.inserting_before(node):
         for place, value in zip(places, inputs):
             env[place] = (gm.graph.call_function(torch.ops.aten.detach.default, (value,))
-                          if isinstance(value, fx.Node) else value)
+                          if _is_tensor(gm, value) else value)
         for inner in body.graph.nodes:
             if inner.op == "placeholder":
                 continue
@@ -71,6 +71,18 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, inputs: lis
             whole = gm.graph.call_function(tuple, (list(outputs),))
         node.replace_all_uses_with(whole)
     gm.graph.erase_node(node)
+
+
+def _is_tensor(gm: fx.GraphModule, value: object) -> bool:
+    """A node whose value is a tensor (not a SymInt such as a `sym_size` of the batch)."""
+    if not isinstance(value, fx.Node):
+        return False
+    if value.op == "get_attr":
+        obj: object = gm
+        for part in str(value.target).split("."):
+            obj = getattr(obj, part, None)
+        return isinstance(obj, torch.Tensor)
+    return isinstance(value.meta.get("val"), torch.Tensor)
 
 
 def _fresh(gm: fx.GraphModule, base: str) -> str:

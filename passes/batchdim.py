@@ -223,9 +223,14 @@ class _Walk:
             return
         carried = [n for n in _flat(args) if isinstance(n, fx.Node) and n in self.size]
         if not carried:
-            if any(isinstance(n, fx.Node) and n in self.positions for n in _flat(args)) \
-                    and not _is_index_use(node):
-                self.found(node, "uses sample positions (arange of the batch size) as values")
+            if any(isinstance(n, fx.Node) and n in self.positions for n in _flat(args)):
+                if op in _VIEWS or op in _MOVES or op in ("to", "_to_copy", "long", "int"):
+                    self.positions.add(node)  # still positions: sliced, reshaped, expanded
+                elif not _is_index_use(node):
+                    self.found(node, "uses sample positions (arange of the batch size) as values")
+                elif self.bdim(args[0]) is None:
+                    self.found(node, "indexes a tensor without the batch by sample positions "
+                               "(arange of the batch size)")
             return
         value = node.meta.get(META_VALUE)
         if not isinstance(value, TensorInfo) and not any(tensors_in(value)):
@@ -548,7 +553,9 @@ def _region_writes(gm: fx.GraphModule, node: fx.Node) -> list[str]:
 
 
 def _is_index_use(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.index.Tensor)
+    """Positions used to index (a micro-batch indexes its own rows: the same rows)."""
+    return (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.index.Tensor)) \
+        or (node.op == "call_method" and node.target == "__getitem__")
 
 
 def _at(d: Any, point: dict) -> int:

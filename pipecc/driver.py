@@ -45,7 +45,7 @@ from torch import nn
 
 from pipecc import cost, progress
 from pipecc.errors import PipeccError, UsageError
-from pipecc.frontend import torch_capture
+from pipecc.frontend import constants, torch_capture
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
 from pipecc.ir import techniques
@@ -676,6 +676,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     Instruments(debug, dump_ir).run(steps, state)
     assert state.stages is not None
     notes = [f"warning: {batchnorm}"] if batchnorm else []
+    notes += [w for w in graph.warnings if w.startswith(constants.NOTE_PREFIX)]  # frozen attributes
     return Compiled(Path(out), state.stages,
                     notes + [line for b in state.backends for line in b.notes(plan, out)])
 

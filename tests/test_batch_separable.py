@@ -326,3 +326,24 @@ def test_compiled_folder_buffers_and_no_grad(tmp_path):
     assert "verify: outputs, loss and 4 gradients match" in run.stdout
     again = run_pipecc("run", str(out), "--steps", "1", "-m", "2")
     assert again.returncode == 1 and "node add_ writes the buffer steps" in again.stderr
+
+
+class ReadsScale(_Two):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 2.0
+
+    def mid(self, h):
+        return h * self.scale
+
+
+def test_frozen_attribute_is_named(one_thread):
+    """A Python attribute forward reads is captured as a constant: the analysis says so, naming
+    it and its value; a model that reads none gets no such note."""
+    from pipecc import driver
+    from pipecc.frontend.constants import NOTE_PREFIX
+    x = torch.randn(4, 4)
+    graph = driver.analyze_module(ReadsScale(), (x,))
+    notes = [w for w in graph.warnings if w.startswith(NOTE_PREFIX)]
+    assert len(notes) == 1 and "scale (= 2.0)" in notes[0] and "as a constant" in notes[0]
+    assert not [w for w in driver.analyze_module(Center(), (x,)).warnings if w.startswith(NOTE_PREFIX)]

@@ -140,6 +140,7 @@ class _Walk:
         self.size: set[fx.Node] = set()         # Python numbers that are the batch size
         self.shape_of: dict[fx.Node, int] = {}  # x.shape of a tensor with the batch at that dim
         self.positions: set[fx.Node] = set()    # arange(batch size): sample positions
+        self.batchnorms = _batchnorm_owners(graph)
 
     # --- values
     def bdims(self, value: Any) -> list[int]:
@@ -464,8 +465,7 @@ class _Walk:
         if not (inplace and isinstance(target, fx.Node) and target.op == "get_attr"):
             return
         owner, _, _ = str(target.target).rpartition(".")
-        module = self.graph.gm.get_submodule(owner) if owner else self.graph.gm
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        if owner in self.batchnorms:
             return  # its running statistics: driver.batchnorm_note
         self.found(node, f"writes the buffer {target.target} in forward, which runs once per "
                    "micro-batch", "keep the update out of forward")
@@ -531,6 +531,19 @@ def _arg(node: fx.Node, pos: int, key: str, default: Any) -> Any:
     if len(node.args) > pos:
         return node.args[pos]
     return default
+
+
+def _batchnorm_owners(graph: AnnotatedGraph) -> set[str]:
+    """Module paths of the BatchNorms (their running statistics are theirs to write): the
+    modules fx kept, and the owners of the buffers torch.export's batch_norm ops read."""
+    owners = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_module" and isinstance(graph.gm.get_submodule(str(node.target)),
+                                                   torch.nn.modules.batchnorm._BatchNorm):
+            owners.add(str(node.target))
+        elif node.op == "call_function" and str(node.meta.get(META_OP)) in _BATCH_NORM:
+            owners |= {str(a.target).rpartition(".")[0] for a in node.all_input_nodes if a.op == "get_attr"}
+    return owners
 
 
 def _region_writes(gm: fx.GraphModule, node: fx.Node) -> list[str]:

@@ -86,6 +86,11 @@ _BATCH_NORM = frozenset("batch_norm _native_batch_norm_legit _native_batch_norm_
 _REDUCTIONS = frozenset("sum mean amax amin max min var std norm argmax argmin prod all any "
                         "logsumexp count_nonzero var_mean std_mean nansum nanmean aminmax "
                         "linalg_vector_norm frobenius_norm".split())
+# ops that make a tensor of a value (position, keyword of the value): the batch size as their
+# size is a micro-batch's own, as their value it is not
+_FILLS = {"full": (1, "fill_value"), "new_full": (2, "fill_value"), "full_like": (1, "fill_value"),
+          "fill": (1, "value"), "scalar_tensor": (0, "s"), "tensor": (0, "data"),
+          "as_tensor": (0, "data")}
 _SHAPE_READS = frozenset("size sym_size".split())
 
 
@@ -237,10 +242,10 @@ class _Walk:
         if not isinstance(value, TensorInfo) and not any(tensors_in(value)):
             self.size.add(node)  # arithmetic on sizes: still the batch size
             return
+        fill = _FILLS.get(op)
         if op in ("arange", "range"):
             self.positions.add(node)
-        elif op in _ELEMENTWISE or op in ("full", "full_like", "new_full", "fill", "scalar_tensor",
-                                          "tensor", "as_tensor", "mean", "sum"):
+        elif op in _ELEMENTWISE or (fill is not None and _arg(node, *fill, None) in carried):
             self.found(node, "uses the batch size (x.shape[0]) as a value", "compute it from a "
                        "fixed number instead")
 

@@ -134,7 +134,47 @@ class NoGradBatchScale(_Two):
         return h / scale
 
 
+class Gram(_Two):
+    def mid(self, h):
+        return h @ (h.t() @ h)
+
+
+class FlipBatch(_Two):
+    def mid(self, h):
+        return h.flip(0)
+
+
+class CatBatch(_Two):
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.cat([h, h], 0))
+
+
+class FirstSample(_Two):
+    def mid(self, h):
+        return h + h[0]
+
+
+class FullOfBatchSize(_Two):
+    def mid(self, h):
+        return h + torch.full((4,), h.shape[0])
+
+
+class SeqFirstAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.m, self.b = nn.Linear(4, 4), nn.MultiheadAttention(4, 2), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(self.m(h, h, h, need_weights=False)[0])
+
+
 # separable controls: equal to the model with 2 micro-batches
+class FullOfBatchShape(_Two):
+    def mid(self, h):
+        return h + torch.full((h.shape[0], 4), 2.0)
+
 class NoGradSampleScale(_Two):
     def mid(self, h):
         with torch.no_grad():  # per sample: micro-batches keep it
@@ -200,7 +240,14 @@ CASES = {
     "ema_buffer": (EMABuffer, _x(8, 4), "mul_"),
     "no_grad_counter": (NoGradCounter, _x(8, 4), "add_"),
     "no_grad_batch_scale": (NoGradBatchScale, _x(8, 4), "max"),
+    "gram_over_batch": (Gram, _x(8, 4), "matmul"),
+    "flip_batch": (FlipBatch, _x(8, 4), "flip"),
+    "cat_along_batch": (CatBatch, _x(8, 4), "cat"),
+    "first_sample": (FirstSample, _x(8, 4), "getitem"),
+    "full_of_batch_size": (FullOfBatchSize, _x(8, 4), "full"),
+    "seq_first_attention": (SeqFirstAttention, _x(6, 5, 4), "m"),
     "no_grad_sample_scale": (NoGradSampleScale, _x(8, 4), None),
+    "full_of_batch_shape": (FullOfBatchShape, _x(8, 4), None),
     "other_dims": (OtherDims, _x(8, 3, 4), None),
     "batch_first_gru": (BatchFirstGRU, _x(6, 5, 4), None),
     "attention": (Attention, lambda: torch.randint(0, 10, (6, 5), generator=torch.Generator().manual_seed(1)), None),
@@ -326,6 +373,11 @@ def test_compiled_folder_buffers_and_no_grad(tmp_path):
     assert "verify: outputs, loss and 4 gradients match" in run.stdout
     again = run_pipecc("run", str(out), "--steps", "1", "-m", "2")
     assert again.returncode == 1 and "node add_ writes the buffer steps" in again.stderr
+    with pytest.raises(PipeccError, match="^node add_ writes the buffer steps"):
+        pipecc.load(out, microbatches=2)
+    loaded = pipecc.load(out)  # one micro-batch: the step counter counts the call once
+    loaded(torch.randn(8, 4))
+    assert int(loaded.state_dict()["steps"]) == 1
 
 
 class ReadsScale(_Two):

@@ -73,6 +73,31 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule, inputs: lis
     gm.graph.erase_node(node)
 
 
+def parameter_write(gm: fx.GraphModule) -> str | None:
+    """The first parameter that the graph writes in place (an op ending in `_`, or export's
+    `copy_` write-back), seen through `detach`, or None.
+
+    NOTE: a pipeline's parameters belong to the optimizer step after backward; a forward that
+    changes them in place (`self.w.mul_(0.99)` under no_grad) is refused at capture (in the
+    probe of issue 22 it ran and gave other numbers), as torch.export itself refuses most."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if node.op not in ("call_function", "call_method") or not name.endswith("_") \
+                or name.startswith("_") or not node.args:
+            continue
+        target = node.args[0]
+        while isinstance(target, fx.Node) and target.op == "call_function" \
+                and target.target is torch.ops.aten.detach.default:
+            target = target.args[0]
+        if isinstance(target, fx.Node) and target.op == "get_attr":
+            obj: object = gm
+            for part in str(target.target).split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, torch.nn.Parameter):
+                return str(target.target)
+    return None
+
+
 def _is_tensor(gm: fx.GraphModule, value: object) -> bool:
     """A node whose value is a tensor (not a SymInt such as a `sym_size` of the batch)."""
     if not isinstance(value, fx.Node):

@@ -480,6 +480,11 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
                                f"({type(exc).__name__}); costs are numbers, not expressions in "
                                f"{', '.join(s.name for s in symbols)}")
     _check_output(gm)
+    written = regions.parameter_write(gm)
+    if written is not None:
+        raise PipeccError(f"forward writes the parameter {written} in place, which a pipeline "
+                          "cannot keep (parameters change in the optimizer step, after backward); "
+                          "keep the update out of forward or make it a buffer")
     annotate_ops_and_names(gm)
     frozen = constants.note(reads)  # Python attributes the graph keeps as constants
     return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source, model_name=model_name,

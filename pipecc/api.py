@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from pipecc import driver
-from pipecc.errors import UsageError
+from pipecc.errors import PipeccError, UsageError
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.targets.devices import Cluster, parse_devices
 from pipecc.runtime import local
@@ -94,9 +94,19 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
     an HLS project (`stage_<i>/hls/`, FPGA stages) run through the C simulation, built with
     g++ on first use. Such pipelines are inference-only. `module.plan` is the folder's
     plan.json (a `pipecc.ir.plan.Plan`), as for `pipecc.compile`."""
+    import json
     from pathlib import Path
 
+    from pipecc.passes.batchdim import Mixing, pieces
     from pipecc.report.compiled import read_plan
+    try:  # a model whose nodes mix samples (found at compile): no split batch here either
+        marker = json.loads((Path(out_dir) / "pipecc.json").read_text(encoding="utf-8"))
+        found = marker.get("batch_mixing")
+        split = pieces(int(microbatches or marker.get("microbatches") or 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        found, split = None, ""
+    if isinstance(found, dict) and split and set(found) <= {"node", "why", "fix"}:
+        raise PipeccError(Mixing(**{k: str(v) for k, v in found.items()}).message(split))
     if any(p.is_dir() for p in Path(out_dir).glob("stage_*/hls")):
         from pipecc.backends.fpga.pipeline import load_mixed
         module = load_mixed(out_dir, devices=devices, microbatches=microbatches)

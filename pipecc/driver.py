@@ -42,7 +42,7 @@ from torch import nn
 
 from pipecc import cost, progress
 from pipecc.errors import PipeccError, UsageError
-from pipecc.frontend import torch_capture
+from pipecc.frontend import constants, torch_capture
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, load_model_file
 from pipecc.ir import techniques
@@ -623,6 +623,18 @@ def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool, *,
     return _batchnorm_message(note)
 
 
+def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
+    """Refuse (one line naming the node) a plan that splits the batch of a model whose nodes
+    mix samples (`pipecc.passes.batchdim`); the finding is kept for the compiled folder
+    (`pipecc.json`'s `batch_mixing`: `pipecc run -m N` asks it again)."""
+    from pipecc.passes import batchdim
+    found = batchdim.find_mixing(graph, training=plan.schedule != "inference")
+    graph.gm.meta[batchdim.META_MIXING] = found
+    pieces = batchdim.pieces(plan.microbatches, replicas)
+    if found is not None and pieces:
+        raise PipeccError(found.message(pieces))
+
+
 def _strict_batchnorm_message(note: str) -> str:
     return (f"strict_batchnorm: {note}, so its outputs would differ from the model's; use "
             "microbatches=1 (or eval mode)")
@@ -651,6 +663,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "--inference for a forward-only pipeline")
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
+    _separable(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
     steps = [Step("cut stages", _cut_stages),
@@ -661,6 +674,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     Instruments(debug, dump_ir).run(steps, state)
     assert state.stages is not None
     notes = [f"warning: {batchnorm}"] if batchnorm else []
+    notes += [w for w in graph.warnings if w.startswith(constants.NOTE_PREFIX)]  # frozen attributes
     return Compiled(Path(out), state.stages,
                     notes + [line for b in state.backends for line in b.notes(plan, out)])
 
@@ -676,6 +690,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     from pipecc.backends.base import Target
     check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
+    _separable(graph, plan, 1)  # one process runs each micro-batch whole (no replicas' slices)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)
     in_train_mode = batchnorm_note(graph, plan)  # what `train()` would start

@@ -49,6 +49,7 @@ GraphModules over the model's own parameters, wrapped in `pipecc.runtime.Pipelin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -153,6 +154,13 @@ def write_output(out_dir: str | Path, graph: AnnotatedGraph, plan: Plan, stages:
     return out
 
 
+def _mixing(graph: AnnotatedGraph) -> dict[str, str] | None:
+    """The node that mixes samples (`pipecc.passes.batchdim`, found by the driver), for
+    `pipecc run -m N` to refuse a run that splits the batch; None when micro-batches are sound."""
+    found = graph.gm.meta.get("pipecc.batch_mixing")
+    return dataclasses.asdict(found) if dataclasses.is_dataclass(found) else None
+
+
 def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Stage],
                extra_files: Mapping[str, str | bytes]) -> None:
     n = len(stages)
@@ -173,6 +181,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
               "activation_balancing": balancing,
               "source": graph.source, "torch": torch.__version__,
+              "batch_mixing": _mixing(graph),
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
               MODEL_HASH: _sha256(plan.model_path)}

@@ -125,6 +125,13 @@ def normalise_stage_of(graph: AnnotatedGraph, stage_of: dict[str, int]) -> dict[
         users = [u for u in node.users if u.op != "output"]
         if _is_metadata(node) and users:
             placed[node.meta[META_NAME]] = min(placed[u.meta[META_NAME]] for u in users)
+    for node in graph.compute_nodes():
+        buffer = _buffer_write(node)
+        if buffer is not None:  # written where it is computed: no port for the new value
+            readers = [placed[u.meta[META_NAME]] for u in buffer.users if u is not node]
+            source = [placed[n.meta[META_NAME]] for n in node.all_input_nodes
+                      if n.op not in ("placeholder", "get_attr")]
+            placed[node.meta[META_NAME]] = max(source + readers, default=placed[node.meta[META_NAME]])
     return placed
 
 
@@ -146,6 +153,15 @@ def plan_as_cut(plan: Any, graph: AnnotatedGraph) -> Any:
     order = [name for s in plan.stages for name in s.nodes if name in where]
     stages = [dataclasses.replace(s, nodes=[n for n in order if where[n] == s.index]) for s in plan.stages]
     return dataclasses.replace(plan, stages=stages)
+
+
+def _buffer_write(node: fx.Node) -> fx.Node | None:
+    """The buffer's get_attr when `node` is torch.export's write-back of a buffer mutated in
+    forward (`copy_(buffer, new value)`, used by nothing), else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users:
+        return None
+    target = node.args[0] if node.args else None
+    return target if isinstance(target, fx.Node) and target.op == "get_attr" else None
 
 
 def _is_metadata(node: fx.Node) -> bool:

@@ -260,6 +260,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     m = args.microbatches or int(marker.get("microbatches") or 4)
     batch = int(marker.get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")
+    _check_separable(marker, m, _replicas(marker, args.out))
     model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
         build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.microbatches),
@@ -267,6 +268,19 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     except ValueError as e:
         shown = schedule if isinstance(schedule, str) else "(schedule.txt)"
         raise UsageError(f"--schedule {shown} with {ranks} ranks and {m} micro-batches: {e}") from None
+
+
+def _check_separable(marker: dict[str, Any], m: int, replicas: int) -> None:
+    """A run that splits the batch of a model whose nodes mix samples (pipecc.json's
+    ``batch_mixing``, found at compile): refused in one line naming the node."""
+    from pipecc.passes.batchdim import Mixing, pieces
+    found, split = marker.get("batch_mixing"), pieces(m, replicas)
+    if isinstance(found, dict) and split:
+        try:
+            mixing = Mixing(**{k: str(v) for k, v in found.items()})
+        except TypeError:
+            raise PipeccError("pipecc.json's batch_mixing is not pipecc's; compile again") from None
+        raise PipeccError(mixing.message(split))
 
 
 def _forward_only(args: argparse.Namespace, marker: dict[str, Any], out: Path, num_stages: int) -> bool:

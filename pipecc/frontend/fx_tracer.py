@@ -49,8 +49,36 @@ def sees_into(module: nn.Module) -> bool:
 
 
 class _Tracer(fx.Tracer):
+    """fx's tracer, seeing into composite torch.nn modules (`see_into`), noting the nodes it
+    records with gradients off while they were on when the trace began (a no_grad region)."""
+
+    def __init__(self, see_into: bool = True) -> None:
+        super().__init__()
+        self.see_into = see_into
+        self.grad_at_start = torch.is_grad_enabled()
+        self.no_grad_nodes: list[str] = []
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return super().is_leaf_module(m, module_qualified_name) and not sees_into(m)
+        return super().is_leaf_module(m, module_qualified_name) and not (self.see_into and sees_into(m))
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if self.grad_at_start and not torch.is_grad_enabled():
+            self.no_grad_nodes.append(node.name)
+        return node
+
+
+class Untraceable(Exception):
+    """What torch.fx would capture wrong, so `torch_capture` captures with torch.export instead
+    (which records it): an in-place write fx ran eagerly on a buffer or parameter (`self.steps
+    += 1`, `self.ema.mul_(0.9)`: no Proxy among its arguments, so the graph would never write
+    it), or ops recorded inside a `torch.no_grad()` region (fx keeps the ops, not the region,
+    so gradients would flow where the model stops them)."""
+
+
+def _versions(model: nn.Module) -> dict[str, int]:
+    return {name: t._version for name, t in [*model.named_parameters(remove_duplicate=False),
+                                             *model.named_buffers(remove_duplicate=False)]}
 
 
 @contextlib.contextmanager
@@ -148,10 +176,23 @@ def trace(model: nn.Module, given: int | None = None, *, see_into: bool = True) 
     """`fx.symbolic_trace(model)`, but seeing into composite torch.nn modules (unless not
     `see_into`) and, when `given` says how many positional inputs the call passes, with the
     other arguments at their plain defaults (`untaken_defaults`)."""
-    tracer = _Tracer() if see_into else fx.Tracer()
+    tracer = _Tracer(see_into)
     concrete = untaken_defaults(model, given) if given is not None else {}
-    with _traceable_transformers():
-        graph = tracer.trace(model, concrete_args=concrete or None)
+    before = _versions(model)
+    slots = [(m, dict(m._buffers)) for m in model.modules()]
+    try:
+        with _traceable_transformers():
+            graph = tracer.trace(model, concrete_args=concrete or None)
+    finally:  # `self.n = self.n + 1` while tracing assigned a Proxy to the buffer: undone
+        assigned = [key for m, kept in slots for key, b in m._buffers.items() if kept.get(key) is not b]
+        for m, kept in slots:
+            m._buffers.update(kept)
+    written = [name for name, v in _versions(model).items() if before.get(name, v) != v] + assigned
+    if written:
+        raise Untraceable(f"forward writes {written[0]} in place where fx cannot record it")
+    if tracer.no_grad_nodes:
+        raise Untraceable(f"forward runs {tracer.no_grad_nodes[0]} under torch.no_grad(), "
+                          "which fx does not record")
     if concrete:
         names = [p.name for p in inspect.signature(model.forward).parameters.values()
                  if p.kind is not inspect.Parameter.VAR_KEYWORD]

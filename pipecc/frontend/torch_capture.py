@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
-from pipecc.frontend import capture_errors, fx_tracer, host_random
+from pipecc.frontend import capture_errors, constants, fx_tracer, host_random, regions
 from pipecc.frontend.modes import capture_both
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
@@ -113,6 +113,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple,
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+    regions.inline_no_grad(gm)  # torch.no_grad() blocks: ops on detached inputs
     notes.append(f"torch.fx could not trace the model ({fx_error}); captured with torch.export")
     return gm, "export", notes
 
@@ -457,8 +458,8 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
     check_symbols(symbols, example_inputs)
     with quiet_torch_logging():
         watch = capture_errors.Watch()
-        with host_random.watch():  # numpy draws are refused by the capture; undo the check's
-            returned, output = _check_forward(model, example_inputs, watch)
+        with host_random.watch(), constants.watch(model) as reads:  # numpy draws are refused
+            returned, output = _check_forward(model, example_inputs, watch)  # by the capture
         try:
             gm, source, notes = capture_both(model, example_inputs, symbols, capture)  # train and eval
         except _Refinable as exc:
@@ -479,9 +480,15 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
                                f"({type(exc).__name__}); costs are numbers, not expressions in "
                                f"{', '.join(s.name for s in symbols)}")
     _check_output(gm)
+    written = regions.parameter_write(gm)
+    if written is not None:
+        raise PipeccError(f"forward writes the parameter {written} in place, which a pipeline "
+                          "cannot keep (parameters change in the optimizer step, after backward); "
+                          "keep the update out of forward or make it a buffer")
     annotate_ops_and_names(gm)
-    return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source,
-                          model_name=model_name, warnings=notes + shape_notes)
+    frozen = constants.note(reads)  # Python attributes the graph keeps as constants
+    return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source, model_name=model_name,
+                          warnings=notes + shape_notes + ([frozen] if frozen else []))
 
 
 def check_symbols(symbols: Sequence[SymbolSpec], inputs: tuple) -> None:

@@ -3,8 +3,9 @@
 With a model file (``Verifier``) the first training step is checked: every rank builds the
 original model from the model file, loads the weights of ALL stages into it (memory: a full
 model copy plus all stage weights per rank, fine for test-sized models, costly for large ones),
-runs the full batch with the same loss and compares its own stages' parameter gradients, the
-last rank also the outputs and the loss. A mismatch prints
+runs the full batch with the same loss and compares its own stages' parameter gradients and
+the buffers forward wrote (a step counter, an EMA: without replicas), the last rank also the
+outputs and the loss. A mismatch prints
 ``pipecc: error: verify: rank R stage S gradient of NAME differs: ...`` and exits 1.
 
 Like with like. Both runs are in train mode; randomness is taken out of both, since a pipeline
@@ -217,6 +218,8 @@ class Verifier:
                 if problem:
                     failures.append(f"verify: rank {self.runtime.global_rank} stage {s} gradient of {label} "
                                     f"differs: {problem}")
+        if self.runtime.replicas.count == 1:  # replicas: each updates statistics on its own rows
+            failures += self._buffer_failures(model)
         if self.is_last:
             got_loss = float(loss) if loss is not None else float("nan")
             want = float(ref_loss.detach())
@@ -233,6 +236,21 @@ class Verifier:
                   f"{_compared(same.seen, self.pieces)}", flush=True)
         del self.model
         model.zero_grad(set_to_none=True)
+
+    def _buffer_failures(self, model: nn.Module) -> list[str]:
+        """Buffers the forward wrote (a step counter, an EMA, running statistics): each stage's
+        against the model's after its own forward over the batch."""
+        ref = dict(model.named_buffers(remove_duplicate=False))
+        failures = []
+        for s, module in zip(self.runtime.stage_ids, self.runtime.modules):
+            names: dict[str, str] = getattr(type(module), "PARAM_NAMES", {})
+            for attr, buf in module.named_buffers():
+                want = ref.get(names.get(attr, ""))
+                problem = self._differs(buf, want.to(buf.device)) if want is not None else None
+                if problem:
+                    failures.append(f"verify: rank {self.runtime.global_rank} stage {s} buffer "
+                                    f"{names[attr]} differs after the step: {problem}")
+        return failures
 
     def _piecewise(self, model: nn.Module) -> tuple[Any, torch.Tensor]:
         """BatchNorm with micro-batches: the model over the pipeline's pieces of the batch (each

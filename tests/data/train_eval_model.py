@@ -4,8 +4,8 @@
   * `dropout` (default): torch.fx cannot trace it (a branch on a shape), so pipecc captures it
     with torch.export, whose graph holds the train flag of `nn.Dropout`, `F.dropout(...,
     self.training)` and BatchNorm as constants;
-  * `nograd`: traceable by torch.fx, with a `torch.no_grad()` block in forward (the pipeline's
-    gradients differ from eager PyTorch's there) and dropout;
+  * `nograd`: with a `torch.no_grad()` block in forward (which torch.fx would trace through,
+    so pipecc captures it with torch.export) and dropout;
   * `noise`: adds `torch.randn_like` noise in forward;
   * `unused`: has a layer forward never calls;
   * `nan`: its outputs (so its loss and gradients) are NaN;

@@ -1,0 +1,591 @@
+"""Where the batch is, node by node: whether micro-batching along dim 0 keeps samples apart.
+
+A pipeline splits every batched input along dim 0 into micro-batches, runs each through the
+stages on its own and concatenates the outputs along dim 0 (`pipecc.runtime.ports`). That is
+the model's computation only when no node mixes samples: a node that reduces over the batch
+(`x - x.mean(0)`, a hand-written batch norm), scans or reorders along it (`cumsum(0)`, `flip`),
+contracts it (`x.t() @ x`), runs a recurrence over it (a sequence-first GRU whose dim 0 is time,
+not the batch), uses the batch size as a number (`y * x.shape[0]`) or returns the batch
+somewhere other than dim 0 (`y.t()`). Such a model runs without an error and returns something
+else; this pass finds the first such node so the driver can refuse it in one line.
+
+How the batch is found: the frontend fitted every dimension as a polynomial in the symbol `B`
+(`pipecc.frontend.torch_capture.propagate_shapes`), so a tensor's batch dim is the dim whose
+size is `c·B`. The rules below say, per op, which dims an op combines across (its reduced,
+scanned or contracted dims); the batch must not be one of them. Two facts shapes do not show
+are propagated here: whether the batch is still the outermost factor of its dim after a view
+merged it with another (`_view_ok`: `(B, T)` -> `(B·T,)` is, `(T, B)` -> `(T·B,)` is not), and
+which Python numbers are the batch size (`x.shape[0]`, `x.size(0)`, `sym_size`): as a size
+(`view(b, -1)`, `expand(b, ...)`) a micro-batch's own size is right; as a value it is not.
+
+Ops the tables do not know are taken as separable when the batch stays at dim 0 of their inputs
+and outputs (attention, embedding, layer norm, softmax over the last dim all do); anything else
+unknown that moves or drops the batch is refused. BatchNorm is left to `driver.batchnorm_note`
+(a warning, or `strict_batchnorm`), as before. Buffers written in forward (a step counter, an
+EMA) are written once per micro-batch, so with several micro-batches they are refused too
+(BatchNorm's running statistics excepted, as above).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
+
+# ops whose output values do not depend on their inputs' values (sizes, dtypes, fresh tensors)
+_DATA_FREE = frozenset(
+    "getattr size dim numel sym_size sym_numel zeros_like ones_like empty_like full_like "
+    "rand_like randn_like randint_like new_zeros new_ones new_empty new_full new_tensor "
+    "zeros ones empty full rand randn randint arange scalar_tensor _assert_tensor_metadata "
+    "_assert_scalar sym_constrain_range_for_size _guards_fn".split())
+# ops that act on every element alone (or broadcast): the batch stays where shapes put it
+_ELEMENTWISE = frozenset(
+    "add sub mul truediv div floordiv neg pow sqrt rsqrt exp log log1p expm1 abs where masked_fill "
+    "dropout native_dropout feature_dropout alpha_dropout iadd imul isub itruediv maximum minimum "
+    "reciprocal rsub eq ne lt le gt ge and_ or_ xor not_ invert lerp addcmul addcdiv sign floor "
+    "ceil round trunc frac sin cos tan asin acos atan atan2 sinh cosh tanh erf erfc erfinv "
+    "sigmoid relu relu6 gelu silu elu leaky_relu hardtanh hardswish hardsigmoid mish softplus "
+    "softsign selu celu prelu rrelu logsigmoid tanhshrink threshold clamp clip clamp_min "
+    "clamp_max nan_to_num type_as to float half bfloat16 double long int bool short char byte "
+    "alias clone contiguous copy mod remainder fmod logical_not logical_and logical_or "
+    "logical_xor bitwise_not bitwise_and bitwise_or bitwise_xor isnan isinf isfinite "
+    "detach _to_copy lift_fresh_copy masked_fill_ fill_ square positive fake_quantize_per_tensor_affine "
+    "scaled_mul onnx_cast identity gelu_ relu_ sigmoid_ tanh_ hardtanh_ silu_ dropout_ "
+    "bernoulli triu tril softmax_backward_data pixel_shuffle pixel_unshuffle".split())
+# layout ops: shapes say where the batch went, `_view_ok` whether it stayed a clean factor
+_VIEWS = frozenset("view reshape flatten unflatten _unsafe_view unsafe_view view_as reshape_as".split())
+_MOVES = frozenset(
+    "permute transpose t swapaxes swapdims movedim moveaxis squeeze unsqueeze expand expand_as "
+    "repeat tile broadcast_to unbind split chunk split_with_sizes tensor_split unsafe_split "
+    "narrow select slice getitem stack hstack vstack pad constant_pad_nd reflection_pad1d "
+    "reflection_pad2d replication_pad1d replication_pad2d as_strided upsample_nearest2d "
+    "upsample_bilinear2d interpolate _upsample_bilinear2d_aa upsample_nearest1d".split())
+# ops along one dim argument (position, keyword): the batch must not be that dim
+_ALONG_DIM = {name: (1, "dim") for name in
+              "cumsum cumprod cummax cummin logcumsumexp softmax log_softmax _softmax _log_softmax "
+              "sort argsort topk kthvalue median mode nanmedian diff gather scatter scatter_add "
+              "scatter_reduce index_select index_add index_copy index_fill take_along_dim "
+              "glu renorm cat concat concatenate".split()}
+_ALONG_DIM.update({"topk": (2, "dim"), "kthvalue": (2, "dim"), "renorm": (2, "dim"),
+                   "diff": (2, "dim"), "cat": (1, "dim"), "concat": (1, "dim"),
+                   "concatenate": (1, "dim")})
+_DEFAULT_DIM = {"sort": -1, "argsort": -1, "topk": -1, "kthvalue": -1, "median": -1,
+                "mode": -1, "diff": -1, "cat": 0, "concat": 0, "concatenate": 0, "glu": -1}
+_ALONG_DIMS = {"flip": (1, "dims"), "roll": (2, "dims")}  # a list of dims
+META_MIXING = "pipecc.batch_mixing"  # graph module meta: find_mixing's finding, for the folder
+_BATCH_NORM = frozenset("batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
+                        "_native_batch_norm_legit_no_training native_batch_norm "
+                        "cudnn_batch_norm miopen_batch_norm".split())
+_REDUCTIONS = frozenset("sum mean amax amin max min var std norm argmax argmin prod all any "
+                        "logsumexp count_nonzero var_mean std_mean nansum nanmean aminmax "
+                        "linalg_vector_norm frobenius_norm".split())
+# ops that make a tensor of a value (position, keyword of the value): the batch size as their
+# size is a micro-batch's own, as their value it is not
+_FILLS = {"full": (1, "fill_value"), "new_full": (2, "fill_value"), "full_like": (1, "fill_value"),
+          "fill": (1, "value"), "scalar_tensor": (0, "s"), "tensor": (0, "data"),
+          "as_tensor": (0, "data")}
+_SHAPE_READS = frozenset("size sym_size".split())
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """The first node that would compute something else over micro-batches, and why."""
+
+    node: str          # its human name (META_NAME)
+    why: str           # what it does to the batch, in a phrase
+    fix: str = ""      # a way out besides microbatches=1, or ""
+
+    def message(self, pieces: str) -> str:
+        """One line: the node, what it does, and the fix (`pieces`: "2 micro-batches")."""
+        extra = f", or {self.fix}" if self.fix else ""
+        return (f"node {self.node} {self.why}, so splitting the batch into {pieces} would change "
+                f"the model's results; use microbatches=1 (-m 1) with no replicas{extra}")
+
+
+class _Found(Exception):
+    def __init__(self, mixing: Mixing) -> None:
+        super().__init__(mixing.why)
+        self.mixing = mixing
+
+
+def find_mixing(graph: AnnotatedGraph, *, training: bool = True) -> Mixing | None:
+    """The first node (graph order) that mixes samples or moves the batch off dim 0 of an
+    output, or None when micro-batches along dim 0 compute what the model does. `training`:
+    whether the pipeline runs train mode (InstanceNorm's running statistics are then written)."""
+    if "B" not in graph.symbols or graph.source == "onnx":
+        return None  # no batch symbol: inputs are not split (ONNX: its own B, inference only)
+    try:
+        _Walk(graph, training).run()
+    except _Found as found:
+        return found.mixing
+    return None
+
+
+def pieces(microbatches: int, replicas: int = 1) -> str:
+    """How a plan splits the batch, in words ("2 micro-batches and 2 replicas"); "" when it
+    does not (one micro-batch, no replicas: nothing to refuse)."""
+    parts = [f"{microbatches} micro-batches"] if microbatches > 1 else []
+    parts += [f"{replicas} replicas"] if replicas > 1 else []
+    return " and ".join(parts)
+
+
+# ----------------------------------------------------------------------------- the walk
+class _Walk:
+    def __init__(self, graph: AnnotatedGraph, training: bool) -> None:
+        self.graph, self.training = graph, training
+        self.b = graph.symbols["B"]
+        self.dirty: set[fx.Node] = set()        # the batch is no longer the outer factor of its dim
+        self.size: set[fx.Node] = set()         # Python numbers that are the batch size
+        self.shape_of: dict[fx.Node, int] = {}  # x.shape of a tensor with the batch at that dim
+        self.positions: set[fx.Node] = set()    # arange(batch size): sample positions
+        self.batchnorms = _batchnorm_owners(graph)
+
+    # --- values
+    def bdims(self, value: Any) -> list[int]:
+        if not isinstance(value, TensorInfo):
+            return []
+        return [i for i, d in enumerate(value.shape) if self.b in getattr(d, "free_symbols", ())]
+
+    def bdim(self, node: Any) -> int | None:
+        """The batch dim of a tensor node (None: none); a tensor with two is refused."""
+        if not isinstance(node, fx.Node):
+            return None
+        dims = self.bdims(node.meta.get(META_VALUE))
+        if len(dims) > 1:
+            self.found(node, "pairs every sample with every other (the batch is in two dims of "
+                       "its output)")
+        return dims[0] if dims else None
+
+    def batched(self, value: Any) -> bool:
+        return any(self.bdims(t) for t in tensors_in(value))
+
+    def found(self, node: fx.Node, why: str, fix: str = "") -> None:
+        raise _Found(Mixing(str(node.meta.get(META_NAME, node.name)), why, fix))
+
+    # --- the graph
+    def run(self) -> None:
+        for node in self.graph.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                self.outputs(node)
+            elif node.op != "get_attr":
+                self.visit(node)
+
+    def visit(self, node: fx.Node) -> None:
+        op = str(node.meta.get(META_OP, ""))
+        base = op[:-1] if op.endswith("_") and not op.startswith("_") else op
+        inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
+        self.numbers(node, base, inputs)
+        if node.op == "call_module":
+            self.module(node, op)
+        elif base in _BATCH_NORM:
+            return  # driver.batchnorm_note: a warning, or strict_batchnorm refuses
+        else:
+            self.function(node, base, inputs)
+        self.writes(node, op)
+        self.vanished(node, base, inputs)
+
+    # --- Python numbers
+    def numbers(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> None:
+        """Follow the batch size through shape reads and scalar arithmetic; refuse it as a
+        tensor value."""
+        args = list(node.args) + list(node.kwargs.values())
+        if node.op == "call_function" and node.target is getattr and len(args) > 1 \
+                and args[1] == "shape" and isinstance(args[0], fx.Node):
+            p = self.bdim(args[0])
+            if p is not None:
+                self.shape_of[node] = p
+            return
+        if op in _SHAPE_READS or (node.op == "call_method" and node.target == "size"):
+            src = args[0] if args else None
+            p = self.bdim(src) if isinstance(src, fx.Node) else None
+            dim = args[1] if len(args) > 1 else None
+            if p is not None:
+                rank = len(src.meta[META_VALUE].shape)
+                if dim is None:
+                    self.shape_of[node] = p
+                elif isinstance(dim, int) and dim % rank == p:
+                    self.size.add(node)
+            return
+        if node.op == "call_function" and node.target is operator.getitem and args \
+                and args[0] in self.shape_of:
+            p, index = self.shape_of[args[0]], args[1]
+            if isinstance(index, int) and index == p:
+                self.size.add(node)
+            elif isinstance(index, slice):
+                self.shape_of[node] = p  # a slice of a shape: still holds it (close enough)
+            return
+        if op == "numel" or (node.op == "call_function" and node.target is len):
+            if inputs and self.bdim(inputs[0]) is not None:
+                self.size.add(node)
+            return
+        carried = [n for n in _flat(args) if isinstance(n, fx.Node) and n in self.size]
+        if not carried:
+            if any(isinstance(n, fx.Node) and n in self.positions for n in _flat(args)):
+                if op in _VIEWS or op in _MOVES or op in ("to", "_to_copy", "long", "int"):
+                    self.positions.add(node)  # still positions: sliced, reshaped, expanded
+                elif not _is_index_use(node):
+                    self.found(node, "uses sample positions (arange of the batch size) as values")
+                elif self.bdim(args[0]) is None:
+                    self.found(node, "indexes a tensor without the batch by sample positions "
+                               "(arange of the batch size)")
+            return
+        value = node.meta.get(META_VALUE)
+        if not isinstance(value, TensorInfo) and not any(tensors_in(value)):
+            self.size.add(node)  # arithmetic on sizes: still the batch size
+            return
+        fill = _FILLS.get(op)
+        if op in ("arange", "range"):
+            self.positions.add(node)
+        elif op in _ELEMENTWISE or (fill is not None and _arg(node, *fill, None) in carried):
+            self.found(node, "uses the batch size (x.shape[0]) as a value", "compute it from a "
+                       "fixed number instead")
+
+    # --- modules
+    def module(self, node: fx.Node, op: str) -> None:
+        m = self.graph.gm.get_submodule(str(node.target))
+        x = node.args[0] if node.args else None
+        p = self.bdim(x)
+        if p is None or not isinstance(x, fx.Node):
+            return
+        rank = len(x.meta[META_VALUE].shape)
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            return  # driver.batchnorm_note
+        if isinstance(m, torch.nn.RNNBase):
+            if rank == 2 or (p == 0 and not m.batch_first):
+                self.found(node, f"({type(m).__name__}, batch_first=False) runs its recurrence "
+                           "over dim 0 of its input, where pipecc splits the batch",
+                           "batch_first=True with the batch at dim 0")
+            if p != (0 if m.batch_first else 1):
+                self.found(node, f"({type(m).__name__}) gets the batch at dim {p}")
+            return
+        if isinstance(m, torch.nn.MultiheadAttention):
+            want = 0 if m.batch_first else 1
+            if rank == 2 or p != want:
+                self.found(node, f"(MultiheadAttention, batch_first={m.batch_first}) attends over "
+                           f"dim {p} of its input, where the batch is", "put the batch where "
+                           "batch_first says")
+            return
+        if isinstance(m, torch.nn.modules.instancenorm._InstanceNorm):
+            if m.track_running_stats and self.training:
+                self.found(node, f"({type(m).__name__}, track_running_stats=True) updates its "
+                           "running statistics once per micro-batch in training mode",
+                           "track_running_stats=False")
+            self.at_zero(node, p, type(m).__name__)
+            return
+        if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+            shape = m.normalized_shape
+            if p >= rank - len(tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)):
+                self.found(node, f"({type(m).__name__}) normalises over the batch dim")
+            return
+        if isinstance(m, (torch.nn.Linear, torch.nn.Bilinear)):
+            if p == rank - 1:
+                self.found(node, "(Linear) contracts the batch dim (its input's last dim)")
+            return
+        if isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin)):
+            dim = m.dim if m.dim is not None else (0 if rank in (0, 1, 3) else 1)
+            if dim % rank == p:
+                self.found(node, f"({type(m).__name__}) normalises over the batch dim {p}")
+            return
+        if isinstance(m, (torch.nn.Flatten, torch.nn.Unflatten)):
+            self.view(node, x)
+            return
+        if isinstance(m, torch.nn.Embedding) or op in _ELEMENTWISE or op in ("dropout", "identity"):
+            return
+        self.at_zero(node, p, type(m).__name__)  # conv, pooling, norms over channels, unknown ones
+
+    def at_zero(self, node: fx.Node, p: int, what: str) -> None:
+        """An op that treats dim 0 as the batch (convolution, pooling, group norm) or one the
+        tables do not know: separable only with the batch at dim 0 in and out."""
+        outs = [d for t in tensors_in(node.meta.get(META_VALUE)) for d in self.bdims(t)]
+        if p != 0 or any(d != 0 for d in outs):
+            self.found(node, f"({what}) gets or returns the batch at dim "
+                       f"{p if p != 0 else next(d for d in outs if d != 0)}, not dim 0")
+
+    # --- functions and methods
+    def function(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> None:
+        batched = [n for n in inputs if self.bdim(n) is not None]
+        if not batched:
+            return
+        if any(n in self.dirty for n in batched) and op not in _VIEWS:
+            if op in _ELEMENTWISE or op in _MOVES:
+                self.dirty.add(node)
+                return
+            self.found(node, f"({op}) reads a tensor whose batch a view merged inside another dim")
+        x = node.args[0] if node.args else None
+        p = self.bdim(x) if isinstance(x, fx.Node) else None
+        rank = len(x.meta[META_VALUE].shape) if p is not None else 0
+        if op in _DATA_FREE or op in _ELEMENTWISE:
+            return
+        if op in _VIEWS:
+            self.view(node, x)
+            return
+        if op in _ALONG_DIM and p is not None:
+            pos, key = _ALONG_DIM[op]
+            dim = _arg(node, pos, key, _DEFAULT_DIM.get(op))
+            if op in ("cat", "concat", "concatenate"):
+                tensors = x if isinstance(x, (list, tuple)) else [x]
+                first = next((t for t in tensors if self.bdim(t) is not None), None)
+                p = self.bdim(first)
+                rank = len(first.meta[META_VALUE].shape)
+            if p is not None and (dim is None or (isinstance(dim, int) and dim % rank == p)):
+                self.found(node, f"({op}) works along dim {p}, the batch")
+            return
+        if op in ("cat", "concat", "concatenate"):
+            tensors = x if isinstance(x, (list, tuple)) else []
+            dim = _arg(node, 1, "dim", 0)
+            for t in tensors:
+                q = self.bdim(t)
+                if q is not None and isinstance(dim, int) and dim % len(t.meta[META_VALUE].shape) == q:
+                    self.found(node, f"({op}) concatenates along dim {q}, the batch")
+            return
+        if op in _ALONG_DIMS and p is not None:
+            pos, key = _ALONG_DIMS[op]
+            dims = _arg(node, pos, key, None)
+            dims = [dims] if isinstance(dims, int) else list(dims or [])
+            if not dims or any(d % rank == p for d in dims if isinstance(d, int)):
+                self.found(node, f"({op}) reorders along dim {p}, the batch")
+            return
+        if op in _MOVES:
+            return
+        if op == "wrap_with_set_grad_enabled" or str(node.target).startswith("higher_order."):
+            self.found(node, f"({op}: a region such as torch.no_grad() in forward) takes batched "
+                       "inputs, and pipecc cannot tell whether it keeps samples apart",
+                       "move the region out of forward")
+        self.contraction(node, op, batched, p, rank)
+
+    def contraction(self, node: fx.Node, op: str, batched: list[fx.Node], p: int | None,
+                    rank: int) -> None:
+        args = node.args
+        if op in ("linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "addbmm", "einsum_matmul"):
+            a, b = (args[1], args[2]) if op in ("addmm", "baddbmm", "addbmm") else (args[0], args[1])
+            if op == "linear":
+                b = None
+            for t, contracted in ((a, -1), (b, -2)):
+                q = self.bdim(t)
+                if q is None:
+                    continue
+                n = len(t.meta[META_VALUE].shape)
+                if q == n + contracted or (n == 1 and q == 0) or (op == "linear" and q == n - 1):
+                    self.found(node, f"({op}) sums over the batch dim of its operand")
+            return
+        if op == "einsum":
+            self.einsum(node)
+            return
+        if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+            for t in args[:3]:
+                q = self.bdim(t)
+                if q is not None and q >= len(t.meta[META_VALUE].shape) - 2:
+                    self.found(node, f"({op}) attends over dim {q}, the batch")
+            return
+        if op in ("layer_norm", "native_layer_norm", "rms_norm"):
+            shape = _arg(node, 1, "normalized_shape", ())
+            n = len(shape) if isinstance(shape, (list, tuple)) else 1
+            if p is not None and p >= rank - n:
+                self.found(node, f"({op}) normalises over the batch dim")
+            return
+        if op in ("embedding", "embedding_bag"):
+            return
+        if op in ("instance_norm",):
+            running = _arg(node, 3, "running_mean", None)
+            if running is not None and self.training and _arg(node, 5, "use_input_stats", True):
+                self.found(node, "(instance_norm with running statistics) updates them once per "
+                           "micro-batch in training mode", "track_running_stats=False")
+        if op in ("lstm", "gru", "rnn_tanh", "rnn_relu") and node.op == "call_function":
+            first = bool(_arg(node, 8, "batch_first", False))
+            if p != (0 if first else 1) or rank == 2:
+                self.found(node, f"({op}, batch_first={first}) runs its recurrence over dim 0 "
+                           "of its input, where pipecc splits the batch", "batch_first=True")
+            return
+        if op in _REDUCTIONS:
+            return  # over the batch dim, the output lost it: `vanished` says so
+        if p is not None:
+            self.at_zero(node, p, op or str(node.target))
+
+    def einsum(self, node: fx.Node) -> None:
+        spec = node.args[0] if node.args and isinstance(node.args[0], str) else None
+        operands = node.args[1:] if spec else ()
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        if spec is None or "->" not in spec or "..." in spec:
+            for t in operands:
+                q = self.bdim(t)
+                if q is not None:
+                    self.at_zero(node, q, "einsum")
+            return
+        ins, out = spec.replace(" ", "").split("->")
+        for letters, t in zip(ins.split(","), operands):
+            q = self.bdim(t)
+            if q is not None and (q >= len(letters) or letters[q] not in out):
+                self.found(node, f"(einsum {spec!r}) sums over the batch dim of an operand")
+
+    def view(self, node: fx.Node, x: Any) -> None:
+        """A view or reshape: the batch must stay the outer factor of one output dim."""
+        if not isinstance(x, fx.Node) or self.bdim(x) is None:
+            return
+        if not self.view_ok(x.meta[META_VALUE], node.meta.get(META_VALUE)) or x in self.dirty:
+            self.dirty.add(node)
+
+    def view_ok(self, before: TensorInfo, after: Any) -> bool:
+        """Whether, read in row-major order, the batch index is the outermost part of one
+        dim of `after` as it was of one dim of `before` (same elements before it)."""
+        if not isinstance(after, TensorInfo):
+            return False
+        p, q = self.bdims(before), self.bdims(after)
+        if len(p) != 1 or len(q) != 1:
+            return False
+        point = self.graph.point
+        ins = [_at(d, point) for d in before.shape]
+        outs = [_at(d, point) for d in after.shape]
+        batch = int(point[self.b])
+        inner_in = _factor(before.shape[p[0]], self.b, point) * math.prod(ins[p[0] + 1:])
+        inner_out = _factor(after.shape[q[0]], self.b, point)
+        if inner_in is None or inner_out is None:
+            return False
+        inner_out *= math.prod(outs[q[0] + 1:])
+        return inner_in == inner_out and math.prod(ins[:p[0]]) == math.prod(outs[:q[0]]) \
+            and ins[p[0]] % batch == 0
+
+    # --- what a node writes, and what it loses
+    def writes(self, node: fx.Node, op: str) -> None:
+        """A buffer written in forward is written once per micro-batch."""
+        if op == "wrap_with_set_grad_enabled" and len(node.args) > 1:
+            for name in _region_writes(self.graph.gm, node):
+                self.found(node, f"writes the buffer {name} in a torch.no_grad() region of "
+                           "forward, which runs once per micro-batch", "keep the update out of forward")
+        target = node.args[0] if node.args else None
+        while isinstance(target, fx.Node) and target.op == "call_function" and \
+                str(target.meta.get(META_OP)) in ("detach", "alias") and target.args:
+            target = target.args[0]  # a write through a detached view writes the buffer
+        inplace = (op.endswith("_") and not op.startswith("_")) or op in ("copy_", "copy")
+        if not (inplace and isinstance(target, fx.Node) and target.op == "get_attr"):
+            return
+        owner, _, _ = str(target.target).rpartition(".")
+        if owner in self.batchnorms:
+            return  # its running statistics: driver.batchnorm_note
+        self.found(node, f"writes the buffer {target.target} in forward, which runs once per "
+                   "micro-batch", "keep the update out of forward")
+
+    def vanished(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> None:
+        """Batched data in, no batch out: the node reduced or picked across samples."""
+        if op in _DATA_FREE or node in self.size or node in self.shape_of:
+            return
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get(META_VALUE),
+                                                                     (tuple, list)):
+            return  # one element of a tuple: its producer was checked
+        if node.op == "call_function" and node.target is getattr:
+            return
+        value = node.meta.get(META_VALUE)
+        if not any(True for _ in tensors_in(value)) or self.batched(value):
+            return
+        if any(self.batched(n.meta.get(META_VALUE)) for n in inputs if n.op != "get_attr"):
+            what = "reduces over the batch" if op in _REDUCTIONS else \
+                "combines samples (a batched input, an output without the batch)"
+            self.found(node, f"({op or node.target}) {what}", "reduce over the other dims only")
+
+    def outputs(self, node: fx.Node) -> None:
+        """Every tensor the model returns has the batch, clean, at dim 0 (the concat's)."""
+        for leaf in _flat(node.args[0]):
+            if not isinstance(leaf, fx.Node):
+                continue
+            if leaf in self.size:
+                self.found(leaf, "returns the batch size (x.shape[0]) as a value")
+            value = leaf.meta.get(META_VALUE)
+            if not isinstance(value, TensorInfo):
+                continue
+            dims = self.bdims(value)
+            if not dims:
+                if len(value.shape) and self.graph.batch_size > 0:
+                    self.found(leaf, "is returned without the batch dim (micro-batches' outputs "
+                               "are concatenated along dim 0)")
+                continue
+            if dims[0] != 0 or leaf in self.dirty:
+                self.found(leaf, f"is returned with the batch at dim {dims[0]}"
+                           + (" merged inside another dim" if dims[0] == 0 else "") +
+                           ", but micro-batches' outputs are concatenated along dim 0",
+                           "return it with the batch first")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _flat(value: Any) -> Iterable[Any]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flat(v)
+    elif isinstance(value, slice):
+        yield from _flat((value.start, value.stop, value.step))
+    else:
+        yield value
+
+
+def _arg(node: fx.Node, pos: int, key: str, default: Any) -> Any:
+    if key in node.kwargs:
+        return node.kwargs[key]
+    if len(node.args) > pos:
+        return node.args[pos]
+    return default
+
+
+def _batchnorm_owners(graph: AnnotatedGraph) -> set[str]:
+    """Module paths of the BatchNorms (their running statistics are theirs to write): the
+    modules fx kept, and the owners of the buffers torch.export's batch_norm ops read."""
+    owners = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_module" and isinstance(graph.gm.get_submodule(str(node.target)),
+                                                   torch.nn.modules.batchnorm._BatchNorm):
+            owners.add(str(node.target))
+        elif node.op == "call_function" and str(node.meta.get(META_OP)) in _BATCH_NORM:
+            owners |= {str(a.target).rpartition(".")[0] for a in node.all_input_nodes if a.op == "get_attr"}
+    return owners
+
+
+def _region_writes(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """The buffers (get_attr arguments) that a torch.export region's subgraph writes in place."""
+    sub = node.args[1]
+    region = getattr(gm, str(sub.target), None) if isinstance(sub, fx.Node) else None
+    if not isinstance(region, fx.GraphModule):
+        return []
+    holders = [n for n in node.args[2:]]
+    places = [n for n in region.graph.nodes if n.op == "placeholder"]
+    written = []
+    for inner in region.graph.nodes:
+        name = getattr(inner.target, "__name__", str(inner.target)).split(".")[0]
+        first = inner.args[0] if inner.args else None
+        if inner.op == "call_function" and name.endswith("_") and first in places:
+            outer = holders[places.index(first)] if places.index(first) < len(holders) else None
+            if isinstance(outer, fx.Node) and outer.op == "get_attr":
+                written.append(str(outer.target))
+    return written
+
+
+def _is_index_use(node: fx.Node) -> bool:
+    """Positions used to index (a micro-batch indexes its own rows: the same rows)."""
+    return (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.index.Tensor)) \
+        or (node.op == "call_method" and node.target == "__getitem__")
+
+
+def _at(d: Any, point: dict) -> int:
+    return int(d.subs(point)) if isinstance(d, sympy.Expr) else int(d)
+
+
+def _factor(d: Any, b: sympy.Symbol, point: dict) -> int | None:
+    """k when the dim is k·B exactly (no constant term, no other symbol), else None."""
+    if not isinstance(d, sympy.Expr):
+        return None
+    k = sympy.simplify(d / b)
+    if b in k.free_symbols:
+        return None
+    k = k.subs(point)
+    return int(k) if k.is_Integer and int(k) > 0 else None

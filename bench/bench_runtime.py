@@ -151,7 +151,7 @@ def _variants(job: dict, name: str, rank: int, world: int) -> dict[str, Callable
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
     from pipecc.interop import InteropError, pipeline_stages, torch_pipe
-    from pipecc.runtime.dist import PipelineRuntime, RunConfig
+    from pipecc.runtime.engine import PipelineRuntime, RunConfig
 
     m, sched = job["microbatches"], job["schedule"]
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sched]

@@ -49,7 +49,7 @@ from pipecc.runtime.checkpoints import DEFAULT_LR, LATEST, RunCheckpoints, check
 from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
-from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, unflatten
+from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
                                      replica_target)
 from pipecc.runtime.reslice import folder_sizes
@@ -59,24 +59,8 @@ from pipecc.runtime.stash import folder_balancing
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
 from pipecc.runtime.trust import verify_problem
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
-from pipecc.runtime.wire import check_fifo, directed_groups, send_release
 
-# NOTE: the runtime's public names stay importable from here, where they lived before the runtime
-# was split into modules (bench/bench_runtime.py imports PipelineRuntime and RunConfig from here).
-__all__ = [
-    "PipelineRuntime",
-    "Port",
-    "RunConfig",
-    "StagePorts",
-    "build_schedule",
-    "check_fifo",
-    "directed_groups",
-    "send_release",
-    "init_distributed",
-    "main",
-]
-
-_TiedGradients = TiedGradients  # NOTE: its old name here; tests/test_run_cmd.py patches it through this module
+__all__ = ["RankRun", "check_options", "inference_only", "load_rank", "main", "run_compiled", "train"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -427,6 +427,11 @@ class Balancer:
         fpgas = ", ".join(f"{k} ({self.cluster.devices[d].name})" for k, d in enumerate(order)
                           if self.costs[d].one_tensor_boundaries)
         bad = next((b for c in self.costs if (b := c.unsupported_nodes())), [])
+        if not fpgas or not bad:  # no FPGA refuses anything: the figures make every time huge
+            slow = sorted({self.cluster.devices[d].name for d in order})
+            return (f"every placement takes over {CANNOT_RUN_S:g} s per micro-batch on device(s) "
+                    f"{', '.join(slow)}: their figures (mem_bandwidth, peak_flops) are too small to "
+                    "plan with; check the cluster file")
         example = f"{bad[0].meta['pipecc.op']} at node {bad[0].meta['pipecc.name']}" if bad else "?"
         fix = ("leave the FPGA out of --devices" if self.opt.choose_order and self.p > 1
                else "put a CPU/GPU there or use --choose-order")
@@ -468,7 +473,7 @@ class Balancer:
             if "on-chip BRAM" in reason:
                 reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
-            raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
+            raise PipeccError(reason if reason.startswith(("FPGA", "no placement", "every placement"))
                               else f"no schedule fits memory: {reason}")
         self.results, self.infeasible = results, lost
         best = results[0]

@@ -266,6 +266,11 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     assert graph is not None
     if state.spec is not None and graph.batch_size != batch_size and "B" in graph.symbols:
         raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
+    if state.spec is not None:  # the loss and target a run will use, checked now, not in a rank
+        from pipecc.frontend.model_checks import check_loss
+        spec = state.spec
+        check_loss(spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target,
+                   path.name)
     return Analysis(graph, state.spec)
 
 

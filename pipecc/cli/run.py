@@ -186,6 +186,8 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     if not out.is_dir():
         raise PipeccError(f"{args.out} is not a folder; give the OUT of `pipecc compile ... -o OUT`")
     marker = _read_json(out / "pipecc.json", "a pipecc marker")
+    from pipecc.runtime.stagefile import check_marker
+    check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
     try:
         num_stages = int(marker["num_stages"])
     except (KeyError, TypeError, ValueError):

@@ -53,7 +53,7 @@ from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, repli
                                      replica_target)
 from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData, TiedGradients
-from pipecc.runtime.stagefile import check_folder
+from pipecc.runtime.stagefile import check_folder, check_marker
 from pipecc.runtime.stash import folder_balancing
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
 from pipecc.runtime.trust import verify_problem
@@ -264,6 +264,7 @@ def _read_marker(out: Path) -> dict[str, Any] | None:
         raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
     if not isinstance(marker, dict):
         raise PipeccError(f"{path} is not a pipecc marker; compile again")
+    check_marker(out, marker)
     return marker
 
 

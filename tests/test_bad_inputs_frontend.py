@@ -165,6 +165,8 @@ CASES_22 = [
          says=("parameter '0.weight' holds NaN", "set it to finite values")),
     Case("Inf in an example input", inputs_file("x = torch.randn(batch_size, 4)\n    x[0, 0] = float('inf')\n"
                                                 "    return (x,)"), says=("example input 0 holds Inf",)),
+    Case("int64 inputs into a Linear", inputs_file("return (torch.randint(5, (batch_size, 4)),)"),
+         says=("node 0 (linear) takes a int64[B, 4] with float32[8, 4]", ".float()")),
     Case("sparse example input", inputs_file("return (torch.randn(batch_size, 4).to_sparse(),)"),
          says=("example input 0 is a sparse_coo tensor", ".to_dense()")),
 ]

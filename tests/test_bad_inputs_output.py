@@ -116,6 +116,13 @@ def _set(*path_and_value):
     return edit
 
 
+def _nested(name: str, depth: int = 100000) -> Callable[[Path, Path], None]:
+    def setup(tmp: Path, compiled: Path) -> None:
+        shutil.copytree(compiled, tmp / "c")
+        (tmp / "c" / name).write_text("[" * depth + "]" * depth)
+    return setup
+
+
 COMPILE = ["compile", MLP, "-d", "cpu,cpu"]
 PLAN = ["plan", MLP, "-d", "cpu,cpu"]
 
@@ -189,6 +196,8 @@ ERRORS = [
      ["inspect", "{tmp}/c", "--stage", "0"], 1, "forward_s is 'fast', not a number"),
     ("inspect zero micro-batches", _damaged(_set("microbatches", 0)), ["inspect", "{tmp}/c"], 1,
      "microbatches is 0, not a positive integer"),
+    ("inspect plan.json nested 100000 deep", _nested("plan.json"), ["inspect", "{tmp}/c"], 1,
+     "plan.json: the plan nests too deeply to read"),
     ("inspect damaged graph.json", _damaged(_set("nodes", [{"id": "x"}]), "graph.json"),
      ["inspect", "{tmp}/c", "--stage", "0"], 1, "is damaged or from another pipecc version"),
     ("inspect damaged ports.json", _damaged(_set("receives", 7), "stage_1/ports.json"),
@@ -312,6 +321,22 @@ def test_a_failed_write_leaves_no_folder_it_created(tmp_path, mlp_plan):
         raise OSError(28, "No space left on device", str(tmp / "x"))
     with pytest.raises(PipeccError, match="cannot write .*No space left on device"):
         write(tmp_path / "a" / "b" / "out", mlp_plan, writers=[failing])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_in_safetensors_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """safetensors raises its own SafetensorError (not an OSError) for a full disk (issue #22
+    item 6): one line naming the disk, and no folder, temporary or half-written."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 8)  # a partial file, as a full disk leaves it
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, out, err = run_cli(COMPILE + ["-o", str(tmp_path / "out"), "-q"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert err.startswith("pipecc: error: cannot write ") and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -115,6 +115,38 @@ CASES = [
     Case("stage.py raises in forward", lambda o: _raise_in_forward(o / "stage_1" / "stage.py"), (), 1,
          r"ValueError: planted \(rerun with --debug for the traceback\)"),
 ]
+def _swap_ports(out: Path) -> None:
+    a, b = out / "stage_0" / "ports.json", out / "stage_1" / "ports.json"
+    text = a.read_text()
+    a.write_text(b.read_text())
+    b.write_text(text)
+
+
+def _deep_plan(out: Path) -> None:
+    (out / "plan.json").write_text("[" * 100000 + "]" * 100000)
+
+
+# issue #22 item 7: edited pipecc.json fields and swapped ports.json, refused before any rank runs
+CASES += [
+    Case("pipecc.json num_stages a string", lambda o: _marker(o, num_stages="2"), (), 1,
+         r"pipecc.json: num_stages is '2', not a positive whole number; it was edited"),
+    Case("pipecc.json batch_size a word", lambda o: _marker(o, batch_size="eight"), (), 1,
+         r"pipecc.json: batch_size is 'eight', not a positive whole number"),
+    Case("pipecc.json batch_size 0", lambda o: _marker(o, batch_size=0), (), 1,
+         r"batch_size is 0, not a positive whole number"),
+    Case("pipecc.json micro-batches not dividing the batch", lambda o: _marker(o, microbatches=3), (), 1,
+         r"pipecc.json: microbatches 3 does not divide batch_size 8"),
+    Case("pipecc.json replicas it was not compiled with", lambda o: _marker(o, replicas=2), (), 1,
+         r"replicas is 2, but the folder was compiled with 1 \(plan.json\)"),
+    Case("pipecc.json devices []", lambda o: _marker(o, devices=[]), (), 1,
+         r"devices is \[\], not the list of the plan's devices"),
+    Case("pipecc.json version 99", lambda o: _marker(o, version=99), (), 1,
+         r"pipecc.json is format version 99, this pipecc reads version 1"),
+    Case("ports.json stage indices swapped", _swap_ports, (), 1,
+         r"stage_0/ports.json: it says stage 1 but is stage_0's; compile the folder again"),
+    # the worker reads plan.json for predictions only (none then); `pipecc run` refuses it
+    Case("plan.json nested 100000 deep", _deep_plan, (), 1, r"plan.json nests too deeply to read", worker=False),
+]
 PREFLIGHT = [c for c in CASES if not c.name.startswith("stage.py")]  # found before torchrun starts
 
 

@@ -175,6 +175,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
                           f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
     except ValueError as exc:
         raise PipeccError(f"{path} is not valid JSON ({exc}); compile again") from None
+    except RecursionError:
+        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
     if not isinstance(data, dict):
         raise PipeccError(f"{path} is not {what}; compile again")
     return data

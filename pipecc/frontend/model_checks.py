@@ -150,6 +150,26 @@ def check_writes(gm: fx.GraphModule) -> None:
                               "optimizer owns their values: compute a new tensor instead (w = w * s)")
 
 
+def check_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse a matmul-class node (linear, conv, matmul, attention, rnn) that mixes integer and
+    floating tensors: torch raises for it at run time ("mat1 and mat2 must have the same dtype"),
+    but fake tensors, which the analysis runs on, do not check it."""
+    from pipecc.ir.graph import META_KIND, META_NAME, META_PARAMS, META_VALUE, TensorInfo
+    from pipecc.ir.ops import MATMUL_KINDS
+    for node in gm.graph.nodes:
+        if node.meta.get(META_KIND) not in MATMUL_KINDS:
+            continue
+        infos = [a.meta.get(META_VALUE) for a in node.all_input_nodes]
+        infos += [info for _, info in node.meta.get(META_PARAMS) or ()]
+        infos = [i for i in infos if isinstance(i, TensorInfo)]
+        ints = [i for i in infos if not (i.dtype.is_floating_point or i.dtype.is_complex)]
+        floats = [i for i in infos if i.dtype.is_floating_point or i.dtype.is_complex]
+        if ints and floats:
+            raise PipeccError(f"node {node.meta.get(META_NAME, node.name)} ({node.meta[META_KIND]}) takes a "
+                              f"{ints[0].describe()} with {floats[0].describe()}; torch refuses that when it runs "
+                              "(the dtypes must match): convert the input with .float() (or embed token ids)")
+
+
 def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | None,
                make_target: Callable[[int], Any] | None, file: str) -> None:
     """The model file's loss_fn and example_target, on fake tensors (module docstring). A model
@@ -237,4 +257,4 @@ def _first_line(exc: BaseException) -> str:
     return text.split("\n")[0].strip() if text else type(exc).__name__
 
 
-__all__ = ["check_loss", "check_module", "check_writes"]
+__all__ = ["check_dtypes", "check_loss", "check_module", "check_writes"]

@@ -482,6 +482,7 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
                                f"{', '.join(s.name for s in symbols)}")
     _check_output(gm)
     annotate_ops_and_names(gm)
+    model_checks.check_dtypes(gm)
     return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source,
                           model_name=model_name, warnings=notes + shape_notes)
 

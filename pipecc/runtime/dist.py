@@ -262,6 +262,8 @@ def _read_marker(out: Path) -> dict[str, Any] | None:
         marker = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
+    except RecursionError:
+        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
     if not isinstance(marker, dict):
         raise PipeccError(f"{path} is not a pipecc marker; compile again")
     check_marker(out, marker)

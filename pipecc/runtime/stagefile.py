@@ -201,6 +201,8 @@ def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[d
             raise PipeccError(f"cannot read {path} ({e.strerror or e}); {RECOMPILE}") from None
         except ValueError as e:
             raise PipeccError(f"{path} is not valid JSON ({e}); {RECOMPILE}") from None
+        except RecursionError:
+            raise PipeccError(f"{path} nests too deeply to read; {RECOMPILE}") from None
         try:
             if not isinstance(spec, dict):
                 raise TypeError(f"a JSON {type(spec).__name__}, not an object")

@@ -294,3 +294,29 @@ def test_a_complex_model_trains_every_stage(tmp_path: Path, monkeypatch, capsys)
     captured = capsys.readouterr()
     assert "verify: outputs, loss and 4 gradients match" in captured.out, captured
     assert "discards the imaginary part" not in captured.err
+
+
+HALF = """import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).to(torch.{dtype})
+
+
+def example_inputs(batch_size=1):
+    return (torch.randn(batch_size, 4).to(torch.{dtype}),)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_models_train_on_the_cpu(dtype: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue #22 item 7: float16 and bfloat16 models on CPUs compile, train and verify (with the
+    dtype's tolerance), rather than failing in a rank."""
+    (tmp_path / "model.py").write_text(HALF.format(dtype=dtype))
+    out = tmp_path / "out"
+    assert cli.main(["compile", str(tmp_path / "model.py"), "-d", "cpu,cpu", "--replicas", "1", "-b", "4",
+                     "-m", "2", "-o", str(out), "-q"]) == 0
+    monkeypatch.delenv("RANK", raising=False)
+    assert dist.main([str(out), "--steps", "2", "--schedule", "interleaved", "--verify"]) == 0
+    assert "verify: outputs, loss and 4 gradients match" in capsys.readouterr().out

@@ -281,6 +281,50 @@ def test_recompiling_keeps_files_pipecc_did_not_write(tmp_path, mlp_plan, capsys
     assert leftovers(tmp_path) == []
 
 
+def test_a_hand_made_manifest_proves_nothing(tmp_path, capsys):
+    """Issue #24 item 4: a pipecc.json written by hand that lists a user's file does not make
+    compile -o delete it: only files whose keyed hash checks are pipecc's."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "thesis.txt").write_text("years of work")
+    (out / "pipecc.json").write_text(json.dumps({"format": "pipecc-compile", "version": 1,
+                                                 "files": ["thesis.txt", "pipecc.json"],
+                                                 "files_mac": {"thesis.txt": "0" * 64}}))
+    code, _, err = run_cli(COMPILE + ["-o", str(out), "-q"], capsys)
+    assert code == 0, err
+    assert (out / "thesis.txt").read_text() == "years of work"
+    assert "kept 1 file(s)" in err and "thesis.txt" in err
+    marker = json.loads((out / "pipecc.json").read_text())
+    assert "thesis.txt" not in marker["files"] and set(marker["files_mac"]) == set(marker["files"]) - {"pipecc.json"}
+
+
+def test_an_edited_file_pipecc_wrote_is_the_users(tmp_path, mlp_plan):
+    """A file pipecc wrote and the user changed since fails its hash: kept when nothing new
+    goes there, refused in the way (without --force) when the new compile writes it."""
+    out = write(tmp_path / "out", mlp_plan, stages_of=3)
+    (out / "stage_2" / "stage.py").write_text("# my edits")
+    (out / "stage_1" / "stage.py").write_text("# mine too")
+    with pytest.raises(PipeccError, match=r"1 file\(s\) pipecc did not write are where it writes: stage_1/stage.py"):
+        write(out, mlp_plan, stages_of=2)
+    (out / "stage_1" / "stage.py").unlink()
+    progress.configure(stream=sys.stderr)
+    write(out, mlp_plan, stages_of=2)
+    assert (out / "stage_2" / "stage.py").read_text() == "# my edits"
+
+
+def test_a_recompile_keeps_the_users_umask(tmp_path, mlp_plan):
+    """Issue #24 item 4: OUT was left 0700 and its weights 0600 (mkdtemp's modes) after a recompile."""
+    old = os.umask(0o022)
+    try:
+        out = write(tmp_path / "out", mlp_plan)
+        write(out, mlp_plan)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "stage_0" / "weights.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (out / "stage_0").stat().st_mode & 0o777 == 0o755
+
+
 def test_a_file_in_the_way_is_refused_or_replaced_with_force(tmp_path, mlp_plan, capsys):
     out = write(tmp_path / "out", mlp_plan, stages_of=2)
     (out / "stage_2").mkdir()

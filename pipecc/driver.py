@@ -30,6 +30,7 @@ from __future__ import annotations
 # NOTE(size): the driver is the one place where analyze, plan and compile read as lists of steps
 # with the checks between them; the passes' policies live in their own modules.
 
+import contextlib
 import itertools
 import os
 import time
@@ -214,7 +215,9 @@ def _capture(state: State, *, model_name: str, symbols: Sequence[torch_capture.S
     batch = int(first.shape[0]) if first is not None else 1
     syms = torch_capture.default_symbols(state.inputs, batch) + list(symbols)
     assert state.model is not None
-    with preserved_state(state.model):  # the user's model, as it was before the analysis
+    from pipecc.frontend.modelfile import deadline
+    limit = deadline(f"tracing {model_name}") if state.spec is not None else contextlib.nullcontext()
+    with preserved_state(state.model), limit:  # the user's model, as it was before the analysis
         state.graph = torch_capture.from_module(state.model, state.inputs, symbols=syms,
                                                 model_name=model_name)
 

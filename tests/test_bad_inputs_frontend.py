@@ -199,6 +199,31 @@ def test_compile_bad_model_file(case: Case, tmp_path: Path, capfd) -> None:
     assert not folder.exists(), "a failed compile leaves no OUT"
 
 
+SLOW = ("def build_model(depth=3):\n    layers = [nn.Linear(4, 4) for _ in range(depth)]\n"
+        "    import time\n    time.sleep(30)\n    return nn.Sequential(*layers)\n")
+
+
+@pytest.mark.parametrize("where", ["build_model", "import"])
+def test_a_model_file_that_does_not_return_is_named(where: str, tmp_path: Path, capfd, monkeypatch) -> None:
+    """Issue #22 item 6: `--model-arg depth=100000` hung; a model file's import, build or trace
+    that runs past $PIPECC_MODEL_TIME_LIMIT is one line naming it (limit cut to 1 s here)."""
+    monkeypatch.setenv("PIPECC_MODEL_TIME_LIMIT", "1")
+    source = HEAD + (SLOW + INPUTS if where == "build_model" else "import time\ntime.sleep(30)\n" + SLOW + INPUTS)
+    code, _, err, folder = compile_case(Case(where, source), tmp_path, capfd)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    what = "build_model in model.py" if where == "build_model" else "importing model.py"
+    assert lines[0].startswith(f"pipecc: error: {what} did not return within 1 s"), lines[0]
+    assert "PIPECC_MODEL_TIME_LIMIT" in lines[0] and not folder.exists()
+
+
+def test_tracing_past_the_limit_is_named(tmp_path: Path, capfd, monkeypatch) -> None:
+    monkeypatch.setenv("PIPECC_MODEL_TIME_LIMIT", "5")
+    code, _, err, _ = compile_case(Case("deep", build_file(
+        "return nn.Sequential(*[nn.Linear(4, 4) for _ in range(3000)])")), tmp_path, capfd)
+    assert code == 1 and err.strip().startswith("pipecc: error: tracing model did not return within 5 s"), err
+
+
 def test_symbol_on_an_onnx_file_is_a_usage_error(tmp_path: Path, capfd) -> None:
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper

@@ -121,14 +121,14 @@ def time_limit_s() -> float:
 
 
 @contextlib.contextmanager
-def _limited(what: str) -> Iterator[None]:
-    """Run the user's code under the time limit and turn what it raises into one line: an
-    exception of any class (a BaseException subclass too, not just Exception) is the model
-    file's error, and a call that does not return within the limit is named, not a hang.
-    Ctrl-C stays Ctrl-C. The limit is a SIGALRM timer, so it holds in the main thread only
-    (elsewhere the code runs unlimited)."""
+def deadline(what: str) -> Iterator[None]:
+    """Run the block under the time limit: one that does not return within it is named in one
+    line, not a hang (a 100000-layer `--model-arg depth=100000`). The limit is a SIGALRM timer,
+    so it holds in the main thread only (elsewhere the block runs unlimited); nested blocks keep
+    the outer timer."""
     limit = time_limit_s()
-    timed = bool(limit) and threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    timed = (bool(limit) and threading.current_thread() is threading.main_thread()
+             and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
     previous = None
     if timed:
         def over(signum: int, frame: Any) -> None:
@@ -138,18 +138,28 @@ def _limited(what: str) -> Iterator[None]:
     try:
         yield
     except _OverTime:
-        raise PipeccError(f"{what} did not return within {limit:g} s; make it smaller (--model-arg) "
+        raise PipeccError(f"{what} did not return within {limit:g} s; make the model smaller (--model-arg) "
                           f"or allow longer with {TIME_LIMIT_ENV}=SECONDS") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _limited(what: str) -> Iterator[None]:
+    """Run the user's code under the time limit (`deadline`) and turn what it raises into one
+    line: an exception of any class (a BaseException subclass too, not just Exception) is the
+    model file's error. Ctrl-C stays Ctrl-C."""
+    try:
+        with deadline(what):
+            yield
     except SystemExit as exc:
         raise _exited(what, exc) from None
     except (PipeccError, KeyboardInterrupt, RecursionError, MemoryError):
         raise
     except BaseException as exc:  # the user's code: report, don't crash
         raise PipeccError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        if timed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
 
 
 def _exited(what: str, exc: SystemExit) -> PipeccError:

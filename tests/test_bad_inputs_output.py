@@ -208,6 +208,8 @@ ERRORS = [
      "cannot write in /proc"),
     ("plan --dump-ir onto a file", _file, PLAN + ["--dump-ir", "{tmp}/afile"], 2,
      "--dump-ir {tmp}/afile: cannot write dumps there (it is a file)"),
+    ("compile --dump-ir inside -o", None, COMPILE + ["-o", "{tmp}/out", "--dump-ir", "{tmp}/out/ir"], 2,
+     "--dump-ir {tmp}/out/ir is inside -o {tmp}/out, which pipecc replaces as a whole"),
     ("compile --dump-ir under /proc", None, COMPILE + ["-o", "{tmp}/out", "--dump-ir", "/proc/dumps"], 2,
      "--dump-ir /proc/dumps: cannot write dumps there"),
     ("a hostile name in an error", None, ["cost", "{tmp}/\x1b[2J\r\x9bmodel.py"], 1,
@@ -228,6 +230,19 @@ def test_bad_input_gives_one_line_and_leaves_nothing(setup, argv, code, message,
     assert message.replace("{tmp}", str(tmp_path)) in err and err[:-1].isprintable(), err
     assert snapshot(tmp_path) == before and snapshot(mlp_out) == compiled_before
     assert not Path("/proc/pipecc-out").exists()
+
+
+@pytest.mark.parametrize("where", [".", "sub/.."])
+def test_compile_into_the_current_folder_is_refused(where, tmp_path, monkeypatch, capsys):
+    """Issue #24 item 8: `-o . --force` failed "Device or resource busy" and left a
+    `..pipecc-old-*` folder; now one line, and nothing written."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(COMPILE + ["-o", where, "--force", "-q"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "is the folder you are in" in err, err
+    assert snapshot(tmp_path) == before
 
 
 def test_no_command_prints_the_usage_and_a_hint(capsys):

@@ -239,6 +239,7 @@ def check_output_folder(out: str | Path, force: bool = False) -> None:
     file or a symbolic link, or a non-empty folder pipecc did not write (unless `force`).
     Cheap: the CLI calls it before the analysis, `write_output` again before writing."""
     out = Path(out)
+    _check_not_cwd(out)
     check_writable_target(out)
     if out.is_symlink():
         raise PipeccError(f"{out} is a symbolic link; give the folder it points to as -o")
@@ -247,6 +248,23 @@ def check_output_folder(out: str | Path, force: bool = False) -> None:
     if out.is_dir() and not force and _read_marker(out) is None and any(out.iterdir()):
         raise PipeccError(f"{out} exists and was not written by pipecc; use --force to write into "
                           "it (files pipecc did not write are kept)")
+
+
+def _check_not_cwd(out: Path) -> None:
+    """OUT is replaced by renaming a new folder over it: the folder this process (and the user's
+    shell) is in, or one above it, cannot be (`-o .`, `-o sub/..`: "Device or resource busy", or
+    a shell left in a deleted folder). Refused before anything is written."""
+    try:
+        here = Path.cwd().resolve()
+    except OSError:
+        return
+    target = Path(os.path.abspath(out))
+    if target.exists() and not target.is_symlink():
+        target = target.resolve()
+    if target == here or target in here.parents:
+        raise PipeccError(f"-o {out} is the folder you are in{'' if target == here else ' (or above it)'}; "
+                          "pipecc replaces OUT as a whole, so run it from outside that folder "
+                          "(e.g. cd .. and give -o NAME)")
 
 
 def check_writable_target(path: str | Path) -> None:

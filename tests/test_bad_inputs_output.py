@@ -399,6 +399,21 @@ def test_a_full_disk_in_safetensors_is_one_line_and_leaves_nothing(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+def test_inspect_onnx_onto_a_full_disk_leaves_no_partial_file(mlp_out, tmp_path, monkeypatch, capsys):
+    """Issue #24 item 8: a full disk during `inspect --onnx` left a partial stage_0.onnx."""
+    pytest.importorskip("onnxscript")
+    import torch
+
+    def full(self, destination, **kwargs):
+        Path(destination).write_bytes(b"\x08\x01")  # what a full disk leaves
+        raise OSError(28, "No space left on device", str(destination))
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", full)
+    dest = tmp_path / "onnx"
+    code, _, err = run_cli(["inspect", str(mlp_out), "--onnx", str(dest)], capsys)
+    assert code == 1 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert not dest.exists() or list(dest.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- item 4: killed compiles
 def _temp(parent: Path, kind: str, host: str, pid: int, age_s: float = 0.0) -> Path:
     path = parent / f".out.pipecc-{kind}-{host}-{pid}-abc"

@@ -320,3 +320,25 @@ def test_half_precision_models_train_on_the_cpu(dtype: str, tmp_path: Path, monk
     monkeypatch.delenv("RANK", raising=False)
     assert dist.main([str(out), "--steps", "2", "--schedule", "interleaved", "--verify"]) == 0
     assert "verify: outputs, loss and 4 gradients match" in capsys.readouterr().out
+
+
+def test_a_checkpoint_with_a_field_removed_is_one_line(mlp_out: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue #24 item 8: a corrupt checkpoint (here: "world" removed and the sha256 written
+    again, as a hand edit would) gave a raw `KeyError: 'world'`; now one line naming it."""
+    import hashlib
+    monkeypatch.delenv("RANK", raising=False)
+    ckpt = tmp_path / "ckpt"
+    base = [str(mlp_out), "--schedule", "interleaved", "--checkpoint-dir", str(ckpt)]
+    assert dist.main([*base, "--steps", "1"]) == 0
+    step = json.loads((ckpt / "latest.json").read_text())["step"]
+    folder = ckpt / f"step_{step}"
+    meta = json.loads((folder / "stage_0.json").read_text())
+    del meta["world"]
+    (folder / "stage_0.json").write_text(json.dumps(meta))
+    sums = json.loads((folder / "stage_0.sha256").read_text())
+    sums["stage_0.json"] = hashlib.sha256((folder / "stage_0.json").read_bytes()).hexdigest()
+    (folder / "stage_0.sha256").write_text(json.dumps(sums))
+    capsys.readouterr()
+    assert dist.main([*base, "--steps", "2", "--resume"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be loaded (KeyError: 'world')" in err[0] and "Traceback" not in err[0], err

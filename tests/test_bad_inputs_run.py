@@ -342,3 +342,69 @@ def test_a_checkpoint_with_a_field_removed_is_one_line(mlp_out: Path, tmp_path: 
     assert dist.main([*base, "--steps", "2", "--resume"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be loaded (KeyError: 'world')" in err[0] and "Traceback" not in err[0], err
+
+
+def test_two_ranks_glued_error_lines_are_told_apart() -> None:
+    """Issue #24 item 8: two ranks' lines once arrived as one; each error is its own."""
+    from pipecc.runtime.launcher import _Watch
+    watch = _Watch(verbose=False)
+    watch.line("pipecc: error: rank 0: timed out after 5 s waiting for RECV_F mb 0 from rank 1"
+               "pipecc: error: rank 1: ValueError: planted\n")
+    assert watch.errors == ["rank 0: timed out after 5 s waiting for RECV_F mb 0 from rank 1",
+                            "rank 1: ValueError: planted"]
+
+
+# ---------------------------------------------------------------------------- time limits (#22 item 5, #24 item 6)
+# NOTE: no wall-clock asserts: each test proves the run ended, by the mechanism's own line, and
+# left no process; the communicate() limits are hang guards far above the normal figures.
+HANG_GUARD_S = 240
+
+
+def _launch(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([*PIPECC, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+@pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
+@pytest.mark.parametrize("steps", ["1000000", "2"])
+def test_a_stopped_agent_ends_the_run_and_leaves_nothing(mlp_out: Path, steps: str) -> None:
+    """SIGSTOP on the torchrun agent: it reaps and reports nothing. While its workers train (a
+    million steps) the run ends after --timeout; once they ended (2 steps), at once. Nothing is
+    left running either way."""
+    import signal
+    import time
+    from pipecc.runtime.launcher import ProcessTree
+    proc = _launch("run", str(mlp_out), "--steps", steps, "--timeout", "5")
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 0"):
+            break
+    tree = ProcessTree(proc.pid)
+    tree.refresh()
+    agent = min(tree.known)  # pipecc's only child, started before the workers
+    os.kill(agent, signal.SIGSTOP)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
+    done = "while its workers ran" if steps != "2" else "after its workers ended"
+    assert proc.returncode == 1 and err.strip().splitlines() == [
+        f"pipecc: error: run failed: the torchrun agent (pid {agent}) was stopped (SIGSTOP) {done}; every "
+        "process of the run was stopped"], err[-3000:]
+    deadline = time.monotonic() + 30
+    while tree.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tree.alive() == []
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_a_missing_node_ends_the_run_in_one_line(mlp_out: Path) -> None:
+    """`--nnodes 2` with the second node never started: torchrun waited 600+ s and printed its
+    DistStoreError traceback; now --timeout bounds the rendezvous and the line says what to do."""
+    from helpers import free_port
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = _launch("run", str(mlp_out), "--steps", "1", "--timeout", "5", "--nnodes", "2", "--node-rank", "0",
+                   "--rdzv-endpoint", endpoint, "--nproc-per-node", "1")
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("pipecc: error: run failed: ") and "within 5 s" in lines[0], lines[0]
+    assert f"--nnodes 2 --node-rank R --rdzv-endpoint {endpoint}` on every other node" in lines[0]

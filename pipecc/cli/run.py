@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -91,6 +92,7 @@ from pipecc.runtime.launcher import supervise
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
 
 DEFAULT_STEPS = 5
+DEFAULT_TIMEOUT_S = 60.0  # the ranks' default --timeout (pipecc.runtime.dist)
 TRUST = ("A compiled folder is code, like a pickle: its stage.py files run, and the .py model file "
          "its pipecc.json names is imported (only when its sha256 matches the one recorded at compile "
          "time; a C-simulation library in the folder is rebuilt unless this machine built it). Only run "
@@ -338,11 +340,14 @@ def torchrun_commands(args: argparse.Namespace, launch: dict[str, Any]) -> dict[
     commands = {}
     for node in nodes:
         cmd = [*base, "--nnodes", str(launch["nnodes"])]
+        # NOTE: --timeout bounds the rendezvous too (torchrun's own default is 600 s and more)
+        wait = str(max(1, math.ceil(args.timeout or DEFAULT_TIMEOUT_S)))
         if args.rdzv_backend == "c10d":  # the rendezvous numbers the nodes; --node-rank is ignored
             cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                    "--rdzv-id", args.rdzv_id or f"pipecc-{port}"]
+                    "--rdzv-id", args.rdzv_id or f"pipecc-{port}", "--rdzv-conf", f"join_timeout={wait}"]
         else:
-            cmd += ["--node-rank", str(node), "--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint]
+            cmd += ["--node-rank", str(node), "--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
+                    "--rdzv-conf", f"timeout={wait}"]
         commands[node] = [*cmd, *tail]
     return commands
 
@@ -391,10 +396,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if verbose:
         print("pipecc run: " + shlex.join(cmd), file=sys.stderr, flush=True)
     try:
-        return supervise(cmd, env, verbose, json_only=args.json)
+        return supervise(cmd, env, verbose, json_only=args.json, timeout_s=args.timeout or DEFAULT_TIMEOUT_S,
+                         rendezvous=_rendezvous_hint(args, launch))
     finally:
         if lock is not None:
             lock.release()
+
+
+def _rendezvous_hint(args: argparse.Namespace, launch: dict[str, Any]) -> str | None:
+    """What to do when the nodes do not meet: None on one machine."""
+    if launch["nnodes"] == 1:
+        return None
+    if args.node_rank in (None, 0) or args.rdzv_backend == "c10d":
+        return (f"start `pipecc run {args.out} --nnodes {launch['nnodes']} --node-rank R --rdzv-endpoint "
+                f"{args.rdzv_endpoint}` on every other node (or raise --timeout)")
+    return f"node 0 did not answer at {args.rdzv_endpoint}; start `pipecc run` there first (or raise --timeout)"
 
 
 def _lock_checkpoints(args: argparse.Namespace, create: bool) -> Any:

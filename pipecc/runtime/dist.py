@@ -213,7 +213,15 @@ def _report(message: str, code: int) -> int:
     rank = os.environ.get("RANK")
     if rank is not None and not re.search(r"\brank \d+", message):
         message = f"rank {rank}: {message}"
-    print(f"pipecc: error: {printable(message)}", file=sys.stderr, flush=True)
+    # NOTE: one write of the whole line: the ranks share torchrun's stderr pipe, and print's two
+    # writes (text, then "\n") under PYTHONUNBUFFERED let two ranks' lines glue into one
+    line = f"pipecc: error: {printable(message)}\n"
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (a test's capture)
+        sys.stderr.write(line)
+        sys.stderr.flush()
     return code
 
 

@@ -594,3 +594,37 @@ def test_inspect_shows_an_fpga_stage_against_its_bram(tmp_path, capsys):
     code, text, _ = run_cli(["inspect", str(out)], capsys)
     row = next(line for line in text.splitlines() if line.startswith("1 "))
     assert code == 0 and row.count(" BRAM") == 1 and "64GB" not in row and "10.6MB" in row
+
+
+# ----------------------------------------------------------------------------- issue #24 item 4: csim links
+@pytest.fixture(scope="module")
+def fpga_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fpga") / "out"
+    analysis = driver.analyze(MLP, batch_size=1)
+    plan, graph = driver.plan(analysis, "cpu,u250", training=False)
+    assert 1 in plan.fpga_stages()
+    return driver.compile(analysis, plan, graph, out).out
+
+
+@pytest.mark.parametrize("linked", ["csim_build", "tb_data", "tb_data/csim_output.bin"])
+def test_csim_never_writes_or_deletes_through_a_link(linked, fpga_out, tmp_path, capsys):
+    """A `csim_build` link made `pipecc csim` write its build into the folder it named; a
+    `tb_data` link made it delete an outside csim_output.bin. Refused in one line, before any
+    file is touched."""
+    out = tmp_path / "out"
+    shutil.copytree(fpga_out, out, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "csim_output.bin").write_bytes(b"keep")
+    (outside / "stamp").write_text("theirs")
+    link = out / "stage_1" / "hls" / linked
+    if link.exists():
+        shutil.rmtree(link) if link.is_dir() else link.unlink()
+    target = outside / "csim_output.bin" if linked.endswith(".bin") else outside
+    link.symlink_to(target)
+    before = snapshot(outside)
+    code, text, err = run_cli(["csim", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{link} is a symbolic link" in err and "will not follow it" in err, err
+    assert snapshot(outside) == before and (outside / "csim_output.bin").read_bytes() == b"keep"
+    assert (outside / "stamp").read_text() == "theirs"

@@ -408,3 +408,16 @@ def test_a_missing_node_ends_the_run_in_one_line(mlp_out: Path) -> None:
     assert proc.returncode == 1 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("pipecc: error: run failed: ") and "within 5 s" in lines[0], lines[0]
     assert f"--nnodes 2 --node-rank R --rdzv-endpoint {endpoint}` on every other node" in lines[0]
+
+
+def test_a_send_that_times_out_names_the_rank_it_waited_for() -> None:
+    """Issue #24 item 6: "rank 2: timed out ... waiting for SEND_B mb 3 to rank 1" was reported
+    as the cause when rank 1 hung; a send that times out points at its receiver like a receive
+    points at its sender."""
+    from pipecc.runtime.launcher import root_cause
+    errors = ["rank 2: timed out after 3.0 s waiting for SEND_B mb 3 to rank 1",
+              "rank 0: timed out after 3.0 s waiting for RECV_B mb 0 from rank 1"]
+    assert root_cause(errors) == "rank 1 hung: rank 2 timed out after 3.0 s waiting for SEND_B mb 3 to it"
+    chained = ["rank 3: timed out after 3.0 s waiting for RECV_F mb 0 from rank 2",
+               "rank 2: timed out after 3.0 s waiting for SEND_B mb 3 to rank 1"]
+    assert root_cause(chained).startswith("rank 1 hung: rank 2 timed out")

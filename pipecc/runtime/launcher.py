@@ -55,7 +55,8 @@ _WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
 _C10_PEER_LOG = re.compile(r"^\[[EW]\d{4} [\d:.]+ \S+:\d+\] .*(?:Connection closed by peer|"
                            r"Connection reset by peer|connectFullMesh failed)")
 _RANK = re.compile(r"^rank (\d+)\b")
-_TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) from rank (\d+)")
+# a receive times out "... from rank N", a send "... to rank N": either way rank N is waited for
+_TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) (from|to) rank (\d+)")
 _PEER_GONE = re.compile(r"^rank (\d+): (.+? (?:from|to)) rank (\d+) failed, the peer exited or crashed")
 _LAUNCH_GONE = re.compile(r"^rank \d+: (?:the torchrun agent|pipecc run) \(pid \d+\) is gone")
 _DOCUMENT = '{"format": "pipecc-run"'  # how pipecc.runtime.timing's document starts (json.dumps)
@@ -81,9 +82,9 @@ def root_cause(errors: list[str]) -> str:
     reported = {int(m.group(1)) for m in map(_RANK.match, errors) if m}
     for e in errors:
         found = _TIMED_OUT.match(e)
-        if found and int(found.group(4)) not in reported:
-            waiter, seconds, what, culprit = found.groups()
-            return f"rank {culprit} hung: rank {waiter} timed out after {seconds} s waiting for {what} from it"
+        if found and int(found.group(5)) not in reported:
+            waiter, seconds, what, way, culprit = found.groups()
+            return f"rank {culprit} hung: rank {waiter} timed out after {seconds} s waiting for {what} {way} it"
     for e in errors:
         found = _PEER_GONE.match(e)
         if found and int(found.group(3)) not in reported:

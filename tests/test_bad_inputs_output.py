@@ -123,6 +123,15 @@ def _nested(name: str, depth: int = 100000) -> Callable[[Path, Path], None]:
     return setup
 
 
+def _toml(text: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "c.toml").write_text(text)
+    return setup
+
+
+GPU = 'devices = ["g"]\n[device.g]\nbase = "a100"\n'
+CARD = 'devices = ["cpu", "f"]\n[device.f]\nbase = "u250"\n'
+CLUSTER = ["plan", MLP, "-d", "@{tmp}/c.toml"]
 COMPILE = ["compile", MLP, "-d", "cpu,cpu"]
 PLAN = ["plan", MLP, "-d", "cpu,cpu"]
 
@@ -212,6 +221,31 @@ ERRORS = [
      "--dump-ir {tmp}/out/ir is inside -o {tmp}/out, which pipecc replaces as a whole"),
     ("compile --dump-ir under /proc", None, COMPILE + ["-o", "{tmp}/out", "--dump-ir", "/proc/dumps"], 2,
      "--dump-ir /proc/dumps: cannot write dumps there"),
+    # issue #22 item 6 and #24 items 7, 8: cluster files whose tables have the wrong types, and limits
+    ("cluster sources a string", _toml(GPU + 'sources = "x"\n'), CLUSTER, 2,
+     "[device.g] in {tmp}/c.toml: sources must be a table of strings"),
+    ("cluster efficiency a string", _toml(GPU + 'efficiency = "fast"\n'), CLUSTER, 2,
+     "efficiency must be a table (efficiency.FIELD = ...), got 'fast'"),
+    ("cluster peak_flops a number", _toml(GPU + "peak_flops = 5\n"), CLUSTER, 2, "peak_flops must be a table"),
+    ("cluster nvlink a list", _toml(GPU + "nvlink = [1]\n"), CLUSTER, 2, "nvlink must be a string, got [1]"),
+    ("cluster device a string", _toml('devices = ["cpu"]\ndevice = "x"\n'), CLUSTER, 2,
+     "device must be tables [device.NAME] of fields, got device = 'x'"),
+    ("cluster device entry a list", _toml('devices = ["cpu"]\n[device]\ng = [1, 2]\n'), CLUSTER, 2,
+     "got device = {'g': [1, 2]}"),
+    ("cluster link a string", _toml('devices = ["cpu"]\nlink = "x"\n'), CLUSTER, 2,
+     "link must be tables [link.NAME] of fields"),
+    ("cluster link entry a list", _toml('devices = ["cpu"]\n[link]\nl = [1]\n'), CLUSTER, 2, "got link = {'l': [1]}"),
+    ("cluster fpga dsp = 0.5", _toml(CARD + "fpga = {dsp = 0.5}\n"), CLUSTER, 2,
+     "fpga.dsp counts blocks, a whole number >= 1, got 0.5"),
+    ("cluster fpga bram18 = 0.3", _toml(CARD + "fpga = {bram18 = 0.3}\n"), CLUSTER, 2, "fpga.bram18 counts blocks"),
+    ("cluster fpga a string", _toml(CARD + 'fpga = "big"\n'), CLUSTER, 2, "fpga must be a table"),
+    ("cluster nested 3000 deep", _toml("devices = " + "[" * 3000 + "]" * 3000 + "\n"), CLUSTER, 2,
+     "nests arrays or tables too deeply to read"),
+    ("cluster tiny mem_bandwidth", _toml('devices = ["cpu", "g"]\n[device.g]\nbase = "cpu"\n'
+                                         'mem_bandwidth = 1e-30\n'), CLUSTER, 1,
+     "every placement takes over 1e+09 s per micro-batch on device(s) cpu, g"),
+    ("200 device tokens of 1024xcpu", None, ["plan", MLP, "-d", ",".join(["1024xcpu"] * 200)], 1,
+     "204800 devices but only 7 units to place"),
     ("a hostile name in an error", None, ["cost", "{tmp}/\x1b[2J\r\x9bmodel.py"], 1,
      "\\x1b[2J\\r\\x9bmodel.py"),
 ]

@@ -239,8 +239,8 @@ def check_output_folder(out: str | Path, force: bool = False) -> None:
     file or a symbolic link, or a non-empty folder pipecc did not write (unless `force`).
     Cheap: the CLI calls it before the analysis, `write_output` again before writing."""
     out = Path(out)
-    _check_not_cwd(out)
     check_writable_target(out)
+    _check_not_cwd(out)
     if out.is_symlink():
         raise PipeccError(f"{out} is a symbolic link; give the folder it points to as -o")
     if out.exists() and not out.is_dir():
@@ -256,11 +256,11 @@ def _check_not_cwd(out: Path) -> None:
     a shell left in a deleted folder). Refused before anything is written."""
     try:
         here = Path.cwd().resolve()
+        target = Path(os.path.abspath(out))
+        if target.exists() and not target.is_symlink():
+            target = target.resolve()
     except OSError:
         return
-    target = Path(os.path.abspath(out))
-    if target.exists() and not target.is_symlink():
-        target = target.resolve()
     if target == here or target in here.parents:
         raise PipeccError(f"-o {out} is the folder you are in{'' if target == here else ' (or above it)'}; "
                           "pipecc replaces OUT as a whole, so run it from outside that folder "

@@ -46,7 +46,10 @@ not each take every core). `pipecc.runtime.launcher` supervises them: their outp
 through, worker `pipecc: error:` lines and torchrun's own log are held back (shown with
 --verbose/--debug), and a failed run exits 1 with exactly one line naming the rank at fault (the
 one that hung, not the one that timed out waiting for it). Every process of the run is stopped
-when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130) and when the torchrun agent dies;
+when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130), when the torchrun agent dies and
+when it is stopped (SIGSTOP: at once once its workers ended, else after --timeout); with --nnodes,
+--timeout bounds the rendezvous too (torchrun's `--rdzv-conf timeout=`), and a node that never
+came is one line naming what to start;
 workers also stop by themselves when the agent or `pipecc run` is gone (`pipecc.runtime.lifeline`).
 
 Unequal micro-batches: a folder whose plan gives every stage its own micro-batch sizes
@@ -126,7 +129,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
-                   "naming the rank that hung")
+                   "naming the rank that hung. Also how long the nodes of --nnodes wait for each other, and "
+                   "how long a stopped torchrun agent is waited for")
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")

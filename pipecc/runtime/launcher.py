@@ -103,7 +103,7 @@ class _Watch:
         self.held: list[str] = []  # torchrun's own lines, and everything after it saw a child fail
         self.launcher_failed = False
         self.muted = False  # set on SIGINT/SIGTERM: the children's shutdown is not shown
-        self.before_workers = True  # the agent's own output until it starts a worker: held
+        self.before_workers = False  # supervise: the agent's own output until it starts a worker, held
         self.agent_lines: list[str] = []
 
     def line(self, text: str) -> None:
@@ -248,6 +248,7 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
     except OSError as exc:
         raise PipeccError(f"cannot start torchrun ({exc})") from None
     watch, tree = _Watch(verbose), ProcessTree(proc.pid)
+    watch.before_workers = True
 
     def out(text: str) -> None:
         _write(sys.stderr if json_only and not text.startswith(_DOCUMENT) else sys.stdout, text, watch)

@@ -151,6 +151,7 @@ class LinkTable:
     def __init__(self, devices: tuple[Device, ...], given: Mapping[tuple[int, int], Link],
                  default: Any) -> None:
         self._devices, self._given, self._default = devices, dict(given), default
+        self._asked: dict[tuple[int, int], Link] = {}  # the pairs asked for, each computed once
 
     def __len__(self) -> int:
         return len(self._devices)
@@ -166,8 +167,10 @@ class LinkTable:
     def at(self, i: int, j: int) -> Link | None:
         if i == j:
             return None
-        link = self._given.get((i, j))
-        return link if link is not None else self._default(self._devices[i], self._devices[j])
+        link = self._given.get((i, j)) or self._asked.get((i, j))
+        if link is None:
+            link = self._asked[i, j] = self._default(self._devices[i], self._devices[j])
+        return link
 
 
 class _LinkRow:

@@ -150,19 +150,22 @@ def check_writes(gm: fx.GraphModule) -> None:
                               "optimizer owns their values: compute a new tensor instead (w = w * s)")
 
 
+_MIXED_DTYPE_KINDS = ("linear", "matmul", "conv", "conv_transpose")
+
+
 def check_dtypes(gm: fx.GraphModule) -> None:
-    """Refuse a matmul-class node (linear, conv, matmul, attention, rnn) that mixes integer and
-    floating tensors: torch raises for it at run time ("mat1 and mat2 must have the same dtype"),
-    but fake tensors, which the analysis runs on, do not check it."""
+    """Refuse a linear, conv or matmul node that multiplies an integer tensor with a floating one:
+    torch raises for it at run time ("mat1 and mat2 must have the same dtype"), but fake tensors,
+    which the analysis runs on, do not check it. (Attention takes boolean or integer masks, an
+    RNN integer lengths: not checked.)"""
     from pipecc.ir.graph import META_KIND, META_NAME, META_PARAMS, META_VALUE, TensorInfo
-    from pipecc.ir.ops import MATMUL_KINDS
     for node in gm.graph.nodes:
-        if node.meta.get(META_KIND) not in MATMUL_KINDS:
+        if node.meta.get(META_KIND) not in _MIXED_DTYPE_KINDS:
             continue
         infos = [a.meta.get(META_VALUE) for a in node.all_input_nodes]
         infos += [info for _, info in node.meta.get(META_PARAMS) or ()]
         infos = [i for i in infos if isinstance(i, TensorInfo)]
-        ints = [i for i in infos if not (i.dtype.is_floating_point or i.dtype.is_complex)]
+        ints = [i for i in infos if not (i.dtype.is_floating_point or i.dtype.is_complex or i.dtype == torch.bool)]
         floats = [i for i in infos if i.dtype.is_floating_point or i.dtype.is_complex]
         if ints and floats:
             raise PipeccError(f"node {node.meta.get(META_NAME, node.name)} ({node.meta[META_KIND]}) takes a "

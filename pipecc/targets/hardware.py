@@ -164,6 +164,18 @@ class LinkTable:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to any table (a tuple of tuples too) with the same link at every pair."""
+        try:
+            if len(other) != len(self):  # type: ignore[arg-type]
+                return False
+            return all(tuple(a) == tuple(b) for a, b in zip(self, other))  # type: ignore[call-overload]
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(len(self))
+
     def at(self, i: int, j: int) -> Link | None:
         if i == j:
             return None

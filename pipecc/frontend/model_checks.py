@@ -216,9 +216,16 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
         except Exception as exc:
             if _unsupported_by_fake(exc):
                 return
-            raise PipeccError(f"loss_fn in {file} raised {type(exc).__name__} on the model's outputs "
-                              f"({_shapes(outputs)}) and example_target ({_shapes(target)}): "
-                              f"{_first_line(exc)}") from None
+            # a loss may read values (.tolist(), numpy) that fake tensors lack: on real zeros
+            # of the outputs' shapes it either runs (fake tensors' limit) or fails for real
+            try:
+                loss = loss_fn(_real_tree(outputs), target)
+            except SystemExit as exit_exc:
+                raise PipeccError(f"loss_fn in {file} called sys.exit({exit_exc.code!r})") from None
+            except Exception:
+                raise PipeccError(f"loss_fn in {file} raised {type(exc).__name__} on the model's outputs "
+                                  f"({_shapes(outputs)}) and example_target ({_shapes(target)}): "
+                                  f"{_first_line(exc)}") from None
     if not isinstance(loss, torch.Tensor):
         raise PipeccError(f"loss_fn in {file} returned a {type(loss).__name__}, not a tensor; the loss "
                           "must be a one-element tensor computed from the outputs, so it can be "
@@ -238,6 +245,17 @@ def _fake_tree(value: Any, mode: Any) -> Any:
         return type(value)((k, _fake_tree(v, mode)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
         return type(value)(_fake_tree(v, mode) for v in value)
+    return value
+
+
+def _real_tree(value: Any) -> Any:
+    """Real zero tensors in place of the fake ones (same shapes and dtypes)."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype)
+    if isinstance(value, dict):
+        return type(value)((k, _real_tree(v)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_real_tree(v) for v in value)
     return value
 
 

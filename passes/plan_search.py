@@ -133,7 +133,7 @@ class Planner:
             if "on-chip BRAM" in reason:
                 reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
-            raise PipeccError(reason if reason.startswith(("FPGA", "no placement"))
+            raise PipeccError(reason if reason.startswith(("FPGA", "no placement", "every placement"))
                               else f"no schedule fits memory: {reason}")
         self.infeasible = lost
         best = results[0]

@@ -27,6 +27,7 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 # the order in which they run.
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -214,7 +215,9 @@ def _capture(state: State, *, model_name: str, symbols: Sequence[torch_capture.S
     batch = int(first.shape[0]) if first is not None else 1
     syms = torch_capture.default_symbols(state.inputs, batch) + list(symbols)
     assert state.model is not None
-    with preserved_state(state.model):  # the user's model, as it was before the analysis
+    from pipecc.frontend.modelfile import deadline
+    limit = deadline(f"tracing {model_name}") if state.spec is not None else contextlib.nullcontext()
+    with preserved_state(state.model), limit:  # the user's model, as it was before the analysis
         state.graph = torch_capture.from_module(state.model, state.inputs, symbols=syms,
                                                 model_name=model_name)
 
@@ -266,6 +269,11 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     assert graph is not None
     if state.spec is not None and graph.batch_size != batch_size and "B" in graph.symbols:
         raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
+    if state.spec is not None:  # the loss and target a run will use, checked now, not in a rank
+        from pipecc.frontend.model_checks import check_loss
+        spec = state.spec
+        check_loss(spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target,
+                   path.name)
     return Analysis(graph, state.spec)
 
 

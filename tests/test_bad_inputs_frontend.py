@@ -106,6 +106,75 @@ CASES = [
 ]
 
 
+SEQ = "return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))"
+TARGET = "def example_target(batch_size=1):\n    return torch.randint(3, (batch_size,))\n"
+
+
+def loss_file(loss_body: str, target: str = TARGET) -> str:
+    """The Sequential with example_target and a loss_fn(o, t) running `loss_body`."""
+    return build_file(SEQ, INPUTS + target + f"def loss_fn(o, t):\n    {loss_body}\n")
+
+
+def inputs_file(body: str, build: str = SEQ) -> str:
+    return build_file(build, f"def example_inputs(batch_size=1):\n    {body}\n")
+
+
+HOOKED = "m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n    {}\n    return m"
+# issue #22 items 6 and 7: tracebacks, and cases accepted at compile that broke in a rank later
+CASES_22 = [
+    Case("build_model raises a BaseException subclass", build_file(
+        "class Stop(BaseException):\n        pass\n    raise Stop('no')"),
+         says=("build_model in model.py failed: Stop: no",)),
+    Case("build_model raises GeneratorExit", build_file("raise GeneratorExit('x')"),
+         says=("build_model in model.py failed: GeneratorExit: x",)),
+    Case("in-place write to a parameter under no_grad", forward_file(
+        "with torch.no_grad():", "    self.lin.weight.add_(0.0)", "return self.lin(x)"),
+         says=("writes parameter 'lin.weight' in place (add_)",)),
+    Case("in-place write to a parameter's .data", forward_file(
+        "self.lin.weight.data.mul_(1.0)", "return self.lin(x)"), says=("writes parameter 'lin.weight' in place",)),
+    Case("spectral_norm (hook)", build_file(
+        "return nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 3))"),
+         says=("module '0' has a forward pre-hook (torch.nn.utils.spectral_norm)",)),
+    Case("spectral_norm (parametrization)", build_file(
+        "return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), "
+        "nn.Linear(8, 3))"), says=("module '0' has a parametrized weight (_SpectralNorm)", "remove_parametrizations")),
+    Case("orthogonal parametrization", build_file(
+        "return nn.Sequential(nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), nn.Linear(4, 3))"),
+         says=("module '0' has a parametrized weight (_Orthogonal)",)),
+    Case("forward hook", build_file(HOOKED.format("m[0].register_forward_hook(lambda mod, i, o: o * 2)")),
+         says=("module '0' has a forward hook (build_model.<locals>.<lambda>)", "would be dropped")),
+    Case("forward pre-hook", build_file(HOOKED.format(
+        "m[2].register_forward_pre_hook(lambda mod, i: (i[0] * 2,))")), says=("module '2' has a forward pre-hook",)),
+    Case("loss_fn returns a non-scalar", loss_file("return torch.nn.functional.cross_entropy(o, t, reduction='none')"),
+         says=("loss_fn in model.py returned a tensor of shape [4], not one value",)),
+    Case("loss_fn returns a Python float", loss_file("return 1.5"),
+         says=("loss_fn in model.py returned a float, not a tensor",)),
+    Case("loss_fn raises", loss_file("raise ValueError('bad loss')"),
+         says=("loss_fn in model.py raised ValueError on the model's outputs (shape [4, 3])", "bad loss")),
+    Case("loss_fn returns an integer tensor", loss_file("return t.sum()"),
+         says=("returned a int64 tensor; the loss must be floating point",)),
+    Case("loss_fn reading values (fake tensors cannot): compiles", loss_file(
+        "return torch.nn.functional.cross_entropy(o, t) * float(len(t.tolist()) > 0)"), exit_code=0),
+    Case("example_target of the wrong shape", loss_file(
+        "return torch.nn.functional.cross_entropy(o, t)",
+        "def example_target(batch_size=1):\n    return torch.randint(3, (batch_size, 7))\n"),
+         says=("loss_fn in model.py raised", "example_target (shape [4, 7])")),
+    Case("example_target without the batch", loss_file(
+        "return ((o - t) ** 2).mean()", "def example_target(batch_size=1):\n    return torch.randn(3)\n"),
+         says=("example_target(4) in model.py returned a tensor of shape [3]", "dim 0 must be the batch size 4")),
+    Case("NaN in a weight", build_file(HOOKED.format(
+        "with torch.no_grad():\n        m[0].weight[0, 0] = float('nan')")),
+         says=("parameter '0.weight' holds NaN", "set it to finite values")),
+    Case("Inf in an example input", inputs_file("x = torch.randn(batch_size, 4)\n    x[0, 0] = float('inf')\n"
+                                                "    return (x,)"), says=("example input 0 holds Inf",)),
+    Case("int64 inputs into a Linear", inputs_file("return (torch.randint(5, (batch_size, 4)),)"),
+         says=("node 0 (linear) takes a int64[B, 4] with float32[8, 4]", ".float()")),
+    Case("sparse example input", inputs_file("return (torch.randn(batch_size, 4).to_sparse(),)"),
+         says=("example input 0 is a sparse_coo tensor", ".to_dense()")),
+]
+CASES += CASES_22
+
+
 def compile_case(case: Case, tmp_path: Path, capfd) -> tuple[int, str, str, Path]:
     path = tmp_path / "model.py"
     path.write_text(case.source)
@@ -130,6 +199,31 @@ def test_compile_bad_model_file(case: Case, tmp_path: Path, capfd) -> None:
         assert words in lines[0], lines[0]
     assert "Traceback" not in err and "fake_tensor" not in err
     assert not folder.exists(), "a failed compile leaves no OUT"
+
+
+SLOW = ("def build_model(depth=3):\n    layers = [nn.Linear(4, 4) for _ in range(depth)]\n"
+        "    import time\n    time.sleep(30)\n    return nn.Sequential(*layers)\n")
+
+
+@pytest.mark.parametrize("where", ["build_model", "import"])
+def test_a_model_file_that_does_not_return_is_named(where: str, tmp_path: Path, capfd, monkeypatch) -> None:
+    """Issue #22 item 6: `--model-arg depth=100000` hung; a model file's import, build or trace
+    that runs past $PIPECC_MODEL_TIME_LIMIT is one line naming it (limit cut to 1 s here)."""
+    monkeypatch.setenv("PIPECC_MODEL_TIME_LIMIT", "1")
+    source = HEAD + (SLOW + INPUTS if where == "build_model" else "import time\ntime.sleep(30)\n" + SLOW + INPUTS)
+    code, _, err, folder = compile_case(Case(where, source), tmp_path, capfd)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    what = "build_model in model.py" if where == "build_model" else "importing model.py"
+    assert lines[0].startswith(f"pipecc: error: {what} did not return within 1 s"), lines[0]
+    assert "PIPECC_MODEL_TIME_LIMIT" in lines[0] and not folder.exists()
+
+
+def test_tracing_past_the_limit_is_named(tmp_path: Path, capfd, monkeypatch) -> None:
+    monkeypatch.setenv("PIPECC_MODEL_TIME_LIMIT", "5")
+    code, _, err, _ = compile_case(Case("deep", build_file(
+        "return nn.Sequential(*[nn.Linear(4, 4) for _ in range(3000)])")), tmp_path, capfd)
+    assert code == 1 and err.strip().startswith("pipecc: error: tracing model did not return within 5 s"), err
 
 
 def test_symbol_on_an_onnx_file_is_a_usage_error(tmp_path: Path, capfd) -> None:

@@ -116,6 +116,22 @@ def _set(*path_and_value):
     return edit
 
 
+def _nested(name: str, depth: int = 100000) -> Callable[[Path, Path], None]:
+    def setup(tmp: Path, compiled: Path) -> None:
+        shutil.copytree(compiled, tmp / "c")
+        (tmp / "c" / name).write_text("[" * depth + "]" * depth)
+    return setup
+
+
+def _toml(text: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "c.toml").write_text(text)
+    return setup
+
+
+GPU = 'devices = ["g"]\n[device.g]\nbase = "a100"\n'
+CARD = 'devices = ["cpu", "f"]\n[device.f]\nbase = "u250"\n'
+CLUSTER = ["plan", MLP, "-d", "@{tmp}/c.toml"]
 COMPILE = ["compile", MLP, "-d", "cpu,cpu"]
 PLAN = ["plan", MLP, "-d", "cpu,cpu"]
 
@@ -186,6 +202,8 @@ ERRORS = [
      ["inspect", "{tmp}/c", "--stage", "0"], 1, "forward_s is 'fast', not a number"),
     ("inspect zero micro-batches", _damaged(_set("microbatches", 0)), ["inspect", "{tmp}/c"], 1,
      "microbatches is 0, not a positive integer"),
+    ("inspect plan.json nested 100000 deep", _nested("plan.json"), ["inspect", "{tmp}/c"], 1,
+     "plan.json: the plan nests too deeply to read"),
     ("inspect damaged graph.json", _damaged(_set("nodes", [{"id": "x"}]), "graph.json"),
      ["inspect", "{tmp}/c", "--stage", "0"], 1, "is damaged or from another pipecc version"),
     ("inspect damaged ports.json", _damaged(_set("receives", 7), "stage_1/ports.json"),
@@ -196,8 +214,35 @@ ERRORS = [
      "cannot write in /proc"),
     ("plan --dump-ir onto a file", _file, PLAN + ["--dump-ir", "{tmp}/afile"], 2,
      "--dump-ir {tmp}/afile: cannot write dumps there (it is a file)"),
+    ("compile --dump-ir inside -o", None, COMPILE + ["-o", "{tmp}/out", "--dump-ir", "{tmp}/out/ir"], 2,
+     "--dump-ir {tmp}/out/ir is inside -o {tmp}/out, which pipecc replaces as a whole"),
     ("compile --dump-ir under /proc", None, COMPILE + ["-o", "{tmp}/out", "--dump-ir", "/proc/dumps"], 2,
      "--dump-ir /proc/dumps: cannot write dumps there"),
+    # issue #22 item 6 and #24 items 7, 8: cluster files whose tables have the wrong types, and limits
+    ("cluster sources a string", _toml(GPU + 'sources = "x"\n'), CLUSTER, 2,
+     "[device.g] in {tmp}/c.toml: sources must be a table of strings"),
+    ("cluster efficiency a string", _toml(GPU + 'efficiency = "fast"\n'), CLUSTER, 2,
+     "efficiency must be a table (efficiency.FIELD = ...), got 'fast'"),
+    ("cluster peak_flops a number", _toml(GPU + "peak_flops = 5\n"), CLUSTER, 2, "peak_flops must be a table"),
+    ("cluster nvlink a list", _toml(GPU + "nvlink = [1]\n"), CLUSTER, 2, "nvlink must be a string, got [1]"),
+    ("cluster device a string", _toml('devices = ["cpu"]\ndevice = "x"\n'), CLUSTER, 2,
+     "device must be tables [device.NAME] of fields, got device = 'x'"),
+    ("cluster device entry a list", _toml('devices = ["cpu"]\n[device]\ng = [1, 2]\n'), CLUSTER, 2,
+     "got device = {'g': [1, 2]}"),
+    ("cluster link a string", _toml('devices = ["cpu"]\nlink = "x"\n'), CLUSTER, 2,
+     "link must be tables [link.NAME] of fields"),
+    ("cluster link entry a list", _toml('devices = ["cpu"]\n[link]\nl = [1]\n'), CLUSTER, 2, "got link = {'l': [1]}"),
+    ("cluster fpga dsp = 0.5", _toml(CARD + "fpga = {dsp = 0.5}\n"), CLUSTER, 2,
+     "fpga.dsp counts blocks, a whole number >= 1, got 0.5"),
+    ("cluster fpga bram18 = 0.3", _toml(CARD + "fpga = {bram18 = 0.3}\n"), CLUSTER, 2, "fpga.bram18 counts blocks"),
+    ("cluster fpga a string", _toml(CARD + 'fpga = "big"\n'), CLUSTER, 2, "fpga must be a table"),
+    ("cluster nested 3000 deep", _toml("devices = " + "[" * 3000 + "]" * 3000 + "\n"), CLUSTER, 2,
+     "nests arrays or tables too deeply to read"),
+    ("cluster tiny mem_bandwidth", _toml('devices = ["cpu", "g"]\n[device.g]\nbase = "cpu"\n'
+                                         'mem_bandwidth = 1e-30\n'), CLUSTER, 1,
+     "every placement takes over 1e+09 s per micro-batch on device(s) cpu, g"),
+    ("200 device tokens of 1024xcpu", None, ["plan", MLP, "-d", ",".join(["1024xcpu"] * 200)], 1,
+     "204800 devices but only 7 units to place"),
     ("a hostile name in an error", None, ["cost", "{tmp}/\x1b[2J\r\x9bmodel.py"], 1,
      "\\x1b[2J\\r\\x9bmodel.py"),
 ]
@@ -216,6 +261,19 @@ def test_bad_input_gives_one_line_and_leaves_nothing(setup, argv, code, message,
     assert message.replace("{tmp}", str(tmp_path)) in err and err[:-1].isprintable(), err
     assert snapshot(tmp_path) == before and snapshot(mlp_out) == compiled_before
     assert not Path("/proc/pipecc-out").exists()
+
+
+@pytest.mark.parametrize("where", [".", "sub/.."])
+def test_compile_into_the_current_folder_is_refused(where, tmp_path, monkeypatch, capsys):
+    """Issue #24 item 8: `-o . --force` failed "Device or resource busy" and left a
+    `..pipecc-old-*` folder; now one line, and nothing written."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    code, out, err = run_cli(COMPILE + ["-o", where, "--force", "-q"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "is the folder you are in" in err, err
+    assert snapshot(tmp_path) == before
 
 
 def test_no_command_prints_the_usage_and_a_hint(capsys):
@@ -269,6 +327,50 @@ def test_recompiling_keeps_files_pipecc_did_not_write(tmp_path, mlp_plan, capsys
     assert leftovers(tmp_path) == []
 
 
+def test_a_hand_made_manifest_proves_nothing(tmp_path, capsys):
+    """Issue #24 item 4: a pipecc.json written by hand that lists a user's file does not make
+    compile -o delete it: only files whose keyed hash checks are pipecc's."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "thesis.txt").write_text("years of work")
+    (out / "pipecc.json").write_text(json.dumps({"format": "pipecc-compile", "version": 1,
+                                                 "files": ["thesis.txt", "pipecc.json"],
+                                                 "files_mac": {"thesis.txt": "0" * 64}}))
+    code, _, err = run_cli(COMPILE + ["-o", str(out), "-q"], capsys)
+    assert code == 0, err
+    assert (out / "thesis.txt").read_text() == "years of work"
+    assert "kept 1 file(s)" in err and "thesis.txt" in err
+    marker = json.loads((out / "pipecc.json").read_text())
+    assert "thesis.txt" not in marker["files"] and set(marker["files_mac"]) == set(marker["files"]) - {"pipecc.json"}
+
+
+def test_an_edited_file_pipecc_wrote_is_the_users(tmp_path, mlp_plan):
+    """A file pipecc wrote and the user changed since fails its hash: kept when nothing new
+    goes there, refused in the way (without --force) when the new compile writes it."""
+    out = write(tmp_path / "out", mlp_plan, stages_of=3)
+    (out / "stage_2" / "stage.py").write_text("# my edits")
+    (out / "stage_1" / "stage.py").write_text("# mine too")
+    with pytest.raises(PipeccError, match=r"1 file\(s\) pipecc did not write are where it writes: stage_1/stage.py"):
+        write(out, mlp_plan, stages_of=2)
+    (out / "stage_1" / "stage.py").unlink()
+    progress.configure(stream=sys.stderr)
+    write(out, mlp_plan, stages_of=2)
+    assert (out / "stage_2" / "stage.py").read_text() == "# my edits"
+
+
+def test_a_recompile_keeps_the_users_umask(tmp_path, mlp_plan):
+    """Issue #24 item 4: OUT was left 0700 and its weights 0600 (mkdtemp's modes) after a recompile."""
+    old = os.umask(0o022)
+    try:
+        out = write(tmp_path / "out", mlp_plan)
+        write(out, mlp_plan)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "stage_0" / "weights.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (out / "stage_0").stat().st_mode & 0o777 == 0o755
+
+
 def test_a_file_in_the_way_is_refused_or_replaced_with_force(tmp_path, mlp_plan, capsys):
     out = write(tmp_path / "out", mlp_plan, stages_of=2)
     (out / "stage_2").mkdir()
@@ -310,6 +412,37 @@ def test_a_failed_write_leaves_no_folder_it_created(tmp_path, mlp_plan):
     with pytest.raises(PipeccError, match="cannot write .*No space left on device"):
         write(tmp_path / "a" / "b" / "out", mlp_plan, writers=[failing])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_in_safetensors_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """safetensors raises its own SafetensorError (not an OSError) for a full disk (issue #22
+    item 6): one line naming the disk, and no folder, temporary or half-written."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 8)  # a partial file, as a full disk leaves it
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, out, err = run_cli(COMPILE + ["-o", str(tmp_path / "out"), "-q"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert err.startswith("pipecc: error: cannot write ") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_onnx_onto_a_full_disk_leaves_no_partial_file(mlp_out, tmp_path, monkeypatch, capsys):
+    """Issue #24 item 8: a full disk during `inspect --onnx` left a partial stage_0.onnx."""
+    pytest.importorskip("onnxscript")
+    import torch
+
+    def full(self, destination, **kwargs):
+        Path(destination).write_bytes(b"\x08\x01")  # what a full disk leaves
+        raise OSError(28, "No space left on device", str(destination))
+    monkeypatch.setattr(torch.onnx.ONNXProgram, "save", full)
+    dest = tmp_path / "onnx"
+    code, _, err = run_cli(["inspect", str(mlp_out), "--onnx", str(dest)], capsys)
+    assert code == 1 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert not dest.exists() or list(dest.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- item 4: killed compiles
@@ -492,3 +625,37 @@ def test_inspect_shows_an_fpga_stage_against_its_bram(tmp_path, capsys):
     code, text, _ = run_cli(["inspect", str(out)], capsys)
     row = next(line for line in text.splitlines() if line.startswith("1 "))
     assert code == 0 and row.count(" BRAM") == 1 and "64GB" not in row and "10.6MB" in row
+
+
+# ----------------------------------------------------------------------------- issue #24 item 4: csim links
+@pytest.fixture(scope="module")
+def fpga_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fpga") / "out"
+    analysis = driver.analyze(MLP, batch_size=1)
+    plan, graph = driver.plan(analysis, "cpu,u250", training=False)
+    assert 1 in plan.fpga_stages()
+    return driver.compile(analysis, plan, graph, out).out
+
+
+@pytest.mark.parametrize("linked", ["csim_build", "tb_data", "tb_data/csim_output.bin"])
+def test_csim_never_writes_or_deletes_through_a_link(linked, fpga_out, tmp_path, capsys):
+    """A `csim_build` link made `pipecc csim` write its build into the folder it named; a
+    `tb_data` link made it delete an outside csim_output.bin. Refused in one line, before any
+    file is touched."""
+    out = tmp_path / "out"
+    shutil.copytree(fpga_out, out, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "csim_output.bin").write_bytes(b"keep")
+    (outside / "stamp").write_text("theirs")
+    link = out / "stage_1" / "hls" / linked
+    if link.exists():
+        shutil.rmtree(link) if link.is_dir() else link.unlink()
+    target = outside / "csim_output.bin" if linked.endswith(".bin") else outside
+    link.symlink_to(target)
+    before = snapshot(outside)
+    code, text, err = run_cli(["csim", str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"{link} is a symbolic link" in err and "will not follow it" in err, err
+    assert snapshot(outside) == before and (outside / "csim_output.bin").read_bytes() == b"keep"
+    assert (outside / "stamp").read_text() == "theirs"

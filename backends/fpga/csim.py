@@ -100,8 +100,28 @@ def _meta(stage_dir: Path) -> dict:
     return json.loads((stage_dir / "stage.json").read_text())
 
 
+# What the build and the testbench write or delete in a stage's folder
+WRITTEN = ("csim_build", "tb_data", "tb_data/csim_output.bin", "csim_fifo.txt")
+
+
+def check_no_links(stage_dir: str | Path) -> None:
+    """Refuse (one line) a stage folder where pipecc would write or delete through a symbolic
+    link: the folder itself, `csim_build/` (or a file in it), `tb_data/` or the files the
+    testbench writes. A folder from elsewhere could point them at the user's files."""
+    stage_dir = Path(stage_dir)
+    linked = [stage_dir] if stage_dir.is_symlink() else []
+    linked += [stage_dir / rel for rel in WRITTEN if (stage_dir / rel).is_symlink()]
+    build_dir = stage_dir / "csim_build"
+    if build_dir.is_dir() and not build_dir.is_symlink():
+        linked += [p for p in build_dir.iterdir() if p.is_symlink()]
+    if linked:
+        raise CsimError(f"{linked[0]} is a symbolic link; the C simulation writes and deletes there, so pipecc "
+                        "will not follow it: remove the link (or compile the folder again)")
+
+
 def build(stage_dir: str | Path) -> Build:
     """Compile the stage (cached): testbench executable and shared library."""
+    check_no_links(stage_dir)
     stage_dir = Path(stage_dir).resolve()
     problem = toolchain_problem()
     if problem:
@@ -211,6 +231,7 @@ def csim(stage_dir: str | Path, threaded: bool = False, fifo_depth: int | dict[s
     depths, or `fifo_depth`: one depth for all internal FIFOs, or {fifo name: depth}); a
     deadlock is reported with each FIFO's occupancy instead of hanging.
     """
+    check_no_links(stage_dir)
     stage_dir = Path(stage_dir).resolve()
     b = build(stage_dir)
     meta = _meta(stage_dir)

@@ -7,6 +7,7 @@
                       copies of them); check_in_place: such writes the stages cannot reproduce
     render.py, lower_modules.py, names.py
                       how graph nodes become safe, readable torch code
+    manifest.py       which files of OUT pipecc wrote: the marker's list with a keyed hash per file
     compile.py        write_output: the compiled folder OUT, atomically; pipelined_module: the
                       in-memory drop-in module over a model's own parameters
     backend.py        TorchBackend: the above behind the driver's Backend interface

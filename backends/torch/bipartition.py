@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pipecc.backends.torch.codegen import generate_stage
+from pipecc.backends.torch.codegen import generate_stage, save_weights
 from pipecc.backends.torch.stages import Stage, cut_stages, port_json, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph, TensorInfo
@@ -103,16 +103,14 @@ def write_workers(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence
                   pieces: Sequence[tuple[str, int, int, list[str]]], device_desc: Any) -> None:
     """Every worker's folder (module docstring); `stages` are the forward-range stages (their
     ports are the forward messages'), `device_desc(index)` a device's description."""
-    from safetensors.torch import save_file
-
     cut = cut_pieces(graph, pieces)
     n = len(stages)
     core_of = {fp: i for i, (kind, fp, _, _) in enumerate(pieces) if kind == "core"}
     segments = {min(fp, bp): i for i, (kind, fp, bp, _) in enumerate(pieces) if kind == "segment"}
 
     def save(path: Path, tensors: dict[str, torch.Tensor], what: str) -> None:
-        save_file({k: t.detach().to("cpu").contiguous().clone() for k, t in tensors.items()}, str(path),
-                  metadata={"format": "pt", "pipecc.stage": what})
+        save_weights({k: t.detach().to("cpu").contiguous().clone() for k, t in tensors.items()}, path,
+                     {"format": "pt", "pipecc.stage": what})
 
     for j, planned in enumerate(plan.stages):
         folder = tmp / f"stage_{j}"

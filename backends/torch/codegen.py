@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import operator
+import os
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,18 +78,33 @@ def generate_stage(stage: Stage, model_name: str, stage_index: int | None = None
     return GeneratedStage(cls, emitter.assemble(cls, header), emitter.tensors)
 
 
+def save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, whose I/O failures (a full disk) are a `SafetensorError`, not
+    an OSError: raised here as the OSError they are, with the errno the message names, so the
+    compile's writer reports them in one line and removes its temporary folder."""
+    import errno
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        text = str(exc)
+        code = re.search(r"os error (\d+)", text)
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number) if code else text, str(path)) from exc
+
+
 def write_stage(out_dir: str | Path, stage: Stage, *, model_name: str, num_stages: int,
                 device_desc: str = "cpu", recompute: bool = False) -> Path:
     """Write `stage.py`, `weights.safetensors` and `ports.json` into `out_dir` (created)."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = generate_stage(stage, model_name, stage.index, device_desc, num_stages, recompute)
     (out / "stage.py").write_text(gen.source, encoding="utf-8")
     tensors = {k: t.detach().to("cpu").contiguous().clone() for k, t in gen.tensors.items()}
-    save_file(tensors, str(out / "weights.safetensors"),
-              metadata={"format": "pt", "pipecc.stage": str(stage.index)})
+    save_weights(tensors, out / "weights.safetensors", {"format": "pt", "pipecc.stage": str(stage.index)})
     ports = dict(ports_json(stage, num_stages), **{"class": gen.class_name})
     (out / "ports.json").write_text(json.dumps(ports, indent=1), encoding="utf-8")
     return out

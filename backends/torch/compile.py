@@ -30,7 +30,8 @@ when complete: a failed compile leaves no OUT (an existing pipecc OUT stays as i
 temporary folder and no parent folder it created.
 
 Never delete what pipecc did not write. The marker lists every file the compile wrote
-(`"files"`); a folder from before that list counts the files matching pipecc's layout
+(`"files"`), each with a keyed hash (`"files_mac"`, `backends.torch.manifest`: a hand-made
+marker proves nothing); a folder from before that list counts the files matching pipecc's layout
 (`LAYOUT`) as pipecc's. Recompiling into OUT replaces those (and the caches made from them,
 `CACHE`); every other file of OUT is carried into the new OUT (a hard link, so a kill at any
 moment loses nothing) and named on stderr (`progress.notice`). One that sits where the new OUT
@@ -70,6 +71,7 @@ from pipecc.backends.torch.bipartition import pieces_of, write_workers
 from pipecc.backends.torch.bpipe import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
+from pipecc.backends.torch.manifest import CACHE, LAYOUT, pipecc_wrote, sign  # noqa: F401 (CACHE, LAYOUT: re-exported)
 from pipecc.backends.torch.stages import Stage, plan_as_cut, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
@@ -91,11 +93,6 @@ TEMP_TAG = ".pipecc-"          # temporary files and folders beside OUT: .<OUT>.
 TEMP_NAME = re.compile(r"(new|old|file)-([0-9a-f]{8})-(\d+)-")
 HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 STALE_AFTER_S = 3600.0         # a temporary of another host (or an older pipecc) is stale after
-# What pipecc writes, for folders compiled before the marker listed its files; and the caches
-# made from them later (Python's bytecode, an FPGA stage's C-simulation build).
-LAYOUT = re.compile(r"(pipecc\.json|plan\.json|schedule\.txt|run_stage\.py|report\.html|graph\.json|timeline\.json"
-                    r"|stage_\d+/(stage\.py|weights\.safetensors|ports\.json|estimates\.json|segment_\d+\.(py|safetensors)|hls/.+))")
-CACHE = re.compile(r"(^|/)__pycache__/|^stage_\d+/hls/csim_build/")
 
 RUN_STAGE = '''"""Entry point of a compiled pipeline: `torchrun --nproc-per-node P run_stage.py [--steps N]`.
 
@@ -141,6 +138,7 @@ def write_output(out_dir: str | Path, graph: AnnotatedGraph, plan: Plan, stages:
         for writer in writers:
             writer(tmp)
         _add_manifest(tmp)
+        _umask_modes(tmp)
         _replace(tmp, out, force)
     except BaseException as exc:
         if tmp is not None:
@@ -251,6 +249,7 @@ def check_output_folder(out: str | Path, force: bool = False) -> None:
     Cheap: the CLI calls it before the analysis, `write_output` again before writing."""
     out = Path(out)
     check_writable_target(out)
+    _check_not_cwd(out)
     if out.is_symlink():
         raise PipeccError(f"{out} is a symbolic link; give the folder it points to as -o")
     if out.exists() and not out.is_dir():
@@ -258,6 +257,23 @@ def check_output_folder(out: str | Path, force: bool = False) -> None:
     if out.is_dir() and not force and _read_marker(out) is None and any(out.iterdir()):
         raise PipeccError(f"{out} exists and was not written by pipecc; use --force to write into "
                           "it (files pipecc did not write are kept)")
+
+
+def _check_not_cwd(out: Path) -> None:
+    """OUT is replaced by renaming a new folder over it: the folder this process (and the user's
+    shell) is in, or one above it, cannot be (`-o .`, `-o sub/..`: "Device or resource busy", or
+    a shell left in a deleted folder). Refused before anything is written."""
+    try:
+        here = Path.cwd().resolve()
+        target = Path(os.path.abspath(out))
+        if target.exists() and not target.is_symlink():
+            target = target.resolve()
+    except OSError:
+        return
+    if target == here or target in here.parents:
+        raise PipeccError(f"-o {out} is the folder you are in{'' if target == here else ' (or above it)'}; "
+                          "pipecc replaces OUT as a whole, so run it from outside that folder "
+                          "(e.g. cd .. and give -o NAME)")
 
 
 def check_writable_target(path: str | Path) -> None:
@@ -314,7 +330,21 @@ def _add_manifest(tmp: Path) -> None:
     """Record in the marker every file this compile wrote: a later compile replaces only those."""
     marker = json.loads((tmp / MARKER).read_text(encoding="utf-8"))
     marker["files"] = sorted(rel for rel, kind in _entries(tmp) if kind != "dir")
+    marker["files_mac"] = sign(tmp, marker["files"])  # the evidence a recompile checks (manifest.py)
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+
+
+def _umask_modes(tmp: Path) -> None:
+    """The modes the user's umask gives new files and folders, on everything pipecc wrote:
+    mkdtemp makes the folder 0700 and safetensors writes through a 0600 temporary file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for folder, dirs, files in os.walk(tmp):
+        os.chmod(folder, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _entries(root: Path) -> list[tuple[str, str]]:
@@ -338,23 +368,6 @@ def _entries(root: Path) -> list[tuple[str, str]]:
     return out
 
 
-def pipecc_wrote(marker: dict | None) -> Callable[[str], bool]:
-    """Whether a file of OUT (a relative POSIX path) is pipecc's: one the marker's manifest
-    lists; in an older folder without a manifest, one matching pipecc's own layout; in both,
-    a cache pipecc or Python made from them (`__pycache__/`, an FPGA stage's `csim_build/`).
-    Nothing is pipecc's in a folder without a marker."""
-    if marker is None:
-        return lambda rel: False
-    files = marker.get("files")
-    listed = set(files) if isinstance(files, list) else None
-
-    def wrote(rel: str) -> bool:
-        if CACHE.search(rel):
-            return True
-        return rel in listed if listed is not None else bool(LAYOUT.fullmatch(rel))
-    return wrote
-
-
 @dataclass
 class Merge:
     """What replacing OUT by a new compile does with OUT's files pipecc did not write."""
@@ -366,7 +379,7 @@ class Merge:
 def plan_merge(out: Path, new: Path) -> Merge:
     """Sort OUT's entries that pipecc did not write into kept and in-the-way (a path the new
     folder `new` uses for a file, or one inside such a path, or a file where it needs a folder)."""
-    wrote = pipecc_wrote(_read_marker(out))
+    wrote = pipecc_wrote(_read_marker(out), out)
     new_files = {rel for rel, kind in _entries(new) if kind != "dir"}
     new_dirs = {str(PurePosixPath(rel).parents[k]) for rel in new_files
                 for k in range(len(PurePosixPath(rel).parents) - 1)}
@@ -514,7 +527,7 @@ def _settle_old(old: Path, target: Path) -> None:
         os.replace(previous, target)
         shutil.rmtree(old)
         return
-    wrote = pipecc_wrote(_read_marker(previous))
+    wrote = pipecc_wrote(_read_marker(previous), previous)
     orphans = [rel for rel, kind in _entries(previous) if kind != "dir" and not wrote(rel)
                and not _same_file(previous / rel, target / rel)]
     if orphans:

@@ -70,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(f"{where}{exc.strerror or _first_line(exc)}", 1)
     except KeyboardInterrupt:
         return _error("interrupted", 130)
+    except RecursionError as exc:  # a hand-edited file nested past the parser's stack (json, tomllib)
+        if debug:
+            _traceback()
+        return _error(f"an input nests too deeply to read ({_first_line(exc)}); a file pipecc reads "
+                      "was damaged or made by hand", 1)
     finally:
         warnings.formatwarning = formatwarning
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,26 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     return p
 
 
+def _check_dumps_outside(args: argparse.Namespace) -> None:
+    """--dump-ir inside OUT would write files pipecc's manifest does not list into OUT before it
+    is replaced: the next compile would take OUT for a foreign folder. Refused as a usage error."""
+    if not getattr(args, "dump_ir", None):
+        return
+    from pathlib import Path
+
+    from pipecc.errors import UsageError
+    out, dumps = Path(os.path.abspath(args.output)), Path(os.path.abspath(args.dump_ir))
+    if dumps == out or out in dumps.parents:
+        raise UsageError(f"--dump-ir {args.dump_ir} is inside -o {args.output}, which pipecc replaces as a "
+                         "whole; give a folder outside it")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipecc import driver, progress
     from pipecc.backends.torch.compile import check_output_folder
     from pipecc.report.formatting import count, terminal_text
     check_output_folder(args.output, args.force)  # now, not after minutes of analysis
+    _check_dumps_outside(args)
     args.compare = True  # the report shows the baselines' figures
     analysis, plan, graph = plan_from_args(args)
     for decision in plan.decisions:

@@ -77,7 +77,12 @@ def check_stage(out: Path, index: int, hls: Path, *, threaded: bool, fifo_depth:
     import numpy as np
 
     from pipecc.backends.fpga import csim
+    from pipecc.backends.fpga.csim import CsimError, check_no_links
 
+    if (out / f"stage_{index}").is_symlink():
+        raise CsimError(f"{out / f'stage_{index}'} is a symbolic link; the C simulation writes there, so "
+                        "pipecc will not follow it: compile the folder again")
+    check_no_links(hls)
     meta = json.loads((hls / "stage.json").read_text())
     r = csim(hls, threaded=threaded, fifo_depth=fifo_depth, timeout_s=timeout_s)
     row: dict[str, Any] = {

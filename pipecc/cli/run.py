@@ -46,7 +46,10 @@ not each take every core). `pipecc.runtime.launcher` supervises them: their outp
 through, worker `pipecc: error:` lines and torchrun's own log are held back (shown with
 --verbose/--debug), and a failed run exits 1 with exactly one line naming the rank at fault (the
 one that hung, not the one that timed out waiting for it). Every process of the run is stopped
-when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130) and when the torchrun agent dies;
+when it fails, on Ctrl-C (`pipecc: error: interrupted`, exit 130), when the torchrun agent dies and
+when it is stopped (SIGSTOP: at once once its workers ended, else after --timeout); with --nnodes,
+--timeout bounds the rendezvous too (torchrun's `--rdzv-conf timeout=`), and a node that never
+came is one line naming what to start;
 workers also stop by themselves when the agent or `pipecc run` is gone (`pipecc.runtime.lifeline`).
 
 Unequal micro-batches: a folder whose plan gives every stage its own micro-batch sizes
@@ -76,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -91,6 +95,7 @@ from pipecc.runtime.launcher import supervise
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
 
 DEFAULT_STEPS = 5
+DEFAULT_TIMEOUT_S = 60.0  # the ranks' default --timeout (pipecc.runtime.dist)
 TRUST = ("A compiled folder is code, like a pickle: its stage.py files run, and the .py model file "
          "its pipecc.json names is imported (only when its sha256 matches the one recorded at compile "
          "time; a C-simulation library in the folder is rebuilt unless this machine built it). Only run "
@@ -124,7 +129,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
-                   "naming the rank that hung")
+                   "naming the rank that hung. Also how long the nodes of --nnodes wait for each other, and "
+                   "how long a stopped torchrun agent is waited for")
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
@@ -175,6 +181,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
                           f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
     except ValueError as exc:
         raise PipeccError(f"{path} is not valid JSON ({exc}); compile again") from None
+    except RecursionError:
+        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
     if not isinstance(data, dict):
         raise PipeccError(f"{path} is not {what}; compile again")
     return data
@@ -186,6 +194,8 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     if not out.is_dir():
         raise PipeccError(f"{args.out} is not a folder; give the OUT of `pipecc compile ... -o OUT`")
     marker = _read_json(out / "pipecc.json", "a pipecc marker")
+    from pipecc.runtime.stagefile import check_marker
+    check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
     try:
         num_stages = int(marker["num_stages"])
     except (KeyError, TypeError, ValueError):
@@ -348,11 +358,14 @@ def torchrun_commands(args: argparse.Namespace, launch: dict[str, Any]) -> dict[
     commands = {}
     for node in nodes:
         cmd = [*base, "--nnodes", str(launch["nnodes"])]
+        # NOTE: --timeout bounds the rendezvous too (torchrun's own default is 600 s and more)
+        wait = str(max(1, math.ceil(args.timeout or DEFAULT_TIMEOUT_S)))
         if args.rdzv_backend == "c10d":  # the rendezvous numbers the nodes; --node-rank is ignored
             cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                    "--rdzv-id", args.rdzv_id or f"pipecc-{port}"]
+                    "--rdzv-id", args.rdzv_id or f"pipecc-{port}", "--rdzv-conf", f"join_timeout={wait}"]
         else:
-            cmd += ["--node-rank", str(node), "--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint]
+            cmd += ["--node-rank", str(node), "--rdzv-backend", "static", "--rdzv-endpoint", args.rdzv_endpoint,
+                    "--rdzv-conf", f"timeout={wait}"]
         commands[node] = [*cmd, *tail]
     return commands
 
@@ -404,10 +417,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     steps = RunProgress(args.steps, sys.stderr if args.json else sys.stdout,  # where the step lines go
                         quiet=bool(getattr(args, "quiet", False)), verbose=verbose)
     try:
-        return supervise(cmd, env, verbose, json_only=args.json, steps=steps)
+        return supervise(cmd, env, verbose, json_only=args.json, steps=steps,
+                         timeout_s=args.timeout or DEFAULT_TIMEOUT_S, rendezvous=_rendezvous_hint(args, launch))
     finally:
         if lock is not None:
             lock.release()
+
+
+def _rendezvous_hint(args: argparse.Namespace, launch: dict[str, Any]) -> str | None:
+    """What to do when the nodes do not meet: None on one machine."""
+    if launch["nnodes"] == 1:
+        return None
+    if args.node_rank in (None, 0) or args.rdzv_backend == "c10d":
+        return (f"start `pipecc run {args.out} --nnodes {launch['nnodes']} --node-rank R --rdzv-endpoint "
+                f"{args.rdzv_endpoint}` on every other node (or raise --timeout)")
+    return f"node 0 did not answer at {args.rdzv_endpoint}; start `pipecc run` there first (or raise --timeout)"
 
 
 def _lock_checkpoints(args: argparse.Namespace, create: bool) -> Any:

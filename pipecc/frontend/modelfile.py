@@ -9,12 +9,17 @@ arguments given with `--model-arg KEY=VALUE` go to `build_model`; they are also 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import math
+import os
+import signal
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -84,13 +89,9 @@ def import_model_file(path: Path, source: bytes | None = None) -> Any:
     module = types.ModuleType(name)
     module.__file__ = str(path)  # tracebacks, inspect.getsource and torch's source lookups
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    try:
+    with _limited(f"importing {path.name}"):
         code = compile(source, str(path), "exec", dont_inherit=True)
         exec(code, module.__dict__)  # noqa: S102 - the user's model file, as `python model.py` would run it
-    except SystemExit as exc:
-        raise _exited(f"importing {path.name}", exc) from None
-    except Exception as exc:  # the user's code: report, don't crash
-        raise PipeccError(f"importing {path.name} failed: {type(exc).__name__}: {exc}") from exc
     missing = [n for n in REQUIRED if not callable(getattr(module, n, None))]
     if missing:
         raise PipeccError(
@@ -98,6 +99,67 @@ def import_model_file(path: Path, source: bytes | None = None) -> Any:
             "build_model(**kwargs) and example_inputs(batch_size=1) (see docs/model-files.md)"
         )
     return module
+
+
+TIME_LIMIT_ENV = "PIPECC_MODEL_TIME_LIMIT"  # seconds a model file's import or function may take
+DEFAULT_TIME_LIMIT_S = 600.0
+
+
+class _OverTime(BaseException):
+    """Raised in the main thread when user code runs past the limit (a BaseException, so the
+    user's own `except Exception` does not swallow it)."""
+
+
+def time_limit_s() -> float:
+    """``$PIPECC_MODEL_TIME_LIMIT`` (seconds; 0 = none), default 600."""
+    raw = os.environ.get(TIME_LIMIT_ENV, "")
+    try:
+        value = float(raw) if raw.strip() else DEFAULT_TIME_LIMIT_S
+    except ValueError:
+        raise UsageError(f"{TIME_LIMIT_ENV}={raw!r} is not a number of seconds") from None
+    return value if value > 0 and math.isfinite(value) else 0.0
+
+
+@contextlib.contextmanager
+def deadline(what: str) -> Iterator[None]:
+    """Run the block under the time limit: one that does not return within it is named in one
+    line, not a hang (a 100000-layer `--model-arg depth=100000`). The limit is a SIGALRM timer,
+    so it holds in the main thread only (elsewhere the block runs unlimited); nested blocks keep
+    the outer timer."""
+    limit = time_limit_s()
+    timed = (bool(limit) and threading.current_thread() is threading.main_thread()
+             and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+    previous = None
+    if timed:
+        def over(signum: int, frame: Any) -> None:
+            raise _OverTime()
+        previous = signal.signal(signal.SIGALRM, over)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    except _OverTime:
+        raise PipeccError(f"{what} did not return within {limit:g} s; make the model smaller (--model-arg) "
+                          f"or allow longer with {TIME_LIMIT_ENV}=SECONDS") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _limited(what: str) -> Iterator[None]:
+    """Run the user's code under the time limit (`deadline`) and turn what it raises into one
+    line: an exception of any class (a BaseException subclass too, not just Exception) is the
+    model file's error. Ctrl-C stays Ctrl-C."""
+    try:
+        with deadline(what):
+            yield
+    except SystemExit as exc:
+        raise _exited(what, exc) from None
+    except (PipeccError, KeyboardInterrupt, RecursionError, MemoryError):
+        raise
+    except BaseException as exc:  # the user's code: report, don't crash
+        raise PipeccError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _exited(what: str, exc: SystemExit) -> PipeccError:
@@ -113,13 +175,13 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
     model_args = dict(model_args or {})
     module = import_model_file(path)
     try:
-        model = module.build_model(**model_args)
-    except SystemExit as exc:
-        raise _exited(f"build_model in {path.name}", exc) from None
-    except TypeError as exc:
-        raise PipeccError(f"build_model in {path.name} rejected the model arguments: {exc}") from exc
-    except Exception as exc:
-        raise PipeccError(f"build_model in {path.name} failed: {type(exc).__name__}: {exc}") from exc
+        with _limited(f"build_model in {path.name}"):
+            try:
+                model = module.build_model(**model_args)
+            except TypeError as exc:
+                raise PipeccError(f"build_model in {path.name} rejected the model arguments: {exc}") from exc
+    except RecursionError:
+        raise PipeccError(f"build_model in {path.name} recursed too deeply (RecursionError)") from None
     if not isinstance(model, torch.nn.Module):
         raise PipeccError(f"build_model in {path.name} returned {type(model).__name__}, not an nn.Module")
 
@@ -127,12 +189,8 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
         inputs = _call_with_accepted(module.example_inputs, b, **model_args)
         return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
-    try:
+    with _limited(f"example_inputs in {path.name}"):
         inputs = make_inputs(batch_size)
-    except SystemExit as exc:
-        raise _exited(f"example_inputs in {path.name}", exc) from None
-    except Exception as exc:
-        raise PipeccError(f"example_inputs in {path.name} failed: {type(exc).__name__}: {exc}") from exc
     make_target = None
     if callable(getattr(module, "example_target", None)):
         def make_target(b: int) -> Any:

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pipecc.errors import CaptureError, PipeccError, UsageError
-from pipecc.frontend import capture_errors, constants, fx_tracer, host_random, regions
+from pipecc.frontend import capture_errors, constants, fx_tracer, host_random, model_checks, regions
 from pipecc.frontend.modes import capture_both
 from pipecc.frontend.model_state import fake_weights, preserved_state, shape_safe_batchnorm
 from pipecc.ir.graph import (META_KIND, META_NAME, META_OP, META_PARAMS, META_VALUE, AnnotatedGraph,
@@ -456,6 +456,7 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
             b = int(first.shape[0]) if first is not None else 1
         symbols = default_symbols(example_inputs, b)
     check_symbols(symbols, example_inputs)
+    model_checks.check_module(model, example_inputs)  # what a captured graph would drop
     with quiet_torch_logging():
         watch = capture_errors.Watch()
         with host_random.watch(), constants.watch(model) as reads:  # numpy draws are refused
@@ -466,6 +467,7 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
             raise CaptureError(_refined(exc, output, watch)) from exc
         if source == "fx":
             fx_tracer.keep_output_class(gm, returned)
+        model_checks.check_writes(gm)
         try:
             syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
         except PipeccError:  # a data-dependent node: fixed sizes would not help
@@ -486,6 +488,7 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
                           "cannot keep (parameters change in the optimizer step, after backward); "
                           "keep the update out of forward or make it a buffer")
     annotate_ops_and_names(gm)
+    model_checks.check_dtypes(gm)
     frozen = constants.note(reads)  # Python attributes the graph keeps as constants
     return AnnotatedGraph(gm=gm, symbols=syms, point=point, source=source, model_name=model_name,
                           warnings=notes + shape_notes + ([frozen] if frozen else []))

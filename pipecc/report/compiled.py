@@ -63,6 +63,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise PipeccError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
     except ValueError as exc:
         raise PipeccError(f"{path}: the {what} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise PipeccError(f"{path}: the {what} nests too deeply to read; it is damaged: compile "
+                          "the folder again") from None
 
 
 def load_compiled(out: str | Path) -> Compiled:

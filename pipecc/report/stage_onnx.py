@@ -21,6 +21,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -186,12 +187,29 @@ def export_stage(module: nn.Module, ports: dict[str, Any], args: Sequence[Any], 
         with _quiet_exporter():
             program = torch.onnx.export(wrapper.eval(), tensors, dynamo=True, verbose=False)
             _name_ports(program.model.graph, names_in, names_out)
-            program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_BYTES)
     except Exception as exc:  # the exporter's failure is the user's answer: say which stage
         first = (str(exc).strip().splitlines() or [""])[0]
         raise PipeccError(f"stage {ports.get('stage')}: ONNX export failed: "
                           f"{type(exc).__name__}: {first}") from exc
+    _save_whole(program, path, weight_bytes > EXTERNAL_DATA_BYTES)
     return wrapper, names_in, names_out, constants
+
+
+def _save_whole(program: Any, path: Path, external: bool) -> None:
+    """Save into a temporary folder beside `path` under the final names (an external-data file
+    is referred to by name), then rename into place: a full disk leaves no partial .onnx."""
+    import shutil
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.pipecc-new-", dir=path.parent))
+    try:
+        with _quiet_exporter():
+            program.save(str(tmp / path.name), external_data=external)
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == path.name):  # the .onnx last
+            os.replace(item, path.parent / item.name)
+    except OSError as exc:
+        raise PipeccError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _name_ports(graph: Any, names_in: Sequence[str], names_out: Sequence[str]) -> None:

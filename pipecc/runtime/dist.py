@@ -54,7 +54,7 @@ from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, repli
                                      replica_target)
 from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData, TiedGradients
-from pipecc.runtime.stagefile import check_folder
+from pipecc.runtime.stagefile import check_folder, check_marker
 from pipecc.runtime.stash import folder_balancing
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
 from pipecc.runtime.trust import verify_problem
@@ -198,7 +198,15 @@ def _report(message: str, code: int) -> int:
     rank = os.environ.get("RANK")
     if rank is not None and not re.search(r"\brank \d+", message):
         message = f"rank {rank}: {message}"
-    print(f"pipecc: error: {printable(message)}", file=sys.stderr, flush=True)
+    # NOTE: one write of the whole line: the ranks share torchrun's stderr pipe, and print's two
+    # writes (text, then "\n") under PYTHONUNBUFFERED let two ranks' lines glue into one
+    line = f"pipecc: error: {printable(message)}\n"
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), line.encode("utf-8", "replace"))
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (a test's capture)
+        sys.stderr.write(line)
+        sys.stderr.flush()
     return code
 
 
@@ -247,8 +255,11 @@ def _read_marker(out: Path) -> dict[str, Any] | None:
         marker = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
+    except RecursionError:
+        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
     if not isinstance(marker, dict):
         raise PipeccError(f"{path} is not a pipecc marker; compile again")
+    check_marker(out, marker)
     return marker
 
 

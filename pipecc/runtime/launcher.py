@@ -44,6 +44,7 @@ from pipecc.errors import PipeccError
 __all__ = ["GRACE_S", "ProcessTree", "Terminated", "root_cause", "supervise"]
 
 GRACE_S = 0.5
+RENDEZVOUS_SLACK_S = 15.0  # beyond --timeout: the agent's own start (importing torch) on a loaded machine
 # torchrun's own log lines: "W1129 08:45:56.813000 20508 torch/distributed/run.py:874] ..."
 _TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
 _WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
@@ -54,7 +55,8 @@ _WORKER_ERROR = re.compile(r"pipecc: error: (.*)")
 _C10_PEER_LOG = re.compile(r"^\[[EW]\d{4} [\d:.]+ \S+:\d+\] .*(?:Connection closed by peer|"
                            r"Connection reset by peer|connectFullMesh failed)")
 _RANK = re.compile(r"^rank (\d+)\b")
-_TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) from rank (\d+)")
+# a receive times out "... from rank N", a send "... to rank N": either way rank N is waited for
+_TIMED_OUT = re.compile(r"^rank (\d+): timed out after (\S+) s waiting for (.+) (from|to) rank (\d+)")
 _PEER_GONE = re.compile(r"^rank (\d+): (.+? (?:from|to)) rank (\d+) failed, the peer exited or crashed")
 _LAUNCH_GONE = re.compile(r"^rank \d+: (?:the torchrun agent|pipecc run) \(pid \d+\) is gone")
 _DOCUMENT = '{"format": "pipecc-run"'  # how pipecc.runtime.timing's document starts (json.dumps)
@@ -80,9 +82,9 @@ def root_cause(errors: list[str]) -> str:
     reported = {int(m.group(1)) for m in map(_RANK.match, errors) if m}
     for e in errors:
         found = _TIMED_OUT.match(e)
-        if found and int(found.group(4)) not in reported:
-            waiter, seconds, what, culprit = found.groups()
-            return f"rank {culprit} hung: rank {waiter} timed out after {seconds} s waiting for {what} from it"
+        if found and int(found.group(5)) not in reported:
+            waiter, seconds, what, way, culprit = found.groups()
+            return f"rank {culprit} hung: rank {waiter} timed out after {seconds} s waiting for {what} {way} it"
     for e in errors:
         found = _PEER_GONE.match(e)
         if found and int(found.group(3)) not in reported:
@@ -101,16 +103,24 @@ class _Watch:
         self.held: list[str] = []  # torchrun's own lines, and everything after it saw a child fail
         self.launcher_failed = False
         self.muted = False  # set on SIGINT/SIGTERM: the children's shutdown is not shown
+        self.before_workers = False  # supervise: the agent's own output until it starts a worker, held
+        self.agent_lines: list[str] = []
 
     def line(self, text: str) -> None:
         found = _WORKER_ERROR.search(text)
         if found:
-            self.errors.append(found.group(1).strip())
+            # two ranks' lines glued into one (an older worker's two writes): each error apart
+            self.errors += [e.strip() for e in found.group(1).split("pipecc: error: ") if e.strip()]
             if self.first_error_at is None:
                 self.first_error_at = time.monotonic()
             if self.verbose:
                 _write(sys.stderr, text, self)
         elif _C10_PEER_LOG.match(text):
+            self.held.append(text)
+            if self.verbose:
+                _write(sys.stderr, text, self)
+        elif self.before_workers:  # a rendezvous that fails prints the agent's traceback: held
+            self.agent_lines.append(text)
             self.held.append(text)
             if self.verbose:
                 _write(sys.stderr, text, self)
@@ -225,17 +235,22 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: bool = False,
-              steps: Any = None) -> int:
+              steps: Any = None, timeout_s: float = 60.0, rendezvous: str | None = None) -> int:
     """Run torchrun with ``env``, stream its output, return 0 or raise one ``PipeccError`` line;
     ``json_only``: only the run's JSON document goes to stdout, every other line to stderr.
     ``steps`` (`pipecc.cli.runprogress.RunProgress`): sees each stdout line first and may draw
-    or drop the step lines; told before any other output, and closed at the end."""
+    or drop the step lines; told before any other output, and closed at the end.
+
+    ``timeout_s`` (the ranks' --timeout) also bounds what the workers cannot see: an agent that
+    is stopped (SIGSTOP) while its workers run or after they ended, and, with ``rendezvous``
+    (the line naming what several nodes must do), a rendezvous no worker came out of."""
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, bufsize=1, errors="replace")
     except OSError as exc:
         raise PipeccError(f"cannot start torchrun ({exc})") from None
     watch, tree = _Watch(verbose), ProcessTree(proc.pid)
+    watch.before_workers = True
 
     def out(text: str) -> None:
         if steps is not None and not text.startswith(_DOCUMENT) and not watch.muted:
@@ -254,6 +269,7 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
     for thread in pumps:
         thread.start()
     stopped_it = False
+    began, stopped_since, why = time.monotonic(), None, None
     with _Signals(watch) as signals:
         try:
             next_refresh = 0.0
@@ -261,9 +277,23 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
                 now = time.monotonic()
                 if now >= next_refresh:
                     tree.refresh()
-                    next_refresh = now + 0.5
+                    next_refresh = now + 0.2
+                    if tree.known:
+                        watch.before_workers = False
                 if watch.first_error_at is not None and now - watch.first_error_at > GRACE_S:
                     stopped_it = watch.muted = True  # the run failed: stop the ranks still waiting (or hung)
+                    break
+                state = _stat(proc.pid)
+                if state is not None and state[1] in ("T", "t"):  # stopped: it reaps and reports nothing
+                    stopped_since = stopped_since if stopped_since is not None else now
+                    if (tree.known and not tree.alive()) or now - stopped_since > timeout_s:
+                        why = _stopped_agent(proc.pid, tree)
+                else:
+                    stopped_since = None
+                if rendezvous and not tree.known and now - began > timeout_s + RENDEZVOUS_SLACK_S:
+                    why = f"no worker started within {timeout_s:g} s: {rendezvous}"  # torch's own limit did not fire
+                if why is not None:
+                    stopped_it = watch.muted = True
                     break
                 time.sleep(0.05)
             tree.stop(proc)  # also the orphans of an agent that was killed
@@ -277,8 +307,12 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
     if steps is not None:
         steps.close()
     rc = proc.returncode
+    if why is not None and not watch.errors:
+        raise PipeccError(f"run failed: {why}")
     if rc == 0 and not watch.errors:
         return 0
+    if watch.before_workers and not watch.errors and rc != 0:  # the agent failed before any worker ran
+        raise PipeccError(f"run failed: {_agent_failure(watch.agent_lines, rc, rendezvous, timeout_s)}")
     if rc < 0 and not stopped_it:
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else f"signal {-rc}"
         raise PipeccError(f"run failed: the torchrun agent (pid {proc.pid}) was killed by {name}; "
@@ -295,6 +329,22 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
         code = watch.exit_code()
         raise PipeccError(f"run failed: rank {rank} exited with code {code if code is not None else rc}{hint}")
     raise PipeccError(f"run failed: torchrun exited with code {rc}{hint}")
+
+
+def _stopped_agent(pid: int, tree: ProcessTree) -> str:
+    done = "after its workers ended" if tree.known and not tree.alive() else "while its workers ran"
+    return (f"the torchrun agent (pid {pid}) was stopped (SIGSTOP) {done}; every process of the run "
+            "was stopped")
+
+
+def _agent_failure(lines: list[str], rc: int, rendezvous: str | None, timeout_s: float) -> str:
+    """One line for an agent that exited before starting a worker: a rendezvous that timed out
+    (torch's DistStoreError) says which nodes to start; anything else its last line."""
+    text = "".join(lines)
+    if rendezvous and re.search(r"DistStoreError|TimeoutError|timed out|Timed out|timeout", text):
+        return f"the rendezvous did not complete within {timeout_s:g} s: {rendezvous}"
+    last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+    return f"torchrun exited with code {rc} before starting any worker" + (f" ({last})" if last else "")
 
 
 def _pump(stream: Any, sink: Any) -> None:

@@ -107,7 +107,8 @@ class Port:
     @property
     def carries_grad(self) -> bool:
         """True when a gradient for this value travels back (both neighbours agree from the spec)."""
-        return self.kind == "tensor" and self.requires_grad and self.dtype is not None and self.dtype.is_floating_point
+        return (self.kind == "tensor" and self.requires_grad and self.dtype is not None
+                and (self.dtype.is_floating_point or self.dtype.is_complex))  # complex weights train too
 
     def extents(self, batch: int | None, m: int | Sequence[int]) -> list[int] | None:
         """The batch dim's extent in each microbatch, or None when the value is not batched."""

@@ -46,6 +46,8 @@ def _mean_of_outputs(outputs: Any, target: Any) -> torch.Tensor:
     """Smoke-run loss: the sum over floating tensors in the outputs (nested tuples, lists and dict
     values too) of their mean."""
     if isinstance(outputs, torch.Tensor):
+        if outputs.is_complex():  # a real loss of complex outputs: the mean of their magnitudes
+            return outputs.abs().float().mean()
         return outputs.float().mean() if outputs.is_floating_point() else torch.zeros(())
     if isinstance(outputs, dict):
         outputs = list(outputs.values())

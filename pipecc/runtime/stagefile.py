@@ -141,6 +141,51 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
             expected[key].copy_(value)
 
 
+MARKER_VERSION = 1  # backends.torch.compile's FORMAT_VERSION: the layout this runtime reads
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_marker(out: str | Path, marker: dict[str, Any] | None) -> None:
+    """The fields of ``OUT/pipecc.json`` a run is built from, checked before anything starts:
+    an edited marker (``"num_stages": "2"``, a batch of 0, micro-batches that do not divide it,
+    ``replicas`` the plan was not made with, no devices, another format version) would otherwise
+    fail later, in some rank, with a traceback. One line naming the field; nothing is run."""
+    if marker is None:
+        return
+    path = Path(out) / "pipecc.json"
+
+    def bad(what: str) -> PipeccError:
+        return PipeccError(f"{path}: {what}; it was edited or is damaged: {RECOMPILE}")
+    version = marker.get("version", MARKER_VERSION)
+    if version != MARKER_VERSION:
+        raise PipeccError(f"{path} is format version {version!r}, this pipecc reads version "
+                          f"{MARKER_VERSION}; {RECOMPILE} with this pipecc")
+    for key in ("num_stages", "batch_size", "microbatches", "replicas"):
+        if key in marker and marker[key] is not None and not _count(marker[key]):
+            raise bad(f"{key} is {marker[key]!r}, not a positive whole number")
+    batch, m = marker.get("batch_size"), marker.get("microbatches")
+    if batch and m and not marker.get("microbatch_sizes") and batch % m:
+        raise bad(f"microbatches {m} does not divide batch_size {batch}")
+    devices = marker.get("devices")
+    if "devices" in marker and (not isinstance(devices, list) or not devices
+                                or not all(isinstance(d, dict) for d in devices)):
+        raise bad(f"devices is {devices!r}, not the list of the plan's devices")
+    plan_path = Path(out) / "plan.json"
+    try:
+        plan = json.loads(plan_path.read_text(encoding="utf-8")) if plan_path.is_file() else {}
+    except (OSError, ValueError, RecursionError):
+        plan = {}  # read_plan names a damaged plan.json
+    if not isinstance(plan, dict):
+        return
+    for key in ("replicas", "batch_size", "microbatches"):
+        if key in marker and key in plan and marker[key] != plan[key]:
+            raise bad(f"{key} is {marker[key]!r}, but the folder was compiled with {plan[key]!r} "
+                      "(plan.json)")
+
+
 def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[dict[str, Any]]:
     """Every stage's ``ports.json`` (parsed, ready for ``StagePorts``), after checking what can be
     checked without running any of the folder's code: each ``ports.json`` parses, every stage
@@ -160,9 +205,13 @@ def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[d
             raise PipeccError(f"cannot read {path} ({e.strerror or e}); {RECOMPILE}") from None
         except ValueError as e:
             raise PipeccError(f"{path} is not valid JSON ({e}); {RECOMPILE}") from None
+        except RecursionError:
+            raise PipeccError(f"{path} nests too deeply to read; {RECOMPILE}") from None
         try:
             if not isinstance(spec, dict):
                 raise TypeError(f"a JSON {type(spec).__name__}, not an object")
+            if spec.get("stage", i) != i:  # two stages' ports.json swapped, or one copied over another
+                raise PipeccError(f"it says stage {spec['stage']!r} but is stage_{i}'s")
             parsed.append(StagePorts.from_json(spec))
         except PipeccError as e:
             raise PipeccError(f"{path}: {e}; {RECOMPILE}") from None

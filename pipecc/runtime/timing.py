@@ -159,7 +159,7 @@ def read_plan(out: Path) -> dict[str, Any]:
     """``OUT/plan.json`` as plain JSON ({} when missing or unreadable: predictions are then null)."""
     try:
         plan = json.loads((out / "plan.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return plan if isinstance(plan, dict) else {}
 

@@ -316,6 +316,8 @@ class Verifier:
             return f"shape {list(got.shape)} vs {list(want.shape)} in the single-process run"
         dtype = want.dtype if want.dtype.is_floating_point else got.dtype
         rtol, atol = tolerance(dtype, self.rtol, self.atol)
+        if got.is_complex() or want.is_complex():  # both parts compared (a real view, last dim 2)
+            got, want = (torch.view_as_real(t.detach().to(torch.complex128).resolve_conj()) for t in (got, want))
         got, want = got.detach().double(), want.detach().double()
         if self.atol is None and dtype in _TOLERANCES and want.numel():
             # NOTE: half precision rounds partial sums (micro-batches, another order) to its

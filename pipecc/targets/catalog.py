@@ -142,7 +142,15 @@ def load_catalog() -> Catalog:
     return _resolve(raw, links, efficiency, fpga_macs, "devices.toml")
 
 
+def _shown(value: Any) -> str:
+    """A TOML value in a message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _make_link(name: str, raw: Mapping[str, Any], default_source: str | None, origin: str) -> Link:
+    if not isinstance(raw, Mapping):
+        raise DeviceSpecError(f"[link.{name}] in {origin} must be a table, got {_shown(raw)}")
     try:
         bandwidth, latency = float(raw["bandwidth"]), float(raw["latency"])
     except (KeyError, TypeError, ValueError):
@@ -169,6 +177,18 @@ def _custom_raw(name: str, raw: Mapping[str, Any], known: Mapping[str, dict], or
     if unknown:
         raise DeviceSpecError(f"[device.{name}] in {origin} has unknown key(s) {', '.join(unknown)}; "
                               f"allowed: {', '.join(sorted(_CUSTOM_KEYS))}")
+    sources = raw.get("sources", {})
+    if not isinstance(sources, Mapping) or not all(isinstance(v, str) for v in sources.values()):
+        raise DeviceSpecError(f"[device.{name}] in {origin}: sources must be a table of strings "
+                              f"(sources.FIELD = \"datasheet: ...\"), got {_shown(sources)}")
+    for key in _MERGED_TABLES:
+        if key in raw and not isinstance(raw[key], Mapping):
+            raise DeviceSpecError(f"[device.{name}] in {origin}: {key} must be a table "
+                                  f"({key}.FIELD = ...), got {_shown(raw[key])}")
+    for key in ("base", "kind", "description", "nvlink", "pcie", "source"):
+        if key in raw and not isinstance(raw[key], str):
+            raise DeviceSpecError(f"[device.{name}] in {origin}: {key} must be a string, "
+                                  f"got {_shown(raw[key])}")
     user_source = str(raw.get("source") or f"user: defined in {origin}")
     if "base" in raw:
         base = str(raw["base"]).lower()
@@ -292,8 +312,14 @@ def _resolve_fpga(name: str, raw: Mapping[str, Any], sources: dict, fpga_macs: M
             raise DeviceSpecError(f"fpga device '{name}' in {origin} lacks fpga.{key}")
         fpga[key] = _positive(name, f"fpga.{key}", fpga[key], origin)
         if key != "clock_hz":
+            if fpga[key] != int(fpga[key]):  # int(0.5) would be 0 DSPs: a division by zero later
+                raise DeviceSpecError(f"device '{name}' in {origin}: fpga.{key} counts blocks, a "
+                                      f"whole number >= 1, got {fpga[key]:g}")
             fpga[key] = int(fpga[key])
     fpga.setdefault("part", "unknown")
+    if not isinstance(fpga.get("macs_per_dsp", {}), Mapping):
+        raise DeviceSpecError(f"device '{name}' in {origin}: fpga.macs_per_dsp must be a table "
+                              f"(macs_per_dsp.DTYPE = N), got {_shown(fpga['macs_per_dsp'])}")
     macs = {**fpga_macs["values"], **fpga.get("macs_per_dsp", {})}
     fpga["macs_per_dsp"] = {d: _positive(name, f"macs_per_dsp.{d}", macs[d], origin) for d in FPGA_DTYPES}
     for d in FPGA_DTYPES:

@@ -141,12 +141,74 @@ class Device:
                 "fpga": copy.deepcopy(dict(self.fpga)) if self.fpga else None}
 
 
+class LinkTable:
+    """The n x n link matrix without n x n memory: the links a file gave (a dict of pairs) and
+    the catalog's default rule for every other pair, computed when asked for. A cluster of
+    thousands of devices (`4x1024xcpu`) is refused by the planner against the model's units; its
+    table must not take gigabytes first. `table[i][j]` and iteration over rows work as on the
+    tuple of tuples it replaces (the diagonal is None)."""
+
+    def __init__(self, devices: tuple[Device, ...], given: Mapping[tuple[int, int], Link],
+                 default: Any) -> None:
+        self._devices, self._given, self._default = devices, dict(given), default
+        self._asked: dict[tuple[int, int], Link] = {}  # the pairs asked for, each computed once
+
+    def __len__(self) -> int:
+        return len(self._devices)
+
+    def __getitem__(self, i: int) -> "_LinkRow":
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return _LinkRow(self, i % len(self))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any table (a tuple of tuples too) with the same link at every pair."""
+        try:
+            if len(other) != len(self):  # type: ignore[arg-type]
+                return False
+            return all(tuple(a) == tuple(b) for a, b in zip(self, other))  # type: ignore[call-overload]
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(len(self))
+
+    def at(self, i: int, j: int) -> Link | None:
+        if i == j:
+            return None
+        link = self._given.get((i, j)) or self._asked.get((i, j))
+        if link is None:
+            link = self._asked[i, j] = self._default(self._devices[i], self._devices[j])
+        return link
+
+
+class _LinkRow:
+    """One row of a `LinkTable` (`table[i]`), indexed and iterated like a tuple."""
+
+    def __init__(self, table: LinkTable, i: int) -> None:
+        self._table, self._i = table, i
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, j: int) -> Link | None:
+        if not -len(self) <= j < len(self):
+            raise IndexError(j)
+        return self._table.at(self._i, j % len(self))
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Devices in pipeline order (stage i runs on device i) and the full link matrix."""
 
     devices: tuple[Device, ...]
-    links: tuple[tuple[Link | None, ...], ...]
+    links: Any  # a tuple of tuples or a `LinkTable`: links[i][j], None on the diagonal
 
     def __len__(self) -> int:
         return len(self.devices)

@@ -41,7 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from pipecc.targets.catalog import Catalog, DeviceSpecError, load_catalog
-from pipecc.targets.hardware import Cluster, Device, Link
+from pipecc.targets.hardware import Cluster, Device, Link, LinkTable
 
 _TOKEN = re.compile(r"^(?:(?P<count>\d+)\s*[xX]\s*)?(?P<name>[A-Za-z_][\w\-.]*)"
                     r"(?:@(?P<place>[\w.:\-/]+))?$")
@@ -89,18 +89,17 @@ def _expand(token: str, catalog: Catalog, where: str) -> list[Device]:
         hint = ", or define it under [device.NAME]" if where != "--devices" else ""
         raise DeviceSpecError(f"unknown device '{m['name']}' in {where}; known: "
                               f"{', '.join(catalog.devices)} (see `pipecc devices`{hint})")
-    return [catalog.device(name, m["place"]) for _ in range(count)]
+    return [catalog.device(name, m["place"])] * count  # one frozen Device, repeated
 
 
-def _cluster(devices: list[Device], given: list[list[Link | None]] | None,
+def _cluster(devices: list[Device], given: dict[tuple[int, int], Link] | None,
              catalog: Catalog, where: str) -> Cluster:
-    n = len(devices)
-    if n == 0:
+    """Devices and their links; pairs not given take the catalog's default, computed when asked
+    for (`LinkTable`: no n x n table in memory for a long --devices list)."""
+    if not devices:
         raise DeviceSpecError(f"no devices in {where}")
-    links = [[None if i == j else (given[i][j] if given and given[i][j] else
-                                   catalog.default_link(devices[i], devices[j]))
-              for j in range(n)] for i in range(n)]
-    return Cluster(tuple(devices), tuple(tuple(row) for row in links))
+    frozen = tuple(devices)
+    return Cluster(frozen, LinkTable(frozen, given or {}, catalog.default_link))
 
 
 def _load_cluster_file(path: Path, catalog: Catalog) -> Cluster:
@@ -111,10 +110,18 @@ def _load_cluster_file(path: Path, catalog: Catalog) -> Cluster:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise DeviceSpecError(f"{where} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise DeviceSpecError(f"{where} nests arrays or tables too deeply to read; a cluster file "
+                              "needs two levels at most (link_matrix)") from None
     unknown = sorted(set(data) - {"devices", "links", "link_matrix", "device", "link"})
     if unknown:
         raise DeviceSpecError(f"{where} has unknown key(s) {', '.join(unknown)}; allowed: "
                               "devices, links, link_matrix, [device.NAME], [link.NAME]")
+    for table in ("device", "link"):
+        value = data.get(table, {})
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise DeviceSpecError(f"{where}: {table} must be tables [{table}.NAME] of fields, "
+                                  f"got {table} = {_shown(value)}")
     if "device" in data or "link" in data:
         catalog = catalog.extended(data.get("device", {}), data.get("link", {}), str(path))
     names = data.get("devices")
@@ -124,14 +131,16 @@ def _load_cluster_file(path: Path, catalog: Catalog) -> Cluster:
     n = len(devices)
     if "links" in data and "link_matrix" in data:
         raise DeviceSpecError(f"{where} gives both links and link_matrix; keep one")
-    given: list[list[Link | None]] = [[None] * n for _ in range(n)]
+    given: dict[tuple[int, int], Link] = {}
     if "links" in data:
         names_ = _link_names(data["links"], where, "links")
         if len(names_) != n - 1:
             raise DeviceSpecError(f"{where}: links has {len(names_)} entries but {n} devices need "
                                   f"{n - 1} (one per consecutive pair; \"\" = default)")
         for i, lname in enumerate(names_):
-            given[i][i + 1] = given[i + 1][i] = _lookup_link(lname, catalog, where)
+            link = _lookup_link(lname, catalog, where)
+            if link is not None:
+                given[i, i + 1] = given[i + 1, i] = link
     elif "link_matrix" in data:
         rows = data["link_matrix"]
         if not isinstance(rows, list) or len(rows) != n:
@@ -145,8 +154,16 @@ def _load_cluster_file(path: Path, catalog: Catalog) -> Cluster:
                     if lname not in ("", "-"):
                         raise DeviceSpecError(f"{where}: link_matrix diagonal [{i}][{i}] must be \"\"")
                     continue
-                given[i][j] = _lookup_link(lname, catalog, where)
+                link = _lookup_link(lname, catalog, where)
+                if link is not None:
+                    given[i, j] = link
     return _cluster(devices, given, catalog, where)
+
+
+def _shown(value: Any) -> str:
+    """A TOML value in a message, cut short (it may be a 100 kB list)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _link_names(value: Any, where: str, what: str) -> list[str]:

@@ -411,5 +411,5 @@ class WritesParameter(_Two):
 def test_parameter_written_in_forward_is_refused(one_thread):
     """A forward that changes a parameter in place cannot be pipelined (at -m 1 it gave other
     numbers): refused at capture in one line naming the parameter."""
-    with pytest.raises(PipeccError, match=r"^forward writes the parameter a\.weight in place"):
+    with pytest.raises(PipeccError, match=r"^the model's forward writes parameter 'a\.weight' in place"):
         pipecc.compile(WritesParameter(), (torch.randn(8, 4),), "2xcpu", microbatches=1)

@@ -137,17 +137,26 @@ def _param_of(node: Any, params: set[str]) -> str | None:
 
 
 def check_writes(gm: fx.GraphModule) -> None:
-    """Refuse a forward that writes one of its parameters in place (module docstring)."""
+    """Refuse a forward that writes one of its parameters in place (module docstring): an
+    in-place op on the parameter in a torch.fx graph, or torch.export's write-back of a mutated
+    parameter (`pipecc.frontend.regions.parameter_write`)."""
+    from pipecc.frontend import regions
     params = {name for name, _ in gm.named_parameters()}
+    written, op = None, None
     for node in gm.graph.nodes:
         op = _inplace(node)
         if op is None or not node.args:
             continue
-        param = _param_of(node.args[0], params)
-        if param is not None:
-            raise PipeccError(f"the model's forward writes parameter '{param}' "
-                              f"in place ({op}); each stage holds its own copy of its parameters and the "
-                              "optimizer owns their values: compute a new tensor instead (w = w * s)")
+        written = _param_of(node.args[0], params)
+        if written is not None:
+            break
+    if written is None:
+        written, op = regions.parameter_write(gm), None
+    if written is not None:
+        how = f" ({op})" if op else ""
+        raise PipeccError(f"the model's forward writes parameter '{written}' in place{how}; each stage holds "
+                          "its own copy of its parameters and the optimizer owns their values: compute a "
+                          "new tensor instead (w = w * s) or make it a buffer")
 
 
 _MIXED_DTYPE_KINDS = ("linear", "matmul", "conv", "conv_transpose")

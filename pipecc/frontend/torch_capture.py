@@ -467,7 +467,6 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
             raise CaptureError(_refined(exc, output, watch)) from exc
         if source == "fx":
             fx_tracer.keep_output_class(gm, returned)
-        model_checks.check_writes(gm)
         try:
             syms, point, shape_notes = propagate_shapes(gm, example_inputs, symbols)
         except PipeccError:  # a data-dependent node: fixed sizes would not help
@@ -482,11 +481,7 @@ def from_module(model: torch.nn.Module, example_inputs: tuple, *,
                                f"({type(exc).__name__}); costs are numbers, not expressions in "
                                f"{', '.join(s.name for s in symbols)}")
     _check_output(gm)
-    written = regions.parameter_write(gm)
-    if written is not None:
-        raise PipeccError(f"forward writes the parameter {written} in place, which a pipeline "
-                          "cannot keep (parameters change in the optimizer step, after backward); "
-                          "keep the update out of forward or make it a buffer")
+    model_checks.check_writes(gm)  # a parameter written in place (fx or export form)
     annotate_ops_and_names(gm)
     model_checks.check_dtypes(gm)
     frozen = constants.note(reads)  # Python attributes the graph keeps as constants

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import MLP_TINY, model_args, run_cli, run_pipecc
 from pipecc import cli
-from pipecc.ir.plan import schedule_of
+from pipecc.ir.techniques import schedule_of
 from pipecc.ir.schedule.text import format, parse
 from pipecc.report.compiled import load_compiled, summary_json, timeline_of
 from pipecc.runtime import dist

@@ -22,6 +22,7 @@ from pipecc.ir.graph import IRError
 from pipecc.ir.plan import Plan
 from pipecc.ir.techniques import matrix
 from pipecc.ir.verify import verify_plan
+from pipecc.runtime.admit import check_folder_plan
 
 MLP = str(zoo_path("mlp"))
 
@@ -136,8 +137,17 @@ def test_one_answer_in_planner_verifier_compile_and_loader(base, tmp_path: Path,
     folder = tmp_path / "edited"
     shutil.copytree(out, folder)
     (folder / "plan.json").write_text(bad.dumps())
+    marker = json.loads((folder / "pipecc.json").read_text())
+    with pytest.raises(PipeccError) as caught:  # the loader's own check, as every rank asks it
+        check_folder_plan(marker, json.loads(bad.dumps()), None)
+    assert str(caught.value) == reason
     code, stdout, err = run_cli(["run", str(folder), "--print-command"], capsys)
-    assert (code, stdout, err) == (1, "", f"pipecc: error: {reason}\n")
+    counts = ("replicas", "batch_size", "microbatches")
+    if all(getattr(bad, k) == getattr(plan, k) for k in counts):
+        assert (code, stdout, err) == (1, "", f"pipecc: error: {reason}\n")
+    else:  # pipecc.json's counts no longer match the edited plan.json: that line comes first
+        assert (code, stdout) == (1, "") and err.startswith("pipecc: error: ") and err.count("\n") == 1, err
+        assert "was compiled with" in err, err
 
 
 def test_the_unedited_folder_is_admitted(base, capsys) -> None:
@@ -189,3 +199,19 @@ def test_the_matrix_is_symmetric_in_what_composes() -> None:
         for b in names:
             if a != b:
                 assert (matrix.pair(a, b) is None) == (matrix.pair(b, a) is None), (a, b)
+
+
+def test_every_technique_lowers_and_leaves_a_plan_without_it_alone() -> None:
+    """Each technique has one `lower`, applied in LOWERING order by `schedule_of`; on a plan that
+    does not use it, it returns the schedule it was given (the same object)."""
+    from pipecc.ir.schedule import one_f_one_b
+    assert set(techniques.LOWERING) == set(techniques.TECHNIQUES)
+    plain = matrix.base()
+    base = one_f_one_b(len(plain.stages), plain.microbatches)
+    assert techniques.schedule_of(plain) == base
+    for technique in techniques.TECHNIQUES:
+        assert technique.lower(plain, base) is base, technique.NAME
+    used = _copy(plain)
+    used.replicas = 2
+    matrix.place(used)
+    assert techniques.replicas.lower(used, base) != base  # REDUCE actions added

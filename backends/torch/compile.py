@@ -13,7 +13,7 @@
                              list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/schedule.txt         the plan's validated action list in the schedule IR's text form
-                             (`pipecc.ir.plan.schedule_of`, `pipecc.ir.schedule.format`): what
+                             (`pipecc.ir.techniques.schedule_of`, `pipecc.ir.schedule.format`): what
                              `pipecc run` parses, validates and executes (`SCHEDULE_FILE`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -75,7 +75,8 @@ from pipecc.backends.torch.manifest import CACHE, LAYOUT, pipecc_wrote, sign  # 
 from pipecc.backends.torch.stages import Stage, plan_as_cut, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
-from pipecc.ir.plan import Plan, schedule_of
+from pipecc.ir.plan import Plan
+from pipecc.ir.techniques import schedule_of
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes

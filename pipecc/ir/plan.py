@@ -13,9 +13,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from pipecc.errors import PipeccError
-from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.schedule.registry import VIRTUAL, schedule_for
-from pipecc.ir.schedule.transforms import with_collectives
 from pipecc.report.formatting import count, human, seconds, text_table
 
 
@@ -114,7 +111,7 @@ class Plan:
     # BPipe (PAPERS-SPEC.md 2.3, `--activation-balancing`, `passes.bpipe`): per pair, the evictor
     # stage s, its acceptor p-1-s, the evictor's threshold K (stashes it keeps) and the return
     # policy: [{"evictor": s, "acceptor": a, "threshold": K, "policy": "jit"}]; [] = no BPipe.
-    # The schedule is pipecc.ir.schedule.bpipe(one_f_one_b(p, m), thresholds, policy) (`schedule_of`).
+    # The schedule is pipecc.ir.schedule.bpipe(one_f_one_b(p, m), thresholds, policy) (`pipecc.ir.techniques.schedule_of`).
     activation_balancing: list[dict[str, Any]] = field(default_factory=list)
     # the BPipe estimate (PAPERS-SPEC.md 2.7) behind the decision, whether BPipe was used or
     # not: baseline and bpipe {"microbatch_size", "recompute", "microbatches", "iteration_s",
@@ -273,24 +270,6 @@ class Plan:
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
         return cls(**data)
-
-
-def schedule_of(plan: Plan) -> Schedule:
-    """The plan's final, validated action list (``pipecc.ir.schedule.schedule_for`` over its
-    fields): what compile writes as ``OUT/schedule.txt``, the runtime executes and the report
-    draws, its collectives included (``with_collectives``: REDUCE when the stages have replicas,
-    REFRESH on Bi-Partition's replica-holding workers). Only a schedule in ``VIRTUAL`` holds ``virtual_stages`` stages per rank; UMPIPE's
-    sizes and BPipe's thresholds come from the plan. ValueError when they cannot be built."""
-    n = len(plan.stages)
-    v = max(plan.virtual_stages, 1) if plan.schedule in VIRTUAL else 1
-    balancing = plan.activation_balancing
-    schedule = schedule_for(plan.schedule, n, plan.microbatches, num_ranks=n // v,
-                            microbatch_sizes=plan.microbatch_sizes or None,
-                            bpipe_thresholds=plan.bpipe_thresholds() if balancing else None,
-                            bpipe_policy=str(balancing[0].get("policy", "jit")) if balancing else "jit")
-    refresh = sorted({f for kind, f, _, _ in plan.bipartition_pieces() if kind == "segment"}) \
-        if plan.is_bipartition() else []
-    return with_collectives(schedule, plan.replicas, refresh)
 
 
 def devices_text(names: list[str]) -> str:

@@ -131,12 +131,12 @@ def _uneven_timeline(plan: Plan, schedule: Schedule) -> Any:
 
 def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
     """The simulator's Timeline for `plan`, rebuilt from its per-stage figures, of `schedule`
-    (a compiled folder's schedule.txt; default: the plan's own, `pipecc.ir.plan.schedule_of`).
+    (a compiled folder's schedule.txt; default: the plan's own, `pipecc.ir.techniques.schedule_of`).
 
     Equal to the planner's own (same stage costs, same schedule): the per-direction transfer
     times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
     """
-    from pipecc.ir.plan import schedule_of
+    from pipecc.ir.techniques import schedule_of
     from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
     from pipecc.passes.simulate import StageCosts, simulate
 

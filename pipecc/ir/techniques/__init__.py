@@ -6,7 +6,12 @@ compiled-folder loader (`pipecc run`, which imports no compiler: hence here, in 
     <technique>.requires(plan, caps) -> str | None
         None: admissible; else one line naming the problem and the fix
     <technique>.uses(plan) -> bool      whether `plan` applies the technique
+    <technique>.lower(plan, schedule)   the schedule transform it applies (`schedule` itself
+                                        when the plan does not use it)
     requires(plan, caps)                the first reason of any technique `plan` uses
+    lower(plan, schedule)               every technique's `lower`, in LOWERING order
+    schedule_of(plan)                   the plan's final action list: its base schedule by name,
+                                        lowered (what compile writes as OUT/schedule.txt)
 
 | module | technique | what it asks of the plan |
 |---|---|---|
@@ -34,9 +39,13 @@ from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
 from pipecc.ir.techniques.capabilities import COMPILED, DROP_IN, Capabilities
 
-__all__ = ["TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "requires", "sketch"]
+__all__ = ["LOWERING", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "requires", "schedule_of",
+           "sketch"]
 
 TECHNIQUES = (umpipe, bpipe, bipartition, recompute, replicas, zero_bubble)
+# the order the schedule transforms apply: UMPIPE rebuilds the base rows over its chunks, BPipe
+# inserts its transfers into 1F1B's rows, then the collectives go after the compute they follow
+LOWERING = (zero_bubble, recompute, umpipe, bpipe, replicas, bipartition)
 
 
 def requires(plan: Plan, caps: Capabilities = COMPILED) -> str | None:
@@ -47,6 +56,25 @@ def requires(plan: Plan, caps: Capabilities = COMPILED) -> str | None:
             if why is not None:
                 return why
     return None
+
+
+def lower(plan: Plan, schedule: Any) -> Any:
+    """`schedule` (the plan's base schedule, by name) through every technique's `lower`."""
+    for technique in LOWERING:
+        schedule = technique.lower(plan, schedule)
+    return schedule
+
+
+def schedule_of(plan: Plan) -> Any:
+    """The plan's final, validated action list: what compile writes as ``OUT/schedule.txt``, the
+    runtime executes and the report draws. The base schedule by name (``schedule_for``; only a
+    schedule in ``VIRTUAL`` holds ``virtual_stages`` stages per rank), then every technique's
+    schedule transform (`lower`: UMPIPE's sizes, BPipe's transfers, the replicas' REDUCE,
+    Bi-Partition's REFRESH). ValueError when they cannot be built."""
+    from pipecc.ir.schedule.registry import VIRTUAL, schedule_for
+    n = len(plan.stages)
+    v = max(plan.virtual_stages, 1) if plan.schedule in VIRTUAL else 1
+    return lower(plan, schedule_for(plan.schedule, n, plan.microbatches, num_ranks=n // v))
 
 
 def sketch(*, schedule: str, devices: Sequence[Any], training: bool = True,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.techniques import capabilities as cap
 from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
 
@@ -68,3 +69,12 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     except PipeccError as exc:
         return f"{TAG}: {exc}"
     return None
+
+
+def lower(plan: Plan, schedule: Schedule) -> Schedule:
+    """The plan's schedule with its weight refresh: REFRESH after the last F of each worker that
+    holds a segment's replica (``weight_refresh``); `schedule` itself without a cut pair."""
+    if not plan.is_bipartition():
+        return schedule
+    from pipecc.ir.schedule.transforms import weight_refresh
+    return weight_refresh(schedule, sorted({f for kind, f, _, _ in plan.bipartition_pieces() if kind == "segment"}))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
 from pipecc.ir.techniques import capabilities as cap
 from pipecc.ir.techniques.facts import bipartition_on, stages_per_device, training, unequal
@@ -90,3 +91,17 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
                     f"stay on it for its input gradients (nothing to move); recompute on the acceptors only, or "
                     f"use {OFF}")
     return None
+
+
+def lower(plan: Plan, schedule: Schedule) -> Schedule:
+    """The plan's schedule with its stash transfers: `schedule` (1F1B) with SEND_S/RECV_S/
+    SEND_R/RECV_R between each pair (``pipecc.ir.schedule.bpipe``, the plan's thresholds and
+    policy), validated; `schedule` itself without pairs."""
+    if not uses(plan):
+        return schedule
+    from pipecc.ir.schedule.transforms import bpipe
+    from pipecc.ir.schedule.validate import validate
+    policy = str(plan.activation_balancing[0].get("policy", "jit"))
+    lowered = bpipe(schedule, plan.bpipe_thresholds(), policy)
+    validate(lowered)
+    return lowered

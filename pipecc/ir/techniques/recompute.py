@@ -8,6 +8,7 @@ BatchNorm in training mode (its running statistics would update twice) needs the
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.techniques import capabilities as cap
 from pipecc.ir.techniques.facts import recomputing, training
 
@@ -35,3 +36,9 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if not caps.runtime_can(cap.RECOMPUTE):
         return f"{TAG}: {caps.where} cannot re-run a stage's forward; use {OFF}"
     return None
+
+
+def lower(plan: Plan, schedule: Schedule) -> Schedule:
+    """`schedule` unchanged: recomputation changes what a stage's B runs (its forward again,
+    inside the generated stage), not which actions the ranks run or in what order."""
+    return schedule

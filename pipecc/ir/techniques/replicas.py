@@ -12,6 +12,7 @@ slices over d replicas is the runtime's `replica_problem` (asked with the run's 
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.techniques import capabilities as cap
 
 NAME = "replicas"
@@ -48,3 +49,12 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if not caps.runtime_can(cap.REPLICATE):
         return f"{TAG}: {caps.where} runs one replica per stage; use {OFF}"
     return None
+
+
+def lower(plan: Plan, schedule: Schedule) -> Schedule:
+    """The plan's schedule with its gradient all-reduce: REDUCE after each stage's last gradient
+    action when its stages have replicas (``gradient_reduce``); `schedule` itself otherwise."""
+    if plan.replicas <= 1:
+        return schedule
+    from pipecc.ir.schedule.transforms import gradient_reduce
+    return gradient_reduce(schedule)

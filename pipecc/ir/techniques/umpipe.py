@@ -13,6 +13,7 @@ Bi-Partition's segments assume equal micro-batches: their rules refuse the pair,
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import UNEVEN
 from pipecc.ir.techniques import capabilities as cap
 from pipecc.ir.techniques.facts import recomputing, stages_per_device, training, unequal
@@ -47,3 +48,15 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if len(plan.stages) < 2:
         return f"{TAG} need two stages or more (one stage is no pipeline); use {OFF}"
     return None
+
+
+def lower(plan: Plan, schedule: Schedule) -> Schedule:
+    """The plan's schedule with its unequal sizes: the base row order (`schedule`, gpipe or 1f1b
+    by name) rebuilt over every stage's own chunks (``gpipe_uneven``, ``one_f_one_b_uneven``);
+    `schedule` itself when the plan has equal micro-batches."""
+    if not uses(plan):
+        return schedule
+    from pipecc.ir.schedule.registry import schedule_for
+    n = len(plan.stages)
+    return schedule_for(plan.schedule, n, plan.microbatches, num_ranks=schedule.num_ranks,
+                        microbatch_sizes=plan.microbatch_sizes)

@@ -7,6 +7,7 @@ would refuse), the plan verifier, compile and `pipecc run --schedule`.
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule import ZERO_BUBBLE
 from pipecc.ir.techniques import capabilities as cap
 
@@ -30,3 +31,9 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     if not caps.runtime_can(cap.SPLIT_BACKWARD):
         return f"{TAG} {plan.schedule}: {caps.where} cannot split a backward; use {OFF}"
     return None
+
+
+def lower(plan: Plan, schedule: Schedule) -> Schedule:
+    """`schedule` unchanged: zero-bubble is its generator (``zb_h1``, I and W in place of B),
+    chosen by the plan's schedule name before any technique lowers it."""
+    return schedule

@@ -173,11 +173,12 @@ class Evaluator:
         fpgas = ", ".join(f"{k} ({devices[d].name})" for k, d in enumerate(order)
                           if costs[d].one_tensor_boundaries)
         bad = next((b for c in costs if (b := c.unsupported_nodes())), [])
-        if not fpgas or not bad:  # no FPGA refuses anything: the figures make every time huge
-            slow = sorted({devices[d].name for d in order})
-            return (f"every placement takes over {CANNOT_RUN_S:g} s per micro-batch on device(s) "
+        slow = sorted({devices[d].name for d in order})
+        too_slow = (f"every placement takes over {CANNOT_RUN_S:g} s per micro-batch on device(s) "
                     f"{', '.join(slow)}: their figures (mem_bandwidth, peak_flops) are too small to "
                     "plan with; check the cluster file")
+        if not fpgas:  # no FPGA refuses anything: the figures make every time huge
+            return too_slow
         example = f"{bad[0].meta['pipecc.op']} at node {bad[0].meta['pipecc.name']}" if bad else "?"
         fix = ("leave the FPGA out of --devices" if self.options.choose_order and self.p > 1
                else "put a CPU/GPU there or use --choose-order")
@@ -192,6 +193,8 @@ class Evaluator:
         if partition(dataclasses.replace(roomy, blocked=None)).bottleneck < CANNOT_RUN_S:
             return (f"FPGA device {fpgas} needs a stage boundary of one float32 tensor on each "
                     f"side, and no such cut leaves it only ops it can generate; {fix}")
+        if not bad:  # the FPGA takes every op and every cut: its figures make the times huge
+            return too_slow
         return (f"FPGA device {fpgas} would have to run ops the FPGA backend cannot "
                 f"generate (e.g. {example}); {fix}")
 

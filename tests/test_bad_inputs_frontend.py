@@ -138,6 +138,9 @@ CASES_22 = [
     Case("spectral_norm (parametrization)", build_file(
         "return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), "
         "nn.Linear(8, 3))"), says=("module '0' has a parametrized weight (_SpectralNorm)", "remove_parametrizations")),
+    Case("weight_norm parametrization (stateless: captured as ops on its originals)", build_file(
+        "return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 8)), nn.ReLU(), "
+        "nn.Linear(8, 3))"), exit_code=0),
     Case("orthogonal parametrization", build_file(
         "return nn.Sequential(nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), nn.Linear(4, 3))"),
          says=("module '0' has a parametrized weight (_Orthogonal)",)),

@@ -4,9 +4,11 @@ compile time so that it is refused in one line there, not accepted and broken in
 * `check_module` (before capture): what a captured graph drops or cannot carry. Forward hooks
   and pre-hooks (also `torch.nn.utils.spectral_norm`'s, which is one) run in `nn.Module.__call__`
   and the generated stages call the layers' functions, not the modules: they would be dropped.
-  A parametrized weight (`torch.nn.utils.parametrize`: `orthogonal`, the new `spectral_norm`)
-  is computed from its original on every call; a stage would hold the computed value and
-  train that instead. Sparse tensors have no safetensors form nor a wire format. A NaN or Inf
+  A parametrized weight whose parametrization keeps state (`orthogonal`'s `base`, the new
+  `spectral_norm`'s power-iteration vectors, updated in forward) is refused: the stages hold
+  the originals the graph computes the weight from, not that state. A stateless one
+  (`weight_norm`, as Wav2Vec2's positional convolution has) is captured as ops on its
+  originals, which the stages train as the model does. Sparse tensors have no safetensors form nor a wire format. A NaN or Inf
   in a weight or a floating example input makes every loss NaN: refused, not warned, because
   `pipecc run` trains on exactly those inputs and `--verify` cannot compare NaN with NaN.
 * `check_writes` (the captured graph): an in-place write to a parameter in forward
@@ -61,12 +63,14 @@ def check_module(model: nn.Module, inputs: tuple) -> None:
     for name, module in model.named_modules():
         where = f"module '{name}'" if name else "the model"
         if parametrize.is_parametrized(module):
-            kinds = sorted({type(p).__name__ for plist in module.parametrizations.values() for p in plist})
-            tensors = ", ".join(module.parametrizations.keys())
-            raise PipeccError(f"{where} has a parametrized {tensors} ({', '.join(kinds)}); a stage would "
-                              "hold the computed value and train it instead of the parametrization: "
-                              "call torch.nn.utils.parametrize.remove_parametrizations before compiling "
-                              "(the weight then trains freely), or write the parametrization in forward")
+            stateful = sorted({type(p).__name__ for plist in module.parametrizations.values() for p in plist
+                               if any(True for _ in p.buffers())})
+            if stateful:
+                tensors = ", ".join(module.parametrizations.keys())
+                raise PipeccError(f"{where} has a parametrized {tensors} ({', '.join(stateful)}) whose "
+                                  "parametrization keeps state the stages would not hold: call "
+                                  "torch.nn.utils.parametrize.remove_parametrizations before compiling "
+                                  "(the weight then trains freely), or write the parametrization in forward")
         for attr, what in _HOOKS:
             hooks = getattr(module, attr, None)
             if hooks:

@@ -13,10 +13,12 @@ What ``supervise`` guarantees:
     others were waiting for ("rank 1 hung: rank 0 timed out after 10 s waiting for RECV_B mb 0
     from it").
   * Prompt failure. From the first worker error the others get ``GRACE_S`` to finish on their
-    own; then every process of the launch is stopped (SIGTERM, then SIGKILL ``GRACE_S`` later;
-    the agent and a stopped process get SIGKILL at once). torchrun alone would give a rank that
-    ignores SIGTERM (or is stopped) 30 s more. A hang therefore ends a run about ``GRACE_S``
-    past ``--timeout`` (and `pipecc run` exits without tearing torch down: ``cli.app._exit_now``).
+    own; then every process of the launch still running gets SIGKILL (a checkpoint is renamed
+    into place, so no kill leaves a partial one). Stopping a run for another reason (Ctrl-C, a
+    stopped agent) sends SIGTERM first and SIGKILL ``GRACE_S`` later, the agent and a stopped
+    process SIGKILL at once. torchrun alone would give a rank that ignores SIGTERM (or is
+    stopped) 30 s more. A hang therefore ends a run about ``GRACE_S`` past ``--timeout`` (and
+    `pipecc run` exits without tearing torch down: ``cli.app._exit_now``).
   * No orphans. The workers live in sessions of their own, so the descendants of the agent are
     recorded while it lives (``ProcessTree``, from /proc) and stopped when it ends, also when it
     was killed; the workers also watch for it themselves (``pipecc.runtime.lifeline``).
@@ -211,12 +213,13 @@ class ProcessTree:
                 out.append(pid)
         return out
 
-    def stop(self, agent: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    def stop(self, agent: subprocess.Popen, grace_s: float = GRACE_S, hard: bool = False) -> None:
         """SIGTERM every remembered descendant (SIGKILL a stopped one, and the agent), SIGKILL
-        what is left after ``grace_s``."""
+        what is left after ``grace_s``; ``hard``: SIGKILL at once (the ranks already had their
+        grace: a failed run)."""
         if agent.poll() is None:
             self.refresh()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in ((signal.SIGKILL,) if hard else (signal.SIGTERM, signal.SIGKILL)):
             for pid in self.alive():
                 # NOTE: a stopped process (SIGSTOP, a debugger) cannot act on SIGTERM: it would
                 # only cost the grace period; it gets SIGKILL at once
@@ -278,7 +281,7 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
              threading.Thread(target=_pump, args=(proc.stderr, err), daemon=True)]
     for thread in pumps:
         thread.start()
-    stopped_it = False
+    stopped_it = failed = False
     began, stopped_since, why = time.monotonic(), None, None
     with _Signals(watch) as signals:
         try:
@@ -291,7 +294,9 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
                     if tree.known:
                         watch.before_workers = False
                 if watch.first_error_at is not None and now - watch.first_error_at > GRACE_S:
-                    stopped_it = watch.muted = True  # the run failed: stop the ranks still waiting (or hung)
+                    # the run failed and the others had their grace: stop the ranks still waiting
+                    # (or hung) with SIGKILL, safe as every file a rank writes is renamed into place
+                    stopped_it = watch.muted = failed = True
                     break
                 state = _stat(proc.pid)
                 if state is not None and state[1] in ("T", "t"):  # stopped: it reaps and reports nothing
@@ -306,7 +311,7 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
                     stopped_it = watch.muted = True
                     break
                 time.sleep(0.05)
-            tree.stop(proc)  # also the orphans of an agent that was killed
+            tree.stop(proc, hard=failed)  # also the orphans of an agent that was killed
         except BaseException:
             watch.muted = True
             signals.ignore()

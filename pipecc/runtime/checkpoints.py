@@ -24,6 +24,13 @@ ports) and this many ranks, loads model, optimizer and RNG state, and continues 
 ``--steps N`` counts from the start, so the resumed run does steps S .. N-1, and its losses and
 weights are bit-identical to those of a run that was never interrupted.
 
+Re-planned. A checkpoint of another compiled folder (another ``folder`` hash) or of another
+number of ranks (replicas) is not refused: every rank gathers all ranks' files under the
+original model's tensor names and takes its own (``pipecc.runtime.ckpt_remap``, which says what
+identifies the same model, how shards and optimizer state are sliced, and what happens to the RNG
+state); a note says it was re-mapped. ``docs/checkpoints.md`` lists which re-plans are
+bit-identical.
+
 Trust. A resume checks, before it continues, what a damaged or edited checkpoint would change
 silently: every rank's files against the sha256 written with them (a flipped byte, an edited
 ``stage_<r>.json`` such as its optimizer class), the optimizer class against this run's, and
@@ -199,6 +206,11 @@ class RunCheckpoints:
             raise PipeccError(f"--resume: the checkpoint in {folder} cannot be loaded ({type(e).__name__}: {e}); "
                               "it is damaged: give another --checkpoint-dir to start over") from None
         self._check_finite(folder)
+        if self.run is not None and self.runtime.optimizer is not None:
+            # NOTE: load_state_dict restored the checkpoint's learning rate; the note on another
+            # --lr promises this run's from here on
+            for group in self.runtime.optimizer.param_groups:
+                group["lr"] = self.run["lr"]
         return loaded
 
     def _resume_replanned(self, latest: dict[str, Any], step: int) -> int:

@@ -43,7 +43,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 
-__all__ = ["Gathered", "check_same_model", "gather", "load", "new_signature", "record"]
+__all__ = ["Gathered", "check_same_model", "gather", "load", "model_state", "new_signature", "record"]
 
 SHARED = "a re-mapped resume reads every rank's files, so --checkpoint-dir must be one folder all nodes share"
 
@@ -238,11 +238,6 @@ def check_same_model(found: Gathered, sig: dict[str, tuple[tuple[int, ...], str]
         raise PipeccError(f"it has no tensor {name}, which this model has: {fix}")
     for name in sorted(have.keys() - sig.keys()):
         raise PipeccError(f"it holds a tensor {name}, which this model does not have: {fix}")
-
-
-def fingerprint(sig: dict[str, tuple[tuple[int, ...], str]]) -> str:
-    """sha256 of a model's tensor names, shapes and dtypes."""
-    return hashlib.sha256(json.dumps(sorted((n, list(s), d) for n, (s, d) in sig.items())).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- loading

@@ -253,7 +253,8 @@ RESUME_CASES = [
      r"another compiled folder and cannot be mapped onto this one: its 0\.bias is float32\[32\], this model's is "
      r"float32\[24\]: it is a checkpoint of another model"),
     ("a missing tensor", _rename, "four", r"onto this one: it has no tensor 4\.weight, which this model has"),
-    ("an extra tensor", _extra, "four", r"onto this one: it holds a tensor extra\.weight, which this model does not have"),
+    ("an extra tensor", _extra, "four",
+     r"onto this one: it holds a tensor extra\.weight, which this model does not have"),
     ("an older pipecc's files without names", _no_names, "four",
      r"another compiled folder and cannot be mapped onto this one: .*stage_0\.json records no tensor names"),
     ("a rank's files missing", lambda m, t: None, "four",

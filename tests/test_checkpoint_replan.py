@@ -11,6 +11,7 @@ What is bit-identical to a run that never moved, and what is only close (measure
     is a smaller BLAS call: ~1.5e-8 apart after 4 Adam steps);
   * replicas (2 stages x 2 replicas): assert_close (each replica's half micro-batch and the
     all-reduce sum the gradient in another order: ~4.5e-8).
+  * Bi-Partition folders from and to plain ones (a residual MLP, SGD): assert_close.
 The tiny MLP has no dropout, so the RNG (re-seeded when the ranks' stages change) plays no part.
 
 In process where it can be (one process runs every stage of a folder); one test launches
@@ -32,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import MLP_TINY, model_args, zoo_module
 from helpers import run_pipecc as pipecc
-from pipecc import cli
+from pipecc import cli, driver
 from pipecc.runtime import dist
 from pipecc.runtime.checkpoints import _sha256 as file_sha256
 
@@ -314,3 +315,36 @@ def test_bad_exports_are_one_line_and_leave_nothing(straight, tmp_path, capsys, 
     one_line(capsys.readouterr().err, r"cannot write .*m\.safetensors \(No space left on device\); nothing was written")
     assert target.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "m.safetensors"]
+
+
+def test_bipartition_folders_resume_plain_checkpoints_and_back(tmp_path) -> None:
+    """A Bi-Partition folder (cores + segments; the owners' tensors are the checkpoint's, the
+    replicas refreshed after the load) resumes a plain folder's checkpoint of the same model,
+    and the plain folder resumes the Bi-Partition one's; SGD, close to the plain run (the
+    segments' backward runs on another worker: another summation order)."""
+    from test_bipartition_run import _analysis, _bipartition
+
+    analysis, plan, graph = _analysis(tmp_path)
+    plain, bip = tmp_path / "plain", tmp_path / "bip"
+    driver.compile(analysis, plan, graph, plain)
+    driver.compile(analysis, _bipartition(plan), graph, bip)
+    sgd = ("--optimizer", "sgd", "--lr", "0.5")
+
+    def run(out: Path, ckpt: Path, steps: int, *extra: str) -> str:
+        printed, errors = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+            code = dist.main([str(out), "--steps", str(steps), "--schedule", "interleaved", "--checkpoint-dir",
+                              str(ckpt), *sgd, *extra])
+        assert code == 0, errors.getvalue()
+        return printed.getvalue()
+
+    run(plain, tmp_path / "straight", 4)
+    want = export(tmp_path / "straight", tmp_path / "straight.safetensors")
+    for first, then in ((plain, bip), (bip, plain)):
+        ckpt = tmp_path / f"{first.name}_then_{then.name}"
+        run(first, ckpt, 2)
+        assert "note: re-mapped from a plan of 3 stages" in run(then, ckpt, 4, "--resume")
+        got = export(ckpt, tmp_path / f"{ckpt.name}.safetensors")
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)

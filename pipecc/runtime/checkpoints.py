@@ -159,6 +159,10 @@ def check_rank_sums(folder: Path, rank: int, prefix: str = "") -> None:
                               "changed or damaged); give another --checkpoint-dir to start over")
 
 
+def _plan_text(stages: int, ranks: int) -> str:
+    return f"{stages} stage{'s' * (stages != 1)} on {ranks} rank{'s' * (ranks != 1)}"
+
+
 def _nonfinite(named: Any) -> str | None:
     """The name of the first floating tensor in (name, value) pairs holding NaN or Inf."""
     for name, value in named:
@@ -245,10 +249,9 @@ class RunCheckpoints:
         self._check_finite(folder)
         rng = "RNG state of the same ranks" if mapped else \
             "RNG re-seeded from the step (dropout draws differ from an uninterrupted run)"
-        def plan(stages: int, ranks: int) -> str:
-            return f"{stages} stage{'s' * (stages != 1)} on {ranks} rank{'s' * (ranks != 1)}"
-        self.notes.append(f"note: re-mapped from a plan of {plan(found.stages, found.world)} to this one of "
-                          f"{plan(rt.schedule.num_stages, rt.global_world)}, by the model's tensor names; {rng}")
+        self.notes.append(f"note: re-mapped from a plan of {_plan_text(found.stages, found.world)} to this one "
+                          f"of {_plan_text(rt.schedule.num_stages, rt.global_world)}, by the model's tensor names; "
+                          f"{rng}")
         return step
 
     def _check_sums(self, folder: Path, rank: int | None = None) -> None:

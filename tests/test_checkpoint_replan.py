@@ -12,7 +12,8 @@ What is bit-identical to a run that never moved, and what is only close (measure
   * replicas (2 stages x 2 replicas): assert_close (each replica's half micro-batch and the
     all-reduce sum the gradient in another order: ~4.5e-8).
   * Bi-Partition folders from and to plain ones (a residual MLP, SGD): assert_close.
-The tiny MLP has no dropout, so the RNG (re-seeded when the ranks' stages change) plays no part.
+The tiny MLP has no dropout, so the RNG (re-seeded when the ranks' stages change) plays no part;
+an MLP with dropout shows both RNG cases (the same ranks' state: bit-identical; re-seeded: not).
 
 In process where it can be (one process runs every stage of a folder); one test launches
 torchrun three times (2 ranks, then 4 ranks and 2 x 2 replicas resuming that checkpoint).
@@ -348,3 +349,58 @@ def test_bipartition_folders_resume_plain_checkpoints_and_back(tmp_path) -> None
         assert got.keys() == want.keys()
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+DROPOUT_MLP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_model(**_):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Dropout(0.5), nn.Linear(32, 5))
+
+
+def example_inputs(batch_size=1, **_):
+    return (torch.randn(batch_size, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+def example_target(batch_size=1, **_):
+    return torch.randint(5, (batch_size,), generator=torch.Generator().manual_seed(2))
+
+
+def loss_fn(outputs, target):
+    return F.cross_entropy(outputs, target)
+'''
+
+
+def test_dropout_rng_follows_the_same_ranks_and_is_reseeded_otherwise(tmp_path) -> None:
+    """With dropout: a folder whose ranks hold the same stages (here: the same cut, its stage.py
+    edited, so another folder) takes each rank's RNG state, and the resumed run is bit-identical;
+    a 3-stage folder re-seeds (the note says so) and its dropout masks, so its weights, differ."""
+    model = tmp_path / "dropout_mlp.py"
+    model.write_text(DROPOUT_MLP)
+    outs = {}
+    for name, devices in (("two", "2xcpu"), ("three", "3xcpu")):
+        outs[name] = tmp_path / name
+        assert cli.main(["compile", str(model), "-d", devices, "-b", "8", "-m", "2", "--replicas", "1",
+                         "--split-layers", "off", "-o", str(outs[name]), "-q"]) == 0
+    edited = tmp_path / "edited"
+    shutil.copytree(outs["two"], edited)
+    stage = edited / "stage_1" / "stage.py"
+    stage.write_text(stage.read_text() + "# edited: another folder, the same stages\n")
+    train(outs["two"], tmp_path / "straight", 4)
+    want = export(tmp_path / "straight", tmp_path / "straight.safetensors")
+    results = {}
+    for name, into in (("same", edited), ("three", outs["three"])):
+        ckpt = tmp_path / f"ckpt_{name}"
+        train(outs["two"], ckpt, 2)
+        results[name] = (train(into, ckpt, 4, "--resume"), export(ckpt, tmp_path / f"{name}.safetensors"))
+    out, got = results["same"]
+    assert "to this one of 2 stages on 1 rank, by the model's tensor names; RNG state of the same ranks" in out
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    out, got = results["three"]
+    assert "RNG re-seeded from the step (dropout draws differ from an uninterrupted run)" in out
+    assert not all(torch.equal(got[k], v) for k, v in want.items())

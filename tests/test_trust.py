@@ -307,6 +307,8 @@ def test_a_resume_with_another_lr_or_microbatches_says_so(folder, tmp_path, monk
     text = capsys.readouterr().out
     assert re.search(note, text), text
     assert "step 2: loss" in text and (ckpt / "step_3").is_dir()
+    saved = json.loads((ckpt / "step_3" / "stage_0.json").read_text())["optimizer"]["state"]["param_groups"]
+    assert saved[0]["lr"] == (0.5 if argv[0] == "--lr" else 0.01)  # the steps after the resume used it
 
 
 def test_an_older_pipeccs_checkpoint_loads_with_a_note(folder, tmp_path, monkeypatch, capsys) -> None:

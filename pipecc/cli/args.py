@@ -241,6 +241,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
                 "pipecc compile models/gpt.py -b 8 --devices 2xcpu --schedule zb-h1 --profile prof.json -o gpt_out"),
     "run": ("pipecc run out --steps 100 --verify",
             "pipecc run out --steps 1000 --checkpoint-dir ckpt --checkpoint-every 100 --resume"),
+    "export-checkpoint": ("pipecc export-checkpoint ckpt model.safetensors",
+                          "pipecc export-checkpoint ckpt model.safetensors --step 100 --force"),
     "inspect": ("pipecc inspect out", "pipecc inspect out --stage 1 --format json"),
     "csim": ("pipecc csim fpga_out", "pipecc csim fpga_out --stage 1 --threaded --fifo-depth 4"),
     "profile": ("pipecc profile models/mlp.py -b 32 --devices 2xcpu -o prof.json",

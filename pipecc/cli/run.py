@@ -65,7 +65,8 @@ Activation balancing: a folder whose plan pairs stages (`pipecc.json`'s `activat
 BPipe) runs 1f1b with the evictors' saved activations sent to their partners and back
 (`pipecc.runtime.stash`); `--schedule` other than 1f1b is a usage error there.
 
-Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`).
+Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`;
+a checkpoint of another folder of the same model is re-mapped, `pipecc.runtime.ckpt_remap`).
 
 Measured against predicted: `--json` prints one JSON document on stdout at the end and nothing
 else there (the step lines go to stderr; an error is still one `pipecc: error:` line on stderr):
@@ -153,7 +154,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     c.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir: --steps counts from the "
                    "start, so the run does the steps left; losses and weights are bit-identical to a run "
-                   "that was never interrupted")
+                   "that was never interrupted. A checkpoint of another compiled folder of the same model "
+                   "(re-planned) is mapped by the model's tensor names (docs/checkpoints.md)")
     g = p.add_argument_group("several machines (passed to torchrun)")
     g.add_argument("--nnodes", type=positive_int, default=1, metavar="N", help="number of machines")
     g.add_argument("--node-rank", type=nonnegative_int, metavar="R", help="this machine's index, 0 .. N-1")

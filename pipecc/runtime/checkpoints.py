@@ -24,6 +24,13 @@ ports) and this many ranks, loads model, optimizer and RNG state, and continues 
 ``--steps N`` counts from the start, so the resumed run does steps S .. N-1, and its losses and
 weights are bit-identical to those of a run that was never interrupted.
 
+Re-planned. A checkpoint of another compiled folder (another ``folder`` hash) or of another
+number of ranks (replicas) is not refused: every rank gathers all ranks' files under the
+original model's tensor names and takes its own (``pipecc.runtime.ckpt_remap``, which says what
+identifies the same model, how shards and optimizer state are sliced, and what happens to the RNG
+state); a note says it was re-mapped. ``docs/checkpoints.md`` lists which re-plans are
+bit-identical.
+
 Trust. A resume checks, before it continues, what a damaged or edited checkpoint would change
 silently: every rank's files against the sha256 written with them (a flipped byte, an edited
 ``stage_<r>.json`` such as its optimizer class), the optimizer class against this run's, and
@@ -52,10 +59,11 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
+from pipecc.runtime import ckpt_remap
 from pipecc.runtime.engine import PipelineRuntime
 
-__all__ = ["DEFAULT_LR", "LATEST", "RunCheckpoints", "check_resume", "folder_fingerprint", "read_latest",
-           "run_options"]
+__all__ = ["DEFAULT_LR", "LATEST", "RunCheckpoints", "check_rank_sums", "check_resume", "folder_fingerprint",
+           "read_latest", "run_options"]
 
 LATEST = "latest.json"
 FORMAT = "pipecc-run-checkpoint/2"
@@ -131,6 +139,30 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_rank_sums(folder: Path, rank: int, prefix: str = "") -> None:
+    """Rank ``rank``'s files in the checkpoint step ``folder`` against the sha256 written with them."""
+    base = f"stage_{rank}"
+    try:
+        sums = json.loads((folder / f"{base}{SUMS}").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        sums = None
+    if not isinstance(sums, dict):
+        raise PipeccError(f"{prefix}{folder / (base + SUMS)} is missing or unreadable, so the checkpoint cannot "
+                          "be checked; give another --checkpoint-dir to start over")
+    for name in (f"{base}.safetensors", f"{base}.json"):
+        try:
+            actual = _sha256(folder / name)
+        except OSError as e:
+            raise PipeccError(f"{prefix}cannot read {folder / name} ({e.strerror or e})") from None
+        if actual != sums.get(name):
+            raise PipeccError(f"{prefix}{folder / name} does not match the sha256 written with it (it was "
+                              "changed or damaged); give another --checkpoint-dir to start over")
+
+
+def _plan_text(stages: int, ranks: int) -> str:
+    return f"{stages} stage{'s' * (stages != 1)} on {ranks} rank{'s' * (ranks != 1)}"
+
+
 def _nonfinite(named: Any) -> str | None:
     """The name of the first floating tensor in (name, value) pairs holding NaN or Inf."""
     for name, value in named:
@@ -161,12 +193,9 @@ class RunCheckpoints:
         if step < 0:
             raise PipeccError(f"--resume: {self.directory} holds no checkpoint (no {LATEST}); run without "
                               "--resume to start one")
-        if latest is not None and latest.get("folder") != self.fingerprint:
-            raise PipeccError(f"--resume: the checkpoint in {self.directory} was written by a run of another "
-                              "compiled folder (its stages or ports differ); give the --checkpoint-dir of this one")
-        if latest is not None and latest.get("world") != self.runtime.global_world:
-            raise PipeccError(f"--resume: the checkpoint in {self.directory} is of a {latest.get('world')}-rank "
-                              f"run, this one has {self.runtime.global_world} ranks")
+        if latest is not None and (latest.get("folder") != self.fingerprint
+                                   or latest.get("world") != self.runtime.global_world):
+            return self._resume_replanned(latest, step)
         folder = self.directory / f"step_{step}"
         old = latest is not None and latest.get("format") == OLD_FORMAT
         self.notes = check_resume(latest, self.run, None, self.directory) if latest is not None and self.run else []
@@ -181,26 +210,53 @@ class RunCheckpoints:
             raise PipeccError(f"--resume: the checkpoint in {folder} cannot be loaded ({type(e).__name__}: {e}); "
                               "it is damaged: give another --checkpoint-dir to start over") from None
         self._check_finite(folder)
+        if self.run is not None and self.runtime.optimizer is not None:
+            # NOTE: load_state_dict restored the checkpoint's learning rate; the note on another
+            # --lr promises this run's from here on
+            for group in self.runtime.optimizer.param_groups:
+                group["lr"] = self.run["lr"]
         return loaded
 
-    def _check_sums(self, folder: Path) -> None:
-        """This rank's files against the sha256 written with them."""
-        base = f"stage_{self.runtime.global_rank}"
+    def _resume_replanned(self, latest: dict[str, Any], step: int) -> int:
+        """A checkpoint of another compiled folder: every rank's files gathered under the model's
+        names and mapped onto this folder's stages (``pipecc.runtime.ckpt_remap``)."""
+        folder = self.directory / f"step_{step}"
+        rt = self.runtime
+        refused = f"--resume: the checkpoint in {self.directory} " + (
+            "was written by a run of another compiled folder" if latest.get("folder") != self.fingerprint else
+            f"is of a {latest.get('world')}-rank run, this one has {rt.global_world} ranks")
+        # NOTE: first the collective (every rank reaches it), then what one rank alone may refuse
+        sig, problem = ckpt_remap.new_signature(rt.stage_ids, rt.modules, gather_all=rt.global_world > 1)
+        if problem:
+            raise PipeccError(f"{refused}, and {problem}")
+        if latest.get("format") == OLD_FORMAT:
+            raise PipeccError(f"{refused} of an older pipecc, which recorded no tensor names: resume it with the "
+                              "compiled folder that wrote it")
+        world = latest.get("world")
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise PipeccError(f"--resume: {self.directory / LATEST} says world {world!r}; it is damaged: give "
+                              "another --checkpoint-dir to start over")
+        self.notes = check_resume(latest, self.run, None, self.directory) if self.run else []
         try:
-            sums = json.loads((folder / f"{base}{SUMS}").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            sums = None
-        if not isinstance(sums, dict):
-            raise PipeccError(f"--resume: {folder / (base + SUMS)} is missing or unreadable, so the checkpoint cannot "
-                              "be checked; give another --checkpoint-dir to start over")
-        for name in (f"{base}.safetensors", f"{base}.json"):
-            try:
-                actual = _sha256(folder / name)
-            except OSError as e:
-                raise PipeccError(f"--resume: cannot read {folder / name} ({e.strerror or e})") from None
-            if actual != sums.get(name):
-                raise PipeccError(f"--resume: {folder / name} does not match the sha256 written with it (it was "
-                                  "changed or damaged); give another --checkpoint-dir to start over")
+            found = ckpt_remap.gather(folder, world, lambda f, r: self._check_sums(f, r))
+            ckpt_remap.check_same_model(found, sig)
+        except PipeccError as e:
+            text = str(e)
+            raise PipeccError(text if text.startswith("--resume:") else f"{refused} and cannot be mapped onto "
+                              f"this one: {text}") from None
+        run = self.run or {}
+        mapped = ckpt_remap.load(found, rt, run.get("lr"), int(run.get("seed", 0)))
+        self._check_finite(folder)
+        rng = "RNG state of the same ranks" if mapped else \
+            "RNG re-seeded from the step (dropout draws differ from an uninterrupted run)"
+        self.notes.append(f"note: re-mapped from a plan of {_plan_text(found.stages, found.world)} to this one "
+                          f"of {_plan_text(rt.schedule.num_stages, rt.global_world)}, by the model's tensor names; "
+                          f"{rng}")
+        return step
+
+    def _check_sums(self, folder: Path, rank: int | None = None) -> None:
+        """A rank's files (default: this rank's) against the sha256 written with them."""
+        check_rank_sums(folder, self.runtime.global_rank if rank is None else rank, "--resume: ")
 
     def _check_optimizer(self, folder: Path) -> None:
         """The checkpoint's optimizer class is this run's (its state belongs to that class)."""

@@ -1,6 +1,7 @@
 """One rank's checkpoint: ``stage_<rank>.safetensors`` (module state as ``model.<stage>.<key>``,
 optimizer tensors as ``optim.<path>``, the RNG state as ``rng.cpu``/``rng.cuda``) and
-``stage_<rank>.json`` (step, placement, the optimizer's non-tensor state); no pickle anywhere.
+``stage_<rank>.json`` (step, placement, the optimizer's non-tensor state, and what every saved
+tensor is in the original model: ``pipecc.runtime.ckpt_remap``); no pickle anywhere.
 Each file is written under a temporary name and renamed; ``pipecc.runtime.checkpoints`` makes a
 set of them atomic across ranks (``pipecc run --checkpoint-dir``). ``PipelineRuntime``'s
 ``save_checkpoint``/``load_checkpoint`` call these.
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.ckpt_remap import record
 from pipecc.runtime.ports import from_json, to_json
 
 
@@ -41,6 +43,7 @@ def save_checkpoint(rt: Any, directory: str | os.PathLike, step: int) -> Path:
     if rt.optimizer is not None:
         meta["optimizer"] = {"class": type(rt.optimizer).__name__,
                              "state": to_json(rt.optimizer.state_dict(), tensors, "optim")}
+    meta.update(record(rt.stage_ids, rt.modules, rt.optimizer))  # names: a re-planned resume maps by them
     base = directory / f"stage_{rt.global_rank}"  # one file per rank, each replica its own
     save_file(tensors, f"{base}.safetensors.tmp")
     os.replace(f"{base}.safetensors.tmp", f"{base}.safetensors")

@@ -146,7 +146,9 @@ def test_inspect_draws_both_gantts_and_names_differences(traced, tmp_path: Path,
     assert code == 0, err
     assert "iteration: measured" in text and "predicted schedule:" in text and "measured schedule:" in text
     assert "largest differences (measured - predicted):" in text
-    assert text.count(" predicted (") == 3 and text.count("(median per micro-batch)") >= 4
+    named = text.split("largest differences (measured - predicted):\n")[1].splitlines()
+    assert len(named) == 3 and all(line.startswith("  stage ") and " predicted (" in line for line in named)
+    assert text.count("(median per micro-batch)") >= 4 and "rank 1: compute " in text
     code, doc, _ = run_cli(["inspect", str(out), "--trace", str(path), "--format", "json"], capsys)
     data = json.loads(doc)
     assert code == 0 and data["step"] in (1, 2) and len(data["differences"]) == 3
@@ -168,8 +170,11 @@ def test_inspect_refuses_another_folders_trace(traced, tmp_path: Path, capsys) -
     other = compile_mlp(tmp_path / "other", "-m", "4")
     code, _, err = run_cli(["inspect", str(other), "--trace", str(path)], capsys)
     assert code == 1 and err.count("\n") == 1 and "is of another pipeline" in err
-    zb = compile_mlp(tmp_path / "zb", "--schedule", "zb-h1", "-m", "2")
-    code, _, err = run_cli(["inspect", str(zb), "--trace", str(path), "--report", str(tmp_path / "r.html")], capsys)
+    plain = compile_mlp(tmp_path / "plain", "--schedule", "gpipe", "-m", "2")  # not the planner's pick
+    assert json.loads((plain / "pipecc.json").read_text())["schedule"] != json.loads(path.read_text())[
+        "otherData"]["schedule"]
+    code, _, err = run_cli(["inspect", str(plain), "--trace", str(path), "--report", str(tmp_path / "r.html")],
+                           capsys)
     assert code == 1 and err.count("\n") == 1 and "ran another schedule" in err
     assert not (tmp_path / "r.html").exists()
 

@@ -60,6 +60,10 @@ __all__ = ["COMM_TID", "FORMAT", "STEP_TID", "TraceRecorder", "check_trace_path"
 
 FORMAT, VERSION = "pipecc-trace", 1
 COMM_TID, STEP_TID = 1000, 1001  # the tracks besides the stages' own
+# NOTE: sets, not ActionKind's properties: run() is on every action's path (bench/bench_trace.py)
+_COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
+_SENDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
+_RECVS = frozenset((ActionKind.RECV_F, ActionKind.RECV_B))
 
 
 def check_trace_path(path: str | os.PathLike) -> Path:
@@ -81,7 +85,9 @@ class TraceRecorder:
 
     def __init__(self, rt: Any, warmup_steps: int, inner: Any = None):
         self.rt, self.warmup_steps, self.inner = rt, warmup_steps, inner
-        self.events: list[tuple[str, str, int, int, int, dict[str, Any]]] = []
+        self.events: list[tuple[Action, int, int, int, int | None]] = []  # (action, step, start, end, bytes)
+        self.spans: list[tuple[str, str, int, int, int, dict[str, Any]]] = []  # (name, cat, tid, start, end, args)
+        self._cuda = rt.device.type == "cuda"
         self.step = -1
         self._on = False  # inside a step
         self._step_start = 0
@@ -109,8 +115,8 @@ class TraceRecorder:
         if self.inner is not None:
             self.inner.end_step(wall_s)
         self._on = False
-        self.events.append((f"step {self.step}", "step", STEP_TID, self._step_start, time.perf_counter_ns(),
-                            {"step": self.step, "warmup": self.step < self.warmup_steps}))
+        self.spans.append((f"step {self.step}", "step", STEP_TID, self._step_start, time.perf_counter_ns(),
+                           {"step": self.step, "warmup": self.step < self.warmup_steps}))
 
     def run(self, action: Action, execute: Callable[[], None]) -> None:
         """``execute()`` the action (through ``inner`` when set), recording it inside a step."""
@@ -118,28 +124,24 @@ class TraceRecorder:
             self._execute(action, execute)
             return
         kind = action.kind
-        nbytes = self._outbox_bytes(action) if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else None
-        compute = kind.is_compute
-        if compute:
+        nbytes = self._outbox_bytes(action) if kind in _SENDS else None
+        sync = self._cuda and kind in _COMPUTE
+        if sync:
             self._sync()
         self._bytes = None
         start = time.perf_counter_ns()
-        self._execute(action, execute)
-        if compute:
+        if self.inner is None:
+            execute()
+        else:
+            self.inner.run(action, execute)
+        if sync:
             self._sync()
         end = time.perf_counter_ns()
-        if kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+        if kind in _RECVS:
             nbytes = self._inbox_bytes(action)
         elif self._bytes is not None:
             nbytes = self._bytes
-        cat = "compute" if compute else "recv wait" if kind.is_recv else "send" if kind.is_send else (
-            "all-reduce" if kind is ActionKind.REDUCE else "comm")
-        args: dict[str, Any] = {"action": kind.value, "stage": action.stage, "microbatch": action.microbatch,
-                                "step": self.step}
-        if nbytes is not None:
-            args["bytes"] = nbytes
-        name = kind.value if action.microbatch is None or action.microbatch < 0 else f"{kind.value} mb {action.microbatch}"
-        self.events.append((name, cat, action.stage if compute else COMM_TID, start, end, args))
+        self.events.append((action, self.step, start, end, nbytes))
 
     def span(self, name: str, cat: str, execute: Callable[[], Any]) -> Any:
         """Run ``execute()`` (work outside the schedule's actions: the all-reduce wait, the
@@ -148,7 +150,7 @@ class TraceRecorder:
             return execute()
         start = time.perf_counter_ns()
         result = execute()
-        self.events.append((name, cat, COMM_TID, start, time.perf_counter_ns(), {"step": self.step}))
+        self.spans.append((name, cat, COMM_TID, start, time.perf_counter_ns(), {"step": self.step}))
         return result
 
     def note_eviction(self, stage: int, nbytes: int) -> None:
@@ -167,7 +169,8 @@ class TraceRecorder:
         rt = self.rt
         return {"rank": rt.global_rank, "pipeline_rank": rt.rank, "replica": rt.replicas.index,
                 "stages": list(rt.stage_ids), "host": self.host, "origin_ns": self.origin_ns,
-                "events": [list(e) for e in self.events]}
+                "events": sorted([[*_event(*e)] for e in self.events] + [list(e) for e in self.spans],
+                                 key=lambda e: e[3])}  # by start: each track in time order
 
     def write(self, path: Path, schedule: str) -> None:
         """Gather every rank's events to global rank 0, which writes the Chrome trace to ``path``
@@ -207,6 +210,20 @@ class TraceRecorder:
         # NOTE: CUDA kernels run asynchronously; without a sync the event would be their launch
         if self.rt.device.type == "cuda":
             torch.cuda.synchronize(self.rt.device)
+
+
+def _event(action: Action, step: int, start: int, end: int, nbytes: int | None) -> tuple:
+    """An action's record as (name, cat, tid, start, end, args)."""
+    kind = action.kind
+    compute = kind in _COMPUTE
+    cat = "compute" if compute else "recv wait" if kind.is_recv else "send" if kind.is_send else (
+        "all-reduce" if kind is ActionKind.REDUCE else "comm")
+    args: dict[str, Any] = {"action": kind.value, "stage": action.stage, "microbatch": action.microbatch,
+                            "step": step}
+    if nbytes is not None:
+        args["bytes"] = nbytes
+    name = kind.value if action.microbatch < 0 else f"{kind.value} mb {action.microbatch}"
+    return name, cat, action.stage if compute else COMM_TID, start, end, args
 
 
 def _nbytes(values: Any) -> int | None:

@@ -77,6 +77,17 @@ def per_action_ns(n: int = 100_000, repeats: int = 5) -> dict[str, float]:
     return {"direct_ns": plain, "traced_ns": with_trace, "overhead_ns": with_trace - plain}
 
 
+def actions_per_rank_step(trace: Path) -> float:
+    """The most schedule actions one rank ran in one step of ``trace``."""
+    data = json.loads(trace.read_text())
+    counts: dict[tuple[int, int], int] = {}
+    for e in data["traceEvents"]:
+        if e["ph"] == "X" and "action" in e.get("args", {}):
+            key = (e["pid"], e["args"]["step"])
+            counts[key] = counts.get(key, 0) + 1
+    return float(max(counts.values()))
+
+
 def compile_folder(name: str, out: Path) -> Path:
     args, batch = MODELS[name]
     argv = [*PIPECC, "compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu",
@@ -119,12 +130,16 @@ def main(argv: list[str] | None = None) -> int:
                     t = step_time(out, args.steps, Path(tmp) / f"{name}_{r}.json" if on else None)
                     (traced if on else plain).append(t)
             p, t = statistics.median(plain), statistics.median(traced)
-            size = (Path(tmp) / f"{name}_0.json").stat().st_size
+            first = Path(tmp) / f"{name}_0.json"
+            size, per_step = first.stat().st_size, actions_per_rank_step(first)
+            bound = per_step * pa["overhead_ns"] * 1e-9  # the recorder's own cost in one step
             report["models"][name] = {"plain_step_s": plain, "traced_step_s": traced, "trace_bytes": size,
-                                      "overhead": t / p - 1.0}
+                                      "overhead": t / p - 1.0, "actions_per_rank_step": per_step,
+                                      "recorder_s_per_step": bound}
             print(f"{name}: step {p * 1e3:.3f} ms without --trace, {t * 1e3:.3f} ms with "
                   f"({(t / p - 1.0):+.1%}; medians of {args.rounds} launches of {args.steps} steps; "
-                  f"trace {size / 1e3:.0f} kB)")
+                  f"trace {size / 1e3:.0f} kB); the recorder's own cost: {per_step:.0f} actions per rank and "
+                  f"step x {pa['overhead_ns']:.0f} ns = {bound * 1e3:.3f} ms ({bound / p:.2%} of the step)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -265,3 +265,24 @@ def test_inspect_report_needs_a_trace(mlp_out: Path, tmp_path: Path, capsys) -> 
     assert code == 2 and "give --trace FILE" in err
     code, _, err = run_cli(["inspect", str(mlp_out), "--trace", str(tmp_path / "none.json")], capsys)
     assert code == 1 and "cannot read it" in err
+
+
+# ---------------------------------------------------------------------------- the overhead bench
+
+
+def test_bench_counts_the_recorders_cost(tmp_path: Path) -> None:
+    """bench/bench_trace.py's in-process half: the recorder's cost per action, and the actions
+    per rank and step it multiplies (what its numbers mean, not how large they are)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_trace
+
+    cost = bench_trace.per_action_ns(n=2000, repeats=1)
+    assert cost["traced_ns"] > 0 and cost["direct_ns"] > 0
+    assert cost["overhead_ns"] == cost["traced_ns"] - cost["direct_ns"]
+    payloads = [{"rank": r, "pipeline_rank": r, "replica": 0, "stages": [r], "host": "h", "origin_ns": 0,
+                 "events": [["F mb 0", "compute", r, 0, 1, {"action": "F", "step": s}] for s in (0, 1)
+                            for _ in range(3 + r)]} for r in (0, 1)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(chrome_trace(payloads, {"replicas": 1})))
+    assert bench_trace.actions_per_rank_step(path) == 4

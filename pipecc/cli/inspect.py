@@ -1,4 +1,8 @@
-"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR]`.
+"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR] [--trace FILE [--report HTML]]`.
+
+`--trace FILE` (a trace of `pipecc run OUT --trace FILE`) compares one measured step with the
+predicted schedule (`pipecc.report.measured`); `--report HTML` also writes the report page with
+the measured Gantt chart under the predicted one (atomically).
 
 Wiring in `pipecc.cli.build_parser`: `add_parser(sub, common)`; it sets `func=cmd_inspect`.
 OUT is read as untrusted data (`pipecc.report.compiled.load_compiled` checks it): a damaged
@@ -27,6 +31,12 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     p.add_argument("--stage", type=stage_index, metavar="I", help="details of stage I")
     p.add_argument("--format", choices=["text", "json", "dot"], default="text",
                    help="output format (default text)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="a trace written by `pipecc run OUT --trace FILE`: compare one steady step as it ran "
+                   "with the predicted schedule (both timelines, per-stage medians, the largest differences)")
+    p.add_argument("--report", metavar="HTML",
+                   help="with --trace: also write the report page to HTML, the measured Gantt chart under the "
+                   "predicted one on the same time scale")
     p.add_argument("--onnx", metavar="DIR",
                    help="write stage_<i>.onnx per stage (or only --stage I) into DIR and check it "
                    "with onnxruntime")
@@ -42,6 +52,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.format == "dot" and args.stage is not None and not args.onnx:
         raise UsageError("--format dot draws the whole pipeline; leave out --stage")
+    if args.report and not args.trace:
+        raise UsageError("--report draws a traced run: give --trace FILE too (pipecc run OUT --trace FILE)")
+    if args.trace:
+        if args.stage is not None or args.onnx or args.format == "dot":
+            raise UsageError("--trace compares the whole pipeline; leave out --stage, --onnx and --format dot")
+        return _compare_trace(args)
     compiled = insp.load_compiled(args.out)
     if args.onnx:
         return _export_onnx(args, compiled)
@@ -57,6 +73,46 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             text = terminal_text(insp.summary_text(compiled, verbose=args.verbose))
     print(text)
+    return 0
+
+
+def _compare_trace(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from pipecc.errors import PipeccError
+    from pipecc.report import measured as ms
+    from pipecc.report.compiled import _ascii_timeline, damaged, load_compiled, timeline_of
+    from pipecc.report.formatting import terminal_text
+    from pipecc.report.html import report_with_trace
+
+    target = None
+    if args.report:
+        target = Path(args.report).expanduser().resolve()
+        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+            raise PipeccError(f"--report {args.report}: cannot write a file there; give a file in a writable folder")
+    compiled = load_compiled(args.out)
+    with damaged(compiled):
+        if target is not None:
+            page, text = report_with_trace(args.out, args.trace)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(page, encoding="utf-8")
+                os.replace(tmp, target)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise PipeccError(f"--report {args.report}: cannot write it ({e.strerror or e})") from None
+        trace = ms.load_trace(args.trace)
+        predicted = timeline_of(compiled)
+        ms.check_matches(trace, compiled, predicted)
+        got = ms.measured_timeline(trace, ms.steady_step(trace))
+        if args.format == "json":
+            text = json.dumps(ms.trace_json(trace, predicted, got), indent=1)
+        else:
+            text = terminal_text(ms.trace_text(trace, predicted, got, _ascii_timeline))
+    print(text)
+    if target is not None and args.format != "json":
+        print(f"wrote {target}: the measured Gantt chart under the predicted one")
     return 0
 
 

@@ -68,6 +68,8 @@ BPipe) runs 1f1b with the evictors' saved activations sent to their partners and
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`;
 a checkpoint of another folder of the same model is re-mapped, `pipecc.runtime.ckpt_remap`).
 
+Trace: `--trace FILE` writes every rank's actions as they ran, one Chrome trace (`pipecc.runtime.trace`).
+
 Measured against predicted: `--json` prints one JSON document on stdout at the end and nothing
 else there (the step lines go to stderr; an error is still one `pipecc: error:` line on stderr):
 each stage's median forward and backward time per micro-batch and its rank's receive wait per
@@ -144,6 +146,10 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    "receive wait per step, the median step time, each next to plan.json's prediction")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=1, metavar="W",
                    help="--json: the first W steps are left out of the statistics (default 1)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the run to FILE (chrome://tracing, ui.perfetto.dev): one "
+                   "track per rank and stage, every action of every step as it ran; `pipecc inspect OUT --trace "
+                   "FILE` compares it with the predicted schedule (docs/trace.md)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
     c = p.add_argument_group("checkpoints (training only)")
     c.add_argument("--checkpoint-dir", metavar="DIR",
@@ -331,6 +337,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
             argv.append(flag)
     if args.checkpoint_dir is not None:
         argv += ["--checkpoint-dir", str(Path(args.checkpoint_dir).resolve())]
+    if getattr(args, "trace", None) is not None:
+        argv += ["--trace", str(Path(args.trace).expanduser().resolve())]
     if args.checkpoint_every is not None:
         argv += ["--checkpoint-every", str(args.checkpoint_every)]
     for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches),

@@ -252,8 +252,31 @@ def report_from_folder(out: str | Path) -> str:
     return render_page(c.plan, c.graph, tl, device_capacities(c.plan))
 
 
+def report_with_trace(out: str | Path, trace_path: str | Path) -> tuple[str, str]:
+    """The folder's page with the measured Gantt chart of one traced step under the predicted
+    one, on one time scale (`pipecc.report.measured`); also the comparison as text."""
+    from pipecc.report import measured as ms
+    from pipecc.report.compiled import _ascii_timeline
+    c = load_compiled(out)
+    trace = ms.load_trace(trace_path)
+    tl = timeline_of(c)
+    ms.check_matches(trace, c, tl)
+    got = ms.measured_timeline(trace, ms.steady_step(trace))
+    span = max(tl["iteration_s"], got["iteration_s"])
+    rows = "".join(f"<li>{esc(ms.describe(r))}</li>" for r in ms.differences(tl, got))
+    section = (f'<h3>Measured: step {got["step"]} of {esc(trace["path"])}</h3>\n<p class="note">The same '
+               f'iteration as it ran (<code>pipecc run --trace</code>), on the predicted chart\'s time scale: '
+               f'measured {esc(seconds(got["iteration_s"]))} against {esc(seconds(tl["iteration_s"]))} predicted. '
+               f'Largest differences (measured - predicted):</p><ul class="differences">{rows}</ul>\n'
+               f'{gantt_svg(c.plan, got, span=span, measured=True)}')
+    page = render_page(c.plan, c.graph, tl, device_capacities(c.plan), measured=section, span=span)
+    return page, ms.trace_text(trace, tl, got, _ascii_timeline)
+
+
 def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, Any],
-                capacities: Sequence[float | None]) -> str:
+                capacities: Sequence[float | None], measured: str = "", span: float | None = None) -> str:
+    """The page; ``measured`` (`measured_html`) goes under the predicted schedule, which is drawn
+    on ``span``'s time scale when given (the longer of the two iterations)."""
     mb = plan.batch_size // max(plan.microbatches, 1)
     devs = _device_summary(plan)
     sched = plan.schedule + (f" 1F1B ({plan.virtual_stages} stages per device)"
@@ -299,8 +322,9 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
 <p class="note">One iteration as the simulator predicts it, one row per device: each block is the
 forward or backward of one micro-batch on one stage; the strip below a row shows its sends;
 hatched gaps are bubbles. Hover a block for its times.</p>
-{gantt_svg(plan, timeline)}
+{gantt_svg(plan, timeline, span=span)}
 {_legend(plan)}
+{measured}
 
 <h2>Stages</h2>
 <div class="row"><div><h4>Compute and communication per micro-batch</h4>

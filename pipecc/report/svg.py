@@ -85,12 +85,15 @@ def stage_label(plan: Plan, stage: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- Gantt
-def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
+def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300, span: float | None = None,
+              measured: bool = False) -> str:
     """One row per device: F and B blocks labelled with their micro-batch, sends below them on
-    a thin strip, idle time hatched (the bubbles), a time axis in the iteration's unit."""
+    a thin strip, idle time hatched (the bubbles), a time axis in the iteration's unit.
+    ``span``: the axis' length (default the iteration's; two charts on one scale share it);
+    ``measured``: a traced step (`pipecc.report.measured`), class ``gantt measured``."""
     left, right, top, row_h, bar_h = 130, 20, 30, 46, 26
     ranks = timeline["num_ranks"]
-    span = timeline["iteration_s"] or 1e-9
+    span = span or timeline["iteration_s"] or 1e-9
     scale, unit = _time_unit(span)
     plot_w = width - left - right
     height = top + ranks * row_h + 40
@@ -99,8 +102,10 @@ def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
     def x(t: float) -> float:
         return left + t / span * plot_w
 
-    out = [f'<svg class="chart gantt" viewBox="0 0 {width} {height}" width="{width}" '
-           f'height="{height}" role="img" aria-label="pipeline schedule" data-devices="{ranks}">',
+    what = "measured" if measured else "predicted"
+    out = [f'<svg class="chart gantt{" measured" if measured else ""}" viewBox="0 0 {width} {height}" '
+           f'width="{width}" height="{height}" role="img" aria-label="{what} pipeline schedule" '
+           f'data-devices="{ranks}">',
            '<defs><pattern id="idle-hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
            '<line x1="0" y1="0" x2="0" y2="6" stroke="#d0d0d0" stroke-width="2"/></pattern></defs>']
@@ -112,7 +117,7 @@ def gantt_svg(plan: Plan, timeline: dict[str, Any], width: int = 1300) -> str:
                    f'y2="{top + ranks * row_h}" class="grid"/>')
         out.append(_text(tx, top + ranks * row_h + 16, f"{k * step:g}", "axis", "middle"))
         k += 1
-    out.append(_text(left + plot_w / 2, top + ranks * row_h + 34, f"time in one iteration ({unit})",
+    out.append(_text(left + plot_w / 2, top + ranks * row_h + 34, f"time in one iteration, {what} ({unit})",
                      "axis", "middle"))
     for r in range(ranks):
         y = top + r * row_h

@@ -57,6 +57,7 @@ from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder, check_marker
 from pipecc.runtime.stash import folder_balancing
 from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
+from pipecc.runtime.trace import TraceRecorder, check_trace_path
 from pipecc.runtime.trust import verify_problem
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
 
@@ -232,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document of measured vs predicted times (pipecc.runtime.timing)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="--json: steps left out of the statistics")
+    parser.add_argument("--trace", type=Path, help="write a Chrome trace of every action here (pipecc.runtime.trace)")
     parser.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return parser
 
@@ -483,7 +485,10 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             verifier.check_step(loss)
             start += time.perf_counter() - paused
         if optimizer is not None and update:
-            optimizer.step()
+            if runtime.trace is not None:
+                runtime.trace.span("optimizer", "optimizer", optimizer.step)
+            else:
+                optimizer.step()
         if update:
             runtime.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
         elapsed = time.perf_counter() - start
@@ -512,8 +517,10 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             where = checkpoints.save(i + 1)
             if speaks:
                 print(f"checkpoint: step {i + 1} saved in {where}", flush=True)
-    if timer is not None:
+    if timer is not None and getattr(args, "json", False):
         _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout)
+    if runtime.trace is not None:
+        runtime.trace.write(Path(args.trace).resolve(), run.schedule_name)
     if dist.is_initialized():
         # NOTE: every rank past its last message before any tears its process group down; a
         # rank destroying gloo's pairs while a peer still drains a collective (--json's gather)
@@ -555,12 +562,15 @@ def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: 
     return rows, replica_target(data.target, m, replicas.count, replicas.index, replicas.batch)
 
 
-def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | None:
-    """With ``--json``: the runtime's action timer, set."""
-    if not getattr(args, "json", False):
-        return None
-    runtime.timer = ActionTimer(runtime.global_rank, runtime.device, getattr(args, "warmup_steps", 1),
-                                replica=runtime.replicas.index)
+def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | TraceRecorder | None:
+    """With ``--json``: the runtime's action timer, set; with ``--trace``: the trace recorder
+    around it (``pipecc.runtime.trace``), its clock aligned (collective)."""
+    warmup = getattr(args, "warmup_steps", 1)
+    if getattr(args, "json", False):
+        runtime.timer = ActionTimer(runtime.global_rank, runtime.device, warmup, replica=runtime.replicas.index)
+    if getattr(args, "trace", None) is not None:
+        runtime.timer = runtime.trace = TraceRecorder(runtime, warmup, inner=runtime.timer)
+        runtime.trace.align()
     return runtime.timer
 
 
@@ -605,6 +615,11 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
     warmup = getattr(args, "warmup_steps", 1)
     if warmup < 0:
         raise UsageError(f"--warmup-steps must be >= 0, got {warmup}")
+    if getattr(args, "trace", None) is not None:
+        if args.steps < 1:
+            raise UsageError("--trace records the run's steps: give --steps 1 or more")
+        if os.environ.get("RANK", "0") == "0":  # the rank that writes it
+            check_trace_path(args.trace)
     if getattr(args, "json", False) and args.steps <= warmup:
         raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
                          f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")
@@ -668,8 +683,10 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
             print(f"step {i}: forward only{rate}", flush=True)
     if verify and args.steps < 1:
         check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
-    if timer is not None:
+    if timer is not None and getattr(args, "json", False):
         _print_times(runtime, timer, args.out, "inference", batch, stdout or sys.stdout)
+    if runtime.trace is not None:
+        runtime.trace.write(Path(args.trace).resolve(), "inference")
     if dist.is_initialized():
         # NOTE: every rank past its last message before any tears its process group down; a
         # rank destroying gloo's pairs while a peer still drains a collective (--json's gather)

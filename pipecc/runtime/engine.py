@@ -43,6 +43,8 @@ when the connection broke) instead of a hang. The process group is created with 
 
 Timing: with ``timer`` set (an ``ActionTimer``, ``pipecc run --json``) every action runs through
 it, which times F and B and the receive waits (``pipecc.runtime.timing``); None costs nothing.
+Tracing (``pipecc run --trace``): ``timer`` and ``trace`` are a ``TraceRecorder``
+(``pipecc.runtime.trace``), which records every action and passes it on to the ActionTimer.
 
 The NCCL path is written to the same contract but is only exercised on machines with several
 GPUs; the tests run gloo on CPU.
@@ -78,6 +80,7 @@ from pipecc.runtime.stage_runner import Mailbox, StageRunner
 from pipecc.runtime.stash import bpipe_thresholds
 from pipecc.runtime.stash_moves import StashMoves
 from pipecc.runtime.timing import ActionTimer
+from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups, send_release
 
 __all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
@@ -267,6 +270,7 @@ class PipelineRuntime:
         self.peak_stash = 0  # most microbatches stashed at once during the last step
         self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
         self.timer: ActionTimer | None = None  # set: every action runs through it (pipecc run --json)
+        self.trace: TraceRecorder | None = None  # set (and timer set to it): pipecc run --trace
         # Bi-Partition: True when the caller runs after_optimizer_step after every step (dist.py's
         # training loop): the replicas' refresh receive is then posted during the step (REFRESH)
         self.refresh_follows = False
@@ -327,7 +331,10 @@ class PipelineRuntime:
         if not self.schedule.is_training:
             raise PipeccError(f"schedule {_name(self.config.schedule)} has no backward; use infer()")
         self._run(self.schedule, inputs, target, training=True)
-        self.reduce.wait()  # before the caller's optimizer step
+        if self.trace is not None and self.replicas.count > 1:
+            self.trace.span("all-reduce wait", "all-reduce", self.reduce.wait)
+        else:
+            self.reduce.wait()  # before the caller's optimizer step
         if self.last_stage in self.stage_ids:
             losses = self.runner(self.last_stage).losses
             if self.replicas.count > 1:  # each replica's loss is its share: the sum is the full batch's

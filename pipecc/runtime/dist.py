@@ -48,6 +48,7 @@ from pipecc.runtime.checkpoints import DEFAULT_LR, LATEST, RunCheckpoints, check
     read_latest, run_options
 from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
+from pipecc.runtime.lengths import Lengths, run_lengths
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
@@ -221,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd (training only)")
     parser.add_argument("--lr", type=float, help="default 1e-3 (training only)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--length", help="S=L or S=L1,L2,...: the steps' lengths, in turn (pipecc.runtime.lengths)")
     parser.add_argument("--verify", action="store_true", help="compare with the original model in one process")
     parser.add_argument("--rtol", type=float, default=None, help="--verify: relative tolerance (default by dtype)")
     parser.add_argument("--atol", type=float, default=None, help="--verify: absolute tolerance (default by dtype)")
@@ -356,6 +358,8 @@ class RankRun:
     target: Any
     load_stage: Callable
     lock: CheckpointLock | None
+    lengths: list[int]  # --length: step i runs at lengths[i % len]; [] = the folder's example length
+    at_length: dict[int, tuple[RunData, tuple, Any]]  # length -> (data, rows, target)
 
 
 def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
@@ -427,14 +431,17 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]
-    data = RunData.load(meta, specs, args.seed, args.out)
+    lengths = run_lengths(getattr(args, "length", None), Lengths.from_json((meta or {}).get("lengths")))
+    batches = {n: RunData.load(meta, specs, args.seed, args.out, n) for n in lengths}  # the same on every rank
+    data = batches[lengths[0]] if lengths else RunData.load(meta, specs, args.seed, args.out)
     rows, target = _replica_data(data, specs, m, replicas)
+    at_length = {n: (d, *_replica_data(d, specs, m, replicas)) for n, d in batches.items()}
     if forward:
         for i, s in enumerate(schedule.stages_of(rank)):
             if (stage_dirs[s] / "hls").is_dir():
                 modules[i] = _load_fpga_stage(stage_dirs[s], s)
     return RankRun(stage_dirs, meta, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
-                   modules, ports, data, rows, target, load_stage, lock)
+                   modules, ports, data, rows, target, load_stage, lock, lengths, at_length)
 
 
 def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) -> int:
@@ -466,19 +473,24 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             verifier.check_eval_outputs(inputs)
             verifier = None
 
-    def train_step(i: int, update: bool) -> None:
+    def train_step(i: int, update: bool, check: bool | None = None) -> None:
+        nonlocal inputs, target
+        check = verifier is not None and i == 0 if check is None else check
+        if run.lengths:  # --length: this step's batch (step i at the (i mod n)-th length)
+            _, rows_i, target_i = run.at_length[run.lengths[i % len(run.lengths)]]
+            inputs, target = (rows_i if 0 in runtime.stage_ids else None), (target_i if is_last else None)
         if timer is not None and update:
             timer.begin_step()
         start = time.perf_counter()
         if optimizer is not None:
             optimizer.zero_grad()
-        runtime.keep_outputs = verifier is not None and i == 0
+        runtime.keep_outputs = check
         runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
-        checked = verifier is not None and i == 0  # dropout off, draws fixed: as the reference runs
-        with verifier.deterministic() if checked else contextlib.nullcontext():
+        # dropout off, draws fixed: as the reference runs
+        with verifier.deterministic() if check and verifier is not None else contextlib.nullcontext():
             loss = runtime.step(inputs, target)
         tied.reduce()
-        if verifier is not None and i == 0:
+        if check and verifier is not None:
             paused = time.perf_counter()
             verifier.check_step(loss)
             start += time.perf_counter() - paused
@@ -504,7 +516,18 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             if speaks:
                 print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
                       flush=True)
-    if verifier is not None and args.steps < 1:
+    if verifier is not None and len(set(run.lengths)) > 1:  # --verify at every length, before training
+        verifier = None
+        symbol = Lengths.from_json((meta or {}).get("lengths")).symbol  # type: ignore[union-attr]
+        for k, n in enumerate(run.lengths):
+            if n in run.lengths[:k]:
+                continue
+            if speaks:
+                print(f"verify at {symbol}={n}:", flush=True)
+            verifier = Verifier(runtime, run.at_length[n][0], meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+            train_step(k, update=False, check=True)
+        verifier = None
+    elif verifier is not None and args.steps < 1:
         train_step(0, update=False)  # --verify --steps 0: check one step, train none
     for i in range(first, args.steps):
         train_step(i, update=True)

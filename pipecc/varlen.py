@@ -33,7 +33,7 @@ from pipecc.frontend.torch_capture import SymbolSpec
 from pipecc.ir.plan import Plan
 from pipecc.runtime.lengths import LENGTH_ARG, Lengths, parse_declaration
 
-__all__ = ["check_options", "declare", "length_table", "parse", "table_text"]
+__all__ = ["check_options", "declare", "length_table", "parse"]
 
 
 def parse(items: Sequence[str] | None, symbols: Sequence[SymbolSpec]) -> Lengths | None:
@@ -71,9 +71,9 @@ def declare(analysis: Any, lengths: Lengths, spec: SymbolSpec, batch_size: int) 
     name = lengths.symbol
     where = f"--length {lengths.declared()}"
     if name not in graph.symbols:
-        raise PipeccError(f"{where}: the captured graph only runs at the example's {name} (its capture fixed "
-                          f"dim {spec.dim} of input {spec.inputs[0]}), so it cannot run other lengths; drop "
-                          "--length, or make forward keep that dim dynamic (no Python number taken from it)")
+        raise PipeccError(f"{where}: dim {spec.dim} of input {spec.inputs[0]} is not dynamic in this model (the "
+                          "captured graph only runs at the example's size there: a weight's width, or a Python "
+                          f"number taken from it), so {name} cannot vary; declare a sequence dim, or drop --length")
     fixed = [w for w in graph.warnings if w.startswith("shape of ") and "not multilinear" in w]
     if fixed:
         node = fixed[0].removeprefix("shape of ").split(" ")[0]
@@ -144,17 +144,3 @@ def length_table(plan: Plan, graph: Any, cluster: Any, options: Any, lengths: Le
     steps = {r["length"]: r["step_s"] for r in rows}
     expected = sum(w * steps[v] for v, w in zip(lengths.values, lengths.weights))
     return {**lengths.to_json(), "planned_at": planned, "expected_step_s": expected, "table": rows}
-
-
-def table_text(data: dict[str, Any]) -> str:
-    """`pipecc inspect`'s table of the stage times over the declared lengths."""
-    from pipecc.report.formatting import seconds, text_table
-    rows = data.get("table") or []
-    n = len(rows[0]["stages"]) if rows else 0
-    head = [data.get("symbol", "S")] + [f"stage {k} fwd+bwd" for k in range(n)] + ["step"]
-    body = [[str(r["length"])] + [seconds(f + b) for f, b in r["stages"]] + [seconds(r["step_s"])] for r in rows]
-    declared = Lengths.from_json(data)
-    assert declared is not None
-    return (f"lengths: --length {declared.declared()} (planned at {data.get('symbol')}={data.get('planned_at')}, "
-            f"the maximum; expected step {seconds(float(data.get('expected_step_s', 0.0)))})\n"
-            + text_table(head, body, left=1))

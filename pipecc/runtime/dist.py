@@ -48,7 +48,7 @@ from pipecc.runtime.checkpoints import DEFAULT_LR, LATEST, RunCheckpoints, check
     read_latest, run_options
 from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
-from pipecc.runtime.lengths import Lengths, run_lengths
+from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
@@ -431,7 +431,10 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]
-    lengths = run_lengths(getattr(args, "length", None), Lengths.from_json((meta or {}).get("lengths")))
+    declared = Lengths.from_json((meta or {}).get("lengths"))
+    lengths = run_lengths(getattr(args, "length", None), declared)
+    if declared is not None:  # the dims that vary: their shapes travel with every message
+        ports = [mark_dynamic(p, declared.symbol) for p in ports]
     batches = {n: RunData.load(meta, specs, args.seed, args.out, n) for n in lengths}  # the same on every rank
     data = batches[lengths[0]] if lengths else RunData.load(meta, specs, args.seed, args.out)
     rows, target = _replica_data(data, specs, m, replicas)

@@ -3,9 +3,9 @@
 A folder compiled with a symbolic length (`--symbol S=0:1 --length S=16..64`) runs batches of
 any length in the declared range without compiling again: the stage code reads the lengths off
 its inputs (the captured graph's `size()` calls), and messages carry the shapes of the tensors
-whose `shape_expr` names the symbol (`pipecc.runtime.messages`). This module reads the two forms
-of the flag and checks a run's lengths against the folder's declaration (pipecc.json's
-`lengths`):
+whose `shape_expr` names the symbol (`pipecc.runtime.messages`; `mark_dynamic` marks those dims in the ports a rank loads). This
+module reads the two forms of the flag and checks a run's lengths against the folder's
+declaration (pipecc.json's `lengths`):
 
   compile  `--length S=16..64`            every length from 16 to 64, equally likely
            `--length S=16,32,64`          these lengths, equally likely
@@ -20,12 +20,13 @@ compile checks the file accepts. Imports `pipecc.errors` only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
 
-__all__ = ["LENGTH_ARG", "Lengths", "parse_declaration", "parse_run", "run_lengths"]
+__all__ = ["LENGTH_ARG", "Lengths", "mark_dynamic", "parse_declaration", "parse_run", "run_lengths"]
 
 LENGTH_ARG = "seq_len"  # the keyword the input makers take the length as
 RANGE_POINTS = 5  # a declared range LO..HI is tabled (and averaged) at this many evenly spaced lengths
@@ -159,3 +160,20 @@ def run_lengths(item: str | None, declared: Lengths | None) -> list[int]:
     for v in values:
         declared.check(v)
     return values
+
+
+def mark_dynamic(spec: dict[str, Any], symbol: str) -> dict[str, Any]:
+    """A stage's ports.json with ``dynamic`` (the dims whose ``shape_expr`` names ``symbol``) on
+    every tensor port, tuple items too: what ``pipecc.runtime.ports.Port`` reads to let those
+    dims vary and to send their shapes ahead (a folder without ``lengths`` is never marked)."""
+    word = re.compile(rf"\b{re.escape(symbol)}\b")
+
+    def mark(port: dict[str, Any]) -> dict[str, Any]:
+        port = dict(port)
+        if port.get("kind") == "tuple":
+            port["items"] = [mark(item) for item in port.get("items", ())]
+        elif port.get("kind", "tensor") == "tensor":
+            port["dynamic"] = [i for i, e in enumerate(port.get("shape_expr") or ()) if word.search(str(e))]
+        return port
+
+    return {**spec, **{key: [mark(p) for p in spec.get(key, ())] for key in ("receives", "sends")}}

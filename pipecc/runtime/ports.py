@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,8 +78,10 @@ class Port:
     batch_dim: int | None = None
     items: tuple[Port, ...] = ()
     batch_expr: str | None = None  # shape_expr[batch_dim] when the compiler wrote it
-    # dims whose shape_expr names a declared length symbol (not B): their extent changes from
-    # batch to batch, so messages carry the shape (``pipecc.runtime.messages``); () = fixed
+    # dims whose shape_expr names the folder's declared length symbol (``dynamic`` in the port's
+    # dict, set by ``pipecc.runtime.lengths.mark_dynamic`` from pipecc.json's ``lengths``): their
+    # extent changes from batch to batch, so messages carry the shape
+    # (``pipecc.runtime.messages``); () = fixed
     dynamic: tuple[int, ...] = ()
 
     @classmethod
@@ -103,7 +104,7 @@ class Port:
             raise PipeccError(f"port {name!r}: batch_dim {batch_dim} out of range for shape {list(shape)}")
         exprs = d.get("shape_expr")
         batch_expr = str(exprs[batch_dim]) if exprs and batch_dim is not None else None
-        dynamic = tuple(i for i, e in enumerate(exprs or ()) if _LENGTH_NAMES.search(str(e)))
+        dynamic = tuple(int(i) for i in d.get("dynamic", ()))
         return cls(name, kind, shape, dtype, bool(d.get("requires_grad", False)), batch_dim, (), batch_expr,
                    dynamic)
 
@@ -137,10 +138,6 @@ class Port:
         """``shape`` is ``expected`` but in the dynamic dims (any extent there)."""
         return len(shape) == len(expected) and all(
             a == b or i in self.dynamic for i, (a, b) in enumerate(zip(shape, expected)))
-
-
-# a shape_expr naming a symbol other than the batch B (``S``, ``B*S``): a length that varies
-_LENGTH_NAMES = re.compile(r"\b(?!B\b)[A-Za-z_]\w*")
 
 
 @dataclass(frozen=True)

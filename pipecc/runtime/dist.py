@@ -369,7 +369,8 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
     if run.forward:
         return _run_forward(args, run.meta, run.stage_dirs, run.specs, run.data, run.modules, run.ports, run.rank,
-                            run.world, run.config, run.load_stage, run.why, stdout, run.replicas, run.rows)
+                            run.world, run.config, run.load_stage, run.why, stdout, run.replicas, run.rows,
+                            run.lengths, run.at_length)
     return train(args, run, stdout)
 
 
@@ -655,9 +656,11 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
                  specs: list[dict[str, Any]], data: RunData, modules: list[nn.Module], ports: list[dict],
                  rank: int, world: int, config: RunConfig, load_stage: Callable, why: str,
-                 stdout: TextIO | None = None, replicas: Replicas | None = None, rows: tuple | None = None) -> int:
+                 stdout: TextIO | None = None, replicas: Replicas | None = None, rows: tuple | None = None,
+                 lengths: Sequence[int] = (), at_length: dict[int, tuple[RunData, tuple, Any]] | None = None) -> int:
     """An inference-only folder: ``--steps`` forward passes (eval mode) of the model's example
-    inputs; ``--verify`` compares the first one's outputs with the original model's forward."""
+    inputs; ``--verify`` compares the first one's outputs with the original model's forward.
+    ``--length`` (``lengths``): pass i at the (i mod n)-th length, each verified at its first pass."""
     for module in modules:
         module.eval()  # inference semantics: what an FPGA stage computes (BatchNorm folded, no dropout)
     runtime = PipelineRuntime(modules, ports, rank, world, config, replicas=replicas)
@@ -680,6 +683,16 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
             verify_chained(outputs, rows, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs], is_last)
 
     for i in range(args.steps):
+        first = i == 0
+        if lengths and at_length is not None:  # --length: this pass's batch, verified at its first pass
+            n = lengths[i % len(lengths)]
+            data, rows, _ = at_length[n]
+            inputs = rows if 0 in runtime.stage_ids else None
+            first = n not in lengths[:i]
+            if verify and first and args.verify and not args.verify_stages_only and i > 0:
+                verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+            if verify and first and is_last:
+                print(f"verify at {(meta or {}).get('lengths', {}).get('symbol')}={n}:", flush=True)
         if timer is not None:
             timer.begin_step()
         start = time.perf_counter()
@@ -687,7 +700,7 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
         elapsed = time.perf_counter() - start
         if timer is not None:
             timer.end_step(elapsed)
-        if verify and i == 0:
+        if verify and first:
             check(outputs)
         if is_last:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""

@@ -421,3 +421,74 @@ def test_a_send_that_times_out_names_the_rank_it_waited_for() -> None:
     chained = ["rank 3: timed out after 3.0 s waiting for RECV_F mb 0 from rank 2",
                "rank 2: timed out after 3.0 s waiting for SEND_B mb 3 to rank 1"]
     assert root_cause(chained).startswith("rank 1 hung: rank 2 timed out")
+
+
+def test_a_stopped_process_and_the_agent_get_sigkill_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24 item 6: with --timeout 3 a hung run ended 1.7-2.3 s late. Two of the causes:
+    SIGTERM to a stopped rank (it cannot act on it) and to the torchrun agent (it stops its
+    workers itself and tears torch down) each waited out the grace period. Both get SIGKILL in
+    the first round now; a running worker still gets SIGTERM first."""
+    import signal
+    import sys
+    import time
+    from pipecc.runtime import launcher
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while launcher._stat(stopped.pid)[1] not in ("T", "t") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tree = launcher.ProcessTree(agent.pid)
+        tree.known = {p.pid: launcher._stat(p.pid)[2] for p in (stopped, running)}
+        monkeypatch.setattr(tree, "refresh", lambda: None)
+        sent: list[tuple[int, int]] = []
+        real_kill = launcher._kill
+        monkeypatch.setattr(launcher, "_kill", lambda pid, sig: (sent.append((pid, sig)), real_kill(pid, sig)))
+        # they are this test's children, not the tree's: reap them as they die
+        monkeypatch.setattr(tree, "alive", lambda: [q.pid for q in (stopped, running) if q.poll() is None])
+        tree.stop(agent)
+        first = {pid: sig for pid, sig in sent[:3]}
+        assert first == {stopped.pid: signal.SIGKILL, running.pid: signal.SIGTERM, agent.pid: signal.SIGKILL}, sent
+        assert agent.returncode == -signal.SIGKILL and stopped.wait() == -signal.SIGKILL
+        assert running.wait() == -signal.SIGTERM
+    finally:
+        for p in (agent, stopped, running):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_pipecc_run_as_a_program_exits_without_finalising(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue #24 item 6: tearing torch down at exit took 0.3-2.8 s (quiet / loaded machine) after a
+    run had already failed; `pipecc run` as a program ends with os._exit once its output is
+    flushed. Another command, or main() called in-process with its argv, returns as before."""
+    import sys
+    from pipecc.cli import app
+    codes: list[int] = []
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        codes.append(code)
+        raise Exited
+    monkeypatch.setattr(app.os, "_exit", fake_exit)
+    monkeypatch.setattr(sys, "argv", ["pipecc", "run", str(tmp_path / "nothing")])
+    with pytest.raises(Exited):
+        app.main()
+    assert codes == [1]
+    assert app.main(["run", str(tmp_path / "nothing")]) == 1 and codes == [1]
+    monkeypatch.setattr(sys, "argv", ["pipecc", "inspect", str(tmp_path / "nothing")])
+    assert app.main() == 1 and codes == [1]
+
+
+def test_a_hung_rank_that_saw_the_agent_go_is_still_the_one_named() -> None:
+    """The agent is killed at once when a run is stopped, so a hung rank's lifeline thread may
+    still print that the agent is gone: that line is the stop's, and rank 1 is still the one
+    that hung (test_run_cmd's hung-rank launch saw it)."""
+    from pipecc.runtime.launcher import root_cause
+    errors = ["rank 0: timed out after 6.0 s waiting for RECV_B mb 0 from rank 1",
+              "rank 1: the torchrun agent (pid 4242) is gone; stopping"]
+    assert root_cause(errors) == "rank 1 hung: rank 0 timed out after 6.0 s waiting for RECV_B mb 0 from it"

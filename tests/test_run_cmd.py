@@ -65,11 +65,24 @@ def gpt_out(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mlp_run(mlp_out: Path) -> subprocess.CompletedProcess:
-    return pipecc("run", str(mlp_out), "--steps", "2", "--verify", "--timeout", "30")
+def run_tmpdir(tmp_path_factory) -> Path:
+    """The $TMPDIR of `mlp_run`'s launch."""
+    return tmp_path_factory.mktemp("run_tmpdir")
+
+
+@pytest.fixture(scope="module")
+def mlp_run(mlp_out: Path, run_tmpdir: Path) -> subprocess.CompletedProcess:
+    return pipecc("run", str(mlp_out), "--steps", "2", "--verify", "--timeout", "30",
+                  env={"TMPDIR": str(run_tmpdir)})
 
 
 # ---------------------------------------------------------------------------- launches
+
+
+def test_a_run_leaves_no_torchrun_folder_behind(mlp_run: subprocess.CompletedProcess, run_tmpdir: Path) -> None:
+    """torchrun made a torchelastic_* log folder in $TMPDIR per launch and never removed it."""
+    assert mlp_run.returncode == 0, mlp_run.stderr[-3000:]
+    assert not [p.name for p in run_tmpdir.iterdir() if p.name.startswith(("torchelastic_", "pipecc-torchrun-"))]
 
 
 def test_mlp_runs_and_verifies(mlp_run: subprocess.CompletedProcess) -> None:

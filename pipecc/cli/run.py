@@ -414,6 +414,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     (cmd,) = commands.values()
     lock = lock or _lock_checkpoints(args, create=True)  # the checks passed: a new folder may be made now
+    # NOTE: torchrun makes a log folder per launch (its error files) and never removes it: without
+    # --log-dir every run left a torchelastic_* folder in $TMPDIR; this one goes with the run
+    import shutil
+    import tempfile
+    logs = tempfile.mkdtemp(prefix="pipecc-torchrun-")
+    cmd = [*cmd[:3], "--log-dir", logs, *cmd[3:]]
     env = _child_env()
     if args.checkpoint_dir is not None:
         from pipecc.runtime.ckptlock import LOCK_ENV
@@ -428,6 +434,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return supervise(cmd, env, verbose, json_only=args.json, steps=steps,
                          timeout_s=args.timeout or DEFAULT_TIMEOUT_S, rendezvous=_rendezvous_hint(args, launch))
     finally:
+        shutil.rmtree(logs, ignore_errors=True)
         if lock is not None:
             lock.release()
 

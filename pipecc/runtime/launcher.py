@@ -13,8 +13,10 @@ What ``supervise`` guarantees:
     others were waiting for ("rank 1 hung: rank 0 timed out after 10 s waiting for RECV_B mb 0
     from it").
   * Prompt failure. From the first worker error the others get ``GRACE_S`` to finish on their
-    own; then every process of the launch is stopped (SIGTERM, then SIGKILL ``GRACE_S`` later).
-    torchrun alone would give a rank that ignores SIGTERM (or is stopped) 30 s more.
+    own; then every process of the launch is stopped (SIGTERM, then SIGKILL ``GRACE_S`` later;
+    the agent and a stopped process get SIGKILL at once). torchrun alone would give a rank that
+    ignores SIGTERM (or is stopped) 30 s more. A hang therefore ends a run about ``GRACE_S``
+    past ``--timeout`` (and `pipecc run` exits without tearing torch down: ``cli.app._exit_now``).
   * No orphans. The workers live in sessions of their own, so the descendants of the agent are
     recorded while it lives (``ProcessTree``, from /proc) and stopped when it ends, also when it
     was killed; the workers also watch for it themselves (``pipecc.runtime.lifeline``).
@@ -79,7 +81,9 @@ def root_cause(errors: list[str]) -> str:
     primary = [e for e in errors if not (_TIMED_OUT.match(e) or _PEER_GONE.match(e) or _LAUNCH_GONE.match(e))]
     if primary:
         return primary[0]
-    reported = {int(m.group(1)) for m in map(_RANK.match, errors) if m}
+    # NOTE: a hung rank's lifeline thread still says the agent is gone when the run is stopped:
+    # that is the stop's consequence, not the rank reporting its own failure
+    reported = {int(m.group(1)) for m in map(_RANK.match, errors) if m and not _LAUNCH_GONE.match(m.string)}
     for e in errors:
         found = _TIMED_OUT.match(e)
         if found and int(found.group(5)) not in reported:
@@ -208,14 +212,20 @@ class ProcessTree:
         return out
 
     def stop(self, agent: subprocess.Popen, grace_s: float = GRACE_S) -> None:
-        """SIGTERM the agent and every remembered descendant, SIGKILL what is left after ``grace_s``."""
+        """SIGTERM every remembered descendant (SIGKILL a stopped one, and the agent), SIGKILL
+        what is left after ``grace_s``."""
         if agent.poll() is None:
             self.refresh()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in self.alive():
-                _kill(pid, sig)
+                # NOTE: a stopped process (SIGSTOP, a debugger) cannot act on SIGTERM: it would
+                # only cost the grace period; it gets SIGKILL at once
+                stat = _stat(pid)
+                _kill(pid, signal.SIGKILL if stat and stat[1] in ("T", "t") else sig)
             if agent.poll() is None:
-                _kill(agent.pid, sig)
+                # NOTE: SIGKILL at once: on SIGTERM the agent stops its workers itself (what the
+                # loop above does) and then tears torch down, 0.5 s past a --timeout under load
+                _kill(agent.pid, signal.SIGKILL)
             deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline and (agent.poll() is None or self.alive()):
                 time.sleep(0.02)

@@ -475,6 +475,17 @@ def recost_attention(graph: AnnotatedGraph, flash: bool) -> None:
         graph.warnings[:] = warned
 
 
+def move_point(graph: AnnotatedGraph, values: dict[str, int]) -> None:
+    """Evaluate `graph`'s costs at another point of its symbols (`values` by symbol name; e.g.
+    the maximum of a declared length range): `graph.point` and every node's `values` change,
+    its expressions do not."""
+    graph.point.update({graph.symbols[name]: int(v) for name, v in values.items()})
+    for node in graph.gm.graph.nodes:
+        cost = node.meta.get(META_COST)
+        if cost is not None:
+            cost.values = {f: _evaluate(getattr(cost, f), graph.point) for f in NodeCost.FIELDS}
+
+
 def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list[str]:
     """Write META_COST on every node. Returns the warnings (unknown ops, listed once).
     `flash_attention` (None: as the graph was last costed, else the math path) sets how fused

@@ -184,6 +184,8 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
               MODEL_HASH: _sha256(plan.model_path)}
+    if plan.options.get("lengths"):  # a declared length range (pipecc.varlen): `pipecc run --length`
+        marker["lengths"] = {k: v for k, v in plan.options["lengths"].items() if k != "table"}
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
     try:
         schedule = schedule_of(plan)

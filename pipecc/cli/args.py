@@ -163,6 +163,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p._optionals.title = "output"  # NOTE: -h, -v, -q, --debug, --json, -o, ... (argparse's own group)
     basic = group(p, "basic")
+    basic.add_argument("--length", action="append", metavar="S=LO..HI",
+                       help="variable lengths: the symbol S of --symbol takes any length in LO..HI "
+                       "(or S=16,32,64, or weighted S=16:0.5,32:0.3,64:0.2); the plan is chosen at the "
+                       "maximum and the folder runs every length (`pipecc run --length S=L`; default: "
+                       "the example's length only)")
     basic.add_argument("--devices", "-d", required=True, metavar="SPEC",
                        help="devices in pipeline order: 4xa100,2xu250 | a100@cuda:1 | @cluster.toml "
                        "(`pipecc devices` lists the names; required)")

@@ -72,6 +72,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             text = terminal_text(insp.stage_text(compiled, args.stage))
         else:
             text = terminal_text(insp.summary_text(compiled, verbose=args.verbose))
+            lengths = compiled.plan.options.get("lengths")
+            if lengths:  # a declared length range (pipecc.varlen): the plan's times over it
+                text += "\n\n" + terminal_text(lengths_text(lengths))
     print(text)
     return 0
 
@@ -114,6 +117,29 @@ def _compare_trace(args: argparse.Namespace) -> int:
     if target is not None and args.format != "json":
         print(f"wrote {target}: the measured Gantt chart under the predicted one")
     return 0
+
+
+def lengths_text(data: dict[str, Any]) -> str:
+    """The stage times over a folder's declared lengths (plan.json's `options["lengths"]`):
+    one row per length, each stage's forward + backward seconds and the predicted step."""
+    from pipecc.errors import PipeccError
+    from pipecc.report.formatting import seconds, text_table
+    from pipecc.runtime.lengths import Lengths
+    declared = Lengths.from_json(data)
+    try:
+        rows = [(int(r["length"]), [float(f) + float(b) for f, b in r["stages"]], float(r["step_s"]))
+                for r in data.get("table") or []]
+        expected = float(data.get("expected_step_s", 0.0))
+    except (KeyError, TypeError, ValueError):
+        raise PipeccError("plan.json's lengths table is not pipecc's; compile again") from None
+    assert declared is not None
+    n = len(rows[0][1]) if rows else 0
+    head = [declared.symbol] + [f"stage {k} fwd+bwd" for k in range(n)] + ["predicted step"]
+    body = [[str(length)] + [seconds(t) for t in times] + [seconds(step)] for length, times, step in rows]
+    weights = "equally likely" if len(set(declared.weights)) == 1 else "weighted"
+    return (f"lengths --length {declared.declared()}: planned at {declared.symbol}={data.get('planned_at')} (the "
+            f"maximum: memory checked there); expected step {seconds(expected)} over the {weights} lengths\n"
+            + text_table(head, body, left=1))
 
 
 def _export_onnx(args: argparse.Namespace, compiled: Any) -> int:

@@ -65,15 +65,24 @@ def options_from_args(args: argparse.Namespace, profile: Any = None):
 def plan_from_args(args: argparse.Namespace):
     """(analysis, plan, graph) for the model and plan options on the command line."""
     cluster, profile = check_plan_args(args)  # NOTE: first: importing the driver imports torch (seconds)
-    from pipecc import driver
+    from pipecc import driver, varlen
     from pipecc.frontend.modelfile import parse_model_args
     options = options_from_args(args, profile)
+    symbols = driver.parse_symbols(args.symbol)
+    lengths = varlen.parse(getattr(args, "length", None), symbols)
+    if lengths is not None:
+        varlen.check_options(options, cluster, lengths)
     analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
-                              batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
+                              batch_size=args.batch_size, symbols=symbols,
                               debug=args.debug, dump_ir=args.dump_ir)
+    if lengths is not None:  # the plan is chosen at the maximum length
+        varlen.declare(analysis, lengths, next(s for s in symbols if s.name == lengths.symbol), args.batch_size)
     plan, graph = driver.plan(analysis, cluster, options, debug=args.debug, dump_ir=args.dump_ir)
     plan.model_path = str(Path(args.model).resolve())
     plan.model_args = parse_model_args(args.model_arg)
+    if lengths is not None:
+        resolved, planned_on = driver.resolve_options(options, analysis, cluster)
+        plan.options["lengths"] = varlen.length_table(plan, graph, planned_on, resolved, lengths)
     return analysis, plan, graph
 
 

@@ -137,6 +137,10 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
+    p.add_argument("--length", metavar="S=L[,L2,...]",
+                   help="a folder compiled with --length: run its batches at length L (S=16,32,64: each "
+                   "step at the next length in turn; --verify checks each); the batch is the model "
+                   "file's example_inputs(batch_size, seq_len=L) (default: the example's length)")
     p.add_argument("--rtol", type=float, default=None,
                    help="--verify relative tolerance (default by dtype: 1e-4, float16 1e-3, bfloat16 1.6e-2)")
     p.add_argument("--atol", type=float, default=None, help="--verify absolute tolerance (default 1e-5)")
@@ -270,6 +274,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     --verify's model file, the model file's hash, the checkpoint options."""
     from pipecc.runtime.dist import check_options
     from pipecc.runtime.engine import build_schedule
+    from pipecc.runtime.lengths import Lengths, run_lengths
     from pipecc.runtime.ports import StagePorts
     from pipecc.runtime.reslice import folder_sizes
     from pipecc.runtime.stash import folder_balancing
@@ -278,6 +283,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     m = args.microbatches or int(marker.get("microbatches") or 4)
     batch = int(marker.get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
     check_options(args, marker, forward, m, batch, "an inference-only pipeline")
+    run_lengths(getattr(args, "length", None), Lengths.from_json(marker.get("lengths")))  # the declared range
     _check_separable(marker, m, _replicas(marker, args.out))
     model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
@@ -341,6 +347,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
         argv += ["--trace", str(Path(args.trace).expanduser().resolve())]
     if args.checkpoint_every is not None:
         argv += ["--checkpoint-every", str(args.checkpoint_every)]
+    if getattr(args, "length", None) is not None:
+        argv += ["--length", args.length]
     for flag, value in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
                         ("--timeout", args.timeout), ("--backend", args.backend)):
         if value is not None:

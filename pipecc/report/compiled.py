@@ -199,7 +199,9 @@ def summary_json(c: Compiled) -> dict[str, Any]:
     the action list the runtime executes; None for a folder compiled before it); PP x DP: replicas, and per
     stage replica_devices (its group; [device] without replication) and allreduce_s;
     Bi-Partition: bipartition_mode, weight_sync_bytes, bipartition (the planner's cut pair and
-    figures, or None) and per stage backward_nodes (its backward range) and extra_send_bytes. An FPGA
+    figures, or None) and per stage backward_nodes (its backward range) and extra_send_bytes;
+    variable lengths: lengths (the declaration, planned_at, expected_step_s and a table of
+    per-length stage [forward_s, backward_s] and step_s; None without --length). An FPGA
     stage's memory and
     its capacity are on-chip BRAM (BPipe: activation_balancing, the plan's pairs, and estimate) (memory_kind "BRAM"; else "DRAM")."""
     plan = c.plan
@@ -241,6 +243,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "decisions": plan.decisions, "has_graph": c.graph is not None,
             "bipartition_mode": plan.bipartition_mode, "weight_sync_bytes": plan.weight_sync_bytes,
             "bipartition": plan.options.get("bipartition"),
+            "lengths": plan.options.get("lengths"),
             "activation_balancing": plan.activation_balancing, "estimate": plan.estimate,
             "schedule_text": None if c.schedule is None else schedule_text(c.schedule)}
 

@@ -48,6 +48,7 @@ from pipecc.runtime.checkpoints import DEFAULT_LR, LATEST, RunCheckpoints, check
     read_latest, run_options
 from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
+from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
@@ -222,6 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd (training only)")
     parser.add_argument("--lr", type=float, help="default 1e-3 (training only)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--length", help="S=L or S=L1,L2,...: the steps' lengths, in turn (pipecc.runtime.lengths)")
     parser.add_argument("--verify", action="store_true", help="compare with the original model in one process")
     parser.add_argument("--rtol", type=float, default=None, help="--verify: relative tolerance (default by dtype)")
     parser.add_argument("--atol", type=float, default=None, help="--verify: absolute tolerance (default by dtype)")
@@ -358,6 +360,8 @@ class RankRun:
     target: Any
     load_stage: Callable
     lock: CheckpointLock | None
+    lengths: list[int]  # --length: step i runs at lengths[i % len]; [] = the folder's example length
+    at_length: dict[int, tuple[RunData, tuple, Any]]  # length -> (data, rows, target)
 
 
 def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
@@ -367,7 +371,8 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
     if run.forward:
         return _run_forward(args, run.meta, run.stage_dirs, run.specs, run.data, run.modules, run.ports, run.rank,
-                            run.world, run.config, run.load_stage, run.why, stdout, run.replicas, run.rows)
+                            run.world, run.config, run.load_stage, run.why, stdout, run.replicas, run.rows,
+                            run.lengths, run.at_length)
     return train(args, run, stdout)
 
 
@@ -429,14 +434,20 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]
-    data = RunData.load(meta, specs, args.seed, args.out)
+    declared = Lengths.from_json((meta or {}).get("lengths"))
+    lengths = run_lengths(getattr(args, "length", None), declared)
+    if declared is not None:  # the dims that vary: their shapes travel with every message
+        ports = [mark_dynamic(p, declared.symbol) for p in ports]
+    batches = {n: RunData.load(meta, specs, args.seed, args.out, n) for n in lengths}  # the same on every rank
+    data = batches[lengths[0]] if lengths else RunData.load(meta, specs, args.seed, args.out)
     rows, target = _replica_data(data, specs, m, replicas)
+    at_length = {n: (d, *_replica_data(d, specs, m, replicas)) for n, d in batches.items()}
     if forward:
         for i, s in enumerate(schedule.stages_of(rank)):
             if (stage_dirs[s] / "hls").is_dir():
                 modules[i] = _load_fpga_stage(stage_dirs[s], s)
     return RankRun(stage_dirs, meta, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
-                   modules, ports, data, rows, target, load_stage, lock)
+                   modules, ports, data, rows, target, load_stage, lock, lengths, at_length)
 
 
 def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) -> int:
@@ -468,19 +479,24 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             verifier.check_eval_outputs(inputs)
             verifier = None
 
-    def train_step(i: int, update: bool) -> None:
+    def train_step(i: int, update: bool, check: bool | None = None) -> None:
+        nonlocal inputs, target
+        check = verifier is not None and i == 0 if check is None else check
+        if run.lengths:  # --length: this step's batch (step i at the (i mod n)-th length)
+            _, rows_i, target_i = run.at_length[run.lengths[i % len(run.lengths)]]
+            inputs, target = (rows_i if 0 in runtime.stage_ids else None), (target_i if is_last else None)
         if timer is not None and update:
             timer.begin_step()
         start = time.perf_counter()
         if optimizer is not None:
             optimizer.zero_grad()
-        runtime.keep_outputs = verifier is not None and i == 0
+        runtime.keep_outputs = check
         runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
-        checked = verifier is not None and i == 0  # dropout off, draws fixed: as the reference runs
-        with verifier.deterministic() if checked else contextlib.nullcontext():
+        # dropout off, draws fixed: as the reference runs
+        with verifier.deterministic() if check and verifier is not None else contextlib.nullcontext():
             loss = runtime.step(inputs, target)
         tied.reduce()
-        if verifier is not None and i == 0:
+        if check and verifier is not None:
             paused = time.perf_counter()
             verifier.check_step(loss)
             start += time.perf_counter() - paused
@@ -509,7 +525,18 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             if speaks:
                 print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
                       flush=True)
-    if verifier is not None and args.steps < 1:
+    if verifier is not None and len(set(run.lengths)) > 1:  # --verify at every length, before training
+        verifier = None
+        symbol = Lengths.from_json((meta or {}).get("lengths")).symbol  # type: ignore[union-attr]
+        for k, n in enumerate(run.lengths):
+            if n in run.lengths[:k]:
+                continue
+            if speaks:
+                print(f"verify at {symbol}={n}:", flush=True)
+            verifier = Verifier(runtime, run.at_length[n][0], meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+            train_step(k, update=False, check=True)
+        verifier = None
+    elif verifier is not None and args.steps < 1:
         train_step(0, update=False)  # --verify --steps 0: check one step, train none
     for i in range(first, args.steps):
         train_step(i, update=True)
@@ -644,9 +671,11 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
                  specs: list[dict[str, Any]], data: RunData, modules: list[nn.Module], ports: list[dict],
                  rank: int, world: int, config: RunConfig, load_stage: Callable, why: str,
-                 stdout: TextIO | None = None, replicas: Replicas | None = None, rows: tuple | None = None) -> int:
+                 stdout: TextIO | None = None, replicas: Replicas | None = None, rows: tuple | None = None,
+                 lengths: Sequence[int] = (), at_length: dict[int, tuple[RunData, tuple, Any]] | None = None) -> int:
     """An inference-only folder: ``--steps`` forward passes (eval mode) of the model's example
-    inputs; ``--verify`` compares the first one's outputs with the original model's forward."""
+    inputs; ``--verify`` compares the first one's outputs with the original model's forward.
+    ``--length`` (``lengths``): pass i at the (i mod n)-th length, each verified at its first pass."""
     for module in modules:
         module.eval()  # inference semantics: what an FPGA stage computes (BatchNorm folded, no dropout)
     runtime = PipelineRuntime(modules, ports, rank, world, config, replicas=replicas)
@@ -669,6 +698,16 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
             verify_chained(outputs, rows, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs], is_last)
 
     for i in range(args.steps):
+        first = i == 0
+        if lengths and at_length is not None:  # --length: this pass's batch, verified at its first pass
+            n = lengths[i % len(lengths)]
+            data, rows, _ = at_length[n]
+            inputs = rows if 0 in runtime.stage_ids else None
+            first = n not in lengths[:i]
+            if verify and first and args.verify and not args.verify_stages_only and i > 0:
+                verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+            if verify and first and is_last:
+                print(f"verify at {(meta or {}).get('lengths', {}).get('symbol')}={n}:", flush=True)
         if timer is not None:
             timer.begin_step()
         start = time.perf_counter()
@@ -676,7 +715,7 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
         elapsed = time.perf_counter() - start
         if timer is not None:
             timer.end_step(elapsed)
-        if verify and i == 0:
+        if verify and first:
             check(outputs)
         if is_last:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""

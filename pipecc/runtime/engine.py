@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -431,9 +431,11 @@ class PipelineRuntime:
         for v, port in zip(flatten(inputs, ports.receives, "inputs"), ports.in_leaves):
             if port.kind == "tensor":
                 v = v.to(self.device)
-                if tuple(v.shape) != port.shape or v.dtype != port.dtype:
+                if not port.matches(v.shape, port.shape) or v.dtype != port.dtype:
                     raise PipeccError(f"input {port.name!r} is {list(v.shape)} {v.dtype}, the compiled stage "
                                       f"expects {list(port.shape)} {port.dtype}")
+                if port.batch_dim in port.dynamic:  # a length in the batch dim (B*S rows): this batch's
+                    port = replace(port, shape=tuple(v.shape))
             extents = port.extents(ports.batch_size, self.split_of(0))
             per_leaf.append(torch.split(v, extents, port.batch_dim) if extents else [v] * self.schedule.chunks(0))
         return [[values[mb] for values in per_leaf] for mb in range(self.schedule.chunks(0))]

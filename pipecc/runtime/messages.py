@@ -8,6 +8,11 @@ after the usual ones) sends all its tensors as one packed payload (``wire.pack_t
 ``recv_packed``: one message, as the planner charges a boundary). The ports each message carries
 are the stage runner's (``StageRunner.grad_sends`` and friends; a Bi-Partition runner has its
 own). The wire is the runtime's ``_wire`` at the time of the call (a test may swap it).
+
+Variable lengths (a folder compiled with ``--length``): a message whose tensor leaves have dynamic
+dims (``Port.dynamic``: the declared length symbol in their ``shape_expr``) is preceded by one
+int64 header holding those leaves' shapes (``SHAPES``, its own tag), so the receiver allocates
+buffers of the batch's length; a folder without a declared length sends no header.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pipecc.runtime.wire import (decode_object, encode_object, fingerprint, pack
 __all__ = ["MAX_PORTS", "Messages"]
 
 MAX_PORTS = 1024  # values crossing one stage boundary
+SHAPES = 5  # the tag direction of a variable-length message's shape header (``tag``)
 
 
 class Messages:
@@ -43,7 +49,8 @@ class Messages:
         depend on anything only one side knows. Unique within a step: ``rt.m`` is the largest
         chunk count of any stage (unequal sizes: ``mb`` is the upstream stage's chunk).
         Directions: 0 forward, 1 backward, 2 the handshake, 3 BPipe's eviction and
-        Bi-Partition's refresh, 4 BPipe's return.
+        Bi-Partition's refresh, 4 BPipe's return, 5 (``SHAPES``) a shape header, whose ``leaf``
+        is the direction of the message it describes.
         """
         rt = self.rt
         tag = (((direction * rt.schedule.num_stages + stage) * rt.m + mb) * MAX_PORTS + leaf) * 2
@@ -87,6 +94,11 @@ class Messages:
         receiver = a.stage + 1 if forward else a.stage - 1
         what = f"{a.kind.value} mb {a.microbatch}"
         payloads = []
+        dynamic = [i for i, port in enumerate(ports) if port.dynamic and port.kind == "tensor"]
+        if dynamic:  # variable lengths: the shapes first, so the receiver can allocate
+            header = torch.tensor([d for i in dynamic for d in values[i].shape], dtype=torch.int64,
+                                  device=rt.device)
+            rt._wire.send(header, peer, self.tag(SHAPES, receiver, a.microbatch, 0 if forward else 1), what, key=a)
         packed = any(p is SAVED for p in ports)  # Bi-Partition: its tensors go as one payload (wire.pack_tensors)
         if packed:
             tensors = [i for i, port in enumerate(ports) if port.kind == "tensor"]
@@ -111,10 +123,11 @@ class Messages:
         direction = 0 if a.kind is ActionKind.RECV_F else 1
         what = f"{a.kind.value} mb {a.microbatch}" + (f" of stage {a.stage}" if len(rt.stage_ids) > 1 else "")
         batch = rt.runner(a.stage).ports.batch_size
+        shapes = self.recv_shapes(a, ports, peer, direction, what)
         first: list[torch.Tensor] = []
-        for port in ports:
+        for i, port in enumerate(ports):
             if port.kind == "tensor":  # RECV_F: an upstream chunk (unequal sizes: its own size)
-                shape = port.microbatch_shape(a.microbatch, batch, rt.split_of(
+                shape = shapes.get(i) or port.microbatch_shape(a.microbatch, batch, rt.split_of(
                     a.stage - 1 if a.kind is ActionKind.RECV_F else a.stage))
                 first.append(torch.empty(shape, dtype=port.dtype, device=rt.device))
             else:
@@ -133,6 +146,23 @@ class Messages:
         for i, data in zip(objects, payloads):
             values[i] = decode_object(data, rt.device)
         return [*values, *extra]
+
+    def recv_shapes(self, a: Action, ports: Sequence[Port], peer: int, direction: int,
+                    what: str) -> dict[int, tuple[int, ...]]:
+        """The shapes of the message's dynamic tensor leaves, from its header (``send``); {}
+        when it has none (a fixed-length folder: no header travels)."""
+        dynamic = [i for i, port in enumerate(ports) if port.dynamic and port.kind == "tensor"]
+        if not dynamic:
+            return {}
+        rt = self.rt
+        header = torch.empty(sum(len(ports[i].shape) for i in dynamic), dtype=torch.int64, device=rt.device)
+        rt._wire.recv([header], peer, [self.tag(SHAPES, a.stage, a.microbatch, direction)], what)
+        dims = [int(d) for d in header.cpu()]
+        out = {}
+        for i in dynamic:
+            n = len(ports[i].shape)
+            out[i], dims = tuple(dims[:n]), dims[n:]
+        return out
 
     def recv_packed(self, first: list[torch.Tensor], ports: Sequence[Port], extra: Sequence[torch.Tensor], peer: int,
                     tags: Sequence[int], what: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

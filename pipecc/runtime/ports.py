@@ -78,6 +78,11 @@ class Port:
     batch_dim: int | None = None
     items: tuple[Port, ...] = ()
     batch_expr: str | None = None  # shape_expr[batch_dim] when the compiler wrote it
+    # dims whose shape_expr names the folder's declared length symbol (``dynamic`` in the port's
+    # dict, set by ``pipecc.runtime.lengths.mark_dynamic`` from pipecc.json's ``lengths``): their
+    # extent changes from batch to batch, so messages carry the shape
+    # (``pipecc.runtime.messages``); () = fixed
+    dynamic: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, d: dict[str, Any], name: str | None = None) -> Port:
@@ -99,7 +104,9 @@ class Port:
             raise PipeccError(f"port {name!r}: batch_dim {batch_dim} out of range for shape {list(shape)}")
         exprs = d.get("shape_expr")
         batch_expr = str(exprs[batch_dim]) if exprs and batch_dim is not None else None
-        return cls(name, kind, shape, dtype, bool(d.get("requires_grad", False)), batch_dim, (), batch_expr)
+        dynamic = tuple(int(i) for i in d.get("dynamic", ()))
+        return cls(name, kind, shape, dtype, bool(d.get("requires_grad", False)), batch_dim, (), batch_expr,
+                   dynamic)
 
     def leaves(self) -> list[Port]:
         return [leaf for item in self.items for leaf in item.leaves()] if self.kind == "tuple" else [self]
@@ -119,10 +126,18 @@ class Port:
         return microbatch_extents(self.shape[self.batch_dim], batch, m, self.name)
 
     def microbatch_shape(self, mb: int, batch: int | None, m: int | Sequence[int]) -> tuple[int, ...]:
+        """The micro-batch's shape at the compiled lengths (a dynamic dim's actual extent comes
+        with the message: ``matches``)."""
         extents = self.extents(batch, m)
         if extents is None:
             return self.shape
         return (*self.shape[:self.batch_dim], extents[mb], *self.shape[self.batch_dim + 1:])
+
+
+    def matches(self, shape: Sequence[int], expected: Sequence[int]) -> bool:
+        """``shape`` is ``expected`` but in the dynamic dims (any extent there)."""
+        return len(shape) == len(expected) and all(
+            a == b or i in self.dynamic for i, (a, b) in enumerate(zip(shape, expected)))
 
 
 @dataclass(frozen=True)

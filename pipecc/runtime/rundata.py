@@ -22,6 +22,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.engine import PipelineRuntime
+from pipecc.runtime.lengths import LENGTH_ARG
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
 from pipecc.runtime.trust import model_source
 
@@ -72,18 +73,27 @@ class RunData:
 
     @classmethod
     def load(cls, meta: dict[str, Any] | None, specs: list[dict[str, Any]], seed: int,
-             out: str | Path | None = None) -> RunData:
+             out: str | Path | None = None, length: int | None = None) -> RunData:
+        """The run's data; ``length`` (a folder with a declared length, ``pipecc.runtime.lengths``):
+        the model file's input makers are called with ``seq_len=length``."""
         first = StagePorts.from_json(specs[0])
+        if length is not None and (meta is None or not meta.get("model_path")):
+            raise PipeccError("--length builds each batch with the model file's example_inputs(batch_size, "
+                              "seq_len=L); this folder records no model file")
         if meta is None:
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs)
         path, source = model_source(meta, out)  # NOTE: raises unless the file is the one recorded by hash
         if path is None or not isinstance(source, bytes):
+            if length is not None:
+                raise PipeccError(f"--length: {source}, and a run at another length needs its example_inputs")
             note = f"note: {source}; training on seeded random inputs with the mean of the outputs as the loss"
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs, note=note)
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only
 
         module = import_model_file(path, source)  # the bytes hashed, compiled from memory
         model_args = dict(meta.get("model_args") or {})
+        if length is not None:
+            model_args[LENGTH_ARG] = length
         batch = int(meta.get("batch_size") or first.batch_size or 1)
 
         def call(name: str) -> Any:

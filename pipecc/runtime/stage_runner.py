@@ -151,7 +151,7 @@ class StageRunner:
             if port.kind != "tensor":
                 continue
             shape = port.microbatch_shape(mb, batch, self.rt.split_of(self.stage))
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != port.dtype:
+            if not isinstance(v, torch.Tensor) or not port.matches(v.shape, shape) or v.dtype != port.dtype:
                 got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
                     else type(v).__name__
                 raise PipeccError(f"rank {self.rt.global_rank} stage {self.stage} mb {mb}: output {port.name!r} is "

@@ -351,6 +351,7 @@ class ProfiledCosts(DeviceCosts):
 def time_source(costs: DeviceCosts, names: Sequence[str]) -> str:
     """Where a stage's time came from: its device's cost model, and for a profiled device
     whether every node of the stage had a measured curve."""
+    costs = getattr(costs, "base", costs)  # NOTE: under --calibrate's wrapper (targets.calibrated)
     if isinstance(costs, ProfiledCosts):
         return costs.source(names)
     return "fpga-model" if isinstance(costs, FpgaCosts) else "roofline"
@@ -361,7 +362,7 @@ def profile_decisions(costs: Sequence[DeviceCosts], cluster: Cluster, mb: int) -
     curve, whether the micro-batch size extrapolates the curves, and the measured links."""
     out: list[str] = []
     seen: list[ProfiledCosts] = []
-    for c in costs:
+    for c in (getattr(c, "base", c) for c in costs):  # NOTE: unwraps --calibrate's CalibratedCosts
         if not isinstance(c, ProfiledCosts) or any(c is s for s in seen):
             continue
         seen.append(c)

@@ -139,6 +139,16 @@ def _malformed(data: dict[str, Any]) -> str | None:
             if not ok:
                 return f"node {n.get('name', '?') if isinstance(n, dict) else n!r} has no " \
                        "fit {fwd, bwd: {a >= 0, c >= 0}}"
+    fixed = data.get("fixed_costs")
+    if fixed is not None:  # NOTE: absent in older profiles (pipecc.targets.fixed_costs reads it)
+        from pipecc.targets.fixed_costs import from_json
+        if not isinstance(fixed, dict) or not all(isinstance(v, dict) for v in fixed.values()):
+            return "\"fixed_costs\" is not {device name: {field: seconds}}"
+        for name, entry in fixed.items():
+            try:
+                from_json(entry, "profile")
+            except ValueError as exc:
+                return f"fixed_costs of {name}: {exc}"
     link = data.get("link")
     if link is not None:
         try:

@@ -149,7 +149,9 @@ def _rank_work(rank: int, world: int, store: Any, device: str, threads: int, tim
     torch.set_num_threads(threads)
     try:
         group.barrier().wait()  # NOTE: every rank measures at once: the machine as a run loads it
-        figures = measure_rank(device, repeat)
+        start = time.time()
+        figures: dict[str, Any] = dict(measure_rank(device, repeat))
+        figures["window"] = [start, time.time()]  # wall clock: the ranks' windows overlap
         group.barrier().wait()
         peer = rank + 1 if rank % 2 == 0 else rank - 1
         if peer < world:
@@ -175,7 +177,8 @@ def _child(_index: int, rank: int, world: int, port: int, device: str, threads: 
 def measure_fixed_costs(devices: Sequence[str], threads: int = 1, *, repeat: int = 15,
                         timeout_s: float = 60.0) -> list[dict[str, Any]]:
     """Per rank (one per torch device in `devices`, all at once): {rank, device, op_forward_s,
-    op_backward_s, microbatch_s, step_s, fit_error[, message_s, peer]}. Raises PipeccError (one
+    op_backward_s, microbatch_s, step_s, fit_error, window: [start, end] (wall clock of its op and
+    step measurements)[, message_s, peer]}. Raises PipeccError (one
     line) when a rank fails or the ranks do not meet in `timeout_s`."""
     import torch.distributed as dist
     import torch.multiprocessing as mp

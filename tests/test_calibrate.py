@@ -228,3 +228,27 @@ def test_two_rounds_converge_on_the_machine(tmp_path):
     worst = [max(abs(math.log(r)) for r in rs) for rs in ratios]
     assert worst[1] <= math.log(4), ratios
     assert worst[1] < worst[0] or worst[0] <= math.log(4), ratios
+
+
+def test_the_python_api_takes_a_run_document(planned):
+    """`pipecc.compile(module, ..., calibrate=doc)`: an in-memory model has no file to hash, so
+    the run's nodes are checked against the graph's instead."""
+    import pipecc
+    from helpers import zoo_module
+    plan, folder = planned
+    doc = run_doc(plan, folder, [st["forward_s"] * 2 for st in plan["stages"]],
+                  [st["backward_s"] * 2 for st in plan["stages"]])
+    mlp = zoo_module("mlp")
+    model = mlp.build_model(**MLP_TINY)
+    pm = pipecc.compile(model, mlp.example_inputs(8, MLP_TINY["in_features"]), "2xcpu", calibrate=doc, **PINNED)
+    assert any(d.startswith("costs: calibrated from run document") for d in pm.plan.decisions), pm.plan.decisions
+
+
+def test_plan_and_compile_help_name_the_flag():
+    from pipecc.cli.app import build_parser
+    import argparse
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in ("plan", "compile"):
+        text = sub[name].format_help()
+        assert "--calibrate RUN_JSON" in text and "pipecc run OUT --json" in " ".join(text.split())
+    assert "--no-fixed-costs" in sub["profile"].format_help()

@@ -134,7 +134,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
         decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
     decisions += rep.decisions(tables, cand, search.results)
     decisions += profile_decisions(tables.costs, cluster, mb)
-    decisions += calibration_decisions(tables.costs)
+    decisions += calibration_decisions(tables.costs, mb)
     decisions += cand.notes  # e.g. which stages recompute their activations, and why
     if bool(cand.thresholds) == bool(search.estimate.get("used")):  # BPipe used or not, and why
         decisions += search.bpipe_notes

@@ -438,7 +438,7 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
     calibrate = options.calibrate
     if calibrate is not None:  # a run of this model on these devices (pipecc.targets.calibrated)
         from pipecc.targets.calibrated import use_calibration
-        calibrate = use_calibration(calibrate, analysis, cluster)
+        calibrate = use_calibration(calibrate, analysis, cluster, profile)
     return PlanOptions.of(options, batch_size=batch, microbatch_sizes=sizes, profile=profile,
                           calibrate=calibrate, **fixed), cluster
 

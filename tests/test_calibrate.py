@@ -130,6 +130,12 @@ def test_a_run_of_another_plan_of_the_model_calibrates(planned, tmp_path, capsys
     line = next(d for d in written["decisions"] if d.startswith("costs: calibrated from RUN.json"))
     assert "forward factors 4..4" in line and "backward factors 4..4" in line, line
     assert written["options"]["calibration"]["source"] == "RUN.json"
+    assert "extrapolate" not in line, line
+    code, out, err = run_cli(["plan", str(MLP), *ARGS, "-b", "8", "-d", "2xcpu", "-m", "1", "--replicas", "1",
+                              "--calibrate", str(path), "--json"], capsys)
+    assert code == 0, err
+    line = next(d for d in json.loads(out)["decisions"] if d.startswith("costs: calibrated"))
+    assert "the run's micro-batches were of 4 samples, this plan's of 8: the factors extrapolate" in line
 
 
 def test_a_uniform_factor_scales_every_stage_alike(analysis, planned):
@@ -168,6 +174,8 @@ def _bad_runs(plan: dict, folder: Path) -> list[tuple[str, object, str]]:
         ("other devices", edited("plan.devices", ["cpu", "cpu", "cpu"]), "ran on devices cpu, cpu, cpu, not"),
         ("other micro-batches", good(microbatches=4), "ran 4 micro-batches, its plan 2"),
         ("unknown node", other_nodes, "ran node 'conv9', which mlp lacks"),
+        ("other basis", edited("plan.profile", "prof.json"),
+         "ran a plan costed with profile prof.json, not with the roofline (no --profile)"),
     ]
 
 

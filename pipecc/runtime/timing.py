@@ -20,12 +20,13 @@ runtime never imports the compiler), into the one document ``pipecc run --json``
      "plan": {"model", "model_sha256", "model_args", "batch_size", "microbatches", "schedule",
               "devices": [name], "sha256", "stages": [{"index", "device", "nodes", "backward_nodes",
               "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s"}],
-              "calibration"} | null}
+              "profile", "calibration"} | null}
 
 ``plan`` (``plan_identity``) identifies the plan that ran, for ``pipecc plan/compile --calibrate
 RUN.json`` (``pipecc.targets.calibrated``): the model (name, the file's sha256 and the model
 arguments ``pipecc.json`` recorded), the plan's devices in plan order, plan.json's sha256, each
 stage's nodes with its predicted times and their fixed parts (0.0 where plan.json has none) and
+the cost model's basis (``options.profile``: the profile file's name, null for the roofline) and
 the calibration factors the plan was made with (``options.calibration``, null when none); null
 where the folder has no ``plan.json``.
 
@@ -205,7 +206,7 @@ def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
             "model_args": marker.get("model_args", plan.get("model_args", {})),
             "batch_size": plan.get("batch_size"), "microbatches": plan.get("microbatches"),
             "schedule": plan.get("schedule"), "devices": devices, "sha256": digest, "stages": stages,
-            "calibration": options.get("calibration")}
+            "profile": options.get("profile"), "calibration": options.get("calibration")}
 
 
 def _median(values: Sequence[float]) -> float:

@@ -35,7 +35,9 @@ timed. Factors hold at the run's micro-batch size; a plan with another one extra
 Refused, one line each, before anything is planned: a file that is not JSON or not a run
 document, a run document without `plan` (made before calibration existed), a stage with zero or
 negative measured times, a run with other micro-batches than its plan, a run of another model
-(the model file's sha256 and arguments, else its node names), or on another device set.
+(the model file's sha256 and arguments, else its node names), on another device set, or of a plan
+costed on another basis (the roofline vs a profile, or a profile of another file name: the
+factors are relative to the predictions of the model that planned the run).
 """
 
 from __future__ import annotations
@@ -244,12 +246,25 @@ def check_nodes(cal: Calibration, names: Sequence[str], model: str) -> None:
                                   "of another model; calibrate with a run of this model")
 
 
-def use_calibration(run: Any, model: Any, cluster: Any) -> Calibration:
+def check_basis(cal: Calibration, profile: Any) -> None:
+    """Raise when the run's plan was costed on another basis than this plan (the roofline, or a
+    profile of another name): its factors are relative to that model's predictions."""
+    ran = cal.run["plan"].get("profile")
+    mine = getattr(profile, "source", None) if profile is not None else None
+    if ran != mine:
+        what = lambda p: f"profile {p}" if p else "the roofline (no --profile)"  # noqa: E731
+        raise PipeccError(f"--calibrate {cal.source} ran a plan costed with {what(ran)}, not with {what(mine)}: "
+                          "its factors are relative to that cost model; plan with the same --profile (or none)")
+
+
+def use_calibration(run: Any, model: Any, cluster: Any, profile: Any = None) -> Calibration:
     """The driver's step: the run loaded and checked against the model (a driver Analysis or a
-    costed graph) and the devices. Raises PipeccError before anything is planned."""
+    costed graph), the devices and the cost basis (`profile`, loaded, or None). Raises
+    PipeccError before anything is planned."""
     from pipecc.ir.graph import META_NAME, AnnotatedGraph
     cal = load_run(run)
     check_devices(cal, cluster)
+    check_basis(cal, profile)
     spec = None if isinstance(model, AnnotatedGraph) else model.spec
     graph = model if isinstance(model, AnnotatedGraph) else model.graph
     if spec is not None and getattr(spec, "path", None) is not None:
@@ -315,9 +330,10 @@ class CalibratedCosts(DeviceCosts):
         return {**self.base.plan_options(), "calibration": self.calibration.to_json()}
 
 
-def calibration_decisions(costs: Sequence[DeviceCosts]) -> list[str]:
+def calibration_decisions(costs: Sequence[DeviceCosts], mb: int | None = None) -> list[str]:
     """The plan's line on its calibration: the run, the stages' measured/predicted ratios and the
-    range of the factors used; [] when not calibrated."""
+    range of the factors used, and whether the plan's micro-batches of `mb` samples extrapolate the
+    run's; [] when not calibrated."""
     cal = next((c.calibration for c in costs if isinstance(c, CalibratedCosts)), None)
     if cal is None:
         return []
@@ -330,4 +346,9 @@ def calibration_decisions(costs: Sequence[DeviceCosts]) -> list[str]:
     line = (f"costs: calibrated from {cal.source} (a run of plan {plan_sha or '?'}; measured/predicted "
             f"forward/backward per stage {ratios}): forward factors {min(fwd):.3g}..{max(fwd):.3g}, backward "
             f"factors {min(bwd):.3g}..{max(bwd):.3g}; nodes the run did not cover take their device's median")
-    return [line + "".join(f"; {n}" for n in cal.notes)]
+    notes = list(cal.notes)
+    batch, count = cal.run.get("batch_size"), cal.run.get("microbatches")
+    if mb is not None and isinstance(batch, int) and isinstance(count, int) and count > 0 and batch // count != mb:
+        notes.append(f"the run's micro-batches were of {batch // count} samples, this plan's of {mb}: the "
+                     "factors extrapolate")
+    return [line + "".join(f"; {n}" for n in notes)]

@@ -260,3 +260,21 @@ def test_plan_and_compile_help_name_the_flag():
         text = sub[name].format_help()
         assert "--calibrate RUN_JSON" in text and "pipecc run OUT --json" in " ".join(text.split())
     assert "--no-fixed-costs" in sub["profile"].format_help()
+
+
+def test_replicated_stages_give_the_median_of_their_rows_and_zero_bubble_divides_the_split(tmp_path):
+    """PP x DP: every replica of a stage has its row; the stage's factor is their median's. Under
+    zb-h1 a measured backward is I + W, which the plan prices at SPLIT_BACKWARD_COST x its backward."""
+    from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST
+    plan = {"model": "m", "batch_size": 8, "microbatches": 2, "schedule": "zb-h1",
+            "devices": [{"name": "a100"}, {"name": "a100"}],
+            "stages": [{"index": 0, "device": 0, "replica_devices": [0, 1], "nodes": ["fc"],
+                        "forward_s": 0.1, "backward_s": 0.2}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    summaries = [{"rank": r, "replica": r, "stages": [0], "forward": [[f]], "backward": [[b]], "step_s": [1.0],
+                  "recv_wait_s": [0.0], "warmup": 1} for r, f, b in ((0, 0.1, 0.48), (1, 0.3, 0.48))]
+    doc = run_document(summaries, plan, "zb-h1", 2, 8, identity=plan_identity(tmp_path, plan))
+    cal = load_run(doc)
+    assert cal.factor("a100", "fc") == pytest.approx((2.0, 0.48 / SPLIT_BACKWARD_COST / 0.2))
+    assert cal.factor("a100", "fc.shard1") == cal.factor("a100", "fc")  # a split layer's node: its layer's
+    assert cal.factor("v100", "fc") is None

@@ -87,7 +87,7 @@ def test_node_entry_fits_reproduce_the_samples():
 def test_profile_has_every_node_with_positive_times_and_honest_fits(tmp_path):
     from pipecc import driver
     result = profile_model(MLP, "cpu,cpu,u250", model_args=TINY, batch_size=4, link=False,
-                           cache_directory=tmp_path, **FAST)
+                           fixed_costs=False, cache_directory=tmp_path, **FAST)  # the nodes only
     data = json.loads(json.dumps(result.data, allow_nan=False))  # plain JSON, no inf/NaN
     assert not result.cache_hit
     assert data["format"] == "pipecc.profile" and data["version"] == 1
@@ -174,6 +174,7 @@ def test_cache_is_hit_the_second_time_and_keyed(tmp_path):
     assert mixed_again.cache_hit and mixed_again.data["targets"] == mixed.data["targets"]
     assert [d["name"] for d in mixed_again.data["devices"]] == ["cpu", "cpu"]
     assert mixed_again.data["notes"] == [] and mixed.data["notes"]
+    assert (mixed.data["fixed_costs"]["cpu"]["ranks"], mixed_again.data["fixed_costs"]["cpu"]["ranks"]) == (1, 2)
     first.cache_path.write_text("{half a profi")  # a torn entry is a miss, not a crash
     assert not profile_model(MLP, "cpu", model_args=TINY, batch_size=2, cache_directory=tmp_path,
                              **FAST).cache_hit
@@ -285,6 +286,9 @@ def test_command_writes_the_profile_and_measures_the_link(tmp_path, monkeypatch,
     assert main(argv) == 0  # the table, from the cache
     table = capsys.readouterr().out
     assert "[from the cache]" in table and "link (gloo" in table and "linear" in table
+    assert data["fixed_costs"]["cpu"]["ranks"] == 2 and "fixed costs on cpu (2 rank(s) at once)" in table
+    assert main([*argv, "--no-fixed-costs", "--json"]) == 0
+    assert "fixed_costs" not in json.loads(capsys.readouterr().out)
 
 
 def _quick_link(backend, devices):

@@ -174,6 +174,8 @@ def _bad_runs(plan: dict, folder: Path) -> list[tuple[str, object, str]]:
         ("other devices", edited("plan.devices", ["cpu", "cpu", "cpu"]), "ran on devices cpu, cpu, cpu, not"),
         ("other micro-batches", good(microbatches=4), "ran 4 micro-batches, its plan 2"),
         ("unknown node", other_nodes, "ran node 'conv9', which mlp lacks"),
+        ("bad old factors", edited("plan.calibration", {"factors": {"cpu": {"0": "x"}}}),
+         "its plan's calibration factors for '0' are 'x', not two numbers"),
         ("other basis", edited("plan.profile", "prof.json"),
          "ran a plan costed with profile prof.json, not with the roofline (no --profile)"),
     ]

@@ -180,19 +180,16 @@ def _factors(cal: Calibration, where: str) -> None:
             r_b = _ratio(bwd, float(st.get("backward_s") or 0.0), float(st.get("fixed_backward_s") or 0.0))
         cal.stage_ratios.append((index, device, r_f, r_b))
         table = cal.factors.setdefault(device, {})
-        was = old_factors.get(device, {})
-        base = old_default.get(device, [1.0, 1.0])
-
-        def before(node: str, part: int) -> float:
-            value = was.get(node) or was.get(_layer(node) or "") or base
-            return float(value[part])
-        backward_nodes = set(st.get("backward_nodes") or st.get("nodes") or [])
-        for node in dict.fromkeys([*(st.get("nodes") or []), *backward_nodes]):
-            f, b = table.get(node, (before(node, 0), before(node, 1)))
-            if node in (st.get("nodes") or []):
-                f = before(node, 0) * r_f
+        was, base = old_factors.get(device, {}), old_default.get(device, [1.0, 1.0])
+        forward_nodes = st.get("nodes") or []
+        backward_nodes = set(st.get("backward_nodes") or forward_nodes)
+        for node in dict.fromkeys([*forward_nodes, *backward_nodes]):
+            before = _old_factor(was, base, node, where)
+            f, b = table.get(node, before)
+            if node in forward_nodes:
+                f = before[0] * r_f
             if node in backward_nodes:
-                b = before(node, 1) * r_b
+                b = before[1] * r_b
             table[node] = (f, b)
     for device, table in cal.factors.items():
         for node in list(table):  # a split layer's shards speak for the layer
@@ -203,6 +200,21 @@ def _factors(cal: Calibration, where: str) -> None:
         values = list(table.values())
         cal.default[device] = (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)) \
             if values else (1.0, 1.0)
+
+
+def _old_factor(was: Mapping[str, Any], base: Any, node: str, where: str) -> tuple[float, float]:
+    """The factors the run's plan was made with for `node` (its layer's for a split node, else the
+    device's default); PipeccError when the run's `plan.calibration` is not numbers."""
+    value = was.get(node) or was.get(_layer(node) or "") or base
+    try:
+        f, b = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise PipeccError(f"--calibrate {where}: its plan's calibration factors for {node!r} are {value!r}, "
+                          f"not two numbers; {MAKE}") from None
+    if not (_positive(f) and _positive(b)):
+        raise PipeccError(f"--calibrate {where}: its plan's calibration factors for {node!r} are {value!r}, "
+                          f"not positive; {MAKE}")
+    return f, b
 
 
 # ----------------------------------------------------------------------------- checks
@@ -284,21 +296,15 @@ class CalibratedCosts(DeviceCosts):
         super().__init__(base.device)
         self.base, self.calibration = base, calibration
         self.one_tensor_boundaries = base.one_tensor_boundaries
-        self.covered = 0  # units with a factor of their own at the last unit_times
-        self.uncovered = 0
 
     def unit_factors(self, names: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """[unit] forward and backward factors."""
         default = self.calibration.default.get(self.device.name, (1.0, 1.0))
         fwd, bwd = np.full(len(names), default[0]), np.full(len(names), default[1])
-        self.covered = self.uncovered = 0
         for u, unit in enumerate(names):
             got = [f for f in (self.calibration.factor(self.device.name, n) for n in unit) if f is not None]
-            if got:
+            if got:  # NOTE: else the device's median (module docstring)
                 fwd[u], bwd[u] = statistics.fmean(g[0] for g in got), statistics.fmean(g[1] for g in got)
-                self.covered += 1
-            else:
-                self.uncovered += 1
         return fwd, bwd
 
     def unit_times(self, units: UnitNumbers, mb: int) -> tuple[np.ndarray, np.ndarray]:

@@ -27,6 +27,7 @@ from pipecc.ir.graph import AnnotatedGraph
 from pipecc.passes.partition import Partition, PartitionProblem, evaluate
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.units import UnitBuilder, Units
+from pipecc.targets.calibrated import CalibratedCosts
 from pipecc.targets.fpga_timing import FpgaCosts
 from pipecc.targets.hardware import Cluster, Device
 from pipecc.targets.profiled import ProfiledCosts
@@ -38,16 +39,18 @@ __all__ = ["CostTables", "device_costs"]
 def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> DeviceCosts:
     """The one place that picks a device's cost model: FPGA cards get the FPGA model of
     estimates.json (in the plan's FPGA number format), a device the profile timed its
-    measured curves (the roofline for nodes without one), everything else the roofline."""
+    measured curves (the roofline for nodes without one), everything else the roofline; with
+    --calibrate (`options.calibrate`, a Calibration) a CPU's or GPU's model is scaled by the run's factors."""
     if device.kind == "fpga":
         return FpgaCosts(device, builder.graph, builder.groups,
                          number=options.fpga_number or options.dtype, training=options.training)
     roofline = RooflineCosts(device, dtype=options.dtype, training=options.training,
                              optimizer_states=options.optimizer_states)
     target = options.profile.target_for(device) if options.profile is not None else None
-    if target is not None:
-        return ProfiledCosts(roofline, builder.graph, builder.groups, options.profile, target)
-    return roofline
+    costs: DeviceCosts = roofline if target is None else ProfiledCosts(
+        roofline, builder.graph, builder.groups, options.profile, target)
+    # NOTE: --calibrate scales what the model above predicts by what a run measured
+    return costs if options.calibrate is None else CalibratedCosts(costs, options.calibrate)
 
 
 class CostTables:

@@ -30,6 +30,7 @@ from pipecc.passes.partition import lower_bound as partition_lower_bound
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.report.formatting import count
+from pipecc.targets.calibrated import calibration_decisions
 from pipecc.targets.profiled import profile_decisions, time_source
 
 __all__ = ["SearchRecord", "baselines", "lower_bound", "to_plan"]
@@ -133,6 +134,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
         decisions.append(f"device order {list(cand.order)} (chosen among interchangeable types)")
     decisions += rep.decisions(tables, cand, search.results)
     decisions += profile_decisions(tables.costs, cluster, mb)
+    decisions += calibration_decisions(tables.costs, mb)
     decisions += cand.notes  # e.g. which stages recompute their activations, and why
     if bool(cand.thresholds) == bool(search.estimate.get("used")):  # BPipe used or not, and why
         decisions += search.bpipe_notes

@@ -50,6 +50,8 @@ class PlanOptions:
     compare: bool = False             # add the baselines' partitions to the plan
     fpga_number: str | None = None    # FPGA stages' number format (None: from dtype)
     profile: Any = None               # measured costs (a `pipecc profile` file, its dict or Profile)
+    calibrate: Any = None             # a `pipecc run --json` document (file, dict or Calibration): measured
+                                      # stage times mapped back onto the nodes (pipecc.targets.calibrated)
     recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
     replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
     microbatch_sizes: str | Sequence[int] = "equal"  # UMPIPE: equal, auto or S1,S2,... (passes.umpipe_plan)

@@ -416,7 +416,8 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
     """`options` as the planner reads them, and the cluster it plans on: the batch size the
     graph's when None; a `microbatch_sizes` list parsed and checked, fixing the base plan's
     schedule, replicas and micro-batch count (`passes.umpipe_plan.base_options`); a profile
-    loaded, checked against the model and devices, its links measured (`use_profile`)."""
+    loaded, checked against the model and devices, its links measured (`use_profile`); a
+    calibration run loaded and checked alike (`use_calibration`)."""
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     batch = options.batch_size or graph.batch_size
     sizes: Any = options.microbatch_sizes
@@ -434,8 +435,12 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
     if profile is not None:  # checked against the model and devices; its links measured
         from pipecc.targets.profiled import use_profile
         profile, cluster = use_profile(profile, analysis, cluster)
+    calibrate = options.calibrate
+    if calibrate is not None:  # a run of this model on these devices (pipecc.targets.calibrated)
+        from pipecc.targets.calibrated import use_calibration
+        calibrate = use_calibration(calibrate, analysis, cluster, profile)
     return PlanOptions.of(options, batch_size=batch, microbatch_sizes=sizes, profile=profile,
-                          **fixed), cluster
+                          calibrate=calibrate, **fixed), cluster
 
 
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, options: PlanOptions | None = None, *,

@@ -77,7 +77,7 @@ def test_the_command_line_converts_every_plan_flag_once():
     want = dict(microbatches=4, schedule="zb-h1", replicas=2, microbatch_sizes="auto",
                 bipartition="auto", coarse=True, choose_order=True, split_layers=False,
                 recompute="auto", activation_balancing="off", flash_attention=True,
-                fpga_number="ap_fixed<16,6>", compare=True, training=True, profile=None)
+                fpga_number="ap_fixed<16,6>", compare=True, training=True, profile=None, calibrate=None)
     assert {k: getattr(got, k) for k in want} == want
     untouched = {f.name for f in dataclasses.fields(PlanOptions)} - set(want)
     assert untouched == {"batch_size", "optimizer_states", "dtype", "virtual_stages",

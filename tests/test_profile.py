@@ -87,7 +87,7 @@ def test_node_entry_fits_reproduce_the_samples():
 def test_profile_has_every_node_with_positive_times_and_honest_fits(tmp_path):
     from pipecc import driver
     result = profile_model(MLP, "cpu,cpu,u250", model_args=TINY, batch_size=4, link=False,
-                           cache_directory=tmp_path, **FAST)
+                           fixed_costs=False, cache_directory=tmp_path, **FAST)  # the nodes only
     data = json.loads(json.dumps(result.data, allow_nan=False))  # plain JSON, no inf/NaN
     assert not result.cache_hit
     assert data["format"] == "pipecc.profile" and data["version"] == 1
@@ -174,6 +174,7 @@ def test_cache_is_hit_the_second_time_and_keyed(tmp_path):
     assert mixed_again.cache_hit and mixed_again.data["targets"] == mixed.data["targets"]
     assert [d["name"] for d in mixed_again.data["devices"]] == ["cpu", "cpu"]
     assert mixed_again.data["notes"] == [] and mixed.data["notes"]
+    assert (mixed.data["fixed_costs"]["cpu"]["ranks"], mixed_again.data["fixed_costs"]["cpu"]["ranks"]) == (1, 2)
     first.cache_path.write_text("{half a profi")  # a torn entry is a miss, not a crash
     assert not profile_model(MLP, "cpu", model_args=TINY, batch_size=2, cache_directory=tmp_path,
                              **FAST).cache_hit
@@ -285,6 +286,9 @@ def test_command_writes_the_profile_and_measures_the_link(tmp_path, monkeypatch,
     assert main(argv) == 0  # the table, from the cache
     table = capsys.readouterr().out
     assert "[from the cache]" in table and "link (gloo" in table and "linear" in table
+    assert data["fixed_costs"]["cpu"]["ranks"] == 2 and "fixed costs on cpu (2 rank(s) at once)" in table
+    assert main([*argv, "--no-fixed-costs", "--json"]) == 0
+    assert "fixed_costs" not in json.loads(capsys.readouterr().out)
 
 
 def _quick_link(backend, devices):
@@ -354,3 +358,59 @@ def test_older_profiles_without_links_or_scope_still_print_and_load():
     data = {"model": {"name": "mlp"}, "batch_size": 1, "microbatch_sizes": [1], "targets": [],
             "link": link, "notes": []}
     assert "link (gloo, cpu <-> cpu): latency 20.0 us, bandwidth 1 GB/s" in profile_table(data)
+
+
+# ---------------------------------------------------------------------------- fixed costs
+def test_fixed_costs_are_measured_on_a_rank_per_device_at_once():
+    """`measure_fixed_costs`: one record per rank, every rank measuring in the same window (the
+    machine loaded as a run loads it), paired ranks timing one message each side."""
+    from pipecc.profile.fixed import measure_fixed_costs
+    ranks = measure_fixed_costs(["cpu", "cpu"], threads=1, repeat=5)
+    assert [(r["rank"], r["device"], r["peer"]) for r in ranks] == [(0, "cpu", 1), (1, "cpu", 0)]
+    (a0, a1), (b0, b1) = ranks[0]["window"], ranks[1]["window"]
+    assert a0 < b1 and b0 < a1  # the two windows overlap
+    for r in ranks:
+        assert r["op_forward_s"] > 0 and r["op_backward_s"] > 0 and r["message_s"] > 0
+        assert r["microbatch_s"] >= 0 and r["step_s"] >= 0
+
+
+def test_the_profile_has_the_fixed_costs_section_the_planner_reads(tmp_path, monkeypatch):
+    """The section per device name (FPGA cards have none), `ranks` = the spec's CPU/GPU devices,
+    read back by `fixed_costs_for`; cached apart from the node timings (a second profile of another
+    model measures nothing); --no-fixed-costs leaves it out; an old profile without it loads."""
+    from pipecc.profile import fixed
+    from pipecc.targets.fixed_costs import DEFAULTS, FIELDS, fixed_costs_for
+    from pipecc.targets.devices import parse_devices
+    from pipecc.targets.profiled import load_profile
+    data = profile_model(MLP, "cpu,cpu,u250", model_args=TINY, batch_size=2, link=False,
+                         cache_directory=tmp_path, **FAST).data
+    section = data["fixed_costs"]
+    assert list(section) == ["cpu"] and section["cpu"]["ranks"] == 2
+    assert "2 rank(s) at once" in section["cpu"]["source"] and section["cpu"]["message_s"] > 0
+    profile = load_profile(data)
+    device = parse_devices("cpu").devices[0]
+    got = fixed_costs_for(device, profile)
+    assert all(getattr(got, f) == pytest.approx(section["cpu"][f]) for f in FIELDS)
+    assert got.source == section["cpu"]["source"]
+    monkeypatch.setattr(fixed, "measure_fixed_costs", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr("pipecc.profile.profiler.measure_fixed_costs", fixed.measure_fixed_costs)
+    other = profile_model(MLP, "cpu,cpu", model_args={**TINY, "hidden": 24}, batch_size=2, link=False,
+                          cache_directory=tmp_path, **FAST).data
+    assert other["fixed_costs"] == section  # from the cache: two ranks of cpu, as before
+    bare = profile_model(MLP, "cpu,cpu", model_args=TINY, batch_size=2, link=False, fixed_costs=False,
+                         cache_directory=tmp_path, **FAST).data
+    assert "fixed_costs" not in bare
+    assert fixed_costs_for(device, load_profile(bare)) == DEFAULTS["cpu"]
+    assert "fixed costs on cpu (2 rank(s) at once)" in profile_table(data)
+
+
+def test_a_malformed_fixed_costs_section_is_one_line():
+    from pipecc.errors import PipeccError
+    from pipecc.targets.profiled import load_profile
+    base = {"format": "pipecc.profile", "version": 1, "model": {"args": {}}, "microbatch_sizes": [1],
+            "targets": [{"devices": ["cpu"], "nodes": []}]}
+    load_profile(base)  # without the section: loads
+    with pytest.raises(PipeccError, match="fixed_costs of cpu: fixed_costs field 'step_s' is -1"):
+        load_profile({**base, "fixed_costs": {"cpu": {"step_s": -1}}})
+    with pytest.raises(PipeccError, match="is not {device name"):
+        load_profile({**base, "fixed_costs": [1]})

@@ -175,6 +175,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                        help="measured costs from `pipecc profile`: the plan uses its curves for the "
                        "devices it timed, the roofline elsewhere (default: the roofline only; on a "
                        "CPU, profile first)")
+    basic.add_argument("--calibrate", metavar="RUN_JSON",
+                       help="plan with the stage times a run measured: the document `pipecc run OUT "
+                       "--json` printed for a plan of this model on these devices; each stage's measured "
+                       "over predicted time scales its nodes' costs (default: no calibration; see "
+                       "docs/profiling.md)")
     sched = group(p, "schedule")
     sched.add_argument("--microbatches", "-m", type=microbatches, default="auto", metavar="auto|M",
                        help="micro-batches per iteration: auto (default) lets the planner choose, "

@@ -48,10 +48,25 @@ def check_plan_args(args: argparse.Namespace) -> tuple[Any, Any]:
     return cluster, profile
 
 
-def options_from_args(args: argparse.Namespace, profile: Any = None):
+def check_calibrate(args: argparse.Namespace, cluster: Any) -> Any:
+    """--calibrate RUN.json loaded and checked against the devices and the model file, before the
+    analysis (`pipecc.targets.calibrated`; driver.plan checks it again, with the graph); None
+    without the flag."""
+    if getattr(args, "calibrate", None) is None:
+        return None
+    from pipecc.frontend.modelfile import parse_model_args
+    from pipecc.targets.calibrated import check_devices, check_model_file, load_run
+    calibration = load_run(args.calibrate)
+    check_devices(calibration, cluster)
+    if Path(args.model).is_file():
+        check_model_file(calibration, args.model, parse_model_args(args.model_arg))
+    return calibration
+
+
+def options_from_args(args: argparse.Namespace, profile: Any = None, calibrate: Any = None):
     """The command line's plan options as one `PlanOptions` (where they are checked), from the
     flags of `add_plan_args` (`pipecc plan`, `pipecc compile`); `profile` as `check_plan_args`
-    loaded it."""
+    loaded it, `calibrate` as `check_calibrate` did."""
     from pipecc.passes.plan_options import PlanOptions
     return PlanOptions(microbatches=args.microbatches, schedule=args.schedule, coarse=args.coarse,
                        choose_order=args.choose_order, split_layers=not args.no_split_layers,
@@ -59,15 +74,16 @@ def options_from_args(args: argparse.Namespace, profile: Any = None):
                        recompute=args.recompute, fpga_number=args.fpga_number, profile=profile,
                        replicas=args.replicas, microbatch_sizes=args.microbatch_sizes,
                        bipartition=args.bipartition, activation_balancing=args.activation_balancing,
-                       flash_attention=args.flash_attention)
+                       flash_attention=args.flash_attention, calibrate=calibrate)
 
 
 def plan_from_args(args: argparse.Namespace):
     """(analysis, plan, graph) for the model and plan options on the command line."""
     cluster, profile = check_plan_args(args)  # NOTE: first: importing the driver imports torch (seconds)
+    calibrate = check_calibrate(args, cluster)
     from pipecc import driver, varlen
     from pipecc.frontend.modelfile import parse_model_args
-    options = options_from_args(args, profile)
+    options = options_from_args(args, profile, calibrate)
     symbols = driver.parse_symbols(args.symbol)
     lengths = varlen.parse(getattr(args, "length", None), symbols)
     if lengths is not None:

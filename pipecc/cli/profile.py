@@ -2,7 +2,9 @@
 
 Times every node forward and backward at micro-batch sizes 1, 2, 4, ..., B on the devices of
 SPEC that this machine has, fits t(b) = a + c*b per node, measures the point-to-point link,
-and prints a table (or `--json`); `-o FILE` writes the profile JSON. Profiles are cached
+measures the fixed costs (per op call, micro-batch, step and message) with one rank per device
+running at once (`pipecc.profile.fixed`; `--no-fixed-costs` skips them), and prints a table (or
+`--json`); `-o FILE` writes the profile JSON. Profiles are cached
 (`pipecc.profile.cache`); `--no-cache` times again. Nodes are timed with one intra-op thread
 ($OMP_NUM_THREADS when set), as each rank of `pipecc run` runs.
 
@@ -46,6 +48,9 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
                    help="untimed runs before them (default 2)")
     p.add_argument("--no-link", action="store_true", help="do not measure the link")
     p.add_argument("--no-cache", action="store_true", help="time again even if a profile is cached")
+    p.add_argument("--no-fixed-costs", action="store_true",
+                   help="do not measure the fixed costs (per op call, micro-batch, step and message, "
+                   "one rank per device running at once; default: measured, the \"fixed_costs\" section)")
     g = p.add_argument_group("several hosts (run the same command on each)")
     g.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
                    help="hosts in the cluster (default 1); node 0 also measures its link to "
@@ -99,7 +104,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                            batch_size=args.batch_size, warmup=args.warmup, repeat=args.repeat,
                            link=not args.no_link, use_cache=not args.no_cache,
                            symbols=driver.parse_symbols(args.symbol), debug=args.debug,
-                           rendezvous=rendezvous)
+                           rendezvous=rendezvous, fixed_costs=not args.no_fixed_costs)
     text = json.dumps(result.data, indent=1)
     if args.output:
         write_atomic(args.output, text + "\n")
@@ -132,6 +137,11 @@ def profile_table(data: dict[str, Any], cached: bool = False) -> str:
             f"cross-host, node {link['nodes'][0]} <-> node {link['nodes'][1]}, "
         lines.append(f"link ({link['backend']}, {where}{' <-> '.join(link['devices'])}): latency "
                      f"{link['latency_s'] * 1e6:.1f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.3g} GB/s")
+    for name, fc in (data.get("fixed_costs") or {}).items():  # older profiles: none
+        lines.append(f"fixed costs on {name} ({fc['ranks']} rank(s) at once): op forward "
+                     f"{fc['op_forward_s'] * 1e6:.2f} us, op backward {fc['op_backward_s'] * 1e6:.2f} us, "
+                     f"micro-batch {fc['microbatch_s'] * 1e6:.1f} us, step {fc['step_s'] * 1e6:.1f} us, "
+                     f"message {fc['message_s'] * 1e6:.1f} us")
     lines += [f"note: {n}" for n in data.get("notes", [])]
     return "\n".join(lines)
 

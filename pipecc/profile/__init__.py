@@ -9,6 +9,8 @@ profile in place of the roofline figures; that is its business, not this package
     fit.py       t(b) = a + c*b per node (overhead a >= 0, slope c >= 0), relative error
     link.py      latency + bytes/bandwidth between two ranks (gloo; NCCL between GPUs)
     crosshost.py the same between hosts: one process per host around node 0's store
+    fixed.py     the fixed costs per op call, micro-batch, step and message, one rank per
+                 device running at once (`pipecc.targets.fixed_costs` reads them)
     cache.py     profiles keyed by model file hash, arguments, batch, devices, versions
     profiler.py  `profile_model`: the steps above, in order, into one JSON document
 
@@ -30,6 +32,9 @@ The profile JSON (format "pipecc.profile", version 1)::
      "links": [the "link" above if any, then with --nnodes N one per node r = 1 .. N-1:
                {"scope": "cross-host", "endpoint": "HOST:PORT", "nodes": [0, r],
                 "hosts": [str, str], "backend", "devices", "latency_s", ... as "link"}],
+     "fixed_costs": {"<device name>": {"op_forward_s", "op_backward_s", "microbatch_s",
+                                       "step_s", "message_s", "ranks": N, "fit_error",
+                                       "source": str}},   # absent with --no-fixed-costs
      "notes": [str]}
 
 Times are seconds. A node's time at micro-batch b is `a + c*b` of its fit; `error` is the
@@ -39,7 +44,9 @@ placeholders and attribute reads do no work and are left out. `link` is null wit
 device, or with `--no-link`. Older profiles have no `links` and no `scope` (their `link` is
 in-host); readers take `links` when present, else `[link]`. The planner
 (`pipecc.targets.profiled`) reads `link` only: its cluster model has no hosts, so it plans
-with the in-host figure and the cross-host ones are recorded, not used.
+with the in-host figure and the cross-host ones are recorded, not used. `fixed_costs` (absent
+in older profiles, which still load) has one entry per CPU or GPU device name of the spec,
+measured with one rank per such device running at once (`ranks`); FPGA devices have none.
 """
 
 from pipecc.profile.crosshost import Rendezvous, summary_line

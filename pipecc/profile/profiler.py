@@ -2,7 +2,8 @@
 
     devices spec ─► targets (torch devices here) ─► cache lookup ─► analyze (driver)
     ─► per target: time every node at micro-batch sizes 1, 2, 4, ..., B ─► fit curves
-    ─► [link ping-pong] ─► profile JSON ─► cache store
+    ─► [link ping-pong] ─► [fixed costs: one rank per device, all at once] ─► profile JSON
+    ─► cache store
 
 With `--nnodes N` (a `Rendezvous`), node 0 first measures its links to the other hosts
 (`crosshost`, right after the cheap checks: the other nodes wait at the rendezvous) and adds
@@ -15,6 +16,13 @@ is timed once on `cpu`; `2xa100` once on `cuda:0`; `a100@cuda:1` on `cuda:1`; `a
 come from the analytic FPGA model (`pipecc devices`), and the profile says so in `notes`.
 A GPU in the spec on a machine without CUDA is an error, not a silent CPU fallback: the
 numbers would describe the wrong hardware.
+
+Fixed costs (`fixed.py`, the profile's "fixed_costs" section that `pipecc.targets.fixed_costs`
+reads): one process per CPU or GPU device of the spec, as many as `pipecc run` starts for the plan,
+each on its torch device with the threads below, measuring at once; `fixed_costs=False`
+(`--no-fixed-costs`) leaves the section out. They do not depend on the model: the cache keeps them
+apart from the node timings, keyed on the ranks' devices, the threads, the host and the versions
+(`_fixed_costs`), so `cpu,cpu` and `cpu,u250` still share one cached timing of the nodes.
 
 Threads: nodes are timed with torch's intra-op threads at $OMP_NUM_THREADS, else 1 (`cpu_threads`),
 the count each rank of `pipecc run` gets, so a profiled plan predicts what a run does; the
@@ -38,6 +46,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.profile import cache
 from pipecc.profile.crosshost import Rendezvous, link_device, measure_cross_host
 from pipecc.profile.fit import fit_affine
+from pipecc.profile.fixed import fixed_costs_section, measure_fixed_costs
 from pipecc.profile.link import measure_link
 from pipecc.profile.measure import TIMED_OPS, Sample, microbatch_sizes, time_nodes
 
@@ -152,11 +161,12 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
                   batch_size: int = 1, warmup: int = 2, repeat: int = 5, link: bool = True,
                   use_cache: bool = True, cache_directory: Path | None = None,
                   symbols: Sequence[Any] = (), debug: bool = False,
-                  rendezvous: Rendezvous | None = None) -> ProfileResult:
+                  rendezvous: Rendezvous | None = None, fixed_costs: bool = True) -> ProfileResult:
     """Profile a .py model file on the devices of `devices` (a spec string or Cluster).
 
     `symbols` (`--symbol`) only shape the analysis; the timings do not depend on them.
-    `rendezvous` (node 0 of several hosts) adds the cross-host links to `links`."""
+    `rendezvous` (node 0 of several hosts) adds the cross-host links to `links`; `fixed_costs`
+    measures the "fixed_costs" section (module docstring)."""
     from pipecc import __version__, driver
 
     cluster = _cluster(devices)
@@ -183,6 +193,9 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
     sizes = microbatch_sizes(batch_size)
     sha = cache.file_sha256(path)
     threads = cpu_threads()
+    # NOTE: one rank per device `pipecc run` would start for a plan on every device of the spec
+    ranks = [(d.name, _torch_device(d.name, d.kind, d.placement)) for d in cluster.devices
+             if d.kind != "fpga"] if fixed_costs else []
     key = cache.cache_key({
         "format": FORMAT, "version": VERSION, "pipecc": __version__, "torch": torch.__version__,
         "model_sha256": sha, "model_args": model_args, "batch_size": batch_size,
@@ -202,6 +215,7 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
             progress.explain(f"profile of {path.name} from the cache ({where})")
             hit["model"]["path"] = str(path.resolve())
             hit.update(spec_part)
+            hit.update(_fixed_costs(ranks, threads, use_cache, cache_directory))
             return ProfileResult(_with_cross_host(hit, cross), True, where)
 
     analysis = driver.analyze(path, model_args=model_args, batch_size=batch_size,
@@ -232,7 +246,29 @@ def profile_model(path: str | Path, devices: Any, *, model_args: dict[str, Any] 
     stored = cache.store(key, data, cache_directory) if use_cache else None
     if stored:
         progress.explain(f"profile cached as {stored}")
+    data.update(_fixed_costs(ranks, threads, use_cache, cache_directory))
     return ProfileResult(_with_cross_host(data, cross), False, stored)
+
+
+def _fixed_costs(ranks: Sequence[tuple[str, str]], threads: int, use_cache: bool,
+                 directory: Path | None) -> dict[str, Any]:
+    """{"fixed_costs": section} measured with one rank per (device name, torch device) of
+    `ranks` at once, or from the cache; {} with no ranks (`--no-fixed-costs`)."""
+    if not ranks:
+        return {}
+    from pipecc import __version__
+    key = cache.cache_key({"format": FORMAT, "part": "fixed_costs", "pipecc": __version__,
+                           "torch": torch.__version__, "host_cpu": host_cpu_name(),
+                           "ranks": [list(r) for r in ranks], "cpu_threads": threads})
+    hit = cache.load(key, directory) if use_cache else None
+    if hit is not None and isinstance(hit.get("fixed_costs"), dict):
+        return {"fixed_costs": hit["fixed_costs"]}
+    with progress.step(f"measuring the fixed costs on {len(ranks)} rank(s) at once"):
+        section = fixed_costs_section(measure_fixed_costs([t for _, t in ranks], threads),
+                                      [n for n, _ in ranks], host_cpu_name(), threads)
+    if use_cache:
+        cache.store(key, {"cache_key": key, "fixed_costs": section}, directory)
+    return {"fixed_costs": section}
 
 
 def cpu_threads() -> int:

@@ -57,7 +57,7 @@ from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData, TiedGradients
 from pipecc.runtime.stagefile import check_folder, check_marker
 from pipecc.runtime.stash import folder_balancing
-from pipecc.runtime.timing import ActionTimer, gather, read_plan, run_document
+from pipecc.runtime.timing import ActionTimer, gather, plan_identity, read_plan, run_document
 from pipecc.runtime.trace import TraceRecorder, check_trace_path
 from pipecc.runtime.trust import verify_problem
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
@@ -608,8 +608,9 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
     dst = runtime.replicas.rank_of(runtime.schedule.stage_to_rank[runtime.last_stage], 0)
     summaries = gather(timer.summary(runtime.stage_ids), dst, runtime.device)
     if summaries is not None:
-        document = run_document(summaries, read_plan(out), schedule, runtime.m, batch,
-                                stash=runtime.schedule.partner is not None)
+        plan = read_plan(out)
+        document = run_document(summaries, plan, schedule, runtime.m, batch,
+                                stash=runtime.schedule.partner is not None, identity=plan_identity(out, plan))
         print(json.dumps(document), file=stdout, flush=True)
 
 

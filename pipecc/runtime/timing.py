@@ -16,7 +16,19 @@ runtime never imports the compiler), into the one document ``pipecc run --json``
     {"format": "pipecc-run", "version": 1, "schedule", "microbatches", "batch_size", "steps",
      "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "samples_per_s",
      "stages": [{"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples",
-                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}]}
+                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}],
+     "plan": {"model", "model_sha256", "model_args", "batch_size", "microbatches", "schedule",
+              "devices": [name], "sha256", "stages": [{"index", "device", "nodes", "backward_nodes",
+              "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s"}],
+              "profile", "calibration"} | null}
+
+``plan`` (``plan_identity``) identifies the plan that ran, for ``pipecc plan/compile --calibrate
+RUN.json`` (``pipecc.targets.calibrated``): the model (name, the file's sha256 and the model
+arguments ``pipecc.json`` recorded), the plan's devices in plan order, plan.json's sha256, each
+stage's nodes with its predicted times and their fixed parts (0.0 where plan.json has none) and
+the cost model's basis (``options.profile``: the profile file's name, null for the roofline) and
+the calibration factors the plan was made with (``options.calibration``, null when none); null
+where the folder has no ``plan.json``.
 
 One row per stage and rank: with replicated stages (PP x DP, ``pipecc.runtime.replicas``) every
 replica of a stage has its row, ``rank`` the process's global rank, ``device`` the plan's device
@@ -40,6 +52,7 @@ chunks of any stage.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -53,7 +66,7 @@ import torch.distributed as dist
 from pipecc.ir.schedule.actions import Action, ActionKind
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
 
-__all__ = ["ActionTimer", "gather", "read_plan", "run_document"]
+__all__ = ["ActionTimer", "gather", "plan_identity", "read_plan", "run_document"]
 
 FORMAT, VERSION = "pipecc-run", 1
 
@@ -164,6 +177,38 @@ def read_plan(out: Path) -> dict[str, Any]:
     return plan if isinstance(plan, dict) else {}
 
 
+def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The run document's ``plan``: what identifies the plan that ran (module docstring); None
+    without a plan. Reads ``OUT/pipecc.json`` for the model file's sha256 and arguments."""
+    if not plan:
+        return None
+    try:
+        marker = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        marker = {}
+    marker = marker if isinstance(marker, dict) else {}
+    try:
+        digest: str | None = hashlib.sha256((out / "plan.json").read_bytes()).hexdigest()
+    except OSError:
+        digest = None
+    stages = []
+    for st in plan.get("stages") or []:
+        if not isinstance(st, dict):
+            continue
+        stages.append({"index": st.get("index"), "device": st.get("device"),
+                       "nodes": list(st.get("nodes") or []), "backward_nodes": list(st.get("backward_nodes") or []),
+                       "forward_s": _number(st.get("forward_s")), "backward_s": _number(st.get("backward_s")),
+                       "fixed_forward_s": _number(st.get("fixed_forward_s")) or 0.0,
+                       "fixed_backward_s": _number(st.get("fixed_backward_s")) or 0.0})
+    devices = [str(d.get("name", "")) if isinstance(d, dict) else "" for d in plan.get("devices") or []]
+    options = plan.get("options") if isinstance(plan.get("options"), dict) else {}
+    return {"model": marker.get("model", plan.get("model")), "model_sha256": marker.get("model_sha256"),
+            "model_args": marker.get("model_args", plan.get("model_args", {})),
+            "batch_size": plan.get("batch_size"), "microbatches": plan.get("microbatches"),
+            "schedule": plan.get("schedule"), "devices": devices, "sha256": digest, "stages": stages,
+            "profile": options.get("profile"), "calibration": options.get("calibration")}
+
+
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
@@ -177,8 +222,9 @@ def _scaled(value: float | None, factor: float) -> float | None:
 
 
 def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], schedule: str, microbatches: int,
-                 batch_size: int, stash: bool = False) -> dict[str, Any]:
-    """The ``pipecc run --json`` document from every rank's ``summary`` and the plan."""
+                 batch_size: int, stash: bool = False, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``pipecc run --json`` document from every rank's ``summary`` and the plan;
+    ``identity`` is its ``plan`` (``plan_identity``)."""
     steps = min((len(s["step_s"]) for s in summaries), default=0)
     step_s = [max(s["step_s"][i] for s in summaries) for i in range(steps)]
     median = _median(step_s)
@@ -213,4 +259,4 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
             "step_s": {"median": median, "all": step_s},
             "predicted_step_s": _number(plan.get("predicted_iteration_s")),
             "samples_per_s": batch_size / median if median > 0 else 0.0,
-            "stages": stages}
+            "stages": stages, "plan": identity}

@@ -139,6 +139,16 @@ def _malformed(data: dict[str, Any]) -> str | None:
             if not ok:
                 return f"node {n.get('name', '?') if isinstance(n, dict) else n!r} has no " \
                        "fit {fwd, bwd: {a >= 0, c >= 0}}"
+    fixed = data.get("fixed_costs")
+    if fixed is not None:  # NOTE: absent in older profiles (pipecc.targets.fixed_costs reads it)
+        from pipecc.targets.fixed_costs import from_json
+        if not isinstance(fixed, dict) or not all(isinstance(v, dict) for v in fixed.values()):
+            return "\"fixed_costs\" is not {device name: {field: seconds}}"
+        for name, entry in fixed.items():
+            try:
+                from_json(entry, "profile")
+            except ValueError as exc:
+                return f"fixed_costs of {name}: {exc}"
     link = data.get("link")
     if link is not None:
         try:
@@ -351,6 +361,7 @@ class ProfiledCosts(DeviceCosts):
 def time_source(costs: DeviceCosts, names: Sequence[str]) -> str:
     """Where a stage's time came from: its device's cost model, and for a profiled device
     whether every node of the stage had a measured curve."""
+    costs = getattr(costs, "base", costs)  # NOTE: under --calibrate's wrapper (targets.calibrated)
     if isinstance(costs, ProfiledCosts):
         return costs.source(names)
     return "fpga-model" if isinstance(costs, FpgaCosts) else "roofline"
@@ -361,7 +372,7 @@ def profile_decisions(costs: Sequence[DeviceCosts], cluster: Cluster, mb: int) -
     curve, whether the micro-batch size extrapolates the curves, and the measured links."""
     out: list[str] = []
     seen: list[ProfiledCosts] = []
-    for c in costs:
+    for c in (getattr(c, "base", c) for c in costs):  # NOTE: unwraps --calibrate's CalibratedCosts
         if not isinstance(c, ProfiledCosts) or any(c is s for s in seen):
             continue
         seen.append(c)

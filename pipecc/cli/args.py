@@ -183,6 +183,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                        "divide the device count; auto (default): pipecc chooses N with the cuts, and "
                        "may choose plain data parallelism; 1: the plain pipeline (stages); N = the "
                        "device count: plain data parallelism")
+    sched.add_argument("--use-all-devices", action="store_true",
+                       help="give every device a stage (or a replica); default: the planner may use "
+                       "fewer devices (one, when pipelining does not pay) when that is predicted faster, "
+                       "and says so in the plan's decisions")
     sched.add_argument("--inference", action="store_true",
                        help="plan forward passes only (default: training)")
     tech = group(p, "techniques (auto|on|off)")

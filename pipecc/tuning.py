@@ -198,7 +198,7 @@ def run_candidate(folder: Path, steps: int, timeout: float) -> dict[str, Any]:
     """`pipecc run FOLDER --json` in its own process group: its JSON document. A PipeccError
     (its one error line) when it fails; TimeoutError when it has not ended within
     `timeout` x 2 + 30 s (the ranks' own peer timeout is `timeout`), its processes stopped."""
-    cmd = [sys.executable, "-m", "pipecc", "run", str(folder), "--steps", str(steps), "--json",
+    cmd = [sys.executable, "-m", "pipecc.cli", "run", str(folder), "--steps", str(steps), "--json",
            "--warmup-steps", "1" if steps > 1 else "0", "--timeout", f"{timeout:g}", "-q"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -243,6 +243,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
              "pipecc plan models/gpt.py -b 8 --devices 4xa100 --compare --recompute auto -o plan.json"),
     "compile": ("pipecc compile models/mlp.py -b 32 --devices 2xcpu --replicas 1 -o out",
                 "pipecc compile models/gpt.py -b 8 --devices 2xcpu --schedule zb-h1 --profile prof.json -o gpt_out"),
+    "tune": ("pipecc tune models/mlp.py -b 32 --devices 2xcpu -o out",
+             "pipecc tune models/gpt.py -b 8 --devices 2xcpu -k 4 --steps 5 --budget-s 300 -o gpt_out"),
     "run": ("pipecc run out --steps 100 --verify",
             "pipecc run out --steps 1000 --checkpoint-dir ckpt --checkpoint-every 100 --resume"),
     "inspect": ("pipecc inspect out", "pipecc inspect out --stage 1 --format json"),

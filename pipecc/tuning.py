@@ -45,6 +45,8 @@ from pipecc.passes.plan_options import PlanOptions
 __all__ = ["Candidate", "candidates", "key", "measure", "table"]
 
 FAILED, TIMEOUT, SKIPPED, OK = "failed", "timeout", "skipped", "ok"
+RUN_COMMAND = [sys.executable, "-m", "pipecc.cli", "run"]  # a candidate's run (tests replace it)
+GRACE_S = 30.0  # a candidate may take 2 x --timeout + this before it is stopped (start-up, steps)
 
 
 @dataclass
@@ -197,16 +199,17 @@ def compile_candidate(analysis: Any, cand: Candidate, folder: Path) -> None:
 def run_candidate(folder: Path, steps: int, timeout: float) -> dict[str, Any]:
     """`pipecc run FOLDER --json` in its own process group: its JSON document. A PipeccError
     (its one error line) when it fails; TimeoutError when it has not ended within
-    `timeout` x 2 + 30 s (the ranks' own peer timeout is `timeout`), its processes stopped."""
-    cmd = [sys.executable, "-m", "pipecc.cli", "run", str(folder), "--steps", str(steps), "--json",
+    `timeout` x 2 + `GRACE_S` (the ranks' own peer timeout is `timeout`), its processes stopped."""
+    limit = 2 * timeout + GRACE_S
+    cmd = [*RUN_COMMAND, str(folder), "--steps", str(steps), "--json",
            "--warmup-steps", "1" if steps > 1 else "0", "--timeout", f"{timeout:g}", "-q"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=2 * timeout + 30)
+        out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         _stop(proc)
-        raise TimeoutError(f"no result within {2 * timeout + 30:g} s (--timeout {timeout:g})") from None
+        raise TimeoutError(f"no result within {limit:g} s (--timeout {timeout:g}); its processes were stopped") from None
     except BaseException:  # Ctrl-C: the candidate's processes go too
         _stop(proc)
         raise

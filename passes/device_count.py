@@ -14,8 +14,9 @@ listed device; the others stay idle), `options["devices_given"]` the count given
 decision line says how many devices it uses and why.
 
 Not tried (the plan over all devices is kept as it is): explicit replica counts above one,
-explicit per-stage micro-batch sizes, `--activation-balancing on` and a `--profile` (it timed
-the given devices): each asks for a pipeline over the devices as given.
+explicit per-stage micro-batch sizes and `--activation-balancing on`: each asks for a pipeline
+over the devices as given. With a `--profile`, the balance search on k devices reads its
+curves and measured links as the plan over all does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["applies", "decide", "negligible_of_plan", "remap", "subsets"]
 
 def applies(options: Any, p: int) -> bool:
     """Whether fewer than the `p` devices may be planned on (module docstring)."""
-    return bool(p > 1 and not options.use_all_devices and options.profile is None
+    return bool(p > 1 and not options.use_all_devices
                 and (options.replicas == "auto" or options.replicas == 1)
                 and options.microbatch_sizes in ("equal", "auto", "off")
                 and options.activation_balancing != "on")

@@ -476,12 +476,12 @@ def _fewer_devices(analysis: Analysis | AnnotatedGraph, cluster: Cluster, option
         raise
     except PipeccError as exc:  # e.g. more devices than units to place: fewer may fit
         whole, why = None, str(exc)
-    resolved, _ = resolve_options(options, analysis, cluster)
+    resolved, measured = resolve_options(options, analysis, cluster)  # a profile's links measured
     best: tuple[tuple[bool, float], list[int], Cluster] | None = None
     with progress.step(f"weighing fewer than {count(p, 'device')}"):
-        for keep, sub in device_count.subsets(cluster):
+        for (keep, sub), (_, timed) in zip(device_count.subsets(cluster), device_count.subsets(measured)):
             try:
-                balanced = Planner(graph, sub, resolved).run()[0]
+                balanced = Planner(graph, timed, resolved).run()[0]
             except PipeccError:
                 continue
             key = (bool(device_count.negligible_of_plan(balanced)), balanced.predicted_iteration_s)

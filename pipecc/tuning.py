@@ -96,10 +96,10 @@ def candidates(analysis: Any, cluster: Any, options: PlanOptions, k: int, *, deb
     chosen, chosen_graph = driver.plan(analysis, cluster, options, debug=debug)
     out = [Candidate("planner's choice", chosen, chosen_graph)]
     seen = {key(chosen)}
-    resolved, _ = driver.resolve_options(options, analysis, cluster)
-    clusters: list[tuple[list[int] | None, Any]] = [(None, cluster)]
+    resolved, measured = driver.resolve_options(options, analysis, cluster)  # a profile's links measured
+    clusters: list[tuple[list[int] | None, Any]] = [(None, measured)]
     if device_count.applies(options, len(cluster.devices)):
-        clusters += device_count.subsets(cluster)
+        clusters += device_count.subsets(measured)
     ranked: list[tuple[float, Plan]] = []
     full: Planner | None = None
     for keep, sub in clusters:

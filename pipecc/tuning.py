@@ -9,6 +9,8 @@
                                                 (`pipecc run --json` in its own process group),
                                                 its median step time, or why it failed
 
+Order: the planner's choice, the baselines, the planner's next best (a `--budget-s` skips from
+the end). The tuned plan is never measured slower than a baseline that fit and ran.
 A candidate is a `Candidate` (label, plan, graph). Distinct: another device set, schedule,
 micro-batch count, replica count or stage cut (`key`). The baselines use the planner's best
 plain-pipeline schedule and micro-batch count over all devices, with their tool's cuts:
@@ -84,9 +86,10 @@ def key(plan: Plan) -> tuple[Any, ...]:
 
 def candidates(analysis: Any, cluster: Any, options: PlanOptions, k: int, *, debug: bool = False,
                note: Callable[[str], None] = lambda _: None) -> list[Candidate]:
-    """The planner's choice first, then its next best distinct candidates (k in all, over all
-    devices and, unless `use_all_devices`, over fewer), then the baselines that fit and are not
-    already listed. `note` hears why a baseline was left out."""
+    """The planner's choice first, then the baselines that fit and are not already listed, then
+    the planner's next best distinct candidates (k of its own in all, over all devices and,
+    unless `use_all_devices`, over fewer; last, so that a budget cuts them before a baseline).
+    `note` hears why a baseline was left out."""
     from pipecc import driver
     from pipecc.passes import device_count
     from pipecc.passes.plan_search import Planner
@@ -117,12 +120,12 @@ def candidates(analysis: Any, cluster: Any, options: PlanOptions, k: int, *, deb
                 plan.options["devices_given"] = len(cluster.devices)
             ranked.append((plan.predicted_iteration_s, plan))
     ranked.sort(key=lambda r: r[0])
-    for _, plan in ranked:
-        if len(out) >= k:
+    others: list[Plan] = []
+    for _, plan in ranked:  # the planner's next best, k - 1 of them
+        if len(others) >= k - 1:
             break
-        if key(plan) not in seen:
-            seen.add(key(plan))
-            out.append(Candidate(f"planner #{len(out) + 1}", plan, graph))
+        if key(plan) not in seen and all(key(plan) != key(o) for o in others):
+            others.append(plan)
     for label, plan, base_graph, why in _baselines(analysis, cluster, options, full, debug):
         if plan is None:
             note(f"{label} not tuned: {why}")
@@ -132,6 +135,10 @@ def candidates(analysis: Any, cluster: Any, options: PlanOptions, k: int, *, deb
         else:
             seen.add(key(plan))
             out.append(Candidate(label, plan, base_graph or graph))
+    for rank, plan in enumerate(others, 2):  # after the baselines: a budget cuts these first
+        if key(plan) not in seen:
+            seen.add(key(plan))
+            out.append(Candidate(f"planner #{rank}", plan, graph))
     for c in out:
         c.plan.model_path, c.plan.model_args = chosen.model_path, dict(chosen.model_args)
     return out

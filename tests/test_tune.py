@@ -49,6 +49,9 @@ def test_candidates_start_with_the_planners_choice_and_are_distinct(mlp_analysis
     eq = next((c for c in cands if c.label == "equal-count"), None)
     assert eq is None or len(eq.plan.stages) == 2
     assert sum(c.label.startswith("planner") for c in cands) <= 3
+    planners = [i for i, c in enumerate(cands) if c.label.startswith("planner #")]
+    bases = [i for i, c in enumerate(cands) if not c.label.startswith("planner")]
+    assert not planners or not bases or max(bases) < min(planners)  # a budget cuts the planner's first
 
 
 def test_k_below_one_is_refused(mlp_analysis) -> None:

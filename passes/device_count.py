@@ -4,7 +4,8 @@ Issue 20: on small work a pipeline over every device can lose to fewer devices (
 CPUs: zb-h1 with one micro-batch, 77 % bubble, where one CPU has none), and the plain search
 may leave a stage with negligible compute (`passes.plan_search.negligible_stages`). With
 `PlanOptions.use_all_devices` False (the command line's default; `--use-all-devices` pins every
-device) the driver's `plan` weighs, for each k < p, the balance search on k of the devices
+device) the driver's `plan` weighs, for each k < p (up to 4 devices; beyond, p/2, p/4, ..., 1),
+the balance search on k of the devices
 (`subsets`: the first k when the devices are alike, else the k fastest in their given order)
 against the plan over all p; the best k, when predicted faster (or when the plan over all p
 keeps a negligible stage and k devices need none), is planned in full (layer splits and the
@@ -14,8 +15,9 @@ listed device; the others stay idle), `options["devices_given"]` the count given
 decision line says how many devices it uses and why.
 
 Not tried (the plan over all devices is kept as it is): explicit replica counts above one,
-explicit per-stage micro-batch sizes and `--activation-balancing on`: each asks for a pipeline
-over the devices as given. With a `--profile`, the balance search on k devices reads its
+explicit per-stage micro-batch sizes, `--activation-balancing on`, and more than
+`MAX_DEVICES` devices (the first three each ask for a pipeline
+over the devices as given). With a `--profile`, the balance search on k devices reads its
 curves and measured links as the plan over all does.
 """
 
@@ -26,19 +28,23 @@ from typing import Any, Sequence
 from pipecc.passes.plan_search import negligible_stages
 from pipecc.report.formatting import count
 
-__all__ = ["applies", "decide", "negligible_of_plan", "remap", "subsets"]
+# NOTE: beyond this many devices the sub-clusters' link tables (k x k) cost more than the
+# search: the plan over all of them is kept
+MAX_DEVICES = 64
+
+__all__ = ["MAX_DEVICES", "applies", "decide", "negligible_of_plan", "remap", "subsets"]
 
 
 def applies(options: Any, p: int) -> bool:
     """Whether fewer than the `p` devices may be planned on (module docstring)."""
-    return bool(p > 1 and not options.use_all_devices
+    return bool(1 < p <= MAX_DEVICES and not options.use_all_devices
                 and (options.replicas == "auto" or options.replicas == 1)
                 and options.microbatch_sizes in ("equal", "auto", "off")
                 and options.activation_balancing != "on")
 
 
 def subsets(cluster: Any) -> list[tuple[list[int], Any]]:
-    """(kept device indices, their cluster) for k = 1 .. p-1 devices: the first k when every
+    """(kept device indices, their cluster) for k = 1 .. p-1 devices (the halvings of p beyond 4): the first k when every
     device is alike, else the k fastest (peak FLOP/s of the catalog or cluster file, the
     figure the cost model reads) in their given order. Links are the given ones."""
     from pipecc.targets.hardware import Cluster
@@ -47,7 +53,10 @@ def subsets(cluster: Any) -> list[tuple[list[int], Any]]:
     alike = len(set(devices)) == 1
     fastest = sorted(range(p), key=lambda i: -max(devices[i].peak_flops.values(), default=0.0))
     out = []
-    for k in range(1, p):
+    # NOTE: every k up to 4 devices; beyond, the halvings p/2, p/4, ..., 1 (each k costs a
+    # balance search: 7 of them on 8 devices took minutes for large graphs)
+    counts = range(1, p) if p <= 4 else sorted({max(1, p >> i) for i in range(1, p.bit_length())} - {p})
+    for k in counts:
         keep = list(range(k)) if alike else sorted(fastest[:k])
         out.append((keep, Cluster(devices=tuple(devices[i] for i in keep),
                                   links=tuple(tuple(cluster.links[i][j] for j in keep) for i in keep))))

@@ -3,6 +3,7 @@
     analyze         build ─► capture ─► costs          (an ONNX file: import ─► costs)
     analyze_module  capture ─► costs                   (an in-memory module)
     plan            balance ─► split layers ─► [unequal micro-batches] ─► [bipartition]
+                    (all devices, then fewer: `_fewer_devices`, unless use_all_devices)
     compile         cut stages ─► report ─► check ─► write     (the compiled folder OUT)
     compile_module  cut stages ─► check ─► module              (pipecc.compile's drop-in)
 

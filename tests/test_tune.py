@@ -162,6 +162,7 @@ def test_a_failing_run_gives_its_error_line(tmp_path, monkeypatch) -> None:
     (["-k", "0"], 2, "tune at least 1 candidate"),
     (["--budget-s", "0"], 2, "--budget-s: must be > 0"),
     (["--steps", "0"], 2, "--steps"),
+    (["--dump-ir", "dumps"], 2, "--dump-ir applies to `pipecc plan` and `pipecc compile`"),
 ])
 def test_bad_arguments_are_usage_errors(argv, code, message, tmp_path, capsys) -> None:
     got, out, err = run_cli(["tune", MLP, "--devices", "2xcpu", "-o", str(tmp_path / "o"), *argv], capsys)

@@ -73,6 +73,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from pipecc.frontend.modelfile import parse_model_args
     from pipecc.report.formatting import terminal_text
     check_output_folder(args.output, args.force)  # now, not after minutes of measuring
+    if args.dump_ir:
+        from pipecc.errors import UsageError
+        raise UsageError("--dump-ir applies to `pipecc plan` and `pipecc compile`; compile the tuned "
+                         "plan's options with it to see its IR")
     cluster, profile = check_plan_args(args)
     options = options_from_args(args, profile)
     analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),

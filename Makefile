@@ -28,7 +28,7 @@ demo: $(STAMP)
 	@echo "== 1/4 cost: FLOPs, weights and activations per block of a small GPT"
 	$(VENV)/bin/pipecc cost $(DEMO_MODEL) --by-module 2
 	@echo "== 2/4 compile: cut it into pipeline stages over two CPU processes"
-	$(VENV)/bin/pipecc compile $(DEMO_MODEL) --devices 2xcpu --replicas 1 -m 4 -o $(DEMO)
+	$(VENV)/bin/pipecc compile $(DEMO_MODEL) --devices 2xcpu --replicas 1 --use-all-devices -m 4 -o $(DEMO)
 	@echo "== 3/4 inspect: the stages, their nodes and the schedule"
 	$(VENV)/bin/pipecc inspect $(DEMO)
 	@echo "== 4/4 run: train 20 steps with torchrun, one process per rank; --verify checks outputs, loss and gradients"

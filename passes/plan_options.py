@@ -8,8 +8,10 @@ choices, raised when the options are built (`__post_init__`), before any search 
 
 The defaults are the Python API's (`driver.plan`, `pipecc.compile`): the plain pipeline
 (`replicas=1`) and no activation balancing, because one process (the drop-in module) cannot
-run replica groups or BPipe's pairs side by side. The command line's own defaults are its
-flags' (`--replicas auto`, `--activation-balancing auto`, `--fpga-number float`).
+run replica groups or BPipe's pairs side by side, and every device given (`use_all_devices`:
+the drop-in's caller names the devices its stages go to). The command line's own defaults are
+its flags' (`--replicas auto`, `--activation-balancing auto`, `--fpga-number float`, fewer
+devices when they are predicted faster unless `--use-all-devices`).
 
 What needs the model is resolved by the driver: `batch_size=None` is the graph's example
 batch, and a `microbatch_sizes` list fixes the schedule, replicas and micro-batch count
@@ -60,6 +62,9 @@ class PlanOptions:
     bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
     activation_balancing: str = "off"  # BPipe: auto, on or off (passes.bpipe)
     flash_attention: bool = False     # cost fused attention as flash attention runs it (cost.annotate)
+    # False: a plan on fewer of the devices (one, when pipelining does not pay) is a candidate
+    # (`passes.device_count`); True: every device gets a stage (or a replica)
+    use_all_devices: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule != "auto" and self.schedule not in TRAINING_SCHEDULES:

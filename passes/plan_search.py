@@ -8,13 +8,23 @@
 Layer splitting (`passes.split_search`), unequal micro-batches (`passes.umpipe_plan`) and
 separate forward/backward cuts (`passes.bipartition_plan`) run after it, on its plan, as the
 driver's later steps. `Planner` holds one search's state (its candidates, best first, and the
-BPipe estimate); the numbers are the evaluator's.
+BPipe estimate); the numbers are the evaluator's. `ranked(k)` lists the k best distinct
+candidates (`pipecc tune` measures them) without changing the choice.
+
+No stage with negligible compute (issue 20): a candidate with a stage doing under
+`NEGLIGIBLE_SHARE` of its busiest stage's compute (GPT's stage 0 holding only `idx.size(1)`)
+ranks after every candidate without one, whatever it predicts; it is chosen only when no other
+placement on these devices fits, and the plan says so. (Whether fewer devices do better is the
+driver's `fewer devices` step, `passes.device_count`.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
+
+import numpy as np
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir import techniques
@@ -25,15 +35,40 @@ from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
 from pipecc.passes import replicas as rep
-from pipecc.passes.partition import InfeasibleError
+from pipecc.passes.partition import InfeasibleError, partition
+from pipecc.targets.timing import CANNOT_RUN_S
 from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.plan_emit import SearchRecord, to_plan
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.plan_options import PlanOptions
+from pipecc.report.formatting import count
 from pipecc.targets.hardware import Cluster
 
-__all__ = ["Planner"]
+__all__ = ["NEGLIGIBLE_SHARE", "Planner", "negligible_stages"]
+
+# A design threshold, not a cost figure: a stage computing under 1 % of what its pipeline's
+# busiest stage computes holds a device (and a message each way) for nothing worth a rank
+NEGLIGIBLE_SHARE = 0.01
+
+
+def negligible_stages(stage_s: Sequence[float]) -> list[int]:
+    """The stages (indices) of a pipeline whose compute seconds `stage_s` are negligible: under
+    `NEGLIGIBLE_SHARE` of the busiest one's. None with one stage."""
+    top = max(stage_s, default=0.0)
+    if len(stage_s) < 2 or top <= 0:
+        return []
+    return [k for k, t in enumerate(stage_s) if t < NEGLIGIBLE_SHARE * top]
+
+
+def stage_seconds(cand: Candidate) -> list[float]:
+    """[stage] forward + backward seconds of `cand`'s stages on their devices."""
+    b, fwd, bwd = cand.part.bounds, np.asarray(cand.problem.fwd), np.asarray(cand.problem.bwd)
+    return [float(fwd[k, b[k]:b[k + 1]].sum() + bwd[k, b[k]:b[k + 1]].sum()) for k in range(len(b) - 1)]
+
+
+def _rank_key(c: Candidate) -> tuple[bool, float, int, int]:
+    return (bool(negligible_stages(stage_seconds(c))), c.timeline.iteration_s, c.microbatches, c.replicas)
 
 
 class Planner:
@@ -117,11 +152,12 @@ class Planner:
             tried = [c for c in tried if c[0] == "1f1b"] or tried
         for schedule, m, d in tried:
             try:
-                results.append(recompute_pass.evaluate_candidate(ev, schedule, m, d))
+                cand = recompute_pass.evaluate_candidate(ev, schedule, m, d)
+                results.append(self.spread(cand) or cand)
             except InfeasibleError as exc:
                 lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
                              "reason": str(exc)})
-        results.sort(key=lambda c: (c.timeline.iteration_s, c.microbatches, c.replicas))
+        results.sort(key=_rank_key)  # a negligible stage ranks last (module docstring)
         ms = sorted({(m, d) for s, m, d in tried if s == "1f1b" and self.p // d > 1})  # BPipe's (m, replicas)
         results, notes, estimate = bpipe_pass.apply(ev, results, ms)
         self.record = SearchRecord(results, estimate, notes)
@@ -141,18 +177,77 @@ class Planner:
 
     def to_plan(self, cand: Candidate) -> Plan:
         """The Plan of `cand`, with why every other candidate lost (`alternatives`)."""
-        return to_plan(self.evaluator, cand, self.alternatives(cand), self.record)
+        plan = to_plan(self.evaluator, cand, self.alternatives(cand), self.record)
+        idle = negligible_stages(stage_seconds(cand))
+        if idle:
+            plan.decisions.append(
+                f"stage {', '.join(map(str, idle))} computes under {NEGLIGIBLE_SHARE:.0%} of the busiest "
+                f"stage: no placement on {count(self.p, 'device')} without such a stage fits")
+        return plan
+
+    def spread(self, c: Candidate) -> Candidate | None:
+        """`c` re-cut so that its first and last stages each compute at least `NEGLIGIBLE_SHARE`
+        of the whole (cuts that would leave them less are blocked), costed and simulated like
+        the evaluator's own; None when `c` has no negligible stage, when it is not a plain
+        pipeline of one stage per rank, or when no such cut fits (a negligible middle stage
+        is left as it is: blocking one cut cannot bound a stage between two)."""
+        if not negligible_stages(stage_seconds(c)) or c.virtual != 1 or c.thresholds:
+            return None
+        raw = c.raw or c.problem
+        fwd, bwd = np.asarray(raw.fwd), np.asarray(raw.bwd)
+        stages, n = fwd.shape[0], fwd.shape[1]
+        first, last = fwd[0] + bwd[0], fwd[-1] + bwd[-1]
+        head = np.concatenate(([0.0], np.cumsum(first)))            # [j] stage 0 = units 0..j-1
+        tail = np.concatenate((np.cumsum(last[::-1])[::-1], [0.0]))  # [j] last stage = units j..
+        mask = [list(row) for row in raw.blocked] if raw.blocked is not None else \
+            [[False] * (n + 1) for _ in range(stages - 1)]
+        for j in range(n + 1):
+            mask[0][j] = mask[0][j] or bool(head[j] < NEGLIGIBLE_SHARE * head[-1])
+            mask[-1][j] = mask[-1][j] or bool(tail[j] < NEGLIGIBLE_SHARE * tail[0])
+        try:
+            part = partition(dataclasses.replace(raw, blocked=mask))
+        except InfeasibleError:
+            return None
+        if part.bottleneck >= CANNOT_RUN_S:
+            return None
+        ev, d = self.evaluator, c.replicas
+        assert isinstance(self.options.batch_size, int)
+        mb = rep.slice_size(self.options.batch_size // c.microbatches, d)
+        prob, part = ev.tables.recost(raw, part.bounds, c.order, mb, d)
+        allreduce = rep.stage_allreduce_s(ev.tables, c.units, part.bounds, c.order, d) if d > 1 else None
+        timeline = ev.simulate(part, prob, c.schedule, c.microbatches, 1, order=c.order, allreduce=allreduce)
+        out = dataclasses.replace(c, part=part, problem=prob, timeline=timeline,
+                                  allreduce=list(allreduce or []))
+        return None if negligible_stages(stage_seconds(out)) else out
+
+    def ranked(self, k: int) -> list[Candidate]:
+        """The `k` best distinct candidates, best first (after `run`): distinct in schedule,
+        micro-batches, replicas or cuts. The first is the one `run` chose."""
+        out: list[Candidate] = []
+        seen: set[tuple[Any, ...]] = set()
+        for c in self.results:
+            key = (c.schedule, c.microbatches, c.replicas, tuple(c.part.bounds), c.thresholds, c.recompute)
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+            if len(out) >= k:
+                break
+        return out
 
     def alternatives(self, chosen: Candidate) -> list[dict[str, Any]]:
         """Why every other (schedule, micro-batches) lost to `chosen` (before layer splits)."""
         out = list(self.infeasible)
         for c in self.results:
             if c is not chosen:
+                idle = negligible_stages(stage_seconds(c))
+                why = (f"stage {idle[0]} would compute under {NEGLIGIBLE_SHARE:.0%} of the busiest "
+                       f"stage ({c.timeline.iteration_s:.4g} s per iteration)" if idle and not
+                       negligible_stages(stage_seconds(chosen)) else
+                       f"slower: {c.timeline.iteration_s:.4g} s per iteration "
+                       f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
+                       f"{chosen.timeline.iteration_s:.4g} s")
                 out.append({"schedule": c.schedule, "microbatches": c.microbatches,
-                            "replicas": c.replicas,
-                            "reason": f"slower: {c.timeline.iteration_s:.4g} s per iteration "
-                                      f"(bubble {c.timeline.bubble_fraction:.1%}) vs "
-                                      f"{chosen.timeline.iteration_s:.4g} s"})
+                            "replicas": c.replicas, "reason": why})
         return out
 
     def contenders(self, within: float = math.inf, most: int = len(TRAINING_SCHEDULES)) -> list[Candidate]:

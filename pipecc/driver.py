@@ -3,6 +3,7 @@
     analyze         build ─► capture ─► costs          (an ONNX file: import ─► costs)
     analyze_module  capture ─► costs                   (an in-memory module)
     plan            balance ─► split layers ─► [unequal micro-batches] ─► [bipartition]
+                    (all devices, then fewer: `_fewer_devices`, unless use_all_devices)
     compile         cut stages ─► report ─► check ─► write     (the compiled folder OUT)
     compile_module  cut stages ─► check ─► module              (pipecc.compile's drop-in)
 
@@ -450,17 +451,75 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, options: PlanOptions
 
     `options` (`passes.plan_options.PlanOptions`, whose docstring says what each field does)
     with `fields` replacing its values (`plan(g, "2xcpu", microbatches=4)`); the defaults are
-    the Python API's (`replicas=1`, `activation_balancing="off"`). `debug` verifies the IR after
+    the Python API's (`replicas=1`, `activation_balancing="off"`, `use_all_devices=True`; with it
+    False, fewer devices when predicted faster: `_fewer_devices`). `debug` verifies the IR after
     each step, `dump_ir` writes it (`Instruments`)."""
-    from pipecc.passes import split_search
-    from pipecc.passes.plan_search import Planner
     from pipecc.targets.devices import Cluster, DeviceSpecError, parse_devices
     options = PlanOptions.of(options, **fields)
-    graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     try:
         cluster = devices if isinstance(devices, Cluster) else parse_devices(devices)
     except DeviceSpecError as exc:
         raise UsageError(str(exc)) from exc
+    from pipecc.passes import device_count
+    if not device_count.applies(options, len(cluster.devices)):
+        return _plan_on(analysis, cluster, options, debug=debug, dump_ir=dump_ir)
+    return _fewer_devices(analysis, cluster, options, debug=debug, dump_ir=dump_ir)
+
+
+def _fewer_devices(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: PlanOptions, *,
+                   debug: bool, dump_ir: str | Path | None) -> tuple[Plan, AnnotatedGraph]:
+    """The plan over every device, or over fewer when that is predicted faster
+    (`passes.device_count`: the balance search on each k < p, the best k planned in full)."""
+    from pipecc.passes import device_count
+    from pipecc.passes.plan_search import Planner
+    graph = analysis.graph if isinstance(analysis, Analysis) else analysis
+    p = len(cluster.devices)
+    try:
+        whole: tuple[Plan, AnnotatedGraph] | None = _plan_on(analysis, cluster, options, debug=debug,
+                                                             dump_ir=dump_ir)
+        why = ""
+    except UsageError:
+        raise
+    except PipeccError as exc:  # e.g. more devices than units to place: fewer may fit
+        whole, why = None, str(exc)
+    resolved, measured = resolve_options(options, analysis, cluster)  # a profile's links measured
+    best: tuple[tuple[bool, float], list[int], Cluster] | None = None
+    with progress.step(f"weighing fewer than {count(p, 'device')}"):
+        for (keep, sub), (_, timed) in zip(device_count.subsets(cluster), device_count.subsets(measured)):
+            try:
+                balanced = Planner(graph, timed, resolved).run()[0]
+            except PipeccError:
+                continue
+            key = (bool(device_count.negligible_of_plan(balanced)), balanced.predicted_iteration_s)
+            if best is None or key < best[0]:
+                best = (key, keep, sub)
+    if best is None and whole is None:
+        raise PipeccError(why)
+    alone = None
+    if best is not None and (whole is None or best[0] < (bool(device_count.negligible_of_plan(whole[0])),
+                                                         whole[0].predicted_iteration_s)):
+        try:
+            alone = _plan_on(graph, best[2], options, debug=debug, dump_ir=dump_ir)
+        except PipeccError:
+            if whole is None:
+                raise
+    keep = best[1] if best is not None else list(range(p))
+    chosen, line = device_count.decide(whole and whole[0], alone and alone[0], keep, p, why)
+    result = whole if whole is not None and chosen is whole[0] else alone
+    assert result is not None
+    if result is alone:
+        device_count.remap(chosen, keep)
+    chosen.options["devices_given"] = p
+    chosen.decisions.insert(0, line)
+    return result
+
+
+def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: PlanOptions, *,
+             debug: bool, dump_ir: str | Path | None) -> tuple[Plan, AnnotatedGraph]:
+    """`plan` on every device of `cluster`."""
+    from pipecc.passes import split_search
+    from pipecc.passes.plan_search import Planner
+    graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     cost.recost_attention(graph, bool(options.flash_attention))
     given_profile = options.profile
     options, cluster = resolve_options(options, analysis, cluster)
@@ -499,7 +558,7 @@ def plan(analysis: Analysis | AnnotatedGraph, devices: Any, options: PlanOptions
     from pipecc.passes import replicas as rep
     sub, keep = rep.without_fpgas(cluster)
     try:
-        alone = plan(graph, sub, options, debug=debug)
+        alone = plan(graph, sub, PlanOptions.of(options, use_all_devices=True), debug=debug)
     except PipeccError:
         if whole is None:
             raise

@@ -182,7 +182,7 @@ def compile_case(case: Case, tmp_path: Path, capfd) -> tuple[int, str, str, Path
     path = tmp_path / "model.py"
     path.write_text(case.source)
     out = tmp_path / "out"
-    code = cli.main(["compile", str(path), "--devices", "2xcpu", "-b", "4", "-o", str(out), "-q",
+    code = cli.main(["compile", str(path), "--devices", "2xcpu", "--use-all-devices", "-b", "4", "-o", str(out), "-q",
                      *case.flags])
     captured = capfd.readouterr()
     return code, captured.out, captured.err, out

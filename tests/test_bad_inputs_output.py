@@ -239,7 +239,7 @@ ERRORS = [
     ("cluster nested 3000 deep", _toml("devices = " + "[" * 3000 + "]" * 3000 + "\n"), CLUSTER, 2,
      "nests arrays or tables too deeply to read"),
     ("cluster tiny mem_bandwidth", _toml('devices = ["cpu", "g"]\n[device.g]\nbase = "cpu"\n'
-                                         'mem_bandwidth = 1e-30\n'), CLUSTER, 1,
+                                         'mem_bandwidth = 1e-30\n'), CLUSTER + ["--use-all-devices"], 1,
      "every placement takes over 1e+09 s per micro-batch on device(s) cpu, g"),
     ("200 device tokens of 1024xcpu", None, ["plan", MLP, "-d", ",".join(["1024xcpu"] * 200)], 1,
      "204800 devices but only 7 units to place"),
@@ -572,7 +572,8 @@ def hostile_onnx(tmp_path_factory) -> Path:
 def test_hostile_onnx_names_never_reach_the_terminal_raw(hostile_onnx, tmp_path, capsys):
     out = str(tmp_path / "out")
     runs = [["cost", str(hostile_onnx)], ["plan", str(hostile_onnx), "-d", "cpu,cpu", "-v"],
-            ["compile", str(hostile_onnx), "-d", "cpu,cpu", "-o", out, "-v"], ["inspect", out, "-v"],
+            ["compile", str(hostile_onnx), "-d", "cpu,cpu", "--use-all-devices", "-o", out, "-v"],
+            ["inspect", out, "-v"],
             ["inspect", out, "--stage", "0"], ["inspect", out, "--stage", "1"],
             ["inspect", out, "--format", "dot"]]
     for argv in runs:

@@ -33,7 +33,7 @@ MLP_ARGS = model_args(MLP_TINY)
 @pytest.fixture(scope="module")
 def mlp_out(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bad_run") / "mlp"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-m", "2",
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out), "-b", "8", "-m", "2",
             "-q", *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
     assert cli.main(argv) == 0
     return out
@@ -227,7 +227,7 @@ def test_verify_stages_only_needs_no_model_file(mlp_out: Path, tmp_path: Path, m
 
 def test_compile_records_the_model_hash(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-q",
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out), "-b", "8", "-q",
             *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
     assert cli.main(argv) == 0
     marker = json.loads((out / "pipecc.json").read_text())
@@ -287,7 +287,7 @@ def test_a_complex_model_trains_every_stage(tmp_path: Path, monkeypatch, capsys)
     --verify compares both parts of every complex gradient with the single-process run."""
     (tmp_path / "model.py").write_text(COMPLEX)
     out = tmp_path / "out"
-    assert cli.main(["compile", str(tmp_path / "model.py"), "-d", "cpu,cpu", "--replicas", "1", "-b", "4",
+    assert cli.main(["compile", str(tmp_path / "model.py"), "-d", "cpu,cpu", "--replicas", "1", "--use-all-devices", "-b", "4",
                      "-m", "2", "-o", str(out), "-q"]) == 0
     monkeypatch.delenv("RANK", raising=False)
     assert dist.main([str(out), "--steps", "1", "--schedule", "interleaved", "--verify"]) == 0
@@ -315,7 +315,7 @@ def test_half_precision_models_train_on_the_cpu(dtype: str, tmp_path: Path, monk
     dtype's tolerance), rather than failing in a rank."""
     (tmp_path / "model.py").write_text(HALF.format(dtype=dtype))
     out = tmp_path / "out"
-    assert cli.main(["compile", str(tmp_path / "model.py"), "-d", "cpu,cpu", "--replicas", "1", "-b", "4",
+    assert cli.main(["compile", str(tmp_path / "model.py"), "-d", "cpu,cpu", "--replicas", "1", "--use-all-devices", "-b", "4",
                      "-m", "2", "-o", str(out), "-q"]) == 0
     monkeypatch.delenv("RANK", raising=False)
     assert dist.main([str(out), "--steps", "2", "--schedule", "interleaved", "--verify"]) == 0

@@ -272,7 +272,7 @@ def test_batchnorm_never_lands_in_a_segment():
 
 
 def test_cli_flag(capsys, tmp_path):
-    args = ["plan", str(zoo_path("mlp")), "--devices", "2xcpu", "--replicas", "1",
+    args = ["plan", str(zoo_path("mlp")), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
             "--batch-size", "64", "-m", "8", "--schedule", "1f1b", "--no-split-layers",
             *[f"--model-arg={k}={v}" for k, v in LUMPY.items()]]
     code, out, err = run_cli([*args, "--bipartition", "auto", "--json"], capsys)

@@ -352,7 +352,7 @@ def test_cli_compile_refuses_when_the_trace_fails(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(segments, "trace_segment", fail)
     out = tmp_path / "out"
     code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
-                                 "--replicas", "1", "--schedule", "1f1b", "--no-split-layers", "--bipartition",
+                                 "--replicas", "1", "--use-all-devices", "--schedule", "1f1b", "--no-split-layers", "--bipartition",
                                  "auto", *MLP_ARGS, "-o", str(out)], capsys)
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith("pipecc: error: the segment at boundary 0 (nodes ")
@@ -371,7 +371,7 @@ def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
     saved tensors that travel are the plan's extra_send_bytes (the transposed weight does not)."""
     out = tmp_path / "out"
     code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
-                                 "--replicas", "1", "--schedule", "1f1b", "--no-split-layers",
+                                 "--replicas", "1", "--use-all-devices", "--schedule", "1f1b", "--no-split-layers",
                                  "--bipartition", "auto", *MLP_ARGS, "-o", str(out)], capsys)
     assert code == 0, err
     assert "Bi-Partition (ship): 1 segment(s)" in stdout

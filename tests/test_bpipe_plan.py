@@ -173,7 +173,7 @@ def test_flash_attention_switch_in_the_cost_model() -> None:
 # ---------------------------------------------------------------------------- CLI
 def test_cli_flags_and_one_line_errors(capsys) -> None:
     tiny = [f"--model-arg={k}={v}" for k, v in zoo_module("gpt").TINY.items()]
-    base = ["plan", "models/gpt.py", *tiny, "-b", "8", "--devices", "4xcpu", "--replicas", "1",
+    base = ["plan", "models/gpt.py", *tiny, "-b", "8", "--devices", "4xcpu", "--replicas", "1", "--use-all-devices",
             "--no-split-layers"]
     code, out, err = run_cli([*base, "--schedule", "gpipe", "--activation-balancing", "on"], capsys)
     assert code == 2 and err.count("\n") == 1

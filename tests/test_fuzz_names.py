@@ -39,7 +39,7 @@ ALLOWED_IMPORTS = {"import torch", "import torch.nn.functional as F",
 
 def compile_or_one_line_error(model: Path, out: Path, capfd) -> bool:
     """`pipecc compile`: True when it wrote OUT, False after exactly one error line."""
-    code = cli.main(["compile", str(model), "--devices", "2xcpu", "-b", "3", "-o", str(out), "-q",
+    code = cli.main(["compile", str(model), "--devices", "2xcpu", "--use-all-devices", "-b", "3", "-o", str(out), "-q",
                      "--no-split-layers"])
     err = capfd.readouterr().err
     if code == 0:

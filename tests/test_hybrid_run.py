@@ -65,7 +65,7 @@ def compile_replicated(out: Path, pipeline_devices: int, replicas: int, batch: i
         return out
     argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", f"{pipeline_devices * replicas}xcpu",
             "--replicas", str(replicas), "-o", str(out), "-b", str(batch), "-m", str(microbatches),
-            "--schedule", "1f1b", "-q"]
+            "--schedule", "1f1b", "--use-all-devices", "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0

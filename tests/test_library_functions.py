@@ -72,7 +72,7 @@ def test_compiled_folder_imports_the_functions_and_runs_verified(tmp_path: Path)
     model_file = tmp_path / "wrapped_funcs.py"
     shutil.copy(MODEL, model_file)
     out = tmp_path / "out"
-    done = _pipecc("compile", str(model_file), "--devices", "2xcpu", "--replicas", "1", "-o", str(out))
+    done = _pipecc("compile", str(model_file), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out))
     assert done.returncode == 0, done.stderr
     sources = "\n".join((out / f"stage_{i}" / "stage.py").read_text() for i in range(2))
     imports = set(_imports(sources))

@@ -133,7 +133,7 @@ def test_mobilenet_v3_block_compiles_and_matches_onnxruntime(tmp_path: Path) -> 
     path = _save(tmp_path, "mbv3", nodes, [_vi("x", FLOAT, ["B", 3, 8, 8])], [_vi("y", FLOAT, ["B", 8, 8, 8])],
                  inits)
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--replicas", "1", "--batch-size", "2",
+    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "--batch-size", "2",
                       "-o", str(out), timeout=300)
     assert done.returncode == 0, done.stderr
     import pipecc

@@ -72,12 +72,13 @@ def test_the_command_line_converts_every_plan_flag_once():
         "plan", str(MLP), "--devices", "2xcpu", "-m", "4", "--schedule", "zb-h1", "--replicas", "2",
         "--microbatch-sizes", "auto", "--bipartition", "auto", "--coarse", "--choose-order",
         "--no-split-layers", "--recompute", "auto", "--activation-balancing", "off",
-        "--flash-attention", "--fpga-number", "ap_fixed<16,6>", "--compare"])
+        "--flash-attention", "--fpga-number", "ap_fixed<16,6>", "--compare", "--use-all-devices"])
     got = options_from_args(args, profile=None)
     want = dict(microbatches=4, schedule="zb-h1", replicas=2, microbatch_sizes="auto",
                 bipartition="auto", coarse=True, choose_order=True, split_layers=False,
                 recompute="auto", activation_balancing="off", flash_attention=True,
-                fpga_number="ap_fixed<16,6>", compare=True, training=True, profile=None, calibrate=None)
+                fpga_number="ap_fixed<16,6>", compare=True, training=True, profile=None, calibrate=None,
+                use_all_devices=True)
     assert {k: getattr(got, k) for k in want} == want
     untouched = {f.name for f in dataclasses.fields(PlanOptions)} - set(want)
     assert untouched == {"batch_size", "optimizer_states", "dtype", "virtual_stages",
@@ -86,6 +87,7 @@ def test_the_command_line_converts_every_plan_flag_once():
     inference = options_from_args(build_parser().parse_args(
         ["plan", str(MLP), "--devices", "2xcpu", "--inference"]))
     assert inference.training is False and inference.replicas == "auto"  # the CLI's own default
+    assert inference.use_all_devices is False  # the CLI may use fewer devices
 
 
 def test_the_evaluators_timeline_is_its_simulation_of_the_same_cuts(graph):

@@ -48,7 +48,7 @@ def test_the_readme_model_file_pipelines_over_two_cpus(tmp_path: Path, capsys) -
     model = tmp_path / "mymodel.py"
     model.write_text(code)
     status, out, err = run_cli(["plan", str(model), "-b", "32", "--devices", "2xcpu", "--replicas", "1",
-                                "--json", "-q"], capsys)
+                                "--use-all-devices", "--json", "-q"], capsys)
     assert status == 0, err
     plan = json.loads(out)
     assert len(plan["stages"]) >= 2 and plan["replicas"] == 1 and plan["microbatches"] >= 2

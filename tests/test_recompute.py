@@ -331,7 +331,7 @@ def test_generated_stage_checkpoints_and_is_unchanged_without() -> None:
 
 def compile_recomputing_mlp(out) -> list[str]:
     """`pipecc compile` of the tiny MLP over 2 CPUs, every stage recomputing; its argv."""
-    argv = ["compile", MLP, "--devices", "2xcpu", "--replicas", "1", "-b", "8", "-m", "2", "--recompute", "full",
+    argv = ["compile", MLP, "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-b", "8", "-m", "2", "--recompute", "full",
             "-o", str(out), "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]

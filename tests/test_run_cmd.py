@@ -42,8 +42,8 @@ STEP = re.compile(r"^step (\d+): loss (\S+), (\S+) samples/s$", re.MULTILINE)
 
 
 def compile_model(model: str, out: Path, model_args: list[str], batch: int) -> Path:
-    argv = ["compile", str(ROOT / "models" / model), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", str(batch),
-            "-m", "2", "-q"]
+    argv = ["compile", str(ROOT / "models" / model), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
+            "-o", str(out), "-b", str(batch), "-m", "2", "-q"]  # a pipeline: every device a stage
     for arg in model_args:
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0

@@ -30,8 +30,8 @@ STAGE = {"index", "rank", "replica", "device", "forward_s", "backward_s", "forwa
 
 
 def compile_mlp(out: Path, *extra: str) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-m", "2",
-            "-q", *extra]
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
+            "-o", str(out), "-b", "8", "-m", "2", "-q", *extra]  # a pipeline: every device a stage
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0

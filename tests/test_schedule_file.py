@@ -33,7 +33,7 @@ SWAPPED = ("rank 0: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1\n"
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("schedule_file") / "mlp"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "-b", "8",
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-b", "8",
             "-m", "2", "--schedule", "1f1b", "-o", str(out), "-q"]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]

@@ -40,7 +40,7 @@ def load(path: Path):
 
 
 def compile_folder(model: Path, out: Path, *args: str, batch: int = 8) -> Path:
-    argv = ["compile", str(model), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", str(batch),
+    argv = ["compile", str(model), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out), "-b", str(batch),
             "-m", "2", "-q"]
     for arg in args:
         argv += ["--model-arg", arg] if "=" in arg else [arg]

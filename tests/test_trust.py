@@ -43,7 +43,7 @@ def compiled(tmp_path_factory) -> Path:
     model.parent.mkdir()
     shutil.copy(ROOT / "models" / "mlp.py", model)
     out = base / "out"
-    argv = ["compile", str(model), "--devices", "2xcpu", "--replicas", "1", "-o", str(out), "-b", "8", "-m", "2",
+    argv = ["compile", str(model), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out), "-b", "8", "-m", "2",
             "-q", *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
     assert cli.main(argv) == 0
     return base

@@ -212,13 +212,13 @@ def test_equal_is_the_default(gpt_analysis):
 
 def test_cli_given_sizes(capsys):
     from helpers import run_cli
-    code, out, _ = run_cli(["plan", "models/mlp.py", "-b", "8", "--devices", "cpu,cpu",
+    code, out, _ = run_cli(["plan", "models/mlp.py", "-b", "8", "--devices", "cpu,cpu", "--use-all-devices",
                             "--microbatch-sizes", "3,5", "--json"], capsys)
     assert code == 0
     data = json.loads(out)
     assert data["microbatch_sizes"] == [[3, 5], [3, 5]]
     assert data["schedule"] == "gpipe" and data["replicas"] == 1 and data["microbatches"] == 2
-    code, out, _ = run_cli(["plan", "models/mlp.py", "-b", "8", "--devices", "cpu,cpu",
+    code, out, _ = run_cli(["plan", "models/mlp.py", "-b", "8", "--devices", "cpu,cpu", "--use-all-devices",
                             "--microbatch-sizes", "3,5"], capsys)
     assert code == 0 and "stage 0 [3, 5], stage 1 [3, 5]" in out
 
@@ -234,7 +234,7 @@ def test_cli_given_sizes(capsys):
 ])
 def test_cli_bad_sizes_are_one_line_usage_errors(capsys, extra, message):
     from helpers import run_cli
-    code, out, err = run_cli(["plan", "models/mlp.py", "-b", "8", "--devices", "cpu,cpu", *extra], capsys)
+    code, out, err = run_cli(["plan", "models/mlp.py", "-b", "8", "--devices", "cpu,cpu", "--use-all-devices", *extra], capsys)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("pipecc: error: ") and message in err
 

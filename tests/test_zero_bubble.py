@@ -223,7 +223,7 @@ def test_torch_order_that_differs_is_refused() -> None:
 @pytest.fixture(scope="module")
 def zb_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("zb") / "mlp"
-    compiled = run_pipecc("compile", str(ROOT / "models" / "mlp.py"), "-b", "8", "--devices", "2xcpu",
+    compiled = run_pipecc("compile", str(ROOT / "models" / "mlp.py"), "-b", "8", "--devices", "2xcpu", "--use-all-devices",
                           "--schedule", "zb-h1", "-m", "4", "-o", str(out), "-q",
                           *[x for kv in model_args(MLP_TINY) for x in ("--model-arg", kv)])
     assert compiled.returncode == 0, compiled.stderr

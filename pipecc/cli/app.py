@@ -23,16 +23,16 @@ from pipecc.errors import PipeccError
 
 def build_parser() -> argparse.ArgumentParser:
     from pipecc.cli import compile as compile_cmd
-    from pipecc.cli import cost, csim, devices, export_checkpoint, inspect, plan, profile, run
+    from pipecc.cli import cost, csim, devices, export_checkpoint, inspect, plan, profile, run, tune
     parser = Parser(prog="pipecc", description="pipecc: a pipeline-parallel compiler for "
-                    "deep-learning models (cost, plan, compile, run, inspect).")
+                    "deep-learning models (cost, plan, compile, tune, run, inspect).")
     parser.add_argument("--version", action="version", version="pipecc " + _version())
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks and verify the IR after each pass")
     common.add_argument("-v", "--verbose", action="store_true", help="explain decisions")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for module in (cost, plan, compile_cmd, devices, run, export_checkpoint, inspect, csim, profile):
+    for module in (cost, plan, compile_cmd, tune, devices, run, export_checkpoint, inspect, csim, profile):
         module.add_parser(sub, common)
     finish_help(sub)
     return parser

@@ -193,6 +193,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                        "divide the device count; auto (default): pipecc chooses N with the cuts, and "
                        "may choose plain data parallelism; 1: the plain pipeline (stages); N = the "
                        "device count: plain data parallelism")
+    sched.add_argument("--use-all-devices", action="store_true",
+                       help="give every device a stage (or a replica); default: the planner may use "
+                       "fewer devices (one, when pipelining does not pay) when that is predicted faster, "
+                       "and says so in the plan's decisions")
     sched.add_argument("--inference", action="store_true",
                        help="plan forward passes only (default: training)")
     tech = group(p, "techniques (auto|on|off)")
@@ -249,6 +253,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
              "pipecc plan models/gpt.py -b 8 --devices 4xa100 --compare --recompute auto -o plan.json"),
     "compile": ("pipecc compile models/mlp.py -b 32 --devices 2xcpu --replicas 1 -o out",
                 "pipecc compile models/gpt.py -b 8 --devices 2xcpu --schedule zb-h1 --profile prof.json -o gpt_out"),
+    "tune": ("pipecc tune models/mlp.py -b 32 --devices 2xcpu -o out",
+             "pipecc tune models/gpt.py -b 8 --devices 2xcpu -k 4 --steps 5 --budget-s 300 -o gpt_out"),
     "run": ("pipecc run out --steps 100 --verify",
             "pipecc run out --steps 1000 --checkpoint-dir ckpt --checkpoint-every 100 --resume"),
     "export-checkpoint": ("pipecc export-checkpoint ckpt model.safetensors",

@@ -74,7 +74,8 @@ def options_from_args(args: argparse.Namespace, profile: Any = None, calibrate: 
                        recompute=args.recompute, fpga_number=args.fpga_number, profile=profile,
                        replicas=args.replicas, microbatch_sizes=args.microbatch_sizes,
                        bipartition=args.bipartition, activation_balancing=args.activation_balancing,
-                       flash_attention=args.flash_attention, calibrate=calibrate)
+                       flash_attention=args.flash_attention, calibrate=calibrate,
+                       use_all_devices=getattr(args, "use_all_devices", False))
 
 
 def plan_from_args(args: argparse.Namespace):

@@ -294,4 +294,19 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve
     m = microbatches if microbatches is not None else int(marker.get("microbatches", 1))
+    if devices is not None and len(devices) != len(modules):
+        devices = _given_devices(out, list(devices), len(modules))
     return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices)
+
+
+def _given_devices(out: Path, devices: list[Any], stages: int) -> list[Any]:
+    """`devices` given one per device of the compile's `--devices` for a plan that uses fewer
+    (plan.json's `options.devices_given`; `passes.device_count`): each stage's own, by its
+    device's `given_index`. Any other count is left for PipelinedModule to refuse."""
+    try:
+        plan = json.loads((out / "plan.json").read_text(encoding="utf-8"))
+        if int(plan.get("options", {}).get("devices_given", 0)) != len(devices):
+            return devices
+        return [devices[int(plan["devices"][int(s["device"])]["given_index"])] for s in plan["stages"]][:stages]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return devices

@@ -69,8 +69,15 @@ def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
         else:
             units = ev.builder.at(rep.slice_size(mb, d))
             order = cand.order if d == 1 else tuple(range(ev.p))
-            # NOTE: the schedule only sets in-flight counts (memory), which no bound uses
-            prob = ev.problem(units, rep.slice_size(mb, d), "1f1b", cand.microbatches, order, 1, d=d)
+            # NOTE: the schedule only sets in-flight counts (memory), which no bound uses; the
+            # stage count does (every stage pays its fixed costs): an interleaved candidate's
+            # bottleneck is per virtual stage, so its other degrees are bounded with its v
+            sched = cand.schedule if cand.virtual > 1 else "1f1b"
+            try:
+                prob = ev.problem(units, rep.slice_size(mb, d), sched, cand.microbatches, order,
+                                  cand.virtual, d=d)
+            except ValueError:  # no such schedule at this degree (interleaved: m % ranks): no plan
+                continue
         if d == 1:
             prob = ev.tables.bound_problem(prob, cand.order, mb)
         best = min(best, partition_lower_bound(prob, units.splittable, comm=comm))

@@ -10,8 +10,7 @@ consumed at or after s, counted once per boundary it crosses (a skip over two cu
 through the middle stage and paid twice). X[0] = 0 (model input is not charged) and X[n] = 0
 (outputs feed the loss on the last stage). Per micro-batch, stage k computes and link k
 (stage k → k+1) carries one message each way (activation forward, its gradient back):
-    T_k = Σ (fwd + bwd)[k][a:e] + c_k    t_k = link_time(k, X[e])   (t_{p-1} = 0)
-(c_k = fixed_fwd[k] + fixed_bwd[k]: what one micro-batch costs the stage whatever it holds)
+    T_k = Σ (fwd + bwd)[k][a:e] + c_k    t_k = link_time(k, X[e])   (t_{p-1} = 0, c_k: fixed)
 Communication is modelled as the runtime runs it (`pipecc.runtime.wire`): a SEND is an
 `isend`, so the sender computes on while the link carries the tensor; the link carries one
 message at a time per direction; the receiver's RECV waits until the data has arrived. The
@@ -99,17 +98,15 @@ class PartitionProblem:
     # static_mem, an over-estimate)
     stash_bytes: Sequence[float] | None = None
     param_bytes: Sequence[float] | None = None
-    # [stage] the fixed seconds of one micro-batch's forward / backward on the stage whatever
-    # units it holds (per-micro-batch overhead, `pipecc.targets.fixed_costs`): T_k adds both;
-    # None: none
+    # [stage] one micro-batch's fixed forward / backward seconds whatever the stage holds
+    # (`pipecc.targets.fixed_costs`): T_k adds both (c_k); None: none
     fixed_fwd: Sequence[float] | None = None
     fixed_bwd: Sequence[float] | None = None
 
     def stage_fixed(self, k: int) -> tuple[float, float]:
         """Stage k's fixed forward and backward seconds per micro-batch (0, 0 without)."""
-        f = float(self.fixed_fwd[k]) if self.fixed_fwd is not None else 0.0
-        b = float(self.fixed_bwd[k]) if self.fixed_bwd is not None else 0.0
-        return f, b
+        return (float(self.fixed_fwd[k]) if self.fixed_fwd is not None else 0.0,
+                float(self.fixed_bwd[k]) if self.fixed_bwd is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -202,9 +199,7 @@ def _arrays(pr: PartitionProblem) -> _Arrays:
         if len(pr.recompute) != p:
             raise ValueError(f"recompute needs one flag per stage ({p}), got {len(pr.recompute)}")
         act_times = np.where(np.asarray(pr.recompute, dtype=bool), np.minimum(inflight, 1.0), inflight)
-    fixed = None
-    if pr.fixed_fwd is not None or pr.fixed_bwd is not None:
-        fixed = np.array([sum(pr.stage_fixed(k)) for k in range(p)])
+    fixed = None if pr.fixed_fwd is None and pr.fixed_bwd is None else np.array([sum(pr.stage_fixed(k)) for k in range(p)])
     return _Arrays(n, p, cost, static, act, inflight, np.asarray(pr.mem_cap, dtype=float), X,
                    act_times, fixed)
 
@@ -323,8 +318,7 @@ def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray)
     for k in range(p):
         P = np.concatenate(([0.0], np.cumsum(ar.cost[k])))
         w, v = P - (pen[k - 1] if k > 0 else zero), P + (pen[k] if k < p - 1 else zero)
-        if ar.fixed is not None:  # c_k: every end pays it
-            v = v + ar.fixed[k]
+        v = v + (ar.fixed[k] if ar.fixed is not None else 0.0)  # c_k: every end pays it
         tk = t[k] if k < p - 1 else zero
         f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
         G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
@@ -506,8 +500,7 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     carries at least x0 bytes.
     Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
     are left out of both the fluid sum and the device's starting weight.
-    Fixed costs per stage (c_k = `stage_fixed`, paid by every stage whatever it holds): T_d =
-    L_d + c_d, so (1) and (4) gain Σ_d λ_d c_d and (2) gains min_d c_d.
+    Fixed costs c_k (`stage_fixed`): T_d = L_d + c_d, so (1), (4) gain Σ λ_d c_d, (2) min_d c_d.
     Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200.
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)

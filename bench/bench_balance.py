@@ -55,7 +55,10 @@ Data parallelism (DP), for the speedup/memory table. Each participating device r
 model on batch/n samples (n participants, equal split). Device time = Σ over units of forward +
 backward time on that device at batch/n, from the same `CostTables.times` the planner uses;
 heterogeneous DP is bounded by the slowest device. Gradients are all-reduced with a ring:
-    t_ar = 2(n−1)/n · param_bytes / min ring-link bandwidth + 2(n−1) · max ring-link latency
+    t_ar = 2(n−1)/n · param_bytes / min ring-link bandwidth
+           + 2(n−1) · (max ring-link latency + both hosts' message_s)
+(times on the one cost model, `passes.plan_costs.CostTables`: fwd and bwd with their fixed costs
+per call and per micro-batch, and each device's per-iteration step_s after it.)
 over the cluster's links between consecutive participants (a100↔a100 nvlink3, a100↔v100 the
 slower PCIe, ...). Reported: serial (fwd + bwd + t_ar) and overlapped (fwd + max(bwd, t_ar),
 as DDP's bucketed all-reduce at best). Memory per device = 4 × param bytes (weights, grads,
@@ -115,6 +118,7 @@ from pipecc import driver  # noqa: E402
 from pipecc.targets.devices import Cluster, parse_devices  # noqa: E402
 from pipecc.errors import PipeccError  # noqa: E402
 from pipecc.passes import baselines as baseline_rules  # noqa: E402
+from pipecc.passes import replicas as rep  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner  # noqa: E402
@@ -265,21 +269,24 @@ def _dp_on(graph, cluster: Cluster, part: list[int], batch: int) -> dict[str, An
     n, share = len(part), batch / len(part)
     bal = Planner(graph, sub, PlanOptions(batch_size=batch))
     units = bal.tables.builder.at(share)
-    fwd, bwd = bal.tables.times(units, share)
-    f, b = fwd.sum(axis=1), bwd.sum(axis=1)
+    tables = bal.tables  # the one cost model: the fixed costs per call, micro-batch, step, message
+    fwd, bwd = tables.times(units, share)
+    fixed = np.array([tables.stage_fixed(d) for d in range(n)])
+    f, b = fwd.sum(axis=1) + fixed[:, 0], bwd.sum(axis=1) + fixed[:, 1]
+    step = np.array([tables.step_s(d) for d in range(n)])
     param_bytes = float(units.param_bytes.sum())
     if n > 1:
         ring = [sub.link(i, (i + 1) % n) for i in range(n)]
-        bw, lat = min(x.bandwidth for x in ring), max(x.latency for x in ring)
-        t_ar = 2 * (n - 1) / n * param_bytes / bw + 2 * (n - 1) * lat
+        host = max(tables.message_s(i, (i + 1) % n) for i in range(n))
+        t_ar = rep.ring_allreduce_s(ring, param_bytes, host)
         ring_name = min(ring, key=lambda x: x.bandwidth).name
     else:
         t_ar, ring_name = 0.0, "none"
     memory = 4 * param_bytes + float(units.values["stash_bytes"].sum())
     short = [d for d, dev in enumerate(sub.devices) if memory > dev.memory_bytes * MEMORY_HEADROOM]
     return {"devices": [d.name for d in sub.devices], "n": n,
-            "serial_s": float(np.max(f + b) + t_ar),
-            "overlapped_s": float(np.max(f + np.maximum(b, t_ar))), "allreduce_s": t_ar,
+            "serial_s": float(np.max(f + b + step) + t_ar),
+            "overlapped_s": float(np.max(f + np.maximum(b, t_ar) + step)), "allreduce_s": t_ar,
             "ring_link": ring_name, "memory_bytes": memory, "param_bytes": param_bytes,
             "fits": not short, "short_device": sub.devices[short[0]].name if short else None,
             "short_cap": sub.devices[short[0]].memory_bytes * MEMORY_HEADROOM if short else None}

@@ -19,8 +19,8 @@ closed formulas (`_gpt3_stage_costs`), not from a traced model: a 96B model is n
 UMPIPE (PAPERS-SPEC.md §1.6). For each model, device spec and batch B, one partition for every
 contender: pipecc's plan under `--schedule gpipe --replicas 1` (its optimal cuts at its best
 equal micro-batch count; no layer splitting). On that partition, per-chunk stage costs f_s(b),
-g_s(b) and link times for b = 1..B (`passes.umpipe_plan.curves_for_plan`: the roofline plus a
-per-call overhead per node, 5 us per kernel on a GPU, see LAUNCH_S there). Contenders, all on
+g_s(b) and link times for b = 1..B (`passes.umpipe_plan.curves_for_plan`: the one cost model,
+the roofline plus the fixed costs of `pipecc.targets.fixed_costs`). Contenders, all on
 those same curves:
 
   UMPIPE       the GA of `passes.umpipe.search` (tied mode, fixed seed, `--budget` seconds)
@@ -32,7 +32,7 @@ Asynchronous PipeDream (no flush, weight stashing) is not modelled: "PipeDream" 
 with a flush (spec §1.8 pitfall 4). Gains are `T_baseline / T_UMPIPE - 1`, shown next to the
 paper's abstract figures ([P]: GPT1-14 +13.89 % vs GPipe, +11.09 % vs PipeDream; VGG16 +17.11 %,
 +7.96 %; simulated networks >= +170 %, >= +100 %). What differs from the paper: the cost model
-(pipecc's roofline with a nominal per-call overhead, not measured curves), the hardware (the
+(pipecc's roofline with sourced fixed costs, not measured curves), the hardware (the
 paper's is unknown), the stage count, batch sizes and partition (unknown in the paper; pipecc's
 optimal cuts here) and the GA budget (seconds here).
 
@@ -185,8 +185,8 @@ def render(rows: list[dict], budget_s: float, seconds: float) -> str:
              f"{seconds:.0f} s on this machine. GA budget {budget_s:g} s per case, fixed seed. "
              "Every figure is a prediction (recurrence = event simulator), on one partition per "
              "case: pipecc's gpipe plan (replicas 1, no layer splitting). Chunk costs: the "
-             "roofline plus a per-call overhead per node (5 us per GPU kernel, forward 1 and "
-             "backward 2 calls per node; `passes/umpipe_plan.py` LAUNCH_S). \"PipeDream\" is "
+             "one cost model's (the roofline plus the fixed costs per call, per chunk, per "
+             "message and per step of `pipecc/targets/fixed_costs.py`). \"PipeDream\" is "
              "1F1B with a flush; asynchronous PipeDream is not modelled. Bi-Partition and BPipe "
              "have their own sections below.", "",
              "Differences from the paper (whose hardware, stage counts, batches, partition and "
@@ -205,8 +205,8 @@ def render(rows: list[dict], budget_s: float, seconds: float) -> str:
             f"{paper[0]} / {paper[1]} | {r['generations']}, {r['ga_s']:.1f} |")
     lines += ["", "Reading: UMPIPE is never slower than GPipe-EDP (every equal split is in the GA's "
               "first generation). On the zoo models the gain is small (0-5 %): the roofline "
-              "is linear in the chunk size past its knee and the nominal per-call overhead is "
-              "the only fixed cost, so the best equal split is already close to optimal; the "
+              "is linear in the chunk size past its knee and the fixed costs are small next to "
+              "these models' chunks, so the best equal split is already close to optimal; the "
               "unequal splits found mostly shorten the fill with a smaller first chunk or absorb "
               "a remainder. 1F1B-EDP is sometimes faster than UMPIPE (UMPIPE runs GPipe row "
               "order only). The synthetic chains, whose fixed costs differ by two decades "

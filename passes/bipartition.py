@@ -10,8 +10,9 @@ must be non-empty (v1; this also keeps the last unit, the loss, in the last work
 
 Cost model: `passes.partition`'s (read its docstring first), with per boundary two messages
 instead of one symmetric one.
-    T_j = Σ fwd[j][a_{j-1}:a_j] + Σ bwd[j][c_{j-1}:c_j]   (+ Σ fwd[j] of the units it BPs but
-          does not FP, mode "recompute": it re-runs their forward before their backward)
+    T_j = Σ fwd[j][a_{j-1}:a_j] + Σ bwd[j][c_{j-1}:c_j] + c_j  (+ Σ fwd[j] of the units it BPs
+          but does not FP, mode "recompute": it re-runs their forward before their backward;
+          c_j: the worker's fixed cost per micro-batch, `PartitionProblem.fixed_fwd/fixed_bwd`)
     forward message  XF_j = X[a_j] + (a_j > c_j ? S(c_j, a_j) : 0)
     backward message XB_j = X[c_j] + (c_j > a_j ? S(a_j, c_j) : 0)
 S is the segment's saved tensors per micro-batch ("ship", spec §3.3: `stash_bytes` per node,
@@ -118,6 +119,7 @@ class _Costs:
         self.PF = _prefix(np.asarray(pr.fwd, dtype=float))
         self.PB = _prefix(np.asarray(pr.bwd, dtype=float))
         self.PS = _prefix(ar.static)
+        self.fixed = ar.fixed if ar.fixed is not None else np.zeros(ar.p)  # [worker] c_j
         self.PA = _prefix(ar.act)
         stash = pr.stash_bytes if pr.stash_bytes is not None else np.asarray(ar.act).max(axis=0)
         params = pr.param_bytes if pr.param_bytes is not None else np.asarray(ar.static).max(axis=0)
@@ -161,7 +163,8 @@ def _evaluate(cs: _Costs, a: Sequence[int], c: Sequence[int]) -> BiPartition:
     tb = [cs.link(k, x) for k, x in enumerate(xb)]
     times, mems = [], []
     for j in range(p):
-        t = float(cs.PF[j, a[j + 1]] - cs.PF[j, a[j]] + cs.PB[j, c[j + 1]] - cs.PB[j, c[j]])
+        t = float(cs.PF[j, a[j + 1]] - cs.PF[j, a[j]] + cs.PB[j, c[j + 1]] - cs.PB[j, c[j]]) \
+            + float(cs.fixed[j])
         if cs.mode == "recompute":  # BP-only units: the forward once more
             t += float(max(0.0, cs.PF[j, a[j]] - cs.PF[j, c[j]])
                        + max(0.0, cs.PF[j, c[j + 1]] - cs.PF[j, a[j + 1]]))
@@ -258,7 +261,7 @@ def _steps(cs: _Costs, cands: list[list[int]], no_segment: np.ndarray | None) ->
         prev, cur = np.array(layers[j]), np.array(layers[j + 1])
         pa, pc = prev[:, 0][:, None], prev[:, 1][:, None]
         ca, cc = cur[:, 0][None, :], cur[:, 1][None, :]
-        T = cs.PF[j][ca] - cs.PF[j][pa] + cs.PB[j][cc] - cs.PB[j][pc]
+        T = cs.PF[j][ca] - cs.PF[j][pa] + cs.PB[j][cc] - cs.PB[j][pc] + cs.fixed[j]
         if cs.mode == "recompute":
             T = T + np.maximum(0.0, cs.PF[j][pa] - cs.PF[j][pc]) + np.maximum(0.0, cs.PF[j][cc] - cs.PF[j][ca])
         tf_in = np.array([[x[0] for x in info[j - 1]]]).T if j > 0 else np.zeros((1, 1))

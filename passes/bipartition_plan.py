@@ -106,10 +106,13 @@ def _problem(ev: Evaluator, plan: Plan, units: Any, mb: int) -> PartitionProblem
                                param_bytes=np.asarray(units.param_bytes, dtype=float))
 
 
-def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int) -> StageCosts:
+def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int,
+                step: Sequence[float] | None = None) -> StageCosts:
     """The simulator's costs of a cut pair (`passes.simulate` module docstring): FP/BP range
-    sums, both messages per boundary, stashes held per `passes.bipartition`'s memory model,
-    the replica refresh as each owner's tail after its last action."""
+    sums plus each worker's per-micro-batch fixed costs (`PartitionProblem.stage_fixed`), both
+    messages per boundary, stashes held per `passes.bipartition`'s memory model, each worker's
+    per-iteration fixed cost `step[j]` (the optimizer step) then the replica refresh as its
+    tail after its last action."""
     a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(bi.fwd_bounds) - 1
     fwd, bwd = np.asarray(prob.fwd, dtype=float), np.asarray(prob.bwd, dtype=float)
     act = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), fwd.shape)
@@ -117,29 +120,36 @@ def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int) -> StageCosts:
     params = np.asarray(prob.param_bytes if prob.param_bytes is not None else static.max(axis=0))
     f, b, held, own = [], [], [], []
     for j in range(p):
-        f.append(float(fwd[j, a[j]:a[j + 1]].sum()))
+        fixed_f, fixed_b = prob.stage_fixed(j)
+        f.append(float(fwd[j, a[j]:a[j + 1]].sum()) + fixed_f)
         extra = 0.0
         if bi.mode == "recompute":
             extra = float(fwd[j, c[j]:a[j]].sum() + fwd[j, a[j + 1]:c[j + 1]].sum())
-        b.append(float(bwd[j, c[j]:c[j + 1]].sum()) + extra)
+        b.append(float(bwd[j, c[j]:c[j + 1]].sum()) + extra + fixed_b)
         held.append(float(act[j, min(a[j], c[j]):min(a[j + 1], c[j + 1])].sum()))
         replica = float(params[c[j]:a[j]].sum() + params[a[j + 1]:c[j + 1]].sum())
         own.append(float(static[j, c[j]:c[j + 1]].sum()) + replica)
     send_f = list(bi.fwd_link_time) + [0.0]
     send_b = [0.0] + list(bi.bwd_link_time)
-    tail = [0.0] * p
+    tail = [float(x) for x in step] if step is not None else [0.0] * p
     for j, t in enumerate(bi.sync_time):  # boundary j: the owner is the BP worker
         owner = j + 1 if a[j + 1] > c[j + 1] else j
-        tail[owner] = max(tail[owner], t)
+        tail[owner] = max(tail[owner], (step[owner] if step is not None else 0.0) + t)
     costs = StageCosts.per_stage(m, f, b, send_forward_s=send_f, send_backward_s=send_b,
                                  activation_bytes=held, static_bytes=own)
     costs.tail_s = tail if any(tail) else None
     return costs
 
 
-def _simulate(bi: BiPartition, prob: PartitionProblem, plan: Plan) -> Timeline:
+def _steps(ev: Evaluator, plan: Plan) -> list[float]:
+    """[worker] the cost model's per-iteration fixed seconds of its device (`step_s`)."""
+    order = [int(d.get("given_index", i)) for i, d in enumerate(plan.devices)]
+    return [ev.tables.step_s(order[s.device]) for s in plan.stages]
+
+
+def _simulate(bi: BiPartition, prob: PartitionProblem, plan: Plan, step: Sequence[float]) -> Timeline:
     sched = schedule_for(plan.schedule, len(plan.stages), plan.microbatches)
-    return simulate(sched, stage_costs(bi, prob, plan.microbatches))
+    return simulate(sched, stage_costs(bi, prob, plan.microbatches, step))
 
 
 def _cuts(b: Sequence[int]) -> str:
@@ -176,7 +186,8 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
                                                              bipartition=True))
     single = evaluate(prob, bounds)
     base = evaluate_bi(prob, bounds, bounds)
-    t_single = _simulate(base, prob, plan)
+    step = _steps(ev, plan)
+    t_single = _simulate(base, prob, plan, step)
     tried: list[tuple[BiPartition, PartitionProblem, Timeline]] = []
     for variant in (prob, dataclasses.replace(prob, comm="charged")):
         try:
@@ -187,7 +198,7 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
         if bi.is_split:  # cost it on the real (overlapped) model
             bi = evaluate_bi(prob, bi.fwd_bounds, bi.bwd_bounds)
             if bi.fits:
-                tried.append((bi, prob, _simulate(bi, prob, plan)))
+                tried.append((bi, prob, _simulate(bi, prob, plan, step)))
     try:
         rc = bipartition(prob, window, "recompute", single=single, no_segment=no_segment,
                          no_cut=no_cut)
@@ -200,7 +211,7 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
                             "single_iteration_s": t_single.iteration_s,
                             "single_bottleneck_s": base.bottleneck,
                             "recompute_bottleneck_s": rc.bottleneck if rc else None,
-                            "recompute_iteration_s": (_simulate(rc, prob, plan).iteration_s
+                            "recompute_iteration_s": (_simulate(rc, prob, plan, step).iteration_s
                                                       if rc is not None and rc.is_split
                                                       else t_single.iteration_s),
                             "best_ship_bottleneck_s": min([b.bottleneck for b, _, _ in tried],
@@ -234,11 +245,15 @@ def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, uni
     order = [int(d.get("given_index", i)) for i, d in enumerate(plan.devices)]
     mb = plan.batch_size // plan.microbatches
     weights = ev.tables.weight_times(evaluate(prob, c), prob, order, mb)
-    costs = stage_costs(bi, prob, plan.microbatches)
+    costs = stage_costs(bi, prob, plan.microbatches, _steps(ev, plan))
     for j, s in enumerate(plan.stages):
         s.nodes = [n for u in range(a[j], a[j + 1]) for n in units.names[u]]
         s.backward_nodes = [n for u in range(c[j], c[j + 1]) for n in units.names[u]]
         s.forward_s, s.backward_s = costs.forward_s[j][0], costs.backward_s[j][0]
+        unit_f, unit_b = ev.tables.unit_fixed(order[s.device])
+        fixed_f, fixed_b = prob.stage_fixed(j)
+        s.fixed_forward_s = float(unit_f[a[j]:a[j + 1]].sum()) + fixed_f
+        s.fixed_backward_s = float(unit_b[c[j]:c[j + 1]].sum()) + fixed_b
         s.backward_weight_s = float(weights[j])
         s.send_bytes = int(bi.fwd_cut_bytes[j]) if j < p - 1 else 0
         s.recv_bytes = int(bi.fwd_cut_bytes[j - 1]) if j > 0 else 0

@@ -133,9 +133,9 @@ def _overlap(ev: Evaluator, prob: Any, part: Any, s: int, d: int = 1) -> float:
     import numpy as np
     a, e = part.bounds[s], part.bounds[s + 1]
     p = len(part.bounds) - 1
-    forward = float(np.asarray(prob.fwd)[s, a:e].sum())
+    forward = float(np.asarray(prob.fwd)[s, a:e].sum()) + prob.stage_fixed(s)[0]
     W, A = _stage_bytes(prob, part.bounds, part.cut_bytes)
-    moving = ev.cluster.link(s * d, (p - 1 - s) * d).time(A[s])
+    moving = ev.tables.link_time(s * d, (p - 1 - s) * d, A[s])
     return min(moving / forward, 1.0) if forward > 0 else 1.0
 
 

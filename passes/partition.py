@@ -10,7 +10,7 @@ consumed at or after s, counted once per boundary it crosses (a skip over two cu
 through the middle stage and paid twice). X[0] = 0 (model input is not charged) and X[n] = 0
 (outputs feed the loss on the last stage). Per micro-batch, stage k computes and link k
 (stage k → k+1) carries one message each way (activation forward, its gradient back):
-    T_k = Σ (fwd + bwd)[k][a:e]          t_k = link_time(k, X[e])   (t_{p-1} = 0)
+    T_k = Σ (fwd + bwd)[k][a:e] + c_k    t_k = link_time(k, X[e])   (t_{p-1} = 0, c_k: fixed)
 Communication is modelled as the runtime runs it (`pipecc.runtime.wire`): a SEND is an
 `isend`, so the sender computes on while the link carries the tensor; the link carries one
 message at a time per direction; the receiver's RECV waits until the data has arrived. The
@@ -98,6 +98,15 @@ class PartitionProblem:
     # static_mem, an over-estimate)
     stash_bytes: Sequence[float] | None = None
     param_bytes: Sequence[float] | None = None
+    # [stage] one micro-batch's fixed forward / backward seconds whatever the stage holds
+    # (`pipecc.targets.fixed_costs`): T_k adds both (c_k); None: none
+    fixed_fwd: Sequence[float] | None = None
+    fixed_bwd: Sequence[float] | None = None
+
+    def stage_fixed(self, k: int) -> tuple[float, float]:
+        """Stage k's fixed forward and backward seconds per micro-batch (0, 0 without)."""
+        return (float(self.fixed_fwd[k]) if self.fixed_fwd is not None else 0.0,
+                float(self.fixed_bwd[k]) if self.fixed_bwd is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,7 @@ class _Arrays:
     caps: np.ndarray
     X: np.ndarray         # [boundary 0..n] bytes crossing it
     act_times: np.ndarray | None = None  # [stage] multiplier of Σ act: inflight, or 1 if recomputed
+    fixed: np.ndarray | None = None      # [stage] c_k (module docstring); None: 0
 
     def act_factor(self, k: int) -> float:
         """How many micro-batches' internal activations stage k holds at its peak."""
@@ -189,8 +199,9 @@ def _arrays(pr: PartitionProblem) -> _Arrays:
         if len(pr.recompute) != p:
             raise ValueError(f"recompute needs one flag per stage ({p}), got {len(pr.recompute)}")
         act_times = np.where(np.asarray(pr.recompute, dtype=bool), np.minimum(inflight, 1.0), inflight)
+    fixed = None if pr.fixed_fwd is None and pr.fixed_bwd is None else np.array([sum(pr.stage_fixed(k)) for k in range(p)])
     return _Arrays(n, p, cost, static, act, inflight, np.asarray(pr.mem_cap, dtype=float), X,
-                   act_times)
+                   act_times, fixed)
 
 
 def _link1(pr: PartitionProblem, k: int, nbytes: float) -> float:
@@ -237,7 +248,7 @@ def _evaluate(ar: _Arrays, pr: PartitionProblem, bounds: Sequence[int]) -> Parti
     times, mems = [], []
     for k in range(ar.p):
         a, e = b[k], b[k + 1]
-        t = float(ar.cost[k, a:e].sum())
+        t = float(ar.cost[k, a:e].sum()) + (float(ar.fixed[k]) if ar.fixed is not None else 0.0)
         t += _penalty(pr, k - 1, a, ar.X) if k > 0 else 0.0
         t += _penalty(pr, k, e, ar.X) if k < ar.p - 1 else 0.0
         times.append(t)
@@ -307,6 +318,7 @@ def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray)
     for k in range(p):
         P = np.concatenate(([0.0], np.cumsum(ar.cost[k])))
         w, v = P - (pen[k - 1] if k > 0 else zero), P + (pen[k] if k < p - 1 else zero)
+        v = v + (ar.fixed[k] if ar.fixed is not None else 0.0)  # c_k: every end pays it
         tk = t[k] if k < p - 1 else zero
         f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
         G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
@@ -488,6 +500,7 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     carries at least x0 bytes.
     Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
     are left out of both the fluid sum and the device's starting weight.
+    Fixed costs c_k (`stage_fixed`): T_d = L_d + c_d, so (1), (4) gain Σ λ_d c_d, (2) min_d c_d.
     Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200.
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
@@ -503,7 +516,9 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
         g = np.asarray(problem.bwd, dtype=float)
         f, g = np.where(f >= CANNOT_RUN_S, np.inf, f), np.where(g >= CANNOT_RUN_S, np.inf, g)
         per_item = np.maximum(f.min(axis=0), g.min(axis=0))
-    item = max(float(per_item[whole].max(initial=0.0)), float(tau.max(initial=0.0)))
+    fixed = np.array([sum(problem.stage_fixed(k)) for k in range(c.shape[0])])  # c_k
+    item = max(float(per_item[whole].max(initial=0.0)) + float(fixed.min(initial=0.0)),
+               float(tau.max(initial=0.0)))
     usable = np.isfinite(c)
     total = np.where(usable, c, 0.0).sum(axis=1)
     runs_some = usable.any(axis=1)
@@ -512,11 +527,11 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     inv = np.where(runs_some, 1.0 / np.where(total > 0, total, 1.0), 0.0)
     cols, lam, best = np.arange(c.shape[1]), inv / inv.sum(), 0.0
     if ring > 0 and runs_some.all():  # equal weights: F(1/p) + 2 Σ τ / p
-        best = float(c.min(axis=0).sum()) / len(lam) + ring / len(lam)
+        best = float(c.min(axis=0).sum() + fixed.sum()) / len(lam) + ring / len(lam)
     for t in range(1, _LB_STEPS + 1):
         scaled = np.where(usable, lam[:, None] * np.where(usable, c, 0.0), np.inf)
         arg = scaled.argmin(axis=0)
-        best = max(best, float(scaled[arg, cols].sum()) + ring * float(lam.min()))
+        best = max(best, float(scaled[arg, cols].sum()) + ring * float(lam.min()) + float(lam @ fixed))
         load = np.bincount(arg, weights=c[arg, cols], minlength=len(lam))
         if load.max() <= 0:
             break

@@ -1,12 +1,21 @@
-"""The planner's cost tables: what a unit, a stage and its weight gradients cost on each device.
+"""The one cost model: what a unit, a stage, a message and its weight gradients cost on each device.
 
 What a unit costs on a device, in time and memory, is that device's cost model
 (`pipecc.targets.timing.DeviceCosts`, picked once per device type by `device_costs`): the
 roofline for CPUs and GPUs, measured curves where a `pipecc profile` timed the device, the
-FPGA model behind estimates.json for FPGA cards. `CostTables` holds them for one graph and
-cluster and answers the numeric questions the rest of the planner asks:
+FPGA model behind estimates.json for FPGA cards. To these it adds the fixed costs of
+`pipecc.targets.fixed_costs` (per op call, the small-kernel half-rate work, per micro-batch
+per stage, per iteration per stage, per message; that module's docstring has the formulas).
+`CostTables` (also `CostModel`) holds them for one graph and cluster and answers every
+numeric question the planner, the simulator, UMPIPE, BPipe, Bi-Partition, replica groups
+and, through plan.json, the report and `run --json` ask; none of them has a model of its own:
 
-    times(units, mb)          [device][unit] forward and backward seconds (cached per mb)
+    times(units, mb)          [device][unit] forward and backward seconds (cached per mb),
+                              the per-call fixed costs included
+    unit_fixed(d)             [unit] that per-call part on device d (forward, backward)
+    stage_fixed(d)            one micro-batch's per-stage fixed forward and backward seconds
+    step_s(d)                 a stage's per-iteration fixed seconds (optimizer step)
+    link_time(i, j, nbytes)   one message from device i to j: the link plus both hosts' costs
     recost(prob, bounds, ..)  a partition with each stage re-costed as a whole where its
                               device's model says so (FPGA dataflow stages: estimates.json)
     weight_times(part, ..)    [stage] the weight-gradient share of each backward (zero-bubble W)
@@ -19,21 +28,25 @@ Pure numbers over the device models; the problems built from them are `passes.pl
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.graph import META_COST, META_NAME, AnnotatedGraph
 from pipecc.passes.partition import Partition, PartitionProblem, evaluate
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.units import UnitBuilder, Units
 from pipecc.targets.calibrated import CalibratedCosts
+from pipecc.targets import fixed_costs as fixed_mod
+from pipecc.targets.fixed_costs import FixedCosts
 from pipecc.targets.fpga_timing import FpgaCosts
 from pipecc.targets.hardware import Cluster, Device
 from pipecc.targets.profiled import ProfiledCosts
 from pipecc.targets.timing import CANNOT_RUN_S, DeviceCosts, RooflineCosts
 
-__all__ = ["CostTables", "device_costs"]
+__all__ = ["CostModel", "CostTables", "device_costs", "fixed_for"]
+
+CALL_OPS = ("call_module", "call_function", "call_method")
 
 
 def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> DeviceCosts:
@@ -53,9 +66,29 @@ def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> 
     return costs if options.calibrate is None else CalibratedCosts(costs, options.calibrate)
 
 
+def fixed_for(cluster: Cluster, options: PlanOptions) -> list[FixedCosts]:
+    """[device] its fixed costs (`fixed_costs.fixed_costs_for`); a CPU device's defaults grow
+    by `fixed_costs.host_share` of the cluster's CPU ranks (a profile's figures were measured
+    with the plan's ranks running: they already hold it)."""
+    cpus = sum(1 for dev in cluster.devices if dev.kind == "cpu")
+    out = []
+    for dev in cluster.devices:
+        fixed = fixed_mod.fixed_costs_for(dev, options.profile)
+        if dev.kind == "cpu" and fixed is fixed_mod.DEFAULTS.get("cpu"):
+            fixed = fixed.scaled(fixed_mod.host_share(cpus))
+        out.append(fixed)
+    return out
+
+
+def _is_getitem(node: Any) -> bool:
+    """A tuple index (operator.getitem): Python, no dispatched op."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem"
+
+
 class CostTables:
     """One graph's costs on one cluster under `options` (module docstring). `costs[d]` is
-    device d's model; devices of one type share it (the FPGA model caches its costs)."""
+    device d's model; devices of one type share it (the FPGA model caches its costs);
+    `fixed[d]` its fixed costs."""
 
     def __init__(self, graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions,
                  splittable: Sequence[str] = ()) -> None:
@@ -68,6 +101,8 @@ class CostTables:
             if dev.name not in models:
                 models[dev.name] = device_costs(dev, self.builder, options)
         self.costs: list[DeviceCosts] = [models[dev.name] for dev in cluster.devices]
+        self.fixed: list[FixedCosts] = fixed_for(cluster, options)
+        self._unit_fixed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
 
@@ -84,8 +119,64 @@ class CostTables:
                 continue
             fwd[d], bwd[d] = costs.unit_times(units, mb)
             done[id(costs)] = d
+        for d in range(self.p):
+            f, b = self.unit_fixed(d)
+            fwd[d] += f
+            bwd[d] += b
         self._times[mb] = (fwd, bwd)
         return fwd, bwd
+
+    def unit_fixed(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """[unit] the per-call fixed forward and backward seconds on device d, whatever the
+        micro-batch (`pipecc.targets.fixed_costs` docstring): op_forward_s / op_backward_s per
+        node the device runs without a measured curve (a curve holds its own), and w_half/rate
+        per matmul-class node (twice in the backward). Zero on an FPGA card (its model has
+        them) and for the backward of a forward-only plan."""
+        if d in self._unit_fixed:
+            return self._unit_fixed[d]
+        dev, fixed, groups = self.cluster.devices[d], self.fixed[d], self.builder.groups
+        f, b = np.zeros(len(groups)), np.zeros(len(groups))
+        if dev.kind != "fpga":
+            curves = getattr(self.costs[d], "curves", {})  # ProfiledCosts: measured nodes
+            rate = dev.attainable_flops(self.options.dtype, matmul=True)
+            half = fixed_mod.HALF_RATE_WORK.get(dev.kind, 0.0) / rate if rate > 0 else 0.0
+            for u, group in enumerate(groups):
+                calls = [n for n in group if n.op in CALL_OPS and not _is_getitem(n)
+                         and n.meta[META_NAME] not in curves]
+                matmuls = sum(1 for n in calls if n.meta[META_COST].forward_flops_matmul != 0)
+                f[u] = len(calls) * fixed.op_forward_s + matmuls * half
+                if self.options.training:
+                    b[u] = len(calls) * fixed.op_backward_s + 2 * matmuls * half
+        self._unit_fixed[d] = (f, b)
+        return f, b
+
+    def stage_fixed(self, d: int) -> tuple[float, float]:
+        """One micro-batch's per-stage fixed forward and backward seconds on device d:
+        microbatch_s split by MICROBATCH_FORWARD_SHARE (forward only without training)."""
+        mb_s, share = self.fixed[d].microbatch_s, fixed_mod.MICROBATCH_FORWARD_SHARE
+        if not self.options.training:
+            return mb_s * share, 0.0
+        return mb_s * share, mb_s * (1.0 - share)
+
+    def step_s(self, d: int) -> float:
+        """A stage's per-iteration fixed seconds on device d (optimizer step; 0 without
+        training)."""
+        return self.fixed[d].step_s if self.options.training else 0.0
+
+    def message_s(self, i: int, j: int) -> float:
+        """Both hosts' cost of one message from device i to j: message_s of each, none on a
+        measured link (a `pipecc profile` ping-pong holds them)."""
+        link = self.cluster.link(i, j)
+        if link.name.startswith("measured "):
+            return 0.0
+        return self.fixed[i].message_s + self.fixed[j].message_s
+
+    def link_time(self, i: int, j: int, nbytes: float) -> float:
+        """Seconds of one message of nbytes from device i to device j: the link's latency and
+        bandwidth plus `message_s`; 0 for no bytes or the same device."""
+        if nbytes <= 0 or i == j:
+            return 0.0
+        return self.cluster.link(i, j).time(nbytes) + self.message_s(i, j)
 
     def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
                mb: int, d: int = 1) -> tuple[PartitionProblem, Partition]:
@@ -149,3 +240,6 @@ class CostTables:
         fwd, bwd = self.times(units, mb)
         best = (fwd + bwd).min(axis=0)
         return {names[-1]: float(best[u]) for u, names in enumerate(units.names)}
+
+
+CostModel = CostTables  # NOTE: the one cost model's name (issue #20); CostTables is its history

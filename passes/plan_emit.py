@@ -8,7 +8,10 @@
 With replicas d > 1, stage k runs on pipeline rank j = k % P (P = n/d): devices j*d ..
 j*d+d-1 (`StagePlan.replica_devices`, `device` = j*d), its forward_s/backward_s a replica's
 (slice of mb/d, slowest member), `allreduce_s` its group's gradient all-reduce per iteration.
-`bottleneck_s` stays the steady-state seconds per micro-batch of B/m samples (the P-rank
+Stage times are the one cost model's (`passes.plan_costs.CostTables`): `forward_s`/`backward_s`
+hold the stage's fixed costs, `fixed_forward_s`/`fixed_backward_s` say how much of them is
+fixed (constant in the micro-batch size; `--calibrate` scales only the rest), `step_s` is its
+per-iteration fixed cost. `bottleneck_s` stays the steady-state seconds per micro-batch of B/m samples (the P-rank
 pipeline of groups; the all-reduce, once per iteration, is in `predicted_iteration_s`), so it
 and `lower_bound_s` compare across d.
 """
@@ -67,8 +70,15 @@ def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
         else:
             units = ev.builder.at(rep.slice_size(mb, d))
             order = cand.order if d == 1 else tuple(range(ev.p))
-            # NOTE: the schedule only sets in-flight counts (memory), which no bound uses
-            prob = ev.problem(units, rep.slice_size(mb, d), "1f1b", cand.microbatches, order, 1, d=d)
+            # NOTE: the schedule only sets in-flight counts (memory), which no bound uses; the
+            # stage count does (every stage pays its fixed costs): an interleaved candidate's
+            # bottleneck is per virtual stage, so its other degrees are bounded with its v
+            sched = cand.schedule if cand.virtual > 1 else "1f1b"
+            try:
+                prob = ev.problem(units, rep.slice_size(mb, d), sched, cand.microbatches, order,
+                                  cand.virtual, d=d)
+            except ValueError:  # no such schedule at this degree (interleaved: m % ranks): no plan
+                continue
         if d == 1:
             prob = ev.tables.bound_problem(prob, cand.order, mb)
         best = min(best, partition_lower_bound(prob, units.splittable, comm=comm))
@@ -113,9 +123,17 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
         send = part.cut_bytes[k] if k < len(part.cut_bytes) else 0.0
         comm = 2 * prob.link_time(k - 1, recv) if k > 0 else 0.0
         comm += 2 * prob.link_time(k, send) if k < len(part.bounds) - 2 else 0.0
+        dev = cand.order[(k % P) * d]
+        fixed_f, fixed_b = prob.stage_fixed(k)  # the one cost model's fixed parts (plan_costs)
+        unit_f, unit_b = tables.unit_fixed(dev)
+        redo = bool(cand.recompute[k]) if cand.recompute else False
         stages.append(StagePlan(
             index=k, device=(k % P) * d, nodes=names,
-            forward_s=float(fwd[k, a:e].sum()), backward_s=float(bwd[k, a:e].sum()),
+            forward_s=float(fwd[k, a:e].sum()) + fixed_f,
+            backward_s=float(bwd[k, a:e].sum()) + fixed_b,
+            fixed_forward_s=float(unit_f[a:e].sum()) + fixed_f,
+            fixed_backward_s=float(unit_b[a:e].sum() + (unit_f[a:e].sum() if redo else 0.0)) + fixed_b,
+            step_s=tables.step_s(dev),
             backward_weight_s=weights[k],
             send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
             peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])

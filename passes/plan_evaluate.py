@@ -12,6 +12,11 @@ technique passes (`passes.recompute`, `passes.bpipe`, `passes.replicas`, `passes
 `passes.bipartition_plan`) ask an `Evaluator` for problems, timelines and candidates; the
 search (`passes.plan_search`) drives them and the emitter (`passes.plan_emit`) writes the plan.
 
+Every figure is the one cost model's (`passes.plan_costs.CostTables`): unit times with their
+per-call fixed costs, each stage's per-micro-batch fixed costs (`PartitionProblem.stage_fixed`,
+in its F and B), messages with both hosts' costs, and each rank's per-iteration fixed costs
+(`StageCosts.tail_s`: the optimizer step after its last action).
+
 Zero-bubble schedules (``ZERO_BUBBLE``: zb-h1) split each stage's backward into I (input
 gradient) and W (weight gradient); the simulator gets both, each stage's W being the sum over
 its units of the backward seconds times the device model's `weight_share`. The partitioner
@@ -22,7 +27,7 @@ plan uses them: the FPGA backend has no separate weight-gradient pass.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -120,8 +125,9 @@ class Evaluator:
         stages = len(part.bounds) - 1
         fwd = np.asarray(prob.fwd)
         bwd = np.asarray(prob.bwd)
-        f = [float(fwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
-        b = [float(bwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(stages)]
+        fixed = [prob.stage_fixed(k) for k in range(stages)]  # per micro-batch, whatever it holds
+        f = [float(fwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) + fixed[k][0] for k in range(stages)]
+        b = [float(bwd[k, part.bounds[k]:part.bounds[k + 1]].sum()) + fixed[k][1] for k in range(stages)]
         send = [prob.link_time(k, part.cut_bytes[k]) if k < stages - 1 else 0.0 for k in range(stages)]
         back = [0.0] + send[:-1]
         act_mem = np.broadcast_to(np.asarray(prob.act_mem, dtype=float), fwd.shape)
@@ -156,14 +162,28 @@ class Evaluator:
             devs, per = order or tuple(range(self.p)), self.p // stages  # per: replicas of a stage
             costs.stash_transfer_s = [
                 [0.0 if free_stash or sched.partner is None or sched.partner[k] is None
-                 else self.cluster.link(devs[k * per], devs[sched.partner[k] * per]).time(act[k])] * m
+                 else self.tables.link_time(devs[k * per], devs[sched.partner[k] * per], act[k])] * m
                 for k in range(stages)]
         if allreduce is not None:
             per_rank = [0.0] * sched.num_ranks
             for k, t in enumerate(allreduce):
                 per_rank[sched.stage_to_rank[k]] += t
             costs.allreduce_s = per_rank
+        costs.tail_s = self.step_tail(sched, order)
         return simulate(sched, costs)
+
+    def step_tail(self, sched: Any, order: Sequence[int] | None = None) -> list[float] | None:
+        """[rank] the per-iteration fixed seconds after its last action (`CostTables.step_s`
+        of each stage it runs, on its device: stage k on device order[(k % ranks) * d]);
+        None when all are 0."""
+        devs = order or tuple(range(self.p))
+        ranks = sched.num_ranks
+        per = self.p // ranks  # replicas per stage group
+        tail = [0.0] * ranks
+        for k in range(sched.num_stages):
+            r = sched.stage_to_rank[k]
+            tail[r] += self.tables.step_s(devs[(r % ranks) * per])
+        return tail if any(tail) else None
 
     def _unsupported_message(self, prob: PartitionProblem, order: Sequence[int]) -> str:
         """Why every placement puts something on an FPGA it cannot take: memory elsewhere,

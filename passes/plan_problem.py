@@ -7,7 +7,9 @@ schedule). A unit a device cannot run costs CANNOT_RUN_S there, and a device who
 take one float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
 A stage with `recompute[k]` pays one more forward in its backward and holds one
 micro-batch's activations (`passes.recompute`); with d > 1 replicas the problem is over
-replica groups (`passes.replicas.group_problem`).
+replica groups (`passes.replicas.group_problem`). Every time is the one cost model's
+(`CostTables`): unit times with their per-call fixed costs, each stage's per-micro-batch
+fixed costs (`PartitionProblem.fixed_fwd/fixed_bwd`), messages with both hosts' costs.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ def recomputing(prob: PartitionProblem, recompute: Sequence[bool] | None) -> Par
         raise ValueError(f"recompute needs one flag per stage ({len(prob.mem_cap)}), got {len(recompute)}")
     fwd = np.asarray(prob.fwd, dtype=float)
     bwd = np.asarray(prob.bwd, dtype=float) + np.where(np.asarray(recompute, dtype=bool)[:, None], fwd, 0.0)
-    return dataclasses.replace(prob, bwd=bwd, recompute=tuple(bool(r) for r in recompute))
+    fixed_bwd = None
+    if prob.fixed_fwd is not None:  # the re-run forward pays its fixed part again
+        fixed_bwd = [b + (f if r else 0.0) for f, b, r in
+                     zip(prob.fixed_fwd, prob.fixed_bwd or [0.0] * len(recompute), recompute)]
+    return dataclasses.replace(prob, bwd=bwd, recompute=tuple(bool(r) for r in recompute),
+                               fixed_bwd=fixed_bwd if fixed_bwd is not None else prob.fixed_bwd)
 
 
 @functools.lru_cache(maxsize=256)  # NOTE: --choose-order asks once per device order
@@ -74,18 +81,19 @@ def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, or
     mems = [tables.costs[x].memory(units, v) for x in devs]
     held = inflight(schedule, p * v, m, v) if training else [1] * (p * v)
     held = [i if mem.inflight is None else mem.inflight for i, mem in zip(held, mems)]
-    links = [cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
-             for k in range(len(devs) - 1)]
-
-    def link_time(k: int, nbytes: float) -> float:
-        return links[k].time(nbytes) if links[k] is not None and nbytes > 0 else 0.0
+    def link_time(k: int, nbytes: float) -> float:  # the cost model's message (its docstring)
+        return tables.link_time(devs[k], devs[k + 1], nbytes)
     one = [tables.costs[x].one_tensor_boundaries for x in devs]
     blocked = None
     if any(one):  # such a stage takes one float32 tensor in and sends one out
         bad = ~tables.builder.one_tensor_cut
         none = np.zeros_like(bad)
         blocked = [bad if one[k] or one[k + 1] else none for k in range(len(devs) - 1)]
+    fixed = [tables.stage_fixed(x) for x in devs]
+    fixed_bwd = [b + (f if recompute is not None and recompute[k] else 0.0)
+                 for k, (f, b) in enumerate(fixed)]
     return PartitionProblem(
+        fixed_fwd=[f for f, _ in fixed], fixed_bwd=fixed_bwd,
         fwd=fwd[devs_t], bwd=bwd[devs_t], out_bytes=units.values["output_bytes"],
         last_use=units.last_use, static_mem=np.stack([mem.static for mem in mems]),
         act_mem=np.stack([mem.act for mem in mems]), mem_cap=[mem.cap for mem in mems],

@@ -103,15 +103,16 @@ def groups(order: Sequence[int], d: int) -> list[list[int]]:
     return [list(order[j * d:(j + 1) * d]) for j in range(len(order) // d)]
 
 
-def ring_allreduce_s(ring: Sequence[Link], grad_bytes: float) -> float:
+def ring_allreduce_s(ring: Sequence[Link], grad_bytes: float, message_s: float = 0.0) -> float:
     """Ring all-reduce of grad_bytes over the links between consecutive members (module
-    docstring; bench/bench_balance.py `_dp_on` uses the same formula for plain DP)."""
+    docstring; bench/bench_balance.py `_dp_on` uses the same formula for plain DP); each of
+    its 2(d-1) steps is a message, paying `message_s` of host cost besides the latency."""
     d = len(ring)
     if d < 2 or grad_bytes <= 0:
         return 0.0
     bw = min(link.bandwidth for link in ring)
     lat = max(link.latency for link in ring)
-    return 2 * (d - 1) / d * grad_bytes / bw + 2 * (d - 1) * lat
+    return 2 * (d - 1) / d * grad_bytes / bw + 2 * (d - 1) * (lat + message_s)
 
 
 def group_ring(tables: CostTables, group: Sequence[int]) -> list[Link]:
@@ -142,10 +143,15 @@ def group_problem(tables: CostTables, units: Units, mbr: int, inflight: Sequence
     def link_time(k: int, nbytes: float) -> float:
         if not pairs[k] or nbytes <= 0:
             return 0.0
-        return max(tables.cluster.link(a, b).time(nbytes) for a, b in pairs[k])
+        return max(tables.link_time(a, b, nbytes) for a, b in pairs[k])
+
+    fixed = [[tables.stage_fixed(x) for x in g] for g in grp]  # the group's slowest member
+    fixed_fwd = [max(f for f, _ in fixed[j]) for j in stages]
+    fixed_bwd = [max(b for _, b in fixed[j]) for j in stages]
 
     names = [", ".join(tables.cluster.devices[x].name for x in g) for g in grp]
     return PartitionProblem(
+        fixed_fwd=fixed_fwd, fixed_bwd=fixed_bwd,
         fwd=gfwd[stages], bwd=gbwd[stages], out_bytes=units.values["output_bytes"],
         last_use=units.last_use, static_mem=static[stages], act_mem=act[stages],
         mem_cap=[caps[j] for j in stages], inflight=list(inflight), link_time=link_time,
@@ -165,7 +171,9 @@ def stage_allreduce_s(tables: CostTables, units: Units, bounds: Sequence[int],
             out.append(0.0)
             continue
         grad = float(units.param_bytes[bounds[k]:bounds[k + 1]].sum())
-        out.append(ring_allreduce_s(group_ring(tables, grp[k % len(grp)]), grad))
+        g = grp[k % len(grp)]
+        host = max(tables.message_s(g[r], g[(r + 1) % d]) for r in range(d))  # the cost model's
+        out.append(ring_allreduce_s(group_ring(tables, g), grad, host))
     return out
 
 

@@ -28,7 +28,8 @@ chunk that overlaps its samples (FIFO: for the one holding its last sample, ``π
     CF[s,k] = max(CF[s,k-1], EF[s,k]) + l_s(b[s,k])                 (s < p-1)
     EB[s,l] = max(EB[s,l-1], EF[s,K_s], CB[s,l]) + g_s(b[s,l])      (EB[p-1,l]: CB = EF[p-1,l])
     CB[s,l] = max(CB[s,l-1], EB[s+1, κ(s,l)]) + r_{s+1}(b[s,l])       (s < p-1)
-    T = max_s EB[s, K_s]
+    T = max_s EB[s, K_s]     (with per-stage tails: max_s (end_s + tail_s), end_s the later of
+                             EB[s, K_s] and its last gradient message CB[s-1, K_{s-1}])
 
 Gradient messages carry whole chunks of the *upstream* stage, as forward messages do (the
 runtime's convention, ``pipecc.ir.schedule``): stage s+1 sends the gradient of stage s's chunk
@@ -72,7 +73,9 @@ class Curves:
     ``send_f[s][b]``: stage s's activations of b samples to stage s+1 (0 for the last stage);
     ``send_b[s][b]``: stage s's input gradient of b samples to stage s-1 (0 for stage 0);
     ``mem[s][b]``: activation bytes stage s stashes for a chunk of b samples;
-    ``static[s]``: its static bytes; ``cap[s]``: what it may hold (inf: no limit).
+    ``static[s]``: its static bytes; ``cap[s]``: what it may hold (inf: no limit);
+    ``tail[s]``: seconds stage s still spends after its last action (the cost model's
+    per-iteration fixed cost, the optimizer step; ``StageCosts.tail_s``), None: none.
     """
 
     f: np.ndarray
@@ -82,6 +85,7 @@ class Curves:
     mem: np.ndarray | None = None
     static: np.ndarray | None = None
     cap: np.ndarray | None = None
+    tail: np.ndarray | None = None
 
     @property
     def stages(self) -> int:
@@ -118,7 +122,7 @@ def stage_costs(sizes: Sequence[Sequence[int]], curves: Curves) -> StageCosts:
     p = len(sizes)
     static = curves.static if curves.static is not None else np.zeros(p)
     mem = curves.mem if curves.mem is not None else np.zeros_like(curves.f)
-    return StageCosts(
+    costs = StageCosts(
         [[float(curves.f[s][b]) for b in sizes[s]] for s in range(p)],
         [[float(curves.g[s][b]) for b in sizes[s]] for s in range(p)],
         [[float(curves.send_f[s][b]) for b in sizes[s]] for s in range(p)],
@@ -126,6 +130,9 @@ def stage_costs(sizes: Sequence[Sequence[int]], curves: Curves) -> StageCosts:
          for s in range(p)],
         [[float(mem[s][b]) for b in sizes[s]] for s in range(p)],
         [float(x) for x in static])
+    if curves.tail is not None and any(curves.tail):
+        costs.tail_s = [float(x) for x in curves.tail]
+    return costs
 
 
 def check_sizes(sizes: Sequence[Sequence[int]], batch: int, stages: int) -> None:
@@ -209,7 +216,7 @@ def end_times(sizes: Sequence[Sequence[int]], curves: Curves,
                     need = last_c
                 last_e = float(max(last_e, ready, need) + curves.g[s][b])
                 eb[s].append(last_e)
-        return Recurrence(ef, cf, eb, cb, max(row[-1] for row in eb))
+        return Recurrence(ef, cf, eb, cb, _with_tail(eb, cb, curves.tail))
     for s in reversed(range(p)):
         ready = ef[s][-1]
         last_e = last_c = 0.0
@@ -224,6 +231,15 @@ def end_times(sizes: Sequence[Sequence[int]], curves: Curves,
                 last_c = float(max(last_c, last_e) + curves.send_b[s][b])
                 cb[s].append(last_c)
     return Recurrence(ef, cf, eb, cb, max(row[-1] for row in eb))
+
+
+def _with_tail(eb: list[list[float]], cb: list[list[float]], tail: np.ndarray | None) -> float:
+    """T: the last backward's end, or with tails, max over stages of the stage's end (its last
+    backward, or its last gradient message to stage s-1, which ends at cb[s-1][-1]) + tail."""
+    if tail is None:
+        return max(row[-1] for row in eb)
+    ends = [max([eb[s][-1]] + ([cb[s - 1][-1]] if s > 0 and cb[s - 1] else [])) for s in range(len(eb))]
+    return max(e + float(t) for e, t in zip(ends, tail))
 
 
 def _scan(ready: np.ndarray, cost: np.ndarray) -> np.ndarray:
@@ -265,16 +281,20 @@ def population_times(sizes: np.ndarray | Sequence[Sequence[Sequence[int]]], curv
         if s < p - 1:
             cf[s] = _scan(ef[s], curves.send_f[s][arr[:, s]])
     total = np.zeros(arr.shape[0])
+    tail = curves.tail if curves.tail is not None else np.zeros(p)
     eb_next = None
+    end_next = np.zeros(arr.shape[0])  # stage s+1's end: its last backward or gradient message
     for s in reversed(range(p)):
         if s == p - 1:
             need = ef[s]  # tied: backward chunk l needs forward chunk l
         else:  # the gradient of chunk l arrives after stage s+1's chunk κ(s,l) and the link
             done = _gather_producer(prefix[:, s + 1], prefix[:, s], eb_next)
             need = _scan(done, curves.send_b[s + 1][arr[:, s]])
+            end_next = np.maximum(end_next, need[:, -1])
+            total = np.maximum(total, end_next + tail[s + 1])
         eb_next = _scan(np.maximum(need, ef[s][:, -1:]), curves.g[s][arr[:, s]])
-        total = np.maximum(total, eb_next[:, -1])
-    return total
+        end_next = eb_next[:, -1]
+    return np.maximum(total, end_next + tail[0])
 
 
 # ----------------------------------------------------------------------------- search

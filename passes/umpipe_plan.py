@@ -4,13 +4,15 @@
     b = 1..B ─► passes.umpipe.search (auto) or the given list ─► the plan with per-stage
     `microbatch_sizes`, its predicted time (the recurrence) and a decision line
 
-Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): `CostTables.times(units_b, b)` summed
-over the stage's units for every chunk size b (the device's model: roofline, or the profiled
-curves `a + c·b` with `--profile`). The roofline has a knee but no per-call cost, so on an
-unprofiled device each node adds LAUNCH_S per forward call and twice that per backward call
-(input- and weight-gradient kernels): without it every split of a linear cost model looks the
-same in compute and UMPIPE would only ever trade fill/drain against link latency. A profiled
-device's curves already carry their measured overhead `a`, so nothing is added there.
+Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): the one cost model's
+(`passes.plan_costs.CostTables`), as the planner's own stages have them: `times(units_b, b)`
+summed over the stage's units for every chunk size b (the roofline, or the profiled curves
+`a + c·b` with `--profile`, each with its per-call fixed costs), plus the stage's
+per-micro-batch fixed costs (`stage_fixed`) per chunk, `link_time` per message and the
+per-iteration `step_s` as each stage's tail. Those fixed costs are what makes a split matter:
+on a model linear in b every split would look the same in compute and UMPIPE would only ever
+trade fill/drain against link latency. With equal sizes the curves give the planner's figures
+(tests/test_one_cost_model.py).
 
 The search prices a split under the plan's schedule (`pricing`): GPipe's recurrence, or the
 event simulator over 1F1B's row order with unequal chunks (`pipecc.ir.schedule.one_f_one_b_uneven`,
@@ -38,14 +40,7 @@ from pipecc.passes.partition import cut_bytes
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.simulate import simulate
 
-__all__ = ["LAUNCH_S", "curves_for_plan", "apply", "parse_option", "base_options", "pricing"]
-
-# Seconds per kernel call added per node on an unprofiled device (module docstring).
-# gpu: 5 us, "a few microseconds" of launch overhead per CUDA kernel (NVIDIA Technical Blog,
-#   A. Gray, "Getting Started with CUDA Graphs", 2019; the PAPERS-SPEC §1.6 suggestion).
-# cpu: 2 us, measured on the project's CI CPU (torch 2.13 eager, 20,000 calls after warm-up):
-#   F.linear on a [1, 8] input 2.1 us, relu and add 1.3 us per call.
-LAUNCH_S = {"gpu": 5e-6, "cpu": 2e-6}
+__all__ = ["curves_for_plan", "apply", "parse_option", "base_options", "pricing"]
 
 
 def parse_option(text: str) -> str | list[int]:
@@ -87,42 +82,36 @@ def _unit_bounds(units: Any, plan: Plan) -> list[int]:
 def curves_for_plan(ev: Evaluator, plan: Plan) -> umpipe.Curves:
     """f_s(b), g_s(b), link times and memory of the plan's stages for b = 1..B (module
     docstring). `ev` must be built on the plan's graph (after layer splitting)."""
-    from pipecc.targets.profiled import ProfiledCosts
     B, p = plan.batch_size, len(plan.stages)
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     devs = [order[s.device] for s in plan.stages]
     bounds = _unit_bounds(ev.builder.at(1), plan)
-    calls = np.array([sum(1 for n in g if n.op != "get_attr") for g in ev.builder.groups])
-    over = []
-    for k, d in enumerate(devs):
-        model = ev.tables.costs[d]
-        launch = 0.0 if isinstance(model, ProfiledCosts) else LAUNCH_S.get(ev.cluster.devices[d].kind, 0.0)
-        over.append(launch * float(calls[bounds[k]:bounds[k + 1]].sum()))
+    tables = ev.tables
+    fixed = [tables.stage_fixed(d) for d in devs]  # per chunk, whatever it holds
     f, g = np.zeros((p, B + 1)), np.zeros((p, B + 1))
     send_f, send_b = np.zeros((p, B + 1)), np.zeros((p, B + 1))
     mem, static, cap = np.zeros((p, B + 1)), np.zeros(p), np.zeros(p)
-    links = [ev.cluster.link(devs[k], devs[k + 1]) if devs[k] != devs[k + 1] else None
-             for k in range(p - 1)]
     for b in range(1, B + 1):
         units = ev.builder.at(b)
-        fwd, bwd = ev.tables.times(units, b)
+        fwd, bwd = tables.times(units, b)
         cuts = cut_bytes(units.values["output_bytes"], units.last_use)
         for k, d in enumerate(devs):
             a, e = bounds[k], bounds[k + 1]
-            f[k, b] = fwd[d, a:e].sum() + over[k]
-            g[k, b] = bwd[d, a:e].sum() + 2 * over[k]
+            f[k, b] = fwd[d, a:e].sum() + fixed[k][0]
+            g[k, b] = bwd[d, a:e].sum() + fixed[k][1]
             recv = cuts[a - 1] if k > 0 else 0.0
-            memory = ev.tables.costs[d].memory(units, 1)
+            memory = tables.costs[d].memory(units, 1)
             mem[k, b] = float(memory.act[a:e].sum()) + recv
             if b == 1:
                 static[k], cap[k] = float(memory.static[a:e].sum()), float(memory.cap)
-            if k < p - 1 and links[k] is not None:
+            if k < p - 1:
                 nbytes = cuts[e - 1]
-                send_f[k, b] = links[k].time(nbytes) if nbytes > 0 else 0.0
+                send_f[k, b] = tables.link_time(d, devs[k + 1], nbytes)
                 # the gradient of stage k's chunk goes back over the link from k+1 to k
-                back = ev.cluster.link(devs[k + 1], devs[k])
-                send_b[k + 1, b] = back.time(nbytes) if nbytes > 0 else 0.0
-    return umpipe.Curves(f, g, send_f, send_b, mem=mem, static=static, cap=cap)
+                send_b[k + 1, b] = tables.link_time(devs[k + 1], d, nbytes)
+    tail = np.array([tables.step_s(d) for d in devs])
+    return umpipe.Curves(f, g, send_f, send_b, mem=mem, static=static, cap=cap,
+                         tail=tail if tail.any() else None)
 
 
 def _describe(sizes: Sequence[Sequence[int]]) -> str:
@@ -142,12 +131,11 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
         base = (f"GA {res.generations} generations, {res.seconds:.1f} s; local greedy "
                 f"{res.baselines['local-greedy'][1]:.4g} s, greedy DP {res.baselines['greedy-dp'][1]:.4g} s; "
                 f"the planner's {plan.microbatches} equal micro-batches predict "
-                f"{plan.predicted_iteration_s:.4g} s without per-call overhead")
+                f"{plan.predicted_iteration_s:.4g} s on the same cost model")
         if not res.unequal or res.T >= res.edp_T or not res.fits:
             plan.decisions.append(
                 f"unequal micro-batches (UMPIPE): none faster than the best equal split "
-                f"({len(res.edp_sizes)} of {res.edp_sizes[0]}: {res.edp_T:.4g} s with per-call "
-                f"overhead; {base})")
+                f"({len(res.edp_sizes)} of {res.edp_sizes[0]}: {res.edp_T:.4g} s; {base})")
             return plan
         sizes = res.sizes
         plan.decisions.append(
@@ -173,7 +161,7 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
             versus = f" vs {t_eq:.4g} s for {m} equal micro-batches"
         plan.decisions.append(
             f"micro-batch sizes {list(mode)} on every stage (--microbatch-sizes, {plan.schedule}): predicted "
-            f"{float(price.times([sizes])[0]):.4g} s with per-call overhead{versus}")
+            f"{float(price.times([sizes])[0]):.4g} s{versus}")
     costs = umpipe.stage_costs(sizes, curves)
     timeline = simulate(schedule_for(plan.schedule, len(sizes), max(len(r) for r in sizes), microbatch_sizes=sizes),
                         costs)
@@ -183,7 +171,8 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
     plan.options["umpipe_chunk_costs"] = {
         "stage_figures_microbatch": B // max(plan.microbatches, 1),
         **{k: getattr(costs, k) for k in ("forward_s", "backward_s", "send_forward_s",
-                                          "send_backward_s", "activation_bytes", "static_bytes")}}
+                                          "send_backward_s", "activation_bytes", "static_bytes",
+                                          "tail_s")}}
     plan.microbatch_sizes = [list(row) for row in sizes]
     plan.microbatches = len(sizes[0])
     plan.predicted_iteration_s = float(timeline.iteration_s)

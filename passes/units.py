@@ -21,7 +21,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, TensorInfo
 
 FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
           "output_bytes", "stash_bytes", "bytes_moved",
@@ -129,6 +129,32 @@ def _fold_parameters(nodes: list[fx.Node], groups: list[list[fx.Node]]) -> list[
     return out
 
 
+def _join_in_place(groups: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Groups with every in-place op (`mul_`, `add_`: its op name ends in "_") in one unit with
+    the producer of the tensor it writes, and everything in between: a cut between them would
+    send a copy, and the write would miss the tensor (an EMA buffer's `ema.mul_(0.9).add_(..)`
+    would update a received copy, not the buffer)."""
+    where = {n: i for i, g in enumerate(groups) for n in g}
+    start = list(range(len(groups)))  # start[i]: the first group group i must join
+    for i, g in enumerate(groups):
+        for n in g:
+            op = str(n.meta.get(META_OP, ""))
+            target = n.args[0] if n.args else None
+            if op.endswith("_") and not op.startswith("_") and isinstance(target, fx.Node) \
+                    and target in where and where[target] < i:
+                start[i] = min(start[i], where[target])
+    out: list[list[fx.Node]] = []
+    first: list[int] = []  # the first original group of each out group
+    for i, g in enumerate(groups):
+        out.append(list(g))
+        first.append(i)
+        while len(out) > 1 and first[-1] > start[i]:  # join back to the written tensor's unit
+            tail = out.pop()
+            first.pop()
+            out[-1].extend(tail)
+    return out
+
+
 class UnitBuilder:
     """Groups nodes into units once; evaluates unit costs at any micro-batch size."""
 
@@ -145,7 +171,7 @@ class UnitBuilder:
                 groups[-1].append(node)
             else:
                 groups.append([node])
-        groups = _fold_parameters(nodes, groups)
+        groups = _fold_parameters(nodes, _join_in_place(groups))
         self.groups = groups
         self.order = [n for g in groups for n in g]
         unit_of = {n: i for i, g in enumerate(groups) for n in g}

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from pipecc.targets import fixed_costs
+
 from helpers import ROOT, run_cli, zoo_module, zoo_path
 from pipecc import driver
 from pipecc.ir.graph import IRError
@@ -99,7 +101,9 @@ def test_fixed_replicas_fill_the_plan(mlp, d):
         assert s.allreduce_s > 0
         ring = [parse_devices("4xa100").link(g, s.replica_devices[(r + 1) % d])
                 for r, g in enumerate(s.replica_devices)]
-        assert s.allreduce_s == pytest.approx(rep.ring_allreduce_s(ring, s.param_bytes))
+        # each ring step is a message: both hosts' message_s on top of the link (the one cost model)
+        host = 2 * fixed_costs.DEFAULTS["gpu"].message_s
+        assert s.allreduce_s == pytest.approx(rep.ring_allreduce_s(ring, s.param_bytes, host))
     assert plan.decisions[1].startswith(f"{d} replicas per stage x {P} stage")
     assert Plan.from_json(json.loads(plan.dumps())).replicas == d
     # the report's rebuilt timeline is the planner's, all-reduce included
@@ -128,7 +132,8 @@ def test_groups_take_the_slowest_member_and_the_slowest_pair(mlp):
     prob = bal.evaluator.problem(units, 2, "1f1b", 2, (0, 1, 2, 3), 1, d=2)
     assert (prob.fwd[0] == fwd[[0, 1]].max(axis=0)).all() and (prob.bwd[1] == bwd[[2, 3]].max(axis=0)).all()
     cl = bal.cluster
-    want = max(cl.link(0, 2).time(1e6), cl.link(1, 3).time(1e6))
+    want = max(bal.tables.link_time(0, 2, 1e6), bal.tables.link_time(1, 3, 1e6))  # both hosts' costs in
+    assert want > max(cl.link(0, 2).time(1e6), cl.link(1, 3).time(1e6))
     assert prob.link_time(0, 1e6) == want
     mem = bal.tables.costs[0].memory(units, 1)
     assert (prob.static_mem[0] == mem.static).all() and prob.mem_cap[0] == min(
@@ -166,9 +171,10 @@ def test_uneven_slices_are_planned_at_the_largest_slice():
     assert plan.replicas == 3 and len(plan.stages) == 1 and plan.stages[0].replica_devices == [0, 1, 2]
     bal = _balancer(analysis, "3xa100", replicas=3, microbatches=1)
 
-    def stage_s(mb):
+    def stage_s(mb):  # the units' times plus the stage's per-micro-batch fixed costs
         fwd, bwd = bal.tables.times(bal.tables.builder.at(mb), mb)
-        return float(fwd[0].sum()), float(bwd[0].sum())
+        fixed_f, fixed_b = bal.tables.stage_fixed(0)
+        return float(fwd[0].sum()) + fixed_f, float(bwd[0].sum()) + fixed_b
     assert (plan.stages[0].forward_s, plan.stages[0].backward_s) == pytest.approx(stage_s(11), rel=1e-12)
     assert stage_s(10)[0] < stage_s(11)[0]  # the check tells 10 from 11 samples
     assert "each on 11 or 10 of every micro-batch's 32 samples" in plan_table(plan)

@@ -20,6 +20,8 @@ from pipecc.cli.app import main
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.passes import split_layers
+from pipecc.passes.plan_options import PlanOptions
+from pipecc.passes.plan_search import Planner
 from pipecc.passes.units import UnitBuilder
 from pipecc.profile.cache import file_sha256
 from pipecc.targets.devices import parse_devices
@@ -66,16 +68,26 @@ def _plan(analysis, profile, devices="cpu,cpu", **kw):
     return driver.plan(analysis, devices, profile=profile, **kw)[0]
 
 
+def _stage_fixed() -> tuple[float, float]:
+    """The cost model's per-micro-batch fixed forward and backward seconds of a cpu,cpu stage."""
+    from pipecc.passes.plan_costs import fixed_for
+    from pipecc.targets.fixed_costs import MICROBATCH_FORWARD_SHARE as share
+    mb_s = fixed_for(parse_devices("cpu,cpu"), PlanOptions(batch_size=8))[0].microbatch_s
+    return mb_s * share, mb_s * (1 - share)
+
+
 # ---------------------------------------------------------------------------- planning
 @pytest.mark.parametrize("slow, alone", [("0", 0), ("4", 1)])
 def test_a_10x_slower_layer_moves_the_cut_and_stage_times_are_the_curve_sums(mlp, slow, alone):
     plan = _plan(mlp, synthetic(slow))
     assert plan.stages[alone].nodes == [slow]  # the slow layer gets a stage to itself
     mb = 8 // plan.microbatches
+    fixed_f, fixed_b = _stage_fixed()  # a curve holds its node's per-call cost, not the stage's
     for s in plan.stages:
         assert s.time_source == "profile"
-        assert s.forward_s == pytest.approx(sum(curve(n, mb, slow)[0] for n in s.nodes), rel=1e-12)
-        assert s.backward_s == pytest.approx(sum(curve(n, mb, slow)[1] for n in s.nodes), rel=1e-12)
+        assert (s.fixed_forward_s, s.fixed_backward_s) == pytest.approx((fixed_f, fixed_b), rel=1e-12)
+        assert s.forward_s == pytest.approx(sum(curve(n, mb, slow)[0] for n in s.nodes) + fixed_f, rel=1e-12)
+        assert s.backward_s == pytest.approx(sum(curve(n, mb, slow)[1] for n in s.nodes) + fixed_b, rel=1e-12)
     assert "costs: measured for all 5 nodes on cpu (profile dict)" in plan.decisions
     assert plan.options["profile"] == "profile dict"
     even = _plan(mlp, synthetic())  # the same curve everywhere: the cut is in the middle
@@ -93,8 +105,17 @@ def test_nodes_the_profile_lacks_cost_the_roofline(mlp):
     stage = next(s for s in plan.stages if "3" in s.nodes)
     assert stage.time_source == "mixed"
     others = [n for n in stage.nodes if n != "3"]
-    assert stage.forward_s == pytest.approx(fwd[three] + sum(curve(n, mb)[0] for n in others))
-    assert stage.backward_s == pytest.approx(bwd[three] + sum(curve(n, mb)[1] for n in others))
+    # node 3 pays the roofline and its per-call fixed costs (one Linear: op + half-rate work)
+    tables = Planner(mlp.graph, cluster, PlanOptions(batch_size=8, profile=load_profile(
+        synthetic(nodes=["0", "1", "2", "4"])))).tables
+    unit_f, unit_b = tables.unit_fixed(0)
+    assert unit_f[three] > 0 and unit_f[[u for u in range(units.n) if u != three]].sum() == 0
+    fixed_f, fixed_b = _stage_fixed()
+    assert stage.fixed_forward_s == pytest.approx(unit_f[three] + fixed_f)
+    assert stage.forward_s == pytest.approx(fwd[three] + sum(curve(n, mb)[0] for n in others)
+                                            + stage.fixed_forward_s)
+    assert stage.backward_s == pytest.approx(bwd[three] + sum(curve(n, mb)[1] for n in others)
+                                             + unit_b[three] + fixed_b)
     assert ("costs: measured for 4 of 5 nodes on cpu (profile dict), roofline elsewhere"
             in plan.decisions)
 
@@ -143,7 +164,7 @@ def test_micro_batches_beyond_the_profiled_sizes_are_extrapolated_and_said(mlp):
     line = next(d for d in plan.decisions if d.startswith("costs:"))
     assert "micro-batches of 8 extrapolate the curves beyond the profiled sizes (1..2)" in line
     first = plan.stages[0]
-    assert first.forward_s == pytest.approx(sum(curve(n, 8)[0] for n in first.nodes))
+    assert first.forward_s == pytest.approx(sum(curve(n, 8)[0] for n in first.nodes) + _stage_fixed()[0])
 
 
 def test_the_measured_link_replaces_cpu_links(mlp):

@@ -52,6 +52,12 @@ class StagePlan:
     # neighbour (with its forward message when a_j > c_j, with its gradient message when
     # c_{j-1} > a_{j-1}); 0 without Bi-Partition
     extra_send_bytes: int = 0
+    # the fixed part (per call and per micro-batch, `pipecc.targets.fixed_costs`: constant in the
+    # micro-batch size) of forward_s / backward_s, and the stage's per-iteration fixed seconds
+    # after its last action (optimizer step); 0.0 in older plans
+    fixed_forward_s: float = 0.0
+    fixed_backward_s: float = 0.0
+    step_s: float = 0.0
 
 
 @dataclass

@@ -116,6 +116,8 @@ def _uneven_timeline(plan: Plan, schedule: Schedule) -> Any:
     saved = plan.options.get("umpipe_chunk_costs")
     if saved:
         costs = StageCosts(**{k: v for k, v in saved.items() if k != "stage_figures_microbatch"})
+        if "tail_s" not in saved:  # NOTE: plans before the one cost model saved no tails
+            costs.tail_s = _step_tail(plan, schedule)
     else:
         per = max(plan.batch_size // max(plan.microbatches, 1), 1)
         n = len(plan.stages)
@@ -126,7 +128,17 @@ def _uneven_timeline(plan: Plan, schedule: Schedule) -> Any:
             [[send[k] * b / per if k < n - 1 else 0.0 for b in sizes[k]] for k in range(n)],
             [[send[k] * b / per if k > 0 else 0.0 for b in sizes[max(k - 1, 0)]] for k in range(n)],
             [[0.0] * len(sizes[k]) for k in range(n)], [0.0] * n)
+        costs.tail_s = _step_tail(plan, schedule)
     return simulate(schedule, costs)
+
+
+def _step_tail(plan: Plan, schedule: Schedule) -> list[float] | None:
+    """[rank] the per-iteration fixed seconds of its stages (`StagePlan.step_s`) after its last
+    action, as the planner simulated them; None when all are 0 (older plans)."""
+    tail = [0.0] * schedule.num_ranks
+    for k, s in enumerate(plan.stages):
+        tail[schedule.stage_to_rank[k]] += float(getattr(s, "step_s", 0.0) or 0.0)
+    return tail if any(tail) else None
 
 
 def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
@@ -156,6 +168,7 @@ def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
                                  [s.backward_s for s in plan.stages], send, [0.0] + send[:-1],
                                  backward_weight_s=[s.backward_weight_s for s in plan.stages],
                                  split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
+    costs.tail_s = _step_tail(plan, schedule)
     saved = plan.options.get("bipartition_costs") if plan.is_bipartition() else None
     if saved:  # Bi-Partition: the two directions differ; the planner saved both, and the tail
         costs.send_forward_s = [[float(t)] * m for t in saved["send_forward_s"]]

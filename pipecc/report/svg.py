@@ -168,7 +168,8 @@ def _allreduce(timeline: dict[str, Any], r: int, y: float, x: Any, scale: float,
     """Replica groups: rank r's gradient all-reduce on the strip below, from its last backward's
     start (when the runtime's hooks launch it) to its end (`allreduce_end_s`)."""
     ends = timeline.get("allreduce_end_s") or []
-    starts = [e["start"] for e in timeline["events"] if e["rank"] == r and e["kind"] == "B"]
+    # the last B, or W under a zero-bubble schedule: where the simulator starts it too
+    starts = [e["start"] for e in timeline["events"] if e["rank"] == r and e["kind"] in ("B", "W")]
     if r >= len(ends) or not starts or ends[r] <= 0:
         return []
     t0, t1 = max(starts), ends[r]

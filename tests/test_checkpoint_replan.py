@@ -46,7 +46,8 @@ STEP = re.compile(r"^step (\d+): loss (\S+)", re.MULTILINE)
 
 
 def compile_mlp(out: Path, devices: str, *extra: str, args: dict | None = None) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "-d", devices, "-b", "8", "-m", "2", "-o", str(out), "-q"]
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "-d", devices, "-b", "8", "-m", "2", "-o", str(out), "-q",
+            "--use-all-devices"]
     for arg in model_args(args or MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main([*argv, *extra]) == 0
@@ -183,7 +184,7 @@ def test_export_loads_strict_with_buffers_and_tied_weights(tmp_path, capsys) -> 
     for name, args, batch in (("tiny_cnn", zoo_module("tiny_cnn").TINY, "4"), ("gpt", gpt_args, "16")):
         out = tmp_path / name
         argv = ["compile", str(ROOT / "models" / f"{name}.py"), "-d", "2xcpu", "--replicas", "1", "-b", batch,
-                "-m", "2", "-o", str(out), "-q", "--split-layers", "off"]
+                "-m", "2", "-o", str(out), "-q", "--split-layers", "off", "--use-all-devices"]
         for arg in model_args(args):
             argv += ["--model-arg", arg]
         assert cli.main(argv) == 0
@@ -386,7 +387,7 @@ def test_dropout_rng_follows_the_same_ranks_and_is_reseeded_otherwise(tmp_path) 
     for name, devices in (("two", "2xcpu"), ("three", "3xcpu")):
         outs[name] = tmp_path / name
         assert cli.main(["compile", str(model), "-d", devices, "-b", "8", "-m", "2", "--replicas", "1",
-                         "--split-layers", "off", "-o", str(outs[name]), "-q"]) == 0
+                         "--split-layers", "off", "--use-all-devices", "-o", str(outs[name]), "-q"]) == 0
     edited = tmp_path / "edited"
     shutil.copytree(outs["two"], edited)
     stage = edited / "stage_1" / "stage.py"

@@ -35,7 +35,7 @@ VERIFIED = "verify: outputs match the single-process run (forward only)"
 
 def compile_mlp(out: Path, devices: str, kw: dict, batch: int) -> Path:
     argv = ["compile", str(ROOT / "models" / "mlp.py"), "-b", str(batch), "--inference", "--devices", devices,
-            "--replicas", "1", "-o", str(out), "-q", *[f"--model-arg={k}={v}" for k, v in kw.items()]]
+            "--replicas", "1", "--use-all-devices", "-o", str(out), "-q", *[f"--model-arg={k}={v}" for k, v in kw.items()]]
     assert cli.main(argv) == 0
     return out
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def compile_mlp(out: Path, *extra: str, devices: str = "2xcpu", replicas: int = 1) -> Path:
     argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", devices, "--replicas", str(replicas),
-            "-o", str(out), "-b", "8", "-q", *extra]
+            "-o", str(out), "-b", "8", "-q", "--use-all-devices", *extra]
     for arg in model_args(MLP_TINY):
         argv += ["--model-arg", arg]
     assert cli.main(argv) == 0

@@ -24,7 +24,7 @@ from pipecc.runtime.ports import Port, StagePorts
 GPT = [str(ROOT / "models" / "gpt.py"), "-b", "4", "--model-arg", "n_layer=2", "--model-arg", "n_head=2",
        "--model-arg", "n_embd=32", "--model-arg", "vocab_size=101", "--model-arg", "block_size=64",
        "--model-arg", "seq_len=16"]
-PLAN = ["--devices", "2xcpu", "--replicas", "1", "-m", "2"]
+PLAN = ["--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-m", "2"]
 RUN_TIMEOUT = 600.0  # seconds: torchrun with two ranks on a busy machine
 
 HF_GPT2 = '''\

@@ -297,6 +297,12 @@ class CalibratedCosts(DeviceCosts):
         self.base, self.calibration = base, calibration
         self.one_tensor_boundaries = base.one_tensor_boundaries
 
+    @property
+    def curves(self) -> Mapping[str, Any]:
+        """The base's measured nodes (`ProfiledCosts.curves`; none on the roofline): the cost
+        model adds no per-call fixed cost to those, calibrated or not."""
+        return getattr(self.base, "curves", {})
+
     def unit_factors(self, names: Sequence[Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
         """[unit] forward and backward factors."""
         default = self.calibration.default.get(self.device.name, (1.0, 1.0))

@@ -13,6 +13,9 @@ the predicted iteration time:
   profiled  `pipecc profile` (run here with OMP_NUM_THREADS=1, the thread count each rank of
             `pipecc run` gets, and --no-cache so the curves are this run's), then
             `pipecc compile --profile`;
+  calibrated  the profiled plan made again with `--calibrate` on the profiled run's document
+            (`pipecc compile --profile P --calibrate RUN.json`: measured stage times mapped onto
+            the nodes); calibrated2 the same on the calibrated run's document (round two);
   equal     the plan's baseline "equal-count (torch.distributed.pipelining)": an equal number of
             graph units per stage, on the profiled costs, with the profiled plan's schedule and
             micro-batches (`equal_plan`: the baseline's bounds turned into a Plan through the
@@ -79,7 +82,8 @@ HOLDOUT: dict[str, dict[str, Any]] = {
     "hf_bert": dict(path="bench/models_holdout/hf_bert.py", args={}),
 }
 
-VARIANTS = ("analytic", "profiled", "equal")
+VARIANTS = ("analytic", "profiled", "calibrated", "calibrated2", "equal")
+PLANNED = ("analytic", "profiled", "equal")  # planned up front; the calibrated rounds after a run
 # the issue's targets (reported against, never tuned for)
 STAGE_TOL, STEP_TOL, IMBALANCE_TARGET, HOLDOUT_TARGET = 0.15, 0.10, 1.10, 1.10
 
@@ -204,7 +208,7 @@ def imbalance_table(cases: list[dict[str, Any]]) -> list[str]:
 def headline(cases: list[dict[str, Any]]) -> list[str]:
     """How many stages and steps met the issue's targets, per variant."""
     out = []
-    for v in ("analytic", "profiled"):
+    for v in ("analytic", "profiled", "calibrated", "calibrated2"):
         runs = [summarize(c["variants"][v]["run"]) for c in cases if "run" in c["variants"].get(v, {})]
         if not runs:
             continue
@@ -364,7 +368,7 @@ def compile_variants(name: str, devices: str, tmp: Path, schedule: str, m: int,
     path = ROOT / spec["path"]
     analysis = driver.analyze(path, model_args=dict(spec["args"]), batch_size=spec["batch"])
     out: dict[str, Any] = {}
-    for v in VARIANTS:
+    for v in PLANNED:
         if v != "analytic" and profile_path is None:
             out[v] = {"error": "no profile"}
             continue
@@ -386,6 +390,30 @@ def compile_variants(name: str, devices: str, tmp: Path, schedule: str, m: int,
         except Exception as exc:  # recorded, not raised: one failing case must not lose the rest
             out[v] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def compile_calibrated(name: str, devices: str, tmp: Path, schedule: str, m: int, profile_path: Path,
+                       run_doc: dict[str, Any], variant: str) -> dict[str, Any]:
+    """`pipecc compile --profile P --calibrate RUN.json`: the profiled plan made again with the
+    previous round's measured stage times mapped onto its nodes (`pipecc.targets.calibrated`)."""
+    from pipecc import driver
+    spec = MODELS[name]
+    path = ROOT / spec["path"]
+    analysis = driver.analyze(path, model_args=dict(spec["args"]), batch_size=spec["batch"])
+    try:
+        plan, graph = driver.plan(analysis, devices, microbatches=m, schedule=schedule, compare=True, replicas=1,
+                                  profile=str(profile_path), calibrate=run_doc)
+        plan.model_path, plan.model_args = str(path.resolve()), dict(spec["args"])
+        folder = tmp / f"{name}-{devices}-{variant}"
+        driver.compile(analysis, plan, graph, folder, force=True)
+        return {"folder": folder, "plan": {"bottleneck_s": plan.bottleneck_s,
+                                           "predicted_iteration_s": plan.predicted_iteration_s,
+                                           "balance_ratio": plan.balance_ratio,
+                                           "split_layers": len(plan.split_layers),
+                                           "time_sources": [s.time_source for s in plan.stages],
+                                           "stage_nodes": [len(s.nodes) for s in plan.stages]}}
+    except Exception as exc:  # recorded, not raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def run_json(folder: Path, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
@@ -422,6 +450,23 @@ def _gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _measure(r: dict[str, Any], args: argparse.Namespace) -> None:
+    """Run a compiled variant (`r["folder"]`) with --json into `r["run"]`, or record its error."""
+    if "folder" not in r:
+        return
+    folder = r.pop("folder")
+    # NOTE: one retry, recorded: ranks sometimes abort at exit (SIGABRT, "terminate called
+    # without an active exception") after the last step
+    for attempt in range(2):
+        try:
+            r["run"] = run_json(folder, args.steps, args.warmup_steps, args.timeout)
+            r.pop("error", None)
+            break
+        except Exception as exc:
+            r["error"] = f"{type(exc).__name__}: {exc}"
+            r.setdefault("failed_attempts", []).append(r["error"])
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     start, load_before = time.perf_counter(), os.getloadavg()
@@ -439,18 +484,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     prof = None
                 variants = compile_variants(name, devices, tmp, args.schedule, args.microbatches, prof)
                 for v, r in variants.items():
-                    if "folder" in r:
-                        folder = r.pop("folder")
-                        # NOTE: one retry, recorded: ranks sometimes abort at exit (SIGABRT,
-                        # "terminate called without an active exception") after the last step
-                        for attempt in range(2):
-                            try:
-                                r["run"] = run_json(folder, args.steps, args.warmup_steps, args.timeout)
-                                r.pop("error", None)
-                                break
-                            except Exception as exc:
-                                r["error"] = f"{type(exc).__name__}: {exc}"
-                                r.setdefault("failed_attempts", []).append(r["error"])
+                    _measure(r, args)
+                # two calibration rounds: each plans on the profile and the round before's run
+                before = variants.get("profiled", {})
+                for v in ("calibrated", "calibrated2"):
+                    if prof is None or "run" not in before:
+                        variants[v] = {"error": "no run to calibrate from"}
+                    else:
+                        variants[v] = compile_calibrated(name, devices, tmp, args.schedule, args.microbatches,
+                                                         prof, before["run"], v)
+                        _measure(variants[v], args)
+                    before = variants[v]
                 cases.append({"model": name, "devices": devices, "variants": variants,
                               "wall_s": time.perf_counter() - t0})
                 print(f"{name} {devices}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)

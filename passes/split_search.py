@@ -16,6 +16,7 @@ model's parameters (only the fx graph is copied), so trying a split costs no wei
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Callable
 
 import torch.fx as fx
@@ -40,7 +41,12 @@ def splittable_names(graph: AnnotatedGraph) -> list[str]:
 
 def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
     """A copy of the graph structure and annotations over the same modules and parameters."""
-    gm = fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph), class_name=type(graph.gm).__name__)
+    with warnings.catch_warnings():
+        # NOTE: torch 2.13's pytree warns (FutureWarning, on stderr before pipecc's own line)
+        # when the graph's input treespec is deep-copied; the copy is right, the warning is torch's
+        warnings.filterwarnings("ignore", message=r".*treespec", category=FutureWarning)
+        copied = copy.deepcopy(graph.gm.graph)
+    gm = fx.GraphModule(graph.gm, copied, class_name=type(graph.gm).__name__)
     # NOTE: GraphModule copies only what the graph references; a split layer's parameters
     # are referenced by none (its shards read them through an unregistered parent), so the
     # clone re-registers whatever the graph's module owns: it must own the same tensors.

@@ -135,7 +135,8 @@ def length_table(plan: Plan, graph: Any, cluster: Any, options: Any, lengths: Le
         for stage in plan.stages:
             us = sorted({unit_of[n] for n in stage.nodes if n in unit_of})
             dev = stage.device
-            stages.append([float(fwd[dev, us].sum()), float(bwd[dev, us].sum())])
+            per_f, per_b = tables.stage_fixed(dev)  # the stage's per-micro-batch fixed part, as plan_emit adds
+            stages.append([float(fwd[dev, us].sum()) + per_f, float(bwd[dev, us].sum()) + per_b])
         rows.append({"length": length, "stages": stages})
     top = next(r for r in rows if r["length"] == planned)
     slowest = max(sum(s) for s in top["stages"]) or 1.0

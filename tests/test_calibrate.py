@@ -227,7 +227,7 @@ def test_two_rounds_converge_on_the_machine(tmp_path):
     are what the round-one calibration left: on a correct mapping they are near 1, off by the
     machine's noise only (this shared 2-core machine: up to ~2x between runs), so the bound is 4x,
     which a mapping that forgot or double-applied the first round's factors misses by far."""
-    common = [*ARGS, "-b", "8", "-d", "2xcpu", "-m", "2", "--schedule", "1f1b", "--split-layers", "off",
+    common = [*ARGS, "-b", "8", "-d", "2xcpu", "--use-all-devices", "-m", "2", "--schedule", "1f1b", "--split-layers", "off",
               "--replicas", "1", "-q"]
     ratios = []
     calibrate: list[str] = []

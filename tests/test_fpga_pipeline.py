@@ -54,7 +54,7 @@ def _csim(*args: str) -> int:
 
 def compile_out(out: Path) -> None:
     rc = cli.main(["compile", str(ROOT / "models" / "mlp.py"), "-b", str(BATCH), "--inference",
-                   "--devices", DEVICES, "-o", str(out), "-q", *MODEL_ARGS])
+                   "--devices", DEVICES, "--use-all-devices", "-o", str(out), "-q", *MODEL_ARGS])
     assert rc == 0
 
 

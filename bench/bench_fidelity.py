@@ -7,7 +7,9 @@ For each zoo model at a small size (MODELS) and each device spec, three compiled
 each trained for a few steps with `pipecc run OUT --json` (one process per stage, gloo, one
 thread per rank), whose JSON document gives per stage the measured median forward and backward
 of one micro-batch next to the plan's prediction, and the measured median step time next to
-the predicted iteration time:
+the predicted iteration time, and the slowest rank's host work per step outside its stage
+timers and receive waits (`host_s` of the run document times the micro-batches: posting sends,
+the engine's loop, the optimizer step), which is where a step measures longer than its stages:
 
   analytic  `pipecc compile` on the roofline cost model (the catalog's `cpu` figures);
   profiled  `pipecc profile` (run here with OMP_NUM_THREADS=1, the thread count each rank of
@@ -27,8 +29,9 @@ Per-stage time is forward + backward of one micro-batch; measured imbalance is t
 stage's measured fwd+bwd over the fastest's.
 
 Holdout-style models (bench/models_holdout/: a U-Net with skips, a MobileNet-like depthwise net,
-a two-input model, Hugging Face GPT-2 and BERT built from a config with random weights): planned
-only, `pipecc plan MODEL --devices 4xa100 -b 256`, reporting `balance_ratio` (bottleneck / the
+a two-input model, Hugging Face GPT-2 and BERT built from a config with random weights): unet,
+two_input and hf_gpt2 (and mobilenet with --models) at a small size are measured like the zoo
+models above (MODELS); all five are also planned, `pipecc plan MODEL --devices 4xa100 -b 256`, reporting `balance_ratio` (bottleneck / the
 communication-aware bound) and `balance_ratio_compute` (/ the old comm-blind bound).
 
 Internals: analysis, planning and compile run in this process (`pipecc.driver`, what `pipecc
@@ -56,6 +59,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import replace_section  # noqa: E402
+
+# NOTE: the registry's torchvision for torch 2.13 cannot load its C ops beside the CPU torch, and
+# transformers imports it: the schemas stand-in (tests/torchvision_ops.py) is loaded here and, by
+# tests/rank_site's sitecustomize, in every `pipecc` subprocess, as the real-model suite does
+sys.path.insert(0, str(ROOT / "tests"))
+import torchvision_ops  # noqa: E402,F401
 PIPECC = [sys.executable, "-m", "pipecc.cli"]
 
 # name -> model file, build_model/example_inputs arguments, batch. Small enough that one
@@ -71,8 +80,13 @@ MODELS: dict[str, dict[str, Any]] = {
                                                   max_position=64, seq_len=64, num_labels=3), batch=16),
     "gnmt": dict(path="models/gnmt.py", args=dict(vocab_size=1024, hidden=128, num_layers=4, src_len=16,
                                                   tgt_len=16), batch=16),
+    # the holdout-style models (bench/models_holdout), measured like the zoo
+    "unet": dict(path="bench/models_holdout/unet.py", args=dict(channels=8, depth=3, image_size=32), batch=16),
+    "mobilenet": dict(path="bench/models_holdout/mobilenet.py", args=dict(width=0.5, image_size=32), batch=16),
+    "two_input": dict(path="bench/models_holdout/two_input.py", args={}, batch=16),
+    "hf_gpt2": dict(path="bench/models_holdout/hf_gpt2.py", args=dict(n_layer=4, n_embd=128, seq_len=32), batch=8),
 }
-DEFAULT_MODELS = ["mlp", "gpt", "vgg16", "tiny_cnn"]
+DEFAULT_MODELS = ["mlp", "gpt", "vgg16", "tiny_cnn", "unet", "two_input", "hf_gpt2"]
 
 HOLDOUT: dict[str, dict[str, Any]] = {
     "unet": dict(path="bench/models_holdout/unet.py", args={}),
@@ -117,7 +131,7 @@ def stage_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         pred = s["predicted_forward_s"] + s["predicted_backward_s"]
         rows.append({"index": s["index"], "rank": s.get("rank", s["index"]), "measured_s": meas,
                      "predicted_s": pred, "ratio": ratio(meas, pred),
-                     "comm_wait_s": s.get("comm_wait_s")})
+                     "comm_wait_s": s.get("comm_wait_s"), "host_s": s.get("host_s")})
     return rows
 
 
@@ -133,7 +147,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             "stages_within": sum(abs(r["ratio"] - 1) <= STAGE_TOL for r in rows),
             "imbalance_measured": max(meas) / min(meas) if min(meas) > 0 else float("inf"),
             "imbalance_predicted": max(pred) / min(pred) if min(pred) > 0 else float("inf"),
-            "samples_per_s": doc.get("samples_per_s")}
+            "samples_per_s": doc.get("samples_per_s"),
+            # the slowest rank's host work outside its stage timers and waits, per step
+            "host_step_s": max((r["host_s"] or 0.0) for r in rows) * doc["microbatches"]
+            if any(r.get("host_s") is not None for r in rows) else None}
 
 
 def _ms(seconds: float) -> str:
@@ -148,7 +165,8 @@ def case_table(cases: list[dict[str, Any]]) -> list[str]:
     """One row per (model, devices, variant): step and worst stage ratio, imbalance."""
     lines = ["| model | devices | plan | m | step ms: predicted / measured | step ratio | "
              "stage ratios (fwd+bwd, measured / predicted) | stages within 15% | "
-             "imbalance: predicted / measured |", "|---|---|---|--:|--:|--:|---|--:|--:|"]
+             "imbalance: predicted / measured | host ms per step outside the stage timers |",
+             "|---|---|---|--:|--:|--:|---|--:|--:|--:|"]
     for c in cases:
         for v in VARIANTS:
             r = c["variants"].get(v)
@@ -164,7 +182,8 @@ def case_table(cases: list[dict[str, Any]]) -> list[str]:
                 f"{_ms(s['predicted_step_s'])} / {_ms(s['step_s'])} | "
                 f"{_mark(s['step_ratio'], abs(s['step_ratio'] - 1) <= STEP_TOL)} | {ratios} | "
                 f"{s['stages_within']}/{len(s['stages'])} | "
-                f"{s['imbalance_predicted']:.2f} / {s['imbalance_measured']:.2f} |")
+                f"{s['imbalance_predicted']:.2f} / {s['imbalance_measured']:.2f} | "
+                f"{'' if s['host_step_s'] is None else _ms(s['host_step_s'])} |")
     return lines
 
 
@@ -312,7 +331,8 @@ def write_section(path: Path, text: str) -> None:
 # ----------------------------------------------------------------------------- measuring
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT / "tests" / "rank_site"), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
 def _model_arg_flags(args: dict[str, Any]) -> list[str]:

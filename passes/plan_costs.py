@@ -102,6 +102,10 @@ class CostTables:
                 models[dev.name] = device_costs(dev, self.builder, options)
         self.costs: list[DeviceCosts] = [models[dev.name] for dev in cluster.devices]
         self.fixed: list[FixedCosts] = fixed_for(cluster, options)
+        # NOTE: --calibrate may lower a device's fixed part (a stage measured under it)
+        cal = options.calibrate if hasattr(options.calibrate, "fixed_factor") else None
+        self.fixed_factors = [cal.fixed_factor(dev.name) if cal is not None else (1.0, 1.0)
+                              for dev in cluster.devices]
         self._unit_fixed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
@@ -130,8 +134,9 @@ class CostTables:
         """[unit] the per-call fixed forward and backward seconds on device d, whatever the
         micro-batch (`pipecc.targets.fixed_costs` docstring): op_forward_s / op_backward_s per
         node the device runs without a measured curve (a curve holds its own), and w_half/rate
-        per matmul-class node (twice in the backward). Zero on an FPGA card (its model has
-        them) and for the backward of a forward-only plan."""
+        per matmul-class node (twice in the backward), times the calibration's fixed factors
+        (`Calibration.fixed_factor`, 1 without). Zero on an FPGA card (its model has them) and
+        for the backward of a forward-only plan."""
         if d in self._unit_fixed:
             return self._unit_fixed[d]
         dev, fixed, groups = self.cluster.devices[d], self.fixed[d], self.builder.groups
@@ -147,16 +152,19 @@ class CostTables:
                 f[u] = len(calls) * fixed.op_forward_s + matmuls * half
                 if self.options.training:
                     b[u] = len(calls) * fixed.op_backward_s + 2 * matmuls * half
-        self._unit_fixed[d] = (f, b)
-        return f, b
+        g_f, g_b = self.fixed_factors[d]
+        self._unit_fixed[d] = (f * g_f, b * g_b)
+        return self._unit_fixed[d]
 
     def stage_fixed(self, d: int) -> tuple[float, float]:
         """One micro-batch's per-stage fixed forward and backward seconds on device d:
-        microbatch_s split by MICROBATCH_FORWARD_SHARE (forward only without training)."""
+        microbatch_s split by MICROBATCH_FORWARD_SHARE (forward only without training), times
+        the calibration's fixed factors."""
         mb_s, share = self.fixed[d].microbatch_s, fixed_mod.MICROBATCH_FORWARD_SHARE
+        g_f, g_b = self.fixed_factors[d]
         if not self.options.training:
-            return mb_s * share, 0.0
-        return mb_s * share, mb_s * (1.0 - share)
+            return mb_s * share * g_f, 0.0
+        return mb_s * share * g_f, mb_s * (1.0 - share) * g_b
 
     def step_s(self, d: int) -> float:
         """A stage's per-iteration fixed seconds on device d (optimizer step; 0 without

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOP = {"format", "version", "schedule", "microbatches", "batch_size", "steps", "warmup_steps", "step_s",
        "predicted_step_s", "samples_per_s", "stages", "plan"}
 STAGE = {"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples", "backward_samples",
-         "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}
+         "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}
 
 
 def compile_mlp(out: Path, *extra: str) -> Path:
@@ -59,7 +59,7 @@ def check_shape(doc: dict, plan: dict, steps: int, warmup: int) -> None:
         assert stage["predicted_forward_s"] == planned["forward_s"]
         assert stage["predicted_backward_s"] == planned["backward_s"]
         assert stage["forward_s"] > 0 and stage["forward_samples"] == doc["microbatches"] * doc["steps"]
-        assert stage["comm_wait_s"] >= 0
+        assert stage["comm_wait_s"] >= 0 and stage["host_s"] >= 0
 
 
 def loose_bound(doc: dict) -> None:
@@ -152,3 +152,14 @@ def test_document_from_figures() -> None:
     assert [s["backward_samples"] for s in stages] == [2, 0, 1]
     assert [s["comm_wait_s"] for s in stages] == [pytest.approx(0.3), pytest.approx(0.4), pytest.approx(0.3)]
     assert run_document(summaries, {}, "1f1b", 2, 8)["stages"][0]["predicted_forward_s"] is None
+
+
+def test_host_s_is_the_step_less_the_timed_actions_and_waits_per_micro_batch() -> None:
+    """One rank, two micro-batches per step: (step 1.0 − wait 0.2 − 2·(0.1 + 0.2)) / 2 = 0.1 per
+    micro-batch; never negative (a step that measures under its actions, timers overlapping)."""
+    summary = {"rank": 0, "stages": [0], "forward": [[0.1] * 4], "backward": [[0.2] * 4],
+               "step_s": [1.0, 1.0], "recv_wait_s": [0.2, 0.2], "warmup": 1}
+    plan = {"stages": [{"index": 0, "device": 0}], "devices": [{"name": "cpu"}]}
+    assert run_document([summary], plan, "1f1b", 2, 8)["stages"][0]["host_s"] == pytest.approx(0.1)
+    summary["step_s"] = [0.5, 0.5]
+    assert run_document([summary], plan, "1f1b", 2, 8)["stages"][0]["host_s"] == 0.0

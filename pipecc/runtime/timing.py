@@ -16,7 +16,7 @@ runtime never imports the compiler), into the one document ``pipecc run --json``
     {"format": "pipecc-run", "version": 1, "schedule", "microbatches", "batch_size", "steps",
      "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "samples_per_s",
      "stages": [{"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples",
-                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s"}],
+                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}],
      "plan": {"model", "model_sha256", "model_args", "batch_size", "microbatches", "schedule",
               "devices": [name], "sha256", "stages": [{"index", "device", "nodes", "backward_nodes",
               "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s"}],
@@ -39,7 +39,11 @@ time of step i is the longest of the ranks' own wall times of step i (from ``zer
 ``optimizer.step`` on each rank, no barrier: coupled by their messages, every rank's iteration
 takes the pipeline's period in steady state). ``comm_wait_s`` is the median over timed steps of
 the rank's total receive wait in the step; a rank holding several stages (interleaved) reports
-the same figure for each of them. With activation balancing (BPipe, ``pipecc.runtime.stash``)
+the same figure for each of them. ``host_s`` is, per micro-batch, what is left of the rank's
+median step time after its timed forward/backward actions and its receive waits: the host work
+no stage timer covers (posting sends, the engine's loop, the optimizer step and zero_grad),
+spread over the rank's micro-batches (the same figure in each row of a rank). It is where a
+step measures longer than its stages and waits add up to. With activation balancing (BPipe, ``pipecc.runtime.stash``)
 every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
 micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only
 run reports backward 0.0 with 0 samples.
@@ -221,6 +225,17 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
+def _host_s(summary: dict[str, Any], wait: float, timed: int) -> float:
+    """Per micro-batch, the rank's step time outside its stages' timed actions and its receive
+    waits (module docstring: ``host_s``); 0.0 without timed steps."""
+    if not summary["step_s"]:
+        return 0.0
+    count = sum(len(f) for f in summary["forward"]) / timed  # micro-batches per step, all its stages
+    busy = sum(_median(f) * len(f) + _median(b) * len(b)
+               for f, b in zip(summary["forward"], summary["backward"])) / timed
+    return max(0.0, _median(summary["step_s"]) - wait - busy) / count if count > 0 else 0.0
+
+
 def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], schedule: str, microbatches: int,
                  batch_size: int, stash: bool = False, identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``pipecc run --json`` document from every rank's ``summary`` and the plan;
@@ -236,6 +251,7 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
         wait = _median(summary["recv_wait_s"])
         evicted = summary.get("evicted") or [[] for _ in summary["stages"]]
         timed = max(len(summary["step_s"]), 1)
+        host = _host_s(summary, wait, timed)
         for s, forward, backward, moved in zip(summary["stages"], summary["forward"], summary["backward"], evicted):
             planned = plan_stages.get(s, {})
             replica = int(summary.get("replica", 0))
@@ -249,7 +265,7 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
                 "forward_samples": len(forward), "backward_samples": len(backward),
                 "predicted_forward_s": _number(planned.get("forward_s")),
                 "predicted_backward_s": _scaled(_number(planned.get("backward_s")), split),
-                "comm_wait_s": wait}
+                "comm_wait_s": wait, "host_s": host}
             if stash:  # BPipe
                 row.update(stash_evictions=len(moved) / timed, stash_evicted_bytes=sum(moved) / timed)
             stages.append(row)

@@ -27,10 +27,20 @@ run's plan split (`fc.shard0`, ..., `fc.combine`) maps to its split nodes' mean,
 the run lacks to its layer's factor. Nodes the run
 does not cover (a split layer's helpers) take their device's median factor: the same machine's
 misprediction, not none at all. A unit's factor is the mean of its covered nodes' factors (within
-one stage of the run they are equal, so a plan with the run's cuts is reproduced exactly). The
-factors are clamped to [1e-6, 1e6] (a fixed part over the measured time is the cost model's
-error, not a negative time). FPGA devices keep their model: their stages are simulated, not
-timed. Factors hold at the run's micro-batch size; a plan with another one extrapolates them.
+one stage of the run they are equal, so a plan with the run's cuts is reproduced exactly).
+
+The fixed part. Where a stage measures less than, or barely more than, its fixed part (its
+variable ratio under `LOW_RATIO`), the cost model's fixed costs are too large for this machine,
+and no node factor could lower them. Then the device's fixed part scales too: by
+g = min(M / P) over such stages of the device (forward and backward apart), so each stage's
+ratio becomes r = (M − g·F) / (P − F) (r = g at the stage that set it: the stage scales
+uniformly). `Calibration.fixed_factor(device)` is g; the one cost model (`CostTables.unit_fixed`,
+`stage_fixed`) multiplies the device's per-call and per-micro-batch fixed costs by it, and a
+calibrated plan's own g composes like the node factors. Node factors are clamped to [1e-6, 1e6]
+as a last guard. FPGA devices keep their model: their stages are simulated, not timed. Factors
+hold at the run's micro-batch size; a plan with another one extrapolates them.
+`Calibration.stage_errors` keeps each stage's whole measured/predicted ratio M / P: how far the
+plan that ran was off (the decision line and the convergence check read it).
 
 Refused, one line each, before anything is planned: a file that is not JSON or not a run
 document, a run document without `plan` (made before calibration existed), a stage with zero or
@@ -60,6 +70,7 @@ __all__ = ["Calibration", "CalibratedCosts", "load_run", "use_calibration", "cal
 
 RUN_FORMAT = "pipecc-run"
 FACTOR_RANGE = (1e-6, 1e6)
+LOW_RATIO = 0.1  # a variable ratio under this: the fixed part is too large (module docstring)
 # a split layer's nodes (`passes.split_layers`): fc.shard0, fc.shard0.in/.weight/.bias, fc.combine(.k)
 _SHARD = re.compile(r"^(?P<layer>.+)\.(shard\d+(\.(in|weight|bias))?|combine(\.\d+)?)$")
 MAKE = "make one with `pipecc compile MODEL ... -o OUT` then `pipecc run OUT --json > RUN.json`"
@@ -74,7 +85,9 @@ class Calibration:
     run: dict[str, Any]              # the run document
     factors: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     default: dict[str, tuple[float, float]] = field(default_factory=dict)
+    fixed: dict[str, tuple[float, float]] = field(default_factory=dict)  # device: fixed-part factors
     stage_ratios: list[tuple[int, str, float, float]] = field(default_factory=list)  # (stage, device, r_f, r_b)
+    stage_errors: list[tuple[int, str, float, float]] = field(default_factory=list)  # (stage, device, M/P f, b)
     notes: list[str] = field(default_factory=list)
 
     def factor(self, device: str, node: str) -> tuple[float, float] | None:
@@ -82,12 +95,18 @@ class Calibration:
         table = self.factors.get(device, {})
         return table.get(node) or table.get(_layer(node) or "")
 
+    def fixed_factor(self, device: str) -> tuple[float, float]:
+        """The forward and backward factors of `device`'s fixed part (module docstring); (1, 1)
+        where the run measured every stage of it above its fixed part."""
+        return self.fixed.get(device, (1.0, 1.0))
+
     def to_json(self) -> dict[str, Any]:
         """plan.json's `options.calibration`: read back when a run of this plan calibrates again."""
         return {"source": self.source, "run_plan_sha256": (self.run.get("plan") or {}).get("sha256"),
                 "factors": {d: {n: [round(f, 6), round(b, 6)] for n, (f, b) in t.items()}
                             for d, t in self.factors.items()},
-                "default": {d: [round(f, 6), round(b, 6)] for d, (f, b) in self.default.items()}}
+                "default": {d: [round(f, 6), round(b, 6)] for d, (f, b) in self.default.items()},
+                "fixed": {d: [round(f, 6), round(b, 6)] for d, (f, b) in self.fixed.items()}}
 
 
 def _layer(node: str) -> str | None:
@@ -132,13 +151,21 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _ratio(measured: float, predicted: float, fixed: float) -> float:
-    """(measured − fixed) / (predicted − fixed), clamped; 1.0 when nothing variable was predicted."""
+def _ratio(measured: float, predicted: float, fixed: float, g: float = 1.0) -> float:
+    """(measured − g·fixed) / (predicted − fixed), clamped; 1.0 when nothing variable was predicted."""
     variable = predicted - fixed
     if variable <= 0:
         return 1.0
     low, high = FACTOR_RANGE
-    return min(max((measured - fixed) / variable, low), high)
+    return min(max((measured - g * fixed) / variable, low), high)
+
+
+def _fixed_factor(stages: Sequence[tuple[float, float, float]]) -> float:
+    """g of one device and direction from its stages' (measured, predicted, fixed): the least
+    M / P of the stages whose variable ratio is under LOW_RATIO, 1.0 where there is none
+    (module docstring: the fixed part)."""
+    low = [m / p for m, p, f in stages if p > 0 and f > 0 and m < f + LOW_RATIO * (p - f)]
+    return min([1.0, *low])
 
 
 def _factors(cal: Calibration, where: str) -> None:
@@ -169,28 +196,34 @@ def _factors(cal: Calibration, where: str) -> None:
     forward_only = all(not r.get("backward_samples") for r in rows)
     if forward_only:
         cal.notes.append("a forward-only run: backward factors are the forward ones")
+    measured = []  # (index, device, stage, (M, P, F) forward, (M, P, F) backward or None)
     for (index, device), group in sorted(groups.items()):
         st = planned[index]
-        fwd = statistics.median(float(r["forward_s"]) for r in group)
-        r_f = _ratio(fwd, float(st.get("forward_s") or 0.0), float(st.get("fixed_forward_s") or 0.0))
-        if forward_only:
-            r_b = r_f
-        else:
-            bwd = statistics.median(float(r["backward_s"]) for r in group) / split
-            r_b = _ratio(bwd, float(st.get("backward_s") or 0.0), float(st.get("fixed_backward_s") or 0.0))
-        cal.stage_ratios.append((index, device, r_f, r_b))
-        table = cal.factors.setdefault(device, {})
-        was, base = old_factors.get(device, {}), old_default.get(device, [1.0, 1.0])
-        forward_nodes = st.get("nodes") or []
-        backward_nodes = set(st.get("backward_nodes") or forward_nodes)
-        for node in dict.fromkeys([*forward_nodes, *backward_nodes]):
-            before = _old_factor(was, base, node, where)
-            f, b = table.get(node, before)
-            if node in forward_nodes:
-                f = before[0] * r_f
-            if node in backward_nodes:
-                b = before[1] * r_b
-            table[node] = (f, b)
+        fwd = (statistics.median(float(r["forward_s"]) for r in group), float(st.get("forward_s") or 0.0),
+               float(st.get("fixed_forward_s") or 0.0))
+        bwd = None if forward_only else (statistics.median(float(r["backward_s"]) for r in group) / split,
+                                         float(st.get("backward_s") or 0.0), float(st.get("fixed_backward_s") or 0.0))
+        measured.append((index, device, st, fwd, bwd))
+    old_fixed = old.get("fixed") or {}
+    for device in dict.fromkeys(m[1] for m in measured):
+        mine = [m for m in measured if m[1] == device]
+        g_f = _fixed_factor([m[3] for m in mine])
+        g_b = g_f if forward_only else _fixed_factor([m[4] for m in mine])
+        if (g_f, g_b) != (1.0, 1.0) or device in old_fixed:
+            was_f, was_b = _old_factor({}, old_fixed.get(device, [1.0, 1.0]), "the fixed part", where)
+            cal.fixed[device] = (was_f * g_f, was_b * g_b)
+            if (g_f, g_b) != (1.0, 1.0):
+                cal.notes.append(f"{device} measured under its fixed part: fixed costs x{g_f:.3g}/{g_b:.3g}")
+        for index, _, st, fwd, bwd in mine:
+            r_f = _ratio(*fwd, g_f)
+            r_b = r_f if bwd is None else _ratio(*bwd, g_b)
+            cal.stage_ratios.append((index, device, r_f, r_b))
+            e_f = fwd[0] / fwd[1] if fwd[1] > 0 else 1.0
+            e_b = e_f if bwd is None else (bwd[0] / bwd[1] if bwd[1] > 0 else 1.0)
+            cal.stage_errors.append((index, device, e_f, e_b))
+            _node_factors(cal, st, device, r_f, r_b, old_factors, old_default, where)
+    cal.stage_ratios.sort()
+    cal.stage_errors.sort()
     for device, table in cal.factors.items():
         for node in list(table):  # a split layer's shards speak for the layer
             layer = _layer(node)
@@ -200,6 +233,24 @@ def _factors(cal: Calibration, where: str) -> None:
         values = list(table.values())
         cal.default[device] = (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)) \
             if values else (1.0, 1.0)
+
+
+def _node_factors(cal: Calibration, st: Mapping[str, Any], device: str, r_f: float, r_b: float,
+                  old_factors: Mapping[str, Any], old_default: Mapping[str, Any], where: str) -> None:
+    """Stage `st`'s nodes on `device` get the ratios r_f / r_b times the factors its plan was made
+    with (module docstring: composition)."""
+    table = cal.factors.setdefault(device, {})
+    was, base = old_factors.get(device, {}), old_default.get(device, [1.0, 1.0])
+    forward_nodes = st.get("nodes") or []
+    backward_nodes = set(st.get("backward_nodes") or forward_nodes)
+    for node in dict.fromkeys([*forward_nodes, *backward_nodes]):
+        before = _old_factor(was, base, node, where)
+        f, b = table.get(node, before)
+        if node in forward_nodes:
+            f = before[0] * r_f
+        if node in backward_nodes:
+            b = before[1] * r_b
+        table[node] = (f, b)
 
 
 def _old_factor(was: Mapping[str, Any], base: Any, node: str, where: str) -> tuple[float, float]:
@@ -353,7 +404,7 @@ def calibration_decisions(costs: Sequence[DeviceCosts], mb: int | None = None) -
     if not used:
         return []
     fwd, bwd = [f for f, _ in used], [b for _, b in used]
-    ratios = ", ".join(f"{r_f:.3g}/{r_b:.3g}" for _, _, r_f, r_b in cal.stage_ratios)
+    ratios = ", ".join(f"{e_f:.3g}/{e_b:.3g}" for _, _, e_f, e_b in cal.stage_errors)
     plan_sha = str(cal.run["plan"].get("sha256") or "")[:12]
     line = (f"costs: calibrated from {cal.source} (a run of plan {plan_sha or '?'}; measured/predicted "
             f"forward/backward per stage {ratios}): forward factors {min(fwd):.3g}..{max(fwd):.3g}, backward "

@@ -254,6 +254,7 @@ def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, uni
         fixed_f, fixed_b = prob.stage_fixed(j)
         s.fixed_forward_s = float(unit_f[a[j]:a[j + 1]].sum()) + fixed_f
         s.fixed_backward_s = float(unit_b[c[j]:c[j + 1]].sum()) + fixed_b
+        s.host_forward_s, s.host_backward_s = ev.tables.stage_host(order[s.device])
         s.backward_weight_s = float(weights[j])
         s.send_bytes = int(bi.fwd_cut_bytes[j]) if j < p - 1 else 0
         s.recv_bytes = int(bi.fwd_cut_bytes[j - 1]) if j > 0 else 0

@@ -14,6 +14,7 @@ and, through plan.json, the report and `run --json` ask; none of them has a mode
                               the per-call fixed costs included
     unit_fixed(d)             [unit] that per-call part on device d (forward, backward)
     stage_fixed(d)            one micro-batch's per-stage fixed forward and backward seconds
+    stage_host(d)             the part of it that is host work outside the stage timers (calibrated)
     step_s(d)                 a stage's per-iteration fixed seconds (optimizer step)
     link_time(i, j, nbytes)   one message from device i to j: the link plus both hosts' costs
     recost(prob, bounds, ..)  a partition with each stage re-costed as a whole where its
@@ -106,6 +107,7 @@ class CostTables:
         cal = options.calibrate if hasattr(options.calibrate, "fixed_factor") else None
         self.fixed_factors = [cal.fixed_factor(dev.name) if cal is not None else (1.0, 1.0)
                               for dev in cluster.devices]
+        self.host = [cal.host_s(dev.name) if cal is not None else 0.0 for dev in cluster.devices]
         self._unit_fixed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
@@ -162,9 +164,21 @@ class CostTables:
         the calibration's fixed factors."""
         mb_s, share = self.fixed[d].microbatch_s, fixed_mod.MICROBATCH_FORWARD_SHARE
         g_f, g_b = self.fixed_factors[d]
+        h_f, h_b = self.stage_host(d)
         if not self.options.training:
-            return mb_s * share * g_f, 0.0
-        return mb_s * share * g_f, mb_s * (1.0 - share) * g_b
+            return mb_s * share * g_f + h_f, 0.0
+        return mb_s * share * g_f + h_f, mb_s * (1.0 - share) * g_b + h_b
+
+    def stage_host(self, d: int) -> tuple[float, float]:
+        """The part of `stage_fixed(d)` that is host work outside the stage's timed actions per
+        micro-batch, forward and backward: a calibrating run's measured `host_s`
+        (`Calibration.host_s`), split by MICROBATCH_FORWARD_SHARE (all forward without
+        training); 0 uncalibrated."""
+        h = self.host[d]
+        if not self.options.training:
+            return h, 0.0
+        share = fixed_mod.MICROBATCH_FORWARD_SHARE
+        return h * share, h * (1.0 - share)
 
     def step_s(self, d: int) -> float:
         """A stage's per-iteration fixed seconds on device d (optimizer step; 0 without

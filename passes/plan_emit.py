@@ -134,6 +134,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
             fixed_forward_s=float(unit_f[a:e].sum()) + fixed_f,
             fixed_backward_s=float(unit_b[a:e].sum() + (unit_f[a:e].sum() if redo else 0.0)) + fixed_b,
             step_s=tables.step_s(dev),
+            host_forward_s=tables.stage_host(dev)[0], host_backward_s=tables.stage_host(dev)[1],
             backward_weight_s=weights[k],
             send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
             peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.profile.cache import file_sha256
 from pipecc.runtime.timing import plan_identity, run_document
+from pipecc.targets import fixed_costs
 from pipecc.targets.calibrated import FACTOR_RANGE, load_run
 from pipecc.targets.devices import parse_devices
 
@@ -66,7 +68,9 @@ def stage_sums(analysis, doc: dict, plan: dict) -> list[tuple[float, float]]:
     for st in plan["stages"]:
         mine = [u for u, names in enumerate(units.names) if names[-1] in st["nodes"]]
         per_f, per_b = tables.stage_fixed(st["device"])  # the per-micro-batch part, no unit's
-        out.append((float(np.sum(fwd[st["device"], mine])) + per_f, float(np.sum(bwd[st["device"], mine])) + per_b))
+        host_f, host_b = tables.stage_host(st["device"])  # NOTE: outside the timers the run measured
+        out.append((float(np.sum(fwd[st["device"], mine])) + per_f - host_f,
+                    float(np.sum(bwd[st["device"], mine])) + per_b - host_b))
     return out
 
 
@@ -131,6 +135,38 @@ def test_a_stage_measured_under_its_fixed_part_lowers_the_fixed_part(analysis, p
         st["fixed_backward_s"] *= g_b
     cal2 = load_run(run_doc(again, folder, forward, backward))
     assert cal2.fixed_factor("cpu") == pytest.approx((g_f, g_b), rel=1e-5)
+    assert all(e == pytest.approx(1.0) for _, _, e_f, e_b in cal2.stage_errors for e in (e_f, e_b))
+
+
+def test_the_host_work_outside_the_timers_is_measured_and_held_per_micro_batch(analysis, planned):
+    """`host_s` (a rank's step less its timed actions and waits, per micro-batch) less the plan's
+    step_s per micro-batch becomes the device's host part: added to every stage's per-micro-batch
+    fixed costs, recorded per stage in plan.json and left out of what the timers are compared
+    with, so a run of that plan that measures the same times calibrates to the same host part."""
+    plan, folder = planned
+    forward = [st["forward_s"] for st in plan["stages"]]
+    backward = [st["backward_s"] for st in plan["stages"]]
+    doc = run_doc(plan, folder, forward, backward)
+    m, busy = plan["microbatches"], [f + b for f, b in zip(forward, backward)]
+    host = [(0.01 - m * t) / m - st["step_s"] / m for t, st in zip(busy, plan["stages"])]
+    assert all(h > 0 for h in host)
+    assert [r["host_s"] for r in doc["stages"]] == pytest.approx([(0.01 - m * t) / m for t in busy])
+    cal = load_run(doc)
+    assert cal.host_s("cpu") == pytest.approx(statistics.median(host))
+    calibrated, _ = driver.plan(analysis, "2xcpu", calibrate=doc, **PINNED)
+    again = json.loads(calibrated.dumps())
+    share = fixed_costs.MICROBATCH_FORWARD_SHARE
+    for st in again["stages"]:
+        assert st["host_forward_s"] == pytest.approx(cal.host_s("cpu") * share)
+        assert st["host_backward_s"] == pytest.approx(cal.host_s("cpu") * (1 - share))
+        assert st["fixed_forward_s"] >= st["host_forward_s"] and st["forward_s"] > st["host_forward_s"]
+    assert again["predicted_iteration_s"] > plan["predicted_iteration_s"] + m * cal.host_s("cpu") * 0.9
+    again["options"]["calibration"] = cal.to_json()
+    doc2 = run_doc(again, folder, [st["forward_s"] - st["host_forward_s"] for st in again["stages"]],
+                   [st["backward_s"] - st["host_backward_s"] for st in again["stages"]])
+    assert [r["predicted_forward_s"] for r in doc2["stages"]] == pytest.approx(
+        [st["forward_s"] - st["host_forward_s"] for st in again["stages"]])
+    cal2 = load_run(doc2)
     assert all(e == pytest.approx(1.0) for _, _, e_f, e_b in cal2.stage_errors for e in (e_f, e_b))
 
 

@@ -58,6 +58,11 @@ class StagePlan:
     fixed_forward_s: float = 0.0
     fixed_backward_s: float = 0.0
     step_s: float = 0.0
+    # the part of forward_s / backward_s (and of the fixed parts) that is host work outside the
+    # stage's timed actions (posting sends, the engine's loop), per micro-batch: what a run's
+    # `host_s` measured, by `--calibrate` (`pipecc.targets.calibrated`); 0.0 uncalibrated
+    host_forward_s: float = 0.0
+    host_backward_s: float = 0.0
 
 
 @dataclass

@@ -19,7 +19,8 @@ runtime never imports the compiler), into the one document ``pipecc run --json``
                  "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}],
      "plan": {"model", "model_sha256", "model_args", "batch_size", "microbatches", "schedule",
               "devices": [name], "sha256", "stages": [{"index", "device", "nodes", "backward_nodes",
-              "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s"}],
+              "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s", "host_forward_s",
+              "host_backward_s", "step_s"}],
               "profile", "calibration"} | null}
 
 ``plan`` (``plan_identity``) identifies the plan that ran, for ``pipecc plan/compile --calibrate
@@ -47,7 +48,8 @@ step measures longer than its stages and waits add up to. With activation balanc
 every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
 micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only
 run reports backward 0.0 with 0 samples.
-Predictions are the plan's, per micro-batch of the compiled micro-batch count (a run with
+Predictions are the plan's, per micro-batch of the compiled micro-batch count, less the host
+part a calibrated plan holds (``host_forward_s``/``host_backward_s``: no stage timer covers it) (a run with
 another ``--microbatches`` splits the batch differently than the plan assumed); null where the
 folder has no ``plan.json``. With unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``)
 a stage's chunks differ in size, so its medians mix sizes, and ``microbatches`` is the most
@@ -203,7 +205,10 @@ def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
                        "nodes": list(st.get("nodes") or []), "backward_nodes": list(st.get("backward_nodes") or []),
                        "forward_s": _number(st.get("forward_s")), "backward_s": _number(st.get("backward_s")),
                        "fixed_forward_s": _number(st.get("fixed_forward_s")) or 0.0,
-                       "fixed_backward_s": _number(st.get("fixed_backward_s")) or 0.0})
+                       "fixed_backward_s": _number(st.get("fixed_backward_s")) or 0.0,
+                       "host_forward_s": _number(st.get("host_forward_s")) or 0.0,
+                       "host_backward_s": _number(st.get("host_backward_s")) or 0.0,
+                       "step_s": _number(st.get("step_s")) or 0.0})
     devices = [str(d.get("name", "")) if isinstance(d, dict) else "" for d in plan.get("devices") or []]
     options = plan.get("options") if isinstance(plan.get("options"), dict) else {}
     return {"model": marker.get("model", plan.get("model")), "model_sha256": marker.get("model_sha256"),
@@ -219,6 +224,11 @@ def _median(values: Sequence[float]) -> float:
 
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _less(value: float | None, part: Any) -> float | None:
+    """`value` less a plan's host part (``host_forward_s``/``host_backward_s``, 0 where absent)."""
+    return None if value is None else value - (_number(part) or 0.0)
 
 
 def _scaled(value: float | None, factor: float) -> float | None:
@@ -263,8 +273,10 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
                 "device": str(device.get("name", "")) if isinstance(device, dict) else "",
                 "forward_s": _median(forward), "backward_s": _median(backward),
                 "forward_samples": len(forward), "backward_samples": len(backward),
-                "predicted_forward_s": _number(planned.get("forward_s")),
-                "predicted_backward_s": _scaled(_number(planned.get("backward_s")), split),
+                # NOTE: the timers do not cover the host part the plan holds (host_*_s)
+                "predicted_forward_s": _less(_number(planned.get("forward_s")), planned.get("host_forward_s")),
+                "predicted_backward_s": _scaled(_less(_number(planned.get("backward_s")),
+                                                      planned.get("host_backward_s")), split),
                 "comm_wait_s": wait, "host_s": host}
             if stash:  # BPipe
                 row.update(stash_evictions=len(moved) / timed, stash_evicted_bytes=sum(moved) / timed)

@@ -39,6 +39,15 @@ uniformly). `Calibration.fixed_factor(device)` is g; the one cost model (`CostTa
 calibrated plan's own g composes like the node factors. Node factors are clamped to [1e-6, 1e6]
 as a last guard. FPGA devices keep their model: their stages are simulated, not timed. Factors
 hold at the run's micro-batch size; a plan with another one extrapolates them.
+The host part. The stage timers cover a stage's own forward and backward only, while the step
+also holds host work between them (posting sends, the engine's loop): the run document's
+`host_s` per row, the rank's step less its timed actions and receive waits, per micro-batch.
+`Calibration.host_s(device)` is the median of the device's rows less the plan's `step_s` per
+micro-batch (the model holds the optimizer step apart); the one cost model adds it to every
+stage's per-micro-batch fixed costs on the device (`CostTables.stage_host`), so the search and the
+simulator see the rank busy for it, and plan.json records it per stage (`host_forward_s`,
+`host_backward_s`). It is measured, not composed: each round's run measures it again. Where the
+run's plan held a host part, the timers' M is compared with P and F less it.
 `Calibration.stage_errors` keeps each stage's whole measured/predicted ratio M / P: how far the
 plan that ran was off (the decision line and the convergence check read it).
 
@@ -86,6 +95,7 @@ class Calibration:
     factors: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     default: dict[str, tuple[float, float]] = field(default_factory=dict)
     fixed: dict[str, tuple[float, float]] = field(default_factory=dict)  # device: fixed-part factors
+    host: dict[str, float] = field(default_factory=dict)  # device: host seconds per micro-batch
     stage_ratios: list[tuple[int, str, float, float]] = field(default_factory=list)  # (stage, device, r_f, r_b)
     stage_errors: list[tuple[int, str, float, float]] = field(default_factory=list)  # (stage, device, M/P f, b)
     notes: list[str] = field(default_factory=list)
@@ -100,13 +110,19 @@ class Calibration:
         where the run measured every stage of it above its fixed part."""
         return self.fixed.get(device, (1.0, 1.0))
 
+    def host_s(self, device: str) -> float:
+        """Seconds of host work per micro-batch and stage on `device` outside the stage timers
+        (module docstring: the host part); 0.0 where the run did not measure it."""
+        return self.host.get(device, 0.0)
+
     def to_json(self) -> dict[str, Any]:
         """plan.json's `options.calibration`: read back when a run of this plan calibrates again."""
         return {"source": self.source, "run_plan_sha256": (self.run.get("plan") or {}).get("sha256"),
                 "factors": {d: {n: [round(f, 6), round(b, 6)] for n, (f, b) in t.items()}
                             for d, t in self.factors.items()},
                 "default": {d: [round(f, 6), round(b, 6)] for d, (f, b) in self.default.items()},
-                "fixed": {d: [round(f, 6), round(b, 6)] for d, (f, b) in self.fixed.items()}}
+                "fixed": {d: [round(f, 6), round(b, 6)] for d, (f, b) in self.fixed.items()},
+                "host": {d: h for d, h in self.host.items()}}
 
 
 def _layer(node: str) -> str | None:
@@ -199,10 +215,13 @@ def _factors(cal: Calibration, where: str) -> None:
     measured = []  # (index, device, stage, (M, P, F) forward, (M, P, F) backward or None)
     for (index, device), group in sorted(groups.items()):
         st = planned[index]
-        fwd = (statistics.median(float(r["forward_s"]) for r in group), float(st.get("forward_s") or 0.0),
-               float(st.get("fixed_forward_s") or 0.0))
+        h_f, h_b = float(st.get("host_forward_s") or 0.0), float(st.get("host_backward_s") or 0.0)
+        # NOTE: the timers do not cover the plan's host part: compared without it
+        fwd = (statistics.median(float(r["forward_s"]) for r in group), float(st.get("forward_s") or 0.0) - h_f,
+               float(st.get("fixed_forward_s") or 0.0) - h_f)
         bwd = None if forward_only else (statistics.median(float(r["backward_s"]) for r in group) / split,
-                                         float(st.get("backward_s") or 0.0), float(st.get("fixed_backward_s") or 0.0))
+                                         float(st.get("backward_s") or 0.0) - h_b,
+                                         float(st.get("fixed_backward_s") or 0.0) - h_b)
         measured.append((index, device, st, fwd, bwd))
     old_fixed = old.get("fixed") or {}
     for device in dict.fromkeys(m[1] for m in measured):
@@ -223,6 +242,7 @@ def _factors(cal: Calibration, where: str) -> None:
             cal.stage_errors.append((index, device, e_f, e_b))
             _node_factors(cal, st, device, r_f, r_b, old_factors, old_default, where)
     cal.stage_ratios.sort()
+    _host(cal, rows, planned)
     cal.stage_errors.sort()
     for device, table in cal.factors.items():
         for node in list(table):  # a split layer's shards speak for the layer
@@ -233,6 +253,22 @@ def _factors(cal: Calibration, where: str) -> None:
         values = list(table.values())
         cal.default[device] = (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)) \
             if values else (1.0, 1.0)
+
+
+def _host(cal: Calibration, rows: Sequence[Mapping[str, Any]], planned: Mapping[Any, Any]) -> None:
+    """cal.host: per device, the median over its rows of the measured `host_s` less the plan's
+    per-iteration `step_s` spread over the micro-batches (the cost model holds that part);
+    nothing where the run document has no `host_s` (module docstring: the host part)."""
+    m = cal.run.get("microbatches")
+    per: dict[str, list[float]] = {}
+    for row in rows:
+        h = row.get("host_s")
+        if not (isinstance(h, (int, float)) and not isinstance(h, bool) and math.isfinite(h) and h >= 0):
+            continue
+        step = float(planned[row["index"]].get("step_s") or 0.0)
+        per.setdefault(str(row.get("device", "")), []).append(
+            max(0.0, h - step / m) if isinstance(m, int) and m > 0 else h)
+    cal.host = {d: statistics.median(v) for d, v in per.items()}
 
 
 def _node_factors(cal: Calibration, st: Mapping[str, Any], device: str, r_f: float, r_b: float,

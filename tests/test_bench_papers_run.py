@@ -48,3 +48,20 @@ def test_reading_counts_cases_within_ten_percent():
     text = bp.reading(cases)
     assert "within 10 % of the predicted one in 1 of 2 cases (a)" in text
     assert "furthest: b, measured 0.50x" in text
+
+
+def test_calibrated_column_and_the_bar_counts():
+    """The calibrated re-plans' speed-ups sit beside the plain ones, and the reading counts, per
+    basis, the cases whose predicted and measured gains agree in sign and lie within 5 points."""
+    good = _case("bipartition", {"predicted_s": 1.0, "step_s": 1.3}, {"predicted_s": 0.9, "step_s": 1.2})
+    good["calibrated"] = {"off": {"predicted_s": 1.3, "step_s": 1.3}, "on": {"predicted_s": 1.2, "step_s": 1.2}}
+    bad = _case("bpipe", {"predicted_s": 1.0, "step_s": 1.0}, {"predicted_s": 0.9, "step_s": 1.2})
+    bad["calibrated"] = {"off": {"predicted_s": 1.0, "step_s": 1.0}, "on": {"predicted_s": 1.1},
+                         "note": "declined when calibrated (no pairs)"}
+    text = bp.markdown({"meta": META, "cases": [good, bad]}, "python bench/bench_papers_run.py")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 1.08x / 1.08x |" in rows["bipartition"]
+    assert "| 0.91x / - |" in rows["bpipe"] and "declined when calibrated" in rows["bpipe"]
+    assert "profiled: sign agrees in 1 of 2, within 5 points in 1 of 2" in text
+    assert "calibrated: sign agrees in 1 of 1, within 5 points in 1 of 1" in text
+    assert bp._sign(1.005) == 0 and bp._sign(1.2) == 1 and bp._sign(0.8) == -1

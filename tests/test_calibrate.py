@@ -289,8 +289,7 @@ def test_the_python_api_refuses_alike(analysis, planned):
 def test_two_rounds_converge_on_the_machine(tmp_path):
     """compile ─► run --json ─► compile --calibrate ─► run --json ─► compile --calibrate.
 
-    The uncalibrated roofline mispredicts a tiny MLP's stages on a CPU by orders of magnitude
-    (per-call dispatch dominates; measured ~600x here). Round two's ratios measured/predicted
+    The uncalibrated model mispredicts a tiny MLP's stages on a CPU (1.2-3x here). Round two's ratios measured/predicted
     (whole stages, fixed part and all) are what the round-one calibration left, also where a
     stage measured under the model's fixed part: on a correct mapping they are near 1, off by the
     machine's noise only (this shared 2-core machine: up to ~2x between runs), so the bound is 4x,

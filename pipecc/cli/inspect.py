@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import Any
 
-from pipecc.cli.args import stage_index
+from pipecc.cli.args import stage_index, write_atomic
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,13 +98,7 @@ def _compare_trace(args: argparse.Namespace) -> int:
     with damaged(compiled):
         if target is not None:
             page, text = report_with_trace(args.out, args.trace)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            try:
-                tmp.write_text(page, encoding="utf-8")
-                os.replace(tmp, target)
-            except OSError as e:
-                tmp.unlink(missing_ok=True)
-                raise PipeccError(f"--report {args.report}: cannot write it ({e.strerror or e})") from None
+            write_atomic(str(target), page)
         trace = ms.load_trace(args.trace)
         predicted = timeline_of(compiled)
         ms.check_matches(trace, compiled, predicted)

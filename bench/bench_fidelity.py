@@ -31,8 +31,9 @@ stage's measured fwd+bwd over the fastest's.
 Holdout-style models (bench/models_holdout/: a U-Net with skips, a MobileNet-like depthwise net,
 a two-input model, Hugging Face GPT-2 and BERT built from a config with random weights): unet,
 two_input and hf_gpt2 (and mobilenet with --models) at a small size are measured like the zoo
-models above (MODELS); all five are also planned, `pipecc plan MODEL --devices 4xa100 -b 256`, reporting `balance_ratio` (bottleneck / the
-communication-aware bound) and `balance_ratio_compute` (/ the old comm-blind bound).
+models above (MODELS); all five are also planned, `pipecc plan MODEL --devices 4xa100 -b 256`,
+reporting `balance_ratio` (bottleneck / the communication-aware bound) and
+`balance_ratio_compute` (/ the old comm-blind bound).
 
 Internals: analysis, planning and compile run in this process (`pipecc.driver`, what `pipecc
 compile` calls); profile and run are the CLI in subprocesses. The functions under "report" are

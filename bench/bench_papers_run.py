@@ -124,7 +124,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         if c.get("costs") == "roofline":
             note = "planned on the roofline" + (f"; {note}" if note else "")
         cal = c.get("calibrated") or {}
-        cal_summ = case_summary(cal) if "predicted_s" in cal.get("off", {}) and "predicted_s" in cal.get("on", {}) else {}
+        both = "predicted_s" in cal.get("off", {}) and "predicted_s" in cal.get("on", {})
+        cal_summ = case_summary(cal) if both else {}
         if cal.get("note"):
             note = (note + "; " if note else "") + cal["note"]
         lines.append(f"| {c['name']} | {c['model']}, {c['devices']}, {c['batch']} "

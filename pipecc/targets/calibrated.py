@@ -39,6 +39,7 @@ uniformly). `Calibration.fixed_factor(device)` is g; the one cost model (`CostTa
 calibrated plan's own g composes like the node factors. Node factors are clamped to [1e-6, 1e6]
 as a last guard. FPGA devices keep their model: their stages are simulated, not timed. Factors
 hold at the run's micro-batch size; a plan with another one extrapolates them.
+
 The host part. The stage timers cover a stage's own forward and backward only, while the step
 also holds host work between them (posting sends, the engine's loop): the run document's
 `host_s` per row, the rank's step less its timed actions and receive waits, per micro-batch.
@@ -269,6 +270,8 @@ def _host(cal: Calibration, rows: Sequence[Mapping[str, Any]], planned: Mapping[
         per.setdefault(str(row.get("device", "")), []).append(
             max(0.0, h - step / m) if isinstance(m, int) and m > 0 else h)
     cal.host = {d: statistics.median(v) for d, v in per.items()}
+    cal.notes += [f"{d}: {1e6 * h:.0f} us of host work per micro-batch outside the stage timers"
+                  for d, h in cal.host.items()]
 
 
 def _node_factors(cal: Calibration, st: Mapping[str, Any], device: str, r_f: float, r_b: float,

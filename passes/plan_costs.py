@@ -107,7 +107,9 @@ class CostTables:
         cal = options.calibrate if hasattr(options.calibrate, "fixed_factor") else None
         self.fixed_factors = [cal.fixed_factor(dev.name) if cal is not None else (1.0, 1.0)
                               for dev in cluster.devices]
-        self.host = [cal.host_s(dev.name) if cal is not None else 0.0 for dev in cluster.devices]
+        # NOTE: an FPGA card keeps its model: its rank's host work is the CPU emulation's
+        self.host = [cal.host_s(dev.name) if cal is not None and dev.kind != "fpga" else 0.0
+                     for dev in cluster.devices]
         self._unit_fixed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share

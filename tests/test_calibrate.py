@@ -357,3 +357,18 @@ def test_replicated_stages_give_the_median_of_their_rows_and_zero_bubble_divides
     assert cal.factor("a100", "fc") == pytest.approx((2.0, 0.48 / SPLIT_BACKWARD_COST / 0.2))
     assert cal.factor("a100", "fc.shard1") == cal.factor("a100", "fc")  # a split layer's node: its layer's
     assert cal.factor("v100", "fc") is None
+
+
+def test_an_fpga_card_keeps_its_model_without_the_host_part(analysis):
+    """The host part is a CPU's or GPU's: an FPGA card's rank emulates the card, so its measured
+    host work is not the card's and its stages get none."""
+    import dataclasses
+
+    from pipecc.targets.calibrated import Calibration
+    options, cluster = driver.resolve_options(PlanOptions.of(batch_size=8, **PINNED), analysis,
+                                              parse_devices("cpu,u250"))
+    cal = Calibration("run.json", {}, host={"cpu": 4e-4, "u250": 4e-4})
+    tables = CostTables(analysis.graph, cluster, dataclasses.replace(options, calibrate=cal))
+    share = fixed_costs.MICROBATCH_FORWARD_SHARE
+    assert tables.stage_host(0) == pytest.approx((4e-4 * share, 4e-4 * (1 - share)))
+    assert tables.stage_host(1) == (0.0, 0.0)

@@ -45,8 +45,8 @@ also holds host work between them (posting sends, the engine's loop): the run do
 `host_s` per row, the rank's step less its timed actions and receive waits, per micro-batch.
 `Calibration.host_s(device)` is the median of the device's rows less the plan's `step_s` per
 micro-batch (the model holds the optimizer step apart); the one cost model adds it to every
-stage's per-micro-batch fixed costs on the device (`CostTables.stage_host`), so the search and the
-simulator see the rank busy for it, and plan.json records it per stage (`host_forward_s`,
+stage's per-micro-batch fixed costs on the device (`CostTables.stage_host`; not on an FPGA card,
+whose rank emulates it), so the search and the simulator see the rank busy for it, and plan.json records it per stage (`host_forward_s`,
 `host_backward_s`). It is measured, not composed: each round's run measures it again. Where the
 run's plan held a host part, the timers' M is compared with P and F less it.
 `Calibration.stage_errors` keeps each stage's whole measured/predicted ratio M / P: how far the

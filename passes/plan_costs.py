@@ -37,7 +37,7 @@ from pipecc.ir.graph import META_COST, META_NAME, AnnotatedGraph
 from pipecc.passes.partition import Partition, PartitionProblem, evaluate
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.units import UnitBuilder, Units
-from pipecc.targets.calibrated import CalibratedCosts
+from pipecc.targets.calibrated import CalibratedCosts, Calibration
 from pipecc.targets import fixed_costs as fixed_mod
 from pipecc.targets.fixed_costs import FixedCosts
 from pipecc.targets.fpga_timing import FpgaCosts
@@ -104,7 +104,7 @@ class CostTables:
         self.costs: list[DeviceCosts] = [models[dev.name] for dev in cluster.devices]
         self.fixed: list[FixedCosts] = fixed_for(cluster, options)
         # NOTE: --calibrate may lower a device's fixed part (a stage measured under it)
-        cal = options.calibrate if hasattr(options.calibrate, "fixed_factor") else None
+        cal = options.calibrate if isinstance(options.calibrate, Calibration) else None
         self.fixed_factors = [cal.fixed_factor(dev.name) if cal is not None else (1.0, 1.0)
                               for dev in cluster.devices]
         # NOTE: an FPGA card keeps its model: its rank's host work is the CPU emulation's

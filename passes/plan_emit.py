@@ -126,6 +126,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
         dev = cand.order[(k % P) * d]
         fixed_f, fixed_b = prob.stage_fixed(k)  # the one cost model's fixed parts (plan_costs)
         unit_f, unit_b = tables.unit_fixed(dev)
+        host_f, host_b = tables.stage_host(dev)  # the part of fixed_f/fixed_b outside the timers
         redo = bool(cand.recompute[k]) if cand.recompute else False
         stages.append(StagePlan(
             index=k, device=(k % P) * d, nodes=names,
@@ -134,7 +135,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
             fixed_forward_s=float(unit_f[a:e].sum()) + fixed_f,
             fixed_backward_s=float(unit_b[a:e].sum() + (unit_f[a:e].sum() if redo else 0.0)) + fixed_b,
             step_s=tables.step_s(dev),
-            host_forward_s=tables.stage_host(dev)[0], host_backward_s=tables.stage_host(dev)[1],
+            host_forward_s=host_f, host_backward_s=host_b,
             backward_weight_s=weights[k],
             send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
             peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])

@@ -253,6 +253,10 @@ def _bad_runs(plan: dict, folder: Path) -> list[tuple[str, object, str]]:
         ("unknown node", other_nodes, "ran node 'conv9', which mlp lacks"),
         ("bad old factors", edited("plan.calibration", {"factors": {"cpu": {"0": "x"}}}),
          "its plan's calibration factors for '0' are 'x', not two numbers"),
+        ("bad host work", edited("stages.1.host_s", -0.5), "stage 1 has host_s -0.5, not a non-negative number"),
+        ("text host work", edited("stages.0.host_s", "1ms"), "stage 0 has host_s '1ms'"),
+        ("bad old fixed part", edited("plan.calibration", {"fixed": {"cpu": [0.5]}}),
+         "calibration factors for 'the fixed part' are [0.5], not two numbers"),
         ("other basis", edited("plan.profile", "prof.json"),
          "ran a plan costed with profile prof.json, not with the roofline (no --profile)"),
     ]

@@ -44,12 +44,13 @@ the same figure for each of them. ``host_s`` is, per micro-batch, what is left o
 median step time after its timed forward/backward actions and its receive waits: the host work
 no stage timer covers (posting sends, the engine's loop, the optimizer step and zero_grad),
 spread over the rank's micro-batches (the same figure in each row of a rank). It is where a
-step measures longer than its stages and waits add up to. With activation balancing (BPipe, ``pipecc.runtime.stash``)
-every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
+step measures longer than its stages and waits add up to. With activation balancing (BPipe,
+``pipecc.runtime.stash``) every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
 micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only
 run reports backward 0.0 with 0 samples.
 Predictions are the plan's, per micro-batch of the compiled micro-batch count, less the host
-part a calibrated plan holds (``host_forward_s``/``host_backward_s``: no stage timer covers it) (a run with
+part a calibrated plan holds (``host_forward_s``/``host_backward_s``: no stage timer covers it)
+(a run with
 another ``--microbatches`` splits the batch differently than the plan assumed); null where the
 folder has no ``plan.json``. With unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``)
 a stage's chunks differ in size, so its medians mix sizes, and ``microbatches`` is the most

@@ -46,8 +46,8 @@ also holds host work between them (posting sends, the engine's loop): the run do
 `Calibration.host_s(device)` is the median of the device's rows less the plan's `step_s` per
 micro-batch (the model holds the optimizer step apart); the one cost model adds it to every
 stage's per-micro-batch fixed costs on the device (`CostTables.stage_host`; not on an FPGA card,
-whose rank emulates it), so the search and the simulator see the rank busy for it, and plan.json records it per stage (`host_forward_s`,
-`host_backward_s`). It is measured, not composed: each round's run measures it again. Where the
+whose rank emulates it), so the search and the simulator see the rank busy for it, and
+plan.json records it per stage (`host_forward_s`, `host_backward_s`). It is measured, not composed: each round's run measures it again. Where the
 run's plan held a host part, the timers' M is compared with P and F less it.
 `Calibration.stage_errors` keeps each stage's whole measured/predicted ratio M / P: how far the
 plan that ran was off (the decision line and the convergence check read it).
@@ -263,9 +263,12 @@ def _host(cal: Calibration, rows: Sequence[Mapping[str, Any]], planned: Mapping[
     m = cal.run.get("microbatches")
     per: dict[str, list[float]] = {}
     for row in rows:
-        h = row.get("host_s")
-        if not (isinstance(h, (int, float)) and not isinstance(h, bool) and math.isfinite(h) and h >= 0):
+        if "host_s" not in row:  # a run document from before host_s
             continue
+        h = row["host_s"]
+        if not (_positive(h) or h == 0):
+            raise PipeccError(f"--calibrate {cal.source}: stage {row['index']} has host_s {h!r}, not a "
+                              f"non-negative number; {MAKE}")
         step = float(planned[row["index"]].get("step_s") or 0.0)
         per.setdefault(str(row.get("device", "")), []).append(
             max(0.0, h - step / m) if isinstance(m, int) and m > 0 else h)

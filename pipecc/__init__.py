@@ -3,6 +3,7 @@
     pipecc.compile(model, example_inputs, devices, **plan_options) -> PipelinedModule
     pipecc.compile(model, example_inputs, devices, options=pipecc.PlanOptions(...))
     pipecc.load(OUT) -> PipelinedModule
+    pipecc.distributed.load(OUT) -> DistributedPipeline (a training script under torchrun)
     pm.plan -> pipecc.Plan: print(pm.plan) or pm.plan.summary() shows its stage table
 
 Attributes load lazily so that `import pipecc` stays cheap and the runtime (which imports
@@ -12,7 +13,7 @@ Attributes load lazily so that `import pipecc` stays cheap and the runtime (whic
 from typing import Any as _Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "load", "PipelinedModule", "Plan", "PlanOptions"]
+__all__ = ["compile", "distributed", "load", "PipelinedModule", "Plan", "PlanOptions"]
 
 
 def __dir__() -> list[str]:
@@ -24,6 +25,9 @@ def __getattr__(name: str) -> _Any:
     if name in ("compile", "load"):
         from pipecc import api
         return getattr(api, name)
+    if name == "distributed":
+        import importlib
+        return importlib.import_module("pipecc.distributed")
     if name == "PipelinedModule":
         from pipecc.runtime.local import PipelinedModule
         return PipelinedModule

@@ -267,6 +267,12 @@ def _read_marker(out: Path) -> dict[str, Any] | None:
     return marker
 
 
+def folder_has_sizes(out: Path) -> bool:
+    """True when the folder's plan gives its stages unequal micro-batches (``microbatch_sizes``)."""
+    meta = _read_marker(out)
+    return bool((meta or {}).get("microbatch_sizes"))
+
+
 def _compiled_device(meta: dict[str, Any] | None) -> str | None:
     """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
     simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
@@ -422,7 +428,8 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
     run_schedule = compiled if use_file else schedule_name
-    config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing)
+    config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing,
+                       getattr(args, "precision", None))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)

@@ -52,6 +52,7 @@ GPUs; the tests run gloo on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -83,7 +84,9 @@ from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups, send_release
 
-__all__ = ["PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
+__all__ = ["PRECISIONS", "PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # RunConfig.precision -> autocast dtype
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -106,6 +109,9 @@ class RunConfig:
     microbatch_sizes: Sequence[Sequence[int]] | None = None  # per stage (UMPIPE); None: m equal
     # BPipe: pipecc.json's pairs [{"evictor", "acceptor", "threshold", "policy"}]; None/[]: off
     activation_balancing: Sequence[dict] | None = None
+    # mixed precision (``PRECISIONS``): the stages' forward and loss under torch.autocast in that
+    # dtype, float32 messages sent in it; None: as compiled (float32)
+    precision: str | None = None
 
 
 def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_per_rank: int = 1,
@@ -228,6 +234,10 @@ class PipelineRuntime:
         self.rank, self.world, self.config = rank, world, config
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.m = config.microbatches
+        if config.precision is not None and config.precision not in PRECISIONS:
+            raise UsageError(f"precision {config.precision!r}: choose from {', '.join(PRECISIONS)} (or none: float32)")
+        self.amp_dtype = PRECISIONS.get(config.precision) if config.precision else None
+        self.loss_scale = 1.0  # fp16: the scaled loss's factor (pipecc.runtime.distributed's scaler)
         self.device = torch.device(config.device) if config.device else _default_device()
         self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.backend == "gloo" and self.device.type != "cpu":
@@ -312,6 +322,13 @@ class PipelineRuntime:
     def evicted(self) -> dict[int, list[int]]:
         """BPipe: stage -> bytes of each SEND_S of the last step."""
         return self.stash_moves.evicted
+
+    def autocast(self) -> Any:
+        """The context a stage's forward and loss run in: torch.autocast in the run's precision
+        (``RunConfig.precision``), else nothing."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def runner(self, stage: int) -> StageRunner:
         """The runner of this rank's stage ``stage``."""

@@ -102,13 +102,13 @@ class Messages:
         packed = any(p is SAVED for p in ports)  # Bi-Partition: its tensors go as one payload (wire.pack_tensors)
         if packed:
             tensors = [i for i, port in enumerate(ports) if port.kind == "tensor"]
-            rt._wire.send(pack_tensors([values[i] for i in tensors], rt.device), peer,
+            rt._wire.send(pack_tensors([_as_wire(values[i], ports[i], rt) for i in tensors], rt.device), peer,
                           self.tag(0 if forward else 1, receiver, a.microbatch, tensors[0]), what, key=a)
         for i, (v, port) in enumerate(zip(values, ports)):
             tag = self.tag(0 if forward else 1, receiver, a.microbatch, i)
             if port.kind == "tensor":
                 if not packed:
-                    rt._wire.send(v, peer, tag, what, key=a)
+                    rt._wire.send(_as_wire(v, port, rt), peer, tag, what, key=a)
             else:
                 data = encode_object(v, f"{what} port {port.name!r}").to(rt.device)
                 length = torch.tensor([data.numel()], dtype=torch.int64, device=rt.device)
@@ -129,7 +129,7 @@ class Messages:
             if port.kind == "tensor":  # RECV_F: an upstream chunk (unequal sizes: its own size)
                 shape = shapes.get(i) or port.microbatch_shape(a.microbatch, batch, rt.split_of(
                     a.stage - 1 if a.kind is ActionKind.RECV_F else a.stage))
-                first.append(torch.empty(shape, dtype=port.dtype, device=rt.device))
+                first.append(torch.empty(shape, dtype=_wire_dtype(rt, port), device=rt.device))
             else:
                 first.append(torch.empty(1, dtype=torch.int64, device=rt.device))
         tags = [self.tag(direction, a.stage, a.microbatch, i) for i in range(len(ports) + len(extra))]
@@ -203,3 +203,18 @@ class Messages:
                     raise PipeccError(f"rank {rt.global_rank}: stage {s} receives ({ports}) but stage {s - 1} "
                                       f"on rank {peer} sends something else; are both from the same compilation?")
         rt._wire.flush()
+
+
+def _as_wire(value: Any, port: Port, rt: Any) -> Any:
+    """A tensor leaf as it travels: in the run's wire dtype (mixed precision: float32 ports in the
+    autocast dtype, ``PipelineRuntime.wire_dtype``)."""
+    if port is SAVED or not isinstance(value, torch.Tensor):
+        return value
+    dtype = _wire_dtype(rt, port)
+    return value.to(dtype) if value.dtype != dtype else value
+
+
+def _wire_dtype(rt: Any, port: Port) -> torch.dtype:
+    """``PipelineRuntime.wire_dtype`` (a runtime without mixed precision: the port's dtype)."""
+    amp = getattr(rt, "amp_dtype", None)
+    return amp if amp is not None and port.dtype == torch.float32 else port.dtype

@@ -106,17 +106,20 @@ class StageRunner:
         on the last stage, keep the scaled loss or the outputs)."""
         rt, s = self.rt, self.stage
         leaves = self.input_leaves(mb, training)
-        outs, out_leaves, extra = self.compute(mb, leaves, training, capture)
-        self.check(mb, out_leaves, self.ports.out_leaves)
+        with rt.autocast():  # mixed precision: the forward and the loss, as in an autocast region
+            outs, out_leaves, extra = self.compute(mb, leaves, training, capture)
+            self.check(mb, out_leaves, self.ports.out_leaves)
+            if self.last and training:
+                loss = self.loss(outs, mb)
         if self.last:
             if not training:
                 self.results[mb] = out_leaves
                 return
             if rt.keep_outputs:
                 self.results[mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
-            loss = self.loss(outs, mb)
-            self.losses.append(loss.detach())
-            self.stash[mb] = (leaves, loss)
+            self.losses.append(loss.detach().float())
+            # fp16: the backward runs on the scaled loss (pipecc.runtime.distributed unscales the gradients)
+            self.stash[mb] = (leaves, loss * rt.loss_scale if rt.loss_scale != 1.0 else loss)
         else:
             if training:
                 self.stash[mb] = (leaves, out_leaves)
@@ -151,7 +154,11 @@ class StageRunner:
             if port.kind != "tensor":
                 continue
             shape = port.microbatch_shape(mb, batch, self.rt.split_of(self.stage))
-            if not isinstance(v, torch.Tensor) or not port.matches(v.shape, shape) or v.dtype != port.dtype:
+            # mixed precision: a float32 port may hold the autocast dtype (it travels in it)
+            amp = self.rt.amp_dtype is not None and port.dtype == torch.float32 and isinstance(v, torch.Tensor) \
+                and v.dtype in (torch.float32, self.rt.amp_dtype)
+            if not isinstance(v, torch.Tensor) or not port.matches(v.shape, shape) or (v.dtype != port.dtype
+                                                                                       and not amp):
                 got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
                     else type(v).__name__
                 raise PipeccError(f"rank {self.rt.global_rank} stage {self.stage} mb {mb}: output {port.name!r} is "
@@ -167,7 +174,8 @@ class StageRunner:
         grads = iter(self.rt.mailbox.inbox.pop(("B", self.stage, mb)))
         pairs = [(o, next(grads)) for o, p in zip(outs, self.ports.out_leaves) if p.carries_grad]
         pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+        # mixed precision: a gradient travels in the wire dtype; autograd wants the output's
+        return [o for o, _ in pairs], [g.to(o.dtype) if g.dtype != o.dtype else g for o, g in pairs]
 
     def backward(self, mb: int) -> None:
         """B: input and weight gradients of micro-batch ``mb``; the input gradients go upstream."""

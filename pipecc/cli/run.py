@@ -116,8 +116,11 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
         "or compiled with --inference) runs N forward passes instead (FPGA stages through their C "
         "simulation); --verify then compares the outputs. " + TRUST)
     p.add_argument("out", metavar="OUT", help="a folder written by `pipecc compile -o OUT`")
-    p.add_argument("--steps", type=nonnegative_int, default=DEFAULT_STEPS, metavar="N",
-                   help=f"training steps (default {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=nonnegative_int, default=None, metavar="N",
+                   help=f"training steps (default {DEFAULT_STEPS}); with the model file's train_data, a new pass "
+                   "over its batches starts whenever one ends")
+    p.add_argument("--epochs", type=positive_int, metavar="E",
+                   help="instead of --steps: E passes over the batches of the model file's train_data")
     p.add_argument("--verify", action="store_true",
                    help="compare outputs, loss and gradients of the first step with the original model "
                    "run in one process from the same weights; exit 1 on a mismatch, and when the model "
@@ -134,8 +137,20 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
                    "naming the rank that hung. Also how long the nodes of --nnodes wait for each other, and "
                    "how long a stopped torchrun agent is waited for")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
-    p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
+    t = p.add_argument_group("training (pipecc.distributed's loop: docs/training.md)")
+    t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="default sgd (training only)")
+    t.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
+    t.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="constant (default), or cosine annealing to 0 over --steps")
+    t.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
+                   help="clip the global gradient norm (every stage, each parameter once) to X before each "
+                   "optimizer step")
+    t.add_argument("--precision", choices=["bf16", "fp16"],
+                   help="mixed precision: every stage's forward and the loss under torch.autocast in this dtype, "
+                   "float32 messages sent in it (fp16 also scales the loss); default float32")
+    t.add_argument("--eval-every", type=positive_int, metavar="N",
+                   help="every N steps (and after the last), the mean loss over the model file's val_data "
+                   "batches, in eval mode")
     p.add_argument("--seed", type=int, default=0, help="seed for the example data (default 0)")
     p.add_argument("--length", metavar="S=L[,L2,...]",
                    help="a folder compiled with --length: run its batches at length L (S=16,32,64: each "
@@ -272,7 +287,7 @@ def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dic
     """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
     micro-batches against the batch, the schedule (a name, or the folder's parsed schedule.txt),
     --verify's model file, the model file's hash, the checkpoint options."""
-    from pipecc.runtime.dist import check_options
+    from pipecc.runtime.rank import check_options
     from pipecc.runtime.engine import build_schedule
     from pipecc.runtime.lengths import Lengths, run_lengths
     from pipecc.runtime.ports import StagePorts
@@ -355,6 +370,13 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if args.optimizer is not None:
         argv += ["--optimizer", args.optimizer]
+    for flag, value in (("--epochs", getattr(args, "epochs", None)), ("--precision", getattr(args, "precision", None)),
+                        ("--clip-grad-norm", getattr(args, "clip_grad_norm", None)),
+                        ("--eval-every", getattr(args, "eval_every", None))):
+        if value is not None:
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    if getattr(args, "lr_schedule", "constant") != "constant":
+        argv += ["--lr-schedule", args.lr_schedule]
     if args.lr is not None:
         argv += ["--lr", repr(args.lr)]
     for flag, value, default in (("--seed", args.seed, 0), ("--warmup-steps", args.warmup_steps, 1),
@@ -408,6 +430,10 @@ def _child_env() -> dict[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if getattr(args, "epochs", None) is not None and args.steps is not None:
+        raise UsageError("give --steps N or --epochs E, not both")
+    if args.steps is None:
+        args.steps = 0 if getattr(args, "epochs", None) is not None else DEFAULT_STEPS
     lock = _lock_checkpoints(args, create=False)  # a folder in use names its run before any other check
     launch = launch_plan(args)
     commands = torchrun_commands(args, launch)

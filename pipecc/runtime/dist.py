@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,25 +41,19 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError, printable
-from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES
+from pipecc.ir.schedule.registry import SCHEDULES
 from pipecc.runtime import lifeline
-from pipecc.runtime.admit import check_folder_plan
-from pipecc.runtime.checkpoints import DEFAULT_LR, LATEST, RunCheckpoints, check_resume, folder_fingerprint, \
-    read_latest, run_options
-from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
-from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule, init_distributed
-from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
-from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
-from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
-from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
-                                     replica_target)
-from pipecc.runtime.reslice import folder_sizes
-from pipecc.runtime.rundata import RunData, TiedGradients
-from pipecc.runtime.stagefile import check_folder, check_marker
-from pipecc.runtime.stash import folder_balancing
+from pipecc.runtime.checkpoints import DEFAULT_LR, RunCheckpoints, folder_fingerprint, \
+    run_options
+from pipecc.runtime.engine import PipelineRuntime, RunConfig
+from pipecc.runtime.lengths import Lengths
+from pipecc.runtime.ports import StagePorts
+from pipecc.runtime.replicas import (Replicas)
+from pipecc.runtime.rank import (RankRun, _lock_checkpoints, _read_marker, _replica_count, _replica_data,  # noqa: F401
+                                 _stage_dirs, check_options, folder_has_sizes, inference_only, load_rank)
+from pipecc.runtime.rundata import RunData
 from pipecc.runtime.timing import ActionTimer, gather, plan_identity, read_plan, run_document
-from pipecc.runtime.trace import TraceRecorder, check_trace_path
-from pipecc.runtime.trust import verify_problem
+from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
 
 __all__ = ["RankRun", "check_options", "inference_only", "load_rank", "main", "run_compiled", "train"]
@@ -220,7 +214,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, help="default: the compiled number")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer")
     parser.add_argument("--backend", choices=("gloo", "nccl"))
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), help="default sgd (training only)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default sgd (training only)")
+    parser.add_argument("--epochs", type=int, help="passes over the model file's train_data (instead of --steps)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--clip-grad-norm", type=float, help="clip the global gradient norm to this")
+    parser.add_argument("--precision", choices=("bf16", "fp16"), help="autocast dtype (default: float32)")
+    parser.add_argument("--eval-every", type=int, help="evaluate the model file's val_data every N steps")
     parser.add_argument("--lr", type=float, help="default 1e-3 (training only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--length", help="S=L or S=L1,L2,...: the steps' lengths, in turn (pipecc.runtime.lengths)")
@@ -240,134 +239,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stage_dirs(out: Path) -> list[Path]:
-    dirs = sorted((p for p in out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
-                  key=lambda p: int(p.name[6:]))
-    if not dirs:
-        raise PipeccError(f"{out} holds no stage_<i>/ folders; run `pipecc compile` first")
-    if [int(p.name[6:]) for p in dirs] != list(range(len(dirs))):
-        raise PipeccError(f"{out}: stage folders {[p.name for p in dirs]} are not stage_0 .. stage_{len(dirs) - 1}")
-    return dirs
-
-
-def _read_marker(out: Path) -> dict[str, Any] | None:
-    """``OUT/pipecc.json`` as a dict, or None when there is none."""
-    path = out / "pipecc.json"
-    if not path.exists():
-        return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
-    except RecursionError:
-        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
-    if not isinstance(marker, dict):
-        raise PipeccError(f"{path} is not a pipecc marker; compile again")
-    check_marker(out, marker)
-    return marker
-
-
-def folder_has_sizes(out: Path) -> bool:
-    """True when the folder's plan gives its stages unequal micro-batches (``microbatch_sizes``)."""
-    meta = _read_marker(out)
-    return bool((meta or {}).get("microbatch_sizes"))
-
-
-def _compiled_device(meta: dict[str, Any] | None) -> str | None:
-    """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
-    simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
-    available; None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
-    devices = (meta or {}).get("devices") or []
-    if devices and all(isinstance(d, dict) and d.get("kind") in ("cpu", "fpga") for d in devices):
-        return "cpu"
-    return None
-
-
-def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:
-    """The stages that run on an FPGA card: ``pipecc.json``'s ``fpga_stages``, else those with ``hls/``."""
-    listed = (meta or {}).get("fpga_stages") or {}
-    try:
-        found = {int(k) for k in listed}
-    except (TypeError, ValueError):
-        found = set()
-    return sorted(found | {i for i, d in enumerate(stage_dirs) if (d / "hls").is_dir()})
-
-
-def inference_only(meta: dict[str, Any] | None, stage_dirs: Sequence[Path] = ()) -> tuple[bool, bool, str]:
-    """(runs forward only, can never train, why) for a compiled folder.
-
-    A folder with FPGA stages (``pipecc.json``: ``"inference_only": true``, or a ``stage_<i>/hls/``)
-    can never train: the C simulation has no backward pass. One compiled with ``--inference``
-    (schedule "inference") runs forward only unless a training schedule is asked for.
-    """
-    fpga = _fpga_stages(meta, stage_dirs)
-    if fpga or (meta or {}).get("inference_only"):
-        why = f"FPGA stages: {fpga}" if fpga else str((meta or {}).get("inference_only_reason")
-                                                       or "compiled inference-only")
-        return True, True, why
-    if (meta or {}).get("schedule") == "inference":
-        return True, False, "compiled with --inference"
-    return False, False, ""
-
-
-def _load_fpga_stage(stage_dir: Path, index: int) -> nn.Module:
-    """Stage ``index``'s executable when it runs on an FPGA card: its C simulation.
-
-    NOTE: the runtime never imports the compiler (pipecc.backends, passes, cost) for CPU/GPU
-    stages, whose executable is the generated ``stage.py``. An FPGA stage's executable is the
-    HLS project in ``stage_<i>/hls/`` built with g++ into a shared library and called through
-    ctypes (the C-sim bridge), which only the FPGA backend can build and call; so this branch,
-    taken only by the rank that holds an FPGA stage, imports it, lazily.
-    """
-    hls = stage_dir / "hls"
-    try:
-        from pipecc.backends.fpga import pipeline as fpga
-        from pipecc.backends.fpga import toolchain_problem
-    except ImportError as e:
-        raise PipeccError(f"stage {index} runs on an FPGA ({hls}) but the FPGA backend cannot be imported "
-                          f"({e})") from None
-    problem = toolchain_problem()
-    if problem:
-        raise PipeccError(f"stage {index} runs on an FPGA through its C simulation, which cannot be built "
-                          f"here: {problem}")
-    usable = getattr(fpga, "_usable_hls", None)  # a temporary copy when hls/ is read-only
-    where, keep = usable(hls) if usable is not None else (hls, None)
-    return fpga.FpgaPipelineStage(where, index, keep=keep)
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
     if not params:
         return None
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
     return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
-
-
-@dataclass
-class RankRun:
-    """This rank's share of a compiled folder, loaded and checked (``load_rank``): what the
-    training loop (``train``) or the forward-only loop (``_run_forward``) runs. ``lock`` is the
-    ``--checkpoint-dir`` lock this process holds while it runs (None: none, or the launcher's)."""
-
-    stage_dirs: list[Path]
-    meta: dict[str, Any] | None
-    specs: list[dict[str, Any]]
-    forward: bool  # forward passes only (an inference-only folder, or --schedule inference)
-    why: str  # why forward only, for messages
-    schedule_name: str
-    m: int
-    batch: int
-    config: RunConfig
-    rank: int  # the pipeline rank
-    world: int  # the pipeline ranks
-    replicas: Replicas
-    modules: list[nn.Module]
-    ports: list[dict]
-    data: RunData
-    rows: tuple  # stage 0's inputs as this replica feeds them
-    target: Any
-    load_stage: Callable
-    lock: CheckpointLock | None
-    lengths: list[int]  # --length: step i runs at lengths[i % len]; [] = the folder's example length
-    at_length: dict[int, tuple[RunData, tuple, Any]]  # length -> (data, rows, target)
 
 
 def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
@@ -375,105 +255,67 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     training loop (``train``) or the forward passes; ``--json``'s document goes to ``stdout``
     (default: ``sys.stdout``)."""
     run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
-    if run.forward:
-        return _run_forward(args, run.meta, run.stage_dirs, run.specs, run.data, run.modules, run.ports, run.rank,
-                            run.world, run.config, run.load_stage, run.why, stdout, run.replicas, run.rows,
-                            run.lengths, run.at_length)
-    return train(args, run, stdout)
-
-
-def load_rank(args: argparse.Namespace) -> RankRun:
-    """Folder loading: check the folder and the options against it (before any process group
-    exists), join the process group, and load this rank's stages, ports and data."""
-    stage_dirs = _stage_dirs(args.out)
-    meta = _read_marker(args.out)
-    lock = _lock_checkpoints(args, create=False)  # held until this returns; a folder in use names its run
     try:
-        from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
-    except ImportError:
-        raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
-    specs = check_folder(args.out, len(stage_dirs), files=False)
-    compiled = read_schedule_file(args.out, len(stage_dirs), meta)  # the folder's schedule.txt
-    forward, never_trains, why = inference_only(meta, stage_dirs)
-    if args.schedule in TRAINING_SCHEDULES and never_trains:
-        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): FPGA stages have no backward "
-                         f"pass, so it runs forward passes only; --schedule {args.schedule} would train it")
-    forward = forward and args.schedule not in TRAINING_SCHEDULES or args.schedule == "inference"
-    why = why or "--schedule inference"
-    if forward and (args.optimizer is not None or args.lr is not None):
-        asked = " and ".join(f for f, v in (("--optimizer", args.optimizer), ("--lr", args.lr)) if v is not None)
-        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): it runs forward passes only, "
-                         f"so {asked} would train it")
-    schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
-    m = args.microbatches or int((meta or {}).get("microbatches") or 4)
-    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
-    lock = lock or _lock_checkpoints(args, create=True)  # the checks passed: a new folder may be made now
-    count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
-    world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
-    sizes = folder_sizes(meta, args.microbatches)  # unequal micro-batches: gpipe only
-    # BPipe: 1f1b on one rank per stage; one process (every stage on one rank) runs without it
-    balancing = folder_balancing(meta) if under_torchrun else None
-    # Under torchrun the folder's schedule.txt runs as it is (forward only: without its backward
-    # actions); --schedule or --microbatches build one by name from the folder's plan instead, and
-    # one process (every stage on one rank) runs the schedule built for it, as below.
-    use_file = under_torchrun and args.schedule is None and args.microbatches is None
-    if use_file and world_guess != compiled.num_ranks:
-        raise PipeccError(f"{args.out / SCHEDULE_FILE} runs on {compiled.num_ranks} pipeline ranks, this run has "
-                          f"{world_guess}; start {compiled.num_ranks} (pipecc run does), or give --schedule to "
-                          f"build one for {world_guess}")
-    if forward and sizes is None and not use_file:
-        # one stage per rank: the inference schedule; several (one process): interleaved, which
-        # infer() runs without its backward actions
-        schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
-    run_schedule = compiled if use_file else schedule_name
-    config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing,
-                       getattr(args, "precision", None))
-    rank, world = init_distributed(config) if under_torchrun else (0, 1)
-    replicas = Replicas.create(count, rank, world)  # collective when replicated
-    if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
-        replicas.share, replicas.batch = loss_share(batch // m, count, replicas.index), batch
-    rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
-    if len(stage_dirs) % world:
-        raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
-    schedule = build_schedule(run_schedule, world, m, len(stage_dirs) // world, sizes, balancing)
-    loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
-    modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
-                                                       for _, p in loaded]
-    declared = Lengths.from_json((meta or {}).get("lengths"))
-    lengths = run_lengths(getattr(args, "length", None), declared)
-    if declared is not None:  # the dims that vary: their shapes travel with every message
-        ports = [mark_dynamic(p, declared.symbol) for p in ports]
-    batches = {n: RunData.load(meta, specs, args.seed, args.out, n) for n in lengths}  # the same on every rank
-    data = batches[lengths[0]] if lengths else RunData.load(meta, specs, args.seed, args.out)
-    rows, target = _replica_data(data, specs, m, replicas)
-    at_length = {n: (d, *_replica_data(d, specs, m, replicas)) for n, d in batches.items()}
-    if forward:
-        for i, s in enumerate(schedule.stages_of(rank)):
-            if (stage_dirs[s] / "hls").is_dir():
-                modules[i] = _load_fpga_stage(stage_dirs[s], s)
-    return RankRun(stage_dirs, meta, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
-                   modules, ports, data, rows, target, load_stage, lock, lengths, at_length)
+        if run.forward:
+            return _run_forward(args, run.meta, run.stage_dirs, run.specs, run.data, run.modules, run.ports,
+                                run.rank, run.world, run.config, run.load_stage, run.why, stdout, run.replicas,
+                                run.rows, run.lengths, run.at_length)
+        return train(args, run, stdout)
+    finally:
+        if run.lock is not None:  # NOTE: not left to garbage collection: the training loop's closures hold run
+            run.lock.release()
 
 
 def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) -> int:
-    """The training loop: ``--steps`` steps of this rank's stages (``--verify`` checks the first,
-    ``--checkpoint-dir`` saves and resumes, ``--json`` times them)."""
-    modules, ports, data, replicas, batch, m = run.modules, run.ports, run.data, run.replicas, run.batch, run.m
-    stage_dirs, meta, specs, load_stage = run.stage_dirs, run.meta, run.specs, run.load_stage
+    """The training loop, a client of ``DistributedPipeline`` (``pipecc.runtime.distributed``, the
+    object a training script drives): ``--steps`` steps (or ``--epochs`` passes over the model
+    file's ``train_data``, ``pipecc.runtime.batches``) of this rank's stages, the optimizer and
+    learning-rate schedule, ``--clip-grad-norm``; ``--verify`` checks the first step,
+    ``--checkpoint-dir`` saves and resumes, ``--json`` times them and records every step's loss,
+    ``--eval-every`` evaluates the model file's ``val_data``."""
+    from pipecc.runtime.batches import Batches
+    from pipecc.runtime.distributed import DistributedPipeline
+
+    data, replicas, batch, m = run.data, run.replicas, run.batch, run.m
+    stage_dirs, meta, load_stage = run.stage_dirs, run.meta, run.load_stage
     rows = run.rows
-    params = [p for mod in modules for p in mod.parameters()]
-    optimizer = _make_optimizer(args.optimizer or "sgd", params, DEFAULT_LR if args.lr is None else args.lr)
-    runtime = PipelineRuntime(modules, ports, run.rank, run.world, run.config, data.loss_fn, optimizer, replicas)
+    pipe = DistributedPipeline(run, data.model_loss)
+    pipe.refresh_after_step = True  # this loop refreshes Bi-Partition's replicas after each optimizer step
+    runtime = pipe.runtime
+    params = list(pipe.parameters())
+    lr = DEFAULT_LR if args.lr is None else args.lr
+    optimizer = _make_optimizer(args.optimizer or "sgd", params, lr)
+    runtime.optimizer = optimizer
     timer = _timer(args, runtime)
     is_last = runtime.last_stage in runtime.stage_ids
     speaks = is_last and replicas.index == 0  # replicas: one of the last stage's prints
+    module, file = data.module, Path(str((meta or {}).get("model_path") or "the model file")).name
+    model_args = dict((meta or {}).get("model_args") or {})
+    draws = 0 in runtime.stage_ids or is_last  # the ranks whose stages read the data
+    epochs = getattr(args, "epochs", None)
+    stream = None
+    if Batches.defined(module, "train_data") and not run.lengths:
+        stream = Batches(module, file, "train_data", batch, model_args, draws, args.seed, epochs, runtime.device)
+    elif epochs is not None:
+        raise UsageError(f"--epochs counts passes over train_data, which {file} does not define; give --steps N")
     if speaks and data.note:
         print(data.note, flush=True)
-    tied = TiedGradients(runtime, modules, specs)
+    elif speaks and stream is None and module is not None and not run.lengths:
+        print(f"note: {file} defines no train_data(batch_size, **model_args); every step repeats its example "
+              "batch", flush=True)
+    val_every = getattr(args, "eval_every", None)
+    if val_every is not None and not Batches.defined(module, "val_data"):
+        raise UsageError(f"--eval-every evaluates the batches of val_data, which {file} does not define")
+    total_steps = args.steps
+    scheduler = None
+    if getattr(args, "lr_schedule", None) == "cosine" and optimizer is not None:
+        if epochs is not None:
+            raise UsageError("--lr-schedule cosine needs the run's length in steps: give --steps N rather than --epochs")
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(total_steps, 1))
+    clip = getattr(args, "clip_grad_norm", None)
     inputs = rows if 0 in runtime.stage_ids else None
     target = run.target if is_last else None
+    history: list[dict[str, Any]] = []
 
     verifier = None
     if args.verify_stages_only:
@@ -486,12 +328,18 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             verifier.check_eval_outputs(inputs)
             verifier = None
 
-    def train_step(i: int, update: bool, check: bool | None = None) -> None:
+    def train_step(i: int, update: bool, check: bool | None = None, fed: tuple[Any, Any] | None = None) -> None:
         nonlocal inputs, target
         check = verifier is not None and i == 0 if check is None else check
+        step_inputs, step_target = inputs, target
         if run.lengths:  # --length: this step's batch (step i at the (i mod n)-th length)
             _, rows_i, target_i = run.at_length[run.lengths[i % len(run.lengths)]]
-            inputs, target = (rows_i if 0 in runtime.stage_ids else None), (target_i if is_last else None)
+            step_inputs, step_target = (rows_i if 0 in runtime.stage_ids else None), (target_i if is_last else None)
+        elif fed is not None:  # train_data's batch: this rank's share of it
+            try:
+                step_inputs, step_target = pipe.feed(*fed) if draws else (None, None)
+            except PipeccError as e:
+                raise PipeccError(f"step {i}: train_data in {file}: {e}") from None
         if timer is not None and update:
             timer.begin_step()
         start = time.perf_counter()
@@ -501,25 +349,50 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
         runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
         # dropout off, draws fixed: as the reference runs
         with verifier.deterministic() if check and verifier is not None else contextlib.nullcontext():
-            loss = runtime.step(inputs, target)
-        tied.reduce()
+            loss = pipe.step_rows(step_inputs, step_target)
         if check and verifier is not None:
             paused = time.perf_counter()
-            verifier.check_step(loss)
+            verifier.check_step(pipe.last_loss)
             start += time.perf_counter() - paused
+        if clip is not None and update:
+            pipe.clip_grad_norm_(clip)
         if optimizer is not None and update:
             if runtime.trace is not None:
                 runtime.trace.span("optimizer", "optimizer", optimizer.step)
             else:
                 optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
         if update:
-            runtime.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
+            pipe.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
         elapsed = time.perf_counter() - start
         if timer is not None and update:
             timer.end_step(elapsed)
-        if loss is not None and update and speaks:
+        if update:
+            history.append({"step": i, "loss": None if math.isnan(loss) else loss, "wall_s": elapsed,
+                            "samples_per_s": batch / elapsed if batch and elapsed > 0 else 0.0,
+                            "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else None})
+        if speaks and update:
             rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
             print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
+
+    def evaluate(after: int) -> None:
+        """--eval-every: the mean loss over val_data's batches (eval mode, no gradients)."""
+        val = Batches(module, file, "val_data", batch, model_args, draws, args.seed, 1, runtime.device)
+        pipe.eval()
+        total, count = 0.0, 0
+        for k in range(1_000_000):
+            try:
+                fed = val.next(k)
+            except StopIteration:
+                break
+            total += pipe.evaluate(*fed) if fed is not None else pipe.evaluate(None, None)
+            count += 1
+        pipe.train()
+        if count and history:
+            history[-1]["val_loss"] = total / count
+        if speaks:
+            print(f"eval after step {after}: val loss {total / max(count, 1):.6g} ({count} batches)", flush=True)
 
     checkpoints, first = None, 0
     if args.checkpoint_dir is not None:
@@ -532,6 +405,11 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             if speaks:
                 print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
                       flush=True)
+            if stream is not None:
+                stream.fast_forward(first)  # the data continues where the checkpointed run stopped
+            if scheduler is not None:
+                for _ in range(first):
+                    scheduler.step()
     if verifier is not None and len(set(run.lengths)) > 1:  # --verify at every length, before training
         verifier = None
         symbol = Lengths.from_json((meta or {}).get("lengths")).symbol  # type: ignore[union-attr]
@@ -543,16 +421,37 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             verifier = Verifier(runtime, run.at_length[n][0], meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
             train_step(k, update=False, check=True)
         verifier = None
-    elif verifier is not None and args.steps < 1:
-        train_step(0, update=False)  # --verify --steps 0: check one step, train none
-    for i in range(first, args.steps):
-        train_step(i, update=True)
-        if checkpoints is not None and checkpoints.due(i + 1, args.steps):
-            where = checkpoints.save(i + 1)
+    elif verifier is not None and (args.steps < 1 or stream is not None):
+        # --verify --steps 0: check one step, train none; with train_data the check runs on the
+        # example batch the reference also runs, before training on the data
+        train_step(0, update=False, check=True)
+        verifier = None
+    i = first
+    while epochs is not None or i < args.steps:
+        fed = None
+        if stream is not None:
+            try:
+                fed = stream.next(i)
+            except StopIteration:
+                break
+        train_step(i, update=True, fed=fed)
+        i += 1
+        if val_every is not None and i % val_every == 0:
+            evaluate(i - 1)
+        if checkpoints is not None and (checkpoints.due(i, args.steps) if epochs is None
+                                        else bool(checkpoints.every and i % checkpoints.every == 0)):
+            where = checkpoints.save(i)
             if speaks:
-                print(f"checkpoint: step {i + 1} saved in {where}", flush=True)
+                print(f"checkpoint: step {i} saved in {where}", flush=True)
+    if val_every is not None and i % val_every and i > first:
+        evaluate(i - 1)
+    if checkpoints is not None and epochs is not None and not (checkpoints.every and i % checkpoints.every == 0) \
+            and i > first:
+        where = checkpoints.save(i)
+        if speaks:
+            print(f"checkpoint: step {i} saved in {where}", flush=True)
     if timer is not None and getattr(args, "json", False):
-        _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout)
+        _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout, history)
     if runtime.trace is not None:
         runtime.trace.write(Path(args.trace).resolve(), run.schedule_name)
     if dist.is_initialized():
@@ -562,38 +461,6 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
         dist.barrier()
         dist.destroy_process_group()
     return 0
-
-
-def _lock_checkpoints(args: argparse.Namespace, create: bool) -> CheckpointLock | None:
-    """``--checkpoint-dir``'s lock when this process must hold it: one process, or rank 0 of a
-    torchrun started by hand; under ``pipecc run`` its launcher holds it (``LOCK_ENV``)."""
-    if args.checkpoint_dir is None or os.environ.get("RANK", "0") != "0" or LOCK_ENV in os.environ:
-        return None
-    return CheckpointLock.take(args.checkpoint_dir, create=create)
-
-
-def _replica_count(meta: dict[str, Any] | None) -> int:
-    """How many replicas run every stage (``pipecc.json``'s ``replicas``; 1 when absent)."""
-    try:
-        count = int((meta or {}).get("replicas") or 1)
-    except (TypeError, ValueError):
-        count = 0
-    if count < 1:
-        raise PipeccError(f"pipecc.json says replicas {(meta or {}).get('replicas')!r}; compile again")
-    return count
-
-
-def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: Replicas) -> tuple[tuple, Any]:
-    """Stage 0's inputs and the target as this replica feeds them (its slice of every
-    micro-batch, ``pipecc.runtime.replicas``); the full batch without replicas."""
-    if replicas.count == 1:
-        return data.inputs, data.target
-    first = StagePorts.from_json(specs[0])
-    leaves = flatten(as_tuple(data.inputs), first.receives, "inputs")
-    dims = [p.batch_dim if p.kind == "tensor" else None for p in first.in_leaves]
-    rows = tuple(unflatten(replica_inputs(leaves, dims, m, replicas.count, replicas.index, replicas.batch),
-                           first.receives))
-    return rows, replica_target(data.target, m, replicas.count, replicas.index, replicas.batch)
 
 
 def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | TraceRecorder | None:
@@ -609,7 +476,7 @@ def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | 
 
 
 def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedule: str, batch: int,
-                 stdout: TextIO) -> None:
+                 stdout: TextIO, history: list[dict[str, Any]] | None = None) -> None:
     """``--json``: gather every rank's times to the last stage's rank, which prints the document
     (collective: every rank calls it)."""
     dst = runtime.replicas.rank_of(runtime.schedule.stage_to_rank[runtime.last_stage], 0)
@@ -618,62 +485,8 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
         plan = read_plan(out)
         document = run_document(summaries, plan, schedule, runtime.m, batch,
                                 stash=runtime.schedule.partner is not None, identity=plan_identity(out, plan))
+        document["history"] = history or []  # every step this run trained: loss, wall time, samples/s, lr
         print(json.dumps(document), file=stdout, flush=True)
-
-
-def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
-                  why: str, one_process: bool = False) -> None:
-    """Refuse, before any process group exists, what the run could only fail at later (one line).
-
-    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``); the
-    techniques' rules on the folder's plan are ``pipecc.runtime.admit``'s. ``one_process`` (no
-    torchrun): activation balancing is off, so any ``--schedule`` BPipe refuses goes."""
-    folder_sizes(meta, args.microbatches)
-    folder_balancing(meta)
-    check_folder_plan(meta, read_plan(Path(args.out)), args.schedule, one_process=one_process)
-    if batch and m > batch:
-        raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
-                         f"for; give --microbatches {batch} or fewer")
-    problem = replica_problem(batch, m, _replica_count(meta))
-    if problem:
-        raise UsageError(f"--microbatches {m}: {problem}")
-    if args.verify and not args.verify_stages_only:
-        problem = verify_problem(meta, args.out)
-        if problem:
-            raise PipeccError(problem)
-    ckpt = [flag for flag, given in (("--checkpoint-every", args.checkpoint_every is not None),
-                                     ("--resume", args.resume)) if given]
-    if args.checkpoint_dir is None and ckpt:
-        raise UsageError(f"{' and '.join(ckpt)} need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
-    warmup = getattr(args, "warmup_steps", 1)
-    if warmup < 0:
-        raise UsageError(f"--warmup-steps must be >= 0, got {warmup}")
-    if getattr(args, "trace", None) is not None:
-        if args.steps < 1:
-            raise UsageError("--trace records the run's steps: give --steps 1 or more")
-        if os.environ.get("RANK", "0") == "0":  # the rank that writes it
-            check_trace_path(args.trace)
-    if getattr(args, "json", False) and args.steps <= warmup:
-        raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
-                         f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")
-    if args.checkpoint_dir is None:
-        return
-    if forward:
-        raise UsageError(f"{args.out} runs forward passes only ({why}): there is no training state to checkpoint")
-    if args.resume and (args.verify or args.verify_stages_only):
-        raise UsageError("--verify checks the first step from the compiled weights; it cannot be combined "
-                         "with --resume")
-    latest = read_latest(Path(args.checkpoint_dir))
-    if latest is None and args.resume:
-        raise PipeccError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no {LATEST}); run without --resume "
-                          "to start one")
-    if latest is not None and not args.resume:
-        raise PipeccError(f"{args.checkpoint_dir} already holds a checkpoint (step {latest['step']}): give --resume "
-                          "to continue from it, or another --checkpoint-dir to start over")
-    if latest is not None:  # the options it was trained with, --steps against its step (refusals only here)
-        check_resume(latest, run_options(args.optimizer, args.lr, args.seed, m), args.steps, Path(args.checkpoint_dir))
 
 
 def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],

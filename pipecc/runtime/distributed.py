@@ -75,7 +75,7 @@ def load(out: str | Path, *, loss_fn: Callable | None = None, precision: str | N
     "bf16" or "fp16". ``microbatches``/``schedule``: another than the compiled (the folder's
     ``schedule.txt`` runs otherwise). ``timeout``: seconds any wait for a peer may take.
     Under torchrun this joins the process group torchrun describes (collective)."""
-    from pipecc.runtime import dist as run_dist
+    from pipecc.runtime import rank as run_rank
 
     if precision is not None and precision not in PRECISIONS:
         raise UsageError(f"precision={precision!r}: choose from {', '.join(map(repr, PRECISIONS))} or None "
@@ -91,14 +91,14 @@ def load(out: str | Path, *, loss_fn: Callable | None = None, precision: str | N
         # one process holds every stage: the interleaved schedule runs several stages on one rank
         # (unequal micro-batches keep their gpipe, which runs them in one process as it is)
         stages = len([d for d in path.glob("stage_*") if d.is_dir()])
-        if stages > 1 and not run_dist.folder_has_sizes(path):
+        if stages > 1 and not run_rank.folder_has_sizes(path):
             schedule = "interleaved"
     args = argparse.Namespace(
         out=path, steps=0, schedule=schedule, microbatches=microbatches, timeout=float(timeout), backend=backend,
         optimizer=None, lr=None, seed=seed, length=None, verify=False, rtol=None, atol=None,
         verify_stages_only=False, checkpoint_dir=None, checkpoint_every=None, resume=False, json=False,
         warmup_steps=0, trace=None, debug=False, precision=precision)
-    return DistributedPipeline(run_dist.load_rank(args), loss_fn)
+    return DistributedPipeline(run_rank.load_rank(args), loss_fn)
 
 
 class DistributedPipeline:

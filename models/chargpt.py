@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,8 +53,10 @@ def corpus() -> torch.Tensor:
     """The whole text as int64 codes (module docstring: vocabulary); read once per process."""
     from pydoc_data.topics import topics
     text = "".join(topics[k] for k in sorted(topics))
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")  # one code point per 4 bytes
-    return torch.from_numpy(np.minimum(codes, OTHER).astype(np.int64))
+    # NOTE: one code point per 4 bytes in this machine's byte order (< 0x110000: fits int32);
+    # torch alone, so the file runs where only torch and pipecc are installed
+    raw = text.encode("utf-32-le" if sys.byteorder == "little" else "utf-32-be")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).clamp(max=OTHER).to(torch.int64)
 
 
 def decode(codes: torch.Tensor) -> str:

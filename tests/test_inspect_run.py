@@ -153,6 +153,17 @@ def test_steps_need_not_start_at_zero(out, tmp_path, capsys):
     assert "20 steps (steps 100..119, 1 warm-up)" in text and "first 1 (step 100)" in text
 
 
+def test_a_one_step_run_is_a_point(out, tmp_path, capsys):
+    """One step, a warm-up one: its rate is the median (nothing else was measured), its loss a dot."""
+    html = tmp_path / "one.html"
+    run = write(tmp_path / "one.json", document(out, history([2.5])))
+    code, text, err = run_cli(["inspect", str(out), "--run", str(run), "--report", str(html)], capsys)
+    assert code == 0, err
+    assert "1 step (steps 0..0, 1 warm-up)" in text and "measured 10/s (median of 1 step);" in text
+    loss_svg = re.search(r'<svg class="chart line loss-curve".*?</svg>', html.read_text(), re.S).group(0)
+    assert loss_svg.count("<circle") == 1 and not _polylines(loss_svg)
+
+
 # ----------------------------------------------------------------------------- the report page
 def _polylines(svg: str) -> list[list[tuple[float, float]]]:
     return [[tuple(map(float, p.split(","))) for p in m.split()]

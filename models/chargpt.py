@@ -14,6 +14,8 @@ characters, the target the same shifted by one (the next character at every posi
 epoch reads the training text once. `train_data` shuffles the windows with a torch.Generator
 seeded by `seed` (every process that iterates it gets the same order); `val_data` keeps them
 in order. Both drop the last partial batch, so every batch has exactly `batch_size` rows.
+Iterating the same loader again gives the next epoch, in another order that `seed` also fixes;
+a new `train_data(...)` starts again from the first epoch's order.
 
 The model is the zoo's GPT (`gpt.py`: learned positions, pre-LayerNorm blocks, causal
 attention, tanh-GELU MLP, untied head, GPT-2's init) at a small size, with residual and

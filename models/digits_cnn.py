@@ -10,6 +10,8 @@ Split, fixed: the first 1,500 images train, the remaining 297 validate. Pixels a
 `train_data` shuffles with a torch.Generator seeded by `seed` (every process that iterates it
 gets the same order), `val_data` keeps the order; both drop the last partial batch, so every
 batch has exactly `batch_size` rows.
+Iterating the same loader again gives the next epoch, in another order that `seed` also fixes;
+a new `train_data(...)` starts again from the first epoch's order.
 
 The model: conv 3x3 (1->c) ReLU, conv 3x3 (c->2c) ReLU, max-pool 2 -> [2c, 4, 4], flatten,
 linear (32c -> hidden) ReLU, linear (hidden -> 10); no BatchNorm, so micro-batches compute

@@ -9,8 +9,8 @@ every character outside ASCII (about 0.1% of the text: typographic quotes, dashe
 127 (DEL, which the text never holds). `decode` turns codes back into text, 127 as "?".
 
 Split: the first 90% of the characters train, the last 10% validate. Each split is cut into
-non-overlapping windows of `seq_len` + 1 characters: the inputs are a window's first `seq_len`
-characters, the target the same shifted by one (the next character at every position), so one
+consecutive, non-overlapping windows of `seq_len` characters: a window is the inputs, the same
+window shifted on by one character the target (the next character at every position), so one
 epoch reads the training text once. `train_data` shuffles the windows with a torch.Generator
 seeded by `seed` (every process that iterates it gets the same order); `val_data` keeps them
 in order. Both drop the last partial batch, so every batch has exactly `batch_size` rows.

@@ -11,4 +11,11 @@ arguments of a version small enough for CPU tests.
     bert      BERT-base with a sequence-classification head              109.5M
     tiny_cnn  a few-op CNN with BatchNorm and a residual add, for tests
     mlp       a plain MLP, for tests
+    chargpt     a character-level GPT on Python's documentation topics (pydoc_data)  0.12M
+    digits_cnn  a small CNN on scikit-learn's bundled 8x8 digits (load_digits)      0.04M
+
+chargpt and digits_cnn also define train_data(batch_size, **kwargs) and val_data(batch_size,
+**kwargs): DataLoaders of (inputs, target) batches of real data that ships with Python or
+scikit-learn (nothing downloaded), every batch exactly batch_size rows, the training order
+shuffled by a torch.Generator seeded with the `seed` model argument.
 """

@@ -15,7 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 ROOT = Path(__file__).resolve().parents[1]
-ZOO = ["bert", "gnmt", "gpt", "mlp", "resnet50", "tiny_cnn", "vgg16"]
+ZOO = ["bert", "chargpt", "digits_cnn", "gnmt", "gpt", "mlp", "resnet50", "tiny_cnn", "vgg16"]
 
 
 def zoo_module(name: str) -> Any:

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
-ZOO = ["bert", "gnmt", "gpt", "mlp", "resnet50", "tiny_cnn", "vgg16"]
+ZOO = ["bert", "chargpt", "digits_cnn", "gnmt", "gpt", "mlp", "resnet50", "tiny_cnn", "vgg16"]
 CONTRACT_NAMES = ["build_model", "example_inputs", "loss_fn", "example_target"]
 
 

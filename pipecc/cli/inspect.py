@@ -1,8 +1,10 @@
-"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR] [--trace FILE [--report HTML]]`.
+"""`pipecc inspect OUT [--stage I] [--format text|json|dot] [--onnx DIR] [--trace FILE | --run RUN.json] [--report HTML]`.
 
 `--trace FILE` (a trace of `pipecc run OUT --trace FILE`) compares one measured step with the
 predicted schedule (`pipecc.report.measured`); `--report HTML` also writes the report page with
-the measured Gantt chart under the predicted one (atomically).
+the measured Gantt chart under the predicted one (atomically). `--run RUN.json` (the document of
+`pipecc run OUT --json`) shows the run's loss per step and its measured samples/s beside the
+plan's predicted (`pipecc.report.history`); with `--report HTML` the page has the curves.
 
 Wiring in `pipecc.cli.build_parser`: `add_parser(sub, common)`; it sets `func=cmd_inspect`.
 OUT is read as untrusted data (`pipecc.report.compiled.load_compiled` checks it): a damaged
@@ -34,9 +36,13 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     p.add_argument("--trace", metavar="FILE",
                    help="a trace written by `pipecc run OUT --trace FILE`: compare one steady step as it ran "
                    "with the predicted schedule (both timelines, per-stage medians, the largest differences)")
+    p.add_argument("--run", metavar="RUN.json",
+                   help="a run document (`pipecc run OUT --json > RUN.json`): its loss per step (first, last, lowest, "
+                   "a sparkline and every k-th step) and the measured samples/s beside the predicted")
     p.add_argument("--report", metavar="HTML",
                    help="with --trace: also write the report page to HTML, the measured Gantt chart under the "
-                   "predicted one on the same time scale")
+                   "predicted one on the same time scale; with --run: the page with the loss curve and the "
+                   "samples/s per step against the predicted")
     p.add_argument("--onnx", metavar="DIR",
                    help="write stage_<i>.onnx per stage (or only --stage I) into DIR and check it "
                    "with onnxruntime")
@@ -52,8 +58,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.format == "dot" and args.stage is not None and not args.onnx:
         raise UsageError("--format dot draws the whole pipeline; leave out --stage")
-    if args.report and not args.trace:
-        raise UsageError("--report draws a traced run: give --trace FILE too (pipecc run OUT --trace FILE)")
+    if args.report and not (args.trace or args.run):
+        raise UsageError("--report draws a run: give --trace FILE (pipecc run OUT --trace FILE) or --run RUN.json "
+                         "(pipecc run OUT --json > RUN.json) too")
+    if args.run:
+        if args.trace:
+            raise UsageError("give one of --trace and --run (each draws its own view of a run)")
+        if args.stage is not None or args.onnx or args.format == "dot":
+            raise UsageError("--run shows the whole run; leave out --stage, --onnx and --format dot")
+        return _show_run(args)
     if args.trace:
         if args.stage is not None or args.onnx or args.format == "dot":
             raise UsageError("--trace compares the whole pipeline; leave out --stage, --onnx and --format dot")
@@ -80,20 +93,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _compare_trace(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    from pipecc.errors import PipeccError
     from pipecc.report import measured as ms
     from pipecc.report.compiled import _ascii_timeline, damaged, load_compiled, timeline_of
     from pipecc.report.formatting import terminal_text
     from pipecc.report.html import report_with_trace
 
-    target = None
-    if args.report:
-        target = Path(args.report).expanduser().resolve()
-        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
-            raise PipeccError(f"--report {args.report}: cannot write a file there; give a file in a writable folder")
+    target = _report_target(args.report)
     compiled = load_compiled(args.out)
     with damaged(compiled):
         if target is not None:
@@ -110,6 +115,44 @@ def _compare_trace(args: argparse.Namespace) -> int:
     print(text)
     if target is not None and args.format != "json":
         print(f"wrote {target}: the measured Gantt chart under the predicted one")
+    return 0
+
+
+def _report_target(report: str | None) -> Any:
+    """--report HTML as an absolute path, refused in one line where no file can be written."""
+    import os
+    from pathlib import Path
+
+    from pipecc.errors import PipeccError
+    if not report:
+        return None
+    target = Path(report).expanduser().resolve()
+    if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+        raise PipeccError(f"--report {report}: cannot write a file there; give a file in a writable folder")
+    return target
+
+
+def _show_run(args: argparse.Namespace) -> int:
+    from pipecc.report import history as hs
+    from pipecc.report.compiled import damaged, load_compiled
+    from pipecc.report.formatting import terminal_text
+    from pipecc.report.html import report_with_run
+
+    target = _report_target(args.report)
+    compiled = load_compiled(args.out)
+    run = hs.load_run(args.run)
+    hs.check_folder(run, compiled.path)
+    with damaged(compiled):
+        if target is not None:
+            page, _ = report_with_run(args.out, args.run)
+            write_atomic(str(target), page)
+    if args.format == "json":
+        text = json.dumps(hs.history_json(run), indent=1)
+    else:
+        text = terminal_text(hs.history_text(run))
+    print(text)
+    if target is not None and args.format != "json":
+        print(f"wrote {target}: the loss curve and the samples/s per step against the predicted")
     return 0
 
 

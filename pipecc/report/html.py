@@ -273,10 +273,23 @@ def report_with_trace(out: str | Path, trace_path: str | Path) -> tuple[str, str
     return page, ms.trace_text(trace, tl, got, _ascii_timeline)
 
 
+def report_with_run(out: str | Path, run_path: str | Path) -> tuple[str, str]:
+    """The folder's page with a run's loss curve and samples/s against the predicted
+    (`pipecc.report.history`) under its key figures; also the run as text."""
+    from pipecc.report import history as hs
+    c = load_compiled(out)
+    run = hs.load_run(run_path)
+    hs.check_folder(run, c.path)
+    page = render_page(c.plan, c.graph, timeline_of(c), device_capacities(c.plan), run=hs.history_html(run))
+    return page, hs.history_text(run)
+
+
 def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, Any],
-                capacities: Sequence[float | None], measured: str = "", span: float | None = None) -> str:
+                capacities: Sequence[float | None], measured: str = "", span: float | None = None,
+                run: str = "") -> str:
     """The page; ``measured`` (`measured_html`) goes under the predicted schedule, which is drawn
-    on ``span``'s time scale when given (the longer of the two iterations)."""
+    on ``span``'s time scale when given (the longer of the two iterations); ``run``
+    (`history.history_html`) under the key figures."""
     mb = plan.batch_size // max(plan.microbatches, 1)
     devs = _device_summary(plan)
     sched = plan.schedule + (f" 1F1B ({plan.virtual_stages} stages per device)"
@@ -317,7 +330,7 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
 <p class="sub">batch {plan.batch_size} in {count(plan.microbatches, 'micro-batch')} of {mb} · schedule
 {esc(sched)} · {count(len(plan.stages), 'stage')} on {esc(devs)} · {esc(plan.dtype)}</p>
 <div class="figures">{fig_html}</div>
-
+{run}
 <h2>Pipeline schedule</h2>
 <p class="note">One iteration as the simulator predicts it, one row per device: each block is the
 forward or backward of one micro-batch on one stage; the strip below a row shows its sends;

@@ -316,3 +316,84 @@ def stage_flow_svg(plan: Plan, graph: dict[str, Any] | None) -> str:
 
 def _short(name: str, limit: int = 24) -> str:
     return name if len(name) <= limit else "…" + name[-(limit - 1):]
+
+
+# ----------------------------------------------------------------------------- curves
+def line_chart_svg(series: Sequence[tuple[str, str, Sequence[tuple[float, float | None]]]], *,
+                   x_label: str, y_label: str, name: str, width: int = 900, height: int = 280,
+                   levels: Sequence[tuple[float, str, str]] = (), shade: tuple[float, float, str] | None = None,
+                   zero: bool = False) -> str:
+    """Lines over a shared x axis (steps): ``series`` of (label, colour, points (x, y)); a None or
+    non-finite y breaks its line. ``levels``: dashed horizontal lines (y, label, colour);
+    ``shade``: an x range drawn grey (x0, x1, its title), e.g. the warm-up steps; ``zero``: the y
+    axis starts at 0 (rates, so that two levels compare by their lengths)."""
+    left, right, top, bottom = 64, 150, 14, 42
+    plot_w, plot_h = width - left - right, height - top - bottom
+    xs = [x for _, _, pts in series for x, _ in pts]
+    ys = [y for _, _, pts in series for _, y in pts if y is not None and math.isfinite(y)]
+    ys += [y for y, _, _ in levels if math.isfinite(y)] + ([0.0] if zero else [])
+    x0, x1 = (min(xs), max(xs)) if xs else (0.0, 1.0)
+    y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
+    if x1 <= x0:
+        x1 = x0 + 1.0
+    pad = (y1 - y0) * 0.05 or abs(y1) * 0.05 or 1.0
+    y0, y1 = (0.0 if y0 >= 0 and y0 - pad < 0 else y0 - pad), y1 + pad
+
+    def px(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * plot_w
+
+    def py(y: float) -> float:
+        return top + (y1 - y) / (y1 - y0) * plot_h
+
+    out = [f'<svg class="chart line {name}" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+           f'role="img" aria-label="{esc(y_label)} by {esc(x_label)}">']
+    if shade is not None:
+        a, b = max(shade[0], x0), min(shade[1], x1)
+        if b > a:
+            out.append(_rect(px(a), top, px(b) - px(a), plot_h, "#f0f0f0", shade[2], ' class="shade"'))
+    step = _nice_step(y1 - y0, 5)
+    k = math.ceil(y0 / step)
+    while k * step <= y1 + 1e-12 * abs(y1):
+        y = py(k * step)
+        out.append(f'<line x1="{left}" y1="{_fmt(y)}" x2="{left + plot_w}" y2="{_fmt(y)}" class="grid"/>')
+        out.append(_text(left - 6, y + 4, f"{k * step:.4g}", "axis", "end"))
+        k += 1
+    step = max(1.0, _nice_step(x1 - x0, 8))
+    k = math.ceil(x0 / step)
+    while k * step <= x1:
+        x = px(k * step)
+        out.append(f'<line x1="{_fmt(x)}" y1="{top}" x2="{_fmt(x)}" y2="{top + plot_h}" class="grid"/>')
+        out.append(_text(x, top + plot_h + 16, f"{k * step:g}", "axis", "middle"))
+        k += 1
+    out.append(_text(left + plot_w / 2, height - 6, x_label, "axis", "middle"))
+    out.append(_text(14, top + plot_h / 2, y_label, "axis", "middle",
+                     f' transform="rotate(-90 14 {_fmt(top + plot_h / 2)})"'))
+    legend_y = top + 10
+    for y, label, color in levels:
+        if math.isfinite(y):
+            out.append(f'<line x1="{left}" y1="{_fmt(py(y))}" x2="{left + plot_w}" y2="{_fmt(py(y))}" '
+                       f'stroke="{color}" stroke-width="1.5" stroke-dasharray="6 4" class="level"/>')
+            out.append(f'<line x1="{left + plot_w + 8}" y1="{legend_y - 6}" x2="{left + plot_w + 20}" '
+                       f'y2="{legend_y - 6}" stroke="{color}" stroke-width="1.5" stroke-dasharray="3 2"/>')
+            out.append(_text(left + plot_w + 24, legend_y - 2, label, "small"))
+            legend_y += 16
+    for label, color, pts in series:
+        runs: list[list[str]] = [[]]
+        for x, y in pts:
+            if y is None or not math.isfinite(y):
+                runs.append([])
+            else:
+                runs[-1].append(f"{_fmt(px(x))},{_fmt(py(y))}")
+        for r in runs:
+            if len(r) == 1:
+                x, y = r[0].split(",")
+                out.append(f'<circle cx="{x}" cy="{y}" r="2" fill="{color}"/>')
+            elif r:
+                out.append(f'<polyline class="series" fill="none" stroke="{color}" stroke-width="1.6" '
+                           f'points="{" ".join(r)}"><title>{esc(label)}</title></polyline>')
+        out.append(_rect(left + plot_w + 8, legend_y - 7, 12, 3, color))
+        out.append(_text(left + plot_w + 24, legend_y - 2, label, "small"))
+        legend_y += 16
+    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#bbb"/>')
+    out.append("</svg>")
+    return "\n".join(out)

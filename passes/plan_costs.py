@@ -113,6 +113,7 @@ class CostTables:
         self._unit_fixed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
+        self._link_memo: dict[tuple[int, int, float], float] = {}  # (i, j, bytes) -> link_time
 
     def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
         """[device][unit] forward and backward seconds at micro-batch size mb."""
@@ -197,10 +198,15 @@ class CostTables:
 
     def link_time(self, i: int, j: int, nbytes: float) -> float:
         """Seconds of one message of nbytes from device i to device j: the link's latency and
-        bandwidth plus `message_s`; 0 for no bytes or the same device."""
+        bandwidth plus `message_s`; 0 for no bytes or the same device. (Remembered: the
+        partitioner asks for every cut's bytes on every link, candidate after candidate.)"""
         if nbytes <= 0 or i == j:
             return 0.0
-        return self.cluster.link(i, j).time(nbytes) + self.message_s(i, j)
+        key = (i, j, nbytes)
+        t = self._link_memo.get(key)
+        if t is None:
+            t = self._link_memo[key] = self.cluster.link(i, j).time(nbytes) + self.message_s(i, j)
+        return t
 
     def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
                mb: int, d: int = 1) -> tuple[PartitionProblem, Partition]:

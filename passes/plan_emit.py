@@ -105,13 +105,14 @@ def baselines(ev: Evaluator, cand: Candidate) -> list[dict[str, Any]]:
 
 
 def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
-            search: SearchRecord) -> Plan:
-    """The Plan of `cand` (module docstring); `lost`: why every other candidate lost."""
+            search: SearchRecord, bounds: bool = True) -> Plan:
+    """The Plan of `cand` (module docstring); `lost`: why every other candidate lost;
+    `bounds` False: its lower bounds left 0 (a trial plan whose caller keeps its own)."""
     opt, tables, cluster = ev.options, ev.tables, ev.cluster
     assert isinstance(opt.batch_size, int)
     part, units, prob = cand.part, cand.units, cand.problem
     fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
-    lb, lb_compute = lower_bound(ev, cand), lower_bound(ev, cand, comm=False)
+    lb, lb_compute = (lower_bound(ev, cand), lower_bound(ev, cand, comm=False)) if bounds else (0.0, 0.0)
     d, P = cand.replicas, cand.ranks
     mb = rep.slice_size(opt.batch_size // cand.microbatches, d)
     weights = tables.weight_times(part, prob, cand.order, mb, d)

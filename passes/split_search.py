@@ -25,6 +25,7 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, AnnotatedGraph
 from pipecc.ir.plan import Plan, SplitLayer
+from pipecc.passes.split_forms import owners_cached
 from pipecc.passes.split_layers import extent, split_node, splittable
 
 IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound
@@ -35,8 +36,9 @@ ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%
 def splittable_names(graph: AnnotatedGraph) -> list[str]:
     """Nodes `split_node` can split: fx layer modules, and linear / conv2d / embedding calls
     on parameters (torch.export, ONNX); `split_layers.recognise` says which and why not."""
-    return [n.meta[META_NAME] for n in graph.compute_nodes()
-            if n.op in ("call_module", "call_function") and splittable(graph, n)]
+    with owners_cached(graph.gm):
+        return [n.meta[META_NAME] for n in graph.compute_nodes()
+                if n.op in ("call_module", "call_function") and splittable(graph, n)]
 
 
 def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
@@ -46,13 +48,24 @@ def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
         # when the graph's input treespec is deep-copied; the copy is right, the warning is torch's
         warnings.filterwarnings("ignore", message=r".*treespec", category=FutureWarning)
         copied = copy.deepcopy(graph.gm.graph)
-    gm = fx.GraphModule(graph.gm, copied, class_name=type(graph.gm).__name__)
+    gm = _lazy_module(graph.gm, copied, type(graph.gm).__name__)
     # NOTE: GraphModule copies only what the graph references; a split layer's parameters
     # are referenced by none (its shards read them through an unregistered parent), so the
     # clone re-registers whatever the graph's module owns: it must own the same tensors.
     _adopt_missing(gm, graph.gm)
     return AnnotatedGraph(gm=gm, symbols=graph.symbols, point=graph.point, source=graph.source,
                           model_name=graph.model_name, warnings=list(graph.warnings))
+
+
+def _lazy_module(root: nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """A GraphModule over `graph` that writes its Python code only when it is first run or
+    read (`recompile` is lazy too): the search plans many clones and runs one.
+    NOTE: torch.fx's lazy module is private API; a torch without it gets the eager one."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module
+    except ImportError:
+        return fx.GraphModule(root, graph, class_name=name)
+    return _make_graph_module(root, graph, class_name=name, graph_module_cls=_LazyGraphModule)
 
 
 def _adopt_missing(gm: fx.GraphModule, source: fx.GraphModule) -> None:

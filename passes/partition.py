@@ -465,7 +465,8 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: tuple[np.ndarray, n
 
 
 def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
-                comm: bool = True, bipartition: bool = False) -> float:
+                comm: bool = True, bipartition: bool = False,
+                split_bytes: Sequence[float] | None = None) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
@@ -501,7 +502,21 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
     are left out of both the fluid sum and the device's starting weight.
     Fixed costs c_k (`stage_fixed`): T_d = L_d + c_d, so (1), (4) gain Σ λ_d c_d, (2) min_d c_d.
-    Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200.
+    A unit's per-call fixed costs are in its c[d][i] (`CostTables.times`): every shard of a
+    split unit pays them again, so x·c[d][i] still never exceeds what a fraction x costs.
+    (5) Where the cuts can be (comm=True, not bipartition; `_region_bound`): in a placement
+    with bottleneck B every stage computes at most B, so the units before cut k (stages
+    0..k-1) cost at most k·B - Σ_{j<k} c_j even on the cheapest of those stages' devices,
+    and the units after it at most (p-k)·B - Σ_{j≥k} c_j on the cheapest of the others'. Cut
+    k therefore lies in an interval of boundaries R_k(B) (or inside a splittable unit next to
+    one), and sends at least the fewest bytes there: t_k ≥ τ_k(B) = link_time(k, min X over
+    R_k(B)), which falls as B grows. A cut inside a split unit i carries at least
+    `split_bytes[i]` (the caller's: `passes.plan_emit.split_floor`; None: the rule of (2)'s
+    x0, something or nothing). So the optimum B* satisfies B* ≥ G(B*) with G(B) the larger of
+    (4) with τ(B) for every λ tried and max_k τ_k(B) (3); G is non-increasing, so every
+    B < G(B) is below B*, and bisection finds the least B ≥ G(B) to relative 1e-12.
+    Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200 (none
+    when every device costs the same: λ = 1/p is then optimal), plus O(50 · p · n) for (5).
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
@@ -526,18 +541,95 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
         return item
     inv = np.where(runs_some, 1.0 / np.where(total > 0, total, 1.0), 0.0)
     cols, lam, best = np.arange(c.shape[1]), inv / inv.sum(), 0.0
-    if ring > 0 and runs_some.all():  # equal weights: F(1/p) + 2 Σ τ / p
-        best = float(c.min(axis=0).sum() + fixed.sum()) / len(lam) + ring / len(lam)
-    for t in range(1, _LB_STEPS + 1):
+    pairs: list[tuple[float, float]] = []  # (F(λ) + λ·c_k, min λ) of every λ tried: (4) with any τ
+    if runs_some.all():  # equal weights: F(1/p) + 2 Σ τ / p
+        pairs.append((float(c.min(axis=0).sum() + fixed.sum()) / len(lam), 1.0 / len(lam)))
+        best = pairs[-1][0] + ring / len(lam) if ring > 0 else 0.0
+    # NOTE: identical rows (one device type, its fixed costs alike): λ = 1/p maximises F, the
+    # ascent could only repeat it
+    steps = 0 if runs_some.all() and np.array_equal(c, np.broadcast_to(c[:1], c.shape)) else _LB_STEPS
+    for t in range(1, steps + 1):
         scaled = np.where(usable, lam[:, None] * np.where(usable, c, 0.0), np.inf)
         arg = scaled.argmin(axis=0)
-        best = max(best, float(scaled[arg, cols].sum()) + ring * float(lam.min()) + float(lam @ fixed))
+        pairs.append((float(scaled[arg, cols].sum()) + float(lam @ fixed), float(lam.min())))
+        best = max(best, pairs[-1][0] + ring * pairs[-1][1])
         load = np.bincount(arg, weights=c[arg, cols], minlength=len(lam))
         if load.max() <= 0:
             break
         lam = lam * np.exp(_LB_ETA * load / load.max() / math.sqrt(t))  # raise the price of busy devices
         lam /= lam.sum()
-    return max(item, best)
+    out = max(item, best, max((f for f, _ in pairs), default=0.0))
+    if comm and not bipartition and c.shape[0] > 1 and c.shape[1] > 1:
+        out = max(out, _region_bound(problem, c, fixed, pairs, splittable, split_bytes, out))
+    return out
+
+
+def _region_bound(pr: PartitionProblem, c: np.ndarray, fixed: np.ndarray,
+                  pairs: list[tuple[float, float]], splittable: Sequence[bool] | None,
+                  split_bytes: Sequence[float] | None, start: float) -> float:
+    """Bound (5) of `lower_bound`: the least B with B ≥ G(B), from `start` (a valid bound).
+    `c`: [stage][unit] fwd + bwd with inf where the stage's device cannot run the unit."""
+    p, n = c.shape
+    X = np.zeros(n + 1)
+    X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
+    inside = np.full(n, np.inf)  # [unit] fewest bytes a cut inside it sends (inf: whole unit)
+    if splittable is not None:
+        flags = np.asarray(splittable, bool)
+        old = np.where(X[:n] <= 0, 0.0, 5e-324)  # (2)'s rule: something or nothing
+        floor = old if split_bytes is None else np.maximum(old, np.asarray(split_bytes, float))
+        inside[flags] = floor[flags]
+    pre = np.minimum.accumulate(c, axis=0)               # [k] cheapest of stages 0..k
+    suf = np.minimum.accumulate(c[::-1], axis=0)[::-1]   # [k] cheapest of stages k..p-1
+    zero = np.zeros((p, 1))
+    P = np.concatenate((zero, np.cumsum(pre, axis=1)), axis=1)          # [k][s] units < s on 0..k
+    Q = np.concatenate((np.cumsum(suf[:, ::-1], axis=1)[:, ::-1], zero), axis=1)  # [k][s] units ≥ s on k..
+    FP = np.concatenate(([0.0], np.cumsum(fixed)))      # [k] Σ_{j<k} c_j
+    FS = fixed.sum() - FP                               # [k] Σ_{j≥k} c_j
+    F = np.array([f for f, _ in pairs]) if pairs else np.zeros(1)
+    L = np.array([lam for _, lam in pairs]) if pairs else np.zeros(1)
+    uniq: dict[tuple[int, float], float] = {}
+
+    def link(k: int, nbytes: float) -> float:
+        key = (k, nbytes)
+        if key not in uniq:
+            uniq[key] = _link1(pr, k, nbytes)
+        return uniq[key]
+
+    def G(B: float) -> float:
+        slack = 1.0 + 1e-12
+        tau = np.zeros(p - 1)
+        for k in range(1, p):  # cut k: between stage k-1 and stage k (link k-1)
+            s_hi = int(np.searchsorted(P[k - 1], k * B * slack - FP[k], side="right")) - 1
+            s_lo = int(np.searchsorted(-Q[k], -((p - k) * B * slack - FS[k]), side="left"))
+            if s_lo > s_hi + 1 or s_hi < 0 or s_lo > n:
+                return math.inf  # no cut k fits: no placement has bottleneck B
+            lo, hi = max(s_lo, 1), min(s_hi, n - 1)
+            least = float(X[lo:hi + 1].min()) if lo <= hi else math.inf
+            a, b = max(s_lo - 1, 0), min(s_hi, n - 1)  # units with a cut inside next to the interval
+            if a <= b:
+                least = min(least, float(inside[a:b + 1].min()))
+            if not math.isfinite(least):
+                return math.inf
+            tau[k - 1] = link(k - 1, least)
+        ring = 2.0 * float(tau.sum()) if pr.training else 0.0
+        return max(float((F + ring * L).max()), float(tau.max()))
+
+    lo = start
+    g = G(lo)
+    if lo >= g:
+        return lo
+    hi = g if math.isfinite(g) else 2.0 * lo + 1e-30
+    while G(hi) > hi:
+        hi *= 2.0
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if mid < G(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _link_floor(pr: PartitionProblem, splittable: Sequence[bool] | None) -> np.ndarray:

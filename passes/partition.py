@@ -310,21 +310,43 @@ class _Stage:
     levels: int
 
 
+def _stage_hi(ar: _Arrays, k: int, caps: np.ndarray) -> tuple[np.ndarray, int]:
+    """([start a] the last end stage k fits memory with, -1 if none; the last end it may have)."""
+    n, p = ar.n, ar.p
+    pos = np.arange(n + 1)
+    f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
+    G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
+    thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
+    hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
+    hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
+    return hi, last
+
+
+def memory_free(problem: PartitionProblem) -> bool:
+    """True when memory rules out no contiguous placement: every stage fits from every start
+    it may have to the last end it may have. `partition` then computes the very same thing
+    whatever the in-flight counts and caps (the planner's schedules share such problems)."""
+    ar = _arrays(problem)
+    pos = np.arange(ar.n + 1)
+    for k in range(ar.p):
+        hi, last = _stage_hi(ar, k, ar.caps)
+        valid = (pos >= k) & (pos < last) & ((k > 0) | (pos == 0))
+        if not np.all(hi[valid] == last):
+            return False
+    return True
+
+
 def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray) -> list[_Stage]:
     n, p = ar.n, ar.p
     t, pen = links
-    pos, zero = np.arange(n + 1), np.zeros(n + 1)
+    zero = np.zeros(n + 1)
     stages = []
     for k in range(p):
         P = np.concatenate(([0.0], np.cumsum(ar.cost[k])))
         w, v = P - (pen[k - 1] if k > 0 else zero), P + (pen[k] if k < p - 1 else zero)
         v = v + (ar.fixed[k] if ar.fixed is not None else 0.0)  # c_k: every end pays it
         tk = t[k] if k < p - 1 else zero
-        f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
-        G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
-        thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
-        hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
-        hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
+        hi, last = _stage_hi(ar, k, caps)
         a = np.flatnonzero(hi >= 0)
         if np.all(hi[a] == last):
             stages.append(_Stage(w, v, tk, hi, None, None, None, 0))

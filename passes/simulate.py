@@ -288,13 +288,16 @@ def _validate_once(schedule: Schedule) -> None:
     _VALIDATED[id(schedule)] = weakref.ref(schedule)
 
 
-def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True) -> Timeline:
+def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True,
+             validated: bool = False) -> Timeline:
     """Simulate one iteration of ``schedule``; see the module docstring for the model.
 
     Raises ``ScheduleError`` for an invalid schedule and ``ValueError`` for costs of the
-    wrong shape.
+    wrong shape. ``validated``: the caller's schedule comes from ``schedule_for``, which
+    validated it (the planner's, thousands of times per search): not checked again.
     """
-    _validate_once(schedule)
+    if not validated:
+        _validate_once(schedule)
     chunks = ([len(row) for row in schedule.microbatch_sizes]
               if getattr(schedule, "microbatch_sizes", None) is not None else None)
     costs.check(schedule.num_stages, schedule.num_microbatches, chunks)

@@ -537,8 +537,13 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     x0, something or nothing). So the optimum B* satisfies B* ≥ G(B*) with G(B) the larger of
     (4) with τ(B) for every λ tried and max_k τ_k(B) (3); G is non-increasing, so every
     B < G(B) is below B*, and bisection finds the least B ≥ G(B) to relative 1e-12.
+    (6) Contiguity (not bipartition; `_cut_bound`): stages are consecutive runs of units, so
+    with every splittable unit divisible at a cut and no messages, the least B at which the
+    stages, filled in order, hold everything bounds B* (the fluid bound (1) lets every unit go
+    to its cheapest device, which heterogeneous devices in a pipeline cannot do).
     Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200 (none
-    when every device costs the same: λ = 1/p is then optimal), plus O(50 · p · n) for (5).
+    when every device costs the same: λ = 1/p is then optimal), plus O(50 · p · n) for (5)
+    and O(50 · p · log n) for (6).
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
@@ -581,9 +586,67 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
         lam = lam * np.exp(_LB_ETA * load / load.max() / math.sqrt(t))  # raise the price of busy devices
         lam /= lam.sum()
     out = max(item, best, max((f for f, _ in pairs), default=0.0))
+    if not bipartition and c.shape[0] > 1:
+        out = max(out, _cut_bound(c, fixed, splittable, out))
     if comm and not bipartition and c.shape[0] > 1 and c.shape[1] > 1:
         out = max(out, _region_bound(problem, c, fixed, pairs, splittable, split_bytes, out))
     return out
+
+
+def _cut_bound(c: np.ndarray, fixed: np.ndarray, splittable: Sequence[bool] | None,
+               start: float) -> float:
+    """Bound (6) of `lower_bound`: the least B at which stages 0..p-1, in order, each computing
+    at most B - c_k, can hold every unit, a splittable unit dividing between two neighbouring
+    stages at no cost (its pieces' costs proportional), no messages. Filling each stage as far
+    as it goes is optimal for that question (taking more leaves the later stages less), so
+    bisection on B finds the least to relative 1e-12; every real placement's stages are at
+    least those loads. `c`: [stage][unit] with inf where the stage cannot run the unit."""
+    p, n = c.shape
+    split = np.zeros(n, bool) if splittable is None else np.asarray(splittable, bool)
+    P = np.concatenate((np.zeros((p, 1)), np.cumsum(c, axis=1)), axis=1)  # [k][e] units < e on k
+    finite = np.isfinite(c).all(axis=1)
+
+    def fits(B: float) -> bool:
+        i, done = 0, 0.0  # unit i, of which the fraction `done` is placed already
+        for k in range(p):
+            budget = (B - fixed[k]) * (1 + 1e-12)
+            if budget < 0:
+                return False
+            if done > 0:  # the rest of a divided unit
+                rest = (1.0 - done) * c[k, i]
+                if rest > budget:
+                    done += budget / c[k, i] if math.isfinite(c[k, i]) else 0.0
+                    continue
+                budget -= rest
+                i, done = i + 1, 0.0
+            if finite[k]:  # whole units i..e-1
+                e = max(int(np.searchsorted(P[k], P[k, i] + budget, side="right")) - 1, i)
+                used = P[k, e] - P[k, i]
+            else:  # NOTE: a prefix sum past an inf is inf: sum from i on
+                run = np.concatenate(([0.0], np.cumsum(c[k, i:])))
+                j = int(np.searchsorted(run, budget, side="right")) - 1
+                e, used = i + j, float(run[j])
+            if e >= n:
+                return True
+            budget -= used
+            i = e
+            if split[i] and math.isfinite(c[k, i]) and c[k, i] > 0 and budget > 0:
+                done = budget / c[k, i]
+        return i >= n
+
+    if not math.isfinite(start) or start <= 0 or fits(start):
+        return start
+    lo, hi = start, 2.0 * start
+    for _ in range(200):
+        if fits(hi):
+            break
+        lo, hi = hi, 2.0 * hi
+    else:
+        return start  # some unit runs nowhere: (2) says so already
+    while hi - lo > 1e-12 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return lo
 
 
 def _region_bound(pr: PartitionProblem, c: np.ndarray, fixed: np.ndarray,

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipecc.ir.plan import Plan, StagePlan
+from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes import baselines as base_rules
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import replicas as rep
@@ -34,7 +35,7 @@ from pipecc.report.formatting import count
 from pipecc.targets.calibrated import calibration_decisions
 from pipecc.targets.profiled import profile_decisions, time_source
 
-__all__ = ["SearchRecord", "baselines", "lower_bound", "to_plan"]
+__all__ = ["SearchRecord", "baselines", "lower_bound", "shape_bound", "split_floor", "to_plan"]
 
 
 @dataclass
@@ -67,6 +68,32 @@ def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
         prob = ev.tables.bound_problem(prob, cand.order, mb)
     return partition_lower_bound(prob, units.splittable, comm=comm,
                                  split_bytes=split_floor(ev, units))
+
+
+def shape_bound(ev: Evaluator, schedule: str, m: int, d: int, split: set[str]) -> float:
+    """A bottleneck no plan of (schedule, m micro-batches, d replicas) on the evaluator's graph
+    beats when only the layers named in `split` may be split, any way: `partition.lower_bound`
+    on that shape's problem (no recomputation: it only adds work) with only their units
+    splittable. The layer-split search prunes a trial with it (`passes.split_search`). 0.0
+    when the shape has no problem (an interleaved m the ranks do not divide) or the device
+    order is the planner's to choose (each order has its own bound)."""
+    opt = ev.options
+    assert isinstance(opt.batch_size, int)
+    if opt.choose_order:
+        return 0.0
+    v = opt.virtual_stages if schedule in VIRTUAL else 1
+    mb = rep.slice_size(opt.batch_size // m, d)
+    units = ev.builder.at(mb)
+    order = tuple(range(ev.p))
+    try:
+        prob = ev.problem(units, mb, schedule, m, order, v, None, d)
+    except ValueError:
+        return 0.0
+    if d == 1:
+        prob = ev.tables.bound_problem(prob, order, opt.batch_size // m)
+    flags = [bool(sp) and any(name in split for name in names)
+             for sp, names in zip(units.splittable, units.names)]
+    return partition_lower_bound(prob, flags, split_bytes=split_floor(ev, units))
 
 
 def split_floor(ev: Evaluator, units: Any) -> list[float]:

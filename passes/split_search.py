@@ -176,7 +176,8 @@ def _cut_neighbours(plan: Plan, names: list[str]) -> list[str]:
 def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
            layer_time: Callable[[str], float], max_layers: int | None = None,
            budget: int | None = None,
-           note: Callable[[str], None] = lambda s: None) -> tuple[Plan, AnnotatedGraph]:
+           note: Callable[[str], None] = lambda s: None,
+           bound: Callable[[AnnotatedGraph, list[str]], float] | None = None) -> tuple[Plan, AnnotatedGraph]:
     """Improve `plan` by splitting layers, two ways, keeping the lower bottleneck: the layers
     next to every cut split together first and then one at a time, or one at a time only
     (each way is `_search`). Neither wins always: the joint split moves every cut in fine
@@ -187,7 +188,7 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
     for joint in (True, False):
         notes: list[str] = []
         results.append((*_search(graph, plan, replan, layer_time, max_layers, budget,
-                                 notes.append, joint), notes))
+                                 notes.append, joint, bound), notes))
     best = min(results, key=lambda r: r[0].bottleneck_s)
     for line in best[2]:
         note(line)
@@ -196,7 +197,8 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
 
 def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
             layer_time: Callable[[str], float], max_layers: int | None, budget: int | None,
-            note: Callable[[str], None], joint: bool) -> tuple[Plan, AnnotatedGraph]:
+            note: Callable[[str], None], joint: bool,
+            bound: Callable[[AnnotatedGraph, list[str]], float] | None = None) -> tuple[Plan, AnnotatedGraph]:
     """One way of `search`. `replan(graph, fixed)` plans a graph (keeping the
     current schedule and micro-batch count when `fixed`); `layer_time(name)` is a layer's
     fwd+bwd time on its fastest device. Heavy layers (over half a balanced stage) are tried
@@ -212,6 +214,19 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
     tried: set[str] = set()
     heavy = sorted((n for n in names if layer_time(n) > 0.5 * lower), key=layer_time, reverse=True)
     kept = 0
+
+    def hopeless(names_: list[str], why: str) -> bool:
+        """Pruned (issue 31): `bound(graph, names)` bounds the bottleneck of every plan of this
+        shape with those layers split any way (`passes.plan_emit.shape_bound`); at or above
+        what `accept` needs, the trial would be planned twice and then refused."""
+        if bound is None:
+            return False
+        least = bound(graph, names_)
+        if least < plan.bottleneck_s * (1 - ACCEPT):
+            return False
+        note(f"not splitting {why}: no split of it beats {plan.bottleneck_s * 1e3:.4g} ms by "
+             f"{ACCEPT:.1%} (bound {least * 1e3:.4g} ms)")
+        return True
 
     def accept(result, why: str) -> bool:
         nonlocal plan, graph, names, kept
@@ -238,7 +253,7 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
         gap = plan.bottleneck_s - lower
         together = [n for n in dict.fromkeys(heavy + _cut_neighbours(plan, names))
                     if layer_time(n) > gap][: 2 * stages]
-        if len(together) > 1:
+        if len(together) > 1 and not hopeless(together, f"{len(together)} layers next to the cuts together"):
             result = _try(graph, plan, together, replan, stages)
             if result is None:
                 note(f"not splitting {len(together)} layers next to the cuts together: each "
@@ -256,6 +271,8 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
         improved = False
         for name in queue[: budget - len(tried)]:
             tried.add(name)
+            if hopeless([name], name):
+                continue
             result = _try(graph, plan, [name], replan, stages)
             if result is None:
                 note(f"not splitting {name}: the best fine split keeps it on one stage "

@@ -300,7 +300,7 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
     searches). With `debug`, every graph clone the search rewrites is verified before it is
     planned, and the plan made for it after.
     """
-    from pipecc.passes import split_search
+    from pipecc.passes import plan_emit, split_search
     from pipecc.passes.plan_search import Planner
     assert state.graph is not None and state.plan is not None
     graph, result, cand = state.graph, state.plan, state.candidate
@@ -325,12 +325,21 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
                 verify_plan(g, planned)
             return planned
 
+        bounds: dict[int, tuple[AnnotatedGraph, Evaluator]] = {}
+
+        def bound(g: AnnotatedGraph, names: list[str], fixed=fixed, bounds=bounds) -> float:
+            # NOTE: prunes a trial no split of `names` can make pay (passes.split_search)
+            if id(g) not in bounds or bounds[id(g)][0] is not g:
+                bounds[id(g)] = (g, _evaluator(g, cluster, PlanOptions.of(options, **fixed)))
+            return plan_emit.shape_bound(bounds[id(g)][1], fixed["schedule"], fixed["microbatches"],
+                                         fixed["replicas"], set(names))
+
         times = planner.unit_times(cand_k)
         with progress.step(f"splitting layers ({plan_k.schedule}, {plan_k.microbatches} "
                            "micro-batches)"):
             plan_k, graph_k = split_search.search(graph, plan_k, replan,
                                                   lambda n, t=times: t.get(n, 0.0),
-                                                  note=notes.append)
+                                                  note=notes.append, bound=bound)
         plan_k.decisions += notes
         tried.append((plan_k, graph_k))
     tried.sort(key=lambda r: r[0].predicted_iteration_s)

@@ -335,6 +335,7 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
                                          fixed["replicas"], set(names))
 
         times = planner.unit_times(cand_k)
+        unsplit = plan_k
         with progress.step(f"splitting layers ({plan_k.schedule}, {plan_k.microbatches} "
                            "micro-batches)"):
             plan_k, graph_k = split_search.search(graph, plan_k, replan,
@@ -342,6 +343,12 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
                                                   note=notes.append, bound=bound)
         plan_k.decisions += notes
         tried.append((plan_k, graph_k))
+        if plan_k is not unsplit and plan_k.predicted_iteration_s > unsplit.predicted_iteration_s:
+            # NOTE: the search lowers the bottleneck; a split that does so can still predict a
+            # longer iteration (fill and drain): the unsplit plan stays a candidate
+            unsplit.decisions.append(f"layer splits lowered the bottleneck but predicted "
+                                     f"{plan_k.predicted_iteration_s:.4g} s per iteration: not used")
+            tried.append((unsplit, graph))
     tried.sort(key=lambda r: r[0].predicted_iteration_s)
     result, graph = tried[0]
     for other, _ in tried[1:]:

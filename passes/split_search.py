@@ -187,8 +187,14 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
     results = []
     for joint in (True, False):
         notes: list[str] = []
+        used: list[bool] = []
         results.append((*_search(graph, plan, replan, layer_time, max_layers, budget,
-                                 notes.append, joint, bound), notes))
+                                 notes.append, joint, bound, used.append), notes))
+        if joint and not used:
+            # NOTE: pruned (issue 31): the joint split was not kept, so the rest of this way
+            # ran the one-at-a-time search from the same plan: the other way would repeat
+            # it, try for try, and tie (the joint way wins ties: its notes are the ones kept)
+            break
     best = min(results, key=lambda r: r[0].bottleneck_s)
     for line in best[2]:
         note(line)
@@ -198,7 +204,8 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
 def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
             layer_time: Callable[[str], float], max_layers: int | None, budget: int | None,
             note: Callable[[str], None], joint: bool,
-            bound: Callable[[AnnotatedGraph, list[str]], float] | None = None) -> tuple[Plan, AnnotatedGraph]:
+            bound: Callable[[AnnotatedGraph, list[str]], float] | None = None,
+            joined: Callable[[bool], None] = lambda b: None) -> tuple[Plan, AnnotatedGraph]:
     """One way of `search`. `replan(graph, fixed)` plans a graph (keeping the
     current schedule and micro-batch count when `fixed`); `layer_time(name)` is a layer's
     fwd+bwd time on its fastest device. Heavy layers (over half a balanced stage) are tried
@@ -258,8 +265,8 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
             if result is None:
                 note(f"not splitting {len(together)} layers next to the cuts together: each "
                      "best fine split keeps them whole")
-            else:
-                accept(result, f"{len(together)} layers next to the cuts together")
+            elif accept(result, f"{len(together)} layers next to the cuts together"):
+                joined(True)
     while kept < max_layers and len(tried) < budget and plan.bottleneck_s > lower * (1 + IMPROVEMENT):
         # a layer smaller than the gap to the bound is not what keeps the cut coarse:
         # moving whole layers already has finer steps than the gap, splitting cannot help

@@ -145,6 +145,14 @@ class CostTables:
         if d in self._unit_fixed:
             return self._unit_fixed[d]
         dev, fixed, groups = self.cluster.devices[d], self.fixed[d], self.builder.groups
+        for e in self._unit_fixed:  # NOTE: a device like one done already (its type, model, fixed costs)
+            other = self.cluster.devices[e]
+            if (other.kind == dev.kind and self.costs[e] is self.costs[d]
+                    and other.attainable_flops(self.options.dtype, matmul=True)
+                    == dev.attainable_flops(self.options.dtype, matmul=True)
+                    and self.fixed[e] == fixed and self.fixed_factors[e] == self.fixed_factors[d]):
+                self._unit_fixed[d] = self._unit_fixed[e]
+                return self._unit_fixed[d]
         f, b = np.zeros(len(groups)), np.zeros(len(groups))
         if dev.kind != "fpga":
             curves = getattr(self.costs[d], "curves", {})  # ProfiledCosts: measured nodes
@@ -238,7 +246,10 @@ class CostTables:
         replicas, `mb` is a replica's slice and stage k's device the first of group k % (p/d))."""
         if mb not in self._shares:
             units = self.builder.at(mb)
-            self._shares[mb] = np.stack([c.weight_share(units, mb) for c in self.costs])
+            shares: dict[int, np.ndarray] = {}  # NOTE: devices of one type share their model
+            self._shares[mb] = np.stack([shares[id(c)] if id(c) in shares else
+                                         shares.setdefault(id(c), c.weight_share(units, mb))
+                                         for c in self.costs])
         share, bwd = self._shares[mb], np.array(prob.bwd, dtype=float)
         redo = prob.recompute or []
         out = []

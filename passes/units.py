@@ -231,8 +231,8 @@ class UnitBuilder:
                 values[f] = _unit_sums(arr[esc], esc_unit, n)
             else:
                 values[f] = _unit_sums(arr[pos], unit, n)
-        names, kinds = self._labels
-        return Units(names=[list(x) for x in names], kinds=[set(x) for x in kinds],
+        names, kinds = self._labels  # NOTE: shared by every Units of this builder; nothing changes them
+        return Units(names=list(names), kinds=list(kinds),
                      values=values, param_bytes=self.param_bytes, last_use=self.last_use,
                      splittable=self.splittable)
 

@@ -108,7 +108,7 @@ class Planner:
         unreplicable = [dev.name for dev in devices if not dev.can(caps.REPLICATE)]
         rep.check_requested(opt.replicas, p, devices)
         rep.check_slices(opt.replicas, b, ms)
-        n_units = self.tables.builder.at(1).n
+        n_units = len(self.tables.builder.groups)
 
         allowed = {m: rep.allowed(opt.replicas, p, b // m, bool(unreplicable)) for m in ms}
         if not any(p // d <= n_units for ds in allowed.values() for d in ds):

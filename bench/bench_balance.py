@@ -122,7 +122,8 @@ from pipecc.passes import replicas as rep  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner  # noqa: E402
-from pipecc.passes.partition import evaluate, lower_bound  # noqa: E402
+from pipecc.passes.bound import lower_bound  # noqa: E402
+from pipecc.passes.partition import evaluate  # noqa: E402
 from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM  # noqa: E402
 
 BEGIN, END = "<!-- balance:begin -->", "<!-- balance:end -->"

@@ -28,7 +28,7 @@ from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes import baselines as base_rules
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import replicas as rep
-from pipecc.passes.partition import lower_bound as partition_lower_bound
+from pipecc.passes.bound import lower_bound as partition_lower_bound
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.report.formatting import count
@@ -51,7 +51,7 @@ class SearchRecord:
 def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
     """A bottleneck no plan of the candidate's shape beats: its micro-batch count, replication
     degree d (P = n/d groups at a slice of mb/d, `passes.replicas.group_problem`) and stages
-    per rank, whatever its cuts or layer splits: `partition.lower_bound` on the candidate's
+    per rank, whatever its cuts or layer splits: `bound.lower_bound` on the candidate's
     problem (d = 1: with `bound_problem`'s costs), every cost the planner charges counted
     (per-call fixed costs in the unit times, each stage's per-micro-batch fixed costs, the
     messages with both hosts' costs, where the cuts can lie: that function's (5)).
@@ -72,7 +72,7 @@ def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
 
 def shape_bound(ev: Evaluator, schedule: str, m: int, d: int, split: set[str]) -> float:
     """A bottleneck no plan of (schedule, m micro-batches, d replicas) on the evaluator's graph
-    beats when only the layers named in `split` may be split, any way: `partition.lower_bound`
+    beats when only the layers named in `split` may be split, any way: `bound.lower_bound`
     on that shape's problem (no recomputation: it only adds work) with only their units
     splittable. The layer-split search prunes a trial with it (`passes.split_search`). 0.0
     when the shape has no problem (an interleaved m the ranks do not divide) or the device
@@ -97,7 +97,7 @@ def shape_bound(ev: Evaluator, schedule: str, m: int, d: int, split: set[str]) -
 
 
 def split_floor(ev: Evaluator, units: Any) -> list[float]:
-    """[unit] the fewest bytes a cut inside a split of the unit sends (`partition.lower_bound`
+    """[unit] the fewest bytes a cut inside a split of the unit sends (`bound.lower_bound`
     (5)): for a unit of one layer node (its parameters folded in), min(X[i], X[i+1]), the
     bytes crossing the boundaries before and after it. A cut between two of its shards
     (`passes.split_layers`, dim 0: every shard reads the layer's whole input) carries

@@ -330,7 +330,7 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
         def bound(g: AnnotatedGraph, names: list[str], fixed=fixed, bounds=bounds) -> float:
             # NOTE: prunes a trial no split of `names` can make pay (passes.split_search)
             if id(g) not in bounds or bounds[id(g)][0] is not g:
-                bounds[id(g)] = (g, _evaluator(g, cluster, PlanOptions.of(options, **fixed)))
+                bounds[id(g)] = (g, _evaluator(g, cluster, options))
             return plan_emit.shape_bound(bounds[id(g)][1], fixed["schedule"], fixed["microbatches"],
                                          fixed["replicas"], set(names))
 

@@ -64,7 +64,8 @@ import math
 import random
 
 from pipecc.passes.bipartition import bipartition, brute_force_bi, evaluate_bi
-from pipecc.passes.partition import PartitionProblem, brute_force, evaluate, lower_bound, partition
+from pipecc.passes.bound import lower_bound
+from pipecc.passes.partition import PartitionProblem, brute_force, evaluate, partition
 
 
 def _problem(f, g, p, out=None, link=None, caps=None, act=None, static=None, charged=False):

@@ -14,7 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from pipecc.passes.partition import InfeasibleError, PartitionProblem, brute_force, cut_bytes, lower_bound
+from pipecc.passes.bound import lower_bound
+from pipecc.passes.partition import InfeasibleError, PartitionProblem, brute_force, cut_bytes
 
 
 def _random_problem(rng: np.random.Generator, n: int, p: int):

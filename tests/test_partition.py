@@ -17,9 +17,9 @@ from pipecc.passes.partition import (
     brute_force,
     cut_bytes,
     evaluate,
-    lower_bound,
     partition,
 )
+from pipecc.passes.bound import lower_bound
 from pipecc.targets.timing import CANNOT_RUN_S
 
 INF = math.inf

@@ -122,7 +122,9 @@ from pipecc.passes import replicas as rep  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner  # noqa: E402
-from pipecc.passes.partition import evaluate, lower_bound  # noqa: E402
+from pipecc.passes import plan_emit  # noqa: E402
+from pipecc.passes.bound import lower_bound  # noqa: E402
+from pipecc.passes.partition import evaluate  # noqa: E402
 from pipecc.targets.timing import CANNOT_RUN_S, MEMORY_HEADROOM  # noqa: E402
 
 BEGIN, END = "<!-- balance:begin -->", "<!-- balance:end -->"
@@ -373,7 +375,8 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
     bound = base_bal.tables.bound_problem(base, order, mb)  # FPGA rows: the MAC floor (see CostTables)
     cost = np.asarray(bound.fwd) + np.asarray(bound.bwd)
     types = [cluster.devices[d].name for d in order]
-    planner_lb = lower_bound(bound, base_units.splittable)
+    planner_lb = lower_bound(bound, base_units.splittable,
+                             split_bytes=plan_emit.split_floor(base_bal.evaluator, base_units))
     if not math.isclose(planner_lb, plan.lower_bound_s, rel_tol=1e-9):
         row["notes"].append(f"Plan.lower_bound_s {plan.lower_bound_s:.6g} s differs from the "
                             f"planner's bound on the analysed graph, {planner_lb:.6g} s")

@@ -1,14 +1,25 @@
-"""Planner speed on a 20,000-node graph over 16 devices.
+"""Planner speed: GPT-2 (transformers) at 12/24/48/96 layers on 8 devices, and a 20,000-node
+graph on 16 devices.
 
-    .venv/bin/python bench/bench_plan_speed.py [--blocks 5000]   # writes its RESULTS.md section
+    .venv/bin/python bench/bench_plan_speed.py                      # every table; writes its RESULTS.md section
+    .venv/bin/python bench/bench_plan_speed.py --layers 12 24 --blocks 0 --no-write
 
-The model is a chain of `blocks` residual blocks x + LayerNorm(ReLU(Linear(x))) (4 nodes
+Layer table: transformers' GPT2LMHeadModel (bench/models_holdout/hf_gpt2.py: random weights,
+hidden 768, 12 heads, vocabulary 2048, sequence 64), analysed once per depth, planned on
+8xa100 at batch 256 twice: `pipecc plan`'s defaults (--replicas auto, --activation-balancing
+auto, fewer devices allowed) and `--replicas 1 --use-all-devices` (the plain pipeline on every
+device: the layer-split search runs). Each plan is timed in wall seconds and in this process's
+CPU seconds (time.process_time), since the machine may be shared: CPU seconds are the
+planner's own work, wall seconds include waiting for the cores.
+
+20,000-node graph: a chain of `blocks` residual blocks x + LayerNorm(ReLU(Linear(x))) (4 nodes
 each), width 128, built on the meta device (no weight memory), input [32, 512, 128]; planned
 on 16xa100 with 1F1B and 32 micro-batches, with and without the layer-split search.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,10 +27,18 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from pipecc import driver
-
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "models_holdout"))
+import torchvision_ops  # noqa: E402,F401  (before transformers imports torchvision)
+
+from pipecc import driver  # noqa: E402
 from bench_cost import write_section  # noqa: E402
+
+MODES = {"defaults": dict(replicas="auto", activation_balancing="auto", use_all_devices=False),
+         "--replicas 1 --use-all-devices": dict(replicas=1, activation_balancing="auto",
+                                                use_all_devices=True)}
 
 
 class Block(nn.Module):
@@ -31,32 +50,67 @@ class Block(nn.Module):
         return x + self.norm(torch.relu(self.linear(x)))
 
 
+def timed(fn):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def layer_rows(depths: list[int], devices: str, batch: int) -> list[str]:
+    import hf_gpt2
+    lines = ["| layers | nodes | analysis s (CPU s) | mode | plan wall s | plan CPU s | plan | predicted s/iter |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n_layer in depths:
+        model = hf_gpt2.build_model(n_layer=n_layer, n_head=12, n_embd=768, vocab_size=2048, n_positions=128)
+        graph, aw, ac = timed(lambda: driver.analyze_module(model, hf_gpt2.example_inputs(2), model_name="gpt2"))
+        for mode, fields in MODES.items():
+            (plan, _), wall, cpu = timed(lambda: driver.plan(graph, devices, batch_size=batch, **fields))
+            shape = (f"{plan.schedule}, m={plan.microbatches}, {len(plan.stages)} stage(s) x "
+                     f"{plan.replicas}, {len(plan.split_layers)} split")
+            lines.append(f"| {n_layer} | {len(graph.compute_nodes())} | {aw:.1f} ({ac:.1f}) | {mode} | "
+                         f"**{wall:.1f}** | {cpu:.1f} | {shape} | {plan.predicted_iteration_s:.5g} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def block_rows(blocks: int) -> list[str]:
+    with torch.device("meta"):
+        model = nn.Sequential(*[Block(128) for _ in range(blocks)])
+    graph, aw, ac = timed(lambda: driver.analyze_module(model, (torch.empty(32, 512, 128, device="meta"),)))
+    out = [f"{len(graph.compute_nodes())} nodes; analysis (capture, fitted shapes, sympy costs): "
+           f"{aw:.1f} s wall, {ac:.1f} s CPU", ""]
+    for split in (True, False):
+        (plan, _), wall, cpu = timed(lambda: driver.plan(graph, "16xa100", microbatches=32, schedule="1f1b",
+                                                         split_layers=split, replicas=1))
+        out.append(f"- `driver.plan` end to end, layer-split search {'on' if split else 'off'}: "
+                   f"**{wall:.1f} s** wall, {cpu:.1f} s CPU, balance ratio {plan.balance_ratio:.3f}, "
+                   f"{len(plan.split_layers)} split layers")
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--blocks", type=int, default=5000)
+    parser.add_argument("--layers", type=int, nargs="*", default=[12, 24, 48, 96])
+    parser.add_argument("--blocks", type=int, default=5000, help="0: no 20,000-node table")
+    parser.add_argument("--devices", default="8xa100")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    with torch.device("meta"):
-        model = nn.Sequential(*[Block(128) for _ in range(args.blocks)])
-    t0 = time.perf_counter()
-    graph = driver.analyze_module(model, (torch.empty(32, 512, 128, device="meta"),))
-    analysis = time.perf_counter() - t0
-    rows = []
-    for split in (True, False):
-        t0 = time.perf_counter()
-        plan, _ = driver.plan(graph, "16xa100", microbatches=32, schedule="1f1b", split_layers=split, replicas=1)
-        rows.append((split, time.perf_counter() - t0, plan.balance_ratio, len(plan.split_layers)))
-    text = "\n".join([
-        "## Planner speed: 20,000-node graph on 16 devices",
-        "",
-        f"`python bench/bench_plan_speed.py --blocks {args.blocks}` on {time.strftime('%Y-%m-%d')}: "
-        f"{len(graph.compute_nodes())} nodes.",
-        "",
-        f"- analysis (capture, fitted shapes, sympy costs): {analysis:.1f} s",
-        *[f"- `driver.plan` end to end, layer-split search {'on' if s else 'off'}: **{t:.1f} s**, "
-          f"balance ratio {r:.3f}, {k} split layers" for s, t, r, k in rows],
-    ])
-    print(text)
-    write_section(text, key="planspeed")
+    load = os.getloadavg()[0]
+    text = ["## Planner speed", "",
+            f"`python bench/bench_plan_speed.py --layers {' '.join(map(str, args.layers))} --blocks "
+            f"{args.blocks}` on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, load average "
+            f"{load:.2f} at the start (wall seconds include other processes' use of the cores; "
+            f"CPU seconds are this process's own).", ""]
+    if args.layers:
+        text += [f"### GPT-2 (transformers, hidden 768) on {args.devices}, batch {args.batch_size}", "",
+                 *layer_rows(args.layers, args.devices, args.batch_size), ""]
+    if args.blocks:
+        text += [f"### {4 * args.blocks:,}-node graph on 16 devices", "", *block_rows(args.blocks)]
+    print("\n".join(text))
+    if not args.no_write:
+        write_section("\n".join(text), key="planspeed")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ lets a_j, c_j range over [b_j − window, b_j + window]. A DP over boundaries wi
 is nondecreasing in Q_{l-1}); bisection on T. Exact inside the window (tested against
 `brute_force_bi` with a window covering everything). a = c = b is always in the window, so
 the result is never worse than the single cut under this model.
-Lower bound: `partition.lower_bound(..., bipartition=True)`.
+Lower bound: `bound.lower_bound(..., bipartition=True)`.
 """
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
-from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate, lower_bound
+from pipecc.passes.bound import lower_bound
+from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.recompute import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate

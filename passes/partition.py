@@ -56,8 +56,6 @@ from pipecc.targets.timing import CANNOT_RUN_S
 
 _MEM_RTOL = 1e-12  # NOTE: prefix and direct sums differ by ulps; never let that flip a fit
 _T_RTOL = 1e-13    # bisection stops when the bracket on the bottleneck is this tight
-_LB_STEPS = 200    # mirror-ascent steps for the fluid lower bound (every iterate is valid)
-_LB_ETA = 0.5      # its step size, / sqrt(step); tuned on random heterogeneous instances
 
 
 class InfeasibleError(ValueError):
@@ -310,21 +308,43 @@ class _Stage:
     levels: int
 
 
+def _stage_hi(ar: _Arrays, k: int, caps: np.ndarray) -> tuple[np.ndarray, int]:
+    """([start a] the last end stage k fits memory with, -1 if none; the last end it may have)."""
+    n, p = ar.n, ar.p
+    pos = np.arange(n + 1)
+    f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
+    G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
+    thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
+    hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
+    hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
+    return hi, last
+
+
+def memory_free(problem: PartitionProblem) -> bool:
+    """True when memory rules out no contiguous placement: every stage fits from every start
+    it may have to the last end it may have. `partition` then computes the very same thing
+    whatever the in-flight counts and caps (the planner's schedules share such problems)."""
+    ar = _arrays(problem)
+    pos = np.arange(ar.n + 1)
+    for k in range(ar.p):
+        hi, last = _stage_hi(ar, k, ar.caps)
+        valid = (pos >= k) & (pos < last) & ((k > 0) | (pos == 0))
+        if not np.all(hi[valid] == last):
+            return False
+    return True
+
+
 def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray) -> list[_Stage]:
     n, p = ar.n, ar.p
     t, pen = links
-    pos, zero = np.arange(n + 1), np.zeros(n + 1)
+    zero = np.zeros(n + 1)
     stages = []
     for k in range(p):
         P = np.concatenate(([0.0], np.cumsum(ar.cost[k])))
         w, v = P - (pen[k - 1] if k > 0 else zero), P + (pen[k] if k < p - 1 else zero)
         v = v + (ar.fixed[k] if ar.fixed is not None else 0.0)  # c_k: every end pays it
         tk = t[k] if k < p - 1 else zero
-        f, last = ar.inflight[k], n - (p - 1 - k)  # later stages need a node each
-        G = np.concatenate(([0.0], np.cumsum(ar.static[k] + ar.act_factor(k) * ar.act[k])))
-        thr = G - f * ar.X + caps[k] + _MEM_RTOL * abs(caps[k]) + ar.mem_tol
-        hi = np.minimum(np.searchsorted(G, thr, side="right") - 1, last)
-        hi[(hi <= pos) | (pos < k) | ((k == 0) & (pos > 0))] = -1
+        hi, last = _stage_hi(ar, k, caps)
         a = np.flatnonzero(hi >= 0)
         if np.all(hi[a] == last):
             stages.append(_Stage(w, v, tk, hi, None, None, None, 0))
@@ -462,96 +482,6 @@ def _memory_report(ar: _Arrays, pr: PartitionProblem, links: tuple[np.ndarray, n
     return (f"no split fits memory: needs ≥ {gb(part.stage_memory[k])} on {where} "
             f"(has {gb(ar.caps[k])}, every split overflows some device by ≥ {gb(lo)}); "
             f"try more devices or fewer micro-batches")
-
-
-def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
-                comm: bool = True, bipartition: bool = False) -> float:
-    """A bottleneck no placement on these devices can beat, even with intra-layer splits.
-
-    Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
-    fraction x[d][i] ≥ 0 on device d (Σ_d x[d][i] = 1) at cost ≥ x[d][i]·c[d][i] (no
-    superlinear speedup from splitting). Stage d runs on device d with compute load L_d.
-    (1) Fluid bound: B ≥ T_d ≥ L_d for every d (a one-stage window), so for any λ ≥ 0 with
-    Σ λ_d = 1, by weak duality
-        B ≥ Σ_d λ_d L_d = Σ_i Σ_d x[d][i] λ_d c[d][i] ≥ Σ_i min_d λ_d c[d][i] =: F(λ).
-    (2) A node that may not be split (splittable None: none may) runs whole on one device:
-    B ≥ min_d c[d][i].
-    Communication (comm=True). With p stages there are p-1 cuts, and every possible cut
-    point s ∈ 1..n-1 carries at least x0 = min_s X[s] bytes; a cut inside a split layer
-    carries the later shards' input, so it is taken to carry something (> 0 bytes) when the
-    boundary before the layer does and possibly nothing otherwise: x0 drops to "one byte's
-    worth" (5e-324) or 0 accordingly. link_time is nondecreasing in bytes, so every cut of
-    link k costs t_k ≥ τ_k = link_time(k, x0) one way (0 when x0 = 0: no message).
-    (3) The link is a resource: B ≥ max_k τ_k.
-    (4) Training: mix the one-stage windows with weight μ_d ≥ 0 and the whole-pipeline window
-    with weight ν (Σ μ + ν = 1): B ≥ Σ_d μ_d T_d + ν (Σ_d T_d + 2 Σ_k t_k) / p. Put
-    λ_d = μ_d + ν/p and ν = p · min_d λ_d (so μ ≥ 0); then for every λ as in (1)
-        B ≥ F(λ) + 2 · min_d λ_d · Σ_k τ_k,
-    exact for identical devices (λ = 1/p: total work over p plus every round trip over p).
-    We start from λ_d ∝ 1/Σ_i c[d][i] (exact for identical devices), also try λ = 1/p, and
-    take mirror-ascent steps along the supergradient of F (per-device loads of the cheapest
-    assignment), keeping the best value of (4) seen: every λ gives a valid bound.
-    comm=False gives the compute-only bound max(F, (2)) (plan.json's `lower_bound_compute_s`).
-    bipartition=True (separate forward and backward cuts, `passes.bipartition`): a whole
-    node's forward and backward may sit on different devices, so (2) becomes
-    max(min_d fwd[d][i], min_d bwd[d][i]) (PAPERS-SPEC §3.4: min_d (f+g) is not a bound
-    then). (1), (3) and (4) stay: every worker still holds whole pieces of compute with
-    x[d][i] fractions summing to one per direction, and every forward and gradient message
-    carries at least x0 bytes.
-    Costs ≥ CANNOT_RUN_S mean the device cannot run the node (x[d][i] = 0 is forced): they
-    are left out of both the fluid sum and the device's starting weight.
-    Fixed costs c_k (`stage_fixed`): T_d = L_d + c_d, so (1), (4) gain Σ λ_d c_d, (2) min_d c_d.
-    Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200.
-    """
-    c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
-    if c.size == 0:
-        return 0.0
-    tau = _link_floor(problem, splittable) if comm else np.zeros(0)
-    ring = 2.0 * float(tau.sum()) if problem.training else 0.0
-    c = np.where(c >= CANNOT_RUN_S, np.inf, c)  # "cannot run here": x[d][i] = 0 is forced
-    whole = np.ones(c.shape[1], bool) if splittable is None else ~np.asarray(splittable, bool)
-    per_item = c.min(axis=0)
-    if bipartition:
-        f = np.asarray(problem.fwd, dtype=float)
-        g = np.asarray(problem.bwd, dtype=float)
-        f, g = np.where(f >= CANNOT_RUN_S, np.inf, f), np.where(g >= CANNOT_RUN_S, np.inf, g)
-        per_item = np.maximum(f.min(axis=0), g.min(axis=0))
-    fixed = np.array([sum(problem.stage_fixed(k)) for k in range(c.shape[0])])  # c_k
-    item = max(float(per_item[whole].max(initial=0.0)) + float(fixed.min(initial=0.0)),
-               float(tau.max(initial=0.0)))
-    usable = np.isfinite(c)
-    total = np.where(usable, c, 0.0).sum(axis=1)
-    runs_some = usable.any(axis=1)
-    if np.any(runs_some & (total <= 0)):  # a free device absorbs every splittable node
-        return item
-    inv = np.where(runs_some, 1.0 / np.where(total > 0, total, 1.0), 0.0)
-    cols, lam, best = np.arange(c.shape[1]), inv / inv.sum(), 0.0
-    if ring > 0 and runs_some.all():  # equal weights: F(1/p) + 2 Σ τ / p
-        best = float(c.min(axis=0).sum() + fixed.sum()) / len(lam) + ring / len(lam)
-    for t in range(1, _LB_STEPS + 1):
-        scaled = np.where(usable, lam[:, None] * np.where(usable, c, 0.0), np.inf)
-        arg = scaled.argmin(axis=0)
-        best = max(best, float(scaled[arg, cols].sum()) + ring * float(lam.min()) + float(lam @ fixed))
-        load = np.bincount(arg, weights=c[arg, cols], minlength=len(lam))
-        if load.max() <= 0:
-            break
-        lam = lam * np.exp(_LB_ETA * load / load.max() / math.sqrt(t))  # raise the price of busy devices
-        lam /= lam.sum()
-    return max(item, best)
-
-
-def _link_floor(pr: PartitionProblem, splittable: Sequence[bool] | None) -> np.ndarray:
-    """τ_k of `lower_bound`: one-way time of the smallest message any cut of link k sends."""
-    n, p = len(pr.out_bytes), len(pr.mem_cap)
-    if p < 2 or n < 2:
-        return np.zeros(0)
-    X = np.zeros(n + 1)
-    X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
-    x0 = float(X[1:n].min())
-    if splittable is not None and np.any(splittable):
-        inside = X[:n][np.asarray(splittable, bool)]  # boundary before each splittable node
-        x0 = min(x0, 0.0 if np.any(inside <= 0) else 5e-324)
-    return np.array([_link1(pr, k, x0) for k in range(p - 1)])
 
 
 def best_device_order(

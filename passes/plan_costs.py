@@ -113,6 +113,7 @@ class CostTables:
         self._unit_fixed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._shares: dict[int, np.ndarray] = {}  # mb -> [device][unit] weight_share
+        self._link_memo: dict[tuple[int, int, float], float] = {}  # (i, j, bytes) -> link_time
 
     def times(self, units: Units, mb: int) -> tuple[np.ndarray, np.ndarray]:
         """[device][unit] forward and backward seconds at micro-batch size mb."""
@@ -144,6 +145,14 @@ class CostTables:
         if d in self._unit_fixed:
             return self._unit_fixed[d]
         dev, fixed, groups = self.cluster.devices[d], self.fixed[d], self.builder.groups
+        for e in self._unit_fixed:  # NOTE: a device like one done already (its type, model, fixed costs)
+            other = self.cluster.devices[e]
+            if (other.kind == dev.kind and self.costs[e] is self.costs[d]
+                    and other.attainable_flops(self.options.dtype, matmul=True)
+                    == dev.attainable_flops(self.options.dtype, matmul=True)
+                    and self.fixed[e] == fixed and self.fixed_factors[e] == self.fixed_factors[d]):
+                self._unit_fixed[d] = self._unit_fixed[e]
+                return self._unit_fixed[d]
         f, b = np.zeros(len(groups)), np.zeros(len(groups))
         if dev.kind != "fpga":
             curves = getattr(self.costs[d], "curves", {})  # ProfiledCosts: measured nodes
@@ -197,10 +206,15 @@ class CostTables:
 
     def link_time(self, i: int, j: int, nbytes: float) -> float:
         """Seconds of one message of nbytes from device i to device j: the link's latency and
-        bandwidth plus `message_s`; 0 for no bytes or the same device."""
+        bandwidth plus `message_s`; 0 for no bytes or the same device. (Remembered: the
+        partitioner asks for every cut's bytes on every link, candidate after candidate.)"""
         if nbytes <= 0 or i == j:
             return 0.0
-        return self.cluster.link(i, j).time(nbytes) + self.message_s(i, j)
+        key = (i, j, nbytes)
+        t = self._link_memo.get(key)
+        if t is None:
+            t = self._link_memo[key] = self.cluster.link(i, j).time(nbytes) + self.message_s(i, j)
+        return t
 
     def recost(self, prob: PartitionProblem, bounds: Sequence[int], order: Sequence[int],
                mb: int, d: int = 1) -> tuple[PartitionProblem, Partition]:
@@ -232,7 +246,10 @@ class CostTables:
         replicas, `mb` is a replica's slice and stage k's device the first of group k % (p/d))."""
         if mb not in self._shares:
             units = self.builder.at(mb)
-            self._shares[mb] = np.stack([c.weight_share(units, mb) for c in self.costs])
+            shares: dict[int, np.ndarray] = {}  # NOTE: devices of one type share their model
+            self._shares[mb] = np.stack([shares[id(c)] if id(c) in shares else
+                                         shares.setdefault(id(c), c.weight_share(units, mb))
+                                         for c in self.costs])
         share, bwd = self._shares[mb], np.array(prob.bwd, dtype=float)
         redo = prob.recompute or []
         out = []

@@ -2,7 +2,7 @@
 
     to_plan(ev, cand, lost, search)  stages (nodes, times, bytes, memory, devices), the proven
                                      lower bound, the decision lines, the baselines (--compare)
-    lower_bound(ev, cand)            no plan with cand's micro-batch count beats it
+    lower_bound(ev, cand)            no plan of cand's shape (m, replicas, stages per rank) beats it
     baselines(ev, cand)              the partitions other tools would produce, same cost model
 
 With replicas d > 1, stage k runs on pipeline rank j = k % P (P = n/d): devices j*d ..
@@ -18,25 +18,24 @@ and `lower_bound_s` compare across d.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes import baselines as base_rules
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import replicas as rep
-from pipecc.passes.partition import lower_bound as partition_lower_bound
+from pipecc.passes.bound import lower_bound as partition_lower_bound
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.report.formatting import count
 from pipecc.targets.calibrated import calibration_decisions
 from pipecc.targets.profiled import profile_decisions, time_source
 
-__all__ = ["SearchRecord", "baselines", "lower_bound", "to_plan"]
+__all__ = ["SearchRecord", "baselines", "lower_bound", "shape_bound", "split_floor", "to_plan"]
 
 
 @dataclass
@@ -50,39 +49,74 @@ class SearchRecord:
 
 
 def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
-    """A bottleneck no plan with the candidate's micro-batch count beats, whatever its cuts,
-    layer splits or replication degree: the least over every degree d the devices and the
-    micro-batch allow (`passes.replicas.allowed`, whatever --replicas asked) of
-    `partition.lower_bound` on that degree's problem (P = n/d groups at a slice of mb/d,
-    `passes.replicas.group_problem`; d = 1: the candidate's devices with `bound_problem`'s
-    costs). Each is valid for its d because the group problem *is* the partitioner's
-    model of every d-replicated plan, so the least is valid for all. comm=False: the
-    comm-blind bound (plan.json's `lower_bound_compute_s`, reported next to it)."""
+    """A bottleneck no plan of the candidate's shape beats: its micro-batch count, replication
+    degree d (P = n/d groups at a slice of mb/d, `passes.replicas.group_problem`) and stages
+    per rank, whatever its cuts or layer splits: `bound.lower_bound` on the candidate's
+    problem (d = 1: with `bound_problem`'s costs), every cost the planner charges counted
+    (per-call fixed costs in the unit times, each stage's per-micro-batch fixed costs, the
+    messages with both hosts' costs, where the cuts can lie: that function's (5)).
+    NOTE: the bound is per shape, not the least over every degree: a replicated plan's
+    bottleneck leaves its all-reduce out (it is per iteration), so the least over degrees
+    would measure a pipeline against a data-parallel shape's cheaper steady state; a
+    data-parallel plan (one stage) is measured against its own shape's bound (the report
+    and `inspect` say so: `pipecc.report.text.ratio_note`). comm=False: the comm-blind bound (plan.json's
+    `lower_bound_compute_s`, reported next to it)."""
     assert isinstance(ev.options.batch_size, int)
     mb = ev.options.batch_size // cand.microbatches
-    unreplicable = not all(dev.can(caps.REPLICATE) for dev in ev.cluster.devices)
-    best = math.inf
-    for d in rep.allowed("auto", ev.p, mb, unreplicable):
-        if d == cand.replicas:
-            units, prob = cand.units, cand.problem
-        elif ev.p // d > cand.units.n:
-            continue
-        else:
-            units = ev.builder.at(rep.slice_size(mb, d))
-            order = cand.order if d == 1 else tuple(range(ev.p))
-            # NOTE: the schedule only sets in-flight counts (memory), which no bound uses; the
-            # stage count does (every stage pays its fixed costs): an interleaved candidate's
-            # bottleneck is per virtual stage, so its other degrees are bounded with its v
-            sched = cand.schedule if cand.virtual > 1 else "1f1b"
-            try:
-                prob = ev.problem(units, rep.slice_size(mb, d), sched, cand.microbatches, order,
-                                  cand.virtual, d=d)
-            except ValueError:  # no such schedule at this degree (interleaved: m % ranks): no plan
-                continue
-        if d == 1:
-            prob = ev.tables.bound_problem(prob, cand.order, mb)
-        best = min(best, partition_lower_bound(prob, units.splittable, comm=comm))
-    return best
+    units, prob = cand.units, cand.problem
+    if cand.replicas == 1:
+        prob = ev.tables.bound_problem(prob, cand.order, mb)
+    return partition_lower_bound(prob, units.splittable, comm=comm,
+                                 split_bytes=split_floor(ev, units))
+
+
+def shape_bound(ev: Evaluator, schedule: str, m: int, d: int, split: set[str]) -> float:
+    """A bottleneck no plan of (schedule, m micro-batches, d replicas) on the evaluator's graph
+    beats when only the layers named in `split` may be split, any way: `bound.lower_bound`
+    on that shape's problem (no recomputation: it only adds work) with only their units
+    splittable. The layer-split search prunes a trial with it (`passes.split_search`). 0.0
+    when the shape has no problem (an interleaved m the ranks do not divide) or the device
+    order is the planner's to choose (each order has its own bound)."""
+    opt = ev.options
+    assert isinstance(opt.batch_size, int)
+    if opt.choose_order:
+        return 0.0
+    v = opt.virtual_stages if schedule in VIRTUAL else 1
+    mb = rep.slice_size(opt.batch_size // m, d)
+    units = ev.builder.at(mb)
+    order = tuple(range(ev.p))
+    try:
+        prob = ev.problem(units, mb, schedule, m, order, v, None, d)
+    except ValueError:
+        return 0.0
+    if d == 1:
+        prob = ev.tables.bound_problem(prob, order, opt.batch_size // m)
+    flags = [bool(sp) and any(name in split for name in names)
+             for sp, names in zip(units.splittable, units.names)]
+    return partition_lower_bound(prob, flags, split_bytes=split_floor(ev, units))
+
+
+def split_floor(ev: Evaluator, units: Any) -> list[float]:
+    """[unit] the fewest bytes a cut inside a split of the unit sends (`bound.lower_bound`
+    (5)): for a unit of one layer node (its parameters folded in), min(X[i], X[i+1]), the
+    bytes crossing the boundaries before and after it. A cut between two of its shards
+    (`passes.split_layers`, dim 0: every shard reads the layer's whole input) carries
+    everything that crossed boundary i (what only the layer read is its input, which the
+    later shards read), and the outputs of the shards before it (something, when the layer's
+    output has bytes); one between the last shard and the combine carries X[i+1] (every shard's
+    output, and what else crossed: at least the layer's output bytes after the last unit,
+    where X[n] = 0 by convention). Any other unit: 0 (the rule without it)."""
+    from pipecc.passes.partition import cut_bytes
+    n = units.n
+    X = np.zeros(n + 1)
+    X[1:n] = cut_bytes(units.values["output_bytes"], units.last_use)
+    groups = ev.builder.groups
+    single = [len(groups) == n and sum(1 for node in groups[i] if node.op != "get_attr") == 1
+              for i in range(n)]
+    out = units.values["output_bytes"]
+    end = list(X[1:n]) + [float(out[n - 1])] if n else []  # between the last shard and the combine
+    return [float(min(max(X[i], 5e-324 if out[i] > 0 else 0.0), end[i])) if single[i] else 0.0
+            for i in range(n)]
 
 
 def baselines(ev: Evaluator, cand: Candidate) -> list[dict[str, Any]]:
@@ -105,13 +139,14 @@ def baselines(ev: Evaluator, cand: Candidate) -> list[dict[str, Any]]:
 
 
 def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
-            search: SearchRecord) -> Plan:
-    """The Plan of `cand` (module docstring); `lost`: why every other candidate lost."""
+            search: SearchRecord, bounds: bool = True) -> Plan:
+    """The Plan of `cand` (module docstring); `lost`: why every other candidate lost;
+    `bounds` False: its lower bounds left 0 (a trial plan whose caller keeps its own)."""
     opt, tables, cluster = ev.options, ev.tables, ev.cluster
     assert isinstance(opt.batch_size, int)
     part, units, prob = cand.part, cand.units, cand.problem
     fwd, bwd = np.asarray(prob.fwd), np.asarray(prob.bwd)
-    lb, lb_compute = lower_bound(ev, cand), lower_bound(ev, cand, comm=False)
+    lb, lb_compute = (lower_bound(ev, cand), lower_bound(ev, cand, comm=False)) if bounds else (0.0, 0.0)
     d, P = cand.replicas, cand.ranks
     mb = rep.slice_size(opt.batch_size // cand.microbatches, d)
     weights = tables.weight_times(part, prob, cand.order, mb, d)

@@ -36,7 +36,7 @@ from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, VIRTUAL, ZERO_BUBBL
 from pipecc.passes import plan_problem
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
-                                     best_device_order, partition)
+                                     best_device_order, evaluate, memory_free, partition)
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.plan_options import PlanOptions
@@ -59,6 +59,30 @@ class Evaluator:
         self.graph: AnnotatedGraph = tables.graph
         self.builder: UnitBuilder = tables.builder
         self.p: int = tables.p
+        # (mb, v, d, order, recompute) -> {variant: bounds or None}: the partitions of a problem
+        # memory does not constrain (`partition.memory_free`), which the schedules share (they
+        # differ only in in-flight counts, i.e. memory): computed once, not once per schedule
+        self._cuts: dict[tuple[Any, ...], dict[str, tuple[int, ...] | None]] = {}
+
+    def _partition(self, prob: PartitionProblem, key: tuple[Any, ...] | None,
+                   variant: str) -> Partition | None:
+        """`partition(prob)` (None where a variant finds nothing: InfeasibleError or CANNOT_RUN_S;
+        the main variant raises), from the cache when `key` is not None; costed on `prob`."""
+        cached = self._cuts.get(key, {}) if key is not None else {}
+        if variant in cached:
+            bounds = cached[variant]
+            return None if bounds is None else evaluate(prob, bounds)
+        try:
+            part: Partition | None = partition(prob)
+        except InfeasibleError:
+            if variant == "main":
+                raise
+            part = None
+        if part is not None and part.bottleneck >= CANNOT_RUN_S and variant != "main":
+            part = None
+        if key is not None:
+            self._cuts.setdefault(key, {})[variant] = None if part is None else tuple(part.bounds)
+        return part
 
     def problem(self, units: Units, mb: int, schedule: str, m: int, order: Sequence[int],
                 v: int = 1, recompute: Sequence[bool] | None = None, d: int = 1) -> PartitionProblem:
@@ -76,13 +100,17 @@ class Evaluator:
         v = opt.virtual_stages if schedule in VIRTUAL else 1
         order = tuple(range(self.p))
         prob = self.problem(units, mb, schedule, m, order, v, recompute, d)
+        key: tuple[Any, ...] | None = None  # the partition cache's, when memory binds nothing
         if opt.choose_order and v == 1 and self.p > 1 and d == 1:
             types = [dev.name for dev in self.cluster.devices]
             order, part = best_device_order(
                 lambda o: self.problem(units, mb, schedule, m, o, 1, recompute), types)
             prob = self.problem(units, mb, schedule, m, order, v, recompute)
         else:
-            part = partition(prob)
+            key = (mb, v, d, order, None if recompute is None else tuple(bool(r) for r in recompute))
+            key = key if memory_free(prob) else None
+            part = self._partition(prob, key, "main")
+            assert part is not None
         if part.bottleneck >= CANNOT_RUN_S:
             raise InfeasibleError(self._unsupported_message(prob, order))
         raw = prob
@@ -95,11 +123,12 @@ class Evaluator:
         # charged to both stages (`PartitionProblem.comm`) can simulate faster: the simulator
         # chooses.
         tried = {tuple(part.bounds)}
-        for other in (dataclasses.replace(raw, training=False), dataclasses.replace(raw, comm="charged")):
+        for name, other in (("stream", dataclasses.replace(raw, training=False)),
+                            ("charged", dataclasses.replace(raw, comm="charged"))):
             if other == raw:
                 continue
-            alt = partition(other)
-            if alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
+            alt = self._partition(other, key, name) if key is not None else partition(other)
+            if alt is None or alt.bottleneck >= CANNOT_RUN_S or tuple(alt.bounds) in tried:
                 continue
             tried.add(tuple(alt.bounds))
             prob2, part2 = tables.recost(raw, alt.bounds, order, mb, d)
@@ -170,7 +199,7 @@ class Evaluator:
                 per_rank[sched.stage_to_rank[k]] += t
             costs.allreduce_s = per_rank
         costs.tail_s = self.step_tail(sched, order)
-        return simulate(sched, costs)
+        return simulate(sched, costs, validated=True)  # schedule_for validated it
 
     def step_tail(self, sched: Any, order: Sequence[int] | None = None) -> list[float] | None:
         """[rank] the per-iteration fixed seconds after its last action (`CostTables.step_s`

@@ -77,8 +77,11 @@ class Planner:
     best first, and `infeasible` why the others fit nothing."""
 
     def __init__(self, graph: AnnotatedGraph, cluster: Cluster, options: PlanOptions,
-                 splittable: Sequence[str] = ()) -> None:
+                 splittable: Sequence[str] = (), bounds: bool = True) -> None:
         self.tables = CostTables(graph, cluster, options, splittable)
+        # False: the plan's lower bounds are left 0 (the layer-split search's trial plans: it
+        # keeps the unsplit plan's bound, which covers every split, and drops theirs)
+        self.bounds = bounds
         self.evaluator = Evaluator(self.tables)
         self.options, self.cluster, self.p = options, cluster, self.tables.p
         self.record = SearchRecord()
@@ -105,7 +108,7 @@ class Planner:
         unreplicable = [dev.name for dev in devices if not dev.can(caps.REPLICATE)]
         rep.check_requested(opt.replicas, p, devices)
         rep.check_slices(opt.replicas, b, ms)
-        n_units = self.tables.builder.at(1).n
+        n_units = len(self.tables.builder.groups)
 
         allowed = {m: rep.allowed(opt.replicas, p, b // m, bool(unreplicable)) for m in ms}
         if not any(p // d <= n_units for ds in allowed.values() for d in ds):
@@ -177,7 +180,7 @@ class Planner:
 
     def to_plan(self, cand: Candidate) -> Plan:
         """The Plan of `cand`, with why every other candidate lost (`alternatives`)."""
-        plan = to_plan(self.evaluator, cand, self.alternatives(cand), self.record)
+        plan = to_plan(self.evaluator, cand, self.alternatives(cand), self.record, bounds=self.bounds)
         idle = negligible_stages(stage_seconds(cand))
         if idle:
             plan.decisions.append(

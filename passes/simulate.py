@@ -59,6 +59,7 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -272,13 +273,31 @@ class Timeline:
         return "\n".join(lines)
 
 
-def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True) -> Timeline:
+_VALIDATED: dict[int, weakref.ref] = {}  # id -> the schedule validated under that id
+
+
+def _validate_once(schedule: Schedule) -> None:
+    """`validate(schedule)`, once per schedule object: a Schedule is frozen and the registry
+    hands the planner the same object for the same fields (`schedule_for`'s cache)."""
+    ref = _VALIDATED.get(id(schedule))
+    if ref is not None and ref() is schedule:
+        return
+    validate(schedule)
+    if len(_VALIDATED) > 4096:
+        _VALIDATED.clear()
+    _VALIDATED[id(schedule)] = weakref.ref(schedule)
+
+
+def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True,
+             validated: bool = False) -> Timeline:
     """Simulate one iteration of ``schedule``; see the module docstring for the model.
 
     Raises ``ScheduleError`` for an invalid schedule and ``ValueError`` for costs of the
-    wrong shape.
+    wrong shape. ``validated``: the caller's schedule comes from ``schedule_for``, which
+    validated it (the planner's, thousands of times per search): not checked again.
     """
-    validate(schedule)
+    if not validated:
+        _validate_once(schedule)
     chunks = ([len(row) for row in schedule.microbatch_sizes]
               if getattr(schedule, "microbatch_sizes", None) is not None else None)
     costs.check(schedule.num_stages, schedule.num_microbatches, chunks)

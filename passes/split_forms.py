@@ -24,6 +24,8 @@ parent, and `split_node` makes call shards.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import inspect
 import operator
 import re
@@ -248,6 +250,28 @@ def _dying(node: fx.Node, x: fx.Node) -> set[fx.Node]:
     return dying - {node}
 
 
+_OWNERS: dict[int, collections.Counter] = {}  # id(gm) -> its parameters' name counts, inside `owners_cached`
+
+
+@contextlib.contextmanager
+def owners_cached(gm: fx.GraphModule):
+    """Within the block, how many names each parameter of `gm` has is counted once, not once
+    per `recognise` call (which walked every parameter of the model per layer: quadratic in
+    the model's size). The caller promises not to change `gm`'s modules inside the block."""
+    outer = id(gm) in _OWNERS
+    if not outer:
+        _OWNERS[id(gm)] = _owner_counts(gm)
+    try:
+        yield
+    finally:
+        if not outer:
+            del _OWNERS[id(gm)]
+
+
+def _owner_counts(gm: fx.GraphModule) -> collections.Counter:
+    return collections.Counter(id(p) for _, p in gm.named_parameters(remove_duplicate=False))
+
+
 def _parameter(graph: AnnotatedGraph, value: Any, what: str, dying: set[fx.Node],
                transposes: bool = True) -> tuple[fx.Node, list[fx.Node]] | str:
     """The get_attr node of the parameter that `value` reads (through 2-D transposes, when
@@ -259,9 +283,9 @@ def _parameter(graph: AnnotatedGraph, value: Any, what: str, dying: set[fx.Node]
     if not isinstance(value, fx.Node) or value.op != "get_attr" \
             or not isinstance(_fetch(graph.gm, value), nn.Parameter):
         return f"its {what} is not a parameter (it is computed, a buffer or a constant)"
-    names = [n for n, p in graph.gm.named_parameters(remove_duplicate=False)
-             if p is _fetch(graph.gm, value)]
-    if not {value, *via} <= dying or len(names) != 1 or not value.meta.get(META_PARAMS):
+    owners = _OWNERS.get(id(graph.gm)) or _owner_counts(graph.gm)
+    if not {value, *via} <= dying or owners[id(_fetch(graph.gm, value))] != 1 \
+            or not value.meta.get(META_PARAMS):
         return f"its {what} is read by another node too (a reused or tied parameter)"
     return value, via
 

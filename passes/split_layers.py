@@ -276,6 +276,7 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
         raise ValueError(f"cannot split {name!r}: nodes named {clash} already exist")
 
     gm, g = graph.gm, graph.gm.graph
+    old = set(g.nodes)
     parent = layer.parent() if layer.parent is not None else None
     shards: list[fx.Node] = []
     with g.inserting_before(node):
@@ -307,14 +308,16 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
         if not dead.users:  # (call shards still read the weight)
             g.erase_node(dead)
     gm.recompile()
-    _recost(graph)
+    _recost(graph, {n for n in g.nodes if n not in old})
     return [s.meta[META_NAME] for s in shards]
 
 
-def _recost(graph: AnnotatedGraph) -> None:
-    """Re-run the cost model over the whole graph without repeating its warnings."""
+def _recost(graph: AnnotatedGraph, nodes: set[fx.Node]) -> None:
+    """Cost the nodes the split added without repeating the cost model's warnings. NOTE: the
+    others keep theirs: the combine carries the layer's value to its users and every other
+    node's inputs, liveness and dependence on the inputs are unchanged (what a node's cost reads)."""
     before = list(graph.warnings)
-    cost.annotate(graph)
+    cost.annotate(graph, nodes=nodes)
     graph.warnings[:] = before + [w for w in graph.warnings[len(before):] if w not in before]
 
 

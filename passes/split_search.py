@@ -25,6 +25,7 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, AnnotatedGraph
 from pipecc.ir.plan import Plan, SplitLayer
+from pipecc.passes.split_forms import owners_cached
 from pipecc.passes.split_layers import extent, split_node, splittable
 
 IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound
@@ -35,8 +36,9 @@ ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%
 def splittable_names(graph: AnnotatedGraph) -> list[str]:
     """Nodes `split_node` can split: fx layer modules, and linear / conv2d / embedding calls
     on parameters (torch.export, ONNX); `split_layers.recognise` says which and why not."""
-    return [n.meta[META_NAME] for n in graph.compute_nodes()
-            if n.op in ("call_module", "call_function") and splittable(graph, n)]
+    with owners_cached(graph.gm):
+        return [n.meta[META_NAME] for n in graph.compute_nodes()
+                if n.op in ("call_module", "call_function") and splittable(graph, n)]
 
 
 def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
@@ -46,13 +48,24 @@ def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
         # when the graph's input treespec is deep-copied; the copy is right, the warning is torch's
         warnings.filterwarnings("ignore", message=r".*treespec", category=FutureWarning)
         copied = copy.deepcopy(graph.gm.graph)
-    gm = fx.GraphModule(graph.gm, copied, class_name=type(graph.gm).__name__)
+    gm = _lazy_module(graph.gm, copied, type(graph.gm).__name__)
     # NOTE: GraphModule copies only what the graph references; a split layer's parameters
     # are referenced by none (its shards read them through an unregistered parent), so the
     # clone re-registers whatever the graph's module owns: it must own the same tensors.
     _adopt_missing(gm, graph.gm)
     return AnnotatedGraph(gm=gm, symbols=graph.symbols, point=graph.point, source=graph.source,
                           model_name=graph.model_name, warnings=list(graph.warnings))
+
+
+def _lazy_module(root: nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """A GraphModule over `graph` that writes its Python code only when it is first run or
+    read (`recompile` is lazy too): the search plans many clones and runs one.
+    NOTE: torch.fx's lazy module is private API; a torch without it gets the eager one."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module
+    except ImportError:
+        return fx.GraphModule(root, graph, class_name=name)
+    return _make_graph_module(root, graph, class_name=name, graph_module_cls=_LazyGraphModule)
 
 
 def _adopt_missing(gm: fx.GraphModule, source: fx.GraphModule) -> None:
@@ -163,7 +176,8 @@ def _cut_neighbours(plan: Plan, names: list[str]) -> list[str]:
 def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
            layer_time: Callable[[str], float], max_layers: int | None = None,
            budget: int | None = None,
-           note: Callable[[str], None] = lambda s: None) -> tuple[Plan, AnnotatedGraph]:
+           note: Callable[[str], None] = lambda s: None,
+           bound: Callable[[AnnotatedGraph, list[str]], float] | None = None) -> tuple[Plan, AnnotatedGraph]:
     """Improve `plan` by splitting layers, two ways, keeping the lower bottleneck: the layers
     next to every cut split together first and then one at a time, or one at a time only
     (each way is `_search`). Neither wins always: the joint split moves every cut in fine
@@ -173,8 +187,14 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
     results = []
     for joint in (True, False):
         notes: list[str] = []
+        used: list[bool] = []
         results.append((*_search(graph, plan, replan, layer_time, max_layers, budget,
-                                 notes.append, joint), notes))
+                                 notes.append, joint, bound, used.append), notes))
+        if joint and not used:
+            # NOTE: pruned (issue 31): the joint split was not kept, so the rest of this way
+            # ran the one-at-a-time search from the same plan: the other way would repeat
+            # it, try for try, and tie (the joint way wins ties: its notes are the ones kept)
+            break
     best = min(results, key=lambda r: r[0].bottleneck_s)
     for line in best[2]:
         note(line)
@@ -183,7 +203,9 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
 
 def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, bool], Plan],
             layer_time: Callable[[str], float], max_layers: int | None, budget: int | None,
-            note: Callable[[str], None], joint: bool) -> tuple[Plan, AnnotatedGraph]:
+            note: Callable[[str], None], joint: bool,
+            bound: Callable[[AnnotatedGraph, list[str]], float] | None = None,
+            joined: Callable[[bool], None] = lambda b: None) -> tuple[Plan, AnnotatedGraph]:
     """One way of `search`. `replan(graph, fixed)` plans a graph (keeping the
     current schedule and micro-batch count when `fixed`); `layer_time(name)` is a layer's
     fwd+bwd time on its fastest device. Heavy layers (over half a balanced stage) are tried
@@ -199,6 +221,19 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
     tried: set[str] = set()
     heavy = sorted((n for n in names if layer_time(n) > 0.5 * lower), key=layer_time, reverse=True)
     kept = 0
+
+    def hopeless(names_: list[str], why: str) -> bool:
+        """Pruned (issue 31): `bound(graph, names)` bounds the bottleneck of every plan of this
+        shape with those layers split any way (`passes.plan_emit.shape_bound`); at or above
+        what `accept` needs, the trial would be planned twice and then refused."""
+        if bound is None:
+            return False
+        least = bound(graph, names_)
+        if least < plan.bottleneck_s * (1 - ACCEPT):
+            return False
+        note(f"not splitting {why}: no split of it beats {plan.bottleneck_s * 1e3:.4g} ms by "
+             f"{ACCEPT:.1%} (bound {least * 1e3:.4g} ms)")
+        return True
 
     def accept(result, why: str) -> bool:
         nonlocal plan, graph, names, kept
@@ -225,13 +260,13 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
         gap = plan.bottleneck_s - lower
         together = [n for n in dict.fromkeys(heavy + _cut_neighbours(plan, names))
                     if layer_time(n) > gap][: 2 * stages]
-        if len(together) > 1:
+        if len(together) > 1 and not hopeless(together, f"{len(together)} layers next to the cuts together"):
             result = _try(graph, plan, together, replan, stages)
             if result is None:
                 note(f"not splitting {len(together)} layers next to the cuts together: each "
                      "best fine split keeps them whole")
-            else:
-                accept(result, f"{len(together)} layers next to the cuts together")
+            elif accept(result, f"{len(together)} layers next to the cuts together"):
+                joined(True)
     while kept < max_layers and len(tried) < budget and plan.bottleneck_s > lower * (1 + IMPROVEMENT):
         # a layer smaller than the gap to the bound is not what keeps the cut coarse:
         # moving whole layers already has finer steps than the gap, splitting cannot help
@@ -243,6 +278,8 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
         improved = False
         for name in queue[: budget - len(tried)]:
             tried.add(name)
+            if hopeless([name], name):
+                continue
             result = _try(graph, plan, [name], replan, stages)
             if result is None:
                 note(f"not splitting {name}: the best fine split keeps it on one stage "

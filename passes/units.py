@@ -53,12 +53,15 @@ def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
     # NOTE: repeated blocks share their cost expressions, so lambdify only the distinct ones
     # (a few dozen for a 20,000-node transformer) and index into them.
     distinct: dict = {}
+    substituted: dict = {}  # NOTE: subs once per distinct expression, not once per node
     index = {f: np.empty(len(nodes), dtype=np.int64) for f in FIELDS}
     for f in FIELDS:
         for i, node in enumerate(nodes):
             e = getattr(node.meta[META_COST], f)
             if isinstance(e, sympy.Expr) and fixed:
-                e = e.subs(fixed)
+                if e not in substituted:
+                    substituted[e] = e.subs(fixed)
+                e = substituted[e]
             index[f][i] = distinct.setdefault(e, len(distinct))
     exprs = list(distinct)
     fn = sympy.lambdify([arg], exprs, modules="numpy")
@@ -202,16 +205,41 @@ class UnitBuilder:
         """[boundary 0..n] True where exactly one float32 tensor crosses (only FPGA plans ask)."""
         return _one_tensor_cuts(self.graph, self.groups, self._unit_of)
 
+    @functools.cached_property
+    def _sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(node positions in unit order, their units; escaping nodes' positions, their units):
+        what `at` sums per unit, in the order the nodes are listed (the same float sums)."""
+        pos = np.array([self._index[n] for g in self.groups for n in g], dtype=np.int64)
+        unit = np.repeat(np.arange(len(self.groups)), [len(g) for g in self.groups])
+        esc = np.array([self._index[n] for e in self.escaping for n in e], dtype=np.int64)
+        esc_unit = np.repeat(np.arange(len(self.groups)), [len(e) for e in self.escaping])
+        return pos, unit, esc, esc_unit
+
+    @functools.cached_property
+    def _labels(self) -> tuple[list[list[str]], list[set[str]]]:
+        return ([[n.meta[META_NAME] for n in g] for g in self.groups],
+                [{n.meta[META_KIND] for n in g} for g in self.groups])
+
     def at(self, microbatch: float) -> Units:
         per_node = self._eval(microbatch)
+        pos, unit, esc, esc_unit = self._sums
+        n = len(self.groups)
         values: dict[str, np.ndarray] = {}
         for f in FIELDS:
             arr = per_node[f]
             if f == "output_bytes":
-                values[f] = np.array([sum(arr[self._index[n]] for n in esc) for esc in self.escaping])
+                values[f] = _unit_sums(arr[esc], esc_unit, n)
             else:
-                values[f] = np.array([sum(arr[self._index[n]] for n in g) for g in self.groups])
-        return Units(names=[[n.meta[META_NAME] for n in g] for g in self.groups],
-                     kinds=[{n.meta[META_KIND] for n in g} for g in self.groups],
+                values[f] = _unit_sums(arr[pos], unit, n)
+        names, kinds = self._labels  # NOTE: shared by every Units of this builder; nothing changes them
+        return Units(names=list(names), kinds=list(kinds),
                      values=values, param_bytes=self.param_bytes, last_use=self.last_use,
                      splittable=self.splittable)
+
+
+def _unit_sums(values: np.ndarray, unit: np.ndarray, n: int) -> np.ndarray:
+    """[unit] the sum of `values` (listed unit by unit) per unit, left to right as Python's
+    `sum` adds them (np.add.at is unbuffered and in order: the same floats, bit for bit)."""
+    out = np.zeros(n)
+    np.add.at(out, unit, values)
+    return out

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import sympy
 import torch.fx as fx
@@ -486,8 +486,12 @@ def move_point(graph: AnnotatedGraph, values: dict[str, int]) -> None:
             cost.values = {f: _evaluate(getattr(cost, f), graph.point) for f in NodeCost.FIELDS}
 
 
-def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list[str]:
-    """Write META_COST on every node. Returns the warnings (unknown ops, listed once).
+def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None,
+             nodes: Collection[fx.Node] | None = None) -> list[str]:
+    """Write META_COST on every node (`nodes`: only on those, e.g. what a rewrite added; a
+    node's cost reads only itself, its inputs' values and which nodes reach the output or
+    depend on the inputs, computed here over the whole graph). Returns the warnings
+    (unknown ops, listed once).
     `flash_attention` (None: as the graph was last costed, else the math path) sets how fused
     attention nodes keep their scores (`_attention_memory`); the mode is kept in the graph so
     re-costing after a rewrite keeps it."""
@@ -499,6 +503,8 @@ def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None) -> list
     data = _depends_on_inputs(graph.gm.graph)
     measurer = Measurer(graph, data)
     for node in graph.gm.graph.nodes:
+        if nodes is not None and node not in nodes:
+            continue
         cost, is_unknown = node_cost(node, graph.gm, data, flash_attention)
         if is_opaque(node):  # a library function kept as one node: costed by what it runs
             measured = measurer.measure(node)

@@ -300,7 +300,7 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
     searches). With `debug`, every graph clone the search rewrites is verified before it is
     planned, and the plan made for it after.
     """
-    from pipecc.passes import split_search
+    from pipecc.passes import plan_emit, split_search
     from pipecc.passes.plan_search import Planner
     assert state.graph is not None and state.plan is not None
     graph, result, cand = state.graph, state.plan, state.candidate
@@ -318,19 +318,37 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
             if debug:
                 verify(g, costed=True)
             opts = PlanOptions.of(options, **(fixed if keep else {}), compare=False)
-            planned = Planner(g, cluster, opts, splittable=split_search.splittable_names(g)).run()[0]
+            # NOTE: no bounds: the search keeps the unsplit plan's, which covers every split
+            planned = Planner(g, cluster, opts, splittable=split_search.splittable_names(g),
+                              bounds=False).run()[0]
             if debug:
                 verify_plan(g, planned)
             return planned
 
+        bounds: dict[int, tuple[AnnotatedGraph, Evaluator]] = {}
+
+        def bound(g: AnnotatedGraph, names: list[str], fixed=fixed, bounds=bounds) -> float:
+            # NOTE: prunes a trial no split of `names` can make pay (passes.split_search)
+            if id(g) not in bounds or bounds[id(g)][0] is not g:
+                bounds[id(g)] = (g, _evaluator(g, cluster, options))
+            return plan_emit.shape_bound(bounds[id(g)][1], fixed["schedule"], fixed["microbatches"],
+                                         fixed["replicas"], set(names))
+
         times = planner.unit_times(cand_k)
+        unsplit = plan_k
         with progress.step(f"splitting layers ({plan_k.schedule}, {plan_k.microbatches} "
                            "micro-batches)"):
             plan_k, graph_k = split_search.search(graph, plan_k, replan,
                                                   lambda n, t=times: t.get(n, 0.0),
-                                                  note=notes.append)
+                                                  note=notes.append, bound=bound)
         plan_k.decisions += notes
         tried.append((plan_k, graph_k))
+        if plan_k is not unsplit and plan_k.predicted_iteration_s > unsplit.predicted_iteration_s:
+            # NOTE: the search lowers the bottleneck; a split that does so can still predict a
+            # longer iteration (fill and drain): the unsplit plan stays a candidate
+            unsplit.decisions.append(f"layer splits lowered the bottleneck but predicted "
+                                     f"{plan_k.predicted_iteration_s:.4g} s per iteration: not used")
+            tried.append((unsplit, graph))
     tried.sort(key=lambda r: r[0].predicted_iteration_s)
     result, graph = tried[0]
     for other, _ in tried[1:]:

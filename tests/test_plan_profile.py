@@ -152,7 +152,9 @@ def test_split_layer_shards_scale_their_layers_curve():
 
 
 def test_the_split_search_plans_on_scaled_curves(mlp):
-    plan = _plan(mlp, synthetic("2"), microbatches=1, split_layers=True)
+    # NOTE: 2 micro-batches: with 1 the split lowers the bottleneck (9.4 -> 5.6 ms) but gpipe's
+    # fill and drain predict a longer iteration, and the unsplit plan is kept (issue 31)
+    plan = _plan(mlp, synthetic("2"), microbatches=2, split_layers=True)
     assert [s.node for s in plan.split_layers] == ["2"]
     assert {s.time_source for s in plan.stages} <= {"profile", "mixed"}
     assert ("costs: measured for 6 of 7 nodes on cpu (profile dict; 2 split-layer shards "

@@ -32,7 +32,7 @@ from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, t
 from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines,
                                    device_capacities, first_last, memory_kind, recompute_line)
 from pipecc.report.formatting import count, human, seconds, shapes_text, text_table
-from pipecc.report.text import replica_group, replica_rows, sizes_text
+from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 
 INSPECT_FORMAT = "pipecc-inspect"
@@ -344,7 +344,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
         "",
         f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch: stage "
         f"{data['bottleneck_stage']} (marked *; {bottleneck_note(plan)})",
-        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}",
+        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}{ratio_note(plan)}",
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
     ]

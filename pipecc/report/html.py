@@ -26,6 +26,7 @@ from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import (BOTTLENECK_WITH_COMM, bipartition_lines, bottleneck_note, bottleneck_stage,
                                    device_capacities, first_last)
 from pipecc.report.formatting import count, human, seconds
+from pipecc.report.text import ratio_note
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
                                esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
                                stage_time_svg)
@@ -301,7 +302,7 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
                (seconds(plan.bottleneck_s), f"bottleneck: stage {bottleneck_stage(plan)}, "
                 f"{BOTTLENECK_WITH_COMM}"),
                (seconds(plan.lower_bound_s), "lower bound, any split"),
-               (f"{plan.balance_ratio:.3f}", "balance ratio (1 = optimal)")]
+               (f"{plan.balance_ratio:.3f}", "balance ratio (1 = optimal)" + ratio_note(plan))]
     fig_html = "".join(f'<div class="fig"><b>{esc(v)}</b><span>{esc(k)}</span></div>' for v, k in figures)
     if plan.baselines:
         balance = balance_svg(plan) + ('<p class="note">Bottleneck per micro-batch of each partition '

@@ -25,6 +25,16 @@ def sizes_text(plan: Plan) -> str:
     return ", ".join(f"stage {k} {list(row)}" for k, row in enumerate(plan.microbatch_sizes))
 
 
+
+def ratio_note(plan: Plan) -> str:
+    """What a replicated plan's balance ratio is measured against (`passes.plan_emit.
+    lower_bound`): the bound of its own shape, not of every plan; "" for a plain pipeline."""
+    if plan.replicas <= 1:
+        return ""
+    stages = len(plan.stages)
+    return (f" (against the bound for its own shape: {stages} stage{'s' if stages != 1 else ''} x "
+            f"{plan.replicas} replicas)")
+
 def plan_table(plan: Plan, verbose: bool = False) -> str:
     rows = []
     slowest = bottleneck_stage(plan)
@@ -52,7 +62,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                     "sends", "comm", "peak mem", "split layers"], rows),
         "",
         f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *; {bottleneck_note(plan)})",
-        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}"
+        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}{ratio_note(plan)}"
         + (f"   (comm-blind bound {seconds(plan.lower_bound_compute_s)}, ratio "
            f"{plan.balance_ratio_compute:.3f})" if plan.lower_bound_compute_s > 0 else ""),
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "

@@ -147,6 +147,16 @@ CASES += [
     # the worker reads plan.json for predictions only (none then); `pipecc run` refuses it
     Case("plan.json nested 100000 deep", _deep_plan, (), 1, r"plan.json nests too deeply to read", worker=False),
 ]
+# issue #34: the training options (train_data's own rows: tests/test_train_script.py)
+CASES += [
+    Case("--steps with --epochs", lambda o: None, ("--epochs", "2"), 2, r"give --steps N or --epochs E, not both",
+         worker=False),
+    Case("--epochs 0", lambda o: None, ("--epochs", "0"), 2, r"--epochs must be >= 1, got 0|--epochs.*0"),
+    Case("--eval-every 0", lambda o: None, ("--eval-every", "0"), 2, r"--eval-every.*0"),
+    Case("--clip-grad-norm -1", lambda o: None, ("--clip-grad-norm", "-1"), 2, r"--clip-grad-norm.*-1"),
+    Case("--precision with --verify", lambda o: None, ("--precision", "bf16", "--verify"), 2,
+         r"--verify compares float32 runs; run it without --precision bf16 first"),
+]
 PREFLIGHT = [c for c in CASES if not c.name.startswith("stage.py")]  # found before torchrun starts
 
 

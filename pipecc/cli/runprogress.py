@@ -8,7 +8,8 @@ every loss and wrong for a person: ``--steps 1000`` scrolled 1000 lines past. Th
 `RunProgress.line` first:
 
 * on a terminal (the stream the step lines go to is a tty, `-q` not given) each step line
-  redraws one bar in place: ``step 120/1000 [###.......] loss 6.84  31.2 samples/s  1m05s``;
+  redraws one bar in place: ``step 120/1000 [###.......] loss 6.84  31.2 samples/s  1m05s  ETA 7m56s`` (elapsed, then the
+  time left at the mean pace so far; ``--epochs``: no bar and no ETA, the steps are unknown);
   any other output first clears it (the next step draws it again), and the run's end leaves
   the bar's last state as one line;
 * elsewhere (a pipe, a file, CI, the tests) the step lines stay as they are, but only every
@@ -72,12 +73,17 @@ class RunProgress:
 
     def _draw(self, i: int, loss: str | None, rate: str | None, elapsed: float) -> None:
         done = min(i + 1, self.total) if self.total else i + 1
-        filled = round(BAR_WIDTH * done / self.total) if self.total else BAR_WIDTH
-        parts = [f"step {done}/{self.total}", "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"]
+        if self.total:  # --epochs: the steps are not known in advance, so no bar and no ETA
+            filled = round(BAR_WIDTH * done / self.total)
+            parts = [f"step {done}/{self.total}", "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"]
+        else:
+            parts = [f"step {done}"]
         parts.append(f"loss {loss}" if loss is not None else "forward only")
         if rate is not None:
             parts.append(f"{rate} samples/s")
         parts.append(_clock(elapsed))
+        if self.total and i > 0 and done < self.total:  # the steps since the first, at their mean pace
+            parts.append("ETA " + _clock(elapsed / i * (self.total - done)))
         self._write("\r\x1b[K" + "  ".join(parts))
         self.shown = True
 

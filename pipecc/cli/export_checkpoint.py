@@ -58,12 +58,14 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
 
     if not directory.is_dir():
         raise PipeccError(f"{directory} is not a folder; give the --checkpoint-dir of a `pipecc run`")
-    if output.exists() and not force:
-        raise PipeccError(f"{output} exists; give --force to replace it, or another OUT")
-    if output.exists() and output.is_dir():
+    from pipecc.runtime import outfile
+    if output.is_dir():
         raise PipeccError(f"{output} is a folder; give a file name such as model.safetensors")
-    if not output.parent.is_dir():
+    if not Path(os.path.realpath(output)).parent.is_dir():
         raise PipeccError(f"{output.parent} is not a folder; create it first or give another OUT")
+    target = outfile.check(output, "", [directory], force)
+    if target.kind == "file" and not force:  # even one pipecc wrote: a model state is worth keeping
+        raise PipeccError(f"{output} exists; give --force to replace it, or another OUT")
     latest = read_latest(directory)
     if latest is None:
         raise PipeccError(f"{directory} holds no checkpoint (no {LATEST}); give the --checkpoint-dir of a "
@@ -79,13 +81,9 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
     check = None if latest.get("format") == OLD_FORMAT else check_rank_sums
     found = ckpt_remap.gather(folder, world, check)
     state = ckpt_remap.model_state(found)
-    tmp = output.parent / f".{output.name}.pipecc-{os.getpid()}.tmp"
-    try:
-        save_file(state, str(tmp), metadata={"format": "pipecc-model-state/1", "step": str(step),
-                                             "checkpoint": json.dumps(str(directory.resolve()))})
-        os.replace(tmp, output)
-    except OSError as e:
-        raise PipeccError(f"cannot write {output} ({e.strerror or e}); nothing was written") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    def save(path: str) -> None:
+        save_file(state, path, metadata={"format": "pipecc-model-state/1", "step": str(step),
+                                         "checkpoint": json.dumps(str(directory.resolve()))})
+    save.wants_path = True  # type: ignore[attr-defined]
+    outfile.write_with(output, save, "", [directory], force)  # never over a device or an input
     return len(state), step, output

@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import Any
 
-from pipecc.cli.args import stage_index, write_atomic
+from pipecc.cli.args import check_output_file, stage_index, write_atomic
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,6 +37,8 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     p.add_argument("--report", metavar="HTML",
                    help="with --trace: also write the report page to HTML, the measured Gantt chart under the "
                    "predicted one on the same time scale")
+    p.add_argument("--force", action="store_true",
+                   help="--report: replace HTML even when pipecc did not write it (never OUT's files or the trace)")
     p.add_argument("--onnx", metavar="DIR",
                    help="write stage_<i>.onnx per stage (or only --stage I) into DIR and check it "
                    "with onnxruntime")
@@ -89,16 +91,18 @@ def _compare_trace(args: argparse.Namespace) -> int:
     from pipecc.report.formatting import terminal_text
     from pipecc.report.html import report_with_trace
 
-    target = None
+    from pipecc.runtime.outfile import compiled_inputs
+    target, inputs = None, [*compiled_inputs(args.out), args.trace]
     if args.report:
-        target = Path(args.report).expanduser().resolve()
-        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+        target = Path(args.report).expanduser()
+        if not Path(os.path.realpath(target)).parent.is_dir():
             raise PipeccError(f"--report {args.report}: cannot write a file there; give a file in a writable folder")
+        check_output_file(args.report, "--report", inputs, args.force)
     compiled = load_compiled(args.out)
     with damaged(compiled):
         if target is not None:
             page, text = report_with_trace(args.out, args.trace)
-            write_atomic(str(target), page)
+            write_atomic(str(target), page, "--report", inputs, args.force)
         trace = ms.load_trace(args.trace)
         predicted = timeline_of(compiled)
         ms.check_matches(trace, compiled, predicted)

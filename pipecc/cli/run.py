@@ -154,6 +154,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="write a Chrome/Perfetto trace of the run to FILE (chrome://tracing, ui.perfetto.dev): one "
                    "track per rank and stage, every action of every step as it ran; `pipecc inspect OUT --trace "
                    "FILE` compares it with the predicted schedule (docs/trace.md)")
+    p.add_argument("--force", action="store_true",
+                   help="--trace: replace FILE even when pipecc did not write it (never OUT's files or the model file)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
     c = p.add_argument_group("checkpoints (training only)")
     c.add_argument("--checkpoint-dir", metavar="DIR",
@@ -338,7 +340,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     argv = ["--steps", str(args.steps)]
     for flag, on in (("--verify", args.verify), ("--verify-stages-only", args.verify_stages_only),
                      ("--resume", args.resume), ("--debug", getattr(args, "debug", False)),
-                     ("--json", args.json)):
+                     ("--json", args.json), ("--force", getattr(args, "force", False))):
         if on:
             argv.append(flag)
     if args.checkpoint_dir is not None:

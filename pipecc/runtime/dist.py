@@ -236,6 +236,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="print one JSON document of measured vs predicted times (pipecc.runtime.timing)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="--json: steps left out of the statistics")
     parser.add_argument("--trace", type=Path, help="write a Chrome trace of every action here (pipecc.runtime.trace)")
+    parser.add_argument("--force", action="store_true", help="--trace: replace a file pipecc did not write")
     parser.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return parser
 
@@ -647,7 +648,7 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
         if args.steps < 1:
             raise UsageError("--trace records the run's steps: give --steps 1 or more")
         if os.environ.get("RANK", "0") == "0":  # the rank that writes it
-            check_trace_path(args.trace)
+            check_trace_path(args.trace, args)
     if getattr(args, "json", False) and args.steps <= warmup:
         raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
                          f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")

@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # the backends and the planner load only when a step needs th
     from pipecc.targets.hardware import Cluster
 
 
+LOSS_META = "pipecc.loss_reduction"  # graph.gm.meta: the LossReduction check_loss found
+
+
 @dataclass
 class Analysis:
     """A costed graph and, for .py models, the model it came from."""
@@ -273,8 +276,9 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if state.spec is not None:  # the loss and target a run will use, checked now, not in a rank
         from pipecc.frontend.model_checks import check_loss
         spec = state.spec
-        check_loss(spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target,
-                   path.name)
+        reduction = check_loss(spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn,
+                               spec.make_target, path.name)
+        graph.gm.meta[LOSS_META] = reduction  # how micro-batch losses combine (pipecc.json's loss_reduction)
     return Analysis(graph, state.spec)
 
 
@@ -707,6 +711,17 @@ def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
         raise PipeccError(found.message(pieces))
 
 
+def _loss_combines(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
+    """Refuse (one line) a training plan that splits the batch when the model file's loss_fn
+    is neither a mean nor a sum over the samples (`pipecc.runtime.loss_reduction`): its
+    micro-batch losses cannot be combined into the batch's loss."""
+    from pipecc.passes import batchdim
+    reduction = graph.gm.meta.get(LOSS_META)
+    pieces = batchdim.pieces(plan.microbatches, replicas)
+    if plan.schedule != "inference" and reduction is not None and reduction.kind == "mixed" and pieces:
+        raise PipeccError(reduction.refusal(pieces, Path(plan.model_path or "the model file").name))
+
+
 def _strict_batchnorm_message(note: str) -> str:
     return (f"strict_batchnorm: {note}, so its outputs would differ from the model's; use "
             "microbatches=1 (or eval mode)")
@@ -736,6 +751,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     _separable(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
+    _loss_combines(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
     steps = [Step("cut stages", _cut_stages),

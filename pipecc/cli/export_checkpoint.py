@@ -63,9 +63,9 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
         raise PipeccError(f"{output} is a folder; give a file name such as model.safetensors")
     if not Path(os.path.realpath(output)).parent.is_dir():
         raise PipeccError(f"{output.parent} is not a folder; create it first or give another OUT")
-    target = outfile.check(output, "", [directory], force)
-    if target.kind == "file" and not force:  # even one pipecc wrote: a model state is worth keeping
+    if output.is_file() and not force:  # even one pipecc wrote: a model state is worth keeping
         raise PipeccError(f"{output} exists; give --force to replace it, or another OUT")
+    outfile.check(output, "", [directory], True)  # a device written into; never an input
     latest = read_latest(directory)
     if latest is None:
         raise PipeccError(f"{directory} holds no checkpoint (no {LATEST}); give the --checkpoint-dir of a "
@@ -85,5 +85,5 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
         save_file(state, path, metadata={"format": "pipecc-model-state/1", "step": str(step),
                                          "checkpoint": json.dumps(str(directory.resolve()))})
     save.wants_path = True  # type: ignore[attr-defined]
-    outfile.write_with(output, save, "", [directory], force)  # never over a device or an input
+    outfile.write_with(output, save, "", [directory], True)  # never over a device or an input
     return len(state), step, output

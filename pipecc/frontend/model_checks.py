@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.loss_reduction import MEAN_LOSS, LossReduction, analyse
 
 _HOOKS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
           ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
@@ -187,11 +188,13 @@ def check_dtypes(gm: fx.GraphModule) -> None:
 
 
 def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | None,
-               make_target: Callable[[int], Any] | None, file: str) -> None:
-    """The model file's loss_fn and example_target, on fake tensors (module docstring). A model
-    fake tensors cannot run (data-dependent code) is left to the capture's own check."""
+               make_target: Callable[[int], Any] | None, file: str) -> LossReduction:
+    """The model file's loss_fn and example_target, on fake tensors (module docstring), and how
+    its micro-batch losses combine (`pipecc.runtime.loss_reduction.analyse`: a mean, a sum, or
+    mixed). A model fake tensors cannot run (data-dependent code) is left to the capture's own
+    check (and its loss counted a mean, as the runtime always did)."""
     if make_target is None and loss_fn is None:
-        return
+        return MEAN_LOSS
     target = None
     if make_target is not None:
         try:
@@ -207,7 +210,7 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
                                   f"batch, so dim 0 must be the batch size {batch}")
             _check_tensor(t, f"example_target's tensor of shape {list(t.shape)}", "make it finite")
     if not callable(loss_fn) or target is None:
-        return
+        return MEAN_LOSS
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pipecc.frontend.model_state import fake_weights, preserved_state
@@ -219,7 +222,7 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
             with fake_weights(model, mode), mode:
                 outputs = model(*fake_inputs)
         except Exception:
-            return  # the capture reports a forward that fails; one fake tensors cannot run is fine
+            return MEAN_LOSS  # the capture reports a forward that fails; one fake tensors cannot run is fine
         fake_target = _fake_tree(target, mode)
         try:
             with mode:
@@ -228,7 +231,7 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
             raise PipeccError(f"loss_fn in {file} called sys.exit({exc.code!r})") from None
         except Exception as exc:
             if _unsupported_by_fake(exc):
-                return
+                return analyse(loss_fn, outputs, target, batch)
             # a loss may read values (.tolist(), numpy) that fake tensors lack: on real zeros
             # of the outputs' shapes it either runs (fake tensors' limit) or fails for real
             try:
@@ -249,6 +252,7 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
     if not loss.is_floating_point():
         raise PipeccError(f"loss_fn in {file} returned a {str(loss.dtype).removeprefix('torch.')} tensor; "
                           "the loss must be floating point to be back-propagated")
+    return analyse(loss_fn, outputs, target, batch)
 
 
 def _fake_tree(value: Any, mode: Any) -> Any:

@@ -56,7 +56,9 @@ def check(path: str | os.PathLike, flag: str, inputs: Iterable[str | os.PathLike
     except (FileNotFoundError, NotADirectoryError):
         st = None
     except OSError as exc:
-        raise PipeccError(f"{shown}: cannot look at it ({exc.strerror or exc}); give another file") from None
+        if exc.errno != errno.ENAMETOOLONG:
+            raise PipeccError(f"{shown}: cannot look at it ({exc.strerror or exc}); give another file") from None
+        st = None  # nothing can be there: the writer's own check names the long name
     if st is not None and (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
         # opened by the name given: /dev/stdout's link to a pipe has no path to resolve to
         return Target(given, given, "device" if stat.S_ISCHR(st.st_mode) else "fifo")
@@ -77,8 +79,8 @@ def check(path: str | os.PathLike, flag: str, inputs: Iterable[str | os.PathLike
                           "pipes: give a file name")
     _check_inputs(real, st, shown, inputs)
     if not force and st.st_size and not written_by_pipecc(real):
-        raise PipeccError(f"{shown}: {given} exists and was not written by pipecc; give --force to "
-                          "replace it, or another file name")
+        raise PipeccError(f"{shown} exists and was not written by pipecc; give --force to replace it, "
+                          "or another file name")
     return Target(given, real, "file")
 
 
@@ -145,7 +147,7 @@ def write_with(path: str | os.PathLike, produce: Callable, flag: str,
             _replace(target, produce, prefix)
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename and str(exc.filename) != str(path) else ""
-        raise PipeccError(f"cannot write {shown}: {where}{exc.strerror or exc}; nothing was written") from None
+        raise PipeccError(f"cannot write {shown} ({where}{exc.strerror or exc}); nothing was written") from None
     return target
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.loss_reduction import LossReduction
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.lengths import LENGTH_ARG
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
@@ -122,6 +123,8 @@ class RunData:
         def loss_fn(value: Any, tgt: Any) -> torch.Tensor:
             sends = (value,) if len(send_names) == 1 else tuple(value)
             return model_loss(build_output(tree, dict(zip(send_names, sends))), tgt)
+        if model_loss is user_loss:  # how its micro-batch losses combine (pipecc.runtime.loss_reduction)
+            loss_fn.reduction = LossReduction.from_json(meta.get("loss_reduction"))  # type: ignore[attr-defined]
 
         inputs = _stage0_inputs(model_inputs, meta.get("model_inputs") or specs[0].get("model_inputs") or [],
                                 first, path.name)

@@ -719,7 +719,7 @@ def _loss_combines(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
     reduction = graph.gm.meta.get(LOSS_META)
     pieces = batchdim.pieces(plan.microbatches, replicas)
     if plan.schedule != "inference" and reduction is not None and reduction.kind == "mixed" and pieces:
-        raise PipeccError(reduction.refusal(pieces, Path(plan.model_path or "the model file").name))
+        raise PipeccError(reduction.message(pieces, Path(plan.model_path or "the model file").name))
 
 
 def _strict_batchnorm_message(note: str) -> str:

@@ -339,7 +339,9 @@ def _read_marker(out: Path) -> dict | None:
 
 def _add_manifest(tmp: Path) -> None:
     """Record in the marker every file this compile wrote: a later compile replaces only those."""
+    from pipecc.runtime import folder_sums
     marker = json.loads((tmp / MARKER).read_text(encoding="utf-8"))
+    marker[folder_sums.KEY] = folder_sums.record(tmp)  # checked at every load (the runtime's folder_sums)
     marker["files"] = sorted(rel for rel, kind in _entries(tmp) if kind != "dir")
     marker["files_mac"] = sign(tmp, marker["files"])  # the evidence a recompile checks (manifest.py)
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")

@@ -54,7 +54,8 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
     from safetensors.torch import save_file
 
     from pipecc.runtime import ckpt_remap
-    from pipecc.runtime.checkpoints import LATEST, OLD_FORMAT, check_rank_sums, read_latest
+    from pipecc.runtime.checkpoints import (LATEST, OLD_FORMAT, check_rank_sums, check_steps, old_format_refusal,
+                                             read_latest)
 
     if not directory.is_dir():
         raise PipeccError(f"{directory} is not a folder; give the --checkpoint-dir of a `pipecc run`")
@@ -78,8 +79,10 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
     if not folder.is_dir():
         kept = sorted(p.name for p in directory.glob("step_*") if p.is_dir())
         raise PipeccError(f"{directory} holds no checkpoint of step {step} (it holds {', '.join(kept) or 'none'})")
-    check = None if latest.get("format") == OLD_FORMAT else check_rank_sums
-    found = ckpt_remap.gather(folder, world, check)
+    if latest.get("format") == OLD_FORMAT:
+        raise PipeccError(old_format_refusal(directory).removeprefix("--resume: ").replace("resume it", "export it"))
+    check_steps(folder, world, step)
+    found = ckpt_remap.gather(folder, world, check_rank_sums)
     state = ckpt_remap.model_state(found)
     def save(path: str) -> None:
         save_file(state, path, metadata={"format": "pipecc-model-state/1", "step": str(step),

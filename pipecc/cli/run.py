@@ -188,9 +188,12 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
+    from pipecc.runtime.folder_sums import MARKER_MAX_BYTES, read_regular
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could hang
+        raise PipeccError(f"{path} is not a regular file; compile again")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError:
+        data = json.loads(read_regular(path, MARKER_MAX_BYTES).decode("utf-8"))
+    except (OSError, PipeccError):
         raise PipeccError(f"{path.parent} is not a compiled folder (no {path.name}); run "
                           f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
     except ValueError as exc:

@@ -56,7 +56,7 @@ class LossReduction:
             return cls(str(data["kind"]), str(data.get("why") or ""))
         return cls(MEAN)
 
-    def refusal(self, split: str, file: str = "the model file") -> str:
+    def message(self, split: str, file: str = "the model file") -> str:
         """The one line refusing a run that splits the batch (``split``: "4 micro-batches", ...)."""
         return (f"loss_fn in {file} is neither a mean nor a sum over the samples ({self.why}), so the "
                 f"losses of {split} do not combine into the batch's loss; give --microbatches 1 --replicas 1, "
@@ -82,7 +82,7 @@ def check_run(marker: dict[str, Any], microbatches: int, replicas: int) -> None:
     reduction = LossReduction.from_json(marker.get("loss_reduction"))
     split = split_words(microbatches, replicas)
     if reduction.kind == MIXED and split:
-        raise PipeccError(reduction.refusal(split, Path(str(marker.get("model_path") or "the model file")).name))
+        raise PipeccError(reduction.message(split, Path(str(marker.get("model_path") or "the model file")).name))
 
 
 def weight(reduction: LossReduction | str, part: int | float, whole: int | float) -> float:

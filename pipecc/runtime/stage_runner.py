@@ -149,7 +149,7 @@ class StageRunner:
         if reduction.kind == SUM:
             return loss.reshape(())
         if reduction.kind != MEAN and (rt.m > 1 or rt.replicas.count > 1):
-            raise PipeccError(f"rank {rt.global_rank}: " + reduction.refusal(split_words(rt.m, rt.replicas.count)))
+            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
         return loss.reshape(()) * (weight(MEAN, part, whole) * rt.replicas.weight)
 
     def check(self, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:

@@ -37,7 +37,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -251,8 +251,31 @@ def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name:
 def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch_size: int = 1,
             symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False,
             dump_ir: str | Path | None = None) -> Analysis:
-    """Load a model file (.py or .onnx) and return its costed graph."""
-    path = Path(path)
+    """Load a model file (.py or .onnx) and return its costed graph. The model's code runs here
+    (build_model, forward, loss_fn): a working folder it changes (`os.chdir` in build_model) is
+    changed back, so every path the caller gives afterwards means what it meant."""
+    with kept_cwd():
+        return _analyze(Path(path), model_args=model_args, batch_size=batch_size, symbols=symbols,
+                        debug=debug, dump_ir=dump_ir)
+
+
+@contextlib.contextmanager
+def kept_cwd() -> Iterator[None]:
+    """The process's working folder as it was on entry, whatever the code inside does."""
+    try:
+        here = os.getcwd()
+    except OSError:
+        here = None
+    try:
+        yield
+    finally:
+        if here is not None:
+            with contextlib.suppress(OSError):
+                os.chdir(here)
+
+
+def _analyze(path: Path, *, model_args: dict[str, Any] | None, batch_size: int,
+             symbols: Sequence[torch_capture.SymbolSpec], debug: bool, dump_ir: str | Path | None) -> Analysis:
     if batch_size < 1:
         raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
     if path.suffix == ".onnx":

@@ -305,3 +305,11 @@ def write_atomic(path: str, text: str, flag: str = "-o", inputs: Any = (), force
     if target.kind in ("new", "file"):
         clean_stale_temps(target.real)
     outfile.write(path, text, flag, inputs, force, prefix=temp_prefix(target.real, "file"))
+
+
+def model_stdout(args: Any) -> Any:
+    """Where model code's prints go while it runs: stderr under --json (stdout carries the one
+    JSON document and nothing else), stdout otherwise. A context manager."""
+    import contextlib
+    import sys
+    return contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli.args import add_model_args, add_plan_args, check_output_file, write_atomic
+from pipecc.cli.args import add_model_args, add_plan_args, check_output_file, model_stdout, write_atomic
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -116,7 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipecc.report.text import plan_table
     if args.output:
         check_output_file(args.output, "-o", plan_inputs(args), args.force)  # now, not after minutes
-    _, plan, _ = plan_from_args(args)
+    with model_stdout(args):  # a print in the model must not corrupt --json
+        _, plan, _ = plan_from_args(args)
     if args.json:  # NOTE: otherwise the -v table lists the decisions: once is enough
         for decision in plan.decisions:
             progress.explain(decision)

@@ -81,8 +81,8 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
         raise PipeccError(f"{directory} holds no checkpoint of step {step} (it holds {', '.join(kept) or 'none'})")
     if latest.get("format") == OLD_FORMAT:
         raise PipeccError(old_format_refusal(directory).removeprefix("--resume: ").replace("resume it", "export it"))
-    check_steps(folder, world, step)
     found = ckpt_remap.gather(folder, world, check_rank_sums)
+    check_steps(folder, world, step)  # each rank's files its own; all of one step
     state = ckpt_remap.model_state(found)
     def save(path: str) -> None:
         save_file(state, path, metadata={"format": "pipecc-model-state/1", "step": str(step),

@@ -231,8 +231,8 @@ class RunCheckpoints:
         if latest is not None and latest.get("format") == OLD_FORMAT:
             raise PipeccError(old_format_refusal(self.directory))
         self.notes = check_resume(latest, self.run, None, self.directory) if latest is not None and self.run else []
-        check_steps(folder, self.runtime.global_world, step, "--resume: ")
         self._check_sums(folder)
+        check_steps(folder, self.runtime.global_world, step, "--resume: ")
         self._check_optimizer(folder)
         try:
             loaded = self.runtime.load_checkpoint(folder)
@@ -268,9 +268,9 @@ class RunCheckpoints:
             raise PipeccError(f"--resume: {self.directory / LATEST} says world {world!r}; it is damaged: give "
                               "another --checkpoint-dir to start over")
         self.notes = check_resume(latest, self.run, None, self.directory) if self.run else []
-        check_steps(folder, world, step, "--resume: ")
         try:
             found = ckpt_remap.gather(folder, world, lambda f, r: self._check_sums(f, r))
+            check_steps(folder, world, step, "--resume: ")
             ckpt_remap.check_same_model(found, sig)
         except PipeccError as e:
             text = str(e)

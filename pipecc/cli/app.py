@@ -48,9 +48,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     code = _main(argv)
-    if as_program and _command(argv) == "run":
-        _exit_now(code)
+    if as_program and (_command(argv) == "run" or _stray_threads()):
+        _exit_now(code)  # NOTE: a thread the model's code started and never ends must not keep pipecc alive
     return code
+
+
+def _stray_threads() -> bool:
+    """A thread other than the main one, not a daemon, still running: the interpreter would wait
+    for it at exit (a model file's `threading.Thread(target=forever).start()`)."""
+    import threading
+    main = threading.main_thread()
+    return any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
 def _command(argv: Sequence[str]) -> str | None:

@@ -132,7 +132,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
-                   "naming the rank that hung. Also how long the nodes of --nnodes wait for each other, and "
+                   "naming the rank that hung. Also how long a rank's model-file code (its import, example_inputs, "
+                   "example_target) may run, how long the nodes of --nnodes wait for each other, and "
                    "how long a stopped torchrun agent is waited for")
     p.add_argument("--optimizer", choices=["sgd", "adam"], help="default sgd (training only)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3; training only)")
@@ -434,10 +435,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     # NOTE: torchrun makes a log folder per launch (its error files) and never removes it: without
     # --log-dir every run left a torchelastic_* folder in $TMPDIR; this one goes with the run
     import shutil
-    import tempfile
-    logs = tempfile.mkdtemp(prefix="pipecc-torchrun-")
+    from pipecc.runtime.leftovers import make_log_dir
+    logs = make_log_dir()  # a killed run's folders (its pid gone) are removed here
     cmd = [*cmd[:3], "--log-dir", logs, *cmd[3:]]
     env = _child_env()
+    from pipecc.runtime import watchdog
+    env[watchdog.ENV] = str(args.timeout or DEFAULT_TIMEOUT_S)  # model code in every rank: bounded too
     if args.checkpoint_dir is not None:
         from pipecc.runtime.ckptlock import LOCK_ENV
         env[LOCK_ENV] = str(Path(args.checkpoint_dir).resolve())  # the ranks do not lock it again

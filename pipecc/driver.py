@@ -734,6 +734,17 @@ def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
         raise PipeccError(found.message(pieces))
 
 
+def _executable(graph: AnnotatedGraph) -> None:
+    """Refuse (one line) compiling an ONNX graph with ops pipecc costs but cannot execute: `plan`
+    and `cost` work on it, stage code could not run it."""
+    from pipecc.frontend.onnx_import import unsupported_ops
+    ops = unsupported_ops(graph.gm)
+    if ops:
+        raise PipeccError(f"ONNX op{'s' if len(ops) > 1 else ''} {', '.join(ops)} {'have' if len(ops) > 1 else 'has'} "
+                          "no torch implementation in pipecc: `pipecc plan` and `cost` work on this model, but a "
+                          "compiled stage could not run it; replace the op in the export (or plan only)")
+
+
 def _loss_combines(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
     """Refuse (one line) a training plan that splits the batch when the model file's loss_fn
     is neither a mean nor a sum over the samples (`pipecc.runtime.loss_reduction`): its
@@ -772,6 +783,7 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "nothing to train (`pipecc run` would fail): compile it with "
                           "--inference for a forward-only pipeline")
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
+    _executable(graph)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     _separable(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
     _loss_combines(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
@@ -800,6 +812,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     `strict_batchnorm`; for a model in eval mode, when the module is switched to `train()`."""
     from pipecc.backends.base import Target
     check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
+    _executable(graph)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
     _separable(graph, plan, 1)  # one process runs each micro-batch whole (no replicas' slices)
     if batchnorm:

@@ -21,6 +21,8 @@ compile time so that it is refused in one line there, not accepted and broken in
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings as pywarnings
 from typing import Any, Callable, Iterator
 
@@ -216,7 +218,7 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
     from pipecc.frontend.model_state import fake_weights, preserved_state
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-    with preserved_state(model), pywarnings.catch_warnings():
+    with preserved_state(model), pywarnings.catch_warnings(), _quiet_fake_tensors():
         pywarnings.simplefilter("ignore")
         try:
             with fake_weights(model, mode), mode:
@@ -253,6 +255,19 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
         raise PipeccError(f"loss_fn in {file} returned a {str(loss.dtype).removeprefix('torch.')} tensor; "
                           "the loss must be floating point to be back-propagated")
     return analyse(loss_fn, outputs, target, batch)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Fake tensors log an op that fails on them with its whole traceback (torch's logger, at
+    ERROR): the loss check turns that failure into one line of its own, so the log is muted."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _fake_tree(value: Any, mode: Any) -> Any:

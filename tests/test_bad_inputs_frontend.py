@@ -197,6 +197,15 @@ CASES_33 = [
     Case("a loss that takes a max over the batch, split in 4", loss_file(
         "return torch.nn.functional.cross_entropy(o, t, reduction='none').max()"), flags=("-m", "4"),
          says=("loss_fn in model.py is neither a mean nor a sum over the samples", "--microbatches 1")),
+    Case("forward(*args)", HEAD + "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.lin = nn.Linear(4, 4)\n\n    def forward(self, *args):\n        return self.lin(args[0])\n\n\n"
+         "def build_model():\n    return M()\n\n\n" + INPUTS, says=("M.forward takes *args",)),
+    Case("the model overrides __call__", HEAD + "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.lin = nn.Linear(4, 4)\n\n    def forward(self, x):\n        return self.lin(x)\n\n"
+         "    def __call__(self, x):\n        return super().__call__(x) * 2\n\n\n"
+         "def build_model():\n    return M()\n\n\n" + INPUTS, says=("the model (M) overrides __call__",)),
+    Case("--symbol B=0:1", build_file(SEQ), flags=("--symbol", "B=0:1"), exit_code=2,
+         says=("--symbol B=0:1: B is the batch symbol",)),
     Case("a sum loss, split in 4: compiles (the runtime adds the micro-batch losses)", loss_file(
         "return torch.nn.functional.cross_entropy(o, t, reduction='sum')"), flags=("-m", "4"), exit_code=0),
 ]

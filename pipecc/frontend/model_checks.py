@@ -54,6 +54,26 @@ def _global_hooks() -> list[str]:
     return found
 
 
+def _check_call_and_signature(model: nn.Module) -> None:
+    """What the compiled pipeline would silently skip or cannot feed: a model class that overrides
+    ``__call__`` (the capture runs its forward, so the extra work would be dropped), and
+    ``forward(*args)`` (stage 0's inputs are named by forward's parameters)."""
+    import inspect
+    # NOTE: the model only: capture calls a submodule through its __call__ (an override is traced
+    # like forward), but the model itself through forward
+    own = next((k for k in type(model).__mro__ if "__call__" in vars(k)), nn.Module)
+    if own is not nn.Module and issubclass(own, nn.Module) and own.__module__.split(".")[0] != "torch":
+        raise PipeccError(f"the model ({type(model).__name__}) overrides __call__, which the compiled pipeline never "
+                          "calls (it runs forward's operations): move that work into forward")
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        raise PipeccError(f"{type(model).__name__}.forward takes *args; pipecc names the pipeline's inputs by "
+                          "forward's parameters: give them names (def forward(self, x, mask=None))")
+
+
 def check_module(model: nn.Module, inputs: tuple) -> None:
     """Refuse hooks, parametrizations, sparse tensors and non-finite weights or inputs (module
     docstring: why each)."""
@@ -63,6 +83,7 @@ def check_module(model: nn.Module, inputs: tuple) -> None:
         raise PipeccError(f"global module {glob[0]} are registered (torch.nn.modules.module."
                           "register_module_*_hook); the compiled stages do not run hooks: remove them "
                           "before compiling")
+    _check_call_and_signature(model)
     for name, module in model.named_modules():
         where = f"module '{name}'" if name else "the model"
         if parametrize.is_parametrized(module):

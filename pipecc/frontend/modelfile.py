@@ -222,3 +222,19 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
     return ModelSpec(path=path, model=model, example_inputs=inputs, make_inputs=make_inputs,
                      loss_fn=defined(module, "loss_fn"), make_target=make_target,
                      model_args=model_args)
+
+
+@contextlib.contextmanager
+def kept_cwd() -> Iterator[None]:
+    """The process's working folder as it was on entry, whatever the model's code inside does
+    (`os.chdir` in build_model): every path given before means afterwards what it meant."""
+    try:
+        here = os.getcwd()
+    except OSError:
+        here = None
+    try:
+        yield
+    finally:
+        if here is not None:
+            with contextlib.suppress(OSError):
+                os.chdir(here)

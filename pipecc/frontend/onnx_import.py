@@ -176,6 +176,16 @@ def unsupported_ops(gm: fx.GraphModule) -> list[str]:
                    if n.op == "call_function" and getattr(n.target, "__pipecc_onnx_unsupported__", None)})
 
 
+def check_executable(gm: fx.GraphModule) -> None:
+    """Refuse (one line) compiling a graph with ONNX ops pipecc costs but cannot execute: `plan`
+    and `cost` work on it, a compiled stage could not run it."""
+    ops = unsupported_ops(gm)
+    if ops:
+        raise PipeccError(f"ONNX op{'s' if len(ops) > 1 else ''} {', '.join(ops)} {'have' if len(ops) > 1 else 'has'} "
+                          "no torch implementation in pipecc: `pipecc plan` and `cost` work on this model, but a "
+                          "compiled stage could not run it; replace the op in the export (or plan only)")
+
+
 def _running_stats(graph: Any) -> set[str]:
     """Initializers used only as BatchNormalization mean/var: buffers, not weights."""
     stat_uses: set[str] = set()

@@ -73,6 +73,15 @@ def split_words(microbatches: int, replicas: int = 1) -> str:
     return " and ".join(parts)
 
 
+def check_split(reduction: LossReduction | None, microbatches: int, replicas: int, file: str) -> None:
+    """Refuse (one line) a training plan that splits the batch when ``loss_fn`` mixes samples
+    (``reduction`` as the analysis found it; None: no loss_fn analysed)."""
+    from pipecc.errors import PipeccError
+    split = split_words(microbatches, replicas)
+    if reduction is not None and reduction.kind == MIXED and split:
+        raise PipeccError(reduction.message(split, file))
+
+
 def check_run(marker: dict[str, Any], microbatches: int, replicas: int) -> None:
     """A run of a compiled folder (``pipecc.json``) that would split the batch of a model whose
     loss_fn mixes samples: refused in one line (before any process starts)."""

@@ -446,6 +446,18 @@ def test_a_second_run_on_a_locked_checkpoint_dir_is_refused(folder, holder, caps
     assert (ckpt / ".pipecc-run.lock").read_text() == lock_text
 
 
+def test_deleting_the_lock_file_lets_no_second_run_in(folder, holder, capsys) -> None:
+    """The folder itself is locked too: a removed lock file (before issue 33: two runs wrote one
+    checkpoint folder) still refuses the second run."""
+    out, _ = folder
+    ckpt, proc = holder
+    (ckpt / ".pipecc-run.lock").unlink()
+    assert cli.main(["run", str(out), "--steps", "1", "--checkpoint-dir", str(ckpt)]) == 1
+    one_line(capsys.readouterr().err, r"--checkpoint-dir .*ckpt is in use by another run \(its .pipecc-run.lock was "
+             r"removed while it ran\)")
+    assert not any(p.name.startswith("step_") for p in ckpt.iterdir())
+
+
 def test_the_worker_refuses_a_locked_checkpoint_dir(folder, holder, monkeypatch, capsys) -> None:
     out, _ = folder
     ckpt, proc = holder

@@ -93,3 +93,17 @@ def test_pipecc_json_as_a_fifo_is_refused(tmp_path, capsys):
     for argv in (["run", str(out), "--steps", "1"], ["inspect", str(out)]):
         code, _, err = run_cli(argv, capsys)
         assert code == 1 and err.count("\n") == 1 and err.startswith("pipecc: error: "), err
+
+
+def test_a_profile_fit_of_1e308_is_refused_not_searched_for_minutes(tmp_path, capsys):
+    import json
+    model = ROOT / "models" / "mlp.py"
+    prof = tmp_path / "prof.json"
+    assert cli.main(["profile", str(model), "-b", "4", "-d", "cpu", "--repeat", "1", "--warmup", "0", "--no-link",
+                     "--no-cache", "--no-fixed-costs", "-o", str(prof), "--json"]) == 0
+    data = json.loads(prof.read_text())
+    data["targets"][0]["nodes"][0]["fit"]["fwd"]["a"] = 1e308
+    prof.write_text(json.dumps(data))
+    capsys.readouterr()
+    code, out, err = run_cli(["plan", str(model), "-b", "4", "-d", "cpu", "--profile", str(prof)], capsys)
+    assert code == 1 and err.count("\n") == 1 and "has a fit of 1e+308 s, beyond any measurement" in err, err

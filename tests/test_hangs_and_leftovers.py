@@ -107,3 +107,40 @@ def test_a_profile_fit_of_1e308_is_refused_not_searched_for_minutes(tmp_path, ca
     capsys.readouterr()
     code, out, err = run_cli(["plan", str(model), "-b", "4", "-d", "cpu", "--profile", str(prof)], capsys)
     assert code == 1 and err.count("\n") == 1 and "has a fit of 1e+308 s, beyond any measurement" in err, err
+
+
+def test_kill_9_of_pipecc_run_takes_the_agent_and_ranks_with_it(tmp_path):
+    """`pipecc run` killed with SIGKILL runs no cleanup: its torchrun agent dies with it (the
+    kernel's parent-death signal) and the ranks follow (their lifeline); nothing keeps running."""
+    import signal
+    import time
+    model = tmp_path / "m.py"
+    model.write_text(HANGS_IN_RANKS)
+    out = tmp_path / "out"
+    assert cli.main(["compile", str(model), "-b", "4", "-d", "cpu,cpu", "--replicas", "1", "-o", str(out), "-q"]) == 0
+    run = subprocess.Popen([*PIPECC, "run", str(out), "--steps", "1", "--timeout", "120"], cwd=ROOT, env=_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = str(out / "run_stage.py")
+
+    def ranks_and_agent() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and int(pid) != run.pid:
+                found.append(int(pid))
+        return found
+    for _ in range(600):  # until the agent and its ranks run (a guard, not a timing assertion)
+        if len(ranks_and_agent()) >= 2:
+            break
+        time.sleep(0.1)
+    assert len(ranks_and_agent()) >= 2  # the agent and its rank(s)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    for _ in range(600):
+        if not ranks_and_agent():
+            break
+        time.sleep(0.1)
+    assert ranks_and_agent() == []

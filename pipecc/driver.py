@@ -270,8 +270,10 @@ def _analyze(path: Path, *, model_args: dict[str, Any] | None, batch_size: int,
     if state.spec is not None:  # the loss and target a run will use, checked now, not in a rank
         from pipecc.frontend.model_checks import check_loss
         spec = state.spec
-        graph.gm.meta[LOSS_META] = check_loss(  # how micro-batch losses combine (pipecc.json's loss_reduction)
-            spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target, path.name)
+        from pipecc.frontend.modelfile import deadline
+        with deadline(f"the loss check of {path.name} (forward and loss_fn on the example)"):
+            graph.gm.meta[LOSS_META] = check_loss(  # how micro-batch losses combine (pipecc.json's loss_reduction)
+                spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target, path.name)
     return Analysis(graph, state.spec)
 
 

@@ -149,7 +149,8 @@ def from_onnx(path: str | Path, batch_size: int = 1) -> AnnotatedGraph:
     if not batched and batch_size != 1:
         notes.append(f"{path.name} has a fixed batch size; --batch-size {batch_size} is ignored")
     if not batched:  # the batch the file fixes (its first input's dim 0), for messages about splitting it
-        dims = [d.dim_value for vi in real_inputs[:1] for d in vi.type.tensor_type.shape.dim[:1] if d.HasField("dim_value")]
+        dims = [d.dim_value for vi in real_inputs[:1] for d in vi.type.tensor_type.shape.dim[:1]
+                if d.HasField("dim_value")]
         gm.meta["pipecc.fixed_batch"] = int(dims[0]) if dims else None
     return AnnotatedGraph(gm=gm, symbols=syms, point=point, source="onnx",
                           model_name=path.stem, warnings=notes)

@@ -72,7 +72,8 @@ def _build(folder: Path, file: str, class_name: str) -> nn.Module:
     source.__file__ = str(path)  # tracebacks, inspect.getsource and torch's source lookups
     sys.modules[name] = source  # so inspect/torch tooling can find the class's module
     try:
-        exec(compile(data, str(path), "exec", dont_inherit=True), source.__dict__)  # noqa: S102 - the checked stage code
+        code = compile(data, str(path), "exec", dont_inherit=True)
+        exec(code, source.__dict__)  # noqa: S102 - the stage code, checked against its recorded sha256
         cls = getattr(source, class_name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PipeccError(f"{folder}/{file} defines no stage module class; {RECOMPILE}")

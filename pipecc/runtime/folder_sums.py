@@ -2,12 +2,13 @@
 
 ``pipecc compile`` records in ``pipecc.json`` (``"sha256"``: relative path -> hex digest) every
 file a run executes or loads: ``run_stage.py``, and each stage's ``*.py``, ``*.safetensors`` and
-``ports.json`` (not an FPGA stage's HLS project, which the C simulation builds). A run
-(``pipecc run``, ``pipecc.load``, ``inspect --onnx``) refuses a folder that records none
-(compiled before the hashes, or the field was deleted), and each loader reads a file once, checks the bytes against the record and uses those same bytes: stage
-code is compiled from memory (never imported through the import system, so a planted
-``__pycache__/*.pyc`` never runs in its place and no bytecode is written into the folder), weights
-are parsed from the bytes hashed (a weight flipped to 6e37 is refused, not trained).
+``ports.json`` (not an FPGA stage's HLS project, which the C simulation builds). A run (``pipecc
+run``, ``pipecc.load``, ``inspect --onnx``) refuses a folder that records none (compiled before
+the hashes, or the field was deleted), and each loader reads a file once, checks the bytes
+against the record and uses those same bytes: stage code is compiled from memory (never imported
+through the import system, so a planted ``__pycache__/*.pyc`` never runs in its place and no
+bytecode is written into the folder), weights are parsed from the bytes hashed (a weight flipped
+to 6e37 is refused, not trained).
 
 What the hashes prove is that the folder is the one the compile wrote, as long as
 ``pipecc.json`` is: whoever can edit the folder can edit the record too (a compiled folder is

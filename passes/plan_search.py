@@ -103,6 +103,12 @@ class Planner:
         else:
             m = int(opt.microbatches)
             if m < 1 or b % m:
+                if "B" not in self.tables.graph.symbols and m > 1:  # a batch the model fixes (a static ONNX dim)
+                    fixed = self.tables.graph.gm.meta.get("pipecc.fixed_batch")
+                    raise UsageError(f"--microbatches {m}: the model has a fixed batch"
+                                     f"{f' of {fixed}' if fixed else ''} (its input's first dim is not symbolic), "
+                                     "which pipecc does not split; give --microbatches 1, or export it with a "
+                                     "symbolic batch dim")
                 raise UsageError(f"--microbatches {m} must divide the batch size {b}")
             ms = [m]
         unreplicable = [dev.name for dev in devices if not dev.can(caps.REPLICATE)]

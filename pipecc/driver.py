@@ -44,10 +44,12 @@ from torch import nn
 
 from pipecc import cost, progress
 from pipecc.errors import PipeccError, UsageError
-from pipecc.frontend import constants, torch_capture
+from pipecc.frontend import constants, onnx_import, torch_capture
+from pipecc.frontend.torch_capture import parse_symbols  # noqa: F401  (driver.parse_symbols: the CLI's)
 from pipecc.frontend.model_state import preserved_state
-from pipecc.frontend.modelfile import ModelSpec, load_model_file
+from pipecc.frontend.modelfile import ModelSpec, kept_cwd, load_model_file
 from pipecc.ir import techniques
+from pipecc.runtime.loss_reduction import check_split
 from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
                              AnnotatedGraph, TensorInfo)
 from pipecc.ir.plan import Plan
@@ -61,6 +63,9 @@ if TYPE_CHECKING:  # the backends and the planner load only when a step needs th
     from pipecc.passes.plan_evaluate import Evaluator
     from pipecc.passes.plan_search import Planner
     from pipecc.targets.hardware import Cluster
+
+
+LOSS_META = "pipecc.loss_reduction"  # graph.gm.meta: the LossReduction check_loss found
 
 
 @dataclass
@@ -186,21 +191,6 @@ def ir_text(state: State) -> str:
 
 
 # ----------------------------------------------------------------------------- analyze
-def parse_symbols(items: Sequence[str] | None) -> list[torch_capture.SymbolSpec]:
-    """`--symbol S=0:1` marks dim 1 of input 0 as the symbol S (inputs may be a+b lists)."""
-    out = []
-    for item in items or []:
-        name, sep, where = item.partition("=")
-        inputs, sep2, dim = where.partition(":")
-        try:
-            assert sep and sep2 and name.isidentifier()
-            spec = torch_capture.SymbolSpec(name, tuple(int(i) for i in inputs.split("+")), int(dim))
-        except (AssertionError, ValueError):
-            raise UsageError(f"--symbol {item!r} is not NAME=INPUT:DIM (example: --symbol S=0:1)") from None
-        out.append(spec)
-    return out
-
-
 def _build(state: State, *, path: Path, model_args: dict[str, Any] | None, batch_size: int) -> None:
     state.spec = load_model_file(path, model_args, batch_size=batch_size)
     state.model, state.inputs = state.spec.model, tuple(state.spec.example_inputs)
@@ -248,8 +238,15 @@ def analyze_module(model: torch.nn.Module, example_inputs: tuple, *, model_name:
 def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch_size: int = 1,
             symbols: Sequence[torch_capture.SymbolSpec] = (), debug: bool = False,
             dump_ir: str | Path | None = None) -> Analysis:
-    """Load a model file (.py or .onnx) and return its costed graph."""
-    path = Path(path)
+    """Load a model file (.py or .onnx) and return its costed graph (the model's code runs here:
+    a working folder it changes is changed back, `kept_cwd`)."""
+    with kept_cwd():
+        return _analyze(Path(path), model_args=model_args, batch_size=batch_size, symbols=symbols, debug=debug,
+                        dump_ir=dump_ir)
+
+
+def _analyze(path: Path, *, model_args: dict[str, Any] | None, batch_size: int,
+             symbols: Sequence[torch_capture.SymbolSpec], debug: bool, dump_ir: str | Path | None) -> Analysis:
     if batch_size < 1:
         raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
     if path.suffix == ".onnx":
@@ -273,8 +270,10 @@ def analyze(path: str | Path, *, model_args: dict[str, Any] | None = None, batch
     if state.spec is not None:  # the loss and target a run will use, checked now, not in a rank
         from pipecc.frontend.model_checks import check_loss
         spec = state.spec
-        check_loss(spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target,
-                   path.name)
+        from pipecc.frontend.modelfile import deadline
+        with deadline(f"the loss check of {path.name} (forward and loss_fn on the example)"):
+            graph.gm.meta[LOSS_META] = check_loss(  # how micro-batch losses combine (pipecc.json's loss_reduction)
+                spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target, path.name)
     return Analysis(graph, state.spec)
 
 
@@ -752,8 +751,12 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
                           "nothing to train (`pipecc run` would fail): compile it with "
                           "--inference for a forward-only pipeline")
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
+    onnx_import.check_executable(graph.gm)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
-    _separable(graph, plan, plan.replicas if isinstance(plan.replicas, int) else 1)
+    replicas = plan.replicas if isinstance(plan.replicas, int) else 1
+    _separable(graph, plan, replicas)
+    if plan.schedule != "inference":  # a loss_fn mixing samples: refused when the batch is split
+        check_split(graph.gm.meta.get(LOSS_META), plan.microbatches, replicas, Path(plan.model_path or "model").name)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
     target = Target(example_inputs=example, number=fpga_number)
     steps = [Step("cut stages", _cut_stages),
@@ -779,6 +782,7 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     `strict_batchnorm`; for a model in eval mode, when the module is switched to `train()`."""
     from pipecc.backends.base import Target
     check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
+    onnx_import.check_executable(graph.gm)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
     _separable(graph, plan, 1)  # one process runs each micro-batch whole (no replicas' slices)
     if batchnorm:

@@ -177,6 +177,40 @@ CASES_22 = [
 ]
 CASES += CASES_22
 
+# issue 33: tracebacks, misleading lines, and a loss that trains wrong when the batch is split
+CASES_33 = [
+    Case("build_model raises MemoryError", build_file("raise MemoryError()"),
+         says=("build_model in model.py ran out of memory (MemoryError)",)),
+    Case("a module __getattr__ that raises", "def __getattr__(name):\n    raise RuntimeError('no ' + name)\n\n"
+         + build_file(SEQ), exit_code=0),
+    Case("an exception whose __str__ raises", build_file(
+        "class E(Exception):\n        def __str__(self):\n            raise ValueError('x')\n    raise E()"),
+         says=("build_model in model.py failed: E: (its message cannot be shown",)),
+    Case("a float target for cross_entropy (no fake-tensor log)", loss_file(
+        "return torch.nn.functional.cross_entropy(o, t)",
+        "def example_target(batch_size=1):\n    return torch.randn(batch_size)\n"),
+         says=("loss_fn in model.py raised RuntimeError", "Expected dtype int32/int64")),
+    Case("loss_fn = 3", build_file(SEQ, INPUTS + TARGET + "loss_fn = 3\n"),
+         says=("loss_fn in model.py is not a function but a value of type int",)),
+    Case("example_target = 'x'", build_file(SEQ, INPUTS + "example_target = 'x'\n"),
+         says=("example_target in model.py is not a function but a value of type str",)),
+    Case("a loss that takes a max over the batch, split in 4", loss_file(
+        "return torch.nn.functional.cross_entropy(o, t, reduction='none').max()"), flags=("-m", "4"),
+         says=("loss_fn in model.py is neither a mean nor a sum over the samples", "--microbatches 1")),
+    Case("forward(*args)", HEAD + "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.lin = nn.Linear(4, 4)\n\n    def forward(self, *args):\n        return self.lin(args[0])\n\n\n"
+         "def build_model():\n    return M()\n\n\n" + INPUTS, says=("M.forward takes *args",)),
+    Case("the model overrides __call__", HEAD + "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+         "        self.lin = nn.Linear(4, 4)\n\n    def forward(self, x):\n        return self.lin(x)\n\n"
+         "    def __call__(self, x):\n        return super().__call__(x) * 2\n\n\n"
+         "def build_model():\n    return M()\n\n\n" + INPUTS, says=("the model (M) overrides __call__",)),
+    Case("--symbol B=0:1", build_file(SEQ), flags=("--symbol", "B=0:1"), exit_code=2,
+         says=("--symbol B=0:1: B is the batch symbol",)),
+    Case("a sum loss, split in 4: compiles (the runtime adds the micro-batch losses)", loss_file(
+        "return torch.nn.functional.cross_entropy(o, t, reduction='sum')"), flags=("-m", "4"), exit_code=0),
+]
+CASES += CASES_33
+
 
 def compile_case(case: Case, tmp_path: Path, capfd) -> tuple[int, str, str, Path]:
     path = tmp_path / "model.py"
@@ -265,3 +299,46 @@ def test_batchnorm_momentum_none_trains_like_the_model() -> None:
     torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
     torch.testing.assert_close(model[1].running_var, reference[1].running_var)
     assert int(model[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == 2
+
+
+def _onnx(tmp_path: Path, kind: str) -> Path:
+    """Small ONNX files (issue 33): an If node, an op without a torch implementation, no
+    outputs, a batch of 3 fixed in the file."""
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 4])
+    if kind == "if":
+        branch = [helper.make_graph([helper.make_node(op, ["x"], [o])], o, [],
+                                    [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["B", 4])])
+                  for op, o in (("Identity", "t"), ("Neg", "e"))]
+        c = helper.make_tensor("c", TensorProto.BOOL, [], [True])
+        g = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=branch[0], else_branch=branch[1])],
+                              "g", [x], [y], initializer=[c])
+    elif kind == "celu":
+        g = helper.make_graph([helper.make_node("Celu", ["x"], ["y"])], "g", [x], [y])
+    elif kind == "no outputs":
+        g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [])
+    else:
+        x3, y3 = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 4]) for n in ("x", "y"))
+        g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x3], [y3])
+    path = tmp_path / f"{kind.replace(' ', '_')}.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind, flags, code, says", [
+    ("if", (), 1, "is an ONNX If (control flow over subgraphs), which pipecc cannot cut into stages"),
+    ("celu", (), 1, "ONNX op Celu has no torch implementation in pipecc"),
+    ("no outputs", (), 1, "declares no graph outputs"),
+    ("fixed batch", ("-m", "4"), 2, "--microbatches 4: the model has a fixed batch of 3"),
+])
+def test_onnx_files_pipecc_cannot_run_are_refused_at_compile(kind, flags, code, says, tmp_path: Path, capfd) -> None:
+    path = _onnx(tmp_path, kind)
+    out = tmp_path / "out"
+    got = cli.main(["compile", str(path), "-d", "2xcpu", "--use-all-devices", "-b", "8", "--inference", "-o", str(out),
+                    "-q", *flags])
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert got == code and len(lines) == 1 and says in lines[0], err
+    assert "Traceback" not in err and not out.exists()

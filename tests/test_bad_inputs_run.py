@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, PIPECC, ROOT, model_args
+from helpers import MLP_TINY, PIPECC, ROOT, model_args, rehash
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.trust import HASH_KEY, file_sha256
@@ -110,7 +110,9 @@ CASES = [
          r"--resume needs --checkpoint-dir DIR"),
     Case("--resume with an empty --checkpoint-dir", lambda o: (o / "ckpt").mkdir(),
          ("--checkpoint-dir", "{out}/ckpt", "--resume"), 1, r"--resume: .*ckpt holds no checkpoint"),
-    Case("stage.py fails to import", lambda o: (o / "stage_0" / "stage.py").write_text("import no_such_module\n"),
+    # the two stage.py rows re-record the folder's hashes: an edit alone is refused by hash (test_trust)
+    Case("stage.py fails to import", lambda o: ((o / "stage_0" / "stage.py").write_text("import no_such_module\n"),
+                                                rehash(o)),
          (), 1, r"stage_0/stage.py fails to import \(ModuleNotFoundError: No module named 'no_such_module'\)"),
     Case("stage.py raises in forward", lambda o: _raise_in_forward(o / "stage_1" / "stage.py"), (), 1,
          r"ValueError: planted \(rerun with --debug for the traceback\)"),
@@ -164,6 +166,7 @@ def _raise_in_forward(path: Path) -> None:
     text, n = re.subn(r"(def forward\(self[^\n]*\n)", r"\1        raise ValueError('planted')\n", path.read_text())
     assert n == 1
     path.write_text(text)
+    rehash(path.parent.parent)
 
 
 def damaged(mlp_out: Path, tmp_path: Path, case: Case) -> tuple[Path, list[str]]:

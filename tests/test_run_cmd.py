@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import MLP_TINY, PIPECC, free_port, model_args
+from helpers import MLP_TINY, PIPECC, free_port, model_args, rehash
 from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.runtime import dist
@@ -114,6 +114,7 @@ def test_verify_catches_a_planted_bug(mlp_out: Path, tmp_path: Path) -> None:
     source, n = re.subn(r"return \((\w+),\)", r"return (\1 * 1.01,)", last.read_text())
     assert n == 1, "the generated last stage no longer ends in `return (x,)`"
     last.write_text(source)
+    rehash(out)  # re-recorded: an edit alone is refused by hash before --verify (test_trust)
     result = pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "30")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
@@ -158,6 +159,7 @@ def edit_forward(out: Path, stage: int, code: str) -> None:
     text, n = re.subn(r"(def forward\(self[^\n]*\n)", lambda m: m.group(1) + f"        {code}\n", path.read_text())
     assert n == 1
     path.write_text(text)
+    rehash(out)  # re-recorded: an edit alone is refused by hash (test_trust)
 
 
 def start(*argv: str) -> subprocess.Popen:

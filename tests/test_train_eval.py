@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pipecc
-from helpers import ROOT, run_pipecc
+from helpers import ROOT, rehash, run_pipecc
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.determinism import Deterministic
@@ -238,6 +238,7 @@ def test_verify_catches_wrong_gradients_under_dropout(tmp_path: Path, monkeypatc
     source, n = re.subn(r"return \((\w+),\)", r"return (\1 * 1.01,)", last.read_text())
     assert n == 1
     last.write_text(source)
+    rehash(buggy)  # re-recorded: an edit alone is refused by hash before --verify (test_trust)
     code, _, err = verify_here(buggy, monkeypatch, capsys, "--schedule", "interleaved")
     assert code == 1
     assert re.search(r"verify: rank 0 stage \d gradient of \S+.* differs: ", err), err

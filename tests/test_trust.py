@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 
 from helpers import MLP_TINY, PIPECC, ROOT, model_args
+import pipecc
 from pipecc import cli
+from pipecc.errors import PipeccError
 from pipecc.runtime import dist, modelfuncs, trust
 from pipecc.runtime.trust import HASH_KEY, file_sha256
 
@@ -187,6 +189,66 @@ def test_inspect_onnx_refuses_an_edited_model_file(folder, tmp_path, capsys) -> 
     assert not (model.parent / MARK).exists() and not onnx_dir.exists()
 
 
+# ------------------------------------------------------------------- the folder: stage code and weights by hash
+
+
+def test_a_planted_stage_pyc_never_runs_and_no_bytecode_is_written(folder, monkeypatch, capsys) -> None:
+    """A ``stage_0/__pycache__/stage.*.pyc`` of other code whose header fits stage.py: the
+    import system would run it; the loader compiles the checked source from memory instead."""
+    out, _ = folder
+    pyc = plant_pyc(out / "stage_0" / "stage.py")
+    monkeypatch.delenv("RANK", raising=False)
+    assert _worker(out, "--verify") == 0, capsys.readouterr().err
+    assert not (out / "stage_0" / MARK).exists()  # the reviewed stage.py ran, not the planted bytecode
+    assert [p.name for p in pyc.parent.iterdir()] == [pyc.name]  # and nothing was written beside it
+    assert not (out / "stage_1" / "__pycache__").exists()
+
+
+def _flip_weight(out: Path) -> None:
+    """One weight set to 6e37 in stage 0's safetensors (a readable file, a wrong value)."""
+    from safetensors.torch import load_file, save_file
+    path = out / "stage_0" / "weights.safetensors"
+    tensors = load_file(str(path))
+    name = next(k for k, v in tensors.items() if v.is_floating_point())
+    tensors[name].view(-1)[0] = 6e37
+    save_file(tensors, str(path))
+
+
+def _edit_stage(out: Path) -> None:
+    path = out / "stage_1" / "stage.py"
+    path.write_text(path.read_text() + f"\nopen({str(out / MARK)!r}, 'w').write('ran')\n")
+
+
+def _drop_sums(out: Path) -> None:
+    marker = json.loads((out / "pipecc.json").read_text())
+    marker.pop("sha256")
+    (out / "pipecc.json").write_text(json.dumps(marker))
+
+
+FOLDER_REFUSED = [
+    ("a weight flipped to 6e37", _flip_weight, r"stage_0/weights.safetensors is not the file the compile wrote"),
+    ("an edited stage.py", _edit_stage, r"stage_1/stage.py is not the file the compile wrote"),
+    ("the hashes removed from pipecc.json", _drop_sums, r"records no sha256 of the stage code and weights"),
+    ("an empty run_stage.py", lambda out: (out / "run_stage.py").write_text(""),
+     r"run_stage.py is not the file the compile wrote"),
+]
+
+
+@pytest.mark.parametrize("case", FOLDER_REFUSED, ids=[c[0] for c in FOLDER_REFUSED])
+def test_a_changed_folder_is_refused_by_run_and_load(case, folder, monkeypatch, capsys) -> None:
+    _, damage, message = case
+    out, _ = folder
+    damage(out)
+    assert cli.main(["run", str(out), "--steps", "1", "--verify"]) == 1  # before any process starts
+    one_line(capsys.readouterr().err, message)
+    monkeypatch.delenv("RANK", raising=False)
+    assert _worker(out, "--verify") == 1  # the worker started by hand checks alike
+    one_line(capsys.readouterr().err, message)
+    with pytest.raises(PipeccError, match=message):
+        pipecc.load(out)
+    assert not (out / MARK).exists()
+
+
 # ------------------------------------------------------------------- checkpoints: checked on resume
 
 CKPT_STEPS = ("--optimizer", "adam", "--lr", "0.01")
@@ -241,7 +303,28 @@ def _edit_optimizer_class(ckpt: Path, rehash: bool) -> None:
         _rehash(ckpt / "step_2")
 
 
+def _mix_steps(ckpt: Path) -> None:
+    """step_2 holding step 1's files of rank 0, each with its own (matching) checksum."""
+    for suffix in (".safetensors", ".json", ".sha256"):
+        shutil.copy(ckpt / "step_1" / f"stage_0{suffix}", ckpt / "step_2" / f"stage_0{suffix}")
+
+
+def _downgrade(ckpt: Path) -> None:
+    """latest.json edited back to the old format, the checksums deleted, a byte flipped."""
+    latest = json.loads((ckpt / "latest.json").read_text())
+    latest["format"] = "pipecc-run-checkpoint/1"
+    latest.pop("run")
+    (ckpt / "latest.json").write_text(json.dumps(latest))
+    for sums in ckpt.glob("step_*/stage_*.sha256"):
+        sums.unlink()
+    _flip_bytes(ckpt)
+
+
 RESUME_REFUSED = [
+    ("ranks' files from different steps", _mix_steps, (), r"stage_0.json holds rank 0's state after step 1, not "
+     r"rank 0's after step 2: the checkpoint mixes files of different steps"),
+    ("downgraded to the old format without checksums", _downgrade, (),
+     r"is of the old format pipecc-run-checkpoint/1 \(no checksums\)"),
     ("64 flipped bytes in a stage's tensors", _flip_bytes, (),
      r"--resume: .*step_2/stage_0.safetensors does not match the sha256 written with it"),
     ("NaN optimizer state", lambda c: _set_nan(c, "optim"), (), r"NaN or Inf in the optimizer state"),
@@ -311,18 +394,14 @@ def test_a_resume_with_another_lr_or_microbatches_says_so(folder, tmp_path, monk
     assert saved[0]["lr"] == (0.5 if argv[0] == "--lr" else 0.01)  # the steps after the resume used it
 
 
-def test_an_older_pipeccs_checkpoint_loads_with_a_note(folder, tmp_path, monkeypatch, capsys) -> None:
+def test_an_old_format_checkpoint_is_not_exported_either(folder, tmp_path, monkeypatch, capsys) -> None:
+    """Before issue 33 an old-format checkpoint loaded unchecked, with a note: a downgraded one too."""
     out, _ = folder
     ckpt = _saved(out, tmp_path, monkeypatch, capsys)
-    latest = json.loads((ckpt / "latest.json").read_text())
-    latest["format"] = "pipecc-run-checkpoint/1"
-    latest.pop("run")
-    (ckpt / "latest.json").write_text(json.dumps(latest))
-    for sums in ckpt.glob("step_*/stage_*.sha256"):
-        sums.unlink()
-    assert _resume(out, ckpt) == 0, capsys.readouterr().err
-    text = capsys.readouterr().out
-    assert "was written by an older pipecc: it has no checksums" in text and "step 2: loss" in text
+    _downgrade(ckpt)
+    assert cli.main(["export-checkpoint", str(ckpt), str(tmp_path / "m.safetensors")]) == 1
+    one_line(capsys.readouterr().err, r"is of the old format .*export it with the pipecc that wrote it")
+    assert not (tmp_path / "m.safetensors").exists()
 
 
 def test_checkpoints_record_checksums_and_options(folder, tmp_path, monkeypatch, capsys) -> None:
@@ -365,6 +444,18 @@ def test_a_second_run_on_a_locked_checkpoint_dir_is_refused(folder, holder, caps
     assert captured.out == ""
     assert [p.name for p in ckpt.iterdir()] == [".pipecc-run.lock"]  # nothing written
     assert (ckpt / ".pipecc-run.lock").read_text() == lock_text
+
+
+def test_deleting_the_lock_file_lets_no_second_run_in(folder, holder, capsys) -> None:
+    """The folder itself is locked too: a removed lock file (before issue 33: two runs wrote one
+    checkpoint folder) still refuses the second run."""
+    out, _ = folder
+    ckpt, proc = holder
+    (ckpt / ".pipecc-run.lock").unlink()
+    assert cli.main(["run", str(out), "--steps", "1", "--checkpoint-dir", str(ckpt)]) == 1
+    one_line(capsys.readouterr().err, r"--checkpoint-dir .*ckpt is in use by another run \(its .pipecc-run.lock was "
+             r"removed while it ran\)")
+    assert not any(p.name.startswith("step_") for p in ckpt.iterdir())
 
 
 def test_the_worker_refuses_a_locked_checkpoint_dir(folder, holder, monkeypatch, capsys) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, run_cli, run_pipecc
+from helpers import ROOT, rehash, run_cli, run_pipecc
 
 from pipecc import driver, tuning
 from pipecc.errors import PipeccError
@@ -190,6 +190,7 @@ def test_tune_mlp_on_two_cpus(tmp_path, capsys, monkeypatch) -> None:
         if folder.name == "cand_1":
             stage = folder / "stage_0" / "stage.py"
             stage.write_text("raise RuntimeError('injected failure')\n" + stage.read_text())
+            rehash(folder)  # re-recorded: the stage fails as it runs, not at the hash check
     monkeypatch.setattr(tuning, "compile_candidate", broken_second)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "tuned"

@@ -255,6 +255,8 @@ def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
     except (OSError, ValueError):
         raise PipeccError(f"{out} is not a folder written by `pipecc compile` "
                           "(no readable pipecc.json)") from None
+    from pipecc.runtime.folder_sums import require
+    require(out, marker)  # the torch stage code and weights loaded below, recorded by hash
     loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
     torch_modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     owner = assemble_owner(torch_modules)  # every stage's weights, FPGA stages' too

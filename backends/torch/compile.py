@@ -160,6 +160,13 @@ def _mixing(graph: AnnotatedGraph) -> dict[str, str] | None:
     return dataclasses.asdict(found) if dataclasses.is_dataclass(found) else None
 
 
+def _loss_reduction(graph: AnnotatedGraph) -> dict[str, str]:
+    """How the model file's loss_fn combines over micro-batches (`pipecc.runtime.loss_reduction`,
+    found by the driver's analysis): the runtime weights each micro-batch loss by it."""
+    found = graph.gm.meta.get("pipecc.loss_reduction")
+    return found.to_json() if hasattr(found, "to_json") else {"kind": "mean", "why": ""}
+
+
 def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Stage],
                extra_files: Mapping[str, str | bytes]) -> None:
     n = len(stages)
@@ -181,6 +188,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "activation_balancing": balancing,
               "source": graph.source, "torch": torch.__version__,
               "batch_mixing": _mixing(graph),
+              "loss_reduction": _loss_reduction(graph),
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
               MODEL_HASH: _sha256(plan.model_path)}
@@ -331,7 +339,9 @@ def _read_marker(out: Path) -> dict | None:
 
 def _add_manifest(tmp: Path) -> None:
     """Record in the marker every file this compile wrote: a later compile replaces only those."""
+    from pipecc.runtime import folder_sums
     marker = json.loads((tmp / MARKER).read_text(encoding="utf-8"))
+    marker[folder_sums.KEY] = folder_sums.record(tmp)  # checked at every load (the runtime's folder_sums)
     marker["files"] = sorted(rel for rel, kind in _entries(tmp) if kind != "dir")
     marker["files_mac"] = sign(tmp, marker["files"])  # the evidence a recompile checks (manifest.py)
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")

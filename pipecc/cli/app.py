@@ -48,9 +48,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     code = _main(argv)
-    if as_program and _command(argv) == "run":
-        _exit_now(code)
+    if as_program and (_command(argv) == "run" or _stray_threads()):
+        _exit_now(code)  # NOTE: a thread the model's code started and never ends must not keep pipecc alive
     return code
+
+
+def _stray_threads() -> bool:
+    """A thread other than the main one, not a daemon, still running: the interpreter would wait
+    for it at exit (a model file's `threading.Thread(target=forever).start()`)."""
+    import threading
+    main = threading.main_thread()
+    return any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
 def _command(argv: Sequence[str]) -> str | None:
@@ -104,13 +112,26 @@ def _main(argv: list[str]) -> int:
             _traceback()
         return _error(f"an input nests too deeply to read ({_first_line(exc)}); a file pipecc reads "
                       "was damaged or made by hand", 1)
+    except MemoryError as exc:
+        if debug:
+            _traceback()
+        return _error(f"out of memory ({_first_line(exc)}); give smaller sizes (-b, --model-arg) or use a machine "
+                      "with more memory", 1)
+    except Exception as exc:  # noqa: BLE001 - the last resort: one line, the traceback with --debug
+        if debug:
+            _traceback()
+        return _error(f"{type(exc).__name__}: {_first_line(exc)} (unexpected; rerun with --debug for the "
+                      "traceback)", 1)
     finally:
         warnings.formatwarning = formatwarning
 
 
 def _first_line(exc: BaseException) -> str:
     # NOTE: split on "\n" only: str.splitlines would also cut at a "\r" inside a quoted name
-    text = str(exc).strip()
+    try:
+        text = str(exc).strip()
+    except Exception:  # noqa: BLE001 - an exception class whose __str__ raises
+        text = ""
     return text.split("\n")[0].strip() if text else type(exc).__name__
 
 

@@ -281,48 +281,35 @@ def finish_help(sub: Any) -> None:
                 "\n\nmore: docs/cli.md (every option, the CLI and Python API defaults)"
 
 
-def check_output_file(path: str) -> None:
-    """A one-line PipeccError now, before minutes of analysis, unless `path` can be written:
-    not a folder, a name within the file system's limit, in a folder that can be written."""
-    from pathlib import Path
-
+def check_output_file(path: str, flag: str = "-o", inputs: Any = (), force: bool = False) -> None:
+    """A one-line PipeccError now, before minutes of analysis, unless `path` can be written by
+    the one output-file rule (pipecc.runtime.outfile): not a folder, nor an input of the command,
+    nor a file pipecc did not write (without --force); a name within the file system's limit,
+    in a folder that can be written."""
     from pipecc.backends.torch.compile import check_writable_target
-    from pipecc.errors import PipeccError
-    check_writable_target(path)
-    if Path(path).is_dir():
-        raise PipeccError(f"{path} is a folder; give a file name (e.g. {Path(path) / 'plan.json'})")
+    from pipecc.runtime import outfile
+    target = outfile.check(path, flag, inputs, force)
+    if target.kind in ("new", "file"):
+        check_writable_target(target.real)
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file beside it, so a failure leaves nothing
-    (not even the parent folders it created); an OSError becomes a one-line PipeccError. The
-    temporary's name records its writer, so a later write removes one a kill left behind."""
-    import contextlib
-    import os
-    import tempfile
-    from pathlib import Path
-
+def write_atomic(path: str, text: str, flag: str = "-o", inputs: Any = (), force: bool = False) -> None:
+    """Write `text` to `path` by the one output-file rule (pipecc.runtime.outfile): a regular
+    file through a temporary file beside it, so a failure leaves nothing (not even the parent
+    folders it created); a character device or a read pipe written into, never renamed over.
+    The temporary's name records its writer, so a later write removes one a kill left behind."""
     from pipecc.backends.torch.compile import clean_stale_temps, temp_prefix
-    from pipecc.errors import PipeccError
-    target = Path(path)
-    check_output_file(path)
-    clean_stale_temps(target)
-    missing = [p for p in target.parents if not p.exists()]
-    tmp: str | None = None
-    try:
-        for folder in reversed(missing):
-            folder.mkdir()
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target, "file"), dir=target.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException as exc:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        for folder in missing:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        if isinstance(exc, OSError):
-            where = f"{exc.filename}: " if exc.filename else ""
-            raise PipeccError(f"cannot write {path}: {where}{exc.strerror or exc}") from exc
-        raise
+    from pipecc.runtime import outfile
+    check_output_file(path, flag, inputs, force)
+    target = outfile.check(path, flag, inputs, force)
+    if target.kind in ("new", "file"):
+        clean_stale_temps(target.real)
+    outfile.write(path, text, flag, inputs, force, prefix=temp_prefix(target.real, "file"))
+
+
+def model_stdout(args: Any) -> Any:
+    """Where model code's prints go while it runs: stderr under --json (stdout carries the one
+    JSON document and nothing else), stdout otherwise. A context manager."""
+    import contextlib
+    import sys
+    return contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()

@@ -27,9 +27,11 @@ def cmd_cost(args: argparse.Namespace) -> int:
     from pipecc.report.formatting import terminal_text
     from pipecc.report.tables import cost_json, cost_table
 
-    analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
-                              batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
-                              debug=args.debug)
+    from pipecc.cli.args import model_stdout
+    with model_stdout(args):  # a print in the model must not corrupt --json
+        analysis = driver.analyze(args.model, model_args=parse_model_args(args.model_arg),
+                                  batch_size=args.batch_size, symbols=driver.parse_symbols(args.symbol),
+                                  debug=args.debug)
     if args.json:
         print(json.dumps(cost_json(analysis.graph), indent=1))
     else:

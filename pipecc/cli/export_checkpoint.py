@@ -54,16 +54,19 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
     from safetensors.torch import save_file
 
     from pipecc.runtime import ckpt_remap
-    from pipecc.runtime.checkpoints import LATEST, OLD_FORMAT, check_rank_sums, read_latest
+    from pipecc.runtime.checkpoints import (LATEST, OLD_FORMAT, check_rank_sums, check_steps, old_format_refusal,
+                                             read_latest)
 
     if not directory.is_dir():
         raise PipeccError(f"{directory} is not a folder; give the --checkpoint-dir of a `pipecc run`")
-    if output.exists() and not force:
-        raise PipeccError(f"{output} exists; give --force to replace it, or another OUT")
-    if output.exists() and output.is_dir():
+    from pipecc.runtime import outfile
+    if output.is_dir():
         raise PipeccError(f"{output} is a folder; give a file name such as model.safetensors")
-    if not output.parent.is_dir():
+    if not Path(os.path.realpath(output)).parent.is_dir():
         raise PipeccError(f"{output.parent} is not a folder; create it first or give another OUT")
+    if output.is_file() and not force:  # even one pipecc wrote: a model state is worth keeping
+        raise PipeccError(f"{output} exists; give --force to replace it, or another OUT")
+    outfile.check(output, "", [directory], True)  # a device written into; never an input
     latest = read_latest(directory)
     if latest is None:
         raise PipeccError(f"{directory} holds no checkpoint (no {LATEST}); give the --checkpoint-dir of a "
@@ -76,16 +79,14 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None,
     if not folder.is_dir():
         kept = sorted(p.name for p in directory.glob("step_*") if p.is_dir())
         raise PipeccError(f"{directory} holds no checkpoint of step {step} (it holds {', '.join(kept) or 'none'})")
-    check = None if latest.get("format") == OLD_FORMAT else check_rank_sums
-    found = ckpt_remap.gather(folder, world, check)
+    if latest.get("format") == OLD_FORMAT:
+        raise PipeccError(old_format_refusal(directory).removeprefix("--resume: ").replace("resume it", "export it"))
+    found = ckpt_remap.gather(folder, world, check_rank_sums)
+    check_steps(folder, world, step)  # each rank's files its own; all of one step
     state = ckpt_remap.model_state(found)
-    tmp = output.parent / f".{output.name}.pipecc-{os.getpid()}.tmp"
-    try:
-        save_file(state, str(tmp), metadata={"format": "pipecc-model-state/1", "step": str(step),
-                                             "checkpoint": json.dumps(str(directory.resolve()))})
-        os.replace(tmp, output)
-    except OSError as e:
-        raise PipeccError(f"cannot write {output} ({e.strerror or e}); nothing was written") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    def save(path: str) -> None:
+        save_file(state, path, metadata={"format": "pipecc-model-state/1", "step": str(step),
+                                         "checkpoint": json.dumps(str(directory.resolve()))})
+    save.wants_path = True  # type: ignore[attr-defined]
+    outfile.write_with(output, save, "", [directory], True)  # never over a device or an input
     return len(state), step, output

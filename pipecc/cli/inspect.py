@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from pipecc.cli.args import stage_index, write_atomic
+from pipecc.cli.args import check_output_file, stage_index, write_atomic
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,6 +43,8 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
                    help="with --trace: also write the report page to HTML, the measured Gantt chart under the "
                    "predicted one on the same time scale; with --run: the page with the loss curve and the "
                    "samples/s per step against the predicted")
+    p.add_argument("--force", action="store_true",
+                   help="--report: replace HTML even when pipecc did not write it (never OUT's files or the trace)")
     p.add_argument("--onnx", metavar="DIR",
                    help="write stage_<i>.onnx per stage (or only --stage I) into DIR and check it "
                    "with onnxruntime")
@@ -98,12 +100,14 @@ def _compare_trace(args: argparse.Namespace) -> int:
     from pipecc.report.formatting import terminal_text
     from pipecc.report.html import report_with_trace
 
-    target = _report_target(args.report)
+    from pipecc.runtime.outfile import compiled_inputs
+    inputs = [*compiled_inputs(args.out), args.trace]
+    target = _report_target(args, inputs)
     compiled = load_compiled(args.out)
     with damaged(compiled):
         if target is not None:
             page, text = report_with_trace(args.out, args.trace)
-            write_atomic(str(target), page)
+            write_atomic(str(target), page, "--report", inputs, args.force)
         trace = ms.load_trace(args.trace)
         predicted = timeline_of(compiled)
         ms.check_matches(trace, compiled, predicted)
@@ -118,17 +122,22 @@ def _compare_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_target(report: str | None) -> Any:
-    """--report HTML as an absolute path, refused in one line where no file can be written."""
+def _report_target(args: argparse.Namespace, inputs: list[Any]) -> Any:
+    """--report HTML (None without it), refused in one line where no file can be written and by
+    the output-file rule (``pipecc.runtime.outfile``: never one of ``inputs``, never a file pipecc
+    did not write without --force)."""
     import os
     from pathlib import Path
 
     from pipecc.errors import PipeccError
+    report = args.report
     if not report:
         return None
-    target = Path(report).expanduser().resolve()
-    if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+    target = Path(report).expanduser()
+    parent = Path(os.path.realpath(target)).parent
+    if Path(os.path.realpath(target)).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
         raise PipeccError(f"--report {report}: cannot write a file there; give a file in a writable folder")
+    check_output_file(report, "--report", inputs, args.force)
     return target
 
 
@@ -138,14 +147,16 @@ def _show_run(args: argparse.Namespace) -> int:
     from pipecc.report.formatting import terminal_text
     from pipecc.report.html import report_with_run
 
-    target = _report_target(args.report)
+    from pipecc.runtime.outfile import compiled_inputs
+    inputs = [*compiled_inputs(args.out), args.run]
+    target = _report_target(args, inputs)
     compiled = load_compiled(args.out)
     run = hs.load_run(args.run)
     hs.check_folder(run, compiled.path)
     with damaged(compiled):
         if target is not None:
             page, _ = report_with_run(args.out, args.run)
-            write_atomic(str(target), page)
+            write_atomic(str(target), page, "--report", inputs, args.force)
     if args.format == "json":
         text = json.dumps(hs.history_json(run), indent=1)
     else:

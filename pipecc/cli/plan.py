@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli.args import add_model_args, add_plan_args, check_output_file, write_atomic
+from pipecc.cli.args import add_model_args, add_plan_args, check_output_file, model_stdout, write_atomic
 
 
 def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -18,6 +18,8 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
     add_plan_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("-o", "--output", metavar="PLAN_JSON", help="also write the plan JSON here")
+    p.add_argument("--force", action="store_true",
+                   help="-o: replace PLAN_JSON even when pipecc did not write it (never an input of the command)")
     p.add_argument("--compare", action="store_true",
                    help="add the baselines' partitions (equal count, equal params, torchgpipe)")
     p.set_defaults(func=cmd_plan)
@@ -103,18 +105,24 @@ def plan_from_args(args: argparse.Namespace):
     return analysis, plan, graph
 
 
+def plan_inputs(args: argparse.Namespace) -> list[Any]:
+    """The files `pipecc plan` reads, which its -o never replaces."""
+    return [args.model, getattr(args, "profile", None), getattr(args, "calibrate", None)]
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipecc import progress
     from pipecc.report.formatting import terminal_text
     from pipecc.report.text import plan_table
     if args.output:
-        check_output_file(args.output)  # now, not after minutes of analysis
-    _, plan, _ = plan_from_args(args)
+        check_output_file(args.output, "-o", plan_inputs(args), args.force)  # now, not after minutes
+    with model_stdout(args):  # a print in the model must not corrupt --json
+        _, plan, _ = plan_from_args(args)
     if args.json:  # NOTE: otherwise the -v table lists the decisions: once is enough
         for decision in plan.decisions:
             progress.explain(decision)
     if args.output:
-        write_atomic(args.output, plan.dumps() + "\n")
+        write_atomic(args.output, plan.dumps() + "\n", "-o", plan_inputs(args), args.force)
     if args.json:
         print(plan.dumps())
     else:

@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipecc.cli.args import (add_model_args, endpoint, nonnegative_int, positive_float, positive_int,
-                             write_atomic)
+from pipecc.cli.args import (add_model_args, check_output_file, endpoint, model_stdout, nonnegative_int,
+                             positive_float, positive_int, write_atomic)
 # NOTE: `pipecc run`'s argument types, so both commands read the multi-node flags alike
 from pipecc.errors import PipeccError, UsageError
 from pipecc.report.formatting import terminal_text
@@ -41,6 +41,8 @@ def add_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Arg
                    help="devices as for `pipecc plan`: cpu,cpu | 2xa100 | a100@cuda:1 | @cluster.toml")
     p.add_argument("-o", "--output", metavar="PROFILE_JSON",
                    help="write the profile JSON here (with --nnodes: node 0 only)")
+    p.add_argument("--force", action="store_true",
+                   help="-o: replace PROFILE_JSON even when pipecc did not write it (never the model file)")
     p.add_argument("--json", action="store_true", help="print the profile JSON")
     p.add_argument("--repeat", type=positive_int, default=5, metavar="N",
                    help="timed runs per node and size; the median is kept (default 5)")
@@ -86,9 +88,7 @@ def _rendezvous(args: argparse.Namespace) -> Any:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pipecc import driver
-    from pipecc.frontend.modelfile import parse_model_args
-    from pipecc.profile import cross_host_side, profile_model, summary_line
+    from pipecc.profile import cross_host_side, summary_line
 
     rendezvous = _rendezvous(args)
     if rendezvous is not None and rendezvous.node_rank > 0:
@@ -100,19 +100,28 @@ def cmd_profile(args: argparse.Namespace) -> int:
         parent = Path(args.output).parent
         if not parent.is_dir():  # fail before minutes of timing, not after
             raise PipeccError(f"-o {args.output}: directory {str(parent)!r} does not exist")
-    result = profile_model(args.model, args.devices, model_args=parse_model_args(args.model_arg),
-                           batch_size=args.batch_size, warmup=args.warmup, repeat=args.repeat,
-                           link=not args.no_link, use_cache=not args.no_cache,
-                           symbols=driver.parse_symbols(args.symbol), debug=args.debug,
-                           rendezvous=rendezvous, fixed_costs=not args.no_fixed_costs)
+        check_output_file(args.output, "-o", [args.model], args.force)
+    with model_stdout(args):  # a print in the model must not corrupt --json
+        result = _profile(args, rendezvous)
     text = json.dumps(result.data, indent=1)
     if args.output:
-        write_atomic(args.output, text + "\n")
+        write_atomic(args.output, text + "\n", "-o", [args.model], args.force)
     if args.json:
         print(text)
     else:
         print(terminal_text(profile_table(result.data, cached=result.cache_hit)))
     return 0
+
+
+def _profile(args: argparse.Namespace, rendezvous: Any) -> Any:
+    from pipecc import driver
+    from pipecc.frontend.modelfile import parse_model_args
+    from pipecc.profile import profile_model
+    return profile_model(args.model, args.devices, model_args=parse_model_args(args.model_arg),
+                         batch_size=args.batch_size, warmup=args.warmup, repeat=args.repeat,
+                         link=not args.no_link, use_cache=not args.no_cache,
+                         symbols=driver.parse_symbols(args.symbol), debug=args.debug,
+                         rendezvous=rendezvous, fixed_costs=not args.no_fixed_costs)
 
 
 def profile_table(data: dict[str, Any], cached: bool = False) -> str:

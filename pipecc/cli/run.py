@@ -135,7 +135,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="override the compiled number of micro-batches")
     p.add_argument("--timeout", type=positive_float, metavar="S",
                    help="seconds a rank waits for a peer before failing (default 60); the run then stops, "
-                   "naming the rank that hung. Also how long the nodes of --nnodes wait for each other, and "
+                   "naming the rank that hung. Also how long a rank's model-file code (its import, example_inputs, "
+                   "example_target) may run, how long the nodes of --nnodes wait for each other, and "
                    "how long a stopped torchrun agent is waited for")
     t = p.add_argument_group("training (pipecc.distributed's loop: docs/training.md)")
     t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="default sgd (training only)")
@@ -169,6 +170,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    help="write a Chrome/Perfetto trace of the run to FILE (chrome://tracing, ui.perfetto.dev): one "
                    "track per rank and stage, every action of every step as it ran; `pipecc inspect OUT --trace "
                    "FILE` compares it with the predicted schedule (docs/trace.md)")
+    p.add_argument("--force", action="store_true",
+                   help="--trace: replace FILE even when pipecc did not write it (never OUT's files or the model file)")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
     c = p.add_argument_group("checkpoints (training only)")
     c.add_argument("--checkpoint-dir", metavar="DIR",
@@ -201,9 +204,12 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
+    from pipecc.runtime.folder_sums import MARKER_MAX_BYTES, read_regular
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could hang
+        raise PipeccError(f"{path} is not a regular file; compile again")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError:
+        data = json.loads(read_regular(path, MARKER_MAX_BYTES).decode("utf-8"))
+    except (OSError, PipeccError):
         raise PipeccError(f"{path.parent} is not a compiled folder (no {path.name}); run "
                           f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
     except ValueError as exc:
@@ -313,6 +319,8 @@ def _check_separable(marker: dict[str, Any], m: int, replicas: int) -> None:
     """A run that splits the batch of a model whose nodes mix samples (pipecc.json's
     ``batch_mixing``, found at compile): refused in one line naming the node."""
     from pipecc.passes.batchdim import Mixing, pieces
+    from pipecc.runtime.loss_reduction import check_run
+    check_run(marker, m, replicas)  # a loss_fn that mixes samples (found at compile)
     found, split = marker.get("batch_mixing"), pieces(m, replicas)
     if isinstance(found, dict) and split:
         try:
@@ -353,7 +361,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     argv = ["--steps", str(args.steps)]
     for flag, on in (("--verify", args.verify), ("--verify-stages-only", args.verify_stages_only),
                      ("--resume", args.resume), ("--debug", getattr(args, "debug", False)),
-                     ("--json", args.json)):
+                     ("--json", args.json), ("--force", getattr(args, "force", False))):
         if on:
             argv.append(flag)
     if args.checkpoint_dir is not None:
@@ -453,10 +461,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     # NOTE: torchrun makes a log folder per launch (its error files) and never removes it: without
     # --log-dir every run left a torchelastic_* folder in $TMPDIR; this one goes with the run
     import shutil
-    import tempfile
-    logs = tempfile.mkdtemp(prefix="pipecc-torchrun-")
+    from pipecc.runtime.leftovers import make_log_dir
+    logs = make_log_dir()  # a killed run's folders (its pid gone) are removed here
     cmd = [*cmd[:3], "--log-dir", logs, *cmd[3:]]
     env = _child_env()
+    from pipecc.runtime import watchdog
+    env[watchdog.ENV] = str(args.timeout or DEFAULT_TIMEOUT_S)  # model code in every rank: bounded too
     if args.checkpoint_dir is not None:
         from pipecc.runtime.ckptlock import LOCK_ENV
         env[LOCK_ENV] = str(Path(args.checkpoint_dir).resolve())  # the ranks do not lock it again

@@ -21,6 +21,8 @@ compile time so that it is refused in one line there, not accepted and broken in
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings as pywarnings
 from typing import Any, Callable, Iterator
 
@@ -29,6 +31,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.loss_reduction import MEAN_LOSS, LossReduction, analyse
 
 _HOOKS = (("_forward_hooks", "forward hook"), ("_forward_pre_hooks", "forward pre-hook"),
           ("_backward_hooks", "backward hook"), ("_backward_pre_hooks", "backward pre-hook"))
@@ -51,6 +54,26 @@ def _global_hooks() -> list[str]:
     return found
 
 
+def _check_call_and_signature(model: nn.Module) -> None:
+    """What the compiled pipeline would silently skip or cannot feed: a model class that overrides
+    ``__call__`` (the capture runs its forward, so the extra work would be dropped), and
+    ``forward(*args)`` (stage 0's inputs are named by forward's parameters)."""
+    import inspect
+    # NOTE: the model only: capture calls a submodule through its __call__ (an override is traced
+    # like forward), but the model itself through forward
+    own = next((k for k in type(model).__mro__ if "__call__" in vars(k)), nn.Module)
+    if own is not nn.Module and issubclass(own, nn.Module) and own.__module__.split(".")[0] != "torch":
+        raise PipeccError(f"the model ({type(model).__name__}) overrides __call__, which the compiled pipeline never "
+                          "calls (it runs forward's operations): move that work into forward")
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        raise PipeccError(f"{type(model).__name__}.forward takes *args; pipecc names the pipeline's inputs by "
+                          "forward's parameters: give them names (def forward(self, x, mask=None))")
+
+
 def check_module(model: nn.Module, inputs: tuple) -> None:
     """Refuse hooks, parametrizations, sparse tensors and non-finite weights or inputs (module
     docstring: why each)."""
@@ -60,6 +83,7 @@ def check_module(model: nn.Module, inputs: tuple) -> None:
         raise PipeccError(f"global module {glob[0]} are registered (torch.nn.modules.module."
                           "register_module_*_hook); the compiled stages do not run hooks: remove them "
                           "before compiling")
+    _check_call_and_signature(model)
     for name, module in model.named_modules():
         where = f"module '{name}'" if name else "the model"
         if parametrize.is_parametrized(module):
@@ -187,11 +211,13 @@ def check_dtypes(gm: fx.GraphModule) -> None:
 
 
 def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | None,
-               make_target: Callable[[int], Any] | None, file: str) -> None:
-    """The model file's loss_fn and example_target, on fake tensors (module docstring). A model
-    fake tensors cannot run (data-dependent code) is left to the capture's own check."""
+               make_target: Callable[[int], Any] | None, file: str) -> LossReduction:
+    """The model file's loss_fn and example_target, on fake tensors (module docstring), and how
+    its micro-batch losses combine (`pipecc.runtime.loss_reduction.analyse`: a mean, a sum, or
+    mixed). A model fake tensors cannot run (data-dependent code) is left to the capture's own
+    check (and its loss counted a mean, as the runtime always did)."""
     if make_target is None and loss_fn is None:
-        return
+        return MEAN_LOSS
     target = None
     if make_target is not None:
         try:
@@ -207,19 +233,19 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
                                   f"batch, so dim 0 must be the batch size {batch}")
             _check_tensor(t, f"example_target's tensor of shape {list(t.shape)}", "make it finite")
     if not callable(loss_fn) or target is None:
-        return
+        return MEAN_LOSS
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pipecc.frontend.model_state import fake_weights, preserved_state
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-    with preserved_state(model), pywarnings.catch_warnings():
+    with preserved_state(model), pywarnings.catch_warnings(), _quiet_fake_tensors():
         pywarnings.simplefilter("ignore")
         try:
             with fake_weights(model, mode), mode:
                 outputs = model(*fake_inputs)
         except Exception:
-            return  # the capture reports a forward that fails; one fake tensors cannot run is fine
+            return MEAN_LOSS  # the capture reports a forward that fails; one fake tensors cannot run is fine
         fake_target = _fake_tree(target, mode)
         try:
             with mode:
@@ -228,7 +254,7 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
             raise PipeccError(f"loss_fn in {file} called sys.exit({exc.code!r})") from None
         except Exception as exc:
             if _unsupported_by_fake(exc):
-                return
+                return analyse(loss_fn, outputs, target, batch)
             # a loss may read values (.tolist(), numpy) that fake tensors lack: on real zeros
             # of the outputs' shapes it either runs (fake tensors' limit) or fails for real
             try:
@@ -249,6 +275,20 @@ def check_loss(model: nn.Module, inputs: tuple, batch: int, loss_fn: Callable | 
     if not loss.is_floating_point():
         raise PipeccError(f"loss_fn in {file} returned a {str(loss.dtype).removeprefix('torch.')} tensor; "
                           "the loss must be floating point to be back-propagated")
+    return analyse(loss_fn, outputs, target, batch)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Fake tensors log an op that fails on them with its whole traceback (torch's logger, at
+    ERROR): the loss check turns that failure into one line of its own, so the log is muted."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _fake_tree(value: Any, mode: Any) -> Any:

@@ -92,7 +92,7 @@ def import_model_file(path: Path, source: bytes | None = None) -> Any:
     with _limited(f"importing {path.name}"):
         code = compile(source, str(path), "exec", dont_inherit=True)
         exec(code, module.__dict__)  # noqa: S102 - the user's model file, as `python model.py` would run it
-    missing = [n for n in REQUIRED if not callable(getattr(module, n, None))]
+    missing = [n for n in REQUIRED if not callable(defined(module, n))]
     if missing:
         raise PipeccError(
             f"{path.name} does not define {', '.join(missing)}; a model file needs "
@@ -156,10 +156,28 @@ def _limited(what: str) -> Iterator[None]:
             yield
     except SystemExit as exc:
         raise _exited(what, exc) from None
-    except (PipeccError, KeyboardInterrupt, RecursionError, MemoryError):
+    except (PipeccError, KeyboardInterrupt, RecursionError):
         raise
+    except MemoryError as exc:
+        raise PipeccError(f"{what} ran out of memory (MemoryError{': ' + safe_str(exc) if safe_str(exc) else ''}); "
+                          "give smaller sizes (--model-arg, -b) or run on a machine with more memory") from None
     except BaseException as exc:  # the user's code: report, don't crash
-        raise PipeccError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        raise PipeccError(f"{what} failed: {type(exc).__name__}: {safe_str(exc)}") from exc
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a note when the model's exception class cannot even say what it is
+    (its ``__str__`` raises)."""
+    try:
+        return str(exc)
+    except Exception as inner:  # noqa: BLE001 - the user's __str__
+        return f"(its message cannot be shown: {type(exc).__name__}.__str__ raised {type(inner).__name__})"
+
+
+def defined(module: Any, name: str) -> Any:
+    """What the model file defines as ``name`` (None when nothing): looked up in its namespace,
+    so a module-level ``__getattr__`` (which may raise anything) is never called."""
+    return vars(module).get(name)
 
 
 def _exited(what: str, exc: SystemExit) -> PipeccError:
@@ -192,9 +210,31 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None,
     with _limited(f"example_inputs in {path.name}"):
         inputs = make_inputs(batch_size)
     make_target = None
-    if callable(getattr(module, "example_target", None)):
+    for name, what in (("loss_fn", "def loss_fn(outputs, target)"),
+                       ("example_target", "def example_target(batch_size=1)")):
+        value = defined(module, name)
+        if value is not None and not callable(value):
+            raise PipeccError(f"{name} in {path.name} is not a function but a value of type "
+                              f"{type(value).__name__}; define {what} (or remove it)")
+    if callable(defined(module, "example_target")):
         def make_target(b: int) -> Any:
-            return _call_with_accepted(module.example_target, b, **model_args)
+            return _call_with_accepted(defined(module, "example_target"), b, **model_args)
     return ModelSpec(path=path, model=model, example_inputs=inputs, make_inputs=make_inputs,
-                     loss_fn=getattr(module, "loss_fn", None), make_target=make_target,
+                     loss_fn=defined(module, "loss_fn"), make_target=make_target,
                      model_args=model_args)
+
+
+@contextlib.contextmanager
+def kept_cwd() -> Iterator[None]:
+    """The process's working folder as it was on entry, whatever the model's code inside does
+    (`os.chdir` in build_model): every path given before means afterwards what it meant."""
+    try:
+        here = os.getcwd()
+    except OSError:
+        here = None
+    try:
+        yield
+    finally:
+        if here is not None:
+            with contextlib.suppress(OSError):
+                os.chdir(here)

@@ -74,6 +74,7 @@ def from_onnx(path: str | Path, batch_size: int = 1) -> AnnotatedGraph:
     path = Path(path)
     model = _load(path)
     graph = model.graph
+    _check_supported(path, graph)
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     notes: list[str] = []
     real_inputs = [i for i in graph.input if i.name not in inits]
@@ -147,8 +148,43 @@ def from_onnx(path: str | Path, batch_size: int = 1) -> AnnotatedGraph:
                      "costs are computed, but the graph cannot be executed")
     if not batched and batch_size != 1:
         notes.append(f"{path.name} has a fixed batch size; --batch-size {batch_size} is ignored")
+    if not batched:  # the batch the file fixes (its first input's dim 0), for messages about splitting it
+        dims = [d.dim_value for vi in real_inputs[:1] for d in vi.type.tensor_type.shape.dim[:1]
+                if d.HasField("dim_value")]
+        gm.meta["pipecc.fixed_batch"] = int(dims[0]) if dims else None
     return AnnotatedGraph(gm=gm, symbols=syms, point=point, source="onnx",
                           model_name=path.stem, warnings=notes)
+
+
+def _check_supported(path: Path, graph: Any) -> None:
+    """Refuse, in one line at import, what the generated stage code could never run: a graph
+    without outputs, and control flow with subgraphs (If, Loop, Scan: attributes that hold
+    graphs), which would otherwise become stage code that does not even parse."""
+    from onnx import AttributeProto
+    if not len(graph.output):
+        raise PipeccError(f"{path.name} declares no graph outputs, so there is nothing to compute or train; "
+                          "export it with its outputs")
+    for node in graph.node:
+        if any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute):
+            raise PipeccError(f"{path.name}: node {node.name or node.output[0]!r} is an ONNX {node.op_type} (control "
+                              "flow over subgraphs), which pipecc cannot cut into stages; export the model with the "
+                              "branch or loop resolved (a fixed path, e.g. torch.where instead of if)")
+
+
+def unsupported_ops(gm: fx.GraphModule) -> list[str]:
+    """The ONNX op types in ``gm`` that pipecc costs but cannot execute (sorted)."""
+    return sorted({str(n.target.__pipecc_onnx_unsupported__) for n in gm.graph.nodes
+                   if n.op == "call_function" and getattr(n.target, "__pipecc_onnx_unsupported__", None)})
+
+
+def check_executable(gm: fx.GraphModule) -> None:
+    """Refuse (one line) compiling a graph with ONNX ops pipecc costs but cannot execute: `plan`
+    and `cost` work on it, a compiled stage could not run it."""
+    ops = unsupported_ops(gm)
+    if ops:
+        raise PipeccError(f"ONNX op{'s' if len(ops) > 1 else ''} {', '.join(ops)} {'have' if len(ops) > 1 else 'has'} "
+                          "no torch implementation in pipecc: `pipecc plan` and `cost` work on this model, but a "
+                          "compiled stage could not run it; replace the op in the export (or plan only)")
 
 
 def _running_stats(graph: Any) -> set[str]:

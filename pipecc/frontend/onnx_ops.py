@@ -31,6 +31,7 @@ def unsupported(op_type: str) -> Callable[..., Any]:
         raise NotImplementedError(f"ONNX operator {op_type} has no torch implementation in pipecc; "
                                   "its cost is known but it cannot be executed")
     run.__pipecc_onnx_op__ = op_type.lower()  # type: ignore[attr-defined]
+    run.__pipecc_onnx_unsupported__ = op_type  # type: ignore[attr-defined]
     run.__name__ = f"onnx_{op_type}"
     return run
 

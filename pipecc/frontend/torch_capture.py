@@ -562,3 +562,21 @@ def _check_forward(model: torch.nn.Module, inputs: tuple,
         raise PipeccError(f"the model's forward called sys.exit({exc.code!r})") from None
     except Exception as exc:
         raise PipeccError(f"the model's forward raised {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def parse_symbols(items: Sequence[str] | None) -> list[SymbolSpec]:
+    """`--symbol S=0:1` marks dim 1 of input 0 as the symbol S (inputs may be a+b lists)."""
+    out = []
+    for item in items or []:
+        name, sep, where = item.partition("=")
+        inputs, sep2, dim = where.partition(":")
+        try:
+            assert sep and sep2 and name.isidentifier()
+            spec = SymbolSpec(name, tuple(int(i) for i in inputs.split("+")), int(dim))
+        except (AssertionError, ValueError):
+            raise UsageError(f"--symbol {item!r} is not NAME=INPUT:DIM (example: --symbol S=0:1)") from None
+        if name == "B":  # the batch: every input's dim 0 already, split by the runtime
+            raise UsageError(f"--symbol {item}: B is the batch symbol pipecc gives every input's dim 0 itself; "
+                             "name another dim with another symbol (e.g. --symbol S=0:1)")
+        out.append(spec)
+    return out

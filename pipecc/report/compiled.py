@@ -57,8 +57,11 @@ class Compiled:
 
 
 def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
+    from pipecc.runtime.folder_sums import read_regular
+    try:  # a regular file only, size-capped: a FIFO or a device there would hang the read
+        return json.loads(read_regular(path, 256 << 20).decode("utf-8"))
+    except PipeccError as exc:
+        raise PipeccError(f"{path}: cannot read the {what} ({str(exc).split('; ')[0]})") from None
     except OSError as exc:
         raise PipeccError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
     except ValueError as exc:

@@ -137,9 +137,11 @@ def model_inputs(out: str | Path, batch: int, seed: int = 0) -> dict[str, Any]:
 
 def stage_modules_and_inputs(out: str | Path, upto: int | None = None) -> list[tuple[nn.Module, dict, list]]:
     """[(module, ports, positional inputs)] for stages 0..upto, inputs from running the chain."""
+    from pipecc.runtime.folder_sums import require
     from pipecc.runtime.stagefile import load_stage
     out = Path(out)
     marker = _marker(out)
+    require(out, marker)  # the stage code run below, checked by hash (pipecc.runtime.folder_sums)
     n = int(marker["num_stages"])
     last = n - 1 if upto is None else upto
     if not 0 <= last < n:

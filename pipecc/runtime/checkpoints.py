@@ -35,8 +35,10 @@ Trust. A resume checks, before it continues, what a damaged or edited checkpoint
 silently: every rank's files against the sha256 written with them (a flipped byte, an edited
 ``stage_<r>.json`` such as its optimizer class), the optimizer class against this run's, and
 every loaded weight, buffer and optimizer state tensor for NaN or Inf; each is refused in one
-line. Checkpoints of an older pipecc (``pipecc-run-checkpoint/1``: no checksums, no recorded
-options) still load, with a note that they were not checked.
+line; so is a step folder whose ranks' files come from different steps (each ``stage_<r>.json``
+records its rank and step, checked on every rank before any loads). Checkpoints of the old
+format (``pipecc-run-checkpoint/1``: no checksums) are refused: one cannot be told from a newer
+checkpoint edited back to that format with its checksums deleted.
 
 Options on resume (``check_resume``): another ``--optimizer`` or ``--seed`` than the checkpoint
 was trained with is refused (the optimizer state belongs to its class; the seed draws the data
@@ -90,9 +92,12 @@ def read_latest(directory: Path) -> dict[str, Any] | None:
     path = directory / LATEST
     if not path.exists():
         return None
-    try:
-        latest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    from pipecc.runtime.folder_sums import read_regular
+    try:  # a regular file of at most 1 MiB: a FIFO or /dev/zero linked there would hang the read
+        latest = json.loads(read_regular(path, 1 << 20).decode("utf-8"))
+    except PipeccError as e:
+        raise PipeccError(f"{path} is unreadable ({str(e).split('; ')[0]}); give another --checkpoint-dir") from None
+    except (OSError, ValueError, RecursionError) as e:
         raise PipeccError(f"{path} is unreadable ({e}); give another --checkpoint-dir") from None
     if not isinstance(latest, dict) or latest.get("format") not in (FORMAT, OLD_FORMAT) \
             or not isinstance(latest.get("step"), int):
@@ -114,8 +119,7 @@ def check_resume(latest: dict[str, Any], run: dict[str, Any], steps: int | None,
         raise PipeccError(f"--resume: the checkpoint in {directory} is at step {step}, already past --steps {steps}"
                           f"{'' if steps < step else ' (nothing left to train)'}; give --steps {step + 1} or more")
     if latest.get("format") == OLD_FORMAT:
-        return [f"note: the checkpoint in {directory} was written by an older pipecc: it has no checksums and no "
-                "recorded options, so neither is checked"]
+        raise PipeccError(old_format_refusal(directory))
     was = latest.get("run") if isinstance(latest.get("run"), dict) else {}
     for key, flag in (("optimizer", "--optimizer"), ("seed", "--seed")):
         if key in was and was[key] != run[key]:
@@ -129,6 +133,33 @@ def check_resume(latest: dict[str, Any], run: dict[str, Any], steps: int | None,
             notes.append(f"note: resuming with {flag} {run[key]}; the checkpoint was trained with {flag} {was[key]} "
                          f"(the steps from {step} on use {run[key]}{rounding})")
     return notes
+
+
+def old_format_refusal(directory: Path) -> str:
+    """An older pipecc's checkpoint (``pipecc-run-checkpoint/1``) records no checksums: it cannot
+    be told from a newer one whose ``latest.json`` was edited back to format 1 and its sha256
+    files deleted, so it is refused, not loaded unchecked."""
+    return (f"--resume: the checkpoint in {directory} is of the old format {OLD_FORMAT} (no checksums), so a damaged "
+            "or edited one cannot be told from a good one; resume it with the pipecc that wrote it, or give another "
+            "--checkpoint-dir to start over")
+
+
+def check_steps(folder: Path, world: int, step: int, prefix: str = "") -> None:
+    """Every rank's ``stage_<r>.json`` in the checkpoint step ``folder`` says it is rank r's state
+    after ``step`` steps: a folder whose ranks come from different steps (each file matching its
+    own sha256) is refused on every rank alike, before any rank loads it."""
+    for rank in range(world):
+        path = folder / f"stage_{rank}.json"
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise PipeccError(f"{prefix}{path} is missing or unreadable; give another --checkpoint-dir to "
+                              "start over") from None
+        said = (meta.get("step"), meta.get("rank")) if isinstance(meta, dict) else (None, None)
+        if said != (step, rank):
+            raise PipeccError(f"{prefix}{path} holds rank {said[1]!r}'s state after step {said[0]!r}, not rank "
+                              f"{rank}'s after step {step}: the checkpoint mixes files of different steps; resume "
+                              "from another one or give another --checkpoint-dir to start over")
 
 
 def _sha256(path: Path) -> str:
@@ -197,10 +228,11 @@ class RunCheckpoints:
                                    or latest.get("world") != self.runtime.global_world):
             return self._resume_replanned(latest, step)
         folder = self.directory / f"step_{step}"
-        old = latest is not None and latest.get("format") == OLD_FORMAT
+        if latest is not None and latest.get("format") == OLD_FORMAT:
+            raise PipeccError(old_format_refusal(self.directory))
         self.notes = check_resume(latest, self.run, None, self.directory) if latest is not None and self.run else []
-        if not old:
-            self._check_sums(folder)
+        self._check_sums(folder)
+        check_steps(folder, self.runtime.global_world, step, "--resume: ")
         self._check_optimizer(folder)
         try:
             loaded = self.runtime.load_checkpoint(folder)
@@ -230,8 +262,7 @@ class RunCheckpoints:
         if problem:
             raise PipeccError(f"{refused}, and {problem}")
         if latest.get("format") == OLD_FORMAT:
-            raise PipeccError(f"{refused} of an older pipecc, which recorded no tensor names: resume it with the "
-                              "compiled folder that wrote it")
+            raise PipeccError(old_format_refusal(self.directory))
         world = latest.get("world")
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise PipeccError(f"--resume: {self.directory / LATEST} says world {world!r}; it is damaged: give "
@@ -239,6 +270,7 @@ class RunCheckpoints:
         self.notes = check_resume(latest, self.run, None, self.directory) if self.run else []
         try:
             found = ckpt_remap.gather(folder, world, lambda f, r: self._check_sums(f, r))
+            check_steps(folder, world, step, "--resume: ")
             ckpt_remap.check_same_model(found, sig)
         except PipeccError as e:
             text = str(e)

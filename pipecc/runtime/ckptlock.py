@@ -38,6 +38,7 @@ class CheckpointLock:
     def __init__(self, fd: int, path: Path) -> None:
         self.fd: int | None = fd
         self.path = path
+        self.dir_fd: int | None = None  # the folder's own descriptor, flocked too
 
     @classmethod
     def take(cls, directory: str | Path, create: bool = True) -> CheckpointLock | None:
@@ -68,7 +69,21 @@ class CheckpointLock:
         except OSError as e:
             os.close(fd)
             raise PipeccError(f"cannot lock {path} ({e.strerror or e})") from None
+        # NOTE: the folder is locked too: a run whose lock file was deleted still holds the folder's
+        # lock (an flock on the folder's own descriptor), so deleting the file lets no second run in
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(dir_fd)
+            os.close(fd)
+            raise PipeccError(f"--checkpoint-dir {directory} is in use by another run (its {LOCK_NAME} was removed "
+                              "while it ran); wait for it to end, or give another --checkpoint-dir") from None
+        except OSError as e:
+            os.close(fd)
+            raise PipeccError(f"cannot lock {directory} ({e.strerror or e})") from None
         lock = cls(fd, path)
+        lock.dir_fd = dir_fd
         lock._announce()
         return lock
 
@@ -81,9 +96,11 @@ class CheckpointLock:
         os.pwrite(self.fd, text.encode(), 0)
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the last descriptor releases the flock
-            self.fd = None
+        for name in ("dir_fd", "fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                os.close(fd)  # closing the last descriptor releases the flock
+                setattr(self, name, None)
 
     def __del__(self) -> None:
         self.release()

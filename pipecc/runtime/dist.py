@@ -235,6 +235,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="print one JSON document of measured vs predicted times (pipecc.runtime.timing)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="--json: steps left out of the statistics")
     parser.add_argument("--trace", type=Path, help="write a Chrome trace of every action here (pipecc.runtime.trace)")
+    parser.add_argument("--force", action="store_true", help="--trace: replace a file pipecc did not write")
     parser.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     return parser
 

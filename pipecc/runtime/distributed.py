@@ -18,7 +18,9 @@ that batch, on every rank (one broadcast). Gradients accumulate over ``step`` ca
 
 ``parameters()``/``named_parameters()`` are this rank's, named as in the original model (a slice
 of a split layer keeps its parameter's name), so any ``torch.optim`` optimizer and scheduler work
-unchanged. ``state_dict()`` is this rank's tensors under the model's names (a slice as
+unchanged. The model file's ``loss_fn`` combines over micro-batches as compile analysed it (a
+mean or a sum, ``pipecc.runtime.loss_reduction``); a ``loss_fn`` given to ``load`` must be a
+per-sample mean. ``state_dict()`` is this rank's tensors under the model's names (a slice as
 ``NAME@dim:start:stop``); ``full_state_dict()`` (collective) the whole model's, loadable into the
 model the file builds; ``load_state_dict`` takes either. ``save_checkpoint``/``load_checkpoint``
 write and read the checkpoints of ``pipecc run --checkpoint-dir`` (so ``pipecc
@@ -97,7 +99,7 @@ def load(out: str | Path, *, loss_fn: Callable | None = None, precision: str | N
         out=path, steps=0, schedule=schedule, microbatches=microbatches, timeout=float(timeout), backend=backend,
         optimizer=None, lr=None, seed=seed, length=None, verify=False, rtol=None, atol=None,
         verify_stages_only=False, checkpoint_dir=None, checkpoint_every=None, resume=False, json=False,
-        warmup_steps=0, trace=None, debug=False, precision=precision)
+        warmup_steps=0, trace=None, debug=False, precision=precision, force=False)
     return DistributedPipeline(run_rank.load_rank(args), loss_fn)
 
 
@@ -118,6 +120,12 @@ class DistributedPipeline:
             sends = (value,) if len(names) == 1 else tuple(value)
             return self.model_loss(build_output(tree, dict(zip(names, sends))), target)  # type: ignore[misc]
 
+        # how the model file's loss_fn combines over micro-batches (pipecc.runtime.loss_reduction,
+        # recorded at compile); a loss_fn given to load() is taken for a per-sample mean
+        file_loss = getattr(data.module, "loss_fn", None) if data.module is not None else None
+        if self.model_loss is not None and self.model_loss in (file_loss, data.model_loss) \
+                and hasattr(data.loss_fn, "reduction"):
+            runtime_loss.reduction = data.loss_fn.reduction  # type: ignore[attr-defined]
         self._outputs = lambda value: None if value is None else build_output(
             tree, dict(zip(names, (value,) if len(names) == 1 else tuple(value))))
         self.runtime = PipelineRuntime(run.modules, run.ports, run.rank, run.world, run.config,

@@ -247,6 +247,19 @@ def _kill(pid: int, sig: int) -> None:
 # ----------------------------------------------------------------------------- running
 
 
+def _die_with_parent() -> None:
+    """In the torchrun agent, before it runs: the kernel sends it SIGKILL when ``pipecc run`` dies,
+    also by ``kill -9`` (Linux's PR_SET_PDEATHSIG); its workers follow through their lifeline
+    (``pipecc.runtime.lifeline``). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: bool = False,
               steps: Any = None, timeout_s: float = 60.0, rendezvous: str | None = None) -> int:
     """Run torchrun with ``env``, stream its output, return 0 or raise one ``PipeccError`` line;
@@ -259,7 +272,7 @@ def supervise(cmd: list[str], env: dict[str, str], verbose: bool, json_only: boo
     (the line naming what several nodes must do), a rendezvous no worker came out of."""
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, bufsize=1, errors="replace")
+                                text=True, bufsize=1, errors="replace", preexec_fn=_die_with_parent)
     except OSError as exc:
         raise PipeccError(f"cannot start torchrun ({exc})") from None
     watch, tree = _Watch(verbose), ProcessTree(proc.pid)

@@ -290,6 +290,8 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
         marker = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         raise PipeccError(f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)") from None
+    from pipecc.runtime.folder_sums import require
+    require(out, marker)  # the stage code and weights loaded below, recorded by hash
     loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve

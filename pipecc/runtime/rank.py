@@ -306,7 +306,7 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
         if args.steps < 1:
             raise UsageError("--trace records the run's steps: give --steps 1 or more")
         if os.environ.get("RANK", "0") == "0":  # the rank that writes it
-            check_trace_path(args.trace)
+            check_trace_path(args.trace, args)
     epochs = getattr(args, "epochs", None)
     for flag, value in (("--epochs", epochs), ("--eval-every", getattr(args, "eval_every", None))):
         if value is not None and value < 1:

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.loss_reduction import LossReduction
+from pipecc.runtime.watchdog import bounded
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.lengths import LENGTH_ARG
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
@@ -90,7 +92,8 @@ class RunData:
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs, note=note)
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file  # torch and pipecc.errors only
 
-        module = import_model_file(path, source)  # the bytes hashed, compiled from memory
+        with bounded(f"importing {path.name}"):  # --timeout, when every rank hangs in model code
+            module = import_model_file(path, source)  # the bytes hashed, compiled from memory
         model_args = dict(meta.get("model_args") or {})
         if length is not None:
             model_args[LENGTH_ARG] = length
@@ -98,7 +101,8 @@ class RunData:
 
         def call(name: str) -> Any:
             try:
-                return _call_with_accepted(getattr(module, name), batch, **model_args)
+                with bounded(f"{name} in {path.name}"):
+                    return _call_with_accepted(getattr(module, name), batch, **model_args)
             except Exception as e:
                 raise PipeccError(f"{name} in {path.name} failed: {type(e).__name__}: {e}") from None
 
@@ -122,6 +126,8 @@ class RunData:
         def loss_fn(value: Any, tgt: Any) -> torch.Tensor:
             sends = (value,) if len(send_names) == 1 else tuple(value)
             return model_loss(build_output(tree, dict(zip(send_names, sends))), tgt)
+        if model_loss is user_loss:  # how its micro-batch losses combine (pipecc.runtime.loss_reduction)
+            loss_fn.reduction = LossReduction.from_json(meta.get("loss_reduction"))  # type: ignore[attr-defined]
 
         inputs = _stage0_inputs(model_inputs, meta.get("model_inputs") or specs[0].get("model_inputs") or [],
                                 first, path.name)

@@ -28,6 +28,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, split_sizes, unflatten
+from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, weight
 
 
 __all__ = ["Mailbox", "StageRunner"]
@@ -139,13 +140,20 @@ class StageRunner:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise PipeccError(f"rank {rt.global_rank}: the loss must be a scalar tensor, got "
                               f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
+        # how the model file's loss_fn combines over parts of the batch (pipecc.runtime.loss_reduction,
+        # found at compile; rundata puts it on the loss function): a sum adds the parts' losses
+        reduction = getattr(rt.loss_fn, "reduction", MEAN_LOSS)
         n = self.ports.batch_size
         sizes = rt.schedule.microbatch_sizes
         if sizes is not None:  # b_k / B (n: the sizes' sum, check_sizes)
-            share = sizes[self.stage][mb] / sum(sizes[0])
+            part, whole = sizes[self.stage][mb], sum(sizes[0])
         else:
-            share = split_sizes(n, rt.m)[mb] / n if n is not None else 1.0 / rt.m
-        return loss.reshape(()) * (share * rt.replicas.weight)
+            part, whole = (split_sizes(n, rt.m)[mb], n) if n is not None else (1, rt.m)
+        if reduction.kind == SUM:
+            return loss.reshape(())
+        if reduction.kind != MEAN and (rt.m > 1 or rt.replicas.count > 1):
+            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
+        return loss.reshape(()) * (weight(MEAN, part, whole) * rt.replicas.weight)
 
     def check(self, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:
         """Fail early, naming the port, when an output does not match the spec its peer relies on."""

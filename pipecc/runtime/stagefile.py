@@ -20,9 +20,9 @@ compiler.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
+import types
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime import folder_sums
 
 RECOMPILE = "compile the folder again"  # the fix for a damaged folder
 
@@ -45,8 +46,8 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     """(module, ports) from a compiled stage folder; the module's weights are the saved ones."""
     folder = Path(stage_dir)
     try:
-        ports = json.loads((folder / "ports.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        ports = json.loads(folder_sums.read_checked(folder / "ports.json").decode("utf-8"))
+    except ValueError as exc:
         raise PipeccError(f"{folder}: cannot read ports.json ({exc}); is this a pipecc stage folder?") from None
     if not isinstance(ports, dict):
         raise PipeccError(f"{folder / 'ports.json'} is not a port spec; {RECOMPILE}")
@@ -58,15 +59,21 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def _build(folder: Path, file: str, class_name: str) -> nn.Module:
-    """An instance of ``class_name`` from the generated ``folder/file`` (imported by path)."""
+    """An instance of ``class_name`` from the generated ``folder/file``: its bytes read once,
+    checked against the sha256 the compile recorded (``pipecc.runtime.folder_sums``) and compiled
+    from memory, never through the import system (no ``__pycache__`` bytecode runs in place of
+    the source, and none is written into the folder)."""
     name = f"pipecc_stage_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, folder / file)
-    if spec is None or spec.loader is None or not (folder / file).is_file():
+    path = folder / file
+    if not path.exists():
         raise PipeccError(f"{folder}: no {file}; {RECOMPILE}")
-    source = importlib.util.module_from_spec(spec)
+    data = folder_sums.read_checked(path)
+    source = types.ModuleType(name)
+    source.__file__ = str(path)  # tracebacks, inspect.getsource and torch's source lookups
     sys.modules[name] = source  # so inspect/torch tooling can find the class's module
     try:
-        spec.loader.exec_module(source)
+        code = compile(data, str(path), "exec", dont_inherit=True)
+        exec(code, source.__dict__)  # noqa: S102 - the stage code, checked against its recorded sha256
         cls = getattr(source, class_name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PipeccError(f"{folder}/{file} defines no stage module class; {RECOMPILE}")
@@ -120,11 +127,12 @@ def check_weights_file(path: str | Path) -> None:
 
 def load_weights(module: nn.Module, path: str | Path) -> None:
     """Copy a safetensors file into `module`'s parameters and buffers (every one, by state key)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     check_weights_file(path)
+    data = folder_sums.read_checked(path)  # the bytes hashed are the bytes loaded
     try:
-        tensors = load_file(str(path))
+        tensors = load(data)
     except Exception as e:
         raise PipeccError(f"{path} cannot be read ({_gist(e)}); {RECOMPILE}") from None
     expected = dict(module.named_parameters(remove_duplicate=False))
@@ -155,6 +163,7 @@ def check_marker(out: str | Path, marker: dict[str, Any] | None) -> None:
     fail later, in some rank, with a traceback. One line naming the field; nothing is run."""
     if marker is None:
         return
+    folder_sums.require(out, marker)  # the code and weights a run loads, recorded by hash
     path = Path(out) / "pipecc.json"
 
     def bad(what: str) -> PipeccError:

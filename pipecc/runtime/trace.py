@@ -66,12 +66,20 @@ _SENDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
 _RECVS = frozenset((ActionKind.RECV_F, ActionKind.RECV_B))
 
 
-def check_trace_path(path: str | os.PathLike) -> Path:
-    """``--trace PATH`` resolved, once it can be written (one-line PipeccError otherwise);
-    checked before any process starts, so a bad path costs no run."""
-    p = Path(path).expanduser().resolve()
-    if p.is_dir():
-        raise PipeccError(f"--trace {path} is a folder; give a file name, e.g. {Path(path) / 'trace.json'}")
+def check_trace_path(path: str | os.PathLike, args: Any = None) -> Path:
+    """``--trace PATH`` resolved, once it can be written by the one output-file rule
+    (``pipecc.runtime.outfile``: never the compiled folder's files, its model file or the
+    checkpoint folder's, a file pipecc did not write only with ``--force``; a character device
+    or a read pipe written into); a one-line PipeccError otherwise. Checked before any process
+    starts, so a bad path costs no run. ``args``: the run's arguments (out, checkpoint_dir, force)."""
+    from pipecc.runtime import outfile
+    inputs: list[Any] = []
+    if args is not None and getattr(args, "out", None) is not None:
+        inputs = [*outfile.compiled_inputs(args.out), getattr(args, "checkpoint_dir", None)]
+    target = outfile.check(path, "--trace", inputs, bool(getattr(args, "force", False)))
+    p = target.real
+    if target.kind in ("device", "fifo"):
+        return p
     if not p.parent.is_dir():
         raise PipeccError(f"--trace {path}: folder {p.parent} does not exist; create it or trace elsewhere")
     if not os.access(p.parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
@@ -184,13 +192,8 @@ class TraceRecorder:
                 "num_stages": rt.schedule.num_stages, "microbatches": rt.m, "steps": self.step + 1,
                 "warmup_steps": min(self.warmup_steps, self.step + 1)}
         text = json.dumps(chrome_trace(payloads, meta))
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise PipeccError(f"--trace {path}: cannot write it ({e.strerror or e}); give a writable path") from None
+        from pipecc.runtime import outfile  # checked with the run's inputs and --force before it started
+        outfile.write(path, text, "--trace", force=True)
 
     def _execute(self, action: Action, execute: Callable[[], None]) -> None:
         if self.inner is None:

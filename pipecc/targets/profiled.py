@@ -83,6 +83,9 @@ class Profile:
 
 
 # ----------------------------------------------------------------------------- checks
+MAX_FIT_S = 1e5  # a fitted per-call or per-sample time above this (28 hours) is no measurement
+
+
 def load_profile(profile: str | Path | Mapping[str, Any] | Profile) -> Profile:
     """A profile file (or an already loaded document) checked for the fields the planner
     reads. Raises PipeccError naming the file and what is wrong with it."""
@@ -139,6 +142,10 @@ def _malformed(data: dict[str, Any]) -> str | None:
             if not ok:
                 return f"node {n.get('name', '?') if isinstance(n, dict) else n!r} has no " \
                        "fit {fwd, bwd: {a >= 0, c >= 0}}"
+            big = max(fits)
+            if big > MAX_FIT_S:  # a damaged or hand-made figure: the search would spin on it for minutes
+                return f"node {n['name']} has a fit of {big:g} s, beyond any measurement (over {MAX_FIT_S:g} s a " \
+                       "call or a sample)"
     fixed = data.get("fixed_costs")
     if fixed is not None:  # NOTE: absent in older profiles (pipecc.targets.fixed_costs reads it)
         from pipecc.targets.fixed_costs import from_json

@@ -1,0 +1,242 @@
+"""How micro-batch losses combine into the batch's loss: the model file's ``loss_fn`` analysed
+on outputs and a target of the example's shapes (issue 33).
+
+A pipeline computes ``loss_fn`` on each micro-batch (each replica's slice) and back-propagates
+the weighted sum of those losses. That equals the loss of the whole batch only when
+``loss_fn`` is
+
+- a **mean** over the samples (``cross_entropy``'s default, ``mse_loss``, ``.mean()``): the
+  batch's loss is the mean of the parts' losses weighted by their share ``n_i / n``;
+- a **sum** over the samples (``reduction="sum"``, ``.sum()``, a fixed divisor such as
+  ``.sum() / 8``): the batch's loss is the plain sum of the parts' losses (weight 1).
+
+Anything else (a max, softmax, std or sort over the batch, a loss normalised by a
+batch-dependent count) gives other gradients for any split: such a ``loss_fn`` runs only on the
+whole batch (one micro-batch, no replicas) and a split is refused in one line.
+
+``analyse`` decides by evaluating ``loss_fn`` on random outputs of the forward's shapes and the
+model file's example target: the batch whole and split two ways (halves; one sample and the
+rest), with a private generator (the global RNG is restored). A loss is "mean" (or "sum") when,
+for every split and two draws, the whole batch's loss equals the weighted combination of the
+parts' losses to float tolerance. ``weight(reduction, part, whole)`` is the factor the runtime
+multiplies micro-batch loss by: what every runner (``pipecc run``'s stage runner, a training
+object) must use so that the steps' gradients are the full batch's.
+
+Imports torch only: the runtime may use it, and the driver does (``driver.analyze``)."""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+MEAN, SUM, MIXED = "mean", "sum", "mixed"
+KINDS = (MEAN, SUM, MIXED)
+RTOL, ATOL = 1e-4, 1e-6
+SAMPLES = 4  # samples of the example the analysis draws outputs for
+WIDE_ELEMENTS = 1 << 24  # up to this many output elements, the analysis runs in float64
+
+
+@dataclass(frozen=True)
+class LossReduction:
+    """``kind``: "mean", "sum" or "mixed"; ``why``: for "mixed", what was found (one phrase)."""
+    kind: str
+    why: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> LossReduction:
+        """The marker's ``loss_reduction``; absent (a folder compiled before it): "mean", what
+        the runtime always did."""
+        if isinstance(data, dict) and data.get("kind") in KINDS:
+            return cls(str(data["kind"]), str(data.get("why") or ""))
+        return cls(MEAN)
+
+    def message(self, split: str, file: str = "the model file") -> str:
+        """The one line refusing a run that splits the batch (``split``: "4 micro-batches", ...)."""
+        return (f"loss_fn in {file} is neither a mean nor a sum over the samples ({self.why}), so the "
+                f"losses of {split} do not combine into the batch's loss; give --microbatches 1 --replicas 1, "
+                "or reduce it with .mean() or .sum() over the samples")
+
+
+MEAN_LOSS = LossReduction(MEAN)
+
+
+def split_words(microbatches: int, replicas: int = 1) -> str:
+    """How a run splits the batch, in words ("2 micro-batches and 2 replicas"); "" when it does not."""
+    parts = [f"{microbatches} micro-batches"] if microbatches > 1 else []
+    parts += [f"{replicas} replicas"] if replicas > 1 else []
+    return " and ".join(parts)
+
+
+def check_split(reduction: LossReduction | None, microbatches: int, replicas: int, file: str) -> None:
+    """Refuse (one line) a training plan that splits the batch when ``loss_fn`` mixes samples
+    (``reduction`` as the analysis found it; None: no loss_fn analysed)."""
+    from pipecc.errors import PipeccError
+    split = split_words(microbatches, replicas)
+    if reduction is not None and reduction.kind == MIXED and split:
+        raise PipeccError(reduction.message(split, file))
+
+
+def check_run(marker: dict[str, Any], microbatches: int, replicas: int) -> None:
+    """A run of a compiled folder (``pipecc.json``) that would split the batch of a model whose
+    loss_fn mixes samples: refused in one line (before any process starts)."""
+    from pathlib import Path
+
+    from pipecc.errors import PipeccError
+    reduction = LossReduction.from_json(marker.get("loss_reduction"))
+    split = split_words(microbatches, replicas)
+    if reduction.kind == MIXED and split:
+        raise PipeccError(reduction.message(split, Path(str(marker.get("model_path") or "the model file")).name))
+
+
+def weight(reduction: LossReduction | str, part: int | float, whole: int | float) -> float:
+    """The factor for the loss of a part of ``part`` samples of a batch of ``whole`` samples, so
+    that the weighted sum of the parts' losses is the batch's loss: ``part / whole`` for a mean,
+    1 for a sum. A "mixed" loss has no such factor (the caller refuses the split)."""
+    kind = reduction.kind if isinstance(reduction, LossReduction) else reduction
+    if kind == SUM:
+        return 1.0
+    if kind == MEAN:
+        return float(part) / float(whole)
+    raise ValueError("a loss_fn that mixes samples cannot be combined over micro-batches")
+
+
+def analyse(loss_fn: Callable[[Any, Any], Any], outputs: Any, target: Any, batch: int) -> LossReduction:
+    """The reduction of ``loss_fn`` over the batch dim (module docstring). ``outputs``: the
+    model's outputs (real or fake tensors: only shapes and dtypes are used); ``target``: the real
+    example target. A batch of one sample cannot be split: "mean"."""
+    if batch < 2:
+        return MEAN_LOSS
+    k = min(batch, SAMPLES)  # the first k samples: a large model's logits stay small here
+    outputs, target = _shapes(outputs, batch, k), _slice(target, 0, k, batch)
+    splits = [[k // 2, k - k // 2]] + ([[1, k - 1]] if k >= 3 else [])
+    state = torch.random.get_rng_state()
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    warnings.simplefilter("ignore")  # the loss's own warnings were shown by the model check
+    wide = sum(_numel(outputs)) <= WIDE_ELEMENTS
+    try:
+        try:  # in float64 first: the comparison then needs no float32 slack
+            if wide:
+                return _analyse(loss_fn, outputs, _cast(target, torch.float64), k, splits, torch.float64, RTOL)
+        except _Failed:
+            pass
+        try:
+            return _analyse(loss_fn, outputs, target, k, splits, None, 1e-3)
+        except _Failed as failed:
+            return LossReduction(MIXED, str(failed))
+    finally:
+        caught.__exit__(None, None, None)
+        torch.random.set_rng_state(state)
+
+
+class _Failed(Exception):
+    """loss_fn raised or returned no finite value (the message says where)."""
+
+
+def _analyse(loss_fn: Callable[[Any, Any], Any], outputs: Any, target: Any, batch: int,
+             splits: list[list[int]], dtype: torch.dtype | None, rtol: float) -> LossReduction:
+    found = {MEAN: True, SUM: True}
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(1234 + seed)
+        outs = _random_tree(outputs, gen, dtype)
+        whole = _call(loss_fn, outs, target, "the whole batch")
+        for sizes in splits:
+            parts = [_call(loss_fn, _slice(outs, lo, hi, batch), _slice(target, lo, hi, batch),
+                           f"samples {lo}:{hi} of the batch") for lo, hi in _bounds(sizes)]
+            for kind in (MEAN, SUM):
+                combined = sum(weight(kind, n, batch) * p for n, p in zip(sizes, parts))
+                if abs(combined - whole) > ATOL + rtol * max(abs(whole), abs(combined)):
+                    found[kind] = False
+    if found[MEAN]:
+        return MEAN_LOSS
+    if found[SUM]:
+        return LossReduction(SUM)
+    return LossReduction(MIXED, "its value on the batch is neither the weighted mean nor the sum of its "
+                         "values on parts of it: a max, softmax, std or count over the batch")
+
+
+def _call(loss_fn: Callable[[Any, Any], Any], outs: Any, target: Any, where: str) -> float:
+    try:
+        loss = loss_fn(outs, target)
+    except Exception as exc:
+        raise _Failed(f"it raised {type(exc).__name__} on {where}") from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise _Failed(f"it returned no one-element floating tensor on {where}")
+    v = float(loss.detach().reshape(()).double())
+    if v != v or abs(v) == float("inf"):
+        raise _Failed(f"it returned {v} on {where} of random outputs")
+    return v
+
+
+def _shapes(value: Any, batch: int, k: int) -> Any:
+    """``value``'s tensors as empty ones of k samples where dim 0 is the batch (shape and dtype
+    are all the analysis reads of the outputs)."""
+    if isinstance(value, torch.Tensor):
+        shape = (k, *value.shape[1:]) if value.dim() and value.shape[0] == batch else tuple(value.shape)
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+    if isinstance(value, dict):
+        return type(value)((key, _shapes(v, batch, k)) for key, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_shapes(v, batch, k) for v in value)
+    return value
+
+
+def _numel(value: Any) -> Iterator[int]:
+    if isinstance(value, torch.Tensor):
+        yield value.numel()
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _numel(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _numel(v)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return type(value)((k, _cast(v, dtype)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+def _bounds(sizes: list[int]) -> Iterator[tuple[int, int]]:
+    lo = 0
+    for n in sizes:
+        yield lo, lo + n
+        lo += n
+
+
+def _random_tree(value: Any, gen: torch.Generator, dtype: torch.dtype | None) -> Any:
+    """Real tensors of ``value``'s shapes: floating ones drawn from N(0, 1) (as ``dtype``, or
+    their own dtype with 16-bit floats widened to float32), others zero."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            own = torch.float32 if value.dtype in (torch.float16, torch.bfloat16) else value.dtype
+            return torch.randn(tuple(value.shape), generator=gen, dtype=torch.float64).to(dtype or own)
+        return torch.zeros(tuple(value.shape), dtype=value.dtype)
+    if isinstance(value, dict):
+        return type(value)((k, _random_tree(v, gen, dtype)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_random_tree(v, gen, dtype) for v in value)
+    return value
+
+
+def _slice(value: Any, lo: int, hi: int, batch: int) -> Any:
+    """Samples lo:hi of every tensor whose dim 0 is the batch (the others whole), as the runtime
+    splits outputs and target."""
+    if isinstance(value, torch.Tensor):
+        return value[lo:hi] if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, dict):
+        return type(value)((k, _slice(v, lo, hi, batch)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_slice(v, lo, hi, batch) for v in value)
+    return value

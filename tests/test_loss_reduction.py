@@ -1,0 +1,101 @@
+"""How micro-batch losses combine (`pipecc.runtime.loss_reduction`; issue 33, "training that is
+silently wrong without --verify"): the model file's loss_fn is analysed at compile; a sum trains
+on the sum of the micro-batch losses, a mean on their weighted mean, and a loss that mixes
+samples (a max, softmax or std over the batch) runs only on the whole batch, a split refused in
+one line at compile and at run. Runs are in-process (one rank holds both stages)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import run_cli
+from pipecc import cli
+from pipecc.runtime import dist
+from pipecc.runtime.loss_reduction import MEAN, MIXED, SUM, LossReduction, analyse, weight
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = (ROOT / "models" / "mlp.py").read_text()
+DEFAULT_LOSS = "return F.cross_entropy(outputs, target)"
+TINY = ["--model-arg", "in_features=16", "--model-arg", "hidden=32", "--model-arg", "depth=3",
+        "--model-arg", "num_classes=5"]
+
+LOSSES = {  # the return line of loss_fn -> the kind the analysis must find
+    "cross_entropy": ("F.cross_entropy(outputs, target)", MEAN),
+    "cross_entropy sum": ('F.cross_entropy(outputs, target, reduction="sum")', SUM),
+    "sum over a fixed count": ('F.cross_entropy(outputs, target, reduction="sum") / 8', SUM),
+    "mse plus a mean penalty": ("F.mse_loss(outputs, F.one_hot(target, outputs.shape[1]).float())"
+                                " + 0.1 * outputs.pow(2).mean()", MEAN),
+    "max over the batch": ('F.cross_entropy(outputs, target, reduction="none").max()', MIXED),
+    "softmax over the batch": ('(F.softmax(F.cross_entropy(outputs, target, reduction="none"), 0) * '
+                               'F.cross_entropy(outputs, target, reduction="none")).sum()', MIXED),
+    "std over the batch": ("outputs.std(0).mean()", MIXED),
+    "a count of the batch": ('F.cross_entropy(outputs, target, reduction="sum") / outputs.shape[0] ** 2', MIXED),
+}
+
+
+def model_file(folder: Path, loss: str) -> Path:
+    path = folder / "m.py"
+    path.write_text(MLP.replace(DEFAULT_LOSS, f"return {loss}"))
+    return path
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_the_analysis_finds_how_a_loss_combines(name):
+    body, kind = LOSSES[name]
+    loss_fn = eval(f"lambda outputs, target: {body}", {"F": F})  # noqa: S307 (the table's own text)
+    got = analyse(loss_fn, torch.empty(8, 5), torch.randint(5, (8,)), 8)
+    assert got.kind == kind, got
+
+
+def test_outputs_as_a_dict_and_a_one_sample_batch():
+    def loss_fn(out, tgt):
+        return F.cross_entropy(out["logits"], tgt["y"], reduction="sum")
+    assert analyse(loss_fn, {"logits": torch.empty(6, 3)}, {"y": torch.zeros(6, dtype=torch.long)}, 6).kind == SUM
+    assert analyse(loss_fn, {"logits": torch.empty(1, 3)}, {"y": torch.zeros(1, dtype=torch.long)}, 1).kind == MEAN
+
+
+def test_the_analysis_leaves_the_global_rng_as_it_was():
+    state = torch.random.get_rng_state()
+    analyse(lambda o, t: o.mean() + torch.rand(()) * 0, torch.empty(4, 2), torch.zeros(4), 4)
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_the_weights_runners_use():
+    assert weight(MEAN, 2, 8) == 0.25 and weight(SUM, 2, 8) == 1.0
+    assert weight(LossReduction(SUM), 3, 8) == 1.0
+    with pytest.raises(ValueError):
+        weight(MIXED, 1, 2)
+    assert LossReduction.from_json(None).kind == MEAN  # a folder from before the analysis
+    assert LossReduction.from_json({"kind": "sum"}).kind == SUM
+
+
+def compile_model(path: Path, out: Path, *flags: str) -> int:
+    return cli.main(["compile", str(path), "-d", "2xcpu", "-b", "8", "-q", "-o", str(out), *TINY, *flags])
+
+
+@pytest.mark.parametrize("name", ["cross_entropy sum", "sum over a fixed count", "cross_entropy"])
+def test_a_sum_or_mean_loss_trains_as_the_model_over_four_micro_batches(name, tmp_path):
+    """--verify compares the pipeline's loss and gradients with the model's on the whole batch;
+    before the analysis a sum loss trained on a quarter of the gradients here."""
+    body, kind = LOSSES[name]
+    out = tmp_path / "out"
+    assert compile_model(model_file(tmp_path, body), out, "-m", "4", "--replicas", "1") == 0
+    assert json.loads((out / "pipecc.json").read_text())["loss_reduction"]["kind"] == kind
+    assert dist.main([str(out), "--steps", "1", "--schedule", "interleaved", "--verify"]) == 0
+
+
+def test_a_loss_that_mixes_samples_is_refused_split_and_runs_whole(tmp_path, capsys):
+    path = model_file(tmp_path, LOSSES["max over the batch"][0])
+    code, out, err = run_cli(["compile", str(path), "-d", "2xcpu", "-b", "8", "-o", str(tmp_path / "o"), *TINY,
+                              "-m", "4", "--replicas", "1"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "neither a mean nor a sum" in err, err
+    assert "--microbatches 1 --replicas 1" in err and not (tmp_path / "o").exists()
+    out_dir = tmp_path / "whole"
+    assert compile_model(path, out_dir, "-m", "1", "--replicas", "1") == 0
+    code, out, err = run_cli(["run", str(out_dir), "-m", "2", "--steps", "1"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "losses of 2 micro-batches do not combine" in err, err
+    assert dist.main([str(out_dir), "--steps", "1", "--schedule", "interleaved", "--verify"]) == 0

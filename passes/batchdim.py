@@ -141,7 +141,9 @@ class _Walk:
     def __init__(self, graph: AnnotatedGraph, training: bool) -> None:
         self.graph, self.training = graph, training
         self.b = graph.symbols["B"]
-        self.dirty: set[fx.Node] = set()        # the batch is no longer the outer factor of its dim
+        # the batch is no longer the outer factor of its dim: how it lies there (`Layout`), or
+        # None where that is not known
+        self.dirty: dict[fx.Node, Layout | None] = {}
         self.size: set[fx.Node] = set()         # Python numbers that are the batch size
         self.shape_of: dict[fx.Node, int] = {}  # x.shape of a tensor with the batch at that dim
         self.positions: set[fx.Node] = set()    # arange(batch size): sample positions
@@ -259,6 +261,9 @@ class _Walk:
         rank = len(x.meta[META_VALUE].shape)
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             return  # driver.batchnorm_note
+        if x in self.dirty:
+            self.merged_module(node, m, x)
+            return
         if isinstance(m, torch.nn.RNNBase):
             if rank == 2 or (p == 0 and not m.batch_first):
                 self.found(node, f"({type(m).__name__}, batch_first=False) runs its recurrence "
@@ -316,10 +321,9 @@ class _Walk:
         if not batched:
             return
         if any(n in self.dirty for n in batched) and op not in _VIEWS:
-            if op in _ELEMENTWISE or op in _MOVES:
-                self.dirty.add(node)
-                return
-            self.found(node, f"({op}) reads a tensor whose batch a view merged inside another dim")
+            if not self.merged(node, op, batched):
+                self.found(node, f"({op}) reads a tensor whose batch a view merged inside another dim")
+            return
         x = node.args[0] if node.args else None
         p = self.bdim(x) if isinstance(x, fx.Node) else None
         rank = len(x.meta[META_VALUE].shape) if p is not None else 0
@@ -432,8 +436,9 @@ class _Walk:
         """A view or reshape: the batch must stay the outer factor of one output dim."""
         if not isinstance(x, fx.Node) or self.bdim(x) is None:
             return
-        if not self.view_ok(x.meta[META_VALUE], node.meta.get(META_VALUE)) or x in self.dirty:
-            self.dirty.add(node)
+        after = node.meta.get(META_VALUE)
+        if x in self.dirty or not self.view_ok(x.meta[META_VALUE], after):
+            self.mark(node, self.regroup(self.layout_of(x), after))
 
     def view_ok(self, before: TensorInfo, after: Any) -> bool:
         """Whether, read in row-major order, the batch index is the outermost part of one
@@ -454,6 +459,132 @@ class _Walk:
         inner_out *= math.prod(outs[q[0] + 1:])
         return inner_in == inner_out and math.prod(ins[:p[0]]) == math.prod(outs[:q[0]]) \
             and ins[p[0]] % batch == 0
+
+    # --- a batch merged inside another dim (multi-head attention's (T, B·H) -> (T·B, H·D))
+    def layout_of(self, node: fx.Node) -> Layout | None:
+        """How the batch lies in `node`: its recorded layout when merged, else from its shape."""
+        if node in self.dirty:
+            return self.dirty[node]
+        value = node.meta.get(META_VALUE)
+        if not isinstance(value, TensorInfo):
+            return None
+        dims = []
+        for d in value.shape:
+            if self.b not in getattr(d, "free_symbols", ()):
+                dims.append(((_at(d, self.graph.point), False),))
+                continue
+            k = _factor(d, self.b, self.graph.point)
+            if k is None:
+                return None
+            dims.append(((self.batch, True),) + (((k, False),) if k > 1 else ()))
+        return tuple(dims)
+
+    @property
+    def batch(self) -> int:
+        return int(self.graph.point[self.b])
+
+    def mark(self, node: fx.Node, layout: Layout | None) -> None:
+        """`node`'s batch lies as `layout` says: clean again (the outer factor of the dim its
+        shape puts it in) or merged; None: not known, merged."""
+        if layout is not None and _leads(layout, self.bdims(node.meta.get(META_VALUE))):
+            self.dirty.pop(node, None)
+        else:
+            self.dirty[node] = layout
+
+    def regroup(self, layout: Layout | None, after: Any) -> Layout | None:
+        """`layout` read in row-major order and regrouped into the dims of `after` (a view):
+        a factor other than the batch may split, the batch may not; None where it does not fit."""
+        if layout is None or not isinstance(after, TensorInfo) or self.batch < 2:
+            return None
+        factors = [f for dim in layout for f in dim if f[1] or f[0] != 1]
+        out: list[tuple[tuple[int, bool], ...]] = []
+        i = 0
+        for size in (_at(d, self.graph.point) for d in after.shape):
+            dim: list[tuple[int, bool]] = []
+            prod = 1
+            while prod < size:
+                if i >= len(factors):
+                    return None
+                f, is_batch = factors[i]
+                if size % (prod * f) == 0:
+                    dim.append(factors[i])
+                    prod *= f
+                    i += 1
+                elif is_batch or size % prod or f % (size // prod):
+                    return None
+                else:
+                    dim.append((size // prod, False))
+                    factors[i] = (f // (size // prod), False)
+                    prod = size
+            if prod != size:
+                return None
+            out.append(tuple(dim) or ((1, False),))
+        return tuple(out) if i == len(factors) else None
+
+    def merged(self, node: fx.Node, op: str, batched: list[fx.Node]) -> bool:
+        """An op on a tensor whose batch is merged inside a dim: True when it works on each
+        index of that dim alone (elementwise, a layout op, a linear or norm or softmax over
+        other dims), with `node`'s layout recorded; False: refuse it."""
+        layouts = [self.layout_of(n) for n in batched]
+        layout = layouts[0] if all(lay == layouts[0] for lay in layouts) else None
+        value = node.meta.get(META_VALUE)
+        shape = tuple(_at(d, self.graph.point) for d in value.shape) if isinstance(value, TensorInfo) else None
+        where = _batch_at(layout) if layout is not None else None
+        rank = len(layout) if layout is not None else 0
+
+        def same(new: Layout | None) -> bool:
+            self.mark(node, new if new is not None and _sizes(new) == shape else None)
+            return True
+
+        if op in _ELEMENTWISE:
+            return same(layout)
+        if op == "getitem" and isinstance(batched[0].meta.get(META_VALUE), (tuple, list)):
+            return same(layout)  # one result of a tuple-valued op (native_layer_norm)
+        if op in ("permute", "transpose", "t", "swapaxes", "swapdims") and layout is not None:
+            order = _order(node, op, rank)
+            return same(tuple(layout[k] for k in order) if order is not None else None)
+        if op in _MOVES:
+            self.mark(node, None)  # as before: merged, its layout not followed
+            return True
+        if where is None or layout is None:
+            return False
+        last = where[0] == rank - 1
+        if op == "linear" and not last and self.bdim(node.args[1]) is None:
+            return same(layout[:-1] + (((shape[-1], False),),) if shape else None)
+        if op in ("layer_norm", "native_layer_norm", "rms_norm"):
+            norm = _arg(node, 1, "normalized_shape", ())
+            n = len(norm) if isinstance(norm, (list, tuple)) else rank
+            return where[0] < rank - n and same(layout)
+        if op in ("softmax", "log_softmax", "_softmax", "_log_softmax"):
+            dim = _arg(node, 1, "dim", None)
+            return isinstance(dim, int) and dim % rank != where[0] and same(layout)
+        if op == "scaled_dot_product_attention" and len(batched) >= 3 \
+                and all(n in node.args[:3] for n in batched):
+            return where[0] < rank - 2 and same(layout[:-1] + (((shape[-1], False),),) if shape else None)
+        return False
+
+    def merged_module(self, node: fx.Node, m: torch.nn.Module, x: fx.Node) -> None:
+        """A module on a tensor whose batch is merged inside a dim (as `merged`)."""
+        layout = self.layout_of(x)
+        value = node.meta.get(META_VALUE)
+        shape = tuple(_at(d, self.graph.point) for d in value.shape) if isinstance(value, TensorInfo) else None
+        where = _batch_at(layout) if layout is not None else None
+        new: Layout | None = None
+        if where is not None and shape is not None:
+            rank = len(layout)
+            if isinstance(m, (torch.nn.Dropout, torch.nn.Identity)) or type(m).__module__ == \
+                    "torch.nn.modules.activation" and not isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax,
+                                                                         torch.nn.Softmin, torch.nn.MultiheadAttention)):
+                new = layout
+            elif isinstance(m, torch.nn.Linear) and where[0] != rank - 1:
+                new = layout[:-1] + (((shape[-1], False),),)
+            elif isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and \
+                    where[0] < rank - len(tuple(m.normalized_shape)):
+                new = layout
+        if new is None or _sizes(new) != shape:
+            self.found(node, f"({type(m).__name__}) reads a tensor whose batch a view merged inside "
+                       "another dim")
+        self.mark(node, new)
 
     # --- what a node writes, and what it loses
     def writes(self, node: fx.Node, op: str) -> None:
@@ -517,6 +648,44 @@ class _Walk:
 
 
 # ----------------------------------------------------------------------------- helpers
+# how the batch lies in a tensor: per dim, its factors (size at the sample point, whether it is
+# the batch), outermost first; (T, B) viewed as (T·B,) is ((T, False), (B, True))
+Layout = tuple[tuple[tuple[int, bool], ...], ...]
+
+
+def _batch_at(layout: Layout) -> tuple[int, int] | None:
+    found = [(d, j) for d, dim in enumerate(layout) for j, f in enumerate(dim) if f[1]]
+    return found[0] if len(found) == 1 else None
+
+
+def _leads(layout: Layout, bdims: list[int]) -> bool:
+    """The batch is the outermost factor (but for 1s) of the one dim the shapes say holds it."""
+    at = _batch_at(layout)
+    return at is not None and bdims == [at[0]] and all(f[0] == 1 for f in layout[at[0]][:at[1]])
+
+
+def _sizes(layout: Layout) -> tuple[int, ...]:
+    return tuple(math.prod(f[0] for f in dim) for dim in layout)
+
+
+def _order(node: fx.Node, op: str, rank: int) -> list[int] | None:
+    """The input dim of each output dim of a permute or transpose, or None."""
+    if op == "permute":
+        dims = node.args[1:] if len(node.args) > 2 else _arg(node, 1, "dims", None)
+        if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+            return None
+        return [d % rank for d in dims]
+    if op == "t":
+        a, b = 0, rank - 1
+    else:
+        a, b = _arg(node, 1, "dim0", None), _arg(node, 2, "dim1", None)
+        if not isinstance(a, int) or not isinstance(b, int):
+            return None
+    order = list(range(rank))
+    order[a % rank], order[b % rank] = order[b % rank], order[a % rank]
+    return order
+
+
 def _flat(value: Any) -> Iterable[Any]:
     if isinstance(value, (list, tuple)):
         for v in value:

@@ -58,27 +58,62 @@ _ELEMENTWISE = frozenset(
     "logical_xor bitwise_not bitwise_and bitwise_or bitwise_xor isnan isinf isfinite "
     "detach _to_copy lift_fresh_copy masked_fill_ fill_ square positive fake_quantize_per_tensor_affine "
     "scaled_mul onnx_cast identity gelu_ relu_ sigmoid_ tanh_ hardtanh_ silu_ dropout_ "
-    "bernoulli triu tril softmax_backward_data pixel_shuffle pixel_unshuffle".split())
+    "bernoulli triu tril softmax_backward_data pixel_shuffle pixel_unshuffle __and__ __or__ __xor__ "
+    "__invert__ __rand__ __ror__ __rxor__ channel_shuffle native_channel_shuffle".split())
 # layout ops: shapes say where the batch went, `_view_ok` whether it stayed a clean factor
 _VIEWS = frozenset("view reshape flatten unflatten _unsafe_view unsafe_view view_as reshape_as".split())
 _MOVES = frozenset(
     "permute transpose t swapaxes swapdims movedim moveaxis squeeze unsqueeze expand expand_as "
     "repeat tile broadcast_to unbind split chunk split_with_sizes tensor_split unsafe_split "
-    "narrow select slice getitem stack hstack vstack pad constant_pad_nd reflection_pad1d "
-    "reflection_pad2d replication_pad1d replication_pad2d as_strided upsample_nearest2d "
+    "narrow select slice getitem stack hstack vstack as_strided upsample_nearest2d "
     "upsample_bilinear2d interpolate _upsample_bilinear2d_aa upsample_nearest1d".split())
 # ops along one dim argument (position, keyword): the batch must not be that dim
 _ALONG_DIM = {name: (1, "dim") for name in
               "cumsum cumprod cummax cummin logcumsumexp softmax log_softmax _softmax _log_softmax "
-              "sort argsort topk kthvalue median mode nanmedian diff gather scatter scatter_add "
-              "scatter_reduce index_select index_add index_copy index_fill take_along_dim "
-              "glu renorm cat concat concatenate".split()}
-_ALONG_DIM.update({"topk": (2, "dim"), "kthvalue": (2, "dim"), "renorm": (2, "dim"),
-                   "diff": (2, "dim"), "cat": (1, "dim"), "concat": (1, "dim"),
-                   "concatenate": (1, "dim")})
+              "softmin sort argsort topk kthvalue median mode nanmedian diff gather scatter "
+              "scatter_add scatter_reduce index_select index_add index_copy index_fill "
+              "take_along_dim glu cat concat concatenate".split()}
+_ALONG_DIM.update({"topk": (2, "dim"), "kthvalue": (2, "dim"), "diff": (2, "dim"),
+                   "cat": (1, "dim"), "concat": (1, "dim"), "concatenate": (1, "dim"),
+                   "normalize": (2, "dim"), "cosine_similarity": (2, "dim"),
+                   "pairwise_distance": (99, "dim")})
+_ALONG_DIM.update({name: (2, "dim") for name in
+                   "fft_fft fft_ifft fft_rfft fft_irfft fft_hfft fft_ihfft _fft_r2c _fft_c2r "
+                   "_fft_c2c".split()})
 _DEFAULT_DIM = {"sort": -1, "argsort": -1, "topk": -1, "kthvalue": -1, "median": -1,
-                "mode": -1, "diff": -1, "cat": 0, "concat": 0, "concatenate": 0, "glu": -1}
-_ALONG_DIMS = {"flip": (1, "dims"), "roll": (2, "dims")}  # a list of dims
+                "mode": -1, "diff": -1, "cat": 0, "concat": 0, "concatenate": 0, "glu": -1,
+                "normalize": 1, "cosine_similarity": 1, "pairwise_distance": -1,
+                **{name: -1 for name in "fft_fft fft_ifft fft_rfft fft_irfft fft_hfft fft_ihfft".split()}}
+_ALONG_DIMS = {"flip": (1, "dims"), "roll": (2, "dims"),  # a list of dims
+               **{name: (2, "dim") for name in "fft_fft2 fft_ifft2 fft_rfft2 fft_irfft2 fft_fftn "
+                  "fft_ifftn fft_rfftn fft_irfftn fft_hfft2 fft_ihfft2 fft_hfftn fft_ihfftn".split()}}
+_DEFAULT_DIMS = {name: (-2, -1) for name in "fft_fft2 fft_ifft2 fft_rfft2 fft_irfft2 fft_hfft2 "
+                 "fft_ihfft2".split()}  # fftn and the rest: every dim (None)
+_PADS = frozenset("pad constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d "
+                  "replication_pad1d replication_pad2d replication_pad3d circular_pad1d "
+                  "circular_pad2d circular_pad3d _pad_circular".split())
+# ops that treat dim 0 as the batch and each index of it alone (`at_zero`): convolution, pooling,
+# norms over a sample's own values, resampling, library blocks known to work per sample. An op
+# in no table here is taken to mix samples (it is refused when the batch is split)
+_PER_SAMPLE = frozenset(
+    "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution "
+    "_convolution conv_tbc max_pool1d max_pool2d max_pool3d max_pool1d_with_indices "
+    "max_pool2d_with_indices max_pool3d_with_indices avg_pool1d avg_pool2d avg_pool3d "
+    "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d "
+    "adaptive_max_pool2d adaptive_max_pool3d _adaptive_avg_pool2d _adaptive_avg_pool3d lp_pool1d "
+    "lp_pool2d lp_pool3d fractional_max_pool2d group_norm native_group_norm instance_norm "
+    "local_response_norm upsample_nearest2d upsample_bilinear2d upsample_bicubic2d "
+    "upsample_nearest1d upsample_nearest3d upsample_linear1d upsample_trilinear3d "
+    "_upsample_nearest_exact2d _upsample_bilinear2d_aa interpolate grid_sample affine_grid "
+    "fold unfold im2col col2im pixel_shuffle pixel_unshuffle one_hot bucketize searchsorted "
+    "stochastic_depth shifted_window_attention _patch_merging_pad "
+    "multi_head_attention".split())
+_PER_SAMPLE_MODULES = frozenset(f"torch.nn.modules.{name}" for name in
+                                "conv pooling normalization pixelshuffle channelshuffle fold "
+                                "upsampling".split())
+# losses reduce over the batch: `vanished` names them (their output has none)
+_LOSSES = frozenset("cross_entropy mse_loss l1_loss nll_loss binary_cross_entropy "
+                    "binary_cross_entropy_with_logits smooth_l1_loss huber_loss kl_div".split())
 META_MIXING = "pipecc.batch_mixing"  # graph module meta: find_mixing's finding, for the folder
 _BATCH_NORM = frozenset("batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
                         "_native_batch_norm_legit_no_training native_batch_norm "
@@ -194,6 +229,7 @@ class _Walk:
             self.function(node, base, inputs)
         self.writes(node, op)
         self.vanished(node, base, inputs)
+        self.resized(node, base)
 
     # --- Python numbers
     def numbers(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> None:
@@ -291,21 +327,48 @@ class _Walk:
             if p >= rank - len(tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)):
                 self.found(node, f"({type(m).__name__}) normalises over the batch dim")
             return
+        if type(m).__name__ in ("LinearShard", "Conv2dShard", "EmbeddingShard") and \
+                hasattr(m, "pipecc_shard_of"):  # passes.split_layers: the layer's parameters in parts
+            if type(m).__name__ == "LinearShard" and p == rank - 1:
+                self.found(node, "(Linear) contracts the batch dim (its input's last dim)")
+            elif type(m).__name__ == "Conv2dShard":
+                self.at_zero(node, p, "Conv2d")
+            return
         if isinstance(m, (torch.nn.Linear, torch.nn.Bilinear)):
             if p == rank - 1:
                 self.found(node, "(Linear) contracts the batch dim (its input's last dim)")
             return
-        if isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin)):
-            dim = m.dim if m.dim is not None else (0 if rank in (0, 1, 3) else 1)
+        if isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin, torch.nn.Softmax2d)):
+            dim = -3 if isinstance(m, torch.nn.Softmax2d) else \
+                m.dim if m.dim is not None else (0 if rank in (0, 1, 3) else 1)
             if dim % rank == p:
                 self.found(node, f"({type(m).__name__}) normalises over the batch dim {p}")
             return
         if isinstance(m, (torch.nn.Flatten, torch.nn.Unflatten)):
             self.view(node, x)
             return
-        if isinstance(m, torch.nn.Embedding) or op in _ELEMENTWISE or op in ("dropout", "identity"):
+        if isinstance(m, torch.nn.Embedding) or op in _ELEMENTWISE or op in ("dropout", "identity") \
+                or isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.Identity)):
             return
-        self.at_zero(node, p, type(m).__name__)  # conv, pooling, norms over channels, unknown ones
+        if isinstance(m, (torch.nn.GLU, torch.nn.CosineSimilarity)):
+            if m.dim % rank == p:
+                self.found(node, f"({type(m).__name__}) works along dim {p}, the batch")
+            return
+        if isinstance(m, torch.nn.PairwiseDistance) or isinstance(m, torch.nn.modules.loss._Loss):
+            if isinstance(m, torch.nn.PairwiseDistance) and p == rank - 1:
+                self.found(node, "(PairwiseDistance) works along the batch dim")
+            return  # a loss's output has no batch: `vanished` says so
+        if type(m).__module__ == "torch.nn.modules.activation":
+            return  # elementwise (softmax-like ones and MultiheadAttention are above)
+        if type(m).__module__ == "torch.nn.modules.padding":
+            k = len(m.padding) // 2
+            if p >= rank - k and any(m.padding[2 * (rank - 1 - p):2 * (rank - p)]):
+                self.found(node, f"({type(m).__name__}) pads dim {p}, the batch")
+            return
+        if op in _PER_SAMPLE or type(m).__module__ in _PER_SAMPLE_MODULES:
+            self.at_zero(node, p, type(m).__name__)  # conv, pooling, norms over channels
+        else:
+            self.unknown(node, type(m).__name__)
 
     def at_zero(self, node: fx.Node, p: int, what: str) -> None:
         """An op that treats dim 0 as the batch (convolution, pooling, group norm) or one the
@@ -332,6 +395,14 @@ class _Walk:
         if op in _VIEWS:
             self.view(node, x)
             return
+        if op == "renorm":
+            dim = _arg(node, 2, "dim", None)
+            if p is not None and not (isinstance(dim, int) and dim % rank == p):
+                self.found(node, f"(renorm) caps the norm of each slice along dim {dim}, which "
+                           "spans the batch")
+            return
+        if op in _ALONG_DIM and p is None and op not in ("cat", "concat", "concatenate"):
+            return  # a batched index into an unbatched tensor; an output without the batch: vanished
         if op in _ALONG_DIM and p is not None:
             pos, key = _ALONG_DIM[op]
             dim = _arg(node, pos, key, _DEFAULT_DIM.get(op))
@@ -353,10 +424,16 @@ class _Walk:
             return
         if op in _ALONG_DIMS and p is not None:
             pos, key = _ALONG_DIMS[op]
-            dims = _arg(node, pos, key, None)
+            dims = _arg(node, pos, key, _DEFAULT_DIMS.get(op))
             dims = [dims] if isinstance(dims, int) else list(dims or [])
             if not dims or any(d % rank == p for d in dims if isinstance(d, int)):
-                self.found(node, f"({op}) reorders along dim {p}, the batch")
+                self.found(node, f"({op}) works along dim {p}, the batch")
+            return
+        if op in _PADS and p is not None:
+            pad = _arg(node, 1, "pad", None)
+            if not isinstance(pad, (list, tuple)) or (len(pad) // 2 > rank - 1 - p and any(
+                    not isinstance(n, int) or n != 0 for n in pad[2 * (rank - 1 - p):2 * (rank - p)])):
+                self.found(node, f"({op}) pads dim {p}, the batch")
             return
         if op in _MOVES:
             return
@@ -393,11 +470,18 @@ class _Walk:
             return
         if op in ("layer_norm", "native_layer_norm", "rms_norm"):
             shape = _arg(node, 1, "normalized_shape", ())
-            n = len(shape) if isinstance(shape, (list, tuple)) else 1
+            if isinstance(shape, fx.Node):  # x.shape[1:]: its value at capture
+                shape = getattr(shape.meta.get(META_VALUE), "value", None)
+            n = len(shape) if isinstance(shape, (list, tuple)) else \
+                1 if isinstance(shape, int) else rank  # not known: every dim
             if p is not None and p >= rank - n:
                 self.found(node, f"({op}) normalises over the batch dim")
             return
         if op in ("embedding", "embedding_bag"):
+            aten = isinstance(node.target, torch._ops.OpOverload)  # aten.embedding(weight, indices)
+            table = node.args[0] if aten and node.args else _arg(node, 1, "weight", None)
+            if self.bdim(table) is not None:
+                self.found(node, f"({op}) looks samples' rows up in a table that holds the batch")
             return
         if op in ("instance_norm",):
             running = _arg(node, 3, "running_mean", None)
@@ -410,10 +494,24 @@ class _Walk:
                 self.found(node, f"({op}, batch_first={first}) runs its recurrence over dim 0 "
                            "of its input, where pipecc splits the batch", "batch_first=True")
             return
-        if op in _REDUCTIONS:
+        if op in ("index", "_unsafe_index"):  # x[i0, i1, ...] with tensors: each sample its own
+            indices = _arg(node, 1, "indices", ())
+            pick = indices[p] if p is not None and isinstance(indices, (list, tuple)) \
+                and p < len(indices) else None
+            if pick is not None and pick not in self.positions:
+                self.found(node, f"({op}) picks along dim {p}, the batch, by values")
+            return
+        if op in _REDUCTIONS or op in _LOSSES:
             return  # over the batch dim, the output lost it: `vanished` says so
-        if p is not None:
-            self.at_zero(node, p, op or str(node.target))
+        if op in _PER_SAMPLE and p is not None:
+            self.at_zero(node, p, op)
+        else:
+            self.unknown(node, op or str(node.target))
+
+    def unknown(self, node: fx.Node, what: str) -> None:
+        """An op whose batch behaviour pipecc does not know: taken to mix samples."""
+        self.found(node, f"({what}) is an op pipecc does not know to keep samples apart (so it "
+                   "is taken to mix them)", "write it with torch ops pipecc knows")
 
     def einsum(self, node: fx.Node) -> None:
         spec = node.args[0] if node.args and isinstance(node.args[0], str) else None
@@ -623,6 +721,15 @@ class _Walk:
             what = "reduces over the batch" if op in _REDUCTIONS else \
                 "combines samples (a batched input, an output without the batch)"
             self.found(node, f"({op or node.target}) {what}", "reduce over the other dims only")
+
+    def resized(self, node: fx.Node, op: str) -> None:
+        """A dim of c·B samples is what micro-batches split; B - 1 or B + 1 (`x[1:]`, a row
+        added to the batch) is a count of the whole batch's samples, not each micro-batch's."""
+        for t in tensors_in(node.meta.get(META_VALUE)):
+            for d in t.shape:
+                if self.b in getattr(d, "free_symbols", ()) and _factor(d, self.b, self.graph.point) is None:
+                    self.found(node, f"({op or node.target}) makes a dim of {d} from the batch of B "
+                               "samples, which depends on the whole batch")
 
     def outputs(self, node: fx.Node) -> None:
         """Every tensor the model returns has the batch, clean, at dim 0 (the concat's)."""

@@ -392,6 +392,8 @@ class _Walk:
         rank = len(x.meta[META_VALUE].shape) if p is not None else 0
         if op in _DATA_FREE or op in _ELEMENTWISE:
             return
+        if isinstance(node.target, type) and not isinstance(node.meta.get(META_VALUE), TensorInfo):
+            return  # a container (a namedtuple, a ModelOutput) of its arguments: `outputs` checks them
         if op in _VIEWS:
             self.view(node, x)
             return

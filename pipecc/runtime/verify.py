@@ -116,6 +116,10 @@ class Verifier:
             raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
                               f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                               + "; was OUT compiled from this file and these --model-arg values?")
+        # NOTE: the stages' state dict carries their own modules' versions (nn.Module's 1);
+        # loaded into the model they would make a versioned module (torchvision's MNASNet, v2)
+        # migrate an old checkpoint's layout: the model's own versions describe these tensors
+        state._metadata = getattr(model.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
         try:
             model.load_state_dict(state, strict=False)
         except RuntimeError as e:

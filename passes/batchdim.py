@@ -183,6 +183,8 @@ class _Walk:
         self.shape_of: dict[fx.Node, int] = {}  # x.shape of a tensor with the batch at that dim
         self.positions: set[fx.Node] = set()    # arange(batch size): sample positions
         self.batchnorms = _batchnorm_owners(graph)
+        # a mixture of experts' routing over the flattened tokens: what each node is (`routed`)
+        self.route: dict[fx.Node, str] = {}
 
     # --- values
     def bdims(self, value: Any) -> list[int]:
@@ -220,6 +222,8 @@ class _Walk:
         op = str(node.meta.get(META_OP, ""))
         base = op[:-1] if op.endswith("_") and not op.startswith("_") else op
         inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
+        if self.routed(node, base, inputs):
+            return
         self.numbers(node, base, inputs)
         if node.op == "call_module":
             self.module(node, op)
@@ -230,6 +234,79 @@ class _Walk:
         self.writes(node, op)
         self.vanished(node, base, inputs)
         self.resized(node, base)
+
+    # --- a mixture of experts: tokens sorted by expert, worked on per row, put back
+    def routed(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> bool:
+        """Routing as MoE layers write it (transformers' grouped experts): the tokens' expert
+        ids sorted over all rows (`sort` of a 1-D batched tensor: "pair", then "sorted" values
+        and "perm"), rows gathered in that order ("rows": perm // top_k; gathered: "permuted"),
+        the group sizes counted from the sorted ids ("counts": histc, cumsum), a grouped matmul
+        per group of rows, the inverse permutation ("inverse": index_put_ of positions at perm)
+        and the rows gathered back into token order. Each row's result depends on its own row
+        and expert id only, so micro-batches compute what the whole batch does. True: `node`
+        was one of those steps (recorded); False: none of its inputs is, the usual rules apply.
+        Any other use of a routing value is refused."""
+        tags = {n: self.route[n] for n in inputs if n in self.route}
+        value = node.meta.get(META_VALUE)
+        if not tags:
+            x = node.args[0] if node.args else None
+            if op in ("sort", "argsort") and isinstance(x, fx.Node) and x not in self.dirty \
+                    and self.bdim(x) == 0 and len(x.meta[META_VALUE].shape) == 1:
+                self.route[node] = "pair" if op == "sort" else "perm"
+                return True
+            return False
+        kinds = set(tags.values())
+        first = node.args[0] if node.args else None
+        tag = self.route.get(first) if isinstance(first, fx.Node) else None
+        if op in _DATA_FREE:
+            return True
+        if op == "getitem" and tag == "pair":
+            self.route[node] = {0: "sorted", 1: "perm"}.get(node.args[1], "")
+            return bool(self.route[node]) or self.misrouted(node, op)
+        if op in ("floor_divide", "floordiv") and tag == "perm" and isinstance(node.args[1], int):
+            self.route[node] = "rows"
+            return True
+        if op in ("histc", "bincount") and tag == "sorted" or op == "cumsum" and tag == "counts":
+            self.route[node] = "counts"
+            return True
+        if op in ("to", "_to_copy", "float", "long", "int", "type_as") and tag in ("sorted", "counts"):
+            self.route[node] = tag
+            return True
+        if op in ("index", "_unsafe_index") and isinstance(first, fx.Node):
+            indices = _arg(node, 1, "indices", ())
+            pick = indices[0] if isinstance(indices, (list, tuple)) and len(indices) == 1 else None
+            kind = self.route.get(pick) if isinstance(pick, fx.Node) else None
+            if kind in ("perm", "rows") and tag is None and first not in self.dirty \
+                    and self.bdim(first) == 0:
+                self.route[node] = "permuted"  # rows in expert order
+                return True
+            if kind == "inverse" and tag == "permuted":
+                return True  # rows back in token order: an ordinary batched tensor again
+            return self.misrouted(node, op)
+        if op in ("index_put",) and len(node.args) > 2 and isinstance(node.args[1], (list, tuple)) \
+                and len(node.args[1]) == 1 and self.route.get(node.args[1][0]) == "perm" \
+                and isinstance(node.args[2], fx.Node) and node.args[2] in self.positions:
+            self.route[node] = "inverse"
+            return True
+        if op in ("grouped_mm_fallback", "_grouped_mm", "grouped_mm") and tag == "permuted" \
+                and len(node.args) > 2 and self.route.get(node.args[2]) == "counts" \
+                and self.bdim(node.args[1]) is None:
+            self.route[node] = "permuted"
+            return True
+        if kinds == {"permuted"} and (op in _ELEMENTWISE or op in ("chunk", "split", "unsqueeze",
+                                                                        "getitem", "silu", "gelu")) \
+                and all(n in tags for n in inputs if self.bdim(n) is not None):
+            shapes = [t.shape for t in tensors_in(value)]
+            lead = [t.shape[0] for n in tags for t in tensors_in(n.meta.get(META_VALUE))]
+            if lead and all(len(sh) and sh[0] == lead[0] for sh in shapes):
+                self.route[node] = "permuted"
+                return True
+        return self.misrouted(node, op)
+
+    def misrouted(self, node: fx.Node, op: str) -> bool:
+        self.found(node, f"({op}) uses the order of a sort over the batch (tokens sorted across "
+                   "samples) in a way pipecc cannot follow")
+        return False
 
     # --- Python numbers
     def numbers(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> None:
@@ -740,6 +817,8 @@ class _Walk:
                 continue
             if leaf in self.size:
                 self.found(leaf, "returns the batch size (x.shape[0]) as a value")
+            if leaf in self.route:
+                self.misrouted(leaf, str(leaf.meta.get(META_OP, leaf.target)))
             value = leaf.meta.get(META_VALUE)
             if not isinstance(value, TensorInfo):
                 continue

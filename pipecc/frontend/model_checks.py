@@ -178,7 +178,9 @@ def check_dtypes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.meta.get(META_KIND) not in _MIXED_DTYPE_KINDS:
             continue
-        infos = [a.meta.get(META_VALUE) for a in node.all_input_nodes]
+        # NOTE: a grouped (expert) matmul takes its groups' integer offsets as its last operand
+        operands = node.all_input_nodes[:2] if "grouped_mm" in str(node.target) else node.all_input_nodes
+        infos = [a.meta.get(META_VALUE) for a in operands]
         infos += [info for _, info in node.meta.get(META_PARAMS) or ()]
         infos = [i for i in infos if isinstance(i, TensorInfo)]
         ints = [i for i in infos if not (i.dtype.is_floating_point or i.dtype.is_complex or i.dtype == torch.bool)]

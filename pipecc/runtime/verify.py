@@ -104,14 +104,15 @@ class Verifier:
             raise PipeccError(f"verify: build_model in {file} failed: {type(e).__name__}: {e}") from None
         if not isinstance(model, nn.Module):
             raise PipeccError(f"verify: build_model in {file} returned {type(model).__name__}, not an nn.Module")
-        state = assemble_owner([load_stage(d)[0] for d in stage_dirs]).state_dict()
+        stages = [load_stage(d)[0] for d in stage_dirs]
+        state = assemble_owner(stages).state_dict()
         wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         wanted += [n for n, _ in model.named_buffers(remove_duplicate=False) if persistent_buffer(model, n)]
         missing = [n for n in wanted if n not in state]
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # NOTE: a parameter no stage holds is one no captured node uses; check_step makes sure
         self.absent = [n for n in missing if n in params]
-        missing = [n for n in missing if n not in params]
+        missing = [n for n in missing if n not in params and not _held_as_constant(model, n, stages)]
         if missing:
             raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
                               f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -366,3 +367,17 @@ def _compared(seen: set[str], pieces: int = 1) -> str:
     if pieces > 1:
         parts.append(f"BatchNorm over the same {pieces} micro-batches in both runs")
     return f" (train mode; {'; '.join(parts)})" if parts else ""
+
+
+def _held_as_constant(model: nn.Module, name: str, stages: list[nn.Module]) -> bool:
+    """Whether a stage holds the model's buffer `name` as a constant of equal values (perhaps
+    viewed: MaxViT's relative_position_index.view(-1), which the capture kept as a constant)
+    rather than under its name: the reference then keeps its own, equal, values."""
+    want = model.get_buffer(name)
+    for stage in stages:
+        for m in stage.modules():
+            for t in [*vars(m).values(), *m._buffers.values()]:
+                if isinstance(t, torch.Tensor) and t.numel() == want.numel() and t.dtype == want.dtype \
+                        and torch.equal(t.detach().cpu().flatten(), want.detach().cpu().flatten()):
+                    return True
+    return False

@@ -7,6 +7,10 @@
   0.5 samples/s on a CPU): forward reads `relative_position_index.view(-1)`, which the capture
   keeps as a constant, so no stage holds the buffer under its name; verify keeps the model's own
   (equal) values instead of refusing ("the compiled stages hold no tensor for ...");
+- torchvision GoogLeNet returns a namedtuple (logits and two aux heads) in train mode: verify
+  compares it leaf by leaf, each leaf cut to a replica's rows (before: "Boolean value of Tensor
+  with more than one value is ambiguous", and with the default replicas "The size of tensor a
+  (4) must match the size of tensor b (2)");
 - CLIP's batch x batch similarity mixes samples and stays refused with micro-batches.
 """
 from __future__ import annotations
@@ -84,15 +88,25 @@ def loss_fn(outputs, target):
 '''
 
 
+GOOGLENET_FILE = MNASNET_FILE.replace(
+    "torchvision.models.mnasnet0_5(num_classes=10)",
+    "torchvision.models.googlenet(num_classes=10, aux_logits=True, init_weights=False)").replace(
+    "3, 32, 32", "3, 64, 64").replace(
+    "return F.cross_entropy(outputs, target)", "return F.cross_entropy(outputs.logits, target)")
+FILES = {"mnasnet": (MNASNET_FILE, "1"), "maxvit_relpos": (RELPOS_FILE, "1"),
+         "googlenet": (GOOGLENET_FILE, "1"), "googlenet_replicas": (GOOGLENET_FILE, "auto")}
+
+
 @pytest.mark.real
-@pytest.mark.parametrize("name", ["mnasnet", "maxvit_relpos"])
+@pytest.mark.parametrize("name", sorted(FILES))
 def test_run_verify(name: str, tmp_path: Path) -> None:
+    text, replicas = FILES[name]
     path = tmp_path / f"{name}.py"
-    path.write_text(MNASNET_FILE if name == "mnasnet" else RELPOS_FILE)
+    path.write_text(text)
     out = tmp_path / "out"
     env = child_env()
     env["PYTHONPATH"] += ":" + str(Path(__file__).resolve().parent)
-    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--batch-size", "4", "--replicas", "1",
+    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--batch-size", "4", "--replicas", replicas,
                       "-o", str(out), env=env, timeout=CLI_TIMEOUT)
     assert done.returncode == 0, done.stderr
     run = run_pipecc("run", str(out), "--steps", "1", "--verify", env=env, timeout=CLI_TIMEOUT)

@@ -294,24 +294,51 @@ class Verifier:
             ref = want[name]
             if isinstance(value, list) and not isinstance(ref, list):
                 value = value[0]  # an unbatched output: one value per micro-batch
-            if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor):
-                problem = self._differs(value, ref.detach().to(value.device))
-            else:
-                problem = None if value == ref else f"{value!r} != {ref!r}"
+            problem = self._leaves_differ(value, ref, name in self._unsliced)
             if problem:
                 failures.append(f"verify: rank {self.runtime.global_rank} stage {self.runtime.last_stage} "
                                 f"output {name} "
                                 f"differs: {problem}")
         return failures
 
+    def _leaves_differ(self, value: Any, ref: Any, slice_rows: bool) -> str | None:
+        """Tensors compared as `_differs` does, leaf by leaf through tuples, lists (a namedtuple
+        such as GoogLeNet's outputs) and dicts; `slice_rows`: the reference's tensor leaves are
+        the whole batch's, cut to this replica's rows here; other values compared with ==."""
+        if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor):
+            if slice_rows and ref.dim() and self.runtime.replicas.count > 1:
+                replicas = self.runtime.replicas
+                ref = replica_slice(ref, 0, self.runtime.m, replicas.count, replicas.index, replicas.batch)
+            return self._differs(value, ref.detach().to(value.device))
+        if isinstance(value, (tuple, list)) and isinstance(ref, (tuple, list)) and len(value) == len(ref):
+            for k, (v, r) in enumerate(zip(value, ref)):
+                problem = self._leaves_differ(v, r, slice_rows)
+                if problem:
+                    return f"[{k}]: {problem}"
+            return None
+        if isinstance(value, dict) and isinstance(ref, dict) and value.keys() == ref.keys():
+            for k in value:
+                problem = self._leaves_differ(value[k], ref[k], slice_rows)
+                if problem:
+                    return f"[{k!r}]: {problem}"
+            return None
+        if isinstance(value, torch.Tensor) or isinstance(ref, torch.Tensor):
+            return f"{type(value).__name__} vs {type(ref).__name__} in the single-process run"
+        return None if value == ref else f"{value!r} != {ref!r}"
+
     def _replica_rows(self, values: dict[str, Any]) -> dict[str, Any]:
         """Replicas: the single-process outputs cut to this replica's rows (its slice of every
         micro-batch), which are what its pipeline produced."""
         replicas = self.runtime.replicas
+        self._unsliced: set[str] = set()
         if replicas.count == 1:
             return values
         ports = self.runtime.ports[self.runtime.stage_ids.index(self.runtime.last_stage)]
         dims = {p.name: p.batch_dim for p in ports.sends if p.kind == "tensor"}
+        # NOTE: a port of several tensors (a namedtuple of batched outputs) has no one batch
+        # dim: `_leaves_differ` cuts its leaves along dim 0
+        self._unsliced = {name for name, v in values.items()
+                          if not isinstance(v, torch.Tensor) and name not in dims}
         return {name: replica_slice(v, dims[name], self.runtime.m, replicas.count, replicas.index, replicas.batch)
                 if isinstance(v, torch.Tensor) and dims.get(name) is not None else v for name, v in values.items()}
 

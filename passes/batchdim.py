@@ -18,9 +18,14 @@ merged it with another (`_view_ok`: `(B, T)` -> `(B·T,)` is, `(T, B)` -> `(T·B
 which Python numbers are the batch size (`x.shape[0]`, `x.size(0)`, `sym_size`): as a size
 (`view(b, -1)`, `expand(b, ...)`) a micro-batch's own size is right; as a value it is not.
 
-Ops the tables do not know are taken as separable when the batch stays at dim 0 of their inputs
-and outputs (attention, embedding, layer norm, softmax over the last dim all do); anything else
-unknown that moves or drops the batch is refused. BatchNorm is left to `driver.batchnorm_note`
+The analysis is conservative: an op the tables below do not know is taken to mix samples
+(`unknown`), so a new op is refused until it is listed with its rule; `_PER_SAMPLE` lists the
+ops that treat dim 0 as the batch and each index of it alone (convolution, pooling, group norm,
+resampling), which must keep the batch at dim 0 in and out. A batch merged inside another dim by
+a view (multi-head attention's (T, B·H, d), its (T·B, D) output projection) is followed as a
+`Layout` of factors, through per-row work, until a view splits it out again (`merged`). A
+mixture of experts' routing (a sort of the tokens by expert over the whole batch, a grouped
+matmul per expert, the rows put back) is followed by `routed`. BatchNorm is left to `driver.batchnorm_note`
 (a warning, or `strict_batchnorm`), as before. Buffers written in forward (a step counter, an
 EMA) are written once per micro-batch, so with several micro-batches they are refused too
 (BatchNorm's running statistics excepted, as above).

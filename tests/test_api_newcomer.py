@@ -33,3 +33,24 @@ def test_split_layers_words(word, split, one_thread):
     assert shards == split  # the heavy first layer is split only when asked
     with pytest.raises(UsageError, match="split_layers='of'"):
         pipecc.compile(_model(), (torch.randn(8, 256),), "2xcpu", split_layers="of")
+
+
+def test_export_names_no_internal_stand_in():
+    """A node torch.export made outside every module is named by its op alone, not after
+    export's `_empty_nn_module_stack_from_metadata_hook` stand-in (the first node of a stage)."""
+    from pipecc import driver
+    from pipecc.ir.graph import META_NAME
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+        def forward(self, x):  # the mask built in forward: captured with torch.export
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            return self.layer(x, src_mask=mask, is_causal=True)
+
+    graph = driver.analyze_module(Masked(), (torch.randn(4, 5, 8),))
+    assert graph.source == "export"
+    names = [str(n.meta.get(META_NAME)) for n in graph.gm.graph.nodes]
+    assert not any("_empty_nn_module_stack" in n for n in names), names

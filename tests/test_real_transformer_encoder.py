@@ -191,3 +191,24 @@ def test_transformer_encoder_lm_cli_verify(in_forward, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gradients match the single-process run" in run.stdout
     assert "dropout off in both runs" in run.stdout
+
+
+class BufferMask(nn.Module):
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), fill), 1))
+
+    def forward(self, x):
+        return self.a(x) + (self.a(x) + self.mask).softmax(-1)
+
+
+def test_an_inf_buffer_is_accepted_and_nan_refused(one_thread):
+    """An additive -inf mask is the standard way to mask attention (finite losses); a NaN in a
+    buffer still makes every loss NaN and is refused in one line."""
+    x = torch.randn(8, 4, 4)  # (B, queries, keys)
+    model = BufferMask(float("-inf"))
+    pm = pipecc.compile(model, (x,), "2xcpu", microbatches=2)
+    torch.testing.assert_close(pm(x), model(x))
+    with pytest.raises(PipeccError, match="^buffer 'mask' holds NaN"):
+        pipecc.compile(BufferMask(float("nan")), (x,), "2xcpu")

@@ -18,9 +18,14 @@ merged it with another (`_view_ok`: `(B, T)` -> `(B·T,)` is, `(T, B)` -> `(T·B
 which Python numbers are the batch size (`x.shape[0]`, `x.size(0)`, `sym_size`): as a size
 (`view(b, -1)`, `expand(b, ...)`) a micro-batch's own size is right; as a value it is not.
 
-Ops the tables do not know are taken as separable when the batch stays at dim 0 of their inputs
-and outputs (attention, embedding, layer norm, softmax over the last dim all do); anything else
-unknown that moves or drops the batch is refused. BatchNorm is left to `driver.batchnorm_note`
+The analysis is conservative: an op the tables below do not know is taken to mix samples
+(`unknown`), so a new op is refused until it is listed with its rule; `_PER_SAMPLE` lists the
+ops that treat dim 0 as the batch and each index of it alone (convolution, pooling, group norm,
+resampling), which must keep the batch at dim 0 in and out. A batch merged inside another dim by
+a view (multi-head attention's (T, B·H, d), its (T·B, D) output projection) is followed as a
+`Layout` of factors, through per-row work, until a view splits it out again (`merged`). A
+mixture of experts' routing (a sort of the tokens by expert over the whole batch, a grouped
+matmul per expert, the rows put back) is followed by `routed`. BatchNorm is left to `driver.batchnorm_note`
 (a warning, or `strict_batchnorm`), as before. Buffers written in forward (a step counter, an
 EMA) are written once per micro-batch, so with several micro-batches they are refused too
 (BatchNorm's running statistics excepted, as above).
@@ -58,27 +63,62 @@ _ELEMENTWISE = frozenset(
     "logical_xor bitwise_not bitwise_and bitwise_or bitwise_xor isnan isinf isfinite "
     "detach _to_copy lift_fresh_copy masked_fill_ fill_ square positive fake_quantize_per_tensor_affine "
     "scaled_mul onnx_cast identity gelu_ relu_ sigmoid_ tanh_ hardtanh_ silu_ dropout_ "
-    "bernoulli triu tril softmax_backward_data pixel_shuffle pixel_unshuffle".split())
+    "bernoulli triu tril softmax_backward_data pixel_shuffle pixel_unshuffle __and__ __or__ __xor__ "
+    "__invert__ __rand__ __ror__ __rxor__ channel_shuffle native_channel_shuffle".split())
 # layout ops: shapes say where the batch went, `_view_ok` whether it stayed a clean factor
 _VIEWS = frozenset("view reshape flatten unflatten _unsafe_view unsafe_view view_as reshape_as".split())
 _MOVES = frozenset(
     "permute transpose t swapaxes swapdims movedim moveaxis squeeze unsqueeze expand expand_as "
     "repeat tile broadcast_to unbind split chunk split_with_sizes tensor_split unsafe_split "
-    "narrow select slice getitem stack hstack vstack pad constant_pad_nd reflection_pad1d "
-    "reflection_pad2d replication_pad1d replication_pad2d as_strided upsample_nearest2d "
+    "narrow select slice getitem stack hstack vstack as_strided upsample_nearest2d "
     "upsample_bilinear2d interpolate _upsample_bilinear2d_aa upsample_nearest1d".split())
 # ops along one dim argument (position, keyword): the batch must not be that dim
 _ALONG_DIM = {name: (1, "dim") for name in
               "cumsum cumprod cummax cummin logcumsumexp softmax log_softmax _softmax _log_softmax "
-              "sort argsort topk kthvalue median mode nanmedian diff gather scatter scatter_add "
-              "scatter_reduce index_select index_add index_copy index_fill take_along_dim "
-              "glu renorm cat concat concatenate".split()}
-_ALONG_DIM.update({"topk": (2, "dim"), "kthvalue": (2, "dim"), "renorm": (2, "dim"),
-                   "diff": (2, "dim"), "cat": (1, "dim"), "concat": (1, "dim"),
-                   "concatenate": (1, "dim")})
+              "softmin sort argsort topk kthvalue median mode nanmedian diff gather scatter "
+              "scatter_add scatter_reduce index_select index_add index_copy index_fill "
+              "take_along_dim glu cat concat concatenate".split()}
+_ALONG_DIM.update({"topk": (2, "dim"), "kthvalue": (2, "dim"), "diff": (2, "dim"),
+                   "cat": (1, "dim"), "concat": (1, "dim"), "concatenate": (1, "dim"),
+                   "normalize": (2, "dim"), "cosine_similarity": (2, "dim"),
+                   "pairwise_distance": (99, "dim")})
+_ALONG_DIM.update({name: (2, "dim") for name in
+                   "fft_fft fft_ifft fft_rfft fft_irfft fft_hfft fft_ihfft _fft_r2c _fft_c2r "
+                   "_fft_c2c".split()})
 _DEFAULT_DIM = {"sort": -1, "argsort": -1, "topk": -1, "kthvalue": -1, "median": -1,
-                "mode": -1, "diff": -1, "cat": 0, "concat": 0, "concatenate": 0, "glu": -1}
-_ALONG_DIMS = {"flip": (1, "dims"), "roll": (2, "dims")}  # a list of dims
+                "mode": -1, "diff": -1, "cat": 0, "concat": 0, "concatenate": 0, "glu": -1,
+                "normalize": 1, "cosine_similarity": 1, "pairwise_distance": -1,
+                **{name: -1 for name in "fft_fft fft_ifft fft_rfft fft_irfft fft_hfft fft_ihfft".split()}}
+_ALONG_DIMS = {"flip": (1, "dims"), "roll": (2, "dims"),  # a list of dims
+               **{name: (2, "dim") for name in "fft_fft2 fft_ifft2 fft_rfft2 fft_irfft2 fft_fftn "
+                  "fft_ifftn fft_rfftn fft_irfftn fft_hfft2 fft_ihfft2 fft_hfftn fft_ihfftn".split()}}
+_DEFAULT_DIMS = {name: (-2, -1) for name in "fft_fft2 fft_ifft2 fft_rfft2 fft_irfft2 fft_hfft2 "
+                 "fft_ihfft2".split()}  # fftn and the rest: every dim (None)
+_PADS = frozenset("pad constant_pad_nd reflection_pad1d reflection_pad2d reflection_pad3d "
+                  "replication_pad1d replication_pad2d replication_pad3d circular_pad1d "
+                  "circular_pad2d circular_pad3d _pad_circular".split())
+# ops that treat dim 0 as the batch and each index of it alone (`at_zero`): convolution, pooling,
+# norms over a sample's own values, resampling, library blocks known to work per sample. An op
+# in no table here is taken to mix samples (it is refused when the batch is split)
+_PER_SAMPLE = frozenset(
+    "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution "
+    "_convolution conv_tbc max_pool1d max_pool2d max_pool3d max_pool1d_with_indices "
+    "max_pool2d_with_indices max_pool3d_with_indices avg_pool1d avg_pool2d avg_pool3d "
+    "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d "
+    "adaptive_max_pool2d adaptive_max_pool3d _adaptive_avg_pool2d _adaptive_avg_pool3d lp_pool1d "
+    "lp_pool2d lp_pool3d fractional_max_pool2d group_norm native_group_norm instance_norm "
+    "local_response_norm upsample_nearest2d upsample_bilinear2d upsample_bicubic2d "
+    "upsample_nearest1d upsample_nearest3d upsample_linear1d upsample_trilinear3d "
+    "_upsample_nearest_exact2d _upsample_bilinear2d_aa interpolate grid_sample affine_grid "
+    "fold unfold im2col col2im pixel_shuffle pixel_unshuffle one_hot bucketize searchsorted "
+    "stochastic_depth shifted_window_attention _patch_merging_pad "
+    "multi_head_attention".split())
+_PER_SAMPLE_MODULES = frozenset(f"torch.nn.modules.{name}" for name in
+                                "conv pooling normalization pixelshuffle channelshuffle fold "
+                                "upsampling".split())
+# losses reduce over the batch: `vanished` names them (their output has none)
+_LOSSES = frozenset("cross_entropy mse_loss l1_loss nll_loss binary_cross_entropy "
+                    "binary_cross_entropy_with_logits smooth_l1_loss huber_loss kl_div".split())
 META_MIXING = "pipecc.batch_mixing"  # graph module meta: find_mixing's finding, for the folder
 _BATCH_NORM = frozenset("batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
                         "_native_batch_norm_legit_no_training native_batch_norm "
@@ -141,11 +181,15 @@ class _Walk:
     def __init__(self, graph: AnnotatedGraph, training: bool) -> None:
         self.graph, self.training = graph, training
         self.b = graph.symbols["B"]
-        self.dirty: set[fx.Node] = set()        # the batch is no longer the outer factor of its dim
+        # the batch is no longer the outer factor of its dim: how it lies there (`Layout`), or
+        # None where that is not known
+        self.dirty: dict[fx.Node, Layout | None] = {}
         self.size: set[fx.Node] = set()         # Python numbers that are the batch size
         self.shape_of: dict[fx.Node, int] = {}  # x.shape of a tensor with the batch at that dim
         self.positions: set[fx.Node] = set()    # arange(batch size): sample positions
         self.batchnorms = _batchnorm_owners(graph)
+        # a mixture of experts' routing over the flattened tokens: what each node is (`routed`)
+        self.route: dict[fx.Node, str] = {}
 
     # --- values
     def bdims(self, value: Any) -> list[int]:
@@ -183,6 +227,8 @@ class _Walk:
         op = str(node.meta.get(META_OP, ""))
         base = op[:-1] if op.endswith("_") and not op.startswith("_") else op
         inputs = [n for n in node.all_input_nodes if n.op != "get_attr"]
+        if self.routed(node, base, inputs):
+            return
         self.numbers(node, base, inputs)
         if node.op == "call_module":
             self.module(node, op)
@@ -192,6 +238,80 @@ class _Walk:
             self.function(node, base, inputs)
         self.writes(node, op)
         self.vanished(node, base, inputs)
+        self.resized(node, base)
+
+    # --- a mixture of experts: tokens sorted by expert, worked on per row, put back
+    def routed(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> bool:
+        """Routing as MoE layers write it (transformers' grouped experts): the tokens' expert
+        ids sorted over all rows (`sort` of a 1-D batched tensor: "pair", then "sorted" values
+        and "perm"), rows gathered in that order ("rows": perm // top_k; gathered: "permuted"),
+        the group sizes counted from the sorted ids ("counts": histc, cumsum), a grouped matmul
+        per group of rows, the inverse permutation ("inverse": index_put_ of positions at perm)
+        and the rows gathered back into token order. Each row's result depends on its own row
+        and expert id only, so micro-batches compute what the whole batch does. True: `node`
+        was one of those steps (recorded); False: none of its inputs is, the usual rules apply.
+        Any other use of a routing value is refused."""
+        tags = {n: self.route[n] for n in inputs if n in self.route}
+        value = node.meta.get(META_VALUE)
+        if not tags:
+            x = node.args[0] if node.args else None
+            if op in ("sort", "argsort") and isinstance(x, fx.Node) and x not in self.dirty \
+                    and self.bdim(x) == 0 and len(x.meta[META_VALUE].shape) == 1:
+                self.route[node] = "pair" if op == "sort" else "perm"
+                return True
+            return False
+        kinds = set(tags.values())
+        first = node.args[0] if node.args else None
+        tag = self.route.get(first) if isinstance(first, fx.Node) else None
+        if op in _DATA_FREE:
+            return True
+        if op == "getitem" and tag == "pair":
+            self.route[node] = {0: "sorted", 1: "perm"}.get(node.args[1], "")
+            return bool(self.route[node]) or self.misrouted(node, op)
+        if op in ("floor_divide", "floordiv") and tag == "perm" and isinstance(node.args[1], int):
+            self.route[node] = "rows"
+            return True
+        if op in ("histc", "bincount") and tag == "sorted" or op == "cumsum" and tag == "counts":
+            self.route[node] = "counts"
+            return True
+        if op in ("to", "_to_copy", "float", "long", "int", "type_as") and tag in ("sorted", "counts"):
+            self.route[node] = tag
+            return True
+        if op in ("index", "_unsafe_index") and isinstance(first, fx.Node):
+            indices = _arg(node, 1, "indices", ())
+            pick = indices[0] if isinstance(indices, (list, tuple)) and len(indices) == 1 else None
+            kind = self.route.get(pick) if isinstance(pick, fx.Node) else None
+            if kind in ("perm", "rows") and tag is None and first not in self.dirty \
+                    and self.bdim(first) == 0:
+                self.route[node] = "permuted"  # rows in expert order
+                return True
+            if kind == "inverse" and tag == "permuted":
+                return True  # rows back in token order: an ordinary batched tensor again
+            return self.misrouted(node, op)
+        if op in ("index_put",) and len(node.args) > 2 and isinstance(node.args[1], (list, tuple)) \
+                and len(node.args[1]) == 1 and self.route.get(node.args[1][0]) == "perm" \
+                and isinstance(node.args[2], fx.Node) and node.args[2] in self.positions:
+            self.route[node] = "inverse"
+            return True
+        if op in ("grouped_mm_fallback", "_grouped_mm", "grouped_mm") and tag == "permuted" \
+                and len(node.args) > 2 and self.route.get(node.args[2]) == "counts" \
+                and self.bdim(node.args[1]) is None:
+            self.route[node] = "permuted"
+            return True
+        if kinds == {"permuted"} and (op in _ELEMENTWISE or op in ("chunk", "split", "unsqueeze",
+                                                                        "getitem", "silu", "gelu")) \
+                and all(n in tags for n in inputs if self.bdim(n) is not None):
+            shapes = [t.shape for t in tensors_in(value)]
+            lead = [t.shape[0] for n in tags for t in tensors_in(n.meta.get(META_VALUE))]
+            if lead and all(len(sh) and sh[0] == lead[0] for sh in shapes):
+                self.route[node] = "permuted"
+                return True
+        return self.misrouted(node, op)
+
+    def misrouted(self, node: fx.Node, op: str) -> bool:
+        self.found(node, f"({op}) uses the order of a sort over the batch (tokens sorted across "
+                   "samples) in a way pipecc cannot follow")
+        return False
 
     # --- Python numbers
     def numbers(self, node: fx.Node, op: str, inputs: list[fx.Node]) -> None:
@@ -259,6 +379,9 @@ class _Walk:
         rank = len(x.meta[META_VALUE].shape)
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             return  # driver.batchnorm_note
+        if x in self.dirty:
+            self.merged_module(node, m, x)
+            return
         if isinstance(m, torch.nn.RNNBase):
             if rank == 2 or (p == 0 and not m.batch_first):
                 self.found(node, f"({type(m).__name__}, batch_first=False) runs its recurrence "
@@ -286,21 +409,48 @@ class _Walk:
             if p >= rank - len(tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)):
                 self.found(node, f"({type(m).__name__}) normalises over the batch dim")
             return
+        if type(m).__name__ in ("LinearShard", "Conv2dShard", "EmbeddingShard") and \
+                hasattr(m, "pipecc_shard_of"):  # passes.split_layers: the layer's parameters in parts
+            if type(m).__name__ == "LinearShard" and p == rank - 1:
+                self.found(node, "(Linear) contracts the batch dim (its input's last dim)")
+            elif type(m).__name__ == "Conv2dShard":
+                self.at_zero(node, p, "Conv2d")
+            return
         if isinstance(m, (torch.nn.Linear, torch.nn.Bilinear)):
             if p == rank - 1:
                 self.found(node, "(Linear) contracts the batch dim (its input's last dim)")
             return
-        if isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin)):
-            dim = m.dim if m.dim is not None else (0 if rank in (0, 1, 3) else 1)
+        if isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax, torch.nn.Softmin, torch.nn.Softmax2d)):
+            dim = -3 if isinstance(m, torch.nn.Softmax2d) else \
+                m.dim if m.dim is not None else (0 if rank in (0, 1, 3) else 1)
             if dim % rank == p:
                 self.found(node, f"({type(m).__name__}) normalises over the batch dim {p}")
             return
         if isinstance(m, (torch.nn.Flatten, torch.nn.Unflatten)):
             self.view(node, x)
             return
-        if isinstance(m, torch.nn.Embedding) or op in _ELEMENTWISE or op in ("dropout", "identity"):
+        if isinstance(m, torch.nn.Embedding) or op in _ELEMENTWISE or op in ("dropout", "identity") \
+                or isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.Identity)):
             return
-        self.at_zero(node, p, type(m).__name__)  # conv, pooling, norms over channels, unknown ones
+        if isinstance(m, (torch.nn.GLU, torch.nn.CosineSimilarity)):
+            if m.dim % rank == p:
+                self.found(node, f"({type(m).__name__}) works along dim {p}, the batch")
+            return
+        if isinstance(m, torch.nn.PairwiseDistance) or isinstance(m, torch.nn.modules.loss._Loss):
+            if isinstance(m, torch.nn.PairwiseDistance) and p == rank - 1:
+                self.found(node, "(PairwiseDistance) works along the batch dim")
+            return  # a loss's output has no batch: `vanished` says so
+        if type(m).__module__ == "torch.nn.modules.activation":
+            return  # elementwise (softmax-like ones and MultiheadAttention are above)
+        if type(m).__module__ == "torch.nn.modules.padding":
+            k = len(m.padding) // 2
+            if p >= rank - k and any(m.padding[2 * (rank - 1 - p):2 * (rank - p)]):
+                self.found(node, f"({type(m).__name__}) pads dim {p}, the batch")
+            return
+        if op in _PER_SAMPLE or type(m).__module__ in _PER_SAMPLE_MODULES:
+            self.at_zero(node, p, type(m).__name__)  # conv, pooling, norms over channels
+        else:
+            self.unknown(node, type(m).__name__)
 
     def at_zero(self, node: fx.Node, p: int, what: str) -> None:
         """An op that treats dim 0 as the batch (convolution, pooling, group norm) or one the
@@ -316,18 +466,27 @@ class _Walk:
         if not batched:
             return
         if any(n in self.dirty for n in batched) and op not in _VIEWS:
-            if op in _ELEMENTWISE or op in _MOVES:
-                self.dirty.add(node)
-                return
-            self.found(node, f"({op}) reads a tensor whose batch a view merged inside another dim")
+            if not self.merged(node, op, batched):
+                self.found(node, f"({op}) reads a tensor whose batch a view merged inside another dim")
+            return
         x = node.args[0] if node.args else None
         p = self.bdim(x) if isinstance(x, fx.Node) else None
         rank = len(x.meta[META_VALUE].shape) if p is not None else 0
         if op in _DATA_FREE or op in _ELEMENTWISE:
             return
+        if isinstance(node.target, type) and not isinstance(node.meta.get(META_VALUE), TensorInfo):
+            return  # a container (a namedtuple, a ModelOutput) of its arguments: `outputs` checks them
         if op in _VIEWS:
             self.view(node, x)
             return
+        if op == "renorm":
+            dim = _arg(node, 2, "dim", None)
+            if p is not None and not (isinstance(dim, int) and dim % rank == p):
+                self.found(node, f"(renorm) caps the norm of each slice along dim {dim}, which "
+                           "spans the batch")
+            return
+        if op in _ALONG_DIM and p is None and op not in ("cat", "concat", "concatenate"):
+            return  # a batched index into an unbatched tensor; an output without the batch: vanished
         if op in _ALONG_DIM and p is not None:
             pos, key = _ALONG_DIM[op]
             dim = _arg(node, pos, key, _DEFAULT_DIM.get(op))
@@ -349,10 +508,16 @@ class _Walk:
             return
         if op in _ALONG_DIMS and p is not None:
             pos, key = _ALONG_DIMS[op]
-            dims = _arg(node, pos, key, None)
+            dims = _arg(node, pos, key, _DEFAULT_DIMS.get(op))
             dims = [dims] if isinstance(dims, int) else list(dims or [])
             if not dims or any(d % rank == p for d in dims if isinstance(d, int)):
-                self.found(node, f"({op}) reorders along dim {p}, the batch")
+                self.found(node, f"({op}) works along dim {p}, the batch")
+            return
+        if op in _PADS and p is not None:
+            pad = _arg(node, 1, "pad", None)
+            if not isinstance(pad, (list, tuple)) or (len(pad) // 2 > rank - 1 - p and any(
+                    not isinstance(n, int) or n != 0 for n in pad[2 * (rank - 1 - p):2 * (rank - p)])):
+                self.found(node, f"({op}) pads dim {p}, the batch")
             return
         if op in _MOVES:
             return
@@ -389,11 +554,18 @@ class _Walk:
             return
         if op in ("layer_norm", "native_layer_norm", "rms_norm"):
             shape = _arg(node, 1, "normalized_shape", ())
-            n = len(shape) if isinstance(shape, (list, tuple)) else 1
+            if isinstance(shape, fx.Node):  # x.shape[1:]: its value at capture
+                shape = getattr(shape.meta.get(META_VALUE), "value", None)
+            n = len(shape) if isinstance(shape, (list, tuple)) else \
+                1 if isinstance(shape, int) else rank  # not known: every dim
             if p is not None and p >= rank - n:
                 self.found(node, f"({op}) normalises over the batch dim")
             return
         if op in ("embedding", "embedding_bag"):
+            aten = isinstance(node.target, torch._ops.OpOverload)  # aten.embedding(weight, indices)
+            table = node.args[0] if aten and node.args else _arg(node, 1, "weight", None)
+            if self.bdim(table) is not None:
+                self.found(node, f"({op}) looks samples' rows up in a table that holds the batch")
             return
         if op in ("instance_norm",):
             running = _arg(node, 3, "running_mean", None)
@@ -406,10 +578,24 @@ class _Walk:
                 self.found(node, f"({op}, batch_first={first}) runs its recurrence over dim 0 "
                            "of its input, where pipecc splits the batch", "batch_first=True")
             return
-        if op in _REDUCTIONS:
+        if op in ("index", "_unsafe_index"):  # x[i0, i1, ...] with tensors: each sample its own
+            indices = _arg(node, 1, "indices", ())
+            pick = indices[p] if p is not None and isinstance(indices, (list, tuple)) \
+                and p < len(indices) else None
+            if pick is not None and pick not in self.positions:
+                self.found(node, f"({op}) picks along dim {p}, the batch, by values")
+            return
+        if op in _REDUCTIONS or op in _LOSSES:
             return  # over the batch dim, the output lost it: `vanished` says so
-        if p is not None:
-            self.at_zero(node, p, op or str(node.target))
+        if op in _PER_SAMPLE and p is not None:
+            self.at_zero(node, p, op)
+        else:
+            self.unknown(node, op or str(node.target))
+
+    def unknown(self, node: fx.Node, what: str) -> None:
+        """An op whose batch behaviour pipecc does not know: taken to mix samples."""
+        self.found(node, f"({what}) is an op pipecc does not know to keep samples apart (so it "
+                   "is taken to mix them)", "write it with torch ops pipecc knows")
 
     def einsum(self, node: fx.Node) -> None:
         spec = node.args[0] if node.args and isinstance(node.args[0], str) else None
@@ -432,8 +618,9 @@ class _Walk:
         """A view or reshape: the batch must stay the outer factor of one output dim."""
         if not isinstance(x, fx.Node) or self.bdim(x) is None:
             return
-        if not self.view_ok(x.meta[META_VALUE], node.meta.get(META_VALUE)) or x in self.dirty:
-            self.dirty.add(node)
+        after = node.meta.get(META_VALUE)
+        if x in self.dirty or not self.view_ok(x.meta[META_VALUE], after):
+            self.mark(node, self.regroup(self.layout_of(x), after))
 
     def view_ok(self, before: TensorInfo, after: Any) -> bool:
         """Whether, read in row-major order, the batch index is the outermost part of one
@@ -454,6 +641,132 @@ class _Walk:
         inner_out *= math.prod(outs[q[0] + 1:])
         return inner_in == inner_out and math.prod(ins[:p[0]]) == math.prod(outs[:q[0]]) \
             and ins[p[0]] % batch == 0
+
+    # --- a batch merged inside another dim (multi-head attention's (T, B·H) -> (T·B, H·D))
+    def layout_of(self, node: fx.Node) -> Layout | None:
+        """How the batch lies in `node`: its recorded layout when merged, else from its shape."""
+        if node in self.dirty:
+            return self.dirty[node]
+        value = node.meta.get(META_VALUE)
+        if not isinstance(value, TensorInfo):
+            return None
+        dims = []
+        for d in value.shape:
+            if self.b not in getattr(d, "free_symbols", ()):
+                dims.append(((_at(d, self.graph.point), False),))
+                continue
+            k = _factor(d, self.b, self.graph.point)
+            if k is None:
+                return None
+            dims.append(((self.batch, True),) + (((k, False),) if k > 1 else ()))
+        return tuple(dims)
+
+    @property
+    def batch(self) -> int:
+        return int(self.graph.point[self.b])
+
+    def mark(self, node: fx.Node, layout: Layout | None) -> None:
+        """`node`'s batch lies as `layout` says: clean again (the outer factor of the dim its
+        shape puts it in) or merged; None: not known, merged."""
+        if layout is not None and _leads(layout, self.bdims(node.meta.get(META_VALUE))):
+            self.dirty.pop(node, None)
+        else:
+            self.dirty[node] = layout
+
+    def regroup(self, layout: Layout | None, after: Any) -> Layout | None:
+        """`layout` read in row-major order and regrouped into the dims of `after` (a view):
+        a factor other than the batch may split, the batch may not; None where it does not fit."""
+        if layout is None or not isinstance(after, TensorInfo) or self.batch < 2:
+            return None
+        factors = [f for dim in layout for f in dim if f[1] or f[0] != 1]
+        out: list[tuple[tuple[int, bool], ...]] = []
+        i = 0
+        for size in (_at(d, self.graph.point) for d in after.shape):
+            dim: list[tuple[int, bool]] = []
+            prod = 1
+            while prod < size:
+                if i >= len(factors):
+                    return None
+                f, is_batch = factors[i]
+                if size % (prod * f) == 0:
+                    dim.append(factors[i])
+                    prod *= f
+                    i += 1
+                elif is_batch or size % prod or f % (size // prod):
+                    return None
+                else:
+                    dim.append((size // prod, False))
+                    factors[i] = (f // (size // prod), False)
+                    prod = size
+            if prod != size:
+                return None
+            out.append(tuple(dim) or ((1, False),))
+        return tuple(out) if i == len(factors) else None
+
+    def merged(self, node: fx.Node, op: str, batched: list[fx.Node]) -> bool:
+        """An op on a tensor whose batch is merged inside a dim: True when it works on each
+        index of that dim alone (elementwise, a layout op, a linear or norm or softmax over
+        other dims), with `node`'s layout recorded; False: refuse it."""
+        layouts = [self.layout_of(n) for n in batched]
+        layout = layouts[0] if all(lay == layouts[0] for lay in layouts) else None
+        value = node.meta.get(META_VALUE)
+        shape = tuple(_at(d, self.graph.point) for d in value.shape) if isinstance(value, TensorInfo) else None
+        where = _batch_at(layout) if layout is not None else None
+        rank = len(layout) if layout is not None else 0
+
+        def same(new: Layout | None) -> bool:
+            self.mark(node, new if new is not None and _sizes(new) == shape else None)
+            return True
+
+        if op in _ELEMENTWISE:
+            return same(layout)
+        if op == "getitem" and isinstance(batched[0].meta.get(META_VALUE), (tuple, list)):
+            return same(layout)  # one result of a tuple-valued op (native_layer_norm)
+        if op in ("permute", "transpose", "t", "swapaxes", "swapdims") and layout is not None:
+            order = _order(node, op, rank)
+            return same(tuple(layout[k] for k in order) if order is not None else None)
+        if op in _MOVES:
+            self.mark(node, None)  # as before: merged, its layout not followed
+            return True
+        if where is None or layout is None:
+            return False
+        last = where[0] == rank - 1
+        if op == "linear" and not last and self.bdim(node.args[1]) is None:
+            return same(layout[:-1] + (((shape[-1], False),),) if shape else None)
+        if op in ("layer_norm", "native_layer_norm", "rms_norm"):
+            norm = _arg(node, 1, "normalized_shape", ())
+            n = len(norm) if isinstance(norm, (list, tuple)) else rank
+            return where[0] < rank - n and same(layout)
+        if op in ("softmax", "log_softmax", "_softmax", "_log_softmax"):
+            dim = _arg(node, 1, "dim", None)
+            return isinstance(dim, int) and dim % rank != where[0] and same(layout)
+        if op == "scaled_dot_product_attention" and len(batched) >= 3 \
+                and all(n in node.args[:3] for n in batched):
+            return where[0] < rank - 2 and same(layout[:-1] + (((shape[-1], False),),) if shape else None)
+        return False
+
+    def merged_module(self, node: fx.Node, m: torch.nn.Module, x: fx.Node) -> None:
+        """A module on a tensor whose batch is merged inside a dim (as `merged`)."""
+        layout = self.layout_of(x)
+        value = node.meta.get(META_VALUE)
+        shape = tuple(_at(d, self.graph.point) for d in value.shape) if isinstance(value, TensorInfo) else None
+        where = _batch_at(layout) if layout is not None else None
+        new: Layout | None = None
+        if where is not None and shape is not None:
+            rank = len(layout)
+            if isinstance(m, (torch.nn.Dropout, torch.nn.Identity)) or type(m).__module__ == \
+                    "torch.nn.modules.activation" and not isinstance(m, (torch.nn.Softmax, torch.nn.LogSoftmax,
+                                                                         torch.nn.Softmin, torch.nn.MultiheadAttention)):
+                new = layout
+            elif isinstance(m, torch.nn.Linear) and where[0] != rank - 1:
+                new = layout[:-1] + (((shape[-1], False),),)
+            elif isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and \
+                    where[0] < rank - len(tuple(m.normalized_shape)):
+                new = layout
+        if new is None or _sizes(new) != shape:
+            self.found(node, f"({type(m).__name__}) reads a tensor whose batch a view merged inside "
+                       "another dim")
+        self.mark(node, new)
 
     # --- what a node writes, and what it loses
     def writes(self, node: fx.Node, op: str) -> None:
@@ -493,6 +806,15 @@ class _Walk:
                 "combines samples (a batched input, an output without the batch)"
             self.found(node, f"({op or node.target}) {what}", "reduce over the other dims only")
 
+    def resized(self, node: fx.Node, op: str) -> None:
+        """A dim of c·B samples is what micro-batches split; B - 1 or B + 1 (`x[1:]`, a row
+        added to the batch) is a count of the whole batch's samples, not each micro-batch's."""
+        for t in tensors_in(node.meta.get(META_VALUE)):
+            for d in t.shape:
+                if self.b in getattr(d, "free_symbols", ()) and _factor(d, self.b, self.graph.point) is None:
+                    self.found(node, f"({op or node.target}) makes a dim of {d} from the batch of B "
+                               "samples, which depends on the whole batch")
+
     def outputs(self, node: fx.Node) -> None:
         """Every tensor the model returns has the batch, clean, at dim 0 (the concat's)."""
         for leaf in _flat(node.args[0]):
@@ -500,6 +822,8 @@ class _Walk:
                 continue
             if leaf in self.size:
                 self.found(leaf, "returns the batch size (x.shape[0]) as a value")
+            if leaf in self.route:
+                self.misrouted(leaf, str(leaf.meta.get(META_OP, leaf.target)))
             value = leaf.meta.get(META_VALUE)
             if not isinstance(value, TensorInfo):
                 continue
@@ -517,6 +841,44 @@ class _Walk:
 
 
 # ----------------------------------------------------------------------------- helpers
+# how the batch lies in a tensor: per dim, its factors (size at the sample point, whether it is
+# the batch), outermost first; (T, B) viewed as (T·B,) is ((T, False), (B, True))
+Layout = tuple[tuple[tuple[int, bool], ...], ...]
+
+
+def _batch_at(layout: Layout) -> tuple[int, int] | None:
+    found = [(d, j) for d, dim in enumerate(layout) for j, f in enumerate(dim) if f[1]]
+    return found[0] if len(found) == 1 else None
+
+
+def _leads(layout: Layout, bdims: list[int]) -> bool:
+    """The batch is the outermost factor (but for 1s) of the one dim the shapes say holds it."""
+    at = _batch_at(layout)
+    return at is not None and bdims == [at[0]] and all(f[0] == 1 for f in layout[at[0]][:at[1]])
+
+
+def _sizes(layout: Layout) -> tuple[int, ...]:
+    return tuple(math.prod(f[0] for f in dim) for dim in layout)
+
+
+def _order(node: fx.Node, op: str, rank: int) -> list[int] | None:
+    """The input dim of each output dim of a permute or transpose, or None."""
+    if op == "permute":
+        dims = node.args[1:] if len(node.args) > 2 else _arg(node, 1, "dims", None)
+        if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+            return None
+        return [d % rank for d in dims]
+    if op == "t":
+        a, b = 0, rank - 1
+    else:
+        a, b = _arg(node, 1, "dim0", None), _arg(node, 2, "dim1", None)
+        if not isinstance(a, int) or not isinstance(b, int):
+            return None
+    order = list(range(rank))
+    order[a % rank], order[b % rank] = order[b % rank], order[a % rank]
+    return order
+
+
 def _flat(value: Any) -> Iterable[Any]:
     if isinstance(value, (list, tuple)):
         for v in value:

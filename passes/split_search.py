@@ -53,6 +53,9 @@ def clone(graph: AnnotatedGraph) -> AnnotatedGraph:
     # are referenced by none (its shards read them through an unregistered parent), so the
     # clone re-registers whatever the graph's module owns: it must own the same tensors.
     _adopt_missing(gm, graph.gm)
+    # NOTE: what the graph module records about itself (its one captured mode and why, the batch
+    # analysis' finding, flash attention) belongs to the copy too: every stage reads it
+    gm.meta.update(graph.gm.meta)
     return AnnotatedGraph(gm=gm, symbols=graph.symbols, point=graph.point, source=graph.source,
                           model_name=graph.model_name, warnings=list(graph.warnings))
 

@@ -63,6 +63,14 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     fpga_dir = plan_options.pop("fpga_dir", None)
     strict_batchnorm = bool(plan_options.pop("strict_batchnorm", False))
     debug, dump_ir = bool(plan_options.pop("debug", False)), plan_options.pop("dump_ir", None)
+    if callable(example_inputs):
+        raise UsageError(f"example_inputs is a function ({getattr(example_inputs, '__name__', 'callable')}); "
+                         "pass a tuple of inputs, e.g. pipecc.compile(model, example_inputs(8), ...)")
+    if isinstance(plan_options.get("split_layers"), str):  # the command line's spelling
+        word = plan_options["split_layers"]
+        if word not in ("on", "off"):
+            raise UsageError(f"split_layers={word!r}: use True or False (or \"on\"/\"off\")")
+        plan_options["split_layers"] = word == "on"
     options = PlanOptions.of(plan_options.pop("options", None), **plan_options)
     if "fpga_number" not in plan_options and options.fpga_number is None:
         options = PlanOptions.of(options, fpga_number="float")

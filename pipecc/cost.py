@@ -142,7 +142,52 @@ def _linear(o: _Operands):
     return _mm(fwd_mm, grads, bias_fwd, bias_bwd)
 
 
+_GROUPED_MM = frozenset("grouped_mm grouped_mm_fallback _grouped_mm".split())
+
+
+def _einsum_flops(o: _Operands) -> Dim:
+    """2·(product of every index's size) per pairwise contraction, left to right, as torch.einsum
+    runs it without opt_einsum (each pair a bmm, FlopCounterMode's count); 0 for one operand."""
+    spec = o.node.args[0] if o.node.args and isinstance(o.node.args[0], str) else None
+    if spec is None or len(o.inputs) < 2:
+        return 0
+    ins, _, out = spec.replace(" ", "").partition("->")
+    terms = ins.split(",")
+    if not out and "->" not in spec:  # implicit output: letters seen once, sorted
+        out = "".join(sorted(c for c in set(ins) if c.isalpha() and ins.count(c) == 1))
+    spare = iter("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    width = max(len(t.shape) - len(term.replace("...", "")) for t, term in zip(o.inputs, terms))
+    dots = "".join(next(spare) for _ in range(max(width, 0)))
+    size: dict[str, Dim] = {}
+    letters = []
+    for t, term in zip(o.inputs, terms):
+        n = len(t.shape) - len(term.replace("...", ""))
+        term = term.replace("...", dots[len(dots) - n:] if n else "")
+        letters.append(term)
+        for c, d in zip(term, t.shape):
+            if c not in size or size[c] == 1:
+                size[c] = d
+    out = out.replace("...", dots)
+    total: Dim = 0
+    left = letters[0]
+    for k in range(1, len(letters)):
+        right = letters[k]
+        both = set(left) | set(right)
+        total = total + 2 * _prod(size[c] for c in sorted(both))
+        later = set(out).union(*letters[k + 1:]) if k + 1 < len(letters) else set(out)
+        left = "".join(c for c in sorted(both) if c in later)
+    return total
+
+
 def _matmul(o: _Operands):
+    if o.op == "einsum":  # every operand that needs a gradient gets one product as large
+        fwd_mm = _einsum_flops(o)
+        return _mm(fwd_mm, sum(int(t.requires_grad) for t in o.inputs) if fwd_mm else 0,
+                   0 if fwd_mm else sum((t.numel for t in o.output), 0))
+    if o.op in _GROUPED_MM:  # rows (S, K) by the expert weights (E, K, N) of their group
+        x, w = o.inputs[0], o.inputs[1]
+        fwd_mm = 2 * x.shape[0] * x.shape[-1] * w.shape[-1]
+        return _mm(fwd_mm, int(x.requires_grad) + int(w.requires_grad))
     a, b = o.inputs[-2], o.inputs[-1]
     out = o.output[0]
     k = a.shape[-1] if a.shape else 1
@@ -286,6 +331,13 @@ def _weight_backward(o: _Operands, fwd_mm: Any, bwd: Any) -> tuple[Any, Any]:
         mm = fwd_mm if o.is_weight(w) and w.requires_grad else 0
         extra = o.output[0].numel if o.is_weight(bias) and bias.requires_grad else 0
         return mm + extra, mm
+    if kind == "matmul" and o.op in _GROUPED_MM:
+        w = o.inputs[1]
+        mm = fwd_mm if o.is_weight(w) and w.requires_grad else 0
+        return mm, mm
+    if kind == "matmul" and o.op == "einsum":
+        n = sum(1 for t in o.inputs if o.is_weight(t) and t.requires_grad)
+        return fwd_mm * n, fwd_mm * n
     if kind == "matmul":
         a, b = o.inputs[-2], o.inputs[-1]
         if len(a.shape) == 1 or len(b.shape) == 1:  # the matrix's gradient is an outer product

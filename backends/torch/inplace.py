@@ -220,5 +220,8 @@ class ClonesInputs(torch.nn.Module):
         self.positions = frozenset(positions)
 
     def forward(self, *args: object) -> tuple:
+        # NOTE: the stage runs in this wrapper's mode; a caller may set `.training` on the
+        # wrapper alone (PipelinedModule does, for a model compiled in eval mode)
+        self.inner.training = self.training
         return self.inner(*[a.clone() if i in self.positions and isinstance(a, torch.Tensor) else a
                             for i, a in enumerate(args)])

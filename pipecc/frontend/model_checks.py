@@ -104,7 +104,10 @@ def check_module(model: nn.Module, inputs: tuple) -> None:
                                   "does in the model's forward")
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
-            _check_tensor(t, f"{kind} '{name}'", "set it to finite values before compiling")
+            # NOTE: a buffer may hold +-Inf by design (an additive -inf attention mask, as
+            # nn.Transformer.generate_square_subsequent_mask makes); only NaN is refused there
+            _check_tensor(t, f"{kind} '{name}'", "set it to finite values before compiling",
+                          inf_ok=kind == "buffer")
     for i, x in enumerate(_tensors(inputs)):
         _check_tensor(x, f"example input {i}", "example_inputs must return finite values")
 
@@ -120,7 +123,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _check_tensor(t: torch.Tensor, what: str, fix: str) -> None:
+def _check_tensor(t: torch.Tensor, what: str, fix: str, *, inf_ok: bool = False) -> None:
     if t.layout != torch.strided:
         raise PipeccError(f"{what} is a {str(t.layout).removeprefix('torch.')} tensor; pipecc pipelines "
                           "dense tensors only (stages save and send them as such): make it dense "
@@ -128,7 +131,7 @@ def _check_tensor(t: torch.Tensor, what: str, fix: str) -> None:
     if t.device.type == "meta" or not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return
     with torch.no_grad():
-        finite = bool(torch.isfinite(t).all())
+        finite = not bool(torch.isnan(t).any()) if inf_ok else bool(torch.isfinite(t).all())
     if not finite:
         bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
         raise PipeccError(f"{what} holds {bad}; every loss would be NaN and --verify could not compare "
@@ -199,7 +202,9 @@ def check_dtypes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.meta.get(META_KIND) not in _MIXED_DTYPE_KINDS:
             continue
-        infos = [a.meta.get(META_VALUE) for a in node.all_input_nodes]
+        # NOTE: a grouped (expert) matmul takes its groups' integer offsets as its last operand
+        operands = node.all_input_nodes[:2] if "grouped_mm" in str(node.target) else node.all_input_nodes
+        infos = [a.meta.get(META_VALUE) for a in operands]
         infos += [info for _, info in node.meta.get(META_PARAMS) or ()]
         infos = [i for i in infos if isinstance(i, TensorInfo)]
         ints = [i for i in infos if not (i.dtype.is_floating_point or i.dtype.is_complex or i.dtype == torch.bool)]

@@ -431,6 +431,8 @@ def _human_name(node: fx.Node, op: str) -> str:
     if stack:
         path = list(stack.values())[-1][0]
         path = path.replace("L['self'].", "").replace("L__self___", "")
+        if path.startswith("_empty_nn_module_stack_from_metadata_hook"):
+            path = ""  # torch.export's stand-in for a node made outside every module (issue 30)
     op_part = op.split(":")[-1].split(".")[-1]
     return f"{path}.{op_part}" if path else op_part
 

@@ -30,7 +30,8 @@ def _register(kind: str, names: str) -> None:
 
 
 _register("linear", "linear addmm gemm")
-_register("matmul", "matmul mm bmm baddbmm einsum_matmul")
+_register("matmul", "matmul mm bmm baddbmm einsum_matmul einsum grouped_mm grouped_mm_fallback "
+                    "_grouped_mm")
 _register("conv", "conv1d conv2d conv3d convolution _convolution")
 _register("conv_transpose", "conv_transpose1d conv_transpose2d conv_transpose3d convtranspose")
 _register("attention", "scaled_dot_product_attention")

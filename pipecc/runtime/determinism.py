@@ -8,9 +8,10 @@ runs both the pipeline's first step and the reference under ``Deterministic`` (a
 
   * dropout does what it does in eval mode (``F.dropout``/``dropout1d/2d/3d``,
     ``alpha_dropout``, ``feature_alpha_dropout``, ``torch.dropout`` and the aten ops of
-    torch.export graphs, ``native_dropout``; ``scaled_dot_product_attention``'s ``dropout_p`` and
-    an RNN's inter-layer ``dropout`` become 0) while everything else, BatchNorm included, stays
-    in train mode;
+    torch.export graphs, ``native_dropout``; the ``dropout_p`` of
+    ``scaled_dot_product_attention`` and of ``nn.MultiheadAttention``'s
+    ``multi_head_attention_forward``, and an RNN's inter-layer ``dropout`` become 0) while
+    everything else, BatchNorm included, stays in train mode;
   * random draws in forward take their expected value, which is also the value at zero noise:
     ``randn``/``randn_like``/``normal``/``normal_`` their mean, ``rand``/``rand_like``/
     ``uniform_`` the middle of their range, ``bernoulli``/``bernoulli_`` their probability. Their
@@ -57,6 +58,10 @@ class _Mode(TorchFunctionMode):
             args, kwargs = self._dropout(func, name, list(args), kwargs)
         elif name == "scaled_dot_product_attention":
             args, kwargs = self._zero(list(args), kwargs, 4, "dropout_p", "dropout")
+        elif name == "multi_head_attention_forward":
+            # nn.MultiheadAttention's own dropout: the mode is off inside this call, so the
+            # F.dropout / scaled_dot_product_attention it makes would not be seen
+            args, kwargs = self._zero(list(args), kwargs, 10, "dropout_p", "dropout")
         elif name in _RNNS and len(args) > 6:
             index = 6 if isinstance(args[1], torch.Tensor) else 5  # packed: (data, batch_sizes, hx, ...)
             args, kwargs = self._zero(list(args), kwargs, index, "dropout", "dropout")

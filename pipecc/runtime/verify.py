@@ -104,18 +104,23 @@ class Verifier:
             raise PipeccError(f"verify: build_model in {file} failed: {type(e).__name__}: {e}") from None
         if not isinstance(model, nn.Module):
             raise PipeccError(f"verify: build_model in {file} returned {type(model).__name__}, not an nn.Module")
-        state = assemble_owner([load_stage(d)[0] for d in stage_dirs]).state_dict()
+        stages = [load_stage(d)[0] for d in stage_dirs]
+        state = assemble_owner(stages).state_dict()
         wanted = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         wanted += [n for n, _ in model.named_buffers(remove_duplicate=False) if persistent_buffer(model, n)]
         missing = [n for n in wanted if n not in state]
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # NOTE: a parameter no stage holds is one no captured node uses; check_step makes sure
         self.absent = [n for n in missing if n in params]
-        missing = [n for n in missing if n not in params]
+        missing = [n for n in missing if n not in params and not _held_as_constant(model, n, stages)]
         if missing:
             raise PipeccError(f"verify: the compiled stages hold no tensor for {missing[0]!r} of the model built from "
                               f"{file}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                               + "; was OUT compiled from this file and these --model-arg values?")
+        # NOTE: the stages' state dict carries their own modules' versions (nn.Module's 1);
+        # loaded into the model they would make a versioned module (torchvision's MNASNet, v2)
+        # migrate an old checkpoint's layout: the model's own versions describe these tensors
+        state._metadata = getattr(model.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
         try:
             model.load_state_dict(state, strict=False)
         except RuntimeError as e:
@@ -289,24 +294,51 @@ class Verifier:
             ref = want[name]
             if isinstance(value, list) and not isinstance(ref, list):
                 value = value[0]  # an unbatched output: one value per micro-batch
-            if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor):
-                problem = self._differs(value, ref.detach().to(value.device))
-            else:
-                problem = None if value == ref else f"{value!r} != {ref!r}"
+            problem = self._leaves_differ(value, ref, name in self._unsliced)
             if problem:
                 failures.append(f"verify: rank {self.runtime.global_rank} stage {self.runtime.last_stage} "
                                 f"output {name} "
                                 f"differs: {problem}")
         return failures
 
+    def _leaves_differ(self, value: Any, ref: Any, slice_rows: bool) -> str | None:
+        """Tensors compared as `_differs` does, leaf by leaf through tuples, lists (a namedtuple
+        such as GoogLeNet's outputs) and dicts; `slice_rows`: the reference's tensor leaves are
+        the whole batch's, cut to this replica's rows here; other values compared with ==."""
+        if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor):
+            if slice_rows and ref.dim() and self.runtime.replicas.count > 1:
+                replicas = self.runtime.replicas
+                ref = replica_slice(ref, 0, self.runtime.m, replicas.count, replicas.index, replicas.batch)
+            return self._differs(value, ref.detach().to(value.device))
+        if isinstance(value, (tuple, list)) and isinstance(ref, (tuple, list)) and len(value) == len(ref):
+            for k, (v, r) in enumerate(zip(value, ref)):
+                problem = self._leaves_differ(v, r, slice_rows)
+                if problem:
+                    return f"[{k}]: {problem}"
+            return None
+        if isinstance(value, dict) and isinstance(ref, dict) and value.keys() == ref.keys():
+            for k in value:
+                problem = self._leaves_differ(value[k], ref[k], slice_rows)
+                if problem:
+                    return f"[{k!r}]: {problem}"
+            return None
+        if isinstance(value, torch.Tensor) or isinstance(ref, torch.Tensor):
+            return f"{type(value).__name__} vs {type(ref).__name__} in the single-process run"
+        return None if value == ref else f"{value!r} != {ref!r}"
+
     def _replica_rows(self, values: dict[str, Any]) -> dict[str, Any]:
         """Replicas: the single-process outputs cut to this replica's rows (its slice of every
         micro-batch), which are what its pipeline produced."""
         replicas = self.runtime.replicas
+        self._unsliced: set[str] = set()
         if replicas.count == 1:
             return values
         ports = self.runtime.ports[self.runtime.stage_ids.index(self.runtime.last_stage)]
         dims = {p.name: p.batch_dim for p in ports.sends if p.kind == "tensor"}
+        # NOTE: a port of several tensors (a namedtuple of batched outputs) has no one batch
+        # dim: `_leaves_differ` cuts its leaves along dim 0
+        self._unsliced = {name for name, v in values.items()
+                          if not isinstance(v, torch.Tensor) and name not in dims}
         return {name: replica_slice(v, dims[name], self.runtime.m, replicas.count, replicas.index, replicas.batch)
                 if isinstance(v, torch.Tensor) and dims.get(name) is not None else v for name, v in values.items()}
 
@@ -362,3 +394,17 @@ def _compared(seen: set[str], pieces: int = 1) -> str:
     if pieces > 1:
         parts.append(f"BatchNorm over the same {pieces} micro-batches in both runs")
     return f" (train mode; {'; '.join(parts)})" if parts else ""
+
+
+def _held_as_constant(model: nn.Module, name: str, stages: list[nn.Module]) -> bool:
+    """Whether a stage holds the model's buffer `name` as a constant of equal values (perhaps
+    viewed: MaxViT's relative_position_index.view(-1), which the capture kept as a constant)
+    rather than under its name: the reference then keeps its own, equal, values."""
+    want = model.get_buffer(name)
+    for stage in stages:
+        for m in stage.modules():
+            for t in [*vars(m).values(), *m._buffers.values()]:
+                if isinstance(t, torch.Tensor) and t.numel() == want.numel() and t.dtype == want.dtype \
+                        and torch.equal(t.detach().cpu().flatten(), want.detach().cpu().flatten()):
+                    return True
+    return False

@@ -33,6 +33,8 @@ Conventions (CONTRACT §5):
     are not such ops: the frontend traces into them, see `frontend.fx_tracer`.)
 """
 
+# NOTE(size): one module holds every op's cost formula (the sympy side of the cost model), so a
+# formula and the ops it covers are read together; opaque calls are in cost_opaque.
 from __future__ import annotations
 
 import math

@@ -325,7 +325,6 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
             return planned
 
         bounds: dict[int, tuple[AnnotatedGraph, Evaluator]] = {}
-
         def bound(g: AnnotatedGraph, names: list[str], fixed=fixed, bounds=bounds) -> float:
             # NOTE: prunes a trial no split of `names` can make pay (passes.split_search)
             if id(g) not in bounds or bounds[id(g)][0] is not g:
@@ -343,8 +342,7 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
         plan_k.decisions += notes
         tried.append((plan_k, graph_k))
         if plan_k is not unsplit and plan_k.predicted_iteration_s > unsplit.predicted_iteration_s:
-            # NOTE: the search lowers the bottleneck; a split that does so can still predict a
-            # longer iteration (fill and drain): the unsplit plan stays a candidate
+            # NOTE: a split that lowers the bottleneck may still lengthen the iteration: the unsplit plan stays
             unsplit.decisions.append(f"layer splits lowered the bottleneck but predicted "
                                      f"{plan_k.predicted_iteration_s:.4g} s per iteration: not used")
             tried.append((unsplit, graph))
@@ -747,9 +745,8 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     that is a warning among the returned notes)."""
     from pipecc.backends.base import Target
     if plan.schedule != "inference" and not _trainable(graph):
-        raise PipeccError("the model has no trainable parameters, so a training pipeline has "
-                          "nothing to train (`pipecc run` would fail): compile it with "
-                          "--inference for a forward-only pipeline")
+        raise PipeccError("the model has no trainable parameters, so a training pipeline has nothing to train "
+                          "(`pipecc run` would fail): compile it with --inference for a forward-only pipeline")
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     onnx_import.check_executable(graph.gm)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
@@ -777,9 +774,8 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
                    fpga_dir: str | Path | None = None, strict_batchnorm: bool = False,
                    debug: bool = False, dump_ir: str | Path | None = None) -> nn.Module:
     """`compile`'s in-process counterpart (`pipecc.compile`): the drop-in module over
-    `model`'s own parameters, each stage on `devices[i]`; `module.plan` is `plan`. BatchNorm
-    over several micro-batches: a warning (`warnings.warn`), or refused with
-    `strict_batchnorm`; for a model in eval mode, when the module is switched to `train()`."""
+    `model`'s own parameters, each stage on `devices[i]`; `module.plan` is `plan`. BatchNorm over several
+    micro-batches: a warning, or refused with `strict_batchnorm` (a model in eval mode: at `train()`)."""
     from pipecc.backends.base import Target
     check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
     onnx_import.check_executable(graph.gm)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, ROOT
+from helpers import MLP_TINY, ROOT, rehash
 from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.backends.fpga import toolchain_problem
@@ -118,6 +118,7 @@ def test_one_process_verify_catches_a_planted_bug(cpu_out: Path, tmp_path: Path,
     source, n = re.subn(r"return \((\w+),\)", r"return (\1 * 1.01,)", last.read_text())
     assert n == 1, "the generated last stage no longer ends in `return (x,)`"
     last.write_text(source)
+    rehash(buggy)  # the edit on purpose: re-recorded, so verify (not the folder's hash check) must catch it
     assert dist.main([str(buggy), "--steps", "1", "--verify"]) == 1
     captured = capsys.readouterr()
     assert re.search(r"pipecc: error: verify: rank 0 stage 1 output \S+ differs: ", captured.err), captured.err

@@ -183,7 +183,7 @@ def _shapes(value: Any, batch: int, k: int) -> Any:
     if isinstance(value, dict):
         return type(value)((key, _shapes(v, batch, k)) for key, v in value.items())
     if isinstance(value, (tuple, list)):
-        return type(value)(_shapes(v, batch, k) for v in value)
+        return _rebuilt(value, [_shapes(v, batch, k) for v in value])
     return value
 
 
@@ -204,7 +204,7 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return type(value)((k, _cast(v, dtype)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v, dtype) for v in value)
+        return _rebuilt(value, [_cast(v, dtype) for v in value])
     return value
 
 
@@ -226,7 +226,7 @@ def _random_tree(value: Any, gen: torch.Generator, dtype: torch.dtype | None) ->
     if isinstance(value, dict):
         return type(value)((k, _random_tree(v, gen, dtype)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
-        return type(value)(_random_tree(v, gen, dtype) for v in value)
+        return _rebuilt(value, [_random_tree(v, gen, dtype) for v in value])
     return value
 
 
@@ -238,5 +238,13 @@ def _slice(value: Any, lo: int, hi: int, batch: int) -> Any:
     if isinstance(value, dict):
         return type(value)((k, _slice(v, lo, hi, batch)) for k, v in value.items())
     if isinstance(value, (tuple, list)):
-        return type(value)(_slice(v, lo, hi, batch) for v in value)
+        return _rebuilt(value, [_slice(v, lo, hi, batch) for v in value])
     return value
+
+
+def _rebuilt(value: Any, items: list) -> Any:
+    """A tuple or list like ``value`` holding ``items`` (a namedtuple, e.g. GoogLeNet's outputs,
+    takes them as positional fields)."""
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return type(value)(*items)
+    return type(value)(items)

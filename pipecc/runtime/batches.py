@@ -4,7 +4,8 @@ batches, typically a ``torch.utils.data.DataLoader``.
 
 Every rank that needs the data draws the same batch at every step: the rank of stage 0 (the
 inputs) and the rank of the last stage (the target); no other rank calls the hook. Each ``next``
-runs under torch's RNG seeded from (the run's seed, the step), then restored, so a loader that
+(and each ``iter``, where a pass starts) runs under torch's RNG seeded from (the run's seed, the
+step), then restored, so a loader that
 shuffles with torch's global RNG (a ``DataLoader(shuffle=True)`` without a generator) or a
 dataset that augments with it draws the same on every rank and after a resume, and the model's
 own random draws (dropout) are not disturbed.
@@ -69,12 +70,13 @@ class Batches:
         where = f"step {step}: {self.hook} in {self.file}"
         fresh = False
         while True:
-            if self._it is None:
-                self._it = self._start(where)
-                fresh = True
             try:
+                # NOTE: iter() too: a DataLoader may draw its shuffle seed when its iterator is made
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(self.seed * STEP_SEED + step)
+                    if self._it is None:
+                        self._it = self._start(where)
+                        fresh = True
                     batch = next(self._it)
             except StopIteration:
                 if fresh and self.index == 0:

@@ -65,7 +65,7 @@ def _train(tmp: Path, name: str, args: dict, batch: int, steps: int, lr: float, 
 
 def test_char_gpt_on_python_docs_two_ranks_1f1b(tmp_path, one_thread):
     """50 steps of 16 windows of 32 characters over 2 ranks (1F1B, 4 micro-batches): every loss
-    equals the one-process run's, and the held-out loss falls from ln(128) = 4.85 to under 3.2
+    equals the one-process run's, and the held-out loss falls from ln(128) = 4.85 to under 3.4
     nats per character."""
     from pipecc.models import chargpt
 
@@ -78,7 +78,7 @@ def test_char_gpt_on_python_docs_two_ranks_1f1b(tmp_path, one_thread):
     model.eval()
     with torch.no_grad():
         val = [float(chargpt.loss_fn(model(x), y)) for x, y in chargpt.val_data(64, **CHAR)][:20]
-    assert sum(val) / len(val) < 3.2, val
+    assert sum(val) / len(val) < 3.4, val
 
 
 def test_digits_cnn_three_ranks_zero_bubble(tmp_path, one_thread):

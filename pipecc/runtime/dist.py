@@ -387,7 +387,7 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
                 fed = val.next(k)
             except StopIteration:
                 break
-            total += pipe.evaluate(*fed) if fed is not None else pipe.evaluate(None, None)
+            total += pipe.evaluate(fed[0], target=fed[1]) if fed is not None else pipe.evaluate(target=None)
             count += 1
         pipe.train()
         if count and history:

@@ -314,15 +314,15 @@ class DistributedPipeline:
         return tuple(unflatten(replica_inputs(leaves, dims, self.runtime.m, replicas.count, replicas.index,
                                               replicas.batch), first.receives))
 
-    def step(self, inputs: Any = None, target: Any = None) -> float:
-        """One training step of the folder's schedule on the batch (module docstring); the
-        batch's loss, on every rank."""
+    def step(self, *inputs: Any, target: Any = None) -> float:
+        """One training step of the folder's schedule on the batch: forward's positional arguments
+        (or one tuple of them) and ``target=`` (module docstring); the batch's loss, on every rank."""
         if self.run.forward:
             raise PipeccError(f"{self.out} runs forward passes only ({self.run.why}); use pipe(x) or evaluate()")
         if self.model_loss is None:
             raise PipeccError(f"{self._loss_note or 'the folder has no model file'}; pass loss_fn= to "
                               "pipecc.distributed.load to train")
-        rows, tgt = self.feed(inputs, target)
+        rows, tgt = self.feed(_one(inputs), target)
         return self.step_rows(rows, tgt)
 
     def step_rows(self, rows: tuple | None, target: Any) -> float:
@@ -372,13 +372,13 @@ class DistributedPipeline:
             if self.is_first else None
         return self._outputs(self.runtime.infer(rows))
 
-    def evaluate(self, inputs: Any = None, target: Any = None) -> float:
+    def evaluate(self, *inputs: Any, target: Any = None) -> float:
         """The loss of the batch without gradients (stages in their current mode; call ``eval()``
         first for dropout off), on every rank."""
         if self.model_loss is None:
             raise PipeccError(f"{self._loss_note or 'no loss'}; pass loss_fn= to pipecc.distributed.load")
         self._refresh()
-        rows, tgt = self.feed(inputs, target)
+        rows, tgt = self.feed(_one(inputs), target)
         value = self.runtime.infer(rows)
         loss = None
         if value is not None:
@@ -506,6 +506,14 @@ def _names(module: nn.Module) -> dict[str, tuple[str, tuple[int, int, int] | Non
     for attr, (name, dim, start, size) in getattr(cls, "SHARDS", {}).items():
         names[attr] = (name, (int(dim), int(start), int(size)))
     return names
+
+
+def _one(inputs: tuple) -> Any:
+    """``step``'s positional inputs as ``feed`` takes them: one value or tuple as given, several as
+    a tuple, none as None (a rank that feeds no stage 0)."""
+    if not inputs:
+        return None
+    return inputs[0] if len(inputs) == 1 else inputs
 
 
 def _rows_of(value: Any) -> int:

@@ -58,7 +58,7 @@ def device_costs(device: Device, builder: UnitBuilder, options: PlanOptions) -> 
     if device.kind == "fpga":
         return FpgaCosts(device, builder.graph, builder.groups,
                          number=options.fpga_number or options.dtype, training=options.training)
-    roofline = RooflineCosts(device, dtype=options.dtype, training=options.training,
+    roofline = RooflineCosts(device, dtype=options.compute_dtype, training=options.training,
                              optimizer_states=options.optimizer_states)
     target = options.profile.target_for(device) if options.profile is not None else None
     costs: DeviceCosts = roofline if target is None else ProfiledCosts(
@@ -148,15 +148,15 @@ class CostTables:
         for e in self._unit_fixed:  # NOTE: a device like one done already (its type, model, fixed costs)
             other = self.cluster.devices[e]
             if (other.kind == dev.kind and self.costs[e] is self.costs[d]
-                    and other.attainable_flops(self.options.dtype, matmul=True)
-                    == dev.attainable_flops(self.options.dtype, matmul=True)
+                    and other.attainable_flops(self.options.compute_dtype, matmul=True)
+                    == dev.attainable_flops(self.options.compute_dtype, matmul=True)
                     and self.fixed[e] == fixed and self.fixed_factors[e] == self.fixed_factors[d]):
                 self._unit_fixed[d] = self._unit_fixed[e]
                 return self._unit_fixed[d]
         f, b = np.zeros(len(groups)), np.zeros(len(groups))
         if dev.kind != "fpga":
             curves = getattr(self.costs[d], "curves", {})  # ProfiledCosts: measured nodes
-            rate = dev.attainable_flops(self.options.dtype, matmul=True)
+            rate = dev.attainable_flops(self.options.compute_dtype, matmul=True)
             half = fixed_mod.HALF_RATE_WORK.get(dev.kind, 0.0) / rate if rate > 0 else 0.0
             for u, group in enumerate(groups):
                 calls = [n for n in group if n.op in CALL_OPS and not _is_getitem(n)

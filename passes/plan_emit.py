@@ -191,6 +191,11 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
     decisions += profile_decisions(tables.costs, cluster, mb)
     decisions += calibration_decisions(tables.costs, mb)
     decisions += cand.notes  # e.g. which stages recompute their activations, and why
+    if opt.precision != "fp32":
+        decisions.append(f"precision {opt.precision}: every stage's forward and loss under torch.autocast; "
+                         "activations counted in the dtype autocast gives them, messages in "
+                         f"{opt.precision}, weights, gradients and optimizer state in float32, GPU time at "
+                         f"the {opt.precision} peak (pipecc.cost_precision)")
     if bool(cand.thresholds) == bool(search.estimate.get("used")):  # BPipe used or not, and why
         decisions += search.bpipe_notes
     return Plan(
@@ -202,13 +207,13 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
         stages=stages, split_layers=[], bottleneck_s=float(part.bottleneck),
         lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
         predicted_iteration_s=float(cand.timeline.iteration_s),
-        bubble_fraction=float(cand.timeline.bubble_fraction), dtype=opt.dtype,
+        bubble_fraction=float(cand.timeline.bubble_fraction), dtype=opt.compute_dtype,
         activation_balancing=bpipe_pass.plan_fields(cand), estimate=dict(search.estimate),
         virtual_stages=cand.virtual, decisions=decisions, alternatives=lost, replicas=d,
         baselines=baselines(ev, cand) if opt.compare else [],
         options={"coarse": opt.coarse, "choose_order": opt.choose_order,
                  "training": opt.training, "recompute": opt.recompute,
                  "activation_balancing": opt.activation_balancing,
-                 "flash_attention": opt.flash_attention,
+                 "flash_attention": opt.flash_attention, "precision": opt.precision,
                  "replicas_requested": opt.replicas,
                  **{k: x for c in tables.costs for k, x in c.plan_options().items()}})

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipecc.ir.precision import PRECISIONS
 from pipecc.errors import UsageError
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 
@@ -44,7 +45,11 @@ class PlanOptions:
     schedule: str = "auto"            # "auto" or one of the registry's training schedules
     training: bool = True             # False: forward passes only (the inference schedule)
     optimizer_states: int = 2         # Adam: two moments per weight
-    dtype: str = "fp32"
+    dtype: str = "fp32"               # the devices' peak FLOP/s looked up for it (see precision)
+    # mixed precision the run will use: "fp32", or "bf16"/"fp16" (forward and loss under
+    # torch.autocast, float32 messages in that dtype): the bytes held and sent follow autocast
+    # (pipecc.cost_precision) and GPUs compute at that dtype's peak
+    precision: str = "fp32"
     coarse: bool = False              # cut only at block boundaries
     choose_order: bool = False        # order interchangeable devices
     split_layers: bool = True         # intra-layer splits (passes.split_search)
@@ -77,6 +82,11 @@ class PlanOptions:
         if self.replicas != "auto" and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
                                         or self.replicas < 1):
             raise UsageError(f"--replicas {self.replicas!r}: use auto or a positive integer")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision {self.precision!r}: choose {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}")
+        if self.precision != "fp32" and self.bipartition != "off":
+            raise UsageError(f"--precision {self.precision} does not run Bi-Partition pipelines yet: "
+                             "drop --bipartition, or plan in fp32")
         if self.bipartition not in BIPARTITION:
             raise UsageError(f"--bipartition {self.bipartition!r}: choose off or auto")
         if self.activation_balancing not in ACTIVATION_BALANCING:
@@ -84,6 +94,12 @@ class PlanOptions:
         if self.fpga_number is not None:
             from pipecc.targets.fpga_model import parse_number  # NOTE: imports torch
             parse_number(self.fpga_number)  # a bad format is an error even without FPGA devices
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype whose peak a CPU's or GPU's roofline uses: the precision's under mixed
+        precision, else `dtype`."""
+        return self.precision if self.precision != "fp32" else self.dtype
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **fields: Any) -> PlanOptions:

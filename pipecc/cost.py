@@ -46,6 +46,7 @@ import torch.fx as fx
 
 from pipecc.ir.graph import (META_COST, META_KIND, META_OP, META_PARAMS, META_VALUE,
                        AnnotatedGraph, Dim, TensorInfo, tensors_in, value_bytes)
+from pipecc import cost_precision as mixed
 from pipecc.cost_opaque import Measurer, is_opaque, measured_names
 from pipecc.ir.ops import VIEW_OPS
 
@@ -437,16 +438,22 @@ def _attention_memory(o: _Operands, stash: Any, bwd: Any, bwd_mm: Any, flash: bo
 
 
 def node_cost(node: fx.Node, gm: fx.GraphModule,
-              data: set[fx.Node] | None = None, flash_attention: bool = False) -> tuple[NodeCost, bool]:
+              data: set[fx.Node] | None = None, flash_attention: bool = False,
+              low: set[fx.Node] | None = None) -> tuple[NodeCost, bool]:
     """Cost of one node; the flag says whether the op was unknown to the table. `data`: the
     nodes computed from a graph input (`annotate` passes them); an operand outside it is a
     weight for the backward split (without it, only `get_attr` operands are).
     `flash_attention`: fused attention keeps no scores and recomputes them in backward
-    (`_attention_memory`)."""
+    (`_attention_memory`). `low`: under mixed precision, the nodes autocast computes in the low
+    dtype (`cost_precision.autocast_low`; None: float32), which sets the bytes it holds, sends
+    and moves (`pipecc.cost_precision`'s docstring)."""
     kind = node.meta[META_KIND]
     value = node.meta.get(META_VALUE)
     param_bytes = sum(int(info.nbytes) for _, info in node.meta.get(META_PARAMS, []))
     out_bytes = value_bytes(value) if kind not in ("param",) else 0
+    held = out_bytes
+    if low is not None and kind != "param":  # mixed precision: sent in the low dtype, held as autocast gives it
+        out_bytes, held = mixed.wire_bytes(value), mixed.held_bytes(node, low)
     if node.op in ("placeholder", "get_attr", "output"):
         return NodeCost(param_bytes=param_bytes,
                         output_bytes=out_bytes if node.op == "placeholder" else 0), False
@@ -467,11 +474,15 @@ def node_cost(node: fx.Node, gm: fx.GraphModule,
     except (IndexError, AttributeError, TypeError, ZeroDivisionError):
         bwd_w, bwd_w_mm = 0, 0  # NOTE: a shape the split cannot read: all input work
     is_view = o.op in VIEW_OPS or (kind == "shape" and o.op not in _BYTES_ONLY_SHAPE_OPS)
-    in_bytes = sum((t.nbytes for t in o.inputs), 0)
-    moved = 0 if is_view else in_bytes + out_bytes + param_bytes
-    stash = 0 if is_view or not any(t.requires_grad for t in tensors_in(value)) else out_bytes
+    in_bytes = sum((t.nbytes for t in o.inputs), 0) if low is None else \
+        sum((mixed.held_bytes(a, low) for a in node.all_input_nodes), 0)
+    moved = 0 if is_view else in_bytes + held + param_bytes
+    stash = 0 if is_view or not any(t.requires_grad for t in tensors_in(value)) else held
     if kind == "attention" and not unknown:
         stash, bwd, bwd_mm = _attention_memory(o, stash, bwd, bwd_mm, flash_attention)
+    if low is not None and stash != 0:  # autocast's weight copies, saved per micro-batch
+        weights = o.params or [t for t in o.inputs if id(t) in o.weights]
+        stash = stash + mixed.weight_copy_bytes(node, weights)
     return NodeCost(forward_flops=fwd, backward_flops=bwd, forward_flops_matmul=fwd_mm,
                     backward_flops_matmul=bwd_mm, param_bytes=param_bytes,
                     output_bytes=out_bytes, stash_bytes=stash, bytes_moved=moved,
@@ -521,11 +532,19 @@ def flash_attention(graph: AnnotatedGraph) -> bool:
     return bool(graph.gm.meta.get(FLASH_ATTENTION, False))
 
 
-def recost_attention(graph: AnnotatedGraph, flash: bool) -> None:
-    """Re-cost `graph` when it was last costed in the other attention mode (its warnings kept)."""
-    if flash != flash_attention(graph):
+PRECISION = "pipecc.precision"  # graph.gm.meta key: (precision, autocast device) last costed (cost_precision)
+
+
+def recost_attention(graph: AnnotatedGraph, flash: bool, precision: str = "fp32",
+                     kinds: Collection[str] = ()) -> None:
+    """Re-cost `graph` when it was last costed in the other attention mode or another precision
+    (for devices of these `kinds`: whose autocast lists count, `cost_precision.autocast_device`;
+    its warnings kept)."""
+    autocast_device = mixed.autocast_device(list(kinds), precision)
+    mode = (precision, autocast_device if precision != "fp32" else "")
+    if flash != flash_attention(graph) or mode != graph.gm.meta.get(PRECISION, ("fp32", "")):
         warned = list(graph.warnings)
-        annotate(graph, flash_attention=flash)
+        annotate(graph, flash_attention=flash, precision=precision, autocast_device=autocast_device)
         graph.warnings[:] = warned
 
 
@@ -541,17 +560,23 @@ def move_point(graph: AnnotatedGraph, values: dict[str, int]) -> None:
 
 
 def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None,
-             nodes: Collection[fx.Node] | None = None) -> list[str]:
+             nodes: Collection[fx.Node] | None = None, precision: str | None = None,
+             autocast_device: str = "cuda") -> list[str]:
     """Write META_COST on every node (`nodes`: only on those, e.g. what a rewrite added; a
     node's cost reads only itself, its inputs' values and which nodes reach the output or
     depend on the inputs, computed here over the whole graph). Returns the warnings
     (unknown ops, listed once).
     `flash_attention` (None: as the graph was last costed, else the math path) sets how fused
     attention nodes keep their scores (`_attention_memory`); the mode is kept in the graph so
-    re-costing after a rewrite keeps it."""
+    re-costing after a rewrite keeps it; `precision` likewise (None: as last costed, else
+    "fp32"; "bf16"/"fp16": the bytes under autocast on `autocast_device`, `pipecc.cost_precision`)."""
     if flash_attention is None:
         flash_attention = bool(graph.gm.meta.get(FLASH_ATTENTION, False))
     graph.gm.meta[FLASH_ATTENTION] = bool(flash_attention)
+    if precision is None:
+        precision, autocast_device = graph.gm.meta.get(PRECISION, ("fp32", ""))
+    graph.gm.meta[PRECISION] = (precision, autocast_device if precision != "fp32" else "")
+    low = mixed.autocast_low(graph.gm, autocast_device) if precision != "fp32" else None
     unknown: dict[str, int] = {}
     live = _reaches_output(graph.gm.graph)
     data = _depends_on_inputs(graph.gm.graph)
@@ -559,7 +584,7 @@ def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None,
     for node in graph.gm.graph.nodes:
         if nodes is not None and node not in nodes:
             continue
-        cost, is_unknown = node_cost(node, graph.gm, data, flash_attention)
+        cost, is_unknown = node_cost(node, graph.gm, data, flash_attention, low)
         if is_opaque(node):  # a library function kept as one node: costed by what it runs
             measured = measurer.measure(node)
             if measured is not None:

@@ -535,7 +535,7 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
     from pipecc.passes import split_search
     from pipecc.passes.plan_search import Planner
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
-    cost.recost_attention(graph, bool(options.flash_attention))
+    cost.recost_attention(graph, bool(options.flash_attention), options.precision, [d.kind for d in cluster.devices])
     given_profile = options.profile
     options, cluster = resolve_options(options, analysis, cluster)
     sizes_mode = options.microbatch_sizes

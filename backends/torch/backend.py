@@ -49,4 +49,5 @@ class TorchBackend(Backend):
     def module(self, model: nn.Module, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
                target: Target) -> nn.Module:
         return pipelined_module(model, stages, microbatches=plan.microbatches, devices=target.devices,
-                                recompute=[s.recompute for s in plan.stages])
+                                recompute=[s.recompute for s in plan.stages],
+                                precision=plan.options.get("precision", "fp32"))

@@ -185,6 +185,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
               "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
+              "precision": plan.options.get("precision", "fp32"),
               "activation_balancing": balancing,
               "source": graph.source, "torch": torch.__version__,
               "batch_mixing": _mixing(graph),
@@ -559,16 +560,18 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microbatches: int = 1,
                      devices: Sequence[str | torch.device] | None = None,
-                     recompute: Sequence[bool] = ()) -> PipelinedModule:
+                     recompute: Sequence[bool] = (), precision: str = "fp32") -> PipelinedModule:
     """The drop-in module over `stages` cut from `model`'s own graph (parameters shared);
-    stage k runs under activation recomputation when `recompute[k]` (as its stage.py does)."""
+    stage k runs under activation recomputation when `recompute[k]` (as its stage.py does), and
+    under torch.autocast with a mixed `precision` (the plan's)."""
     ports = [ports_json(s, len(stages)) for s in stages]
     modules: list[torch.nn.Module] = []
     for k, s in enumerate(stages):
         written = written_inputs(s.gm)
         module = ClonesInputs(s.gm, written) if written else s.gm
         modules.append(Recomputed(module) if k < len(recompute) and recompute[k] else module)
-    return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices)
+    return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices,
+                           precision=precision)
 
 
 class Recomputed(torch.nn.Module):

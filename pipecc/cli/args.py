@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from pipecc.errors import UsageError
+from pipecc.ir.precision import PRECISIONS
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 
 
@@ -199,6 +200,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                        "and says so in the plan's decisions")
     sched.add_argument("--inference", action="store_true",
                        help="plan forward passes only (default: training)")
+    sched.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                       help="the run's precision: fp32 (default); bf16 or fp16 plan (and `pipecc run`, "
+                       "`pipecc.distributed.load` run) every stage's forward and loss under torch.autocast "
+                       "with float32 messages sent in that dtype: the plan counts the bytes autocast holds "
+                       "and sends and the devices' peak for that dtype; weights, gradients and optimizer "
+                       "state stay float32")
     tech = group(p, "techniques (auto|on|off)")
     tech.add_argument("--split-layers", dest="no_split_layers", action=_SplitLayers, default=False,
                       metavar="auto|off",

@@ -77,6 +77,7 @@ def options_from_args(args: argparse.Namespace, profile: Any = None, calibrate: 
                        replicas=args.replicas, microbatch_sizes=args.microbatch_sizes,
                        bipartition=args.bipartition, activation_balancing=args.activation_balancing,
                        flash_attention=args.flash_attention, calibrate=calibrate,
+                       precision=getattr(args, "precision", "fp32"),
                        use_all_devices=getattr(args, "use_all_devices", False))
 
 

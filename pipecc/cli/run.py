@@ -146,9 +146,10 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
     t.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
                    help="clip the global gradient norm (every stage, each parameter once) to X before each "
                    "optimizer step")
-    t.add_argument("--precision", choices=["bf16", "fp16"],
+    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="mixed precision: every stage's forward and the loss under torch.autocast in this dtype, "
-                   "float32 messages sent in it (fp16 also scales the loss); default float32")
+                   "float32 messages sent in it (fp16 also scales the loss); default: the precision the folder "
+                   "was compiled for (`compile --precision`, fp32 unless given)")
     t.add_argument("--eval-every", type=positive_int, metavar="N",
                    help="every N steps (and after the last), the mean loss over the model file's val_data "
                    "batches, in eval mode")

@@ -218,7 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, help="passes over the model file's train_data (instead of --steps)")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
     parser.add_argument("--clip-grad-norm", type=float, help="clip the global gradient norm to this")
-    parser.add_argument("--precision", choices=("bf16", "fp16"), help="autocast dtype (default: float32)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                        help="autocast dtype (default: the folder's, compile --precision)")
     parser.add_argument("--eval-every", type=int, help="evaluate the model file's val_data every N steps")
     parser.add_argument("--lr", type=float, help="default 1e-3 (training only)")
     parser.add_argument("--seed", type=int, default=0)
@@ -487,6 +488,7 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
         document = run_document(summaries, plan, schedule, runtime.m, batch,
                                 stash=runtime.schedule.partner is not None, identity=plan_identity(out, plan))
         document["history"] = history or []  # every step this run trained: loss, wall time, samples/s, lr
+        document["precision"] = runtime.config.precision or "fp32"  # what the stages ran under (autocast)
         print(json.dumps(document), file=stdout, flush=True)
 
 

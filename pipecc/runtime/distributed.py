@@ -30,7 +30,9 @@ export-checkpoint`` reads them).
 the others; ``evaluate(x, target=y)`` returns the loss on every rank, without gradients.
 ``train()`` returns to training.
 
-Mixed precision: ``load(out, precision="bf16")`` runs every stage's forward and the loss under
+Mixed precision, declared once: ``pipecc compile --precision bf16`` (the plan then counts the
+bytes autocast holds and sends, and the devices' bf16 peak) makes it the folder's default, or
+``load(out, precision="bf16")`` asks for it. It runs every stage's forward and the loss under
 ``torch.autocast`` in bfloat16 and sends float32 activations and gradients in bfloat16;
 ``"fp16"`` also scales the loss (dynamic, as ``torch.amp.GradScaler``: 2**16 at first, halved on
 an overflow, doubled after 2000 steps without one), unscales the gradients after every step and
@@ -73,15 +75,16 @@ def load(out: str | Path, *, loss_fn: Callable | None = None, precision: str | N
          backend: str | None = None, seed: int = 0) -> DistributedPipeline:
     """This rank's share of the compiled folder ``out``, ready to train (module docstring).
 
-    ``loss_fn(outputs, target)``: default the model file's. ``precision``: None (float32),
-    "bf16" or "fp16". ``microbatches``/``schedule``: another than the compiled (the folder's
+    ``loss_fn(outputs, target)``: default the model file's. ``precision``: "fp32", "bf16" or
+    "fp16"; None: the one the folder was compiled for (``pipecc compile --precision``, fp32 unless
+    given). ``microbatches``/``schedule``: another than the compiled (the folder's
     ``schedule.txt`` runs otherwise). ``timeout``: seconds any wait for a peer may take.
     Under torchrun this joins the process group torchrun describes (collective)."""
     from pipecc.runtime import rank as run_rank
 
-    if precision is not None and precision not in PRECISIONS:
-        raise UsageError(f"precision={precision!r}: choose from {', '.join(map(repr, PRECISIONS))} or None "
-                         "(float32)")
+    if precision is not None and precision not in ("fp32", *PRECISIONS):
+        raise UsageError(f"precision={precision!r}: choose 'fp32', {', '.join(map(repr, PRECISIONS))} or None "
+                         "(the folder's)")
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be callable (outputs, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if not isinstance(timeout, (int, float)) or not timeout > 0:

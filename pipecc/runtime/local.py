@@ -31,6 +31,7 @@ runtime never imports the compiler.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -52,7 +53,7 @@ class PipelinedModule(nn.Module):
 
     def __init__(self, stages: Sequence[nn.Module], ports: Sequence[Mapping[str, Any]], *,
                  owner: nn.Module, microbatches: int = 1,
-                 devices: Sequence[str | torch.device] | None = None) -> None:
+                 devices: Sequence[str | torch.device] | None = None, precision: str = "fp32") -> None:
         super().__init__()
         if not stages or len(stages) != len(ports):
             raise ValueError(f"need one port spec per stage, got {len(stages)} stages and {len(ports)} specs")
@@ -76,6 +77,10 @@ class PipelinedModule(nn.Module):
                               and p.get("batch_dim") is None and p.get("shape")}
         self._pipecc_output = ports[-1]["model_output"]
         self._pipecc_microbatches = int(microbatches)
+        # mixed precision (`pipecc compile --precision`): each stage under torch.autocast on its device
+        self._pipecc_amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        if self._pipecc_amp is None and precision != "fp32":
+            raise ValueError(f"precision {precision!r}: choose fp32, bf16 or fp16")
         self._pipecc_devices = [torch.device(d) for d in devices]
         self._check_chain()
         self._place()
@@ -168,7 +173,9 @@ class PipelinedModule(nn.Module):
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self._pipecc_devices)
-        return f"stages={len(self._pipecc_stages)}, microbatches={self._pipecc_microbatches}, devices=[{devices}]"
+        amp = f", precision {str(self._pipecc_amp).removeprefix('torch.')} autocast" if self._pipecc_amp else ""
+        return (f"stages={len(self._pipecc_stages)}, microbatches={self._pipecc_microbatches}, "
+                f"devices=[{devices}]{amp}")
 
     def __repr__(self) -> str:
         """One line, not nn.Module's tree of every adopted submodule (issue 21): the owner, the
@@ -235,7 +242,10 @@ class PipelinedModule(nn.Module):
     def _run(self, env: dict[str, Any]) -> dict[str, Any]:
         for k, stage in enumerate(self._pipecc_stages):
             device = self._pipecc_devices[k]
-            outputs = stage(*[_to(env[name], device) for name in self._pipecc_receives[k]])
+            amp = torch.autocast(device.type, dtype=self._pipecc_amp) if self._pipecc_amp is not None \
+                else contextlib.nullcontext()
+            with amp:
+                outputs = stage(*[_to(env[name], device) for name in self._pipecc_receives[k]])
             if not isinstance(outputs, tuple) or len(outputs) != len(self._pipecc_sends[k]):
                 raise PipeccError(f"stage {k} returned {type(outputs).__name__}; expected a tuple of "
                                   f"{len(self._pipecc_sends[k])} values")
@@ -298,7 +308,8 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
     m = microbatches if microbatches is not None else int(marker.get("microbatches", 1))
     if devices is not None and len(devices) != len(modules):
         devices = _given_devices(out, list(devices), len(modules))
-    return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices)
+    return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices,
+                           precision=str(marker.get("precision") or "fp32"))
 
 
 def _given_devices(out: Path, devices: list[Any], stages: int) -> list[Any]:

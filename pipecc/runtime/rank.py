@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,7 +214,7 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
     run_schedule = compiled if use_file else schedule_name
     config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing,
-                       getattr(args, "precision", None))
+                       run_precision(args, meta))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
@@ -247,6 +248,22 @@ def _lock_checkpoints(args: argparse.Namespace, create: bool) -> CheckpointLock 
     if args.checkpoint_dir is None or os.environ.get("RANK", "0") != "0" or LOCK_ENV in os.environ:
         return None
     return CheckpointLock.take(args.checkpoint_dir, create=create)
+
+
+def run_precision(args: argparse.Namespace, meta: dict[str, Any] | None) -> str | None:
+    """The run's autocast precision (`RunConfig.precision`; None: float32): --precision (or
+    ``load(precision=)``), else the one the folder was compiled for (``compile --precision``).
+    `--verify` compares float32 runs: a folder's own bf16/fp16 is not used by it (a note says so);
+    an explicit one is refused by `check_options`."""
+    asked = getattr(args, "precision", None)
+    chosen = asked or str((meta or {}).get("precision") or "fp32")
+    if asked is None and chosen != "fp32" and (getattr(args, "verify", False)
+                                               or getattr(args, "verify_stages_only", False)):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: --verify compares float32 runs; {args.out} was compiled for {chosen}, "
+                  "which this run does not use", file=sys.stderr)
+        return None
+    return None if chosen == "fp32" else chosen
 
 
 def _replica_count(meta: dict[str, Any] | None) -> int:
@@ -314,7 +331,7 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
     clip = getattr(args, "clip_grad_norm", None)
     if clip is not None and not clip > 0:
         raise UsageError(f"--clip-grad-norm must be a positive number, got {clip}")
-    if getattr(args, "precision", None) is not None and (args.verify or args.verify_stages_only):
+    if getattr(args, "precision", None) not in (None, "fp32") and (args.verify or args.verify_stages_only):
         raise UsageError(f"--verify compares float32 runs; run it without --precision {args.precision} first")
     if forward and any(v is not None for v in (epochs, clip, getattr(args, "eval_every", None))):
         raise UsageError(f"{args.out} runs forward passes only ({why}): --epochs, --clip-grad-norm and --eval-every "

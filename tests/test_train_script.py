@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent('''
     import model as m
 
     torch.manual_seed(0)
-    pipe = pipecc.distributed.load(out, precision=None if precision == "fp32" else precision)
+    pipe = pipecc.distributed.load(out, precision=None if precision == "folder" else precision)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     loader = DataLoader(m.dataset(4096, 0), batch_size=pipe.batch_size, shuffle=True, drop_last=True,
@@ -84,6 +84,11 @@ SCRIPT = textwrap.dedent('''
         opt.step(); sched.step(); opt.zero_grad()
     with open(f"{record}.rank{pipe.rank}.json", "w") as f:
         json.dump(losses, f)
+    pipe.eval()  # a validation forward: the outputs on one rank (the last stage's, replica 0's)
+    x, _ = next(iter(DataLoader(m.dataset(pipe.batch_size, 5), batch_size=pipe.batch_size)))
+    outputs, state = pipe(x), pipe.full_state_dict()
+    if outputs is not None:
+        torch.save({"x": x, "outputs": outputs, "state": state, "rank": pipe.rank}, record + ".forward.pt")
     pipe.close()
 ''')
 
@@ -144,6 +149,16 @@ def _reference(work: Path, record: str, steps: int, accumulate: int = 1, precisi
     return losses
 
 
+def _forward_is_the_models(work: Path, record: str, rank: int, depth: int = 4) -> None:
+    """The script's validation forward, on the rank that returned outputs, is the trained model's."""
+    saved = torch.load(work / f"{record}.forward.pt")
+    assert saved["rank"] == rank
+    model = _load(work / "model.py").build_model(depth=depth)
+    model.load_state_dict(saved["state"])
+    model.eval()
+    torch.testing.assert_close(saved["outputs"], model(saved["x"]))
+
+
 def _falls(losses: list[float]) -> None:
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < first - 0.1, (first, last)
@@ -158,6 +173,19 @@ def test_readme_script_on_two_ranks_equals_one_process(work):
     want = _reference(work, "two", 60)
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-4, atol=1e-5)
     _falls(got[0])
+    _forward_is_the_models(work, "two", rank=1)
+
+
+def test_replicated_stages_train_and_forward_as_the_model(work):
+    """Two replicas of one stage (data parallel over 2 gloo ranks): the losses are the one-process
+    run's, and a validation forward gathers both replicas' rows on replica 0, in the batch's order."""
+    out = _compile(work, "replicas", "--devices", "2xcpu", "-m", "2", "--replicas", "2")
+    assert json.loads((out / "pipecc.json").read_text())["replicas"] == 2
+    got = _torchrun(work, out, 2, 12, record="replicas")
+    assert got[0] == got[1]
+    want = _reference(work, "replicas", 12)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-4, atol=1e-5)
+    _forward_is_the_models(work, "replicas", rank=0)
 
 
 def test_three_ranks_zero_bubble_with_accumulation_equals_one_process(work):
@@ -175,10 +203,8 @@ def test_three_ranks_zero_bubble_with_accumulation_equals_one_process(work):
 
 def test_bf16_on_two_ranks_follows_the_one_process_autocast_run(work):
     """bf16 autocast, messages in bf16: within bfloat16's tolerance of the one-process autocast run."""
-    out = work / "two"
-    if not out.exists():
-        out = _compile(work, "two", "--devices", "2xcpu", "-m", "4", "--schedule", "1f1b")
-    got = _torchrun(work, out, 2, 10, precision="bf16", record="bf16")
+    out = _compile(work, "two-bf16", "--devices", "2xcpu", "-m", "4", "--schedule", "1f1b", "--precision", "bf16")
+    got = _torchrun(work, out, 2, 10, precision="folder", record="bf16")  # the folder's: declared at compile
     want = _reference(work, "bf16", 10, precision="bf16")
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=2e-2, atol=1e-2)
 
@@ -228,6 +254,37 @@ def test_one_process_pipeline_is_the_model(work):
     pipe.load_state_dict(before)
     with pytest.raises(pipecc.errors.PipeccError, match="no tensor for"):
         pipe.load_state_dict({})
+
+
+def test_a_loss_fn_given_to_load_is_analysed_like_the_model_files(work):
+    """A summed loss adds the micro-batches' losses (not their weighted mean); one that mixes
+    samples (a max over the batch) is refused in one line rather than trained on wrong gradients."""
+    import pipecc
+    import torch.nn.functional as F
+    from pipecc.errors import PipeccError
+
+    out = work / "two"
+    if not out.exists():
+        out = _compile(work, "two", "--devices", "2xcpu", "-m", "4", "--schedule", "1f1b")
+    m = _load(work / "model.py")
+    x, y = next(iter(m.train_data(32)))
+    summed = lambda outputs, target: F.cross_entropy(outputs, target, reduction="sum")  # noqa: E731
+    pipe = pipecc.distributed.load(out, loss_fn=summed)
+    model = m.build_model()
+    model.load_state_dict(pipe.full_state_dict())
+    loss = pipe.step(x, target=y)
+    ref = summed(model(x), y)
+    ref.backward()
+    assert loss == pytest.approx(float(ref.detach()), rel=1e-5)
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5)
+    pipe.eval()
+    assert pipe.evaluate(x, target=y) == pytest.approx(float(summed(model(x), y).detach()), rel=1e-5)
+    worst = lambda outputs, target: F.cross_entropy(outputs, target, reduction="none").max()  # noqa: E731
+    with pytest.raises(PipeccError, match="micro-batch") as caught:
+        pipecc.distributed.load(out, loss_fn=worst).step(x, target=y)
+    assert "\n" not in str(caught.value)
 
 
 def test_api_bad_inputs_are_one_line_errors(work, tmp_path):

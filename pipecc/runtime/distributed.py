@@ -20,13 +20,15 @@ that batch, on every rank (one broadcast). Gradients accumulate over ``step`` ca
 of a split layer keeps its parameter's name), so any ``torch.optim`` optimizer and scheduler work
 unchanged. The model file's ``loss_fn`` combines over micro-batches as compile analysed it (a
 mean or a sum, ``pipecc.runtime.loss_reduction``); a ``loss_fn`` given to ``load`` must be a
-per-sample mean. ``state_dict()`` is this rank's tensors under the model's names (a slice as
+per-sample mean or sum too (analysed on the first micro-batch it sees; one that mixes samples
+refuses a split in one line). ``state_dict()`` is this rank's tensors under the model's names (a slice as
 ``NAME@dim:start:stop``); ``full_state_dict()`` (collective) the whole model's, loadable into the
 model the file builds; ``load_state_dict`` takes either. ``save_checkpoint``/``load_checkpoint``
 write and read the checkpoints of ``pipecc run --checkpoint-dir`` (so ``pipecc
 export-checkpoint`` reads them).
 
-``eval()`` then ``pipe(x)`` returns the model's outputs on the rank of the last stage and None on
+``eval()`` then ``pipe(x)`` returns the model's outputs on the rank of the last stage (of replica 0,
+when stages are replicated: the replicas' rows are gathered there in the batch's order) and None on
 the others; ``evaluate(x, target=y)`` returns the loss on every rank, without gradients.
 ``train()`` returns to training.
 
@@ -61,8 +63,9 @@ from torch import nn
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime.bipartition_exec import is_worker
 from pipecc.runtime.engine import PRECISIONS, PipelineRuntime
+from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, analyse, split_words, weight
 from pipecc.runtime.ports import StagePorts, as_tuple, build_output, flatten, unflatten
-from pipecc.runtime.replicas import replica_inputs, replica_target
+from pipecc.runtime.replicas import replica_inputs, replica_target, replica_unslice
 from pipecc.runtime.rundata import TiedGradients
 
 __all__ = ["DistributedPipeline", "load"]
@@ -121,14 +124,19 @@ class DistributedPipeline:
 
         def runtime_loss(value: Any, target: Any) -> torch.Tensor:
             sends = (value,) if len(names) == 1 else tuple(value)
-            return self.model_loss(build_output(tree, dict(zip(names, sends))), target)  # type: ignore[misc]
+            outputs = build_output(tree, dict(zip(names, sends)))
+            if not hasattr(runtime_loss, "reduction"):  # a loss_fn given to load(): analysed on its first call
+                runtime_loss.reduction = analyse(self.model_loss, outputs, target,  # type: ignore[attr-defined]
+                                                 _rows_of(target) or _rows_of(outputs))
+            return self.model_loss(outputs, target)  # type: ignore[misc]
 
         # how the model file's loss_fn combines over micro-batches (pipecc.runtime.loss_reduction,
-        # recorded at compile); a loss_fn given to load() is taken for a per-sample mean
+        # recorded at compile); a loss_fn given to load() is analysed the same way on the first
+        # micro-batch it sees (a sum adds the parts; one that mixes samples refuses a split)
         file_loss = getattr(data.module, "loss_fn", None) if data.module is not None else None
-        if self.model_loss is not None and self.model_loss in (file_loss, data.model_loss) \
-                and hasattr(data.loss_fn, "reduction"):
-            runtime_loss.reduction = data.loss_fn.reduction  # type: ignore[attr-defined]
+        if self.model_loss is not None and self.model_loss in (file_loss, data.model_loss):
+            runtime_loss.reduction = getattr(data.loss_fn, "reduction", MEAN_LOSS)  # type: ignore[attr-defined]
+        self._runtime_loss = runtime_loss
         self._outputs = lambda value: None if value is None else build_output(
             tree, dict(zip(names, (value,) if len(names) == 1 else tuple(value))))
         self.runtime = PipelineRuntime(run.modules, run.ports, run.rank, run.world, run.config,
@@ -367,13 +375,32 @@ class DistributedPipeline:
         return self.forward(*inputs)
 
     def forward(self, *inputs: Any) -> Any:
-        if self.runtime.replicas.count > 1:
-            raise PipeccError("the outputs of a pipeline with replicated stages are spread over the replicas; use "
-                              "pipe.evaluate(x, target=y) for the loss (or compile with --replicas 1)")
         self._refresh()
         rows = self._stage0_rows(inputs[0] if len(inputs) == 1 and isinstance(inputs[0], tuple) else inputs) \
             if self.is_first else None
-        return self._outputs(self.runtime.infer(rows))
+        value = self.runtime.infer(rows)
+        if self.runtime.replicas.count > 1 and self.is_last:
+            value = self._gather_replicas(value)
+        return self._outputs(value)
+
+    def _gather_replicas(self, value: Any) -> Any:
+        """Replicated stages: each replica's rows of the outputs, gathered to replica 0's rank of the
+        last stage in the batch's order (collective over the last stage's replicas); None on the
+        others. An output without a batch dim is replica 0's."""
+        rt = self.runtime
+        last = rt.runner(rt.last_stage)
+        leaves = flatten((value,) if len(last.ports.sends) == 1 else tuple(value), last.ports.sends, "outputs")
+        leaves = [v.cpu() if isinstance(v, torch.Tensor) else v for v in leaves]
+        replicas = rt.replicas
+        gathered: list[Any] | None = [None] * replicas.count if replicas.index == 0 else None
+        dist.gather_object(leaves, gathered, dst=replicas.rank_of(rt.rank, 0), group=replicas.group(rt.rank))
+        if gathered is None:
+            return None
+        merged = [replica_unslice([g[i] for g in gathered], port.batch_dim, rt.m, replicas.batch).to(self.device)
+                  if port.kind == "tensor" and port.batch_dim is not None else leaves[i]
+                  for i, port in enumerate(last.ports.out_leaves)]
+        outs = unflatten(merged, last.ports.sends)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def evaluate(self, *inputs: Any, target: Any = None) -> float:
         """The loss of the batch without gradients (stages in their current mode; call ``eval()``
@@ -389,9 +416,13 @@ class DistributedPipeline:
             with torch.no_grad(), self.runtime.autocast():
                 total = self.model_loss(outputs, tgt)
             replicas = self.runtime.replicas
-            if replicas.count > 1:  # each replica's rows: weighted by its share, summed
-                share = torch.tensor([float(total) * _rows_of(tgt) / self.batch_size], dtype=torch.float64,
-                                     device=self.device)
+            if replicas.count > 1:  # each replica's rows: a mean weighted by its share, a sum as it is
+                reduction = getattr(self._runtime_loss, "reduction", None) or analyse(
+                    self.model_loss, outputs, tgt, _rows_of(tgt) or _rows_of(outputs))
+                if reduction.kind not in (MEAN, SUM):
+                    raise PipeccError(reduction.message(split_words(1, replicas.count)))
+                share = torch.tensor([float(total) * weight(reduction, _rows_of(tgt), self.batch_size)],
+                                     dtype=torch.float64, device=self.device)
                 dist.all_reduce(share, group=replicas.group(self.runtime.rank))
                 loss = float(share)
             else:

@@ -144,6 +144,19 @@ def replica_slice(value: torch.Tensor, dim: int, microbatches: int, replicas: in
     return torch.cat([parts[i * replicas + index] for i in range(microbatches)], dim=dim)
 
 
+def replica_unslice(parts: Sequence[torch.Tensor], dim: int, microbatches: int, batch: int | None = None) -> torch.Tensor:
+    """``replica_slice``'s inverse: the replicas' rows (``parts[index]``, each its slices of the
+    ``microbatches`` micro-batches concatenated) back in the batch's order."""
+    replicas = len(parts)
+    if replicas == 1:
+        return parts[0]
+    extent = sum(p.shape[dim] for p in parts)
+    c = extent // batch if batch and extent % batch == 0 and extent > batch else 1
+    sizes = [[c * n for n in slice_sizes(mb, replicas)] for mb in slice_sizes(extent // c, microbatches)]
+    pieces = [torch.split(p, [row[i] for row in sizes], dim=dim) for i, p in enumerate(parts)]
+    return torch.cat([pieces[i][j] for j in range(microbatches) for i in range(replicas)], dim=dim)
+
+
 def replica_ports(spec: dict[str, Any], replicas: int, index: int = 0, microbatches: int = 1,
                   batch: int | None = None) -> dict[str, Any]:
     """A ``ports.json`` dict as replica ``index`` sees it: every batched tensor's batch dim its

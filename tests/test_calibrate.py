@@ -376,3 +376,15 @@ def test_an_fpga_card_keeps_its_model_without_the_host_part(analysis):
     share = fixed_costs.MICROBATCH_FORWARD_SHARE
     assert tables.stage_host(0) == pytest.approx((4e-4 * share, 4e-4 * (1 - share)))
     assert tables.stage_host(1) == (0.0, 0.0)
+
+
+def test_a_run_in_another_precision_is_named(analysis, planned):
+    """A float32 run calibrating a bf16 plan (or the reverse): its factors carry the run's speed,
+    and the plan says so."""
+    plan, folder = planned
+    doc = run_doc(plan, folder, [st["forward_s"] * 2 for st in plan["stages"]],
+                  [st["backward_s"] * 2 for st in plan["stages"]])
+    mixed, _ = driver.plan(analysis, "2xcpu", calibrate=doc, precision="bf16", **PINNED)
+    assert any("the run computed in fp32, this plan in bf16" in d for d in mixed.decisions), mixed.decisions
+    same, _ = driver.plan(analysis, "2xcpu", calibrate=doc, **PINNED)
+    assert not any("computed in" in d for d in same.decisions)

@@ -452,6 +452,11 @@ def calibration_decisions(costs: Sequence[DeviceCosts], mb: int | None = None) -
             f"forward/backward per stage {ratios}): forward factors {min(fwd):.3g}..{max(fwd):.3g}, backward "
             f"factors {min(bwd):.3g}..{max(bwd):.3g}; nodes the run did not cover take their device's median")
     notes = list(cal.notes)
+    ran = str(cal.run.get("precision") or "fp32")  # NOTE: runs before the field was written: fp32
+    base = next(c.base for c in costs if isinstance(c, CalibratedCosts))
+    planned = getattr(getattr(base, "roofline", base), "dtype", "fp32")  # a profile's curves: its roofline's
+    if planned in ("fp32", "bf16", "fp16") and planned != ran:
+        notes.append(f"the run computed in {ran}, this plan in {planned}: its factors carry {ran}'s speed")
     batch, count = cal.run.get("batch_size"), cal.run.get("microbatches")
     if mb is not None and isinstance(batch, int) and isinstance(count, int) and count > 0 and batch // count != mb:
         notes.append(f"the run's micro-batches were of {batch // count} samples, this plan's of {mb}: the "

@@ -389,6 +389,8 @@ def profile_decisions(costs: Sequence[DeviceCosts], cluster: Cluster, mb: int) -
         where = f"{c.device.name} ({c.profile.source}{scaled})"
         line = (f"costs: measured for all {total} nodes on {where}" if n == total else
                 f"costs: measured for {n} of {total} nodes on {where}, roofline elsewhere")
+        if c.roofline.dtype in ("bf16", "fp16"):  # NOTE: `pipecc profile` times float32 nodes
+            line += f"; the curves are float32 times, used as they are for this {c.roofline.dtype} plan"
         low, high = c.profile.microbatch_range
         if not low <= mb <= high:
             line += (f"; micro-batches of {mb} extrapolate the curves beyond the profiled sizes "

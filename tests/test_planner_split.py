@@ -72,14 +72,17 @@ def test_the_command_line_converts_every_plan_flag_once():
         "plan", str(MLP), "--devices", "2xcpu", "-m", "4", "--schedule", "zb-h1", "--replicas", "2",
         "--microbatch-sizes", "auto", "--bipartition", "auto", "--coarse", "--choose-order",
         "--no-split-layers", "--recompute", "auto", "--activation-balancing", "off",
-        "--flash-attention", "--fpga-number", "ap_fixed<16,6>", "--compare", "--use-all-devices"])
+        "--flash-attention", "--fpga-number", "ap_fixed<16,6>", "--compare", "--use-all-devices",
+        "--precision", "fp32"])
     got = options_from_args(args, profile=None)
     want = dict(microbatches=4, schedule="zb-h1", replicas=2, microbatch_sizes="auto",
                 bipartition="auto", coarse=True, choose_order=True, split_layers=False,
                 recompute="auto", activation_balancing="off", flash_attention=True,
                 fpga_number="ap_fixed<16,6>", compare=True, training=True, profile=None, calibrate=None,
-                use_all_devices=True)
+                use_all_devices=True, precision="fp32")
     assert {k: getattr(got, k) for k in want} == want
+    mixed = build_parser().parse_args(["plan", str(MLP), "--devices", "2xcpu", "--precision", "bf16"])
+    assert options_from_args(mixed, profile=None).precision == "bf16"
     untouched = {f.name for f in dataclasses.fields(PlanOptions)} - set(want)
     assert untouched == {"batch_size", "optimizer_states", "dtype", "virtual_stages",
                          "umpipe_budget_s", "bipartition_window"}

@@ -23,7 +23,7 @@ from pipecc.runtime.timing import run_document
 pytestmark = pytest.mark.xdist_group(name="run_json")
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = {"format", "version", "schedule", "microbatches", "batch_size", "steps", "warmup_steps", "step_s", "history",
+TOP = {"format", "version", "schedule", "microbatches", "batch_size", "steps", "warmup_steps", "step_s", "history", "precision",
        "predicted_step_s", "samples_per_s", "stages", "plan"}
 STAGE = {"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples", "backward_samples",
          "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}

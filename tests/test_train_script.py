@@ -164,7 +164,7 @@ def _falls(losses: list[float]) -> None:
     assert last < first - 0.1, (first, last)
 
 
-def test_readme_script_on_two_ranks_equals_one_process(work):
+def test_readme_script_on_two_ranks_equals_one_process(work, one_thread):
     """1F1B over 2 gloo ranks, 60 steps: every step's loss equals the one-process run's (float32),
     on every rank, and falls."""
     out = _compile(work, "two", "--devices", "2xcpu", "-m", "4", "--schedule", "1f1b")
@@ -176,7 +176,7 @@ def test_readme_script_on_two_ranks_equals_one_process(work):
     _forward_is_the_models(work, "two", rank=1)
 
 
-def test_replicated_stages_train_and_forward_as_the_model(work):
+def test_replicated_stages_train_and_forward_as_the_model(work, one_thread):
     """Two replicas of one stage (data parallel over 2 gloo ranks): the losses are the one-process
     run's, and a validation forward gathers both replicas' rows on replica 0, in the batch's order."""
     out = _compile(work, "replicas", "--devices", "2xcpu", "-m", "2", "--replicas", "2")
@@ -188,7 +188,7 @@ def test_replicated_stages_train_and_forward_as_the_model(work):
     _forward_is_the_models(work, "replicas", rank=0)
 
 
-def test_three_ranks_zero_bubble_with_accumulation_equals_one_process(work):
+def test_three_ranks_zero_bubble_with_accumulation_equals_one_process(work, one_thread):
     """Zero-bubble (zb-h1) over 3 ranks, two batches accumulated per optimizer step, 50 steps."""
     out = _compile(work, "three", "--devices", "3xcpu", "-m", "4", "--schedule", "zb-h1",
                    "--model-arg", "depth=6")

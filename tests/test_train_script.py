@@ -90,6 +90,11 @@ SCRIPT = textwrap.dedent('''
     if outputs is not None:
         torch.save({"x": x, "outputs": outputs, "state": state, "rank": pipe.rank}, record + ".forward.pt")
     pipe.close()
+    # NOTE: torch's C++ teardown aborts about 1 run in 25 after a finished gloo run ("terminate
+    # called without an active exception"; pipecc run's ranks exit so too): docs/training.md
+    import os
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 ''')
 
 

@@ -161,5 +161,11 @@ class CharGPT(nn.Module):
 
 
 def build_model(n_layer: int = 2, n_head: int = 4, n_embd: int = 64, seq_len: int = 64,
-                dropout: float = 0.0, **_) -> CharGPT:
-    return CharGPT(n_layer, n_head, n_embd, seq_len, dropout)
+                dropout: float = 0.0, init_seed: int | None = None, **_) -> CharGPT:
+    """``init_seed``: draw the weights from this seed (the global RNG left as it was); None: from
+    torch's global RNG."""
+    if init_seed is None:
+        return CharGPT(n_layer, n_head, n_embd, seq_len, dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(init_seed))
+        return CharGPT(n_layer, n_head, n_embd, seq_len, dropout)

@@ -20,7 +20,7 @@ from helpers import ROOT, model_args, run_pipecc
 pytest.importorskip("sklearn")
 pytestmark = [pytest.mark.xdist_group("train_real"), pytest.mark.slow]
 
-CHAR = dict(n_layer=2, n_head=2, n_embd=32, seq_len=32)
+CHAR = dict(n_layer=2, n_head=2, n_embd=32, seq_len=32, init_seed=0)  # fixed weights (a random init drifted once in CI)
 DIGITS = dict(channels=8, hidden=32, init_seed=0)  # fixed weights: the run is the same every time
 
 

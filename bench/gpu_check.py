@@ -5,7 +5,7 @@ model on cuda:0, with every result written as it finishes.
     python bench/gpu_check.py --device cpu --small --out DIR      # the same code on a CPU, tiny sizes
 
 Steps, in order; each sub-step is guarded (a failure is recorded with its one-line error, its
-traceback goes to DIR/logs/, and the script goes on), and a step that would start after
+traceback goes to DIR/gpu_check.log, and the script goes on), and a step that would start after
 `--budget-s` seconds is skipped with a note:
 
   1. import: `import pipecc` (installed, else made importable from this checkout), the torch the
@@ -21,8 +21,9 @@ traceback goes to DIR/logs/, and the script goes on), and a step that would star
      `--json` document, the plan made again with `--calibrate` from it, and the same table.
   5. train: chargpt in bf16, drop-in and `pipecc.distributed` (bench/gpu_check_train.py).
 
-DIR gets gpu_check.json (rewritten after every sub-step: partial results survive a timeout),
-gpu_check.md (the same as tables), logs/ (each command's output, tracebacks) and runs/ (the
+DIR gets four files (the device tool brings back at most eight): gpu_check.json (rewritten after
+every sub-step: partial results survive a timeout), gpu_check.md (the same as tables),
+gpu_check.log (every command's output and every traceback) and gpu_check_runs.json (the
 `pipecc run --json` documents). The compiled folders (weights: GBs at GPU sizes) go to a temporary
 folder removed at the end (`--work DIR` keeps them there). `--small` (with `--device cpu`)
 runs every step at tiny sizes; on a CPU what needs CUDA (peak memory) is n/a. Exit status: 0 when
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import io
 import json
 import os
@@ -118,9 +120,12 @@ class Check:
         self.out: Path = args.out
         # NOTE: compiled folders hold the weights (GBs at GPU sizes): outside OUT, whose files travel back
         self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu-check-work-"))
-        self.logs, self.runs = self.out / "logs", self.out / "runs"
-        for folder in (self.work, self.logs, self.runs):
-            folder.mkdir(parents=True, exist_ok=True)
+        # NOTE: the device tool brings back at most 8 files from $OUT: everything goes into four
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logfile, self.runsfile = self.out / "gpu_check.log", self.out / "gpu_check_runs.json"
+        self.logfile.write_text("")
+        self.runs: dict[str, Any] = {}
         self.failures = 0
         cuda = self.dev.startswith("cuda")
         self.doc: dict[str, Any] = {
@@ -153,14 +158,32 @@ class Check:
         except Exception as e:  # noqa: BLE001  one failing step is recorded, the script goes on
             first = (str(e).strip().splitlines() or [""])[0]
             result = {"ok": False, "error": f"{type(e).__name__}: {first}"[:500]}
-            (self.logs / f"{section}.{name}.traceback.txt").write_text(traceback.format_exc())
+            self.log(f"{section}/{name}: traceback", traceback.format_exc())
         result["wall_s"] = round(time.monotonic() - t0, 2)
+        gc.collect()  # the step's models and pipelines: one GPU holds one step's at a time
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         rows[name] = result
         self.failures += result["ok"] is False
         verdict = "ok" if result["ok"] else "FAILED"
         self.say(f"{section}/{name}: {verdict} in {result['wall_s']} s  {_brief(result)}")
         self.write()
         return result
+
+    def log(self, name: str, text: str, limit: int = 40_000) -> None:
+        """Append a command's output (its first and last `limit` / 2 characters) to gpu_check.log."""
+        if len(text) > limit:
+            text = text[:limit // 2] + f"\n[... {len(text) - limit} characters left out ...]\n" + text[-limit // 2:]
+        with self.logfile.open("a") as f:
+            f.write(f"\n===== {name} ({self.elapsed():.1f} s)\n{text}\n")
+
+    def keep_run(self, name: str, document: str) -> None:
+        """A `pipecc run --json` document, kept in gpu_check_runs.json."""
+        try:
+            self.runs[name] = json.loads(document)
+        except ValueError:
+            self.runs[name] = {"unreadable": document[-2000:]}
+        _atomic(self.runsfile, json.dumps(self.runs, indent=1))
 
     def say(self, line: str) -> None:
         print(f"[gpu_check {self.elapsed():6.1f} s] {line}", flush=True)
@@ -173,21 +196,21 @@ class Check:
     # -- commands ------------------------------------------------------------------------------
 
     def command(self, name: str, argv: list[str], timeout: float) -> dict[str, Any]:
-        """Run `argv` (a budget-bounded timeout); its output goes to logs/NAME.log."""
+        """Run `argv` (a budget-bounded timeout); its output goes to gpu_check.log."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 4)))}
         limit = max(30.0, min(timeout, self.left() + 30.0))
         t0 = time.monotonic()
         try:
-            p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+            # NOTE: not in ROOT: `python -m` puts the working directory first on sys.path, and ROOT's
+            # own pipecc/ (without setup.cfg's passes/backends/models mapping) would shadow the install
+            p = subprocess.run(argv, cwd=self.work, env=env, capture_output=True, text=True, timeout=limit)
             rc, stdout, stderr = p.returncode, p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
             rc, stdout, stderr = 124, _text(e.stdout), _text(e.stderr) + f"\n(timed out after {limit:.0f} s)"
-        (self.logs / f"{name}.log").write_text(f"$ {' '.join(argv)}\n# rc {rc}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-        errors = [ln for ln in stderr.splitlines() if "error" in ln.lower()]
+        self.log(name, f"$ {' '.join(argv)}\n# rc {rc}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
         return {"rc": rc, "wall_s": round(time.monotonic() - t0, 2), "stdout": stdout, "stderr": stderr,
-                "error": (errors[-1] if errors else stderr.strip().splitlines()[-1:] or [""])[0][:500] if rc else None,
-                "command": " ".join(argv)}
+                "error": error_line(stderr) if rc else None, "command": " ".join(argv)}
 
     def cli(self, name: str, argv: list[str], timeout: float = 300.0) -> dict[str, Any]:
         """`pipecc ARGV` as a user types it (`python -m pipecc.cli`: no console script needed)."""
@@ -195,7 +218,7 @@ class Check:
 
     def in_process(self, name: str, argv: list[str]) -> dict[str, Any]:
         """`pipecc ARGV` in this process (`pipecc.cli.main`, as the tests call it): no interpreter and
-        torch import per command; its output goes to logs/NAME.log."""
+        torch import per command; its output goes to gpu_check.log."""
         from pipecc.cli import main as pipecc_main
         stdout, stderr = io.StringIO(), io.StringIO()
         t0 = time.monotonic()
@@ -205,11 +228,9 @@ class Check:
             except SystemExit as e:  # argparse's usage errors
                 rc = e.code if isinstance(e.code, int) else 1
         err = stderr.getvalue()
-        (self.logs / f"{name}.log").write_text(f"$ pipecc {' '.join(argv)}\n# rc {rc}\n--- stdout\n"
-                                               f"{stdout.getvalue()}\n--- stderr\n{err}")
-        errors = [ln for ln in err.splitlines() if "error" in ln.lower()]
+        self.log(name, f"$ pipecc {' '.join(argv)}\n# rc {rc}\n--- stdout\n{stdout.getvalue()}\n--- stderr\n{err}")
         return {"rc": rc, "wall_s": round(time.monotonic() - t0, 2), "command": "pipecc " + " ".join(argv),
-                "error": (errors[-1] if errors else (err.strip().splitlines() or [""])[-1])[:500] if rc else None}
+                "error": error_line(err) if rc else None}
 
     def compile(self, name: str, case: tuple, devices: str, *extra: str) -> Path:
         """`pipecc compile` of a zoo model file into work/NAME; raises with the error line."""
@@ -222,6 +243,17 @@ class Check:
         if r["rc"]:
             raise RuntimeError(f"pipecc compile {name}: {r['error']}")
         return out
+
+
+def error_line(stderr: str) -> str:
+    """The line that says what failed: pipecc's one-line error, else the first exception line of a
+    rank (not torchrun's ChildFailedError wrapper), else the last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for pattern in (r"^(pipecc|gpu_check_train): error: ", r"^(\[rank\d+\]: )?\w*(Error|Exception): ", r"[Ee]rror"):
+        hits = [ln for ln in lines if re.search(pattern, ln) and "ChildFailedError" not in ln]
+        if hits:
+            return hits[0][:500]
+    return (lines[-1] if lines else "")[:500]
 
 
 def _text(b: Any) -> str:
@@ -377,7 +409,9 @@ def step_run(check: Check) -> None:
     def hetero() -> dict[str, Any]:
         out = check.compile("run_hetero", RUN_MODEL, f"h200@{check.dev},cpu")
         r = check.cli("run.hetero", ["run", str(out), "--steps", "3", "--verify", "--backend", "gloo",
-                                     "--timeout", "60", "-v"], timeout=240)
+                                     "--timeout", "60", "--json"], timeout=150)
+        if r["rc"] == 0:
+            check.keep_run("run_hetero", r["stdout"])
         verify = [ln for ln in r["stderr"].splitlines() + r["stdout"].splitlines() if ln.startswith("verify")]
         state["ran"] = r["rc"] == 0
         return {"ok": r["rc"] == 0, "mode": "stage 0 on DEVICE, stage 1 on the CPU, 2 ranks over gloo",
@@ -386,7 +420,7 @@ def step_run(check: Check) -> None:
     def one_process() -> dict[str, Any]:
         out = check.compile("run_one", RUN_MODEL, f"2xh200@{check.dev}")
         r = check.command("run.one_process", [sys.executable, "-m", "pipecc.runtime.dist", str(out), "--steps", "3",
-                                              "--verify", "--schedule", "interleaved"], timeout=240)
+                                              "--verify", "--schedule", "interleaved"], timeout=150)
         verify = [ln for ln in r["stderr"].splitlines() if ln.startswith("verify")]
         return {"ok": r["rc"] == 0, "mode": "every stage in one process on DEVICE", "verdict": verify[-1] if verify else None,
                 "error": r["error"], "rc": r["rc"], "command": r["command"]}
@@ -415,8 +449,9 @@ def step_fidelity(check: Check) -> None:
                                                     "--schedule", "interleaved"], timeout=300)
             if run["rc"]:
                 raise RuntimeError(f"one-process run --json: {run['error']}")
-            doc = check.runs / f"fid_{name}.run.json"
+            doc = check.work / f"fid_{name}.run.json"
             doc.write_text(run["stdout"])
+            check.keep_run(f"fid_{name}", run["stdout"])
             cal = check.compile(f"fid_{name}_cal", case, f"2xh200@{check.dev}", "--calibrate", str(doc))
             same = measure.same_cuts(out, cal)
             result = measure.measure_folder(cal, check.dev, reps) if not same else _replanned(folders["measured"], cal)
@@ -487,17 +522,19 @@ def step_train(check: Check) -> None:
 
     def distributed() -> dict[str, Any]:
         record = check.work / "train_hetero"
-        for old in check.work.glob("train_hetero.rank*.json"):
+        for old in check.work.glob("train_hetero.rank*"):
             old.unlink()
         r = check.command("train.hetero", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                            "--nproc-per-node", "2", str(BENCH / "gpu_check_train.py"), "worker",
                                            str(state["hetero"]), str(steps), str(lr), str(state["path"]),
-                                           str(record), str(args["seq_len"])], timeout=300)
+                                           str(record), str(args["seq_len"])], timeout=180)
         state["hetero_ran"] = r["rc"] == 0
         if r["rc"]:
-            lines = [ln for ln in r["stderr"].splitlines() if "Error" in ln or "error:" in ln]
+            ranks = {f.name: f.read_text().splitlines()[0] for f in sorted(check.work.glob("train_hetero.rank*.error.txt"))}
+            for f in sorted(check.work.glob("train_hetero.rank*.error.txt")):
+                check.log(f"train.{f.name}", f.read_text())
             return {"ok": False, "mode": "2 ranks: stage 0 on DEVICE, stage 1 on the CPU, gloo",
-                    "error": (lines[0] if lines else r["error"] or "")[:500], "rc": r["rc"], "command": r["command"]}
+                    "error": r["error"], "rank_errors": ranks, "rc": r["rc"], "command": r["command"]}
         ranks = [json.loads(Path(f"{record}.rank{k}.json").read_text()) for k in range(2)]
         return {"mode": "2 ranks: stage 0 on DEVICE, stage 1 on the CPU, gloo", "ranks": ranks,
                 "same_loss_on_every_rank": ranks[0]["losses"] == ranks[1]["losses"], **against(ranks[0]["losses"])}
@@ -536,14 +573,44 @@ def markdown(doc: dict[str, Any]) -> str:
                          + (f" — {r['mode']}" if r.get("mode") else "")
                          + (f" — {r['verdict']}" if r.get("verdict") else ""))
             for key, v in r.items():
-                if key.startswith("vs_") and isinstance(v, dict) and v.get("failures"):
-                    lines.append(f"  - {key}: " + "; ".join(v["failures"]))
+                if key.startswith("vs_") and isinstance(v, dict) and "max_abs_out" in v:
+                    lines.append(f"  - {key}: {'match' if v['ok'] else 'DIFFER'} (rtol {v['rtol']:g}; output "
+                                 f"{v['dtype_out']} max |Δ| {v['max_abs_out']} of max {v['out_scale']}; "
+                                 f"{v['gradients']} gradients, worst max |Δ| / max |value| "
+                                 f"{v['worst_grad_diff_over_scale']})" + "".join(f"; {f}" for f in v["failures"]))
+                elif key.startswith("vs_") and isinstance(v, dict) and "worst_step" in v:
+                    lines.append(f"  - {key}: {'within' if v['ok'] else 'OUTSIDE'} rtol {v['rtol']:g} atol "
+                                 f"{v['atol']:g}; max |Δ| {v['max_abs_diff']:.3g}, worst step {v['worst_step']}: "
+                                 f"{v['got']:.4f} vs {v['want']:.4f}")
+            if r.get("rank_errors"):
+                lines += [f"  - {k}: `{v}`" for k, v in r["rank_errors"].items()]
             if isinstance(r.get("stages"), list) and r["stages"] and isinstance(r["stages"][0], dict):
                 lines += ["", f"  {r.get('devices')}, batch {r.get('batch')}, {r.get('microbatches')} micro-batches, "
                               f"{r.get('schedule')}, {r.get('precision')}; per micro-batch:", ""]
                 lines += ["  " + row for row in measure.table(r)] + [""]
+        if section == "5_train":
+            lines += loss_table(rows)
         lines.append("")
     return "\n".join(lines)
+
+
+def loss_table(rows: dict[str, Any]) -> list[str]:
+    """Every 5th step's loss (and the last) of each training run, side by side."""
+    runs = {k: v["losses"] for k, v in (rows.get("reference") or {}).items() if isinstance(v, dict) and "losses" in v}
+    runs.update({k: v["losses"] for k, v in rows.items() if isinstance(v, dict) and "losses" in v})
+    for k, v in rows.items():
+        if isinstance(v, dict) and isinstance(v.get("ranks"), list) and v["ranks"]:
+            runs[k] = v["ranks"][0]["losses"]
+        elif isinstance(v, dict) and isinstance(v.get("rank"), dict):
+            runs[k] = v["rank"]["losses"]
+    if not runs:
+        return []
+    n = max(len(v) for v in runs.values())
+    steps = sorted({*range(0, n, 5), n - 1})
+    out = ["", "| step | " + " | ".join(runs) + " |", "|---:|" + "---:|" * len(runs)]
+    for i in steps:
+        out.append(f"| {i} | " + " | ".join(f"{v[i]:.4f}" if i < len(v) else "" for v in runs.values()) + " |")
+    return out
 
 
 STEPS = {"import": step_import, "numerics": step_numerics, "run": step_run, "fidelity": step_fidelity,
@@ -555,14 +622,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="cuda:0 (default), or cpu for a smoke run")
     parser.add_argument("--small", action="store_true", help="tiny sizes (a smoke run of every step)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_check_out"),
-                        help="folder for gpu_check.json/.md, logs/ and work/ (default $OUT, else ./gpu_check_out)")
+                        help="folder for the four result files (default $OUT, else ./gpu_check_out)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="no step starts after this many seconds (default 420)")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"which steps, in order (default {','.join(STEPS)})")
     parser.add_argument("--train-steps", type=int, default=None, help="chargpt steps (default 40; --small 10)")
     parser.add_argument("--work", type=Path, default=None,
                         help="folder for the compiled folders (default: a temporary one, removed at the end)")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="run nothing: print the markdown of a gpu_check.json a GPU run brought back")
+    parser.add_argument("--write", type=Path, metavar="RESULTS_MD",
+                        help="with --render: put it in this file's `gpu-check` section (bench/RESULTS.md)")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        text = markdown(json.loads(args.render.read_text()))
+        if args.write is None:
+            print(text)
+        else:
+            from results import replace_section
+            replace_section(args.write, "gpu-check", text)
+        return 0
+    if args.write is not None:
+        parser.error("--write goes with --render JSON")
     unknown = [s for s in args.steps.split(",") if s not in STEPS]
     if unknown:
         parser.error(f"--steps: unknown {unknown}; choose from {','.join(STEPS)}")

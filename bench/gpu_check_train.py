@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -134,9 +135,17 @@ def compare(got: list[float], want: list[float]) -> dict[str, Any]:
 
 
 def worker(argv: list[str]) -> int:
-    """One rank of (b) under torchrun: writes RECORD.rank<r>.json."""
+    """One rank of (b) under torchrun: writes RECORD.rank<r>.json, or on a failure one line
+    (`gpu_check_train: error: rank R: ...`) on stderr and RECORD.rank<r>.error.txt with the traceback."""
     out, steps, lr, weights, record, seq_len = argv[0], int(argv[1]), float(argv[2]), argv[3], argv[4], int(argv[5])
-    rec = distributed_loop(out, steps, lr, weights, seq_len)
+    rank = os.environ.get("RANK", "0")
+    try:
+        rec = distributed_loop(out, steps, lr, weights, seq_len)
+    except Exception as e:  # noqa: BLE001  the one line gpu_check.py records for this rank
+        line = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        print(f"gpu_check_train: error: {line}", file=sys.stderr, flush=True)
+        Path(f"{record}.rank{rank}.error.txt").write_text(line + "\n\n" + traceback.format_exc())
+        return 1
     Path(f"{record}.rank{rec['rank']}.json").write_text(json.dumps(rec))
     return 0
 

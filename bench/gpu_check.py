@@ -421,7 +421,7 @@ def step_run(check: Check) -> None:
         out = check.compile("run_one", RUN_MODEL, f"2xh200@{check.dev}")
         r = check.command("run.one_process", [sys.executable, "-m", "pipecc.runtime.dist", str(out), "--steps", "3",
                                               "--verify", "--schedule", "interleaved"], timeout=150)
-        verify = [ln for ln in r["stderr"].splitlines() if ln.startswith("verify")]
+        verify = [ln for ln in r["stderr"].splitlines() + r["stdout"].splitlines() if ln.startswith("verify")]
         return {"ok": r["rc"] == 0, "mode": "every stage in one process on DEVICE", "verdict": verify[-1] if verify else None,
                 "error": r["error"], "rc": r["rc"], "command": r["command"]}
 

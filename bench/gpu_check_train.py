@@ -143,7 +143,8 @@ def worker(argv: list[str]) -> int:
         rec = distributed_loop(out, steps, lr, weights, seq_len)
     except Exception as e:  # noqa: BLE001  the one line gpu_check.py records for this rank
         line = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        print(f"gpu_check_train: error: {line}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"gpu_check_train: error: {line}\n")  # one write: the ranks' lines stay apart
+        sys.stderr.flush()
         Path(f"{record}.rank{rank}.error.txt").write_text(line + "\n\n" + traceback.format_exc())
         return 1
     Path(f"{record}.rank{rec['rank']}.json").write_text(json.dumps(rec))

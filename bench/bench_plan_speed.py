@@ -50,7 +50,20 @@ class Block(nn.Module):
         return x + self.norm(torch.relu(self.linear(x)))
 
 
+def cold() -> None:
+    """Forget what an earlier plan in this process left in the planner's caches (solved
+    partitions, substituted cost expressions, built schedules), so each timing is a fresh
+    `pipecc plan`'s."""
+    from pipecc.ir.schedule import registry
+    from pipecc.passes import partition, plan_problem, units
+    partition.forget()
+    units._SUBSTITUTED.clear()
+    registry._build.cache_clear()
+    plan_problem.inflight.cache_clear()
+
+
 def timed(fn):
+    cold()
     w0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - w0, time.process_time() - c0

@@ -448,6 +448,11 @@ _SOLVED: OrderedDict[bytes, Partition | str] = OrderedDict()
 _SOLVED_MAX = 1024
 
 
+def forget() -> None:
+    """Drop every remembered solution (a benchmark timing a cold search)."""
+    _SOLVED.clear()
+
+
 def _remember(key: bytes, value: Partition | str) -> None:
     _SOLVED[key] = value
     while len(_SOLVED) > _SOLVED_MAX:

@@ -59,8 +59,10 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
@@ -489,9 +491,9 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
         times = sorted({t for t, _ in steps[r]} | {x for a, b, _ in ramps[r] for x in (a, b)})
         ordered = sorted(steps[r])
         peak, i, before = 0.0, 0, 0.0
+        grown_at = _ramp_sums(ramps[r])
         for t in times:
-            grown = sum(size * min(max((t - a) / (b - a), 0.0), 1.0) if b > a else (size if t >= a else 0.0)
-                        for a, b, size in ramps[r])
+            grown = grown_at(t)
             at = before
             while i < len(ordered) and ordered[i][0] <= t:
                 at += ordered[i][1]
@@ -500,3 +502,32 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
             before = at
         peaks.append(sum(costs.static_bytes[s] for s in schedule.stages_of(r)) + peak)
     return peaks
+
+
+def _ramp_sums(ramps: list[tuple[float, float, float]]) -> Callable[[float], float]:
+    """t -> Σ size · clamp((t - a) / (b - a), 0, 1) over `ramps` (a zero-length ramp: size once
+    t ≥ a), summed left to right as Python's `sum` does. NOTE (issue 31): one rank's F events
+    never overlap and come in time order, so at any t the ramps that have ended are a prefix
+    and at most the next one is under way; every later term is 0.0, which leaves a float sum
+    unchanged: the prefix's running sum plus that one term is the same float, found by
+    bisection instead of a pass over every ramp. Ramps out of order: the pass over all."""
+    def every(t: float) -> float:
+        return sum(size * min(max((t - a) / (b - a), 0.0), 1.0) if b > a else (size if t >= a else 0.0)
+                   for a, b, size in ramps)
+    if any(b < a or b > a2 for (a, b, _), (a2, _b2, _s2) in zip(ramps, ramps[1:])) \
+            or any(b < a for a, b, _ in ramps):
+        return every
+    ends = [b for _, b, _ in ramps]
+    prefix = list(itertools.accumulate((size for _, _, size in ramps), initial=0))
+
+    def ordered(t: float) -> float:
+        j = bisect.bisect_right(ends, t)  # ramps 0..j-1 end at or before t: whole (b = t: 1.0)
+        out = prefix[j]
+        if j < len(ramps):
+            a, b, size = ramps[j]
+            if b > a:
+                out = out + size * min(max((t - a) / (b - a), 0.0), 1.0)
+            elif t >= a:  # NOTE: unreachable: t < b = a here
+                out = out + size
+        return out
+    return ordered

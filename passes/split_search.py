@@ -26,7 +26,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, AnnotatedGraph
 from pipecc.ir.plan import Plan, SplitLayer
 from pipecc.passes.split_forms import owners_cached
-from pipecc.passes.split_layers import extent, split_node, splittable
+from pipecc.passes.split_layers import extent, recost_added, split_node, splittable
 
 IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound
 ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%: moving the
@@ -131,14 +131,16 @@ def _try(graph: AnnotatedGraph, plan: Plan, names: list[str], replan, stages: in
     fine = clone(graph)
     fine_sizes: dict[str, list[int]] = {}
     fine_shards: dict[str, list[str]] = {}
+    before = set(fine.gm.graph.nodes)
     for name in names:
         extent = _extent(graph, name)
         q = min(4 * stages, extent)
         if q >= 2:
             fine_sizes[name] = _even(extent, q)
-            fine_shards[name] = split_node(fine, name, fine_sizes[name])
+            fine_shards[name] = split_node(fine, name, fine_sizes[name], recost=False)
     if not fine_sizes:
         return None
+    recost_added(fine, before)  # NOTE: once for every layer (issue 31: the same costs)
     try:
         stage_of = replan(fine, True).stage_of()
     except PipeccError:  # e.g. an FPGA stage that would have to hold shards it cannot generate
@@ -158,7 +160,9 @@ def _try(graph: AnnotatedGraph, plan: Plan, names: list[str], replan, stages: in
     if not merged_all:
         return None
     trial = clone(graph)
-    shards = {name: split_node(trial, name, merged) for name, merged in merged_all.items()}
+    before = set(trial.gm.graph.nodes)
+    shards = {name: split_node(trial, name, merged, recost=False) for name, merged in merged_all.items()}
+    recost_added(trial, before)
     try:
         return replan(trial, True), trial, merged_all, shards
     except PipeccError:

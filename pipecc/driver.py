@@ -317,9 +317,9 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
             if debug:
                 verify(g, costed=True)
             opts = PlanOptions.of(options, **(fixed if keep else {}), compare=False)
-            # NOTE: no bounds: the search keeps the unsplit plan's, which covers every split
-            planned = Planner(g, cluster, opts, splittable=split_search.splittable_names(g),
-                              bounds=False).run()[0]
+            # NOTE: no bounds: the search keeps the unsplit plan's, which covers every split;
+            # so no splittable names either (only the bounds read them)
+            planned = Planner(g, cluster, opts, bounds=False).run()[0]
             if debug:
                 verify_plan(g, planned)
             return planned

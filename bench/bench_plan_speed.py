@@ -53,10 +53,12 @@ class Block(nn.Module):
 
 def cold() -> None:
     """Forget what an earlier plan in this process left in the planner's caches (solved
-    partitions, substituted cost expressions, built schedules), so each timing is a fresh
-    `pipecc plan`'s."""
+    partitions, substituted and evaluated cost expressions, built schedules), so each timing
+    is a fresh `pipecc plan`'s."""
+    from pipecc import cost
     from pipecc.ir.schedule import registry
     from pipecc.passes import partition, plan_problem, units
+    cost._evaluate_at.cache_clear()
     partition.forget()
     units._SUBSTITUTED.clear()
     registry._build.cache_clear()

@@ -290,6 +290,13 @@ def _validate_once(schedule: Schedule) -> None:
     _VALIDATED[id(schedule)] = weakref.ref(schedule)
 
 
+# NOTE: the kinds' property tests as set lookups in the simulator's loop (the same sets as
+# ActionKind.is_compute / is_send / is_recv; a test checks they agree)
+_COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
+_SEND = frozenset(k for k in ActionKind if k.is_send)
+_RECV = frozenset(k for k in ActionKind if k.is_recv)
+
+
 def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True,
              validated: bool = False) -> Timeline:
     """Simulate one iteration of ``schedule``; see the module docstring for the model.
@@ -343,7 +350,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
 
     def run(a: Action, r: int) -> None:
         s, mb, k = a.stage, a.microbatch, a.kind
-        if k.is_compute:
+        if k in _COMPUTE:
             start = max(clock[r], input_ready(a, r))
             if k is ActionKind.F:
                 took = costs.forward_s[s][mb]
@@ -356,7 +363,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
                 (f_end if k is ActionKind.F else b_end)[(s, mb)] = end
             busy[r] += end - start
             events.append(Event(r, k, s, mb, start, end))
-        elif k.is_send:
+        elif k in _SEND:
             key = schedule.message(a)
             if k.is_stash:  # SEND_S to the acceptor, SEND_R back to the evictor
                 dst = owner[partner[s]]
@@ -383,7 +390,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         clock[r] = max(clock[r], end)
 
     # validate() proved the rows finish; advance each until it waits on an unsent message.
-    advance(schedule, lambda a: a.kind.is_recv and schedule.message(a) not in arrival, run)
+    advance(schedule, lambda a: a.kind in _RECV and schedule.message(a) not in arrival, run)
 
     training = schedule.is_training
     if schedule.partner is not None:

@@ -255,7 +255,8 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
     summing to the split dimension. Raises ValueError (naming the node) otherwise, before
     changing anything. Returns the shard nodes' names in order.
     """
-    node = graph.by_name().get(name)
+    names = graph.by_name()
+    node = names.get(name)
     if node is None:
         raise ValueError(f"cannot split {name!r}: no node has that name")
     layer = recognise(graph, node)
@@ -273,7 +274,7 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
     new_names = [f"{name}.shard{i}{suffix}" for i in range(n)
                  for suffix in ("", ".in", ".weight", ".bias")] \
         + [f"{name}.combine"] + [f"{name}.combine.{k}" for k in range(2, n)]
-    clash = sorted(set(new_names) & set(graph.by_name()))
+    clash = sorted(set(new_names) & set(names))  # NOTE: nothing changed the graph since `names`
     if clash:
         raise ValueError(f"cannot split {name!r}: nodes named {clash} already exist")
 

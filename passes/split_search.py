@@ -104,7 +104,19 @@ def _has_submodule(gm: fx.GraphModule, name: str) -> bool:
 
 
 def _extent(graph: AnnotatedGraph, name: str) -> int:
-    return extent(graph, graph.by_name()[name], 0)
+    # NOTE: a layer's extent is its own shape: remembered per graph during one `search` (it asks
+    # again for every trial; each call walks the graph's names and recognises the layer)
+    known = _EXTENTS.get(id(graph))
+    if known is None or known[0] is not graph:
+        known = _EXTENTS[id(graph)] = (graph, {})
+        while len(_EXTENTS) > 8:
+            _EXTENTS.pop(next(iter(_EXTENTS)))
+    if name not in known[1]:
+        known[1][name] = extent(graph, graph.by_name()[name], 0)
+    return known[1][name]
+
+
+_EXTENTS: dict[int, tuple[AnnotatedGraph, dict[str, int]]] = {}
 
 
 def _even(total: int, parts: int) -> list[int]:
@@ -192,6 +204,7 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
     before the greedy pass could choose them alone (GPT-2's lm_head: 1.09 one at a time, 1.10
     joint)."""
     results = []
+    _EXTENTS.clear()  # NOTE: remembered within one search, whose graphs nothing rewrites
     for joint in (True, False):
         notes: list[str] = []
         used: list[bool] = []
@@ -202,6 +215,7 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
             # ran the one-at-a-time search from the same plan: the other way would repeat
             # it, try for try, and tie (the joint way wins ties: its notes are the ones kept)
             break
+    _EXTENTS.clear()
     best = min(results, key=lambda r: r[0].bottleneck_s)
     for line in best[2]:
         note(line)

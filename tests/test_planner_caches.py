@@ -150,3 +150,12 @@ def test_splits_costed_together_equal_splits_costed_one_by_one():
         seen += 1
     assert seen == len(costs) and seen > len(graph.gm.graph.nodes)
     assert together.warnings == one_by_one.warnings
+
+
+def test_simulator_kind_sets_match_the_kinds():
+    from pipecc.ir.schedule.actions import ActionKind
+    from pipecc.passes import simulate
+    for kind in ActionKind:
+        assert (kind in simulate._COMPUTE) == kind.is_compute
+        assert (kind in simulate._SEND) == kind.is_send
+        assert (kind in simulate._RECV) == kind.is_recv

@@ -65,8 +65,8 @@ def slack(name: str, graph) -> None:
         exact_free = partition(free).bottleneck / lower_bound(raw, None, comm=False)
         print(f"| {name} | {devices} | {cand.schedule} m={cand.microbatches}, {len(cand.part.bounds) - 1} stages "
               f"| {plan.bottleneck_s / lb:.3f} | {plan.bottleneck_s / opt:.3f} | {opt / lb_whole:.3f} "
-              f"| {lb_whole / lb:.3f} | {exact_free:.4f} | {final.balance_ratio:.3f}, {len(final.split_layers)} split |",
-              flush=True)
+              f"| {lb_whole / lb:.3f} | {exact_free:.4f} "
+              f"| {final.balance_ratio:.3f}, {len(final.split_layers)} split |", flush=True)
 
 
 def split_cost(name: str, graph, top: int = 4) -> None:

@@ -3,6 +3,7 @@ graph on 16 devices.
 
     .venv/bin/python bench/bench_plan_speed.py                      # every table; writes its RESULTS.md section
     .venv/bin/python bench/bench_plan_speed.py --layers 12 24 --blocks 0 --no-write
+    .venv/bin/python bench/bench_plan_speed.py --profile 48       # where plan time goes (cProfile)
 
 Layer table: transformers' GPT2LMHeadModel (bench/models_holdout/hf_gpt2.py: random weights,
 hidden 768, 12 heads, vocabulary 2048, sequence 64), analysed once per depth, planned on
@@ -50,7 +51,22 @@ class Block(nn.Module):
         return x + self.norm(torch.relu(self.linear(x)))
 
 
+def cold() -> None:
+    """Forget what an earlier plan in this process left in the planner's caches (solved
+    partitions, substituted and evaluated cost expressions, built schedules), so each timing
+    is a fresh `pipecc plan`'s."""
+    from pipecc import cost
+    from pipecc.ir.schedule import registry
+    from pipecc.passes import partition, plan_problem, units
+    cost._evaluate_at.cache_clear()
+    partition.forget()
+    units._SUBSTITUTED.clear()
+    registry._build.cache_clear()
+    plan_problem.inflight.cache_clear()
+
+
 def timed(fn):
+    cold()
     w0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - w0, time.process_time() - c0
@@ -71,6 +87,29 @@ def layer_rows(depths: list[int], devices: str, batch: int) -> list[str]:
                          f"**{wall:.1f}** | {cpu:.1f} | {shape} | {plan.predicted_iteration_s:.5g} |")
             print(lines[-1], flush=True)
     return lines
+
+
+def profile(n_layer: int, devices: str, batch: int, top: int) -> None:
+    """cProfile of each mode's plan (cold caches) on the n-layer GPT-2: the `top` functions by
+    cumulative seconds among pipecc's own (cProfile's overhead inflates Python-heavy code:
+    read the shares, not the seconds)."""
+    import cProfile
+    import io
+    import pstats
+
+    import hf_gpt2
+    model = hf_gpt2.build_model(n_layer=n_layer, n_head=12, n_embd=768, vocab_size=2048, n_positions=128)
+    graph = driver.analyze_module(model, hf_gpt2.example_inputs(2), model_name="gpt2")
+    for mode, fields in MODES.items():
+        cold()
+        prof = cProfile.Profile()
+        prof.enable()
+        driver.plan(graph, devices, batch_size=batch, **fields)
+        prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("cumulative").print_stats(r"(passes|pipecc)/", top)
+        print(f"### cProfile: {n_layer} layers, {mode}\n{out.getvalue()}", flush=True)
 
 
 def block_rows(blocks: int) -> list[str]:
@@ -96,7 +135,13 @@ def main() -> None:
     parser.add_argument("--devices", default="8xa100")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--profile", type=int, metavar="LAYERS",
+                        help="print a cProfile breakdown of both modes at LAYERS layers, nothing else")
+    parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")
     args = parser.parse_args()
+    if args.profile:
+        profile(args.profile, args.devices, args.batch_size, args.top)
+        return
     load = os.getloadavg()[0]
     text = ["## Planner speed", "",
             f"`python bench/bench_plan_speed.py --layers {' '.join(map(str, args.layers))} --blocks "

@@ -59,8 +59,10 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
@@ -288,6 +290,13 @@ def _validate_once(schedule: Schedule) -> None:
     _VALIDATED[id(schedule)] = weakref.ref(schedule)
 
 
+# NOTE: the kinds' property tests as set lookups in the simulator's loop (the same sets as
+# ActionKind.is_compute / is_send / is_recv; a test checks they agree)
+_COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
+_SEND = frozenset(k for k in ActionKind if k.is_send)
+_RECV = frozenset(k for k in ActionKind if k.is_recv)
+
+
 def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True,
              validated: bool = False) -> Timeline:
     """Simulate one iteration of ``schedule``; see the module docstring for the model.
@@ -341,7 +350,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
 
     def run(a: Action, r: int) -> None:
         s, mb, k = a.stage, a.microbatch, a.kind
-        if k.is_compute:
+        if k in _COMPUTE:
             start = max(clock[r], input_ready(a, r))
             if k is ActionKind.F:
                 took = costs.forward_s[s][mb]
@@ -354,7 +363,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
                 (f_end if k is ActionKind.F else b_end)[(s, mb)] = end
             busy[r] += end - start
             events.append(Event(r, k, s, mb, start, end))
-        elif k.is_send:
+        elif k in _SEND:
             key = schedule.message(a)
             if k.is_stash:  # SEND_S to the acceptor, SEND_R back to the evictor
                 dst = owner[partner[s]]
@@ -381,7 +390,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
         clock[r] = max(clock[r], end)
 
     # validate() proved the rows finish; advance each until it waits on an unsent message.
-    advance(schedule, lambda a: a.kind.is_recv and schedule.message(a) not in arrival, run)
+    advance(schedule, lambda a: a.kind in _RECV and schedule.message(a) not in arrival, run)
 
     training = schedule.is_training
     if schedule.partner is not None:
@@ -489,9 +498,9 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
         times = sorted({t for t, _ in steps[r]} | {x for a, b, _ in ramps[r] for x in (a, b)})
         ordered = sorted(steps[r])
         peak, i, before = 0.0, 0, 0.0
+        grown_at = _ramp_sums(ramps[r])
         for t in times:
-            grown = sum(size * min(max((t - a) / (b - a), 0.0), 1.0) if b > a else (size if t >= a else 0.0)
-                        for a, b, size in ramps[r])
+            grown = grown_at(t)
             at = before
             while i < len(ordered) and ordered[i][0] <= t:
                 at += ordered[i][1]
@@ -500,3 +509,32 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
             before = at
         peaks.append(sum(costs.static_bytes[s] for s in schedule.stages_of(r)) + peak)
     return peaks
+
+
+def _ramp_sums(ramps: list[tuple[float, float, float]]) -> Callable[[float], float]:
+    """t -> Σ size · clamp((t - a) / (b - a), 0, 1) over `ramps` (a zero-length ramp: size once
+    t ≥ a), summed left to right as Python's `sum` does. NOTE (issue 31): one rank's F events
+    never overlap and come in time order, so at any t the ramps that have ended are a prefix
+    and at most the next one is under way; every later term is 0.0, which leaves a float sum
+    unchanged: the prefix's running sum plus that one term is the same float, found by
+    bisection instead of a pass over every ramp. Ramps out of order: the pass over all."""
+    def every(t: float) -> float:
+        return sum(size * min(max((t - a) / (b - a), 0.0), 1.0) if b > a else (size if t >= a else 0.0)
+                   for a, b, size in ramps)
+    if any(b < a or b > a2 for (a, b, _), (a2, _b2, _s2) in zip(ramps, ramps[1:])) \
+            or any(b < a for a, b, _ in ramps):
+        return every
+    ends = [b for _, b, _ in ramps]
+    prefix = list(itertools.accumulate((size for _, _, size in ramps), initial=0))
+
+    def ordered(t: float) -> float:
+        j = bisect.bisect_right(ends, t)  # ramps 0..j-1 end at or before t: whole (b = t: 1.0)
+        out = prefix[j]
+        if j < len(ramps):
+            a, b, size = ramps[j]
+            if b > a:
+                out = out + size * min(max((t - a) / (b - a), 0.0), 1.0)
+            elif t >= a:  # NOTE: unreachable: t < b = a here
+                out = out + size
+        return out
+    return ordered

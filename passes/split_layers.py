@@ -246,14 +246,17 @@ def _shard_value(node: fx.Node, layer: Layer, dim: int, size: int, grad: bool) -
     return TensorInfo(shape, out.dtype, grad)
 
 
-def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int = 0) -> list[str]:
-    """Split node `name` in place into len(sizes) shards and a combine; re-cost the graph.
+def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int = 0,
+               recost: bool = True) -> list[str]:
+    """Split node `name` in place into len(sizes) shards and a combine; re-cost the graph
+    (`recost` False: the caller costs what it added, `recost_added`, once after several splits).
 
     Precondition: `splittable(graph, node)` contains `dim`; `sizes` are >= 2 positive integers
     summing to the split dimension. Raises ValueError (naming the node) otherwise, before
     changing anything. Returns the shard nodes' names in order.
     """
-    node = graph.by_name().get(name)
+    names = graph.by_name()
+    node = names.get(name)
     if node is None:
         raise ValueError(f"cannot split {name!r}: no node has that name")
     layer = recognise(graph, node)
@@ -271,7 +274,7 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
     new_names = [f"{name}.shard{i}{suffix}" for i in range(n)
                  for suffix in ("", ".in", ".weight", ".bias")] \
         + [f"{name}.combine"] + [f"{name}.combine.{k}" for k in range(2, n)]
-    clash = sorted(set(new_names) & set(graph.by_name()))
+    clash = sorted(set(new_names) & set(names))  # NOTE: nothing changed the graph since `names`
     if clash:
         raise ValueError(f"cannot split {name!r}: nodes named {clash} already exist")
 
@@ -308,8 +311,18 @@ def split_node(graph: AnnotatedGraph, name: str, sizes: Sequence[int], dim: int 
         if not dead.users:  # (call shards still read the weight)
             g.erase_node(dead)
     gm.recompile()
-    _recost(graph, {n for n in g.nodes if n not in old})
+    if recost:
+        _recost(graph, {n for n in g.nodes if n not in old})
     return [s.meta[META_NAME] for s in shards]
+
+
+def recost_added(graph: AnnotatedGraph, before: set[fx.Node]) -> None:
+    """Cost every node of `graph` not in `before` (the nodes of splits made with
+    recost=False). NOTE: the same costs as one `_recost` per split: a node's cost reads only
+    itself, its inputs' values and whether it reaches the output or depends on the inputs, and
+    a later split changes none of these for an earlier split's nodes (its combine takes over
+    the replaced layer's uses)."""
+    _recost(graph, {n for n in graph.gm.graph.nodes if n not in before})
 
 
 def _recost(graph: AnnotatedGraph, nodes: set[fx.Node]) -> None:
@@ -322,4 +335,4 @@ def _recost(graph: AnnotatedGraph, nodes: set[fx.Node]) -> None:
 
 
 __all__ = ["LinearShard", "Conv2dShard", "EmbeddingShard", "splittable", "extent", "split_node",
-           "shard_ranges"]
+           "recost_added", "shard_ranges"]

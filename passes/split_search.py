@@ -26,7 +26,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, AnnotatedGraph
 from pipecc.ir.plan import Plan, SplitLayer
 from pipecc.passes.split_forms import owners_cached
-from pipecc.passes.split_layers import extent, split_node, splittable
+from pipecc.passes.split_layers import extent, recost_added, split_node, splittable
 
 IMPROVEMENT = 0.01   # stop when the bottleneck is within 1% of the lower bound
 ACCEPT = 0.001       # keep a split that lowers the bottleneck by more than 0.1%: moving the
@@ -104,7 +104,19 @@ def _has_submodule(gm: fx.GraphModule, name: str) -> bool:
 
 
 def _extent(graph: AnnotatedGraph, name: str) -> int:
-    return extent(graph, graph.by_name()[name], 0)
+    # NOTE: a layer's extent is its own shape: remembered per graph during one `search` (it asks
+    # again for every trial; each call walks the graph's names and recognises the layer)
+    known = _EXTENTS.get(id(graph))
+    if known is None or known[0] is not graph:
+        known = _EXTENTS[id(graph)] = (graph, {})
+        while len(_EXTENTS) > 8:
+            _EXTENTS.pop(next(iter(_EXTENTS)))
+    if name not in known[1]:
+        known[1][name] = extent(graph, graph.by_name()[name], 0)
+    return known[1][name]
+
+
+_EXTENTS: dict[int, tuple[AnnotatedGraph, dict[str, int]]] = {}
 
 
 def _even(total: int, parts: int) -> list[int]:
@@ -131,14 +143,16 @@ def _try(graph: AnnotatedGraph, plan: Plan, names: list[str], replan, stages: in
     fine = clone(graph)
     fine_sizes: dict[str, list[int]] = {}
     fine_shards: dict[str, list[str]] = {}
+    before = set(fine.gm.graph.nodes)
     for name in names:
         extent = _extent(graph, name)
         q = min(4 * stages, extent)
         if q >= 2:
             fine_sizes[name] = _even(extent, q)
-            fine_shards[name] = split_node(fine, name, fine_sizes[name])
+            fine_shards[name] = split_node(fine, name, fine_sizes[name], recost=False)
     if not fine_sizes:
         return None
+    recost_added(fine, before)  # NOTE: once for every layer (issue 31: the same costs)
     try:
         stage_of = replan(fine, True).stage_of()
     except PipeccError:  # e.g. an FPGA stage that would have to hold shards it cannot generate
@@ -158,7 +172,9 @@ def _try(graph: AnnotatedGraph, plan: Plan, names: list[str], replan, stages: in
     if not merged_all:
         return None
     trial = clone(graph)
-    shards = {name: split_node(trial, name, merged) for name, merged in merged_all.items()}
+    before = set(trial.gm.graph.nodes)
+    shards = {name: split_node(trial, name, merged, recost=False) for name, merged in merged_all.items()}
+    recost_added(trial, before)
     try:
         return replan(trial, True), trial, merged_all, shards
     except PipeccError:
@@ -188,6 +204,7 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
     before the greedy pass could choose them alone (GPT-2's lm_head: 1.09 one at a time, 1.10
     joint)."""
     results = []
+    _EXTENTS.clear()  # NOTE: remembered within one search, whose graphs nothing rewrites
     for joint in (True, False):
         notes: list[str] = []
         used: list[bool] = []
@@ -198,6 +215,7 @@ def search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph, 
             # ran the one-at-a-time search from the same plan: the other way would repeat
             # it, try for try, and tie (the joint way wins ties: its notes are the ones kept)
             break
+    _EXTENTS.clear()
     best = min(results, key=lambda r: r[0].bottleneck_s)
     for line in best[2]:
         note(line)

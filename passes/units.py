@@ -45,6 +45,12 @@ class Units:
         return len(self.names)
 
 
+# {the other symbols' point: {expression: expression at that point}}: `e.subs(point)` is a pure
+# function of the two (sympy expressions are immutable and hashed by value)
+_SUBSTITUTED: dict[frozenset, dict] = {}
+_SUBSTITUTED_MAX = 50_000
+
+
 def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
     """A function B -> {field: per-node numpy array} (other symbols at their example values)."""
     b_sym = graph.symbols.get("B")
@@ -53,7 +59,12 @@ def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
     # NOTE: repeated blocks share their cost expressions, so lambdify only the distinct ones
     # (a few dozen for a 20,000-node transformer) and index into them.
     distinct: dict = {}
-    substituted: dict = {}  # NOTE: subs once per distinct expression, not once per node
+    # NOTE: subs once per distinct expression, not once per node; and once per process for
+    # the same point: the layer-split search builds units for graph after graph that share
+    # almost every expression (`_SUBSTITUTED`)
+    substituted = _SUBSTITUTED.setdefault(frozenset(fixed.items()), {})
+    if len(substituted) > _SUBSTITUTED_MAX:
+        substituted.clear()
     index = {f: np.empty(len(nodes), dtype=np.int64) for f in FIELDS}
     for f in FIELDS:
         for i, node in enumerate(nodes):
@@ -189,8 +200,8 @@ class UnitBuilder:
         self.last_use = last
         # bytes crossing a cut are the outputs of nodes used by a later unit; a unit's
         # "output" is the sum of its nodes' outputs that escape it
-        self.escaping = [[n for n in g if any(unit_of.get(u, n_units) != unit_of[n] for u in n.users)]
-                         for g in groups]
+        self.escaping = [[n for n in g if any(unit_of.get(u, n_units) != i for u in n.users)]
+                         for i, g in enumerate(groups)]
         self._unit_of = unit_of
         self._eval = _evaluator(graph, self.order)
         self._index = {n: i for i, n in enumerate(self.order)}

@@ -37,6 +37,7 @@ Conventions (CONTRACT §5):
 # formula and the ops it covers are read together; opaque calls are in cost_opaque.
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
@@ -520,8 +521,15 @@ def _simplify(x: Any) -> Any:
 
 def _evaluate(x: Any, point: dict) -> int:
     if isinstance(x, sympy.Expr):
-        return int(math.ceil(float(x.subs(point)) - 1e-9))
+        return _evaluate_at(x, tuple(point.items()))
     return int(math.ceil(x - 1e-9)) if isinstance(x, float) else int(x)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _evaluate_at(x: sympy.Expr, point: tuple) -> int:
+    # NOTE: a pure function of the expression and the point: the layer-split search costs
+    # thousands of equal shards (issue 31)
+    return int(math.ceil(float(x.subs(dict(point))) - 1e-9))
 
 
 FLASH_ATTENTION = "pipecc.flash_attention"  # graph.gm.meta key: the attention mode last costed

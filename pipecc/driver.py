@@ -304,6 +304,8 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
     assert state.graph is not None and state.plan is not None
     graph, result, cand = state.graph, state.plan, state.candidate
     tried: list[tuple[Any, AnnotatedGraph]] = []
+    # NOTE: one evaluator per graph for every contender's bounds, the planner's own for its graph
+    evaluators: dict[int, tuple[AnnotatedGraph, Evaluator]] = {id(graph): (graph, planner.evaluator)}
     for cand_k in planner.contenders():
         plan_k = result if cand_k is cand else planner.to_plan(cand_k)
         if len(plan_k.stages) == 1:  # one stage (plain data parallelism): no cut to refine
@@ -317,15 +319,14 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
             if debug:
                 verify(g, costed=True)
             opts = PlanOptions.of(options, **(fixed if keep else {}), compare=False)
-            # NOTE: no bounds: the search keeps the unsplit plan's, which covers every split
-            planned = Planner(g, cluster, opts, splittable=split_search.splittable_names(g),
-                              bounds=False).run()[0]
+            # NOTE: no bounds: the search keeps the unsplit plan's, which covers every split;
+            # so no splittable names either (only the bounds read them)
+            planned = Planner(g, cluster, opts, bounds=False).run()[0]
             if debug:
                 verify_plan(g, planned)
             return planned
 
-        bounds: dict[int, tuple[AnnotatedGraph, Evaluator]] = {}
-        def bound(g: AnnotatedGraph, names: list[str], fixed=fixed, bounds=bounds) -> float:
+        def bound(g: AnnotatedGraph, names: list[str], fixed=fixed, bounds=evaluators) -> float:
             # NOTE: prunes a trial no split of `names` can make pay (passes.split_search)
             if id(g) not in bounds or bounds[id(g)][0] is not g:
                 bounds[id(g)] = (g, _evaluator(g, cluster, options))

@@ -1,7 +1,7 @@
 """`pipecc run OUT`: train a compiled pipeline with one process per rank, through torchrun.
 
     pipecc run OUT [--steps N] [--verify] [--schedule S] [--microbatches M] [--timeout S] ...
-    pipecc run OUT --json [--warmup-steps W]
+    pipecc run OUT --json [--warmup-steps W] [--memory]
     pipecc run OUT --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT [--nproc-per-node P]
     pipecc run OUT [--nnodes 2 --rdzv-endpoint HOST:PORT] --print-command
 
@@ -166,6 +166,10 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    "receive wait per step, the median step time, each next to plan.json's prediction")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=1, metavar="W",
                    help="--json: the first W steps are left out of the statistics (default 1)")
+    p.add_argument("--memory", action="store_true",
+                   help="--json: also measure each rank's peak memory in the timed steps, next to plan.json's "
+                   "peak_memory_bytes (GPU: the CUDA allocator's peak; CPU: a count of live tensor bytes, which "
+                   "slows small ops, so time a run without it for --calibrate); docs/memory.md")
     p.add_argument("--trace", metavar="FILE",
                    help="write a Chrome/Perfetto trace of the run to FILE (chrome://tracing, ui.perfetto.dev): one "
                    "track per rank and stage, every action of every step as it ran; `pipecc inspect OUT --trace "
@@ -361,7 +365,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     argv = ["--steps", str(args.steps)]
     for flag, on in (("--verify", args.verify), ("--verify-stages-only", args.verify_stages_only),
                      ("--resume", args.resume), ("--debug", getattr(args, "debug", False)),
-                     ("--json", args.json), ("--force", getattr(args, "force", False))):
+                     ("--json", args.json), ("--memory", getattr(args, "memory", False)),
+                     ("--force", getattr(args, "force", False))):
         if on:
             argv.append(flag)
     if args.checkpoint_dir is not None:

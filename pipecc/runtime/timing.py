@@ -92,16 +92,21 @@ class ActionTimer:
         self._wait = 0.0
         self._input_s: dict[tuple[int, int], float] = {}  # zero-bubble I times awaiting their W
         self.evicted: dict[int, list[int]] = {}  # BPipe: stage -> bytes of each eviction, timed steps
+        self.memory: Any = None  # --memory: a pipecc.runtime.memory meter, told of every timed step
 
     def begin_step(self) -> None:
         self._counting = self.steps_done >= self.warmup_steps
         self._wait = 0.0
+        if self.memory is not None:
+            self.memory.begin_step(self._counting)
 
     def end_step(self, wall_s: float) -> None:
         """End the step begun last; ``wall_s`` is its wall time as the caller measured it."""
         if self._counting:
             self.step_s.append(wall_s)
             self.recv_wait_s.append(self._wait)
+        if self.memory is not None:
+            self.memory.end_step()
         self._counting = False
         self.steps_done += 1
 
@@ -148,6 +153,7 @@ class ActionTimer:
                 "backward": [self.backward.get(s, []) for s in stage_ids],
                 "step_s": self.step_s, "recv_wait_s": self.recv_wait_s,
                 "evicted": [self.evicted.get(s, []) for s in stage_ids],
+                "memory": self.memory.summary() if self.memory is not None else None,
                 "warmup": min(self.warmup_steps, self.steps_done)}
 
 
@@ -227,6 +233,10 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _integer(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _less(value: float | None, part: Any) -> float | None:
     """`value` less a plan's host part (``host_forward_s``/``host_backward_s``, 0 where absent)."""
     return None if value is None else value - (_number(part) or 0.0)
@@ -263,6 +273,7 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
         evicted = summary.get("evicted") or [[] for _ in summary["stages"]]
         timed = max(len(summary["step_s"]), 1)
         host = _host_s(summary, wait, timed)
+        memory = summary.get("memory") or {}
         for s, forward, backward, moved in zip(summary["stages"], summary["forward"], summary["backward"], evicted):
             planned = plan_stages.get(s, {})
             replica = int(summary.get("replica", 0))
@@ -278,7 +289,10 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
                 "predicted_forward_s": _less(_number(planned.get("forward_s")), planned.get("host_forward_s")),
                 "predicted_backward_s": _scaled(_less(_number(planned.get("backward_s")),
                                                       planned.get("host_backward_s")), split),
-                "comm_wait_s": wait, "host_s": host}
+                "comm_wait_s": wait, "host_s": host,
+                # pipecc.runtime.memory: the rank's measured peak (null without --memory) and the plan's
+                "peak_memory_bytes": memory.get("peak_bytes"), "static_memory_bytes": memory.get("static_bytes"),
+                "predicted_peak_memory_bytes": _integer(planned.get("peak_memory_bytes"))}
             if stash:  # BPipe
                 row.update(stash_evictions=len(moved) / timed, stash_evicted_bytes=sum(moved) / timed)
             stages.append(row)
@@ -287,5 +301,6 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
             "batch_size": batch_size, "steps": steps, "warmup_steps": max(s["warmup"] for s in summaries),
             "step_s": {"median": median, "all": step_s},
             "predicted_step_s": _number(plan.get("predicted_iteration_s")),
+            "memory_source": next((s["memory"].get("source") for s in summaries if s.get("memory")), None),
             "samples_per_s": batch_size / median if median > 0 else 0.0,
             "stages": stages, "plan": identity}

@@ -1,0 +1,243 @@
+"""Measured memory (`pipecc.runtime.memory`, `pipecc run --json --memory`; issue 31 item 3).
+
+The CPU tracker's arithmetic on tensors of known size (exact byte counts: allocations, views,
+in-place ops, frees, a Linear's parameters, gradients and Adam's state), that it changes no
+numerics, the CUDA meter's calls (no GPU here: torch.cuda stubbed), the document's fields from
+made-up figures, and one 2-rank gloo run whose measured static bytes are exactly its stages'
+parameters and gradients. No wall-clock assertions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from helpers import MLP_TINY, model_args, run_cli
+from helpers import run_pipecc as pipecc
+from pipecc import cli
+from pipecc.runtime.memory import CudaMemory, LiveTensorBytes, held_tensors, memory_meter, static_bytes
+from pipecc.runtime.timing import ActionTimer, run_document
+
+ROOT = Path(__file__).resolve().parents[1]
+F32 = 4
+
+
+# ---------------------------------------------------------------------------- the tracker's arithmetic
+
+
+def test_allocations_views_and_frees_count_exactly() -> None:
+    with LiveTensorBytes() as live:
+        a = torch.empty(1000)  # 4000 bytes
+        assert live.live_bytes == 1000 * F32
+        v = a.view(10, 100)[2:5]  # a view: the same storage
+        a.add_(1.0)  # in place: no new storage
+        assert live.live_bytes == 1000 * F32
+        b = torch.zeros(250, dtype=torch.float64)  # 2000 bytes
+        assert live.live_bytes == 1000 * F32 + 250 * 8
+        del a
+        assert live.live_bytes == 1000 * F32 + 250 * 8  # the view still holds the storage
+        del v
+        assert live.live_bytes == 250 * 8
+        c = b * 2  # a new tensor
+        assert live.live_bytes == 2 * 250 * 8
+        del b, c
+        assert live.live_bytes == 0
+        assert live.peak_bytes == 1000 * F32 + 250 * 8  # a and b; c came after a went
+        live.reset_peak()
+        assert live.peak_bytes == 0
+
+
+def test_tensors_from_before_are_counted_once_when_tracked() -> None:
+    x = torch.ones(64, dtype=torch.int32)
+    with LiveTensorBytes() as live:
+        live.track([x, x[:8], "not a tensor", None])
+        assert live.live_bytes == 64 * 4
+        y = x + 1
+        assert live.live_bytes == 2 * 64 * 4
+        del y
+    assert live.live_bytes == 64 * 4
+
+
+def test_linear_with_adam_parameters_gradients_and_state() -> None:
+    """Linear(100, 50): 5050 parameters. Parameters + gradients + Adam's two moments = 4 x 20200
+    bytes, plus Adam's step counters (a scalar tensor per parameter)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(100, 50)
+    opt = torch.optim.Adam(lin.parameters(), lr=1e-3)
+    x = torch.randn(32, 100)
+    params = (100 * 50 + 50) * F32
+    with LiveTensorBytes() as live:
+        live.track(held_tensors([lin], opt))
+        assert live.live_bytes == params
+        loss = lin(x).relu().sum()
+        # forward: the ReLU's output (saved for its backward) and the scalar loss; the Linear's
+        # output died once the ReLU had read it; x was never tracked
+        assert live.live_bytes == params + 32 * 50 * F32 + F32
+        loss.backward()
+        del loss  # the graph and its saved output go
+        assert live.live_bytes == 2 * params
+        opt.step()
+        steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+        moments = sum(s[k].numel() * s[k].element_size() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+        assert moments == 2 * params
+        assert live.live_bytes == 4 * params + steps
+        assert static_bytes(held_tensors([lin], opt)) == 4 * params + steps
+        assert live.peak_bytes >= live.live_bytes  # the update's temporaries came and went
+        opt.zero_grad()  # set_to_none: the gradients are freed
+        assert live.live_bytes == 3 * params + steps
+
+
+def test_the_tracker_changes_no_numerics() -> None:
+    def train(tracked: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = torch.randn(5, 8), torch.randint(3, (5,))
+        with LiveTensorBytes() if tracked else contextlib.nullcontext():
+            for _ in range(3):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()], loss.detach()
+
+    plain, tracked = train(False), train(True)
+    torch.testing.assert_close(tracked, plain, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- the meters
+
+
+def test_cpu_meter_counts_the_timed_steps_only() -> None:
+    lin = nn.Linear(10, 10)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    meter = memory_meter(torch.device("cpu"), [lin])
+    meter.optimizer = opt
+    timer = ActionTimer(0, torch.device("cpu"), warmup_steps=1)
+    timer.memory = meter
+    params = 110 * F32
+    with meter:
+        for step in range(2):
+            timer.begin_step()
+            if step == 0:
+                big = torch.empty(10_000)  # only in the warm-up step
+                del big
+            opt.zero_grad()
+            lin(torch.ones(4, 10)).sum().backward()
+            opt.step()
+            timer.end_step(0.0)
+    got = timer.summary([0])["memory"]
+    assert got["source"] == "live-tensors"
+    assert got["static_bytes"] == 2 * params  # SGD holds no state
+    assert 2 * params <= got["peak_bytes"] < 10_000 * F32
+
+
+def test_cuda_meter_reads_the_allocator(monkeypatch) -> None:
+    """The GPU path: the allocator's peak reset at each timed step and read at its end."""
+    calls: list[str] = []
+    peaks = iter([5000, 7000])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    meter = memory_meter(torch.device("cuda", 0), [])
+    assert isinstance(meter, CudaMemory) and meter.source == "cuda-allocator"
+    for counting in (False, True, True):
+        meter.begin_step(counting)
+        meter.end_step()
+    assert calls.count("reset") == 2
+    assert meter.summary() == {"peak_bytes": 7000, "static_bytes": 0, "source": "cuda-allocator"}
+
+
+def test_static_bytes_counts_shared_storage_once() -> None:
+    w = torch.empty(100)
+    assert static_bytes([w, w, w[:10], w.view(10, 10)]) == 100 * F32
+    assert static_bytes([w], torch.device("cuda")) == 0  # another device's tensors are not this one's
+
+
+# ---------------------------------------------------------------------------- the document
+
+
+def test_document_rows_carry_measured_and_predicted_memory() -> None:
+    plan = {"devices": [{"name": "cpu"}],
+            "stages": [{"index": 0, "device": 0, "peak_memory_bytes": 900},
+                       {"index": 1, "device": 0, "peak_memory_bytes": 700}]}
+    base = {"forward": [[0.1]], "backward": [[0.1]], "step_s": [1.0], "recv_wait_s": [0.0], "warmup": 1}
+    summaries = [{"rank": 0, "stages": [0], **base,
+                  "memory": {"peak_bytes": 1000, "static_bytes": 400, "source": "live-tensors"}},
+                 {"rank": 1, "stages": [1], **base,
+                  "memory": {"peak_bytes": 650, "static_bytes": 300, "source": "live-tensors"}}]
+    doc = run_document(summaries, plan, "1f1b", 2, 8)
+    assert doc["memory_source"] == "live-tensors"
+    assert [(s["peak_memory_bytes"], s["static_memory_bytes"], s["predicted_peak_memory_bytes"])
+            for s in doc["stages"]] == [(1000, 400, 900), (650, 300, 700)]
+    for s in summaries:
+        s["memory"] = None
+    doc = run_document(summaries, {}, "1f1b", 2, 8)
+    assert doc["memory_source"] is None
+    assert all(s["peak_memory_bytes"] is None and s["predicted_peak_memory_bytes"] is None for s in doc["stages"])
+
+
+# ---------------------------------------------------------------------------- a run
+
+
+def test_memory_needs_json(tmp_path: Path, capsys) -> None:
+    out = _compile(tmp_path / "mlp")
+    code, stdout, err = run_cli(["run", str(out), "--memory", "--steps", "2"], capsys)
+    assert code == 2 and stdout == ""
+    assert err.startswith("pipecc: error: --memory adds the measured peak memory to --json") and err.count("\n") == 1
+
+
+@pytest.mark.slow  # a torchrun launch of two processes
+def test_two_rank_gloo_run_reports_each_stages_memory(tmp_path: Path) -> None:
+    """SGD keeps no state: each rank's static bytes are exactly its stage's parameters and their
+    gradients; the peak is at least that, and the plan's prediction sits beside it."""
+    out = _compile(tmp_path / "mlp")
+    result = pipecc("run", str(out), "--json", "--memory", "--steps", "3", "--timeout", "30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(result.stdout)
+    plan = json.loads((out / "plan.json").read_text())
+    assert doc["memory_source"] == "live-tensors"
+    for row, planned in zip(doc["stages"], plan["stages"]):
+        params = _param_bytes(out / f"stage_{row['index']}" / "weights.safetensors")
+        assert row["static_memory_bytes"] == 2 * params
+        assert row["peak_memory_bytes"] >= row["static_memory_bytes"]
+        assert row["predicted_peak_memory_bytes"] == planned["peak_memory_bytes"] > 0
+        # sane: the same order of magnitude as the plan's (which assumes Adam's two moments)
+        assert row["peak_memory_bytes"] < 4 * planned["peak_memory_bytes"]
+
+
+def _compile(out: Path) -> Path:
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1",
+            "--use-all-devices", "-o", str(out), "-b", "8", "-m", "2", "-q"]
+    for arg in model_args(MLP_TINY):
+        argv += ["--model-arg", arg]
+    assert cli.main(argv) == 0
+    return out
+
+
+def _param_bytes(path: Path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+
+
+def test_one_process_holding_both_stages_reports_one_figure_for_each(tmp_path: Path, capsys) -> None:
+    """Without torchrun one process runs both stages (interleaved): the rank's peak and static
+    bytes in each row (as plan.json gives a rank's peak to each of its stages); the tracker is
+    gone from the dispatch stack afterwards."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from pipecc.runtime import dist
+    out = _compile(tmp_path / "mlp")
+    assert dist.main([str(out), "--steps", "3", "--schedule", "interleaved", "--json", "--memory"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    params = sum(_param_bytes(out / f"stage_{i}" / "weights.safetensors") for i in range(2))
+    rows = doc["stages"]
+    assert [r["static_memory_bytes"] for r in rows] == [2 * params] * 2
+    assert rows[0]["peak_memory_bytes"] == rows[1]["peak_memory_bytes"] >= 2 * params
+    assert _get_current_dispatch_mode() is None

@@ -136,6 +136,7 @@ def test_cpu_meter_counts_the_timed_steps_only() -> None:
     assert got["source"] == "live-tensors"
     assert got["static_bytes"] == 2 * params  # SGD holds no state
     assert 2 * params <= got["peak_bytes"] < 10_000 * F32
+    assert got["peak_at"] == "between actions"  # no schedule ran: zero_grad, forward, step all outside actions
 
 
 def test_cuda_meter_reads_the_allocator(monkeypatch) -> None:
@@ -151,7 +152,8 @@ def test_cuda_meter_reads_the_allocator(monkeypatch) -> None:
         meter.begin_step(counting)
         meter.end_step()
     assert calls.count("reset") == 2
-    assert meter.summary() == {"peak_bytes": 7000, "static_bytes": 0, "source": "cuda-allocator"}
+    assert meter.summary() == {"peak_bytes": 7000, "static_bytes": 0, "peak_at": None,
+                               "source": "cuda-allocator"}
 
 
 def test_static_bytes_counts_shared_storage_once() -> None:
@@ -176,6 +178,12 @@ def test_document_rows_carry_measured_and_predicted_memory() -> None:
     assert doc["memory_source"] == "live-tensors"
     assert [(s["peak_memory_bytes"], s["static_memory_bytes"], s["predicted_peak_memory_bytes"])
             for s in doc["stages"]] == [(1000, 400, 900), (650, 300, 700)]
+    # one rank holding both stages (interleaved): the plan's figures of its stages add up
+    both = [{"rank": 0, "stages": [0, 1], **base, "forward": [[0.1], [0.1]], "backward": [[0.1], [0.1]],
+             "memory": {"peak_bytes": 1500, "static_bytes": 700, "peak_at": "0B1", "source": "live-tensors"}}]
+    rows = run_document(both, plan, "interleaved", 2, 8)["stages"]
+    assert [(s["peak_memory_bytes"], s["peak_memory_at"], s["predicted_peak_memory_bytes"]) for s in rows] == \
+        [(1500, "0B1", 1600)] * 2
     for s in summaries:
         s["memory"] = None
     doc = run_document(summaries, {}, "1f1b", 2, 8)

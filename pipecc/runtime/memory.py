@@ -30,15 +30,20 @@ optimizer's state and the modules' buffers, each storage once. The planner's cou
 
 The figures of the run document (``pipecc.runtime.timing``): per stage row ``peak_memory_bytes``
 (the rank's largest peak over its timed steps; a rank holding several stages reports the same
-figure for each, as plan.json does), ``static_memory_bytes`` (at the end of the last timed step)
-and ``predicted_peak_memory_bytes`` (plan.json's); the document's ``memory_source`` says which
-meter measured ("cuda-allocator", "live-tensors") or null without ``--memory``.
+figure for each, as plan.json does), ``peak_memory_at`` (CPU: the schedule action the peak was
+reached in, e.g. "1B3" for stage 1's backward of micro-batch 3, or "between actions": zero_grad,
+the optimizer step; null on CUDA, whose allocator does not say), ``static_memory_bytes`` (at the
+end of the last timed step) and ``predicted_peak_memory_bytes`` (plan.json's ``peak_memory_bytes``
+summed over the rank's stages: a stage's own figure with one stage per rank; interleaved plans
+give each of a device's stages its share); the document's
+``memory_source`` says which meter measured ("cuda-allocator", "live-tensors") or null without
+``--memory``.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -49,6 +54,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["CudaMemory", "LiveTensorBytes", "held_tensors", "memory_meter", "static_bytes"]
 
 CUDA_SOURCE, CPU_SOURCE = "cuda-allocator", "live-tensors"
+BETWEEN = "between actions"  # peak_at outside every schedule action: zero_grad, the optimizer step
 
 
 def _storage(t: torch.Tensor) -> Any | None:
@@ -99,6 +105,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self.device_type = torch.device(device).type
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.phase: Any = None  # what runs now (a schedule action), set by the caller
+        self.peak_phase: Any = None  # what ran when the peak was reached
         self._live: dict[int, tuple[int, weakref.ref]] = {}  # id(storage) -> (nbytes, weak ref)
 
     def track(self, tensors: Iterable[Any]) -> None:
@@ -108,7 +116,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._add(t)
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
+        self.peak_bytes, self.peak_phase = self.live_bytes, self.phase
 
     def _add(self, t: torch.Tensor) -> None:
         st = _storage(t)
@@ -125,7 +133,7 @@ class LiveTensorBytes(TorchDispatchMode):
             self._live[key] = (n, weakref.ref(st, lambda _ref, key=key: self._free(key)))
             self.live_bytes += n
         if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+            self.peak_bytes, self.peak_phase = self.live_bytes, self.phase
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -150,6 +158,7 @@ class _Meter:
         self.device, self.modules = device, modules
         self.optimizer: torch.optim.Optimizer | None = None  # set by the training loop
         self.peak: int | None = None
+        self.peak_at: str | None = None
         self.static: int | None = None
         self._counting = False
 
@@ -158,16 +167,22 @@ class _Meter:
 
     def end_step(self) -> None:
         if self._counting:
-            step_peak = self._step_peak()
-            self.peak = step_peak if self.peak is None else max(self.peak, step_peak)
+            step_peak, at = self._step_peak()
+            if self.peak is None or step_peak > self.peak:
+                self.peak, self.peak_at = step_peak, at
             self.static = static_bytes(held_tensors(self.modules, self.optimizer), self.device)
         self._counting = False
 
-    def _step_peak(self) -> int:
+    def during(self, action: Any, execute: Callable[[], None]) -> Callable[[], None]:
+        """``execute`` (a schedule action's work) wrapped so that a peak inside it names it."""
+        return execute
+
+    def _step_peak(self) -> tuple[int, str | None]:
+        """This step's peak bytes and where it was reached (None: not known)."""
         raise NotImplementedError
 
     def summary(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak, "static_bytes": self.static, "source": self.source}
+        return {"peak_bytes": self.peak, "static_bytes": self.static, "peak_at": self.peak_at, "source": self.source}
 
     def __enter__(self) -> "_Meter":
         return self
@@ -187,9 +202,9 @@ class CudaMemory(_Meter):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _step_peak(self) -> int:
+    def _step_peak(self) -> tuple[int, str | None]:
         torch.cuda.synchronize(self.device)
-        return int(torch.cuda.max_memory_allocated(self.device))
+        return int(torch.cuda.max_memory_allocated(self.device)), None
 
 
 class CpuMemory(_Meter):
@@ -217,8 +232,18 @@ class CpuMemory(_Meter):
         if counting:
             self.mode.reset_peak()
 
-    def _step_peak(self) -> int:
-        return int(self.mode.peak_bytes)
+    def during(self, action: Any, execute: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            self.mode.phase = action
+            try:
+                execute()
+            finally:
+                self.mode.phase = None
+        return run
+
+    def _step_peak(self) -> tuple[int, str | None]:
+        phase = self.mode.peak_phase
+        return int(self.mode.peak_bytes), str(phase) if phase is not None else BETWEEN
 
 
 def memory_meter(device: torch.device, modules: list[nn.Module], feeds: Iterable[Any] = ()) -> _Meter:

@@ -112,6 +112,8 @@ class ActionTimer:
 
     def run(self, action: Action, execute: Callable[[], None]) -> None:
         """``execute()`` the action, timing it when it is a compute or a receive of a timed step."""
+        if self.memory is not None:  # the action a new peak happens in (pipecc.runtime.memory)
+            execute = self.memory.during(action, execute)
         kind = action.kind
         if not self._counting or not (kind.is_compute or kind.is_recv):
             execute()
@@ -237,6 +239,14 @@ def _integer(value: Any) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _rank_peak(plan_stages: dict[Any, dict[str, Any]], stage_ids: Sequence[int]) -> int | None:
+    """The plan's peak memory of what one rank holds: plan.json's ``peak_memory_bytes`` summed over
+    the rank's stages (one stage: its own; interleaved: each stage's share of the device); None
+    where the plan has none."""
+    peaks = [_integer(plan_stages.get(s, {}).get("peak_memory_bytes")) for s in stage_ids]
+    return None if not peaks or any(p is None for p in peaks) else sum(peaks)  # type: ignore[misc]
+
+
 def _less(value: float | None, part: Any) -> float | None:
     """`value` less a plan's host part (``host_forward_s``/``host_backward_s``, 0 where absent)."""
     return None if value is None else value - (_number(part) or 0.0)
@@ -291,8 +301,9 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
                                                       planned.get("host_backward_s")), split),
                 "comm_wait_s": wait, "host_s": host,
                 # pipecc.runtime.memory: the rank's measured peak (null without --memory) and the plan's
-                "peak_memory_bytes": memory.get("peak_bytes"), "static_memory_bytes": memory.get("static_bytes"),
-                "predicted_peak_memory_bytes": _integer(planned.get("peak_memory_bytes"))}
+                "peak_memory_bytes": memory.get("peak_bytes"), "peak_memory_at": memory.get("peak_at"),
+                "static_memory_bytes": memory.get("static_bytes"),
+                "predicted_peak_memory_bytes": _rank_peak(plan_stages, summary["stages"])}
             if stash:  # BPipe
                 row.update(stash_evictions=len(moved) / timed, stash_evicted_bytes=sum(moved) / timed)
             stages.append(row)

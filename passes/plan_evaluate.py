@@ -27,14 +27,16 @@ plan uses them: the FPGA backend has no separate weight-gradient pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import numpy as np
 
-from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.passes import plan_problem
 from pipecc.passes import replicas as rep
+from pipecc.passes import step_memory
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, memory_free, partition)
 from pipecc.passes.plan_candidate import Candidate
@@ -165,13 +167,14 @@ class Evaluator:
         static = [float(static_mem[k, part.bounds[k]:part.bounds[k + 1]].sum())
                   for k in range(stages)]
         redo = None
-        if prob.recompute is not None:  # stash the received inputs; re-create `act` in each B
+        if prob.recompute is not None:  # re-create `act` in each B
             redo = [a if r else 0.0 for a, r in zip(act, prob.recompute)]
-            received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
-            act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
-        if bpipe is not None:  # NOTE: the partitioner's stash: the received input counts too
-            redone = prob.recompute or (False,) * stages  # (a recomputing stage's act is it already)
-            act = [a + (float(part.cut_bytes[k - 1]) if k > 0 and not redone[k] else 0.0) for k, a in enumerate(act)]
+        # the stash, as the partitioner's M_k counts it: what a stage received stays with its own
+        # activations until its B (the runtime keeps the input leaves); a recomputing stage keeps
+        # only what it received
+        received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
+        redone = prob.recompute or (False,) * stages
+        act = [received[k] if r else act[k] + received[k] for k, r in enumerate(redone)]
         split: dict[str, list[float] | float] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             assert isinstance(self.options.batch_size, int)
@@ -199,7 +202,28 @@ class Evaluator:
                 per_rank[sched.stage_to_rank[k]] += t
             costs.allreduce_s = per_rank
         costs.tail_s = self.step_tail(sched, order)
+        costs.step_bytes = self.step_bytes(sched, part, order) if self.options.training else None
         return simulate(sched, costs, validated=True)  # schedule_for validated it
+
+    def step_bytes(self, sched: Any, part: Partition, order: Sequence[int] | None = None) -> list[float] | None:
+        """[rank] what its optimizer step holds beyond the static bytes (`passes.step_memory`:
+        by its device kind, its largest parameter tensor and all its parameters); None when all 0."""
+        devs = order or tuple(range(self.p))
+        per = self.p // sched.num_ranks  # replicas per stage group
+        params = np.asarray(self.builder.param_bytes, dtype=float)
+        out = []
+        for r in range(sched.num_ranks):
+            units = [u for k in sched.stages_of(r) for u in range(part.bounds[k], part.bounds[k + 1])]
+            kind = self.cluster.devices[devs[(r % sched.num_ranks) * per]].kind
+            out.append(step_memory.step_bytes(kind, float(max(self._largest_param[units], default=0.0)),
+                                              float(params[units].sum()), self.options.optimizer_states))
+        return out if any(out) else None
+
+    @functools.cached_property
+    def _largest_param(self) -> np.ndarray:
+        """[unit] bytes of the unit's largest parameter tensor (0 without one)."""
+        return np.array([max((float(info.nbytes) for n in g for _, info in n.meta.get(META_PARAMS, [])), default=0.0)
+                         for g in self.builder.groups], dtype=float)
 
     def step_tail(self, sched: Any, order: Sequence[int] | None = None) -> list[float] | None:
         """[rank] the per-iteration fixed seconds after its last action (`CostTables.step_s`

@@ -249,3 +249,46 @@ def test_one_process_holding_both_stages_reports_one_figure_for_each(tmp_path: P
     assert [r["static_memory_bytes"] for r in rows] == [2 * params] * 2
     assert rows[0]["peak_memory_bytes"] == rows[1]["peak_memory_bytes"] >= 2 * params
     assert _get_current_dispatch_mode() is None
+
+
+# ---------------------------------------------------------------------------- the planner's side
+
+
+def test_step_memory_rules() -> None:
+    """Adam/AdamW (two states): single-tensor on a CPU (2 x the largest parameter), foreach on a
+    GPU (1 x all parameters); SGD, momentum and FPGA stages: nothing (passes.step_memory)."""
+    from pipecc.passes.step_memory import step_bytes
+    assert step_bytes("cpu", 1000, 5000, 2) == 2000
+    assert step_bytes("gpu", 1000, 5000, 2) == 5000
+    assert step_bytes("cpu", 1000, 5000, 0) == step_bytes("gpu", 1000, 5000, 1) == 0
+    assert step_bytes("fpga", 1000, 5000, 2) == 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_peak_is_static_plus_the_larger_of_stash_and_optimizer_step(schedule: str) -> None:
+    from pipecc.ir.schedule import schedule_for
+    from pipecc.passes.simulate import StageCosts, simulate
+    sched = schedule_for(schedule, 2, 4)
+    costs = StageCosts.uniform(2, 4, 1.0, 2.0, activation_bytes=10.0, static_bytes=100.0)
+    held = [4, 4] if schedule == "gpipe" else [2, 1]  # micro-batches stashed at once per rank
+    assert simulate(sched, costs).peak_memory_bytes == [100.0 + 10 * n for n in held]
+    costs.step_bytes = [35.0, 5.0]  # rank 0's step needs more than its stash in 1F1B, not in GPipe
+    assert simulate(sched, costs).peak_memory_bytes == [100.0 + max(10 * held[0], 35.0), 100.0 + 10 * held[1]]
+    costs.step_bytes = [1.0]
+    with pytest.raises(ValueError, match="step_bytes must have 2 entries"):
+        simulate(sched, costs)
+
+
+def test_planned_peak_counts_the_optimizer_step_and_the_received_input() -> None:
+    """A wide MLP at batch 2 on two CPUs: activations are tiny, so each stage's planned peak is
+    parameters x 4 (weights, gradients, Adam's moments) plus Adam's two temporaries of the
+    largest weight (hidden x hidden floats), as measured (bench/RESULTS.md's memory section)."""
+    from pipecc import driver
+    hidden = 512
+    args = dict(in_features=16, hidden=hidden, depth=4, num_classes=10)
+    analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=args, batch_size=2)
+    plan, _ = driver.plan(analysis, "2xcpu", microbatches=2, schedule="1f1b", replicas=1, use_all_devices=True)
+    for stage in plan.stages:
+        assert stage.param_bytes > hidden * hidden * F32  # each stage holds a hidden x hidden weight
+        activations = stage.peak_memory_bytes - 4 * stage.param_bytes - 2 * hidden * hidden * F32
+        assert activations == 0  # the step's temporaries outweigh the stash at batch 2

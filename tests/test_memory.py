@@ -292,3 +292,50 @@ def test_planned_peak_counts_the_optimizer_step_and_the_received_input() -> None
         assert stage.param_bytes > hidden * hidden * F32  # each stage holds a hidden x hidden weight
         activations = stage.peak_memory_bytes - 4 * stage.param_bytes - 2 * hidden * hidden * F32
         assert activations == 0  # the step's temporaries outweigh the stash at batch 2
+
+
+# ---------------------------------------------------------------------------- inspect --run
+
+
+def _run_file(tmp_path: Path, **top: object) -> Path:
+    doc = {"format": "pipecc-run", "version": 1, "batch_size": 8, "microbatches": 2, "schedule": "1f1b",
+           "warmup_steps": 1, "predicted_step_s": 0.5,
+           "history": [{"step": 0, "loss": 1.0, "wall_s": 0.5, "samples_per_s": 16.0, "lr": 1e-3}],
+           "stages": [{"index": 0, "rank": 0, "peak_memory_bytes": 12_000_000, "peak_memory_at": "between actions",
+                       "static_memory_bytes": 10_000_000, "predicted_peak_memory_bytes": 10_000_000},
+                      {"index": 1, "rank": 1, "peak_memory_bytes": 900_000, "peak_memory_at": "1B3",
+                       "static_memory_bytes": 400_000, "predicted_peak_memory_bytes": 1_000_000}], **top}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_inspect_run_shows_measured_against_predicted_memory(tmp_path: Path) -> None:
+    from pipecc.report import history
+    run = history.load_run(_run_file(tmp_path, memory_source="live-tensors"))
+    text = history.history_text(run)
+    table = text[text.index("memory per rank (live tensor bytes on the CPU"):].splitlines()
+    assert table[1].split() == ["stage", "rank", "measured", "predicted", "measured/predicted", "static", "peak", "at"]
+    assert table[3].split() == ["0", "0", "12MB", "10MB", "1.20", "10MB", "between", "actions"]
+    assert table[4].split() == ["1", "1", "900kB", "1MB", "0.90", "400kB", "1B3"]
+    assert history.history_json(run)["memory"]["stages"][1]["at"] == "1B3"
+    plain = history.load_run(_run_file(tmp_path, memory_source=None))  # a run without --memory
+    assert "memory per rank" not in history.history_text(plain) and history.history_json(plain)["memory"] is None
+
+
+def test_inspect_run_refuses_damaged_memory_figures(tmp_path: Path) -> None:
+    from pipecc.errors import PipeccError
+    from pipecc.report import history
+    path = _run_file(tmp_path, memory_source="live-tensors")
+    doc = json.loads(path.read_text())
+    doc["stages"][1]["peak_memory_bytes"] = "lots"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PipeccError, match=r"stages\[1\].*peak_memory_bytes"):
+        history.load_run(path)
+
+
+def test_report_section_has_the_memory_table(tmp_path: Path) -> None:
+    from pipecc.report import history
+    page = history.history_html(history.load_run(_run_file(tmp_path, memory_source="live-tensors")))
+    assert "Peak memory per rank, measured against plan.json" in page
+    assert "<td>12MB</td><td>10MB</td><td>1.20</td>" in page and "<td>1B3</td>" in page

@@ -75,7 +75,8 @@ else there (the step lines go to stderr; an error is still one `pipecc: error:` 
 each stage's median forward and backward time per micro-batch and its rank's receive wait per
 step, the median step time and samples/s, each next to plan.json's prediction
 (`pipecc.runtime.timing` describes every key). The first `--warmup-steps` steps (default 1) are
-left out of the statistics.
+left out of the statistics. `--memory` adds each rank's measured peak memory beside plan.json's
+`peak_memory_bytes` (`pipecc.runtime.memory`, docs/memory.md).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ over the run's process group) and ``run_document`` turns them, with ``plan.json`
 runtime never imports the compiler), into the one document ``pipecc run --json`` prints::
 
     {"format": "pipecc-run", "version": 1, "schedule", "microbatches", "batch_size", "steps",
-     "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "samples_per_s",
+     "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "memory_source", "samples_per_s",
      "stages": [{"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples",
-                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}],
+                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s",
+                 "peak_memory_bytes", "peak_memory_at", "static_memory_bytes", "predicted_peak_memory_bytes"}],
      "plan": {"model", "model_sha256", "model_args", "batch_size", "microbatches", "schedule",
               "devices": [name], "sha256", "stages": [{"index", "device", "nodes", "backward_nodes",
               "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s", "host_forward_s",
@@ -34,6 +35,11 @@ where the folder has no ``plan.json``.
 One row per stage and rank: with replicated stages (PP x DP, ``pipecc.runtime.replicas``) every
 replica of a stage has its row, ``rank`` the process's global rank, ``device`` the plan's device
 of that rank and ``replica`` its index in the stage's group (0 in every row of a plain pipeline).
+
+Memory (``--memory``, ``pipecc.runtime.memory``, which describes the four fields): the rank's
+meter is told of every step (``begin_step``/``end_step``) and of every action (``during``: the
+one a CPU peak is reached in); without ``--memory`` ``memory_source`` and the measured fields are
+null and ``predicted_peak_memory_bytes`` is still plan.json's.
 
 Statistics are medians (robust to the odd descheduled action on a shared machine). The step
 time of step i is the longest of the ranks' own wall times of step i (from ``zero_grad`` to

@@ -339,3 +339,21 @@ def test_report_section_has_the_memory_table(tmp_path: Path) -> None:
     page = history.history_html(history.load_run(_run_file(tmp_path, memory_source="live-tensors")))
     assert "Peak memory per rank, measured against plan.json" in page
     assert "<td>12MB</td><td>10MB</td><td>1.20</td>" in page and "<td>1B3</td>" in page
+
+
+def test_interleaved_stages_add_up_to_their_ranks_peak() -> None:
+    """Two stages per rank: plan.json gives each its share; a rank's shares add up to its
+    parameters x 4 plus Adam's temporaries of its largest weight (batch 2: tiny activations),
+    what `run --json --memory` measures for the rank."""
+    from pipecc import driver
+    hidden = 512
+    args = dict(in_features=16, hidden=hidden, depth=6, num_classes=10)
+    analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=args, batch_size=2)
+    plan, _ = driver.plan(analysis, "2xcpu", microbatches=2, schedule="interleaved", replicas=1,
+                          use_all_devices=True)
+    assert len(plan.stages) == 4
+    for rank in range(2):
+        mine = [s for s in plan.stages if s.index % 2 == rank]
+        total = sum(s.peak_memory_bytes for s in mine)
+        expected = 4 * sum(s.param_bytes for s in mine) + 2 * hidden * hidden * F32
+        assert abs(total - expected) <= len(mine)  # each share rounded down to whole bytes

@@ -25,6 +25,9 @@ counted from the stage's module), and the rest of each (peak less static: activa
 whatever else the step holds at its peak). A rank holding two stages (interleaved) reports its
 peak in both rows, as plan.json does.
 
+`--autograd` (no runs): per model, what autograd saves for one micro-batch against what the cost
+model charges as its stash, and what the loss saves on top (`autograd_rows`), its own section.
+
 Internals: compile and run are the CLI in subprocesses; the functions under "report" are pure.
 """
 
@@ -181,6 +184,70 @@ def measure(model: str, variant: str, tmp: Path, steps: int, timeout: float) -> 
     return case
 
 
+def autograd_rows(models: list[str]) -> list[dict[str, Any]]:
+    """Per model, one micro-batch (batch / MICROBATCHES) of the whole model in one process: the
+    bytes the cost model charges as its stash (every node's `stash_bytes`, `pipecc.cost`) next to
+    what autograd really saves for the backward (the distinct storages the forward hands to
+    `torch.autograd.graph.saved_tensors_hooks`, parameters and buffers left out), and what the
+    model file's loss_fn saves on top (the planner never sees the loss)."""
+    import torch
+
+    from pipecc import driver
+    from pipecc.cost import NodeCost  # noqa: F401  (META_COST's values)
+    from pipecc.ir.graph import META_COST
+    rows = []
+    for name in models:
+        spec = MODELS[name]
+        mb = max(1, spec["batch"] // MICROBATCHES)
+        analysis = driver.analyze(ROOT / spec["path"], model_args=dict(spec["args"]), batch_size=mb)
+        charged = sum(float(n.meta[META_COST].values["stash_bytes"]) for n in analysis.graph.gm.graph.nodes
+                      if META_COST in n.meta)
+        model_spec = analysis.spec
+        model = model_spec.model.train()
+        weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+        def saved_by(fn: Any) -> float:
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                st = t.untyped_storage()
+                if st.data_ptr() not in weights:
+                    seen.setdefault(st.data_ptr(), st.nbytes())
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = fn()
+            return float(sum(seen.values())), out
+
+        torch.manual_seed(0)
+        inputs = model_spec.make_inputs(mb)
+        saved, out = saved_by(lambda: model(*inputs))
+        loss_saved = None
+        if model_spec.loss_fn is not None and model_spec.make_target is not None:
+            target = model_spec.make_target(mb)
+            loss_saved, _ = saved_by(lambda: model_spec.loss_fn(out, target))
+        rows.append({"model": name, "microbatch": mb, "charged": charged, "saved": saved, "loss_saved": loss_saved})
+        print(f"{name}: charged {charged / 1e6:.2f} MB, autograd saves {saved / 1e6:.2f} MB", file=sys.stderr)
+    return rows
+
+
+def autograd_markdown(rows: list[dict[str, Any]], command: str) -> str:
+    lines = ["### What autograd saves against what the cost model charges", "",
+             f"Command: `{command}`", "",
+             "One micro-batch of the whole model in one process (train mode): `charged` is the cost model's "
+             "stash (the sum of every node's `stash_bytes`: each output that needs a gradient, attention's "
+             "extra buffers), `saved` the distinct storages autograd keeps for the backward "
+             "(`torch.autograd.graph.saved_tensors_hooks`; parameters and buffers left out), `loss_fn` what "
+             "the model file's loss saves on top (the planner never sees the loss). MB = 10^6 bytes.", "",
+             "| model | micro-batch | charged MB | saved MB | saved / charged | loss_fn saves MB |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        loss = "-" if r["loss_saved"] is None else _mb(r["loss_saved"])
+        ratio = r["saved"] / r["charged"] if r["charged"] else float("inf")
+        lines.append(f"| {r['model']} | {r['microbatch']} | {_mb(r['charged'])} | {_mb(r['saved'])} | {ratio:.2f} | "
+                     f"{loss} |")
+    return "\n".join(lines) + "\n"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     meta = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -209,10 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every number here")
     parser.add_argument("--from-json", type=Path, help="render a --json dump instead of measuring")
     parser.add_argument("--write", type=Path, help="rewrite this file's memory section (RESULTS.md)")
+    parser.add_argument("--autograd", action="store_true",
+                        help="instead: what autograd saves per micro-batch against the cost model's stash "
+                        "(in this process, no runs; its own section of --write)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in MODELS] + [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown models or variants: {', '.join(unknown)}")
+    if args.autograd:
+        command = ("python bench/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+        text = autograd_markdown(autograd_rows(args.models), command)
+        print(text)
+        if args.write:
+            replace_section(args.write, KEY + "-autograd", text)
+        return 0
     if args.from_json:
         report = json.loads(args.from_json.read_text())
         command = report["meta"]["command"]

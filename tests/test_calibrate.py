@@ -376,3 +376,14 @@ def test_an_fpga_card_keeps_its_model_without_the_host_part(analysis):
     share = fixed_costs.MICROBATCH_FORWARD_SHARE
     assert tables.stage_host(0) == pytest.approx((4e-4 * share, 4e-4 * (1 - share)))
     assert tables.stage_host(1) == (0.0, 0.0)
+
+
+def test_a_run_measured_with_the_cpu_memory_tracker_is_refused(planned):
+    """`run --json --memory` on a CPU counts live tensor bytes through every op, slowing them:
+    its times would calibrate the model to the tracker's cost (pipecc.runtime.memory)."""
+    from pipecc.errors import PipeccError
+    plan, folder = planned
+    doc = run_doc(plan, folder, [1e-3, 1e-3], [2e-3, 2e-3], {"memory_source": "live-tensors"})
+    with pytest.raises(PipeccError, match="measured with --memory on a CPU.*without it"):
+        load_run(doc)
+    load_run(run_doc(plan, folder, [1e-3, 1e-3], [2e-3, 2e-3], {"memory_source": "cuda-allocator"}))  # free

@@ -20,9 +20,10 @@ gradients, Adam's state, buffers) and plan.json's prediction beside them.
 
 Reported per stage: measured and predicted peak and their ratio (measured / predicted; the
 issue's target is every stage within 10 %, reported against, never tuned for), the measured
-static bytes next to the planner's (parameters x (2 + 2 optimizer states), the parameters
-counted from the stage's module), and the rest of each (peak less static: activations and
-whatever else the step holds at its peak). A rank holding two stages (interleaved) reports its
+static bytes next to the stage module's parameters x (2 + 2 optimizer states) (the planner's
+static bytes, unless a weight is shared between stages: the planner charges it to one stage),
+and the rest of each (peak less static: activations and whatever else the step holds at its
+peak). A rank holding two stages (interleaved) reports its
 peak in both rows, as plan.json does.
 
 `--autograd` (no runs): per model, what autograd saves for one micro-batch against what the cost
@@ -102,7 +103,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
              "thread per rank. Measured: the rank's largest count of live tensor bytes over its timed steps "
              "(`pipecc.runtime.memory`); predicted: plan.json's `peak_memory_bytes`. Ratio = measured / "
              f"predicted; target every stage within {TOLERANCE:.0%}. Static: parameters, gradients, Adam's "
-             "state and buffers held all iteration (planned: parameters x 4); rest: peak less static. "
+             "state and buffers held all iteration, next to (the stage module's parameters x 4: what the planner "
+             "counts when no weight is shared between stages); rest: peak less static, next to the prediction "
+             "less that. "
              "MB = 10^6 bytes.", ""]
     rows = [(c, r) for c in report["cases"] if "stages" in c for r in c["stages"]]
     if rows:
@@ -118,8 +121,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
             lines.append(f"| {v} | {len(rs)} | {sum(_within(x) for x in rs)} | {statistics.median(rs):.2f} | "
                          f"{min(rs):.2f} | {max(rs):.2f} |")
         lines.append("")
-    lines += ["| model | variant | stage | measured MB | predicted MB | ratio | peak at | static MB (planned) | "
-              "rest MB (planned) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| model | variant | stage | measured MB | predicted MB | ratio | peak at | static MB (params x 4) | "
+              "rest MB (predicted) |", "|---|---|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
         if "error" in c:
             lines.append(f"| {c['model']} | {c['variant']} | – | {c['error']} | | | | | |")

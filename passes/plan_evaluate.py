@@ -31,6 +31,7 @@ import functools
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
 from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, VIRTUAL, ZERO_BUBBLE, schedule_for
@@ -203,27 +204,87 @@ class Evaluator:
             costs.allreduce_s = per_rank
         costs.tail_s = self.step_tail(sched, order)
         costs.step_bytes = self.step_bytes(sched, part, order) if self.options.training else None
+        costs.static_bytes = self.with_shared_weights(costs.static_bytes, sched, part, order)
         return simulate(sched, costs, validated=True)  # schedule_for validated it
 
     def step_bytes(self, sched: Any, part: Partition, order: Sequence[int] | None = None) -> list[float] | None:
         """[rank] what its optimizer step holds beyond the static bytes (`passes.step_memory`:
-        by its device kind, its largest parameter tensor and all its parameters); None when all 0."""
+        by its device kind, its largest parameter tensor and all its parameters, a tied weight
+        in each stage that reads it); None when all 0."""
         devs = order or tuple(range(self.p))
         per = self.p // sched.num_ranks  # replicas per stage group
-        params = np.asarray(self.builder.param_bytes, dtype=float)
+        weights = self.stage_weights(part)
         out = []
         for r in range(sched.num_ranks):
-            units = [u for k in sched.stages_of(r) for u in range(part.bounds[k], part.bounds[k + 1])]
+            mine = [b for k in sched.stages_of(r) for b in weights[k].values()]
             kind = self.cluster.devices[devs[(r % sched.num_ranks) * per]].kind
-            out.append(step_memory.step_bytes(kind, float(max(self._largest_param[units], default=0.0)),
-                                              float(params[units].sum()), self.options.optimizer_states))
+            out.append(step_memory.step_bytes(kind, max(mine, default=0.0), sum(mine), self.options.optimizer_states))
         return out if any(out) else None
 
+    def stage_weights(self, part: Partition) -> list[dict[int, float]]:
+        """[stage] the parameters its units read (id -> bytes), each once: a tied weight in
+        every stage that reads it (the compiled stages each hold a copy)."""
+        reads, _ = self._weights
+        out = []
+        for k in range(len(part.bounds) - 1):
+            read: dict[int, float] = {}
+            for u in range(part.bounds[k], part.bounds[k + 1]):
+                read.update(reads[u])
+            out.append(read)
+        return out
+
+    def with_shared_weights(self, static: Sequence[float], sched: Any, part: Partition,
+                            order: Sequence[int] | None = None) -> list[float]:
+        """[stage] `static` plus the weights a stage reads that the units charge to another stage
+        (a tied embedding: the compiled stages each hold a copy, `_fold_parameters`), times what
+        the stage's device holds per weight (`RooflineCosts.memory`: 2 + optimizer states when
+        training, else 1; an FPGA stage's model is its own: nothing added).
+        NOTE: the partitioner's memory check (prefix sums per unit) still charges them once."""
+        devs = order or tuple(range(self.p))
+        per = self.p // sched.num_ranks
+        _, charged = self._weights
+        states = (2 + self.options.optimizer_states) if self.options.training else 1
+        out = [float(x) for x in static]
+        for k, read in enumerate(self.stage_weights(part)):
+            if self.cluster.devices[devs[sched.stage_to_rank[k] * per]].kind == "fpga":
+                continue
+            mine = set().union(*charged[part.bounds[k]:part.bounds[k + 1]])
+            out[k] += states * sum(b for i, b in read.items() if i not in mine)
+        return out
+
     @functools.cached_property
-    def _largest_param(self) -> np.ndarray:
-        """[unit] bytes of the unit's largest parameter tensor (0 without one)."""
-        return np.array([max((float(info.nbytes) for n in g for _, info in n.meta.get(META_PARAMS, [])), default=0.0)
-                         for g in self.builder.groups], dtype=float)
+    def _weights(self) -> tuple[list[dict[int, float]], list[set[int]]]:
+        """[unit] the parameters its nodes read (id -> bytes) and [unit] those charged to it (its
+        nodes' META_PARAMS: a weight read by several units is charged to the first)."""
+        gm = self.graph.gm
+
+        def attr(name: str) -> Any:
+            obj: Any = gm
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            return obj
+
+        reads, charged = [], []
+        for group in self.builder.groups:
+            read: dict[int, float] = {}
+            mine: set[int] = set()
+            for n in group:
+                found = []
+                if n.op == "call_module":
+                    found += list(gm.get_submodule(str(n.target)).parameters())
+                for src in [n, *n.all_input_nodes]:
+                    if src.op == "get_attr":
+                        found.append(attr(str(src.target)))
+                for p in found:
+                    if isinstance(p, torch.nn.Parameter):
+                        read[id(p)] = float(p.numel() * p.element_size())
+                for name, _ in n.meta.get(META_PARAMS, []):
+                    p = attr(name)
+                    if p is not None:
+                        mine.add(id(p))
+            reads.append(read)
+            charged.append(mine)
+        return reads, charged
 
     def step_tail(self, sched: Any, order: Sequence[int] | None = None) -> list[float] | None:
         """[rank] the per-iteration fixed seconds after its last action (`CostTables.step_s`

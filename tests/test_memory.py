@@ -357,3 +357,24 @@ def test_interleaved_stages_add_up_to_their_ranks_peak() -> None:
         total = sum(s.peak_memory_bytes for s in mine)
         expected = 4 * sum(s.param_bytes for s in mine) + 2 * hidden * hidden * F32
         assert abs(total - expected) <= len(mine)  # each share rounded down to whole bytes
+
+
+def test_a_tied_weight_counts_on_every_stage_that_reads_it() -> None:
+    """GPT with its LM head tied to the token embedding, cut in two: both compiled stages hold
+    the (vocab x n_embd) matrix, so the planned peak of the stage that did not get it charged
+    (its units' param_bytes) still holds it x 4 (weights, gradients, Adam's moments)."""
+    from pipecc import driver
+    args = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=4096, block_size=16, seq_len=8)
+    vocab = 4096 * 32 * F32  # the tied matrix
+    plans = {}
+    for tie in (False, True):
+        analysis = driver.analyze(ROOT / "models" / "gpt.py", model_args={**args, "tie_weights": tie}, batch_size=4)
+        plans[tie], _ = driver.plan(analysis, "2xcpu", microbatches=2, schedule="1f1b", replicas=1,
+                                    use_all_devices=True)
+    untied, shared = plans[False], plans[True]
+    assert [s.nodes for s in untied.stages] == [s.nodes for s in shared.stages]  # the same cut
+    head = next(k for k, s in enumerate(shared.stages) if any("lm_head" in n for n in s.nodes))
+    assert head == 1 and shared.stages[1].param_bytes == untied.stages[1].param_bytes - vocab  # charged to stage 0
+    # the head's stage holds the matrix all the same: as much as untied, where it was its own
+    assert shared.stages[1].peak_memory_bytes == untied.stages[1].peak_memory_bytes
+    assert shared.stages[0].peak_memory_bytes == untied.stages[0].peak_memory_bytes

@@ -86,6 +86,15 @@ def stage_rows(doc: dict[str, Any], params: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+def rank_static(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """rank -> its stages' parameters x 4 summed (the measured static and peak are the rank's:
+    interleaved ranks hold two stages)."""
+    out: dict[int, float] = {}
+    for r in rows:
+        out[r["rank"]] = out.get(r["rank"], 0.0) + r["static_predicted"]
+    return out
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f}"
 
@@ -103,9 +112,10 @@ def markdown(report: dict[str, Any], command: str) -> str:
              "thread per rank. Measured: the rank's largest count of live tensor bytes over its timed steps "
              "(`pipecc.runtime.memory`); predicted: plan.json's `peak_memory_bytes`. Ratio = measured / "
              f"predicted; target every stage within {TOLERANCE:.0%}. Static: parameters, gradients, Adam's "
-             "state and buffers held all iteration, next to (the stage module's parameters x 4: what the planner "
+             "state and buffers held all iteration, next to (the rank's stage modules' parameters x 4: what the planner "
              "counts when no weight is shared between stages); rest: peak less static, next to the prediction "
-             "less that. "
+             "less that. Measured, predicted and static are the rank's (an interleaved rank's two stages show "
+             "the same figures). "
              "MB = 10^6 bytes.", ""]
     rows = [(c, r) for c in report["cases"] if "stages" in c for r in c["stages"]]
     if rows:
@@ -127,12 +137,13 @@ def markdown(report: dict[str, Any], command: str) -> str:
         if "error" in c:
             lines.append(f"| {c['model']} | {c['variant']} | – | {c['error']} | | | | | |")
             continue
+        held = rank_static(c["stages"])
         for r in c["stages"]:
             mark = "" if _within(r["ratio"]) else " ✗"
             lines.append(f"| {c['model']} | {c['variant']} | {r['index']} | {_mb(r['measured'])} | "
                          f"{_mb(r['predicted'])} | {r['ratio']:.2f}{mark} | {r['peak_at']} | "
-                         f"{_mb(r['static'])} ({_mb(r['static_predicted'])}) | "
-                         f"{_mb(r['rest'])} ({_mb(r['rest_predicted'])}) |")
+                         f"{_mb(r['static'])} ({_mb(held[r['rank']])}) | "
+                         f"{_mb(r['rest'])} ({_mb(r['predicted'] - held[r['rank']])}) |")
     return "\n".join(lines) + "\n"
 
 

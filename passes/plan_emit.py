@@ -138,6 +138,22 @@ def baselines(ev: Evaluator, cand: Candidate) -> list[dict[str, Any]]:
     return out
 
 
+def _stage_shares(cand: Candidate) -> list[float]:
+    """Interleaved (v stages per rank): each stage's peak memory as its share of the rank's: the
+    partitioner's figure for the stage (`Partition.stage_memory`, planned against the device's
+    memory / v) plus an even share of what the rank's simulated peak adds to their sum (the
+    optimizer step's temporaries, `passes.step_memory`; the schedule's own in-flight counts), so
+    that a rank's stages add up to its simulated peak (what `pipecc run --json --memory` compares)."""
+    P, mem = cand.ranks, [float(x) for x in cand.part.stage_memory]
+    out = list(mem)
+    for r in range(P):
+        ks = [k for k in range(len(mem)) if k % P == r]
+        extra = (float(cand.timeline.peak_memory_bytes[r]) - sum(mem[k] for k in ks)) / len(ks)
+        for k in ks:
+            out[k] = mem[k] + extra
+    return out
+
+
 def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
             search: SearchRecord, bounds: bool = True) -> Plan:
     """The Plan of `cand` (module docstring); `lost`: why every other candidate lost;
@@ -150,6 +166,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
     d, P = cand.replicas, cand.ranks
     mb = rep.slice_size(opt.batch_size // cand.microbatches, d)
     weights = tables.weight_times(part, prob, cand.order, mb, d)
+    shares = _stage_shares(cand) if cand.virtual > 1 else []
     stages = []
     for k in range(len(part.bounds) - 1):
         a, e = part.bounds[k], part.bounds[k + 1]
@@ -174,7 +191,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
             backward_weight_s=weights[k],
             send_bytes=int(send), recv_bytes=int(recv), comm_s=float(comm),
             peak_memory_bytes=int(cand.timeline.peak_memory_bytes[k % P])
-            if cand.virtual == 1 else int(part.stage_memory[k]),
+            if cand.virtual == 1 else int(shares[k]),
             forward_flops=int(units.values["forward_flops"][a:e].sum()),
             param_bytes=int(units.param_bytes[a:e].sum()),
             time_source=time_source(tables.costs[cand.order[(k % P) * d]], names),

@@ -27,14 +27,17 @@ plan uses them: the FPGA backend has no separate weight-gradient pass.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 
-from pipecc.ir.graph import AnnotatedGraph
+from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.passes import plan_problem
 from pipecc.passes import replicas as rep
+from pipecc.passes import step_memory
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, memory_free, partition)
 from pipecc.passes.plan_candidate import Candidate
@@ -165,13 +168,14 @@ class Evaluator:
         static = [float(static_mem[k, part.bounds[k]:part.bounds[k + 1]].sum())
                   for k in range(stages)]
         redo = None
-        if prob.recompute is not None:  # stash the received inputs; re-create `act` in each B
+        if prob.recompute is not None:  # re-create `act` in each B
             redo = [a if r else 0.0 for a, r in zip(act, prob.recompute)]
-            received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
-            act = [received[k] if r else act[k] for k, r in enumerate(prob.recompute)]
-        if bpipe is not None:  # NOTE: the partitioner's stash: the received input counts too
-            redone = prob.recompute or (False,) * stages  # (a recomputing stage's act is it already)
-            act = [a + (float(part.cut_bytes[k - 1]) if k > 0 and not redone[k] else 0.0) for k, a in enumerate(act)]
+        # the stash, as the partitioner's M_k counts it: what a stage received stays with its own
+        # activations until its B (the runtime keeps the input leaves); a recomputing stage keeps
+        # only what it received
+        received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
+        redone = prob.recompute or (False,) * stages
+        act = [received[k] if r else act[k] + received[k] for k, r in enumerate(redone)]
         split: dict[str, list[float] | float] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             assert isinstance(self.options.batch_size, int)
@@ -199,7 +203,88 @@ class Evaluator:
                 per_rank[sched.stage_to_rank[k]] += t
             costs.allreduce_s = per_rank
         costs.tail_s = self.step_tail(sched, order)
+        costs.step_bytes = self.step_bytes(sched, part, order) if self.options.training else None
+        costs.static_bytes = self.with_shared_weights(costs.static_bytes, sched, part, order)
         return simulate(sched, costs, validated=True)  # schedule_for validated it
+
+    def step_bytes(self, sched: Any, part: Partition, order: Sequence[int] | None = None) -> list[float] | None:
+        """[rank] what its optimizer step holds beyond the static bytes (`passes.step_memory`:
+        by its device kind, its largest parameter tensor and all its parameters, a tied weight
+        in each stage that reads it); None when all 0."""
+        devs = order or tuple(range(self.p))
+        per = self.p // sched.num_ranks  # replicas per stage group
+        weights = self.stage_weights(part)
+        out = []
+        for r in range(sched.num_ranks):
+            mine = [b for k in sched.stages_of(r) for b in weights[k].values()]
+            kind = self.cluster.devices[devs[(r % sched.num_ranks) * per]].kind
+            out.append(step_memory.step_bytes(kind, max(mine, default=0.0), sum(mine), self.options.optimizer_states))
+        return out if any(out) else None
+
+    def stage_weights(self, part: Partition) -> list[dict[int, float]]:
+        """[stage] the parameters its units read (id -> bytes), each once: a tied weight in
+        every stage that reads it (the compiled stages each hold a copy)."""
+        reads, _ = self._weights
+        out = []
+        for k in range(len(part.bounds) - 1):
+            read: dict[int, float] = {}
+            for u in range(part.bounds[k], part.bounds[k + 1]):
+                read.update(reads[u])
+            out.append(read)
+        return out
+
+    def with_shared_weights(self, static: Sequence[float], sched: Any, part: Partition,
+                            order: Sequence[int] | None = None) -> list[float]:
+        """[stage] `static` plus the weights a stage reads that the units charge to another stage
+        (a tied embedding: the compiled stages each hold a copy, `_fold_parameters`), times what
+        the stage's device holds per weight (`RooflineCosts.memory`: 2 + optimizer states when
+        training, else 1; an FPGA stage's model is its own: nothing added).
+        NOTE: the partitioner's memory check (prefix sums per unit) still charges them once."""
+        devs = order or tuple(range(self.p))
+        per = self.p // sched.num_ranks
+        _, charged = self._weights
+        states = (2 + self.options.optimizer_states) if self.options.training else 1
+        out = [float(x) for x in static]
+        for k, read in enumerate(self.stage_weights(part)):
+            if self.cluster.devices[devs[sched.stage_to_rank[k] * per]].kind == "fpga":
+                continue
+            mine = set().union(*charged[part.bounds[k]:part.bounds[k + 1]])
+            out[k] += states * sum(b for i, b in read.items() if i not in mine)
+        return out
+
+    @functools.cached_property
+    def _weights(self) -> tuple[list[dict[int, float]], list[set[int]]]:
+        """[unit] the parameters its nodes read (id -> bytes) and [unit] those charged to it (its
+        nodes' META_PARAMS: a weight read by several units is charged to the first)."""
+        gm = self.graph.gm
+
+        def attr(name: str) -> Any:
+            obj: Any = gm
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            return obj
+
+        reads, charged = [], []
+        for group in self.builder.groups:
+            read: dict[int, float] = {}
+            mine: set[int] = set()
+            for n in group:
+                found = []
+                if n.op == "call_module":
+                    found += list(gm.get_submodule(str(n.target)).parameters())
+                for src in [n, *n.all_input_nodes]:
+                    if src.op == "get_attr":
+                        found.append(attr(str(src.target)))
+                for p in found:
+                    if isinstance(p, torch.nn.Parameter):
+                        read[id(p)] = float(p.numel() * p.element_size())
+                for name, _ in n.meta.get(META_PARAMS, []):
+                    p = attr(name)
+                    if p is not None:
+                        mine.add(id(p))
+            reads.append(read)
+            charged.append(mine)
+        return reads, charged
 
     def step_tail(self, sched: Any, order: Sequence[int] | None = None) -> list[float] | None:
         """[rank] the per-iteration fixed seconds after its last action (`CostTables.step_s`

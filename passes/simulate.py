@@ -22,7 +22,8 @@ Model:
   tests/test_comm_model.py): a transfer hides behind other micro-batches' compute, but not
   behind the round trip of its own micro-batch.
 - Memory on a rank: static bytes of its stages plus the activations stashed from the
-  start of each F until the end of its B (or W). Forward-only schedules hold an activation only
+  start of each F until the end of its B (or W), or, when larger, what its optimizer step
+  holds for a moment after the last backward (``step_bytes``, `passes.step_memory`). Forward-only schedules hold an activation only
   during its F. Compute on a rank is sequential, so walking the row in order gives the
   exact peak over time. A stage that recomputes its activations (activation checkpointing)
   stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
@@ -113,6 +114,9 @@ class StageCosts:
     # [rank] seconds the rank still sends after its last action (Bi-Partition's replica
     # refresh after the optimizer step); None: none
     tail_s: list[float] | None = None
+    # [rank] bytes the rank's optimizer step holds for a moment beyond static_bytes, after the
+    # last backward (`passes.step_memory`); None: none
+    step_bytes: list[float] | None = None
     # BPipe: [evictor stage][microbatch] seconds of one stash transfer (its activation_bytes)
     # on the pair's link, each way; None: 0 (only schedules with a partner read it)
     stash_transfer_s: list[list[float]] | None = None
@@ -393,6 +397,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, overlap_comm: bool = True
     advance(schedule, lambda a: a.kind in _RECV and schedule.message(a) not in arrival, run)
 
     training = schedule.is_training
+    if costs.step_bytes is not None and len(costs.step_bytes) != R:
+        raise ValueError(f"StageCosts.step_bytes must have {R} entries (one per rank), got {len(costs.step_bytes)}")
     if schedule.partner is not None:
         peak = _peak_memory_timeline(schedule, costs, events)
     else:
@@ -456,7 +462,8 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
                 held -= size
         elif a.kind.frees_stash:
             held -= size
-    return static + peak
+    step = costs.step_bytes[rank] if costs.step_bytes is not None and training else 0.0
+    return static + max(peak, step)  # the optimizer step: no activation is stashed by then
 
 
 def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Event]) -> list[float]:
@@ -507,7 +514,8 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
                 i += 1
             peak = max(peak, before + grown, at + grown)
             before = at
-        peaks.append(sum(costs.static_bytes[s] for s in schedule.stages_of(r)) + peak)
+        step = costs.step_bytes[r] if costs.step_bytes is not None else 0.0  # the optimizer step
+        peaks.append(sum(costs.static_bytes[s] for s in schedule.stages_of(r)) + max(peak, step))
     return peaks
 
 

@@ -388,3 +388,14 @@ def test_a_run_in_another_precision_is_named(analysis, planned):
     assert any("the run computed in fp32, this plan in bf16" in d for d in mixed.decisions), mixed.decisions
     same, _ = driver.plan(analysis, "2xcpu", calibrate=doc, **PINNED)
     assert not any("computed in" in d for d in same.decisions)
+
+
+def test_a_run_measured_with_the_cpu_memory_tracker_is_refused(planned):
+    """`run --json --memory` on a CPU counts live tensor bytes through every op, slowing them:
+    its times would calibrate the model to the tracker's cost (pipecc.runtime.memory)."""
+    from pipecc.errors import PipeccError
+    plan, folder = planned
+    doc = run_doc(plan, folder, [1e-3, 1e-3], [2e-3, 2e-3], {"memory_source": "live-tensors"})
+    with pytest.raises(PipeccError, match="measured with --memory on a CPU.*without it"):
+        load_run(doc)
+    load_run(run_doc(plan, folder, [1e-3, 1e-3], [2e-3, 2e-3], {"memory_source": "cuda-allocator"}))  # free

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.xdist_group(name="run_json")
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = {"format", "version", "schedule", "microbatches", "batch_size", "steps", "warmup_steps", "step_s", "history", "precision",
-       "predicted_step_s", "samples_per_s", "stages", "plan"}
+       "predicted_step_s", "samples_per_s", "stages", "plan", "memory_source"}
 STAGE = {"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples", "backward_samples",
-         "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}
+         "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s",
+         "peak_memory_bytes", "peak_memory_at", "static_memory_bytes", "predicted_peak_memory_bytes"}  # memory: tests/test_memory.py
 
 
 def compile_mlp(out: Path, *extra: str) -> Path:
@@ -60,6 +61,8 @@ def check_shape(doc: dict, plan: dict, steps: int, warmup: int) -> None:
         assert stage["predicted_backward_s"] == planned["backward_s"]
         assert stage["forward_s"] > 0 and stage["forward_samples"] == doc["microbatches"] * doc["steps"]
         assert stage["comm_wait_s"] >= 0 and stage["host_s"] >= 0
+        held = [s["index"] for s in doc["stages"] if s["rank"] == stage["rank"]]  # the rank's stages: their sum
+        assert stage["predicted_peak_memory_bytes"] == sum(plan["stages"][i]["peak_memory_bytes"] for i in held)
 
 
 def loose_bound(doc: dict) -> None:
@@ -89,6 +92,7 @@ def test_training_run_prints_one_document(mlp_out: Path) -> None:
     for stage in doc["stages"]:
         assert stage["backward_s"] > 0 and stage["backward_samples"] == stage["forward_samples"]
     loose_bound(doc)
+    assert doc["memory_source"] is None and all(s["peak_memory_bytes"] is None for s in doc["stages"])  # no --memory
     # the usual lines went to stderr, and nothing went wrong
     assert "step 2: loss" in result.stderr and "verify: outputs, loss and" in result.stderr
     assert "pipecc: error" not in result.stderr

@@ -1,7 +1,7 @@
 """`pipecc run OUT`: train a compiled pipeline with one process per rank, through torchrun.
 
     pipecc run OUT [--steps N] [--verify] [--schedule S] [--microbatches M] [--timeout S] ...
-    pipecc run OUT --json [--warmup-steps W]
+    pipecc run OUT --json [--warmup-steps W] [--memory]
     pipecc run OUT --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT [--nproc-per-node P]
     pipecc run OUT [--nnodes 2 --rdzv-endpoint HOST:PORT] --print-command
 
@@ -75,7 +75,8 @@ else there (the step lines go to stderr; an error is still one `pipecc: error:` 
 each stage's median forward and backward time per micro-batch and its rank's receive wait per
 step, the median step time and samples/s, each next to plan.json's prediction
 (`pipecc.runtime.timing` describes every key). The first `--warmup-steps` steps (default 1) are
-left out of the statistics.
+left out of the statistics. `--memory` adds each rank's measured peak memory beside plan.json's
+`peak_memory_bytes` (`pipecc.runtime.memory`, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -167,6 +168,10 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    "receive wait per step, the median step time, each next to plan.json's prediction")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=1, metavar="W",
                    help="--json: the first W steps are left out of the statistics (default 1)")
+    p.add_argument("--memory", action="store_true",
+                   help="--json: also measure each rank's peak memory in the timed steps, next to plan.json's "
+                   "peak_memory_bytes (GPU: the CUDA allocator's peak; CPU: a count of live tensor bytes, which "
+                   "slows small ops, so time a run without it for --calibrate); docs/memory.md")
     p.add_argument("--trace", metavar="FILE",
                    help="write a Chrome/Perfetto trace of the run to FILE (chrome://tracing, ui.perfetto.dev): one "
                    "track per rank and stage, every action of every step as it ran; `pipecc inspect OUT --trace "
@@ -362,7 +367,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     argv = ["--steps", str(args.steps)]
     for flag, on in (("--verify", args.verify), ("--verify-stages-only", args.verify_stages_only),
                      ("--resume", args.resume), ("--debug", getattr(args, "debug", False)),
-                     ("--json", args.json), ("--force", getattr(args, "force", False))):
+                     ("--json", args.json), ("--memory", getattr(args, "memory", False)),
+                     ("--force", getattr(args, "force", False))):
         if on:
             argv.append(flag)
     if args.checkpoint_dir is not None:

@@ -19,7 +19,10 @@ steps after the warm-up, and the predicted samples/s (``batch_size / predicted_s
 the document has a prediction) with the cost model it came from (``basis``: the plan's
 calibration, its profile, else the roofline of the devices' datasheet figures). ``history_text``
 is the terminal view (a sparkline and every k-th step as a table), ``history_json`` the
-machine-readable one; ``pipecc.report.html.report_with_run`` draws the curves.
+machine-readable one; ``pipecc.report.html.report_with_run`` draws the curves. A run with
+``--memory`` (``pipecc.runtime.memory``) also gets ``memory_text``: per stage the rank's measured
+peak beside plan.json's, their ratio, its static bytes and where the peak was (``memory`` in
+the JSON view; null without ``--memory``).
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.errors import PipeccError
-from pipecc.report.formatting import count, printable, seconds, text_table
+from pipecc.report.formatting import count, human, printable, seconds, text_table
 
-__all__ = ["basis", "check_folder", "history_json", "history_text", "load_run", "sparkline", "summary",
-           "table_steps"]
+__all__ = ["basis", "check_folder", "history_json", "history_text", "load_run", "memory_text", "sparkline",
+           "summary", "table_steps"]
 
 FORMAT, VERSION = "pipecc-run", 1
 MAKE = "give the file `pipecc run OUT --json > RUN.json` wrote"
@@ -122,7 +125,47 @@ def load_run(path: str | Path) -> dict[str, Any]:
     plan = data.get("plan") if isinstance(data.get("plan"), dict) else None
     return {"path": where, "batch_size": int(batch), "microbatches": data.get("microbatches"),
             "schedule": str(data.get("schedule", "")), "warmup_steps": int(warmup),
-            "predicted_step_s": float(predicted) if predicted else None, "plan": plan, "history": steps}
+            "predicted_step_s": float(predicted) if predicted else None, "plan": plan, "history": steps,
+            "memory": _memory(where, data)}
+
+
+def _bytes(where: str, stage: dict[str, Any], i: int, key: str) -> float | None:
+    """``stage[key]``: a byte count (a number >= 0) or null/absent."""
+    value = stage.get(key)
+    if value is None:
+        return None
+    if not _is_number(value) or not (math.isfinite(value) and value >= 0):
+        raise PipeccError(f"--run {where}: stages[{i}] has {json.dumps(value)[:40]} for \"{key}\", not a byte count "
+                          "or null; the file is damaged, run the folder again with --json --memory")
+    return float(value)
+
+
+def _memory(where: str, data: dict[str, Any]) -> dict[str, Any] | None:
+    """``--memory``'s figures (``pipecc.runtime.memory``): {source, stages: [{index, rank, replica,
+    measured, predicted, static, at}]}; None when the run measured none."""
+    source = data.get("memory_source")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise PipeccError(f"--run {where}: \"memory_source\" is {json.dumps(source)[:40]}, not a string; the file "
+                          "is damaged, run the folder again with --json --memory")
+    stages = data.get("stages")
+    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+        raise PipeccError(f"--run {where}: \"stages\" is not a list of objects; the file is damaged, run the folder "
+                          "again with --json --memory")
+    rows = []
+    for i, st in enumerate(stages):
+        index = st.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise PipeccError(f"--run {where}: stages[{i}] has {json.dumps(index)[:40]} for \"index\", not a whole "
+                              "number; the file is damaged, run the folder again with --json --memory")
+        at = st.get("peak_memory_at")
+        rows.append({"index": index, "rank": st.get("rank"), "replica": st.get("replica", 0),
+                     "measured": _bytes(where, st, i, "peak_memory_bytes"),
+                     "predicted": _bytes(where, st, i, "predicted_peak_memory_bytes"),
+                     "static": _bytes(where, st, i, "static_memory_bytes"),
+                     "at": at if isinstance(at, str) else None})
+    return {"source": source, "stages": rows}
 
 
 def check_folder(run: dict[str, Any], out: str | Path) -> None:
@@ -257,7 +300,30 @@ def history_text(run: dict[str, Any]) -> str:
     rows = [[str(h["step"]), _loss(h["loss"]), _rate(h["samples_per_s"]), seconds(h["wall_s"]),
              "-" if h["lr"] is None else f"{h['lr']:.3g}"] for h in table_steps(history)]
     table = text_table(["step", "loss", "samples/s", "step time", "lr"], rows, left=0)
-    return "\n".join(lines) + "\n\n" + table
+    return "\n".join(lines) + "\n\n" + table + memory_text(run)
+
+
+MEMORY_SOURCES = {"live-tensors": "live tensor bytes on the CPU", "cuda-allocator": "the CUDA allocator's peak"}
+
+
+def memory_text(run: dict[str, Any]) -> str:
+    """The memory table of a ``--memory`` run (pipecc.runtime.memory): per stage the rank's
+    measured peak, plan.json's, their ratio, the static bytes and where the peak was; "" without."""
+    memory = run.get("memory")
+    if not memory:
+        return ""
+    rows = []
+    for r in memory["stages"]:
+        measured, predicted = r["measured"], r["predicted"]
+        ratio = f"{measured / predicted:.2f}" if measured is not None and predicted else "-"
+        rows.append([str(r["index"]), str(r["rank"]), "-" if measured is None else human(measured, "B"),
+                     "-" if predicted is None else human(predicted, "B"), ratio,
+                     "-" if r["static"] is None else human(r["static"], "B"), r["at"] or "-"])
+    what = MEMORY_SOURCES.get(memory["source"], memory["source"])
+    head = (f"\n\nmemory per rank ({what}, the largest peak of the timed steps) vs plan.json's peak_memory_bytes "
+            "(summed over the rank's stages):\n")
+    return head + text_table(["stage", "rank", "measured", "predicted", "measured/predicted", "static", "peak at"],
+                             rows, left=0, right_from=6)
 
 
 def history_json(run: dict[str, Any]) -> dict[str, Any]:
@@ -265,7 +331,7 @@ def history_json(run: dict[str, Any]) -> dict[str, Any]:
     the output stays strict JSON; ``loss.not_finite_from`` names the first such step)."""
     rows = [dict(h, loss=h["loss"] if h["loss"] is None or math.isfinite(h["loss"]) else None)
             for h in table_steps(run["history"])]
-    return {"run": run["path"], **summary(run), "table": rows}
+    return {"run": run["path"], **summary(run), "table": rows, "memory": run.get("memory")}
 
 
 # ----------------------------------------------------------------------------- the report's section
@@ -324,4 +390,27 @@ def history_html(run: dict[str, Any]) -> str:
             f'<h4>Loss per step{esc(grouped)}</h4>\n{curve}\n'
             f'<h4>Samples per second per step, measured against the plan\'s prediction</h4>\n{throughput}\n'
             f'<p class="note">Measured: the batch over each step\'s wall time; the median leaves out the warm-up '
-            f'steps. {against}</p>\n')
+            f'steps. {against}</p>\n' + memory_html(run))
+
+
+def memory_html(run: dict[str, Any]) -> str:
+    """The report's table of a ``--memory`` run (as ``memory_text``); "" without one."""
+    from pipecc.report.svg import esc
+    memory = run.get("memory")
+    if not memory:
+        return ""
+    cells = []
+    for r in memory["stages"]:
+        measured, predicted = r["measured"], r["predicted"]
+        ratio = f"{measured / predicted:.2f}" if measured is not None and predicted else "-"
+        row = [str(r["index"]), str(r["rank"]), "-" if measured is None else human(measured, "B"),
+               "-" if predicted is None else human(predicted, "B"), ratio,
+               "-" if r["static"] is None else human(r["static"], "B"), r["at"] or "-"]
+        cells.append("<tr>" + "".join(f"<td>{esc(printable(c))}</td>" for c in row) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("stage", "rank", "measured", "predicted", "measured / predicted",
+                                             "static", "peak at"))
+    what = MEMORY_SOURCES.get(memory["source"], memory["source"])
+    return (f'<h4>Peak memory per rank, measured against plan.json</h4>\n<table><tr>{head}</tr>{"".join(cells)}</table>\n'
+            f'<p class="note">Measured: {esc(printable(what))}, the largest peak of the timed steps; predicted: plan.json\'s '
+            "peak_memory_bytes summed over the rank's stages; static: parameters, gradients, optimizer state and "
+            "buffers (docs/memory.md).</p>\n")

@@ -47,6 +47,7 @@ from pipecc.runtime.checkpoints import DEFAULT_LR, RunCheckpoints, folder_finger
     run_options
 from pipecc.runtime.engine import PipelineRuntime, RunConfig
 from pipecc.runtime.lengths import Lengths
+from pipecc.runtime.memory import memory_meter
 from pipecc.runtime.ports import StagePorts
 from pipecc.runtime.replicas import (Replicas)
 from pipecc.runtime.rank import (RankRun, _lock_checkpoints, _read_marker, _replica_count, _replica_data,  # noqa: F401
@@ -235,6 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document of measured vs predicted times (pipecc.runtime.timing)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="--json: steps left out of the statistics")
+    parser.add_argument("--memory", action="store_true",
+                        help="--json: measure each rank's peak memory in the timed steps (pipecc.runtime.memory)")
     parser.add_argument("--trace", type=Path, help="write a Chrome trace of every action here (pipecc.runtime.trace)")
     parser.add_argument("--force", action="store_true", help="--trace: replace a file pipecc did not write")
     parser.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
@@ -289,169 +292,170 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
     optimizer = _make_optimizer(args.optimizer or "sgd", params, lr)
     runtime.optimizer = optimizer
     timer = _timer(args, runtime)
-    is_last = runtime.last_stage in runtime.stage_ids
-    speaks = is_last and replicas.index == 0  # replicas: one of the last stage's prints
-    module, file = data.module, Path(str((meta or {}).get("model_path") or "the model file")).name
-    model_args = dict((meta or {}).get("model_args") or {})
-    draws = 0 in runtime.stage_ids or is_last  # the ranks whose stages read the data
-    epochs = getattr(args, "epochs", None)
-    stream = None
-    if Batches.defined(module, "train_data") and not run.lengths:
-        stream = Batches(module, file, "train_data", batch, model_args, draws, args.seed, epochs, runtime.device)
-    elif epochs is not None:
-        raise UsageError(f"--epochs counts passes over train_data, which {file} does not define; give --steps N")
-    if speaks and data.note:
-        print(data.note, flush=True)
-    elif speaks and stream is None and module is not None and not run.lengths:
-        print(f"note: {file} defines no train_data(batch_size, **model_args); every step repeats its example "
-              "batch", flush=True)
-    val_every = getattr(args, "eval_every", None)
-    if val_every is not None and not Batches.defined(module, "val_data"):
-        raise UsageError(f"--eval-every evaluates the batches of val_data, which {file} does not define")
-    total_steps = args.steps
-    scheduler = None
-    if getattr(args, "lr_schedule", None) == "cosine" and optimizer is not None:
-        if epochs is not None:
-            raise UsageError("--lr-schedule cosine needs the run's length in steps: give --steps N rather than --epochs")
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(total_steps, 1))
-    clip = getattr(args, "clip_grad_norm", None)
-    inputs = rows if 0 in runtime.stage_ids else None
-    target = run.target if is_last else None
-    history: list[dict[str, Any]] = []
+    with _memory_meter(args, runtime, timer, run.rows, run.target):  # --memory: its meter counts the loop
+        is_last = runtime.last_stage in runtime.stage_ids
+        speaks = is_last and replicas.index == 0  # replicas: one of the last stage's prints
+        module, file = data.module, Path(str((meta or {}).get("model_path") or "the model file")).name
+        model_args = dict((meta or {}).get("model_args") or {})
+        draws = 0 in runtime.stage_ids or is_last  # the ranks whose stages read the data
+        epochs = getattr(args, "epochs", None)
+        stream = None
+        if Batches.defined(module, "train_data") and not run.lengths:
+            stream = Batches(module, file, "train_data", batch, model_args, draws, args.seed, epochs, runtime.device)
+        elif epochs is not None:
+            raise UsageError(f"--epochs counts passes over train_data, which {file} does not define; give --steps N")
+        if speaks and data.note:
+            print(data.note, flush=True)
+        elif speaks and stream is None and module is not None and not run.lengths:
+            print(f"note: {file} defines no train_data(batch_size, **model_args); every step repeats its example "
+                  "batch", flush=True)
+        val_every = getattr(args, "eval_every", None)
+        if val_every is not None and not Batches.defined(module, "val_data"):
+            raise UsageError(f"--eval-every evaluates the batches of val_data, which {file} does not define")
+        total_steps = args.steps
+        scheduler = None
+        if getattr(args, "lr_schedule", None) == "cosine" and optimizer is not None:
+            if epochs is not None:
+                raise UsageError("--lr-schedule cosine needs the run's length in steps: give --steps N rather than --epochs")
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(total_steps, 1))
+        clip = getattr(args, "clip_grad_norm", None)
+        inputs = rows if 0 in runtime.stage_ids else None
+        target = run.target if is_last else None
+        history: list[dict[str, Any]] = []
 
-    verifier = None
-    if args.verify_stages_only:
-        outputs = runtime.infer(inputs)
-        if outputs is not None:
-            verify_chained(outputs, rows, [load_stage(d)[0].to(runtime.device) for d in stage_dirs], speaks)
-    elif args.verify:
-        verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
-        if verifier.eval_only:
-            verifier.check_eval_outputs(inputs)
-            verifier = None
+        verifier = None
+        if args.verify_stages_only:
+            outputs = runtime.infer(inputs)
+            if outputs is not None:
+                verify_chained(outputs, rows, [load_stage(d)[0].to(runtime.device) for d in stage_dirs], speaks)
+        elif args.verify:
+            verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+            if verifier.eval_only:
+                verifier.check_eval_outputs(inputs)
+                verifier = None
 
-    def train_step(i: int, update: bool, check: bool | None = None, fed: tuple[Any, Any] | None = None) -> None:
-        nonlocal inputs, target
-        check = verifier is not None and i == 0 if check is None else check
-        step_inputs, step_target = inputs, target
-        if run.lengths:  # --length: this step's batch (step i at the (i mod n)-th length)
-            _, rows_i, target_i = run.at_length[run.lengths[i % len(run.lengths)]]
-            step_inputs, step_target = (rows_i if 0 in runtime.stage_ids else None), (target_i if is_last else None)
-        elif fed is not None:  # train_data's batch: this rank's share of it
-            try:
-                step_inputs, step_target = pipe.feed(*fed) if draws else (None, None)
-            except PipeccError as e:
-                raise PipeccError(f"step {i}: train_data in {file}: {e}") from None
-        if timer is not None and update:
-            timer.begin_step()
-        start = time.perf_counter()
-        if optimizer is not None:
-            optimizer.zero_grad()
-        runtime.keep_outputs = check
-        runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
-        # dropout off, draws fixed: as the reference runs
-        with verifier.deterministic() if check and verifier is not None else contextlib.nullcontext():
-            loss = pipe.step_rows(step_inputs, step_target)
-        if check and verifier is not None:
-            paused = time.perf_counter()
-            verifier.check_step(pipe.last_loss)
-            start += time.perf_counter() - paused
-        if clip is not None and update:
-            pipe.clip_grad_norm_(clip)
-        if optimizer is not None and update:
-            if runtime.trace is not None:
-                runtime.trace.span("optimizer", "optimizer", optimizer.step)
-            else:
-                optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-        if update:
-            pipe.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
-        elapsed = time.perf_counter() - start
-        if timer is not None and update:
-            timer.end_step(elapsed)
-        if update:
-            history.append({"step": i, "loss": None if math.isnan(loss) else loss, "wall_s": elapsed,
-                            "samples_per_s": batch / elapsed if batch and elapsed > 0 else 0.0,
-                            "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else None})
-        if speaks and update:
-            rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
-            print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
-
-    def evaluate(after: int) -> None:
-        """--eval-every: the mean loss over val_data's batches (eval mode, no gradients)."""
-        val = Batches(module, file, "val_data", batch, model_args, draws, args.seed, 1, runtime.device)
-        pipe.eval()
-        total, count = 0.0, 0
-        for k in range(1_000_000):
-            try:
-                fed = val.next(k)
-            except StopIteration:
-                break
-            total += pipe.evaluate(fed[0], target=fed[1]) if fed is not None else pipe.evaluate(target=None)
-            count += 1
-        pipe.train()
-        if count and history:
-            history[-1]["val_loss"] = total / count
-        if speaks:
-            print(f"eval after step {after}: val loss {total / max(count, 1):.6g} ({count} batches)", flush=True)
-
-    checkpoints, first = None, 0
-    if args.checkpoint_dir is not None:
-        checkpoints = RunCheckpoints(args.checkpoint_dir, runtime, folder_fingerprint(stage_dirs),
-                                     args.checkpoint_every, run_options(args.optimizer, args.lr, args.seed, m))
-        if args.resume:
-            first = checkpoints.resume()
-            for note in checkpoints.notes if speaks else ():
-                print(note, flush=True)
-            if speaks:
-                print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
-                      flush=True)
-            if stream is not None:
-                stream.fast_forward(first)  # the data continues where the checkpointed run stopped
-            if scheduler is not None:
-                for _ in range(first):
+        def train_step(i: int, update: bool, check: bool | None = None, fed: tuple[Any, Any] | None = None) -> None:
+            nonlocal inputs, target
+            check = verifier is not None and i == 0 if check is None else check
+            step_inputs, step_target = inputs, target
+            if run.lengths:  # --length: this step's batch (step i at the (i mod n)-th length)
+                _, rows_i, target_i = run.at_length[run.lengths[i % len(run.lengths)]]
+                step_inputs, step_target = (rows_i if 0 in runtime.stage_ids else None), (target_i if is_last else None)
+            elif fed is not None:  # train_data's batch: this rank's share of it
+                try:
+                    step_inputs, step_target = pipe.feed(*fed) if draws else (None, None)
+                except PipeccError as e:
+                    raise PipeccError(f"step {i}: train_data in {file}: {e}") from None
+            if timer is not None and update:
+                timer.begin_step()
+            start = time.perf_counter()
+            if optimizer is not None:
+                optimizer.zero_grad()
+            runtime.keep_outputs = check
+            runtime.refresh_follows = update  # Bi-Partition: after_optimizer_step follows; post its receive early
+            # dropout off, draws fixed: as the reference runs
+            with verifier.deterministic() if check and verifier is not None else contextlib.nullcontext():
+                loss = pipe.step_rows(step_inputs, step_target)
+            if check and verifier is not None:
+                paused = time.perf_counter()
+                verifier.check_step(pipe.last_loss)
+                start += time.perf_counter() - paused
+            if clip is not None and update:
+                pipe.clip_grad_norm_(clip)
+            if optimizer is not None and update:
+                if runtime.trace is not None:
+                    runtime.trace.span("optimizer", "optimizer", optimizer.step)
+                else:
+                    optimizer.step()
+                if scheduler is not None:
                     scheduler.step()
-    if verifier is not None and len(set(run.lengths)) > 1:  # --verify at every length, before training
-        verifier = None
-        symbol = Lengths.from_json((meta or {}).get("lengths")).symbol  # type: ignore[union-attr]
-        for k, n in enumerate(run.lengths):
-            if n in run.lengths[:k]:
-                continue
+            if update:
+                pipe.after_optimizer_step()  # Bi-Partition: the replicas' weight refresh
+            elapsed = time.perf_counter() - start
+            if timer is not None and update:
+                timer.end_step(elapsed)
+            if update:
+                history.append({"step": i, "loss": None if math.isnan(loss) else loss, "wall_s": elapsed,
+                                "samples_per_s": batch / elapsed if batch and elapsed > 0 else 0.0,
+                                "lr": optimizer.param_groups[0]["lr"] if optimizer is not None else None})
+            if speaks and update:
+                rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
+                print(f"step {i}: loss {loss:.6g}{rate}", flush=True)
+
+        def evaluate(after: int) -> None:
+            """--eval-every: the mean loss over val_data's batches (eval mode, no gradients)."""
+            val = Batches(module, file, "val_data", batch, model_args, draws, args.seed, 1, runtime.device)
+            pipe.eval()
+            total, count = 0.0, 0
+            for k in range(1_000_000):
+                try:
+                    fed = val.next(k)
+                except StopIteration:
+                    break
+                total += pipe.evaluate(fed[0], target=fed[1]) if fed is not None else pipe.evaluate(target=None)
+                count += 1
+            pipe.train()
+            if count and history:
+                history[-1]["val_loss"] = total / count
             if speaks:
-                print(f"verify at {symbol}={n}:", flush=True)
-            verifier = Verifier(runtime, run.at_length[n][0], meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
-            train_step(k, update=False, check=True)
-        verifier = None
-    elif verifier is not None and (args.steps < 1 or stream is not None):
-        # --verify --steps 0: check one step, train none; with train_data the check runs on the
-        # example batch the reference also runs, before training on the data
-        train_step(0, update=False, check=True)
-        verifier = None
-    i = first
-    while epochs is not None or i < args.steps:
-        fed = None
-        if stream is not None:
-            try:
-                fed = stream.next(i)
-            except StopIteration:
-                break
-        train_step(i, update=True, fed=fed)
-        i += 1
-        if val_every is not None and i % val_every == 0:
+                print(f"eval after step {after}: val loss {total / max(count, 1):.6g} ({count} batches)", flush=True)
+
+        checkpoints, first = None, 0
+        if args.checkpoint_dir is not None:
+            checkpoints = RunCheckpoints(args.checkpoint_dir, runtime, folder_fingerprint(stage_dirs),
+                                         args.checkpoint_every, run_options(args.optimizer, args.lr, args.seed, m))
+            if args.resume:
+                first = checkpoints.resume()
+                for note in checkpoints.notes if speaks else ():
+                    print(note, flush=True)
+                if speaks:
+                    print(f"resumed from {args.checkpoint_dir / f'step_{first}'}: step {first} of --steps {args.steps}",
+                          flush=True)
+                if stream is not None:
+                    stream.fast_forward(first)  # the data continues where the checkpointed run stopped
+                if scheduler is not None:
+                    for _ in range(first):
+                        scheduler.step()
+        if verifier is not None and len(set(run.lengths)) > 1:  # --verify at every length, before training
+            verifier = None
+            symbol = Lengths.from_json((meta or {}).get("lengths")).symbol  # type: ignore[union-attr]
+            for k, n in enumerate(run.lengths):
+                if n in run.lengths[:k]:
+                    continue
+                if speaks:
+                    print(f"verify at {symbol}={n}:", flush=True)
+                verifier = Verifier(runtime, run.at_length[n][0], meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+                train_step(k, update=False, check=True)
+            verifier = None
+        elif verifier is not None and (args.steps < 1 or stream is not None):
+            # --verify --steps 0: check one step, train none; with train_data the check runs on the
+            # example batch the reference also runs, before training on the data
+            train_step(0, update=False, check=True)
+            verifier = None
+        i = first
+        while epochs is not None or i < args.steps:
+            fed = None
+            if stream is not None:
+                try:
+                    fed = stream.next(i)
+                except StopIteration:
+                    break
+            train_step(i, update=True, fed=fed)
+            i += 1
+            if val_every is not None and i % val_every == 0:
+                evaluate(i - 1)
+            if checkpoints is not None and (checkpoints.due(i, args.steps) if epochs is None
+                                            else bool(checkpoints.every and i % checkpoints.every == 0)):
+                where = checkpoints.save(i)
+                if speaks:
+                    print(f"checkpoint: step {i} saved in {where}", flush=True)
+        if val_every is not None and i % val_every and i > first:
             evaluate(i - 1)
-        if checkpoints is not None and (checkpoints.due(i, args.steps) if epochs is None
-                                        else bool(checkpoints.every and i % checkpoints.every == 0)):
+        if checkpoints is not None and epochs is not None and not (checkpoints.every and i % checkpoints.every == 0) \
+                and i > first:
             where = checkpoints.save(i)
             if speaks:
                 print(f"checkpoint: step {i} saved in {where}", flush=True)
-    if val_every is not None and i % val_every and i > first:
-        evaluate(i - 1)
-    if checkpoints is not None and epochs is not None and not (checkpoints.every and i % checkpoints.every == 0) \
-            and i > first:
-        where = checkpoints.save(i)
-        if speaks:
-            print(f"checkpoint: step {i} saved in {where}", flush=True)
     if timer is not None and getattr(args, "json", False):
         _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout, history)
     if runtime.trace is not None:
@@ -475,6 +479,21 @@ def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | 
         runtime.timer = runtime.trace = TraceRecorder(runtime, warmup, inner=runtime.timer)
         runtime.trace.align()
     return runtime.timer
+
+
+def _memory_meter(args: argparse.Namespace, runtime: PipelineRuntime, timer: ActionTimer | TraceRecorder | None,
+                  rows: Any, target: Any) -> contextlib.AbstractContextManager:
+    """``--memory`` (with ``--json``): the rank's meter (``pipecc.runtime.memory``), handed to its
+    action timer and entered around the loop; else nothing. It also counts the batch this rank
+    feeds from before the loop (stage 0's inputs, the last stage's target)."""
+    inner = getattr(timer, "inner", timer)  # --trace wraps the ActionTimer
+    if not getattr(args, "memory", False) or not isinstance(inner, ActionTimer):
+        return contextlib.nullcontext()
+    feeds = [rows if 0 in runtime.stage_ids else None, target if runtime.last_stage in runtime.stage_ids else None]
+    meter = memory_meter(runtime.device, runtime.modules, feeds)
+    meter.optimizer = runtime.optimizer
+    inner.memory = meter
+    return meter
 
 
 def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedule: str, batch: int,
@@ -521,31 +540,32 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
         elif outputs is not None:  # no model file: against all (torch) stages chained here
             verify_chained(outputs, rows, [load_stage(d)[0].eval().to(runtime.device) for d in stage_dirs], is_last)
 
-    for i in range(args.steps):
-        first = i == 0
-        if lengths and at_length is not None:  # --length: this pass's batch, verified at its first pass
-            n = lengths[i % len(lengths)]
-            data, rows, _ = at_length[n]
-            inputs = rows if 0 in runtime.stage_ids else None
-            first = n not in lengths[:i]
-            if verify and first and args.verify and not args.verify_stages_only and i > 0:
-                verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
-            if verify and first and is_last:
-                print(f"verify at {(meta or {}).get('lengths', {}).get('symbol')}={n}:", flush=True)
-        if timer is not None:
-            timer.begin_step()
-        start = time.perf_counter()
-        outputs = runtime.infer(inputs)
-        elapsed = time.perf_counter() - start
-        if timer is not None:
-            timer.end_step(elapsed)
-        if verify and first:
-            check(outputs)
-        if is_last:
-            rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
-            print(f"step {i}: forward only{rate}", flush=True)
-    if verify and args.steps < 1:
-        check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
+    with _memory_meter(args, runtime, timer, rows, None):  # --memory: its meter counts the passes
+        for i in range(args.steps):
+            first = i == 0
+            if lengths and at_length is not None:  # --length: this pass's batch, verified at its first pass
+                n = lengths[i % len(lengths)]
+                data, rows, _ = at_length[n]
+                inputs = rows if 0 in runtime.stage_ids else None
+                first = n not in lengths[:i]
+                if verify and first and args.verify and not args.verify_stages_only and i > 0:
+                    verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+                if verify and first and is_last:
+                    print(f"verify at {(meta or {}).get('lengths', {}).get('symbol')}={n}:", flush=True)
+            if timer is not None:
+                timer.begin_step()
+            start = time.perf_counter()
+            outputs = runtime.infer(inputs)
+            elapsed = time.perf_counter() - start
+            if timer is not None:
+                timer.end_step(elapsed)
+            if verify and first:
+                check(outputs)
+            if is_last:
+                rate = f", {batch / elapsed:.1f} samples/s" if batch and elapsed > 0 else ""
+                print(f"step {i}: forward only{rate}", flush=True)
+        if verify and args.steps < 1:
+            check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
     if timer is not None and getattr(args, "json", False):
         _print_times(runtime, timer, args.out, "inference", batch, stdout or sys.stdout)
     if runtime.trace is not None:

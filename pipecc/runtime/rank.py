@@ -336,6 +336,8 @@ def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward
     if forward and any(v is not None for v in (epochs, clip, getattr(args, "eval_every", None))):
         raise UsageError(f"{args.out} runs forward passes only ({why}): --epochs, --clip-grad-norm and --eval-every "
                          "are for training")
+    if getattr(args, "memory", False) and not getattr(args, "json", False):
+        raise UsageError("--memory adds the measured peak memory to --json's document: give --json too")
     if getattr(args, "json", False) and epochs is None and args.steps <= warmup:
         raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
                          f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")

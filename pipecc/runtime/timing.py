@@ -14,9 +14,10 @@ over the run's process group) and ``run_document`` turns them, with ``plan.json`
 runtime never imports the compiler), into the one document ``pipecc run --json`` prints::
 
     {"format": "pipecc-run", "version": 1, "schedule", "microbatches", "batch_size", "steps",
-     "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "samples_per_s",
+     "warmup_steps", "step_s": {"median", "all"}, "predicted_step_s", "memory_source", "samples_per_s",
      "stages": [{"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples",
-                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s"}],
+                 "backward_samples", "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s",
+                 "peak_memory_bytes", "peak_memory_at", "static_memory_bytes", "predicted_peak_memory_bytes"}],
      "plan": {"model", "model_sha256", "model_args", "batch_size", "microbatches", "schedule",
               "devices": [name], "sha256", "stages": [{"index", "device", "nodes", "backward_nodes",
               "forward_s", "backward_s", "fixed_forward_s", "fixed_backward_s", "host_forward_s",
@@ -34,6 +35,11 @@ where the folder has no ``plan.json``.
 One row per stage and rank: with replicated stages (PP x DP, ``pipecc.runtime.replicas``) every
 replica of a stage has its row, ``rank`` the process's global rank, ``device`` the plan's device
 of that rank and ``replica`` its index in the stage's group (0 in every row of a plain pipeline).
+
+Memory (``--memory``, ``pipecc.runtime.memory``, which describes the four fields): the rank's
+meter is told of every step (``begin_step``/``end_step``) and of every action (``during``: the
+one a CPU peak is reached in); without ``--memory`` ``memory_source`` and the measured fields are
+null and ``predicted_peak_memory_bytes`` is still plan.json's.
 
 Statistics are medians (robust to the odd descheduled action on a shared machine). The step
 time of step i is the longest of the ranks' own wall times of step i (from ``zero_grad`` to
@@ -92,21 +98,28 @@ class ActionTimer:
         self._wait = 0.0
         self._input_s: dict[tuple[int, int], float] = {}  # zero-bubble I times awaiting their W
         self.evicted: dict[int, list[int]] = {}  # BPipe: stage -> bytes of each eviction, timed steps
+        self.memory: Any = None  # --memory: a pipecc.runtime.memory meter, told of every timed step
 
     def begin_step(self) -> None:
         self._counting = self.steps_done >= self.warmup_steps
         self._wait = 0.0
+        if self.memory is not None:
+            self.memory.begin_step(self._counting)
 
     def end_step(self, wall_s: float) -> None:
         """End the step begun last; ``wall_s`` is its wall time as the caller measured it."""
         if self._counting:
             self.step_s.append(wall_s)
             self.recv_wait_s.append(self._wait)
+        if self.memory is not None:
+            self.memory.end_step()
         self._counting = False
         self.steps_done += 1
 
     def run(self, action: Action, execute: Callable[[], None]) -> None:
         """``execute()`` the action, timing it when it is a compute or a receive of a timed step."""
+        if self.memory is not None:  # the action a new peak happens in (pipecc.runtime.memory)
+            execute = self.memory.during(action, execute)
         kind = action.kind
         if not self._counting or not (kind.is_compute or kind.is_recv):
             execute()
@@ -148,6 +161,7 @@ class ActionTimer:
                 "backward": [self.backward.get(s, []) for s in stage_ids],
                 "step_s": self.step_s, "recv_wait_s": self.recv_wait_s,
                 "evicted": [self.evicted.get(s, []) for s in stage_ids],
+                "memory": self.memory.summary() if self.memory is not None else None,
                 "warmup": min(self.warmup_steps, self.steps_done)}
 
 
@@ -227,6 +241,18 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _integer(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _rank_peak(plan_stages: dict[Any, dict[str, Any]], stage_ids: Sequence[int]) -> int | None:
+    """The plan's peak memory of what one rank holds: plan.json's ``peak_memory_bytes`` summed over
+    the rank's stages (one stage: its own; interleaved: each stage's share of the device); None
+    where the plan has none."""
+    peaks = [_integer(plan_stages.get(s, {}).get("peak_memory_bytes")) for s in stage_ids]
+    return None if not peaks or any(p is None for p in peaks) else sum(peaks)  # type: ignore[misc]
+
+
 def _less(value: float | None, part: Any) -> float | None:
     """`value` less a plan's host part (``host_forward_s``/``host_backward_s``, 0 where absent)."""
     return None if value is None else value - (_number(part) or 0.0)
@@ -263,6 +289,7 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
         evicted = summary.get("evicted") or [[] for _ in summary["stages"]]
         timed = max(len(summary["step_s"]), 1)
         host = _host_s(summary, wait, timed)
+        memory = summary.get("memory") or {}
         for s, forward, backward, moved in zip(summary["stages"], summary["forward"], summary["backward"], evicted):
             planned = plan_stages.get(s, {})
             replica = int(summary.get("replica", 0))
@@ -278,7 +305,11 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
                 "predicted_forward_s": _less(_number(planned.get("forward_s")), planned.get("host_forward_s")),
                 "predicted_backward_s": _scaled(_less(_number(planned.get("backward_s")),
                                                       planned.get("host_backward_s")), split),
-                "comm_wait_s": wait, "host_s": host}
+                "comm_wait_s": wait, "host_s": host,
+                # pipecc.runtime.memory: the rank's measured peak (null without --memory) and the plan's
+                "peak_memory_bytes": memory.get("peak_bytes"), "peak_memory_at": memory.get("peak_at"),
+                "static_memory_bytes": memory.get("static_bytes"),
+                "predicted_peak_memory_bytes": _rank_peak(plan_stages, summary["stages"])}
             if stash:  # BPipe
                 row.update(stash_evictions=len(moved) / timed, stash_evicted_bytes=sum(moved) / timed)
             stages.append(row)
@@ -287,5 +318,6 @@ def run_document(summaries: Sequence[dict[str, Any]], plan: dict[str, Any], sche
             "batch_size": batch_size, "steps": steps, "warmup_steps": max(s["warmup"] for s in summaries),
             "step_s": {"median": median, "all": step_s},
             "predicted_step_s": _number(plan.get("predicted_iteration_s")),
+            "memory_source": next((s["memory"].get("source") for s in summaries if s.get("memory")), None),
             "samples_per_s": batch_size / median if median > 0 else 0.0,
             "stages": stages, "plan": identity}

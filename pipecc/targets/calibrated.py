@@ -158,6 +158,9 @@ def load_run(run: str | Path | Mapping[str, Any] | Calibration) -> Calibration:
         raise PipeccError(f"--calibrate {where} does not say which plan ran (no \"plan\"; a run from "
                           "before calibration, or of a folder without plan.json); run the folder again "
                           "with `pipecc run OUT --json`")
+    if data.get("memory_source") == "live-tensors":  # pipecc.runtime.memory: its count slows every op
+        raise PipeccError(f"--calibrate {where} was measured with --memory on a CPU, whose count of live tensor "
+                          "bytes makes every op slower; calibrate with a run without it (`pipecc run OUT --json`)")
     name = Path(where).name if where != "run document" else where
     cal = Calibration(name, data)
     _factors(cal, where)

@@ -1,0 +1,380 @@
+"""Measured memory (`pipecc.runtime.memory`, `pipecc run --json --memory`; issue 31 item 3).
+
+The CPU tracker's arithmetic on tensors of known size (exact byte counts: allocations, views,
+in-place ops, frees, a Linear's parameters, gradients and Adam's state), that it changes no
+numerics, the CUDA meter's calls (no GPU here: torch.cuda stubbed), the document's fields from
+made-up figures, and one 2-rank gloo run whose measured static bytes are exactly its stages'
+parameters and gradients. No wall-clock assertions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from helpers import MLP_TINY, model_args, run_cli
+from helpers import run_pipecc as pipecc
+from pipecc import cli
+from pipecc.runtime.memory import CudaMemory, LiveTensorBytes, held_tensors, memory_meter, static_bytes
+from pipecc.runtime.timing import ActionTimer, run_document
+
+ROOT = Path(__file__).resolve().parents[1]
+F32 = 4
+
+
+# ---------------------------------------------------------------------------- the tracker's arithmetic
+
+
+def test_allocations_views_and_frees_count_exactly() -> None:
+    with LiveTensorBytes() as live:
+        a = torch.empty(1000)  # 4000 bytes
+        assert live.live_bytes == 1000 * F32
+        v = a.view(10, 100)[2:5]  # a view: the same storage
+        a.add_(1.0)  # in place: no new storage
+        assert live.live_bytes == 1000 * F32
+        b = torch.zeros(250, dtype=torch.float64)  # 2000 bytes
+        assert live.live_bytes == 1000 * F32 + 250 * 8
+        del a
+        assert live.live_bytes == 1000 * F32 + 250 * 8  # the view still holds the storage
+        del v
+        assert live.live_bytes == 250 * 8
+        c = b * 2  # a new tensor
+        assert live.live_bytes == 2 * 250 * 8
+        del b, c
+        assert live.live_bytes == 0
+        assert live.peak_bytes == 1000 * F32 + 250 * 8  # a and b; c came after a went
+        live.reset_peak()
+        assert live.peak_bytes == 0
+
+
+def test_tensors_from_before_are_counted_once_when_tracked() -> None:
+    x = torch.ones(64, dtype=torch.int32)
+    with LiveTensorBytes() as live:
+        live.track([x, x[:8], "not a tensor", None])
+        assert live.live_bytes == 64 * 4
+        y = x + 1
+        assert live.live_bytes == 2 * 64 * 4
+        del y
+    assert live.live_bytes == 64 * 4
+
+
+def test_linear_with_adam_parameters_gradients_and_state() -> None:
+    """Linear(100, 50): 5050 parameters. Parameters + gradients + Adam's two moments = 4 x 20200
+    bytes, plus Adam's step counters (a scalar tensor per parameter)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(100, 50)
+    opt = torch.optim.Adam(lin.parameters(), lr=1e-3)
+    x = torch.randn(32, 100)
+    params = (100 * 50 + 50) * F32
+    with LiveTensorBytes() as live:
+        live.track(held_tensors([lin], opt))
+        assert live.live_bytes == params
+        loss = lin(x).relu().sum()
+        # forward: the ReLU's output (saved for its backward) and the scalar loss; the Linear's
+        # output died once the ReLU had read it; x was never tracked
+        assert live.live_bytes == params + 32 * 50 * F32 + F32
+        loss.backward()
+        del loss  # the graph and its saved output go
+        assert live.live_bytes == 2 * params
+        opt.step()
+        steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+        moments = sum(s[k].numel() * s[k].element_size() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq"))
+        assert moments == 2 * params
+        assert live.live_bytes == 4 * params + steps
+        assert static_bytes(held_tensors([lin], opt)) == 4 * params + steps
+        assert live.peak_bytes >= live.live_bytes  # the update's temporaries came and went
+        opt.zero_grad()  # set_to_none: the gradients are freed
+        assert live.live_bytes == 3 * params + steps
+
+
+def test_the_tracker_changes_no_numerics() -> None:
+    def train(tracked: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = torch.randn(5, 8), torch.randint(3, (5,))
+        with LiveTensorBytes() if tracked else contextlib.nullcontext():
+            for _ in range(3):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()], loss.detach()
+
+    plain, tracked = train(False), train(True)
+    torch.testing.assert_close(tracked, plain, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- the meters
+
+
+def test_cpu_meter_counts_the_timed_steps_only() -> None:
+    lin = nn.Linear(10, 10)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    meter = memory_meter(torch.device("cpu"), [lin])
+    meter.optimizer = opt
+    timer = ActionTimer(0, torch.device("cpu"), warmup_steps=1)
+    timer.memory = meter
+    params = 110 * F32
+    with meter:
+        for step in range(2):
+            timer.begin_step()
+            if step == 0:
+                big = torch.empty(10_000)  # only in the warm-up step
+                del big
+            opt.zero_grad()
+            lin(torch.ones(4, 10)).sum().backward()
+            opt.step()
+            timer.end_step(0.0)
+    got = timer.summary([0])["memory"]
+    assert got["source"] == "live-tensors"
+    assert got["static_bytes"] == 2 * params  # SGD holds no state
+    assert 2 * params <= got["peak_bytes"] < 10_000 * F32
+    assert got["peak_at"] == "between actions"  # no schedule ran: zero_grad, forward, step all outside actions
+
+
+def test_cuda_meter_reads_the_allocator(monkeypatch) -> None:
+    """The GPU path: the allocator's peak reset at each timed step and read at its end."""
+    calls: list[str] = []
+    peaks = iter([5000, 7000])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    meter = memory_meter(torch.device("cuda", 0), [])
+    assert isinstance(meter, CudaMemory) and meter.source == "cuda-allocator"
+    for counting in (False, True, True):
+        meter.begin_step(counting)
+        meter.end_step()
+    assert calls.count("reset") == 2
+    assert meter.summary() == {"peak_bytes": 7000, "static_bytes": 0, "peak_at": None,
+                               "source": "cuda-allocator"}
+
+
+def test_static_bytes_counts_shared_storage_once() -> None:
+    w = torch.empty(100)
+    assert static_bytes([w, w, w[:10], w.view(10, 10)]) == 100 * F32
+    assert static_bytes([w], torch.device("cuda")) == 0  # another device's tensors are not this one's
+
+
+# ---------------------------------------------------------------------------- the document
+
+
+def test_document_rows_carry_measured_and_predicted_memory() -> None:
+    plan = {"devices": [{"name": "cpu"}],
+            "stages": [{"index": 0, "device": 0, "peak_memory_bytes": 900},
+                       {"index": 1, "device": 0, "peak_memory_bytes": 700}]}
+    base = {"forward": [[0.1]], "backward": [[0.1]], "step_s": [1.0], "recv_wait_s": [0.0], "warmup": 1}
+    summaries = [{"rank": 0, "stages": [0], **base,
+                  "memory": {"peak_bytes": 1000, "static_bytes": 400, "source": "live-tensors"}},
+                 {"rank": 1, "stages": [1], **base,
+                  "memory": {"peak_bytes": 650, "static_bytes": 300, "source": "live-tensors"}}]
+    doc = run_document(summaries, plan, "1f1b", 2, 8)
+    assert doc["memory_source"] == "live-tensors"
+    assert [(s["peak_memory_bytes"], s["static_memory_bytes"], s["predicted_peak_memory_bytes"])
+            for s in doc["stages"]] == [(1000, 400, 900), (650, 300, 700)]
+    # one rank holding both stages (interleaved): the plan's figures of its stages add up
+    both = [{"rank": 0, "stages": [0, 1], **base, "forward": [[0.1], [0.1]], "backward": [[0.1], [0.1]],
+             "memory": {"peak_bytes": 1500, "static_bytes": 700, "peak_at": "0B1", "source": "live-tensors"}}]
+    rows = run_document(both, plan, "interleaved", 2, 8)["stages"]
+    assert [(s["peak_memory_bytes"], s["peak_memory_at"], s["predicted_peak_memory_bytes"]) for s in rows] == \
+        [(1500, "0B1", 1600)] * 2
+    for s in summaries:
+        s["memory"] = None
+    doc = run_document(summaries, {}, "1f1b", 2, 8)
+    assert doc["memory_source"] is None
+    assert all(s["peak_memory_bytes"] is None and s["predicted_peak_memory_bytes"] is None for s in doc["stages"])
+
+
+# ---------------------------------------------------------------------------- a run
+
+
+def test_memory_needs_json(tmp_path: Path, capsys) -> None:
+    out = _compile(tmp_path / "mlp")
+    code, stdout, err = run_cli(["run", str(out), "--memory", "--steps", "2"], capsys)
+    assert code == 2 and stdout == ""
+    assert err.startswith("pipecc: error: --memory adds the measured peak memory to --json") and err.count("\n") == 1
+
+
+@pytest.mark.slow  # a torchrun launch of two processes
+def test_two_rank_gloo_run_reports_each_stages_memory(tmp_path: Path) -> None:
+    """SGD keeps no state: each rank's static bytes are exactly its stage's parameters and their
+    gradients; the peak is at least that, and the plan's prediction sits beside it."""
+    out = _compile(tmp_path / "mlp")
+    result = pipecc("run", str(out), "--json", "--memory", "--steps", "3", "--timeout", "30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(result.stdout)
+    plan = json.loads((out / "plan.json").read_text())
+    assert doc["memory_source"] == "live-tensors"
+    for row, planned in zip(doc["stages"], plan["stages"]):
+        params = _param_bytes(out / f"stage_{row['index']}" / "weights.safetensors")
+        assert row["static_memory_bytes"] == 2 * params
+        assert row["peak_memory_bytes"] >= row["static_memory_bytes"]
+        assert row["predicted_peak_memory_bytes"] == planned["peak_memory_bytes"] > 0
+        # sane: the same order of magnitude as the plan's (which assumes Adam's two moments)
+        assert row["peak_memory_bytes"] < 4 * planned["peak_memory_bytes"]
+
+
+def _compile(out: Path) -> Path:
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1",
+            "--use-all-devices", "-o", str(out), "-b", "8", "-m", "2", "-q"]
+    for arg in model_args(MLP_TINY):
+        argv += ["--model-arg", arg]
+    assert cli.main(argv) == 0
+    return out
+
+
+def _param_bytes(path: Path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+
+
+def test_one_process_holding_both_stages_reports_one_figure_for_each(tmp_path: Path, capsys) -> None:
+    """Without torchrun one process runs both stages (interleaved): the rank's peak and static
+    bytes in each row (as plan.json gives a rank's peak to each of its stages); the tracker is
+    gone from the dispatch stack afterwards."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from pipecc.runtime import dist
+    out = _compile(tmp_path / "mlp")
+    assert dist.main([str(out), "--steps", "3", "--schedule", "interleaved", "--json", "--memory"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    params = sum(_param_bytes(out / f"stage_{i}" / "weights.safetensors") for i in range(2))
+    rows = doc["stages"]
+    assert [r["static_memory_bytes"] for r in rows] == [2 * params] * 2
+    assert rows[0]["peak_memory_bytes"] == rows[1]["peak_memory_bytes"] >= 2 * params
+    assert _get_current_dispatch_mode() is None
+
+
+# ---------------------------------------------------------------------------- the planner's side
+
+
+def test_step_memory_rules() -> None:
+    """Adam/AdamW (two states): single-tensor on a CPU (2 x the largest parameter), foreach on a
+    GPU (1 x all parameters); SGD, momentum and FPGA stages: nothing (passes.step_memory)."""
+    from pipecc.passes.step_memory import step_bytes
+    assert step_bytes("cpu", 1000, 5000, 2) == 2000
+    assert step_bytes("gpu", 1000, 5000, 2) == 5000
+    assert step_bytes("cpu", 1000, 5000, 0) == step_bytes("gpu", 1000, 5000, 1) == 0
+    assert step_bytes("fpga", 1000, 5000, 2) == 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_peak_is_static_plus_the_larger_of_stash_and_optimizer_step(schedule: str) -> None:
+    from pipecc.ir.schedule import schedule_for
+    from pipecc.passes.simulate import StageCosts, simulate
+    sched = schedule_for(schedule, 2, 4)
+    costs = StageCosts.uniform(2, 4, 1.0, 2.0, activation_bytes=10.0, static_bytes=100.0)
+    held = [4, 4] if schedule == "gpipe" else [2, 1]  # micro-batches stashed at once per rank
+    assert simulate(sched, costs).peak_memory_bytes == [100.0 + 10 * n for n in held]
+    costs.step_bytes = [35.0, 5.0]  # rank 0's step needs more than its stash in 1F1B, not in GPipe
+    assert simulate(sched, costs).peak_memory_bytes == [100.0 + max(10 * held[0], 35.0), 100.0 + 10 * held[1]]
+    costs.step_bytes = [1.0]
+    with pytest.raises(ValueError, match="step_bytes must have 2 entries"):
+        simulate(sched, costs)
+
+
+def test_planned_peak_counts_the_optimizer_step_and_the_received_input() -> None:
+    """A wide MLP at batch 2 on two CPUs: activations are tiny, so each stage's planned peak is
+    parameters x 4 (weights, gradients, Adam's moments) plus Adam's two temporaries of the
+    largest weight (hidden x hidden floats), as measured (bench/RESULTS.md's memory section)."""
+    from pipecc import driver
+    hidden = 512
+    args = dict(in_features=16, hidden=hidden, depth=4, num_classes=10)
+    analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=args, batch_size=2)
+    plan, _ = driver.plan(analysis, "2xcpu", microbatches=2, schedule="1f1b", replicas=1, use_all_devices=True)
+    for stage in plan.stages:
+        assert stage.param_bytes > hidden * hidden * F32  # each stage holds a hidden x hidden weight
+        activations = stage.peak_memory_bytes - 4 * stage.param_bytes - 2 * hidden * hidden * F32
+        assert activations == 0  # the step's temporaries outweigh the stash at batch 2
+
+
+# ---------------------------------------------------------------------------- inspect --run
+
+
+def _run_file(tmp_path: Path, **top: object) -> Path:
+    doc = {"format": "pipecc-run", "version": 1, "batch_size": 8, "microbatches": 2, "schedule": "1f1b",
+           "warmup_steps": 1, "predicted_step_s": 0.5,
+           "history": [{"step": 0, "loss": 1.0, "wall_s": 0.5, "samples_per_s": 16.0, "lr": 1e-3}],
+           "stages": [{"index": 0, "rank": 0, "peak_memory_bytes": 12_000_000, "peak_memory_at": "between actions",
+                       "static_memory_bytes": 10_000_000, "predicted_peak_memory_bytes": 10_000_000},
+                      {"index": 1, "rank": 1, "peak_memory_bytes": 900_000, "peak_memory_at": "1B3",
+                       "static_memory_bytes": 400_000, "predicted_peak_memory_bytes": 1_000_000}], **top}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_inspect_run_shows_measured_against_predicted_memory(tmp_path: Path) -> None:
+    from pipecc.report import history
+    run = history.load_run(_run_file(tmp_path, memory_source="live-tensors"))
+    text = history.history_text(run)
+    table = text[text.index("memory per rank (live tensor bytes on the CPU"):].splitlines()
+    assert table[1].split() == ["stage", "rank", "measured", "predicted", "measured/predicted", "static", "peak", "at"]
+    assert table[3].split() == ["0", "0", "12MB", "10MB", "1.20", "10MB", "between", "actions"]
+    assert table[4].split() == ["1", "1", "900kB", "1MB", "0.90", "400kB", "1B3"]
+    assert history.history_json(run)["memory"]["stages"][1]["at"] == "1B3"
+    plain = history.load_run(_run_file(tmp_path, memory_source=None))  # a run without --memory
+    assert "memory per rank" not in history.history_text(plain) and history.history_json(plain)["memory"] is None
+
+
+def test_inspect_run_refuses_damaged_memory_figures(tmp_path: Path) -> None:
+    from pipecc.errors import PipeccError
+    from pipecc.report import history
+    path = _run_file(tmp_path, memory_source="live-tensors")
+    doc = json.loads(path.read_text())
+    doc["stages"][1]["peak_memory_bytes"] = "lots"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PipeccError, match=r"stages\[1\].*peak_memory_bytes"):
+        history.load_run(path)
+
+
+def test_report_section_has_the_memory_table(tmp_path: Path) -> None:
+    from pipecc.report import history
+    page = history.history_html(history.load_run(_run_file(tmp_path, memory_source="live-tensors")))
+    assert "Peak memory per rank, measured against plan.json" in page
+    assert "<td>12MB</td><td>10MB</td><td>1.20</td>" in page and "<td>1B3</td>" in page
+
+
+def test_interleaved_stages_add_up_to_their_ranks_peak() -> None:
+    """Two stages per rank: plan.json gives each its share; a rank's shares add up to its
+    parameters x 4 plus Adam's temporaries of its largest weight (batch 2: tiny activations),
+    what `run --json --memory` measures for the rank."""
+    from pipecc import driver
+    hidden = 512
+    args = dict(in_features=16, hidden=hidden, depth=6, num_classes=10)
+    analysis = driver.analyze(ROOT / "models" / "mlp.py", model_args=args, batch_size=2)
+    plan, _ = driver.plan(analysis, "2xcpu", microbatches=2, schedule="interleaved", replicas=1,
+                          use_all_devices=True)
+    assert len(plan.stages) == 4
+    for rank in range(2):
+        mine = [s for s in plan.stages if s.index % 2 == rank]
+        total = sum(s.peak_memory_bytes for s in mine)
+        expected = 4 * sum(s.param_bytes for s in mine) + 2 * hidden * hidden * F32
+        assert abs(total - expected) <= len(mine)  # each share rounded down to whole bytes
+
+
+def test_a_tied_weight_counts_on_every_stage_that_reads_it() -> None:
+    """GPT with its LM head tied to the token embedding, cut in two: both compiled stages hold
+    the (vocab x n_embd) matrix, so the planned peak of the stage that did not get it charged
+    (its units' param_bytes) still holds it x 4 (weights, gradients, Adam's moments)."""
+    from pipecc import driver
+    args = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=4096, block_size=16, seq_len=8)
+    vocab = 4096 * 32 * F32  # the tied matrix
+    plans = {}
+    for tie in (False, True):
+        analysis = driver.analyze(ROOT / "models" / "gpt.py", model_args={**args, "tie_weights": tie}, batch_size=4)
+        plans[tie], _ = driver.plan(analysis, "2xcpu", microbatches=2, schedule="1f1b", replicas=1,
+                                    use_all_devices=True)
+    untied, shared = plans[False], plans[True]
+    assert [s.nodes for s in untied.stages] == [s.nodes for s in shared.stages]  # the same cut
+    head = next(k for k, s in enumerate(shared.stages) if any("lm_head" in n for n in s.nodes))
+    assert head == 1 and shared.stages[1].param_bytes == untied.stages[1].param_bytes - vocab  # charged to stage 0
+    # the head's stage holds the matrix all the same: as much as untied, where it was its own
+    assert shared.stages[1].peak_memory_bytes == untied.stages[1].peak_memory_bytes
+    assert shared.stages[0].peak_memory_bytes == untied.stages[0].peak_memory_bytes

@@ -121,18 +121,45 @@ def analyse(loss_fn: Callable[[Any, Any], Any], outputs: Any, target: Any, batch
     warnings.simplefilter("ignore")  # the loss's own warnings were shown by the model check
     wide = sum(_numel(outputs)) <= WIDE_ELEMENTS
     try:
+        found = None
         try:  # in float64 first: the comparison then needs no float32 slack
             if wide:
-                return _analyse(loss_fn, outputs, _cast(target, torch.float64), k, splits, torch.float64, RTOL)
+                found = _analyse(loss_fn, outputs, _cast(target, torch.float64), k, splits, torch.float64, RTOL)
         except _Failed:
             pass
-        try:
-            return _analyse(loss_fn, outputs, target, k, splits, None, 1e-3)
-        except _Failed as failed:
-            return LossReduction(MIXED, str(failed))
+        if found is None:
+            try:
+                found = _analyse(loss_fn, outputs, target, k, splits, None, 1e-3)
+            except _Failed as failed:
+                found = LossReduction(MIXED, str(failed))
+        if found.kind == MIXED and _weighted(loss_fn, outputs, target, k, splits):
+            return MEAN_LOSS  # a mean its targets weigh: each step's factors found from its targets
+        return found
     finally:
         caught.__exit__(None, None, None)
         torch.random.set_rng_state(state)
+
+
+def _weighted(loss_fn: Callable[[Any, Any], Any], outputs: Any, target: Any, batch: int,
+              splits: list[list[int]]) -> bool:
+    """Whether ``loss_fn`` is, on the example target, a combination of its parts' losses with
+    factors its targets set (cross_entropy's mean with ignore_index entries or class weights): a
+    mean the runtime weighs step by step (``step_factors``)."""
+    moved = False
+    flipped = _map_leaves(target, lambda t: t.flip(0) if t.dim() and t.shape[0] == batch else t)
+    for sizes in splits:
+        draws = []
+        for tgt, seed in ((target, 1), (target, 2), (flipped, 1)):
+            targets = [_slice(tgt, lo, hi, batch) for lo, hi in _bounds(sizes)]
+            draws.append(_factors(loss_fn, _shapes(outputs, batch, sizes[0]), 0, targets, sizes, seed))
+        if not all(isinstance(d, list) for d in draws) or not _same(draws[0], draws[1]):
+            return False  # not a combination, or one the outputs set (a max)
+        moved = moved or not _same(draws[0], draws[2])
+    return moved  # the targets set the factors (not the sample counts alone: a count of the batch)
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= 1e-6 * max(abs(x), abs(y), 1e-9) for x, y in zip(a, b))
 
 
 class _Failed(Exception):
@@ -248,3 +275,169 @@ def _rebuilt(value: Any, items: list) -> Any:
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
         return type(value)(*items)
     return type(value)(items)
+
+
+# ---------------------------------------------------------------------------- this step's targets
+# A mean that counts targets (cross_entropy's ignore_index, its class weights, a masked mean
+# ``(err * mask).sum() / mask.sum()``) is a mean over the samples for the example target and yet
+# weighs micro-batches by what their targets hold: with ignored targets spread unevenly, parts
+# weighted n_i / n give other gradients than the batch. ``step_factors`` finds each step's true
+# factors from the step's own targets.
+
+def step_factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, targets: list[Any],
+                 sizes: list[int], kind: str, replicas: int = 1) -> list[float] | None:
+    """The factors ``w_i`` with ``loss_fn(batch) == sum_i w_i * loss_fn(part i)`` for this step's
+    ``targets`` (one per micro-batch, ``sizes[i]`` samples each; ``value``: micro-batch ``mb``'s
+    outputs, for their shapes), or None when they are the analysed ones (``weight(kind, ...)``)
+    or cannot be found (a target or output without the batch as dim 0: the analysed ones hold).
+
+    How: on random outputs of the parts' shapes, the gradient of the batch's loss restricted to
+    part i is ``w_i`` times the gradient of part i's loss (a weighted mean ``sum_j a_j l_j /
+    sum_j a_j`` over parts is ``sum_i (A_i / A) * loss_i``), checked element by element and on
+    the value. Costs one forward and backward of ``loss_fn`` on the batch and on each part (random
+    outputs, no model), once per step on the rank holding the last stage.
+
+    Refused (PipeccError, one line) when this step's loss is no such combination, and, with
+    ``replicas`` > 1, when the factors are not the analysed ones (each replica sees only its own
+    targets, so the batch's factors are not known on any one rank)."""
+    from pipecc.errors import PipeccError
+    whole = sum(sizes)
+    analysed = [weight(kind, n, whole) for n in sizes]
+    if len(sizes) < 2 or len(targets) != len(sizes):
+        return None
+    found = _factors(loss_fn, value, mb, targets, sizes)
+    if found is None:
+        return None
+    if isinstance(found, str):
+        raise PipeccError(f"loss_fn on this step's targets {found}, so the losses of {len(sizes)} micro-batches do "
+                          "not combine into the batch's loss; give --microbatches 1 --replicas 1")
+    if all(abs(a - b) <= 1e-9 + 1e-6 * max(abs(a), abs(b)) for a, b in zip(found, analysed)):
+        return None
+    if replicas > 1:
+        raise PipeccError("loss_fn weighs this step's micro-batches by what their targets hold (e.g. "
+                          "cross_entropy's ignore_index or class weights, a masked mean), not by their sample "
+                          f"counts, and {replicas} replicas each see only their own targets; give --replicas 1 "
+                          "(the micro-batches are then weighed exactly)")
+    return found
+
+
+def _factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, targets: list[Any],
+             sizes: list[int], seed: int = 4321) -> list[float] | str | None:
+    leaves = list(_leaves(value))
+    if not sizes[mb] or not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+        return None
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and (not t.dim() or t.shape[0] % sizes[mb]):
+            return None  # an output that does not carry the batch in dim 0
+    batch_target = _cat_targets(targets)
+    if batch_target is None:
+        return None
+    numel = sum(t.numel() // sizes[mb] * sum(sizes) for t in leaves if isinstance(t, torch.Tensor))
+    found: list[float] | str | None = None
+    for dtype, rtol in ((torch.float64, 1e-7), (torch.float32, 1e-3)):  # float32: a loss holding float32 tensors
+        if dtype == torch.float64 and numel > WIDE_ELEMENTS:
+            continue
+        found = _factors_as(loss_fn, value, mb, targets, sizes, batch_target, dtype, rtol, seed)
+        if found is not None:
+            return found
+    return found
+
+
+def _factors_as(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, targets: list[Any], sizes: list[int],
+                batch_target: Any, dtype: torch.dtype, rtol: float, seed: int = 4321) -> list[float] | str | None:
+    gen = torch.Generator().manual_seed(seed)
+
+    def part(i: int) -> Any:
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            shape = (t.shape[0] // sizes[mb] * sizes[i], *t.shape[1:])
+            if t.is_floating_point():
+                return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+            return torch.zeros(shape, dtype=t.dtype)
+        return _map_leaves(value, leaf)
+
+    parts = [part(i) for i in range(len(sizes))]
+    part_leaves = [list(_leaves(p)) for p in parts]
+    joined = [torch.cat([pl[k].detach() for pl in part_leaves]).requires_grad_(part_leaves[0][k].requires_grad)
+              for k in range(len(part_leaves[0]))]
+    it = iter(joined)
+    batch_value = _map_leaves(value, lambda _t: next(it))
+    state = torch.random.get_rng_state()
+    try:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            total, grads = _loss_and_grads(loss_fn, batch_value, batch_target, joined)
+            if total is None or total != total:
+                return None  # no finite loss on the batch: the one-process run has none either
+            factors, combined = [], 0.0
+            for i, (p, pl) in enumerate(zip(parts, part_leaves)):
+                lo = sum(sizes[:i])
+                mine = [g.narrow(0, g.shape[0] // sum(sizes) * lo, g.shape[0] // sum(sizes) * sizes[i])
+                        for g in grads]
+                loss_i, grads_i = _loss_and_grads(loss_fn, p, _map_leaves(targets[i], lambda t: t.cpu()), pl)
+                if loss_i is None:
+                    return None
+                own = sum(float((a * a).sum()) for a in grads_i)
+                w = sum(float((a * b).sum()) for a, b in zip(mine, grads_i)) / own if own > 0 else 0.0
+                scale = max((float(a.abs().max()) for a in mine if a.numel()), default=0.0)
+                if own > 0 and w <= 1e-12:  # its own loss depends on its outputs, the batch's does not (a max)
+                    return (f"is not a weighted mean or sum of its values on the micro-batches (micro-batch {i} "
+                            "counts for nothing in the batch's loss, yet its own loss depends on its outputs)")
+                if any(float((a - w * b).abs().max()) > 1e-12 + rtol * 10 * scale
+                       for a, b in zip(mine, grads_i) if a.numel()):
+                    return ("is not a weighted mean or sum of its values on the micro-batches (the gradient "
+                            f"of micro-batch {i} is not a multiple of the batch's)")
+                factors.append(w)
+                if w:
+                    combined += w * loss_i
+            if abs(combined - total) > 1e-9 + rtol * 10 * max(abs(total), abs(combined)):
+                return "is not the weighted sum of its values on the micro-batches"
+            return factors
+    except Exception:  # the compile's analysis ran it on random outputs; a failure here changes nothing
+        return None
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _loss_and_grads(loss_fn: Callable[[Any, Any], Any], value: Any, target: Any,
+                    leaves: list[torch.Tensor]) -> tuple[float | None, list[torch.Tensor]]:
+    loss = loss_fn(value, target)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        return None, []
+    wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(loss.reshape(()), wrt, allow_unused=True)
+    return float(loss.detach().double()), [torch.zeros_like(t) if g is None else g.detach() for t, g in zip(wrt, grads)]
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, torch.Tensor):
+        yield value
+
+
+def _map_leaves(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_leaves(v, fn)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return _rebuilt(value, [_map_leaves(v, fn) for v in value])
+    return value
+
+
+def _cat_targets(targets: list[Any]) -> Any:
+    """The batch's target from the micro-batches' (tensors, or tuples/lists of them), or None."""
+    first = targets[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(t, torch.Tensor) and t.dim() for t in targets):
+            return None
+        return torch.cat(list(targets)).cpu()
+    if isinstance(first, (tuple, list)) and first and all(isinstance(t, type(first)) and len(t) == len(first)
+                                                          for t in targets):
+        cols = [_cat_targets([t[k] for t in targets]) for k in range(len(first))]
+        return None if any(c is None for c in cols) else type(first)(cols)
+    return None

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, split_sizes, unflatten
-from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, weight
+from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, step_factors, weight
 
 
 __all__ = ["Mailbox", "StageRunner"]
@@ -59,6 +59,8 @@ class StageRunner:
         self.stash: dict[int, tuple[list, Any]] = {}  # mb -> (input leaves, outputs | scaled loss)
         self.losses: list[torch.Tensor] = []
         self.results: dict[int, list] = {}
+        self.factors_for: Any = None  # the targets ``factors`` were found for (step_factors)
+        self.factors: list[float] | None = None
 
     @property
     def leftover(self) -> list[tuple[int, int]]:
@@ -149,11 +151,41 @@ class StageRunner:
             part, whole = sizes[self.stage][mb], sum(sizes[0])
         else:
             part, whole = (split_sizes(n, rt.m)[mb], n) if n is not None else (1, rt.m)
+        if reduction.kind not in (MEAN, SUM) and (rt.m > 1 or rt.replicas.count > 1):
+            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
+        if reduction.kind not in (MEAN, SUM):  # the whole batch in one micro-batch
+            return loss.reshape(())
+        exact = self.step_factors(value, mb, reduction.kind, sizes[self.stage] if sizes is not None else
+                                  split_sizes(n, rt.m) if n is not None else None)
+        if exact is not None:  # this step's targets weigh the micro-batches (ignore_index, class weights)
+            return loss.reshape(()) * exact[mb] if exact[mb] else self.zero_loss(outs, loss)
         if reduction.kind == SUM:
             return loss.reshape(())
-        if reduction.kind != MEAN and (rt.m > 1 or rt.replicas.count > 1):
-            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
         return loss.reshape(()) * (weight(MEAN, part, whole) * rt.replicas.weight)
+
+    def step_factors(self, value: Any, mb: int, kind: str, parts: list[int] | None) -> list[float] | None:
+        """This step's factors on the micro-batch losses when its targets make them other than
+        the analysed ones (``loss_reduction.step_factors``), found once per step; None otherwise."""
+        rt = self.rt
+        if self.factors_for is not rt.targets:
+            self.factors_for, self.factors = rt.targets, None
+            if parts is not None and rt.targets is not None and rt.loss_fn is not None:
+                try:
+                    self.factors = step_factors(rt.loss_fn, value, mb, list(rt.targets), list(parts), kind,
+                                                rt.replicas.count)
+                except PipeccError as exc:
+                    raise PipeccError(f"rank {rt.global_rank}: {exc}") from None
+        return self.factors
+
+    @staticmethod
+    def zero_loss(outs: tuple, loss: torch.Tensor) -> torch.Tensor:
+        """A zero loss with zero gradients for a micro-batch whose targets all count for nothing
+        (its own loss is 0/0, NaN, and would make every gradient NaN)."""
+        zero = torch.zeros((), device=loss.device)
+        for o in as_tuple(outs):
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad:
+                zero = zero + o.float().sum() * 0.0
+        return zero
 
     def check(self, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:
         """Fail early, naming the port, when an output does not match the spec its peer relies on."""

@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # the backends and the planner load only when a step needs th
 
 
 LOSS_META = "pipecc.loss_reduction"  # graph.gm.meta: the LossReduction check_loss found
+OUTPUT_GRAD_META = "pipecc.output_grad"  # graph.gm.meta: whether an output carries a gradient (check_forward)
 
 
 @dataclass
@@ -272,6 +273,8 @@ def _analyze(path: Path, *, model_args: dict[str, Any] | None, batch_size: int,
         spec = state.spec
         from pipecc.frontend.modelfile import deadline
         with deadline(f"the loss check of {path.name} (forward and loss_fn on the example)"):
+            from pipecc.frontend.model_checks import check_forward
+            graph.gm.meta[OUTPUT_GRAD_META] = check_forward(spec.model, tuple(spec.example_inputs), path.name)
             graph.gm.meta[LOSS_META] = check_loss(  # how micro-batch losses combine (pipecc.json's loss_reduction)
                 spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target, path.name)
     return Analysis(graph, state.spec)
@@ -747,6 +750,10 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     if plan.schedule != "inference" and not _trainable(graph):
         raise PipeccError("the model has no trainable parameters, so a training pipeline has nothing to train "
                           "(`pipecc run` would fail): compile it with --inference for a forward-only pipeline")
+    if plan.schedule != "inference" and graph.gm.meta.get(OUTPUT_GRAD_META) is False:
+        raise PipeccError("no output of the model carries a gradient (integer outputs such as argmax, or detached "
+                          "ones), so a training pipeline has nothing to back-propagate (`pipecc run` would fail): "
+                          "return the floating outputs the loss is computed from, or compile with --inference")
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     onnx_import.check_executable(graph.gm)
     batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)

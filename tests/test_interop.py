@@ -290,6 +290,14 @@ def test_a_sum_loss_is_not_divided_by_the_micro_batches(one_rank_group) -> None:
         torch_schedule(plan, stages, _sum_loss, schedule="interleaved").step(*inputs, target=target)
     with pytest.raises(InteropError, match="neither a mean nor a sum"):
         torch_schedule(plan, stages, _sum_loss, schedule="interleaved", reduction="mixed")
+    # a mean over the targets not ignored: alike micro-batches run, unevenly ignored ones are refused
+    even = target.clone()
+    even[[0, 4]] = -100
+    torch_schedule(plan, stages, _skip_loss, schedule="interleaved").step(*inputs, target=even)
+    uneven = target.clone()
+    uneven[:3] = -100
+    with pytest.raises(InteropError, match="weigh its micro-batches unequally"):
+        torch_schedule(plan, stages, _skip_loss, schedule="interleaved").step(*inputs, target=uneven)
 
 
 if __name__ == "__main__":

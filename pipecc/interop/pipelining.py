@@ -400,8 +400,9 @@ def torch_schedule(plan: Plan, stages: Sequence[Any], loss_fn: Callable, *,
     (``InteropError``) when the batch is split. Unknown, the loss is taken for a mean and the
     last stage's rank checks that at its first micro-batch (``analyse``): anything else raises
     ``InteropError`` there, naming the ``reduction`` to pass. A mean its targets weigh
-    (cross_entropy's ignore_index, class weights) torch weighs per micro-batch equally: pipecc's
-    own runtime weighs it exactly (``loss_reduction.step_factors``)."""
+    (cross_entropy's ignore_index, class weights) torch weighs per micro-batch alike: a step
+    whose targets make them unequal raises ``InteropError`` at its last micro-batch (pipecc's own
+    runtime weighs them exactly: ``loss_reduction.step_factors``)."""
     from torch.distributed import pipelining as pp
 
     from pipecc.runtime.loss_reduction import MEAN, MIXED, SUM, LossReduction, split_words
@@ -413,7 +414,7 @@ def torch_schedule(plan: Plan, stages: Sequence[Any], loss_fn: Callable, *,
         known = LossReduction(str(known), f"reduction={str(known)!r} given")
     if known is not None and known.kind == MIXED and m > 1:
         raise InteropError(known.message(split_words(m), "this loss_fn"))
-    checked = loss_fn if known is not None or m < 2 else _checked_mean(loss_fn)
+    checked = loss_fn if m < 2 else _checked(loss_fn, None if known is None else known.kind, m)
     if name == "interleaved":
         torch_sched = pp.ScheduleInterleaved1F1B(list(stages), m, loss_fn=checked)
     elif name == "zb-h1":
@@ -432,12 +433,17 @@ def torch_schedule(plan: Plan, stages: Sequence[Any], loss_fn: Callable, *,
     return torch_sched
 
 
-def _checked_mean(loss_fn: Callable) -> Callable:
-    """``loss_fn`` as torch calls it per micro-batch, taken for a mean: the first call analyses
-    it on that micro-batch's outputs and target and refuses anything else."""
-    from pipecc.runtime.loss_reduction import MEAN, SUM, analyse, split_words
+def _checked(loss_fn: Callable, kind: str | None, m: int) -> Callable:
+    """``loss_fn`` as torch calls it, micro-batch by micro-batch (on the last stage's rank).
+    ``kind`` None: taken for a mean, the first call analyses it on that micro-batch and refuses
+    anything else. Every m-th call (the step's last micro-batch) checks that the step's targets
+    weigh the micro-batches as torch does (``loss_reduction.step_factors``): a mean whose
+    ignored or class-weighted targets are spread unevenly is refused (``InteropError``), its
+    gradients would not be the batch's."""
+    from pipecc.runtime.loss_reduction import MEAN, SUM, analyse, split_words, step_factors
 
-    seen: list[str] = []
+    seen: list[str] = [kind] if kind is not None else []
+    targets: list[Any] = []
 
     def checked(output: Any, target: Any) -> Any:
         if not seen:
@@ -449,6 +455,15 @@ def _checked_mean(loss_fn: Callable) -> Callable:
                                    "their count: pass reduction='sum' to torch_schedule on every rank")
             if found.kind != MEAN:
                 raise InteropError(found.message(split_words(2), "this loss_fn"))
+        targets.append(target)
+        if len(targets) == m:
+            step, sizes = list(targets), [next((t.shape[0] for t in _tensor_leaves(x) if t.dim()), 0) for x in targets]
+            targets.clear()
+            if all(sizes) and step_factors(loss_fn, output, m - 1, step, sizes, seen[0]) is not None:
+                raise InteropError("this step's targets weigh its micro-batches unequally (loss_fn's mean counts "
+                                   "targets: ignore_index entries or class weights spread unevenly), and torch's "
+                                   "schedules weigh each micro-batch alike: the gradients would not be the batch's; "
+                                   "run the folder with pipecc's runtime (pipecc.distributed), which weighs them")
         return loss_fn(output, target)
     return checked
 

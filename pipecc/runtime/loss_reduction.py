@@ -297,9 +297,10 @@ def step_factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, target
     the value. Costs one forward and backward of ``loss_fn`` on the batch and on each part (random
     outputs, no model), once per step on the rank holding the last stage.
 
-    Refused (PipeccError, one line) when this step's loss is no such combination, and, with
-    ``replicas`` > 1, when the factors are not the analysed ones (each replica sees only its own
-    targets, so the batch's factors are not known on any one rank)."""
+    Refused (PipeccError, one line) when this step's loss is no such combination. With
+    replicas the caller passes every replica's micro-batches (``StageRunner.every_replica``);
+    ``replicas`` > 1 here means only this replica's are known: factors other than the analysed
+    ones are then refused (the batch's are not known on this rank)."""
     from pipecc.errors import PipeccError
     whole = sum(sizes)
     analysed = [weight(kind, n, whole) for n in sizes]

@@ -170,12 +170,27 @@ class StageRunner:
         if self.factors_for is not rt.targets:
             self.factors_for, self.factors = rt.targets, None
             if parts is not None and rt.targets is not None and rt.loss_fn is not None:
+                targets, sizes, first = list(rt.targets), list(parts), 0
+                if rt.replicas.count > 1:  # the batch's factors need every replica's targets
+                    targets, sizes, first = self.every_replica(targets, sizes)
                 try:
-                    self.factors = step_factors(rt.loss_fn, value, mb, list(rt.targets), list(parts), kind,
-                                                rt.replicas.count)
+                    found = step_factors(rt.loss_fn, value, first + mb, targets, sizes, kind)
                 except PipeccError as exc:
                     raise PipeccError(f"rank {rt.global_rank}: {exc}") from None
+                self.factors = None if found is None else found[first:first + len(parts)]
         return self.factors
+
+    def every_replica(self, targets: list[Any], sizes: list[int]) -> tuple[list[Any], list[int], int]:
+        """Every replica's micro-batch targets and sizes, replica by replica (collective over the
+        replicas of this pipeline rank), and where this replica's start."""
+        import torch.distributed as dist
+        rt = self.rt
+        gathered: list[Any] = [None] * rt.replicas.count
+        mine = ([_on_cpu(t) for t in targets], sizes)
+        dist.all_gather_object(gathered, mine, group=rt.replicas.group(rt.rank))
+        every_target = [t for g in gathered for t in g[0]]
+        every_size = [n for g in gathered for n in g[1]]
+        return every_target, every_size, sum(len(g[1]) for g in gathered[:rt.replicas.index])
 
     @staticmethod
     def zero_loss(outs: tuple, loss: torch.Tensor) -> torch.Tensor:
@@ -243,3 +258,12 @@ class StageRunner:
             self.rt.mailbox.inbox[("B", self.stage - 1, mb)] = input_grads
         else:
             self.rt.mailbox.outbox[("B", self.stage, mb)] = input_grads
+
+
+def _on_cpu(value: Any) -> Any:
+    """A target (a tensor, or a tuple/list of them) on the CPU, to send to the other replicas."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value

@@ -156,6 +156,36 @@ def test_step_factors_are_the_counted_targets_shares():
                      [torch.tensor([1, 2, 3]), torch.tensor([1, 0, 0])], [3, 3], MEAN)
 
 
+@pytest.mark.parametrize("given", ["sum", "ignored"])
+def test_a_loss_given_to_load_is_weighed_by_each_step(given, tmp_path, monkeypatch):
+    """pipecc.distributed.load(out, loss_fn=...) took any loss for a per-sample mean (a sum
+    trained on a quarter of the gradients at 4 micro-batches); each step's factors now follow it."""
+    import pipecc.distributed
+    from pipecc.models import mlp
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "out"
+    assert compile_model(model_file(tmp_path, "F.cross_entropy(outputs, target)"), out, "-m", "4",
+                         "--replicas", "1") == 0
+
+    def loss_fn(outputs, target):
+        return F.cross_entropy(outputs, target, reduction="sum" if given == "sum" else "mean")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    y = torch.tensor([-100, -100, -100, 1, 2, -100, 4, 0]) if given == "ignored" else torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    pipe = pipecc.distributed.load(str(out), loss_fn=loss_fn)
+    try:
+        model = mlp.build_model(in_features=16, hidden=32, depth=3, num_classes=5)
+        model.load_state_dict(pipe.full_state_dict())
+        loss = pipe.step(x, target=y)
+        want = loss_fn(model(x), y)
+        want.backward()
+        torch.testing.assert_close(torch.tensor(loss), want.detach())
+        grads = dict(model.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+    finally:
+        pipe.close()
+
+
 def test_ignored_targets_in_the_data_not_the_example_train_as_the_model(tmp_path, monkeypatch):
     """The silent case: the example target ignores nothing (the analysis finds a plain mean), the
     data does, unevenly. pipecc.distributed in one process against the model on the whole batch."""

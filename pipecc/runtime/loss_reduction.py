@@ -291,11 +291,12 @@ def step_factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, target
     outputs, for their shapes), or None when they are the analysed ones (``weight(kind, ...)``)
     or cannot be found (a target or output without the batch as dim 0: the analysed ones hold).
 
-    How: on random outputs of the parts' shapes, the gradient of the batch's loss restricted to
-    part i is ``w_i`` times the gradient of part i's loss (a weighted mean ``sum_j a_j l_j /
-    sum_j a_j`` over parts is ``sum_i (A_i / A) * loss_i``), checked element by element and on
-    the value. Costs one forward and backward of ``loss_fn`` on the batch and on each part (random
-    outputs, no model), once per step on the rank holding the last stage.
+    How: a weighted mean ``sum_j a_j l_j / sum_j a_j`` over parts is ``sum_i (A_i / A) *
+    loss_i``. On random outputs of the parts' shapes (on the outputs' device), the loss of two
+    parts joined has, on each, a gradient ``c`` times that part's own, checked element by element
+    and on the value: ``c_i / c_r = A_i / A_r`` (``_factors_as``). Costs about three forwards and
+    backwards of ``loss_fn`` on the batch, two micro-batches at a time (no model), once per step
+    on the rank holding the last stage.
 
     Refused (PipeccError, one line) when this step's loss is no such combination. With
     replicas the caller passes every replica's micro-batches (``StageRunner.every_replica``);
@@ -338,61 +339,101 @@ def _factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, targets: l
     for dtype, rtol in ((torch.float64, 1e-7), (torch.float32, 1e-3)):  # float32: a loss holding float32 tensors
         if dtype == torch.float64 and numel > WIDE_ELEMENTS:
             continue
-        found = _factors_as(loss_fn, value, mb, targets, sizes, batch_target, dtype, rtol, seed)
+        found = _factors_as(loss_fn, value, mb, targets, sizes, dtype, rtol, seed)
         if found is not None:
             return found
     return found
 
 
 def _factors_as(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, targets: list[Any], sizes: list[int],
-                batch_target: Any, dtype: torch.dtype, rtol: float, seed: int = 4321) -> list[float] | str | None:
-    gen = torch.Generator().manual_seed(seed)
+                dtype: torch.dtype, rtol: float, seed: int = 4321) -> list[float] | str | None:
+    """The factors from pairs of micro-batches: a reference part r (one whose loss has a
+    gradient) and each other part i, joined: the pair's gradient on each is ``c`` times its own,
+    and the pair's loss ``c_r * loss_r + c_i * loss_i``. A weighted mean has ``c_r + c_i = 1``
+    (``c_i / c_r = A_i / A_r``), a sum ``c_r = c_i = 1``. Two micro-batches at a time: the
+    batch's outputs are never made whole (an LM's logits)."""
+    leaves = [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
+    device = next((t.device for t in leaves if t.device.type != "meta"), torch.device("cpu"))
+    tol = 1e-12
 
     def part(i: int) -> Any:
+        gen = torch.Generator(device=device).manual_seed(seed + i)
+
         def leaf(t: torch.Tensor) -> torch.Tensor:
             shape = (t.shape[0] // sizes[mb] * sizes[i], *t.shape[1:])
             if t.is_floating_point():
-                return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-            return torch.zeros(shape, dtype=t.dtype)
+                return torch.randn(shape, generator=gen, dtype=dtype, device=device).requires_grad_()
+            return torch.zeros(shape, dtype=t.dtype, device=device)
         return _map_leaves(value, leaf)
 
-    parts = [part(i) for i in range(len(sizes))]
-    part_leaves = [list(_leaves(p)) for p in parts]
-    joined = [torch.cat([pl[k].detach() for pl in part_leaves]).requires_grad_(part_leaves[0][k].requires_grad)
-              for k in range(len(part_leaves[0]))]
-    it = iter(joined)
-    batch_value = _map_leaves(value, lambda _t: next(it))
+    def target(i: int) -> Any:
+        return _map_leaves(targets[i], lambda t: t.to(device))
+
+    def alone(i: int) -> tuple[Any, float | None, list[torch.Tensor], float]:
+        p = part(i)
+        loss, grads = _loss_and_grads(loss_fn, p, target(i), list(_leaves(p)))
+        return p, loss, grads, sum(float((g.double() ** 2).sum()) for g in grads)
+
+    def multiple(got: list[torch.Tensor], own: list[torch.Tensor], norm: float) -> float | None:
+        """c with got = c * own (None: not a multiple)."""
+        c = sum(float((a.double() * b.double()).sum()) for a, b in zip(got, own)) / norm if norm > 0 else 0.0
+        scale = max((float(a.abs().max()) for a in got if a.numel()), default=0.0)
+        if any(float((a.double() - c * b.double()).abs().max()) > tol + rtol * 10 * scale
+               for a, b in zip(got, own) if a.numel()):
+            return None
+        return c
+
     state = torch.random.get_rng_state()
+    not_combined = "is not a weighted mean or sum of its values on the micro-batches"
     try:
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False), warnings.catch_warnings():
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            total, grads = _loss_and_grads(loss_fn, batch_value, batch_target, joined)
-            if total is None or total != total:
-                return None  # no finite loss on the batch: the one-process run has none either
-            factors, combined = [], 0.0
-            for i, (p, pl) in enumerate(zip(parts, part_leaves)):
-                lo = sum(sizes[:i])
-                mine = [g.narrow(0, g.shape[0] // sum(sizes) * lo, g.shape[0] // sum(sizes) * sizes[i])
-                        for g in grads]
-                loss_i, grads_i = _loss_and_grads(loss_fn, p, _map_leaves(targets[i], lambda t: t.cpu()), pl)
+            ref = None
+            for r in range(len(sizes)):
+                found = alone(r)
+                if found[1] is None:
+                    return None
+                if found[3] > 0:
+                    ref = (r, *found)
+                    break
+            if ref is None:
+                return None  # no micro-batch's loss has a gradient: nothing to weigh
+            r, p_r, loss_r, grads_r, norm_r = ref
+            pairs: dict[int, tuple[float, float]] = {}
+            for i in range(len(sizes)):
+                if i == r:
+                    continue
+                p_i, loss_i, grads_i, norm_i = alone(i)
                 if loss_i is None:
                     return None
-                own = sum(float((a * a).sum()) for a in grads_i)
-                w = sum(float((a * b).sum()) for a, b in zip(mine, grads_i)) / own if own > 0 else 0.0
-                scale = max((float(a.abs().max()) for a in mine if a.numel()), default=0.0)
-                if own > 0 and w <= 1e-12:  # its own loss depends on its outputs, the batch's does not (a max)
-                    return (f"is not a weighted mean or sum of its values on the micro-batches (micro-batch {i} "
-                            "counts for nothing in the batch's loss, yet its own loss depends on its outputs)")
-                if any(float((a - w * b).abs().max()) > 1e-12 + rtol * 10 * scale
-                       for a, b in zip(mine, grads_i) if a.numel()):
-                    return ("is not a weighted mean or sum of its values on the micro-batches (the gradient "
-                            f"of micro-batch {i} is not a multiple of the batch's)")
-                factors.append(w)
-                if w:
-                    combined += w * loss_i
-            if abs(combined - total) > 1e-9 + rtol * 10 * max(abs(total), abs(combined)):
-                return "is not the weighted sum of its values on the micro-batches"
-            return factors
+                joined = [torch.cat([a.detach(), b.detach()]).requires_grad_(a.requires_grad)
+                          for a, b in zip(_leaves(p_r), _leaves(p_i))]
+                it = iter(joined)
+                pair = _map_leaves(value, lambda _t: next(it))
+                both = _cat_targets([target(r), target(i)])
+                if both is None:
+                    return None
+                loss_pair, grads_pair = _loss_and_grads(loss_fn, pair, both, joined)
+                if loss_pair is None or loss_pair != loss_pair:
+                    return None
+                cut = [(g.shape[0] * sizes[r]) // (sizes[r] + sizes[i]) for g in grads_pair]
+                c_r = multiple([g[:k] for g, k in zip(grads_pair, cut)], grads_r, norm_r)
+                c_i = multiple([g[k:] for g, k in zip(grads_pair, cut)], grads_i, norm_i)
+                if c_r is None or c_i is None:
+                    return f"{not_combined} (the gradient of micro-batch {i} is not a multiple of theirs joined)"
+                if c_r <= tol or (norm_i > 0 and c_i <= tol):  # its own loss depends on it, the pair's not (a max)
+                    return f"{not_combined} (a micro-batch counts for nothing joined, yet its own loss depends on it)"
+                combined = c_r * loss_r + (c_i * loss_i if c_i else 0.0)
+                if abs(combined - loss_pair) > tol + rtol * 10 * max(abs(loss_pair), abs(combined)):
+                    return f"{not_combined} (the loss of micro-batches {r} and {i} joined)"
+                pairs[i] = (c_r, c_i)
+            near = 1e-6 if dtype == torch.float64 else 1e-3
+            if all(abs(c_r + c_i - 1) <= near for c_r, c_i in pairs.values()):  # a weighted mean
+                ratio = [1.0 if i == r else pairs[i][1] / pairs[i][0] for i in range(len(sizes))]
+                return [x / sum(ratio) for x in ratio]
+            if all(abs(c_r - 1) <= near and (abs(c_i - 1) <= near or c_i == 0) for c_r, c_i in pairs.values()):
+                return [1.0] * len(sizes)  # a sum
+            return not_combined
     except Exception:  # the compile's analysis ran it on random outputs; a failure here changes nothing
         return None
     finally:
@@ -436,7 +477,7 @@ def _cat_targets(targets: list[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         if not all(isinstance(t, torch.Tensor) and t.dim() for t in targets):
             return None
-        return torch.cat(list(targets)).cpu()
+        return torch.cat(list(targets))
     if isinstance(first, (tuple, list)) and first and all(isinstance(t, type(first)) and len(t) == len(first)
                                                           for t in targets):
         cols = [_cat_targets([t[k] for t in targets]) for k in range(len(first))]

@@ -344,6 +344,21 @@ _DTYPE_ERROR = re.compile(r"same dtype|scalar type|dtype.*(?:should|must) (?:be|
                           r"(?:weight|bias) type|expected .*dtype|found dtype", re.IGNORECASE)
 
 
+OUTPUT_GRAD_META = "pipecc.output_grad"  # graph.gm.meta: whether an output carries a gradient (check_forward)
+
+
+def check_trains(meta: dict[str, Any], schedule: str, trainable: bool) -> None:
+    """Refuse a training plan (one line) of a model with no trainable parameters (``trainable``)
+    or whose outputs carry no gradient (``check_forward``, in ``meta``)."""
+    if schedule != "inference" and not trainable:
+        raise PipeccError("the model has no trainable parameters, so a training pipeline has nothing to train "
+                          "(`pipecc run` would fail): compile it with --inference for a forward-only pipeline")
+    if schedule != "inference" and meta.get(OUTPUT_GRAD_META) is False:
+        raise PipeccError("no output of the model carries a gradient (integer outputs such as argmax, or detached "
+                          "ones), so a training pipeline has nothing to back-propagate (`pipecc run` would fail): "
+                          "return the floating outputs the loss is computed from, or compile with --inference")
+
+
 def check_forward(model: nn.Module, inputs: tuple, file: str) -> bool | None:
     """The forward on fake tensors of ``example_inputs`` (a capture may infer dtypes without
     running it): an input of another dtype than the weights it meets (float64 inputs into a

@@ -208,6 +208,21 @@ CASES_33 = [
          says=("--symbol B=0:1: B is the batch symbol",)),
     Case("a sum loss, split in 4: compiles (the runtime adds the micro-batch losses)", loss_file(
         "return torch.nn.functional.cross_entropy(o, t, reduction='sum')"), flags=("-m", "4"), exit_code=0),
+    # accepted at compile and broken at the run's first step before: the capture inferred float64
+    # outputs for a float32 Linear; argmax outputs gave "element 0 of tensors does not require grad"
+    Case("float64 inputs into a float32 model", build_file(
+        SEQ, "def example_inputs(batch_size=1):\n    return (torch.randn(batch_size, 4, dtype=torch.float64),)\n"),
+         says=("the forward of model.py's model fails on example_inputs (float64)", "same dtype", ".float()")),
+    Case("float64 inputs the model casts itself: compiles", forward_file("return self.lin(x.float())").replace(
+        "torch.randn(batch_size, 4)", "torch.randn(batch_size, 4, dtype=torch.float64)"), exit_code=0),
+    Case("integer outputs in a training plan", forward_file("return self.lin(x).argmax(-1)"),
+         says=("no output of the model carries a gradient", "--inference")),
+    Case("integer outputs, --inference: compiles", forward_file("return self.lin(x).argmax(-1)"),
+         flags=("--inference",), exit_code=0),
+    Case("a mean that ignores some targets, split in 4: compiles (each step weighs its micro-batches)", loss_file(
+        "return torch.nn.functional.cross_entropy(o, t, ignore_index=-100)",
+        "def example_target(batch_size=1):\n    t = torch.zeros(batch_size, dtype=torch.long)\n"
+        "    t[:3] = -100\n    return t\n"), flags=("-m", "4"), exit_code=0),
 ]
 CASES += CASES_33
 

@@ -148,6 +148,9 @@ CASES += [
          r"stage_0/ports.json: it says stage 1 but is stage_0's; compile the folder again"),
     # the worker reads plan.json for predictions only (none then); `pipecc run` refuses it
     Case("plan.json nested 100000 deep", _deep_plan, (), 1, r"plan.json nests too deeply to read", worker=False),
+    # issue 33: run_stage.py started by hand ran a folder whose pipecc.json was deleted (no hashes checked)
+    Case("pipecc.json missing", lambda o: (o / "pipecc.json").unlink(), (), 1,
+         r"is not a (compiled folder|folder written by `pipecc compile`) \(no pipecc.json\)"),
 ]
 # issue #34: the training options (train_data's own rows: tests/test_train_script.py)
 CASES += [

@@ -248,3 +248,27 @@ def test_fpga_stage_boundary_must_be_one_tensor():
                        r"'b' \(tensor float32\)\]"):
         FpgaBackend().check(graph, plan, stages, Target(example_inputs=(torch.randn(2, 8),)))
     check_boundary(stages[0], "cpu")  # one tensor in, one out: fine
+
+
+def test_an_edited_or_added_hls_source_is_refused(out, tmp_path, capsys):
+    """Issue 33 (trust): an FPGA stage's HLS project is hashed with the folder and checked before
+    the C simulation builds it (it was the one part of a folder run unchecked)."""
+    from pipecc.errors import PipeccError
+    marker = json.loads((out / "pipecc.json").read_text())
+    assert any("/hls/firmware/" in rel for rel in marker["sha256"])
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited, ignore=shutil.ignore_patterns("csim_build"))
+    source = next((edited / "stage_1" / "hls" / "firmware").glob("*.cpp"))
+    source.write_text(source.read_text() + "\n// planted\n")
+    with pytest.raises(PipeccError, match="not the file the compile wrote"):
+        pipecc.load(edited)
+    added = tmp_path / "added"
+    shutil.copytree(out, added, ignore=shutil.ignore_patterns("csim_build"))
+    (added / "stage_1" / "hls" / "firmware" / "planted.h").write_text("#error planted\n")
+    with pytest.raises(PipeccError, match="is not among the files"):
+        pipecc.load(added)
+    if PROBLEM is None:  # `pipecc csim` checks the sources it builds too
+        capsys.readouterr()
+        assert _csim(str(edited)) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not the file the compile wrote" in err, err

@@ -1,7 +1,8 @@
 """Hangs, exits and leftovers (issue 33): `--timeout` holds when every rank hangs in model code;
 a thread the model starts and never ends does not keep `pipecc` alive after its work; a killed
 run's torchrun log folder is removed by the next run; a checkpoint's latest.json linked to
-/dev/zero and a compiled folder's pipecc.json as a FIFO are refused, not read for ever."""
+/dev/zero and a compiled folder's pipecc.json as a FIFO are refused, not read for ever; a rank that
+hangs in its checkpoint save is the one named."""
 from __future__ import annotations
 
 import os
@@ -144,3 +145,92 @@ def test_kill_9_of_pipecc_run_takes_the_agent_and_ranks_with_it(tmp_path):
             break
         time.sleep(0.1)
     assert ranks_and_agent() == []
+
+
+# ---------------------------------------------------------------------------- a hang in a checkpoint save
+# Before: rank 1 hung writing its checkpoint, and the run was reported as "rank 0: RuntimeError:
+# [...gloo...] Timed out waiting 10000ms for recv operation" (the meeting after the save).
+
+def test_the_meeting_after_a_save_names_the_rank_whose_files_are_missing(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipecc.errors import PipeccError
+    from pipecc.runtime import checkpoints
+    from pipecc.runtime.launcher import root_cause
+    target = tmp_path / "step_3"
+    target.mkdir()
+    (target / "stage_0.sha256").write_text("{}")
+    runtime = SimpleNamespace(global_world=2, global_rank=0, device=torch.device("cpu"))
+    ckpt = checkpoints.RunCheckpoints(tmp_path, runtime, "f", None)
+
+    def timed_out(*_a, **_k):
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                           "waiting 10000ms for recv operation to complete")
+    monkeypatch.setattr(checkpoints.dist, "all_reduce", timed_out)
+    with pytest.raises(PipeccError) as caught:
+        ckpt._agree(0, saved=(target, 3))
+    assert str(caught.value) == "rank 0: timed out after 10 s waiting for checkpoint step 3 from rank 1"
+    assert root_cause([str(caught.value)]) == \
+        "rank 1 hung: rank 0 timed out after 10 s waiting for checkpoint step 3 from it"
+    # the hung rank's own line (its save bounded by --timeout) is the one reported when it came
+    own = "rank 1: writing checkpoint step 3 into DIR did not return within 10 s (--timeout): it hangs, or needs " \
+          "a larger --timeout"
+    assert root_cause([str(caught.value), own]) == own
+
+
+HANGING_SAVE = '''
+import os, sys, time
+from pathlib import Path
+from types import SimpleNamespace
+os.environ["PIPECC_MODEL_CODE_TIMEOUT_S"] = "1"
+os.environ["RANK"] = "1"
+from pipecc.runtime import checkpoints
+def stalled(directory, step):
+    time.sleep(3600)
+runtime = SimpleNamespace(global_world=2, global_rank=1, save_checkpoint=stalled)
+checkpoints.RunCheckpoints(Path(sys.argv[1]), runtime, "f", None).save(1)
+'''
+
+
+def test_a_save_that_hangs_ends_its_rank_in_one_line(tmp_path):
+    """A rank of `pipecc run` whose checkpoint save does not return within --timeout writes one
+    line naming the save and exits (no torchrun: the rank's side alone)."""
+    result = subprocess.run([sys.executable, "-c", HANGING_SAVE, str(tmp_path)], capture_output=True, text=True,
+                            env=_env(), timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"pipecc: error: rank 1: writing checkpoint step 1 into {tmp_path / 'step_1'} did not return within 1 s "
+        "(--timeout): it hangs, or needs a larger --timeout"]
+
+
+STALLED_SAVE_SITE = '''
+import os
+if os.environ.get("RANK") == "1":  # rank 1 of the run: its checkpoint save never returns (a stalled disk)
+    import time
+    from pipecc.runtime import rank_checkpoint
+    def stalled(*_a, **_k):
+        while True:
+            time.sleep(0.05)
+    rank_checkpoint.save_checkpoint = stalled
+'''
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_a_rank_hanging_in_its_final_save_is_the_one_named(tmp_path):
+    from helpers import MLP_TINY, model_args
+    out = tmp_path / "out"
+    assert cli.main(["compile", str(ROOT / "models" / "mlp.py"), "-d", "2xcpu", "-b", "8", "-m", "2", "-q",
+                     "--replicas", "1", "--use-all-devices", "-o", str(out),
+                     *[a for arg in model_args(MLP_TINY) for a in ("--model-arg", arg)]]) == 0
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALLED_SAVE_SITE)
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([*PIPECC, "run", str(out), "--steps", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+                             "--timeout", "8"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("pipecc: error: run failed: rank 1") and "checkpoint step 1" in lines[0], lines[0]
+    assert "Timed out waiting" not in lines[0]

@@ -269,6 +269,37 @@ def test_both_stages_on_one_rank_interleaved(one_rank_group, name: str) -> None:
         torch.testing.assert_close(p.grad, grads[n], msg=lambda m: f"{n}: {m}")
 
 
+def _sum_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target, reduction="sum")
+
+
+def test_a_sum_loss_is_not_divided_by_the_micro_batches(one_rank_group) -> None:
+    """Torch's schedules divide the micro-batch gradients by their count (a mean); a sum given as
+    such trains as the model, a sum not declared is refused at its first micro-batch (it trained
+    on half the gradients here), a loss that mixes samples is refused split."""
+    model, inputs, target, _ = case("skip")
+    plan, graph = plan_for("skip", model, inputs)
+    reference_model = copy.deepcopy(model)
+    _sum_loss(reference_model(*inputs), target).backward()
+    stages = pipeline_stages(plan, graph, 0, "cpu", world=1)
+    torch_schedule(plan, stages, _sum_loss, schedule="interleaved", reduction="sum").step(*inputs, target=target)
+    grads = dict(reference_model.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, msg=lambda m: f"{n}: {m}")
+    with pytest.raises(InteropError, match="pass reduction='sum'"):
+        torch_schedule(plan, stages, _sum_loss, schedule="interleaved").step(*inputs, target=target)
+    with pytest.raises(InteropError, match="neither a mean nor a sum"):
+        torch_schedule(plan, stages, _sum_loss, schedule="interleaved", reduction="mixed")
+    # a mean over the targets not ignored: alike micro-batches run, unevenly ignored ones are refused
+    even = target.clone()
+    even[[0, 4]] = -100
+    torch_schedule(plan, stages, _skip_loss, schedule="interleaved").step(*inputs, target=even)
+    uneven = target.clone()
+    uneven[:3] = -100
+    with pytest.raises(InteropError, match="weigh its micro-batches unequally"):
+        torch_schedule(plan, stages, _skip_loss, schedule="interleaved").step(*inputs, target=uneven)
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])
     sys.stdout.flush()

@@ -99,3 +99,133 @@ def test_a_loss_that_mixes_samples_is_refused_split_and_runs_whole(tmp_path, cap
     code, out, err = run_cli(["run", str(out_dir), "-m", "2", "--steps", "1"], capsys)
     assert code == 1 and err.count("\n") == 1 and "losses of 2 micro-batches do not combine" in err, err
     assert dist.main([str(out_dir), "--steps", "1", "--schedule", "interleaved", "--verify"]) == 0
+
+
+# ---------------------------------------------------------------------------- targets that weigh
+# cross_entropy's mean is over the targets it counts: ignore_index entries (and class weights)
+# make each micro-batch's share depend on its targets, not on its sample count
+IGNORED = """
+def example_target(batch_size=1, num_classes=10, **_):
+    g = torch.Generator().manual_seed(SEED + 1)
+    t = torch.randint(num_classes, (batch_size,), generator=g)
+    t[:{ignored}] = -100  # the first micro-batches' targets mostly ignored (padding)
+    return t
+"""
+
+
+def weighted_model_file(folder: Path, loss: str, ignored: int) -> Path:
+    path = folder / "m.py"
+    text = MLP.replace(DEFAULT_LOSS, f"return {loss}")
+    head, rest = text.split("def example_target", 1)
+    rest = rest.split("\ndef loss_fn", 1)[1]
+    path.write_text(head + IGNORED.format(ignored=ignored).lstrip() + "\n\ndef loss_fn" + rest)
+    return path
+
+
+@pytest.mark.parametrize("loss,ignored", [("F.cross_entropy(outputs, target)", 3),
+                                          ("F.cross_entropy(outputs, target)", 2),  # micro-batch 0 all ignored
+                                          ("F.cross_entropy(outputs, target.clamp(min=0), weight=torch.tensor("
+                                           "[1.0, 5.0, 0.2, 3.0, 0.5]))", 0)])
+def test_targets_that_weigh_micro_batches_train_as_the_model(loss, ignored, tmp_path, capsys):
+    """Before: micro-batch losses weighted by sample count (2 of 8 each), while the batch's mean
+    counts only the targets not ignored (or weighs them by class): other gradients, no error."""
+    out = tmp_path / "out"
+    assert compile_model(weighted_model_file(tmp_path, loss, ignored), out, "-m", "4", "--replicas", "1") == 0
+    assert json.loads((out / "pipecc.json").read_text())["loss_reduction"]["kind"] == MEAN
+    capsys.readouterr()
+    assert dist.main([str(out), "--steps", "1", "--schedule", "interleaved", "--verify"]) == 0
+    assert "verify: outputs, loss and" in capsys.readouterr().out
+
+
+def test_step_factors_are_the_counted_targets_shares():
+    from pipecc.errors import PipeccError
+    from pipecc.runtime.loss_reduction import step_factors
+
+    def loss_fn(o, t):
+        return F.cross_entropy(o, t)
+    targets = [torch.tensor([-100, -100, 1]), torch.tensor([0, 2, 1]), torch.tensor([-100, -100, -100])]
+    got = step_factors(loss_fn, torch.empty(3, 4), 1, targets, [3, 3, 3], MEAN)
+    assert got is not None and [round(w, 9) for w in got] == [0.25, 0.75, 0.0]
+    plain = [torch.tensor([0, 1, 2]), torch.tensor([3, 0, 1])]
+    assert step_factors(loss_fn, torch.empty(3, 4), 0, plain, [3, 3], MEAN) is None  # n_i / n holds
+    with pytest.raises(PipeccError, match="give --replicas 1"):
+        step_factors(loss_fn, torch.empty(3, 4), 0, targets, [3, 3, 3], MEAN, replicas=2)
+    # a loss that is a mean on the example but mixes samples on this step's targets: refused
+    with pytest.raises(PipeccError, match="not a weighted mean or sum"):
+        step_factors(lambda o, t: (o.softmax(0)[:, 0] * t.float()).sum(), torch.empty(3, 4), 0,
+                     [torch.tensor([1, 2, 3]), torch.tensor([1, 0, 0])], [3, 3], MEAN)
+
+
+@pytest.mark.parametrize("given", ["sum", "ignored"])
+def test_a_loss_given_to_load_is_weighed_by_each_step(given, tmp_path, monkeypatch):
+    """pipecc.distributed.load(out, loss_fn=...) took any loss for a per-sample mean (a sum
+    trained on a quarter of the gradients at 4 micro-batches); each step's factors now follow it."""
+    import pipecc.distributed
+    from pipecc.models import mlp
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "out"
+    assert compile_model(model_file(tmp_path, "F.cross_entropy(outputs, target)"), out, "-m", "4",
+                         "--replicas", "1") == 0
+
+    def loss_fn(outputs, target):
+        return F.cross_entropy(outputs, target, reduction="sum" if given == "sum" else "mean")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    # ignored: micro-batch 2 wholly (its own loss is 0/0), the others in part
+    y = torch.tensor([-100, 3, -100, 1, -100, -100, 4, 0]) if given == "ignored" else torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    pipe = pipecc.distributed.load(str(out), loss_fn=loss_fn)
+    try:
+        model = mlp.build_model(in_features=16, hidden=32, depth=3, num_classes=5)
+        model.load_state_dict(pipe.full_state_dict())
+        loss = pipe.step(x, target=y)
+        want = loss_fn(model(x), y)
+        want.backward()
+        torch.testing.assert_close(torch.tensor(loss), want.detach())
+        grads = dict(model.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+    finally:
+        pipe.close()
+
+
+def test_ignored_targets_in_the_data_not_the_example_train_as_the_model(tmp_path, monkeypatch):
+    """The silent case: the example target ignores nothing (the analysis finds a plain mean), the
+    data does, unevenly. pipecc.distributed in one process against the model on the whole batch."""
+    import importlib.util
+
+    import pipecc.distributed
+    monkeypatch.delenv("RANK", raising=False)
+    path = model_file(tmp_path, "F.cross_entropy(outputs, target)")
+    out = tmp_path / "out"
+    assert compile_model(path, out, "-m", "4", "--replicas", "1") == 0
+    spec = importlib.util.spec_from_file_location("m_ignored", path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    y = torch.tensor([-100, -100, -100, 1, 2, -100, 4, 0])
+    pipe = pipecc.distributed.load(str(out))
+    try:
+        model = m.build_model(in_features=16, hidden=32, depth=3, num_classes=5)
+        model.load_state_dict(pipe.full_state_dict())
+        loss = pipe.step(x, target=y)
+        want = F.cross_entropy(model(x), y)
+        want.backward()
+        torch.testing.assert_close(torch.tensor(loss), want.detach())
+        grads = dict(model.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_replicas_whose_targets_weigh_differently_train_as_the_model(tmp_path):
+    """Two replicas, one micro-batch each (data parallel): replica 0's targets mostly ignored.
+    Each replica alone sees one micro-batch, so only every replica's targets together give the
+    factors (gathered once per step); before, each replica's loss counted half."""
+    from helpers import run_pipecc
+    out = tmp_path / "out"
+    assert compile_model(weighted_model_file(tmp_path, "F.cross_entropy(outputs, target)", 3), out,
+                         "-m", "1", "--replicas", "2") == 0
+    result = run_pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "60", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verify: outputs, loss and" in result.stdout, result.stdout[-2000:]

@@ -136,9 +136,11 @@ def build(stage_dir: str | Path) -> Build:
              "bridge": stage_dir / "tb" / f"{top}_bridge.cpp",
              "tb": stage_dir / "tb" / f"{top}_tb.cpp"}
     digest = hashlib.sha256(" ".join([str(cxx), str(ap)] + CXXFLAGS).encode())
+    from pipecc.runtime.folder_sums import read_checked
     for path in sorted(p for d in ("firmware", "tb", "csim_include")
                        for p in (stage_dir / d).glob("*.*")):
-        digest.update(path.name.encode() + path.read_bytes())
+        # a compiled folder's sources are the ones its compile recorded (pipecc.runtime.folder_sums)
+        digest.update(path.name.encode() + read_checked(path))
     stamp = out / "stamp"
     if stamp.is_file() and stamp.read_text() == _stamp(digest.hexdigest(), exe, lib):
         return Build(exe, lib, 0.0, True)

@@ -257,6 +257,10 @@ def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
                           "(no readable pipecc.json)") from None
     from pipecc.runtime.folder_sums import require
     require(out, marker)  # the torch stage code and weights loaded below, recorded by hash
+    from pipecc.runtime.folder_sums import check, read_regular, recorded_files
+    for rel in recorded_files(out):  # the HLS projects too, before any is copied or built
+        if "/hls/" in f"/{rel}":
+            check(out, rel, read_regular(out / rel), marker.get("sha256"))
     loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
     torch_modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     owner = assemble_owner(torch_modules)  # every stage's weights, FPGA stages' too

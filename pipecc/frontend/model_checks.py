@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings as pywarnings
 from typing import Any, Callable, Iterator
 
@@ -337,3 +338,63 @@ def _first_line(exc: BaseException) -> str:
 
 
 __all__ = ["check_dtypes", "check_loss", "check_module", "check_writes"]
+
+
+_DTYPE_ERROR = re.compile(r"same dtype|scalar type|dtype.*(?:should|must) (?:be|match)|Input type \(\w+\) and "
+                          r"(?:weight|bias) type|expected .*dtype|found dtype", re.IGNORECASE)
+
+
+OUTPUT_GRAD_META = "pipecc.output_grad"  # graph.gm.meta: whether an output carries a gradient (check_forward)
+
+
+def check_trains(meta: dict[str, Any], schedule: str, trainable: bool) -> None:
+    """Refuse a training plan (one line) of a model with no trainable parameters (``trainable``)
+    or whose outputs carry no gradient (``check_forward``, in ``meta``)."""
+    if schedule != "inference" and not trainable:
+        raise PipeccError("the model has no trainable parameters, so a training pipeline has nothing to train "
+                          "(`pipecc run` would fail): compile it with --inference for a forward-only pipeline")
+    if schedule != "inference" and meta.get(OUTPUT_GRAD_META) is False:
+        raise PipeccError("no output of the model carries a gradient (integer outputs such as argmax, or detached "
+                          "ones), so a training pipeline has nothing to back-propagate (`pipecc run` would fail): "
+                          "return the floating outputs the loss is computed from, or compile with --inference")
+
+
+def check_forward(model: nn.Module, inputs: tuple, file: str) -> bool | None:
+    """The forward on fake tensors of ``example_inputs`` (a capture may infer dtypes without
+    running it): an input of another dtype than the weights it meets (float64 inputs into a
+    float32 model) is refused in one line here, not at the first step of a run. Returns whether
+    a floating output carries a gradient (None: fake tensors cannot run this forward; the
+    capture's own checks stand)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipecc.frontend.model_state import fake_weights, preserved_state
+    weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    given = {x.dtype for x in _tensors(inputs) if x.is_floating_point()}
+    if weights and given - weights:  # NOTE: fake tensors let a matmul of two dtypes pass: one sample for real
+        with preserved_state(model), pywarnings.catch_warnings(), torch.no_grad():
+            pywarnings.simplefilter("ignore")
+            try:
+                model(*(x[:1] if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs))
+            except Exception as exc:
+                _refuse_dtypes(exc, inputs, file)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+    with preserved_state(model), pywarnings.catch_warnings(), _quiet_fake_tensors():
+        pywarnings.simplefilter("ignore")
+        try:
+            with fake_weights(model, mode), mode, torch.enable_grad():
+                outputs = model(*fake_inputs)
+        except Exception as exc:
+            _refuse_dtypes(exc, inputs, file)
+            return None
+    found = list(_tensors(outputs))
+    return any(t.requires_grad for t in found) if found else None
+
+
+def _refuse_dtypes(exc: Exception, inputs: tuple, file: str) -> None:
+    """A forward's failure that is a dtype mismatch, refused in one line (others: returns)."""
+    if isinstance(exc, RuntimeError) and _DTYPE_ERROR.search(str(exc)):
+        dtypes = sorted({str(x.dtype).removeprefix("torch.") for x in _tensors(inputs) if x.is_floating_point()})
+        raise PipeccError(f"the forward of {file}'s model fails on example_inputs ({', '.join(dtypes)}): "
+                          f"{_first_line(exc)}; give example_inputs the dtype the model computes in "
+                          "(e.g. .float()), or convert the model (.double())") from None

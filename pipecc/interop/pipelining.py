@@ -388,27 +388,94 @@ def pipeline_stages(plan: Plan, graph: AnnotatedGraph, rank: int, device: torch.
 
 
 def torch_schedule(plan: Plan, stages: Sequence[Any], loss_fn: Callable, *,
-                   microbatches: int | None = None, schedule: str | None = None) -> Any:
+                   microbatches: int | None = None, schedule: str | None = None,
+                   reduction: Any = None) -> Any:
     """PyTorch's schedule named by the plan (gpipe, 1f1b, interleaved, zb-h1) over this rank's
-    stages; zb-h1 is checked against torch's order (module docstring)."""
+    stages; zb-h1 is checked against torch's order (module docstring).
+
+    Torch divides every rank's micro-batch gradients by their count (``scale_grads``): right for
+    a mean loss only. ``reduction`` (a ``pipecc.runtime.loss_reduction.LossReduction`` or its
+    kind, "mean", "sum" or "mixed"; default ``loss_fn.reduction`` where a pipecc loader set it)
+    sets it on every rank: a sum is not divided, a loss that mixes samples is refused
+    (``InteropError``) when the batch is split. Unknown, the loss is taken for a mean and the
+    last stage's rank checks that at its first micro-batch (``analyse``): anything else raises
+    ``InteropError`` there, naming the ``reduction`` to pass. A mean its targets weigh
+    (cross_entropy's ignore_index, class weights) torch weighs per micro-batch alike: a step
+    whose targets make them unequal raises ``InteropError`` at its last micro-batch (pipecc's own
+    runtime weighs them exactly: ``loss_reduction.step_factors``)."""
     from torch.distributed import pipelining as pp
+
+    from pipecc.runtime.loss_reduction import MEAN, MIXED, SUM, LossReduction, split_words
 
     name = schedule or plan.schedule
     m = microbatches or plan.microbatches
+    known = reduction if reduction is not None else getattr(loss_fn, "reduction", None)
+    if known is not None and not isinstance(known, LossReduction):
+        known = LossReduction(str(known), f"reduction={str(known)!r} given")
+    if known is not None and known.kind == MIXED and m > 1:
+        raise InteropError(known.message(split_words(m), "this loss_fn"))
+    checked = loss_fn if m < 2 else _checked(loss_fn, None if known is None else known.kind, m)
     if name == "interleaved":
-        return pp.ScheduleInterleaved1F1B(list(stages), m, loss_fn=loss_fn)
-    if name == "zb-h1":
+        torch_sched = pp.ScheduleInterleaved1F1B(list(stages), m, loss_fn=checked)
+    elif name == "zb-h1":
         if len(stages) != 1:
             raise InteropError(f"zb-h1 runs one stage per rank; this rank holds {len(stages)}")
-        torch_sched = pp.ScheduleInterleavedZeroBubble(list(stages), m, loss_fn=loss_fn)
+        torch_sched = pp.ScheduleInterleavedZeroBubble(list(stages), m, loss_fn=checked)
         _same_order(torch_sched.pipeline_order, stages[0].num_stages, m)
-        return torch_sched
-    classes = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}
-    if name not in classes:
-        raise InteropError(f"schedule {name!r} has no torch.distributed.pipelining counterpart here")
-    if len(stages) != 1:
-        raise InteropError(f"{name} runs one stage per rank; this rank holds {len(stages)}")
-    return classes[name](stages[0], m, loss_fn=loss_fn)
+    else:
+        classes = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B}
+        if name not in classes:
+            raise InteropError(f"schedule {name!r} has no torch.distributed.pipelining counterpart here")
+        if len(stages) != 1:
+            raise InteropError(f"{name} runs one stage per rank; this rank holds {len(stages)}")
+        torch_sched = classes[name](stages[0], m, loss_fn=checked)
+    torch_sched.scale_grads = known is None or known.kind != SUM  # a sum: the micro-batch gradients add up
+    return torch_sched
+
+
+def _checked(loss_fn: Callable, kind: str | None, m: int) -> Callable:
+    """``loss_fn`` as torch calls it, micro-batch by micro-batch (on the last stage's rank).
+    ``kind`` None: taken for a mean, the first call analyses it on that micro-batch and refuses
+    anything else. Every m-th call (the step's last micro-batch) checks that the step's targets
+    weigh the micro-batches as torch does (``loss_reduction.step_factors``): a mean whose
+    ignored or class-weighted targets are spread unevenly is refused (``InteropError``), its
+    gradients would not be the batch's."""
+    from pipecc.runtime.loss_reduction import MEAN, SUM, analyse, split_words, step_factors
+
+    seen: list[str] = [kind] if kind is not None else []
+    targets: list[Any] = []
+
+    def checked(output: Any, target: Any) -> Any:
+        if not seen:
+            rows = next((t.shape[0] for t in _tensor_leaves(output) if t.dim()), 1)
+            found = analyse(loss_fn, output, target, rows)
+            seen.append(found.kind)
+            if found.kind == SUM:
+                raise InteropError("loss_fn sums over the samples, and torch divides the micro-batch gradients by "
+                                   "their count: pass reduction='sum' to torch_schedule on every rank")
+            if found.kind != MEAN:
+                raise InteropError(found.message(split_words(2), "this loss_fn"))
+        targets.append(target)
+        if len(targets) == m:
+            step, sizes = list(targets), [next((t.shape[0] for t in _tensor_leaves(x) if t.dim()), 0) for x in targets]
+            targets.clear()
+            if all(sizes) and step_factors(loss_fn, output, m - 1, step, sizes, seen[0]) is not None:
+                raise InteropError("this step's targets weigh its micro-batches unequally (loss_fn's mean counts "
+                                   "targets: ignore_index entries or class weights spread unevenly), and torch's "
+                                   "schedules weigh each micro-batch alike: the gradients would not be the batch's; "
+                                   "run the folder with pipecc's runtime (pipecc.distributed), which weighs them")
+        return loss_fn(output, target)
+    return checked
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    return []
 
 
 def _same_order(pipeline_order: dict[int, list[Any]], num_stages: int, m: int) -> None:

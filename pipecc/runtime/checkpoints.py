@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
-from pipecc.runtime import ckpt_remap
+from pipecc.runtime import ckpt_remap, watchdog
 from pipecc.runtime.engine import PipelineRuntime
 
 __all__ = ["DEFAULT_LR", "LATEST", "RunCheckpoints", "check_rank_sums", "check_resume", "folder_fingerprint",
@@ -319,13 +319,16 @@ class RunCheckpoints:
     def save(self, step: int) -> Path:
         """Write this rank's state after ``step`` steps; when all ranks have, point ``latest.json`` at it."""
         target = self.directory / f"step_{step}"
-        self.runtime.save_checkpoint(target, step)
         base = f"stage_{self.runtime.global_rank}"
-        sums = {name: _sha256(target / name) for name in (f"{base}.safetensors", f"{base}.json")}
-        tmp_sums = target / f".{base}{SUMS}.{os.getpid()}.tmp"
-        tmp_sums.write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp_sums, target / f"{base}{SUMS}")
-        self._agree(0)  # every rank's files are in place
+        # NOTE: a save that hangs (a stalled disk) ends this rank with a line naming it (pipecc run's
+        # --timeout), rather than leaving the others to time out in the meeting below
+        with watchdog.bounded(f"writing checkpoint step {step} into {target}"):
+            self.runtime.save_checkpoint(target, step)
+            sums = {name: _sha256(target / name) for name in (f"{base}.safetensors", f"{base}.json")}
+            tmp_sums = target / f".{base}{SUMS}.{os.getpid()}.tmp"
+            tmp_sums.write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp_sums, target / f"{base}{SUMS}")
+        self._agree(0, saved=(target, step))  # every rank's files are in place
         latest = {"format": FORMAT, "step": step, "world": self.runtime.global_world, "folder": self.fingerprint}
         if self.run is not None:
             latest["run"] = self.run
@@ -348,10 +351,24 @@ class RunCheckpoints:
             except OSError:
                 pass
 
-    def _agree(self, value: int) -> int:
-        """The smallest ``value`` over all ranks (and a barrier)."""
+    def _agree(self, value: int, saved: tuple[Path, int] | None = None) -> int:
+        """The smallest ``value`` over all ranks (and a barrier). ``saved``: the step folder and
+        step every rank has just written; a meeting that times out names the ranks whose files
+        are not there (as a receive names its sender: ``launcher.root_cause``)."""
         if self.runtime.global_world == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.runtime.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except RuntimeError as exc:
+            if saved is None or "timed out" not in str(exc).lower():
+                raise
+            target, step = saved
+            missing = [r for r in range(self.runtime.global_world) if not (target / f"stage_{r}{SUMS}").exists()]
+            seconds = re.search(r"(\d+)\s*ms", str(exc))
+            after = f"{int(seconds.group(1)) / 1000:g}" if seconds else "?"
+            if not missing:
+                raise
+            raise PipeccError(f"rank {self.runtime.global_rank}: timed out after {after} s waiting for checkpoint "
+                              f"step {step} from rank {missing[0]}") from None
         return int(t.item())

@@ -1,8 +1,9 @@
 """The sha256 of a compiled folder's code and weights, recorded at compile and checked at load.
 
 ``pipecc compile`` records in ``pipecc.json`` (``"sha256"``: relative path -> hex digest) every
-file a run executes or loads: ``run_stage.py``, and each stage's ``*.py``, ``*.safetensors`` and
-``ports.json`` (not an FPGA stage's HLS project, which the C simulation builds). A run (``pipecc
+file a run executes or loads: ``run_stage.py``, each stage's ``*.py``, ``*.safetensors`` and
+``ports.json``, and an FPGA stage's HLS project (``hls/``: the sources and data the C simulation
+builds and reads; not what it writes there, ``csim_build/`` and its outputs). A run (``pipecc
 run``, ``pipecc.load``, ``inspect --onnx``) refuses a folder that records none (compiled before
 the hashes, or the field was deleted), and each loader reads a file once, checks the bytes
 against the record and uses those same bytes: stage code is compiled from memory (never imported
@@ -30,6 +31,7 @@ KEY = "sha256"
 MARKER = "pipecc.json"
 MARKER_MAX_BYTES = 64 << 20  # a pipecc.json larger than this is not one pipecc wrote
 RECOMPILE = "compile the folder again"
+HLS_WRITTEN = ("tb_data/csim_output.bin", "csim_fifo.txt")  # what the C simulation writes into hls/
 
 
 def recorded_files(root: Path) -> list[str]:
@@ -42,7 +44,10 @@ def recorded_files(root: Path) -> list[str]:
             rel = path.relative_to(root).as_posix()
             if "__pycache__" in path.parts or "/csim_build/" in f"/{rel}/" or not path.is_file():
                 continue
-            if "/hls/" in f"/{rel}":  # NOTE: an FPGA stage's HLS project is built by csim, not checked here
+            if "/hls/" in f"/{rel}":  # an FPGA stage's HLS project (the C simulation builds and runs it)
+                inside = rel.split("/hls/", 1)[1]
+                if inside not in HLS_WRITTEN and not inside.startswith("csim_build/"):
+                    found.append(rel)
                 continue
             if path.suffix in (".py", ".safetensors") or path.name == "ports.json":
                 found.append(rel)

@@ -172,6 +172,9 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     exists), join the process group, and load this rank's stages, ports and data."""
     stage_dirs = _stage_dirs(args.out)
     meta = _read_marker(args.out)
+    if meta is None:  # run_stage.py started by hand: its stage code is recorded by hash in pipecc.json
+        raise PipeccError(f"{args.out} is not a folder written by `pipecc compile` (no pipecc.json), so the stage "
+                          "code it would run is recorded nowhere: compile it again")
     lock = _lock_checkpoints(args, create=False)  # held until this returns; a folder in use names its run
     try:
         from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, split_sizes, unflatten
-from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, weight
+from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, step_factors, weight
 
 
 __all__ = ["Mailbox", "StageRunner"]
@@ -59,6 +59,8 @@ class StageRunner:
         self.stash: dict[int, tuple[list, Any]] = {}  # mb -> (input leaves, outputs | scaled loss)
         self.losses: list[torch.Tensor] = []
         self.results: dict[int, list] = {}
+        self.factors_for: Any = None  # the targets ``factors`` were found for (step_factors)
+        self.factors: list[float] | None = None
 
     @property
     def leftover(self) -> list[tuple[int, int]]:
@@ -149,11 +151,56 @@ class StageRunner:
             part, whole = sizes[self.stage][mb], sum(sizes[0])
         else:
             part, whole = (split_sizes(n, rt.m)[mb], n) if n is not None else (1, rt.m)
+        if reduction.kind not in (MEAN, SUM) and (rt.m > 1 or rt.replicas.count > 1):
+            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
+        if reduction.kind not in (MEAN, SUM):  # the whole batch in one micro-batch
+            return loss.reshape(())
+        exact = self.step_factors(value, mb, reduction.kind, sizes[self.stage] if sizes is not None else
+                                  split_sizes(n, rt.m) if n is not None else None)
+        if exact is not None:  # this step's targets weigh the micro-batches (ignore_index, class weights)
+            return loss.reshape(()) * exact[mb] if exact[mb] else self.zero_loss(outs, loss)
         if reduction.kind == SUM:
             return loss.reshape(())
-        if reduction.kind != MEAN and (rt.m > 1 or rt.replicas.count > 1):
-            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
         return loss.reshape(()) * (weight(MEAN, part, whole) * rt.replicas.weight)
+
+    def step_factors(self, value: Any, mb: int, kind: str, parts: list[int] | None) -> list[float] | None:
+        """This step's factors on the micro-batch losses when its targets make them other than
+        the analysed ones (``loss_reduction.step_factors``), found once per step; None otherwise."""
+        rt = self.rt
+        if self.factors_for is not rt.targets:
+            self.factors_for, self.factors = rt.targets, None
+            if parts is not None and rt.targets is not None and rt.loss_fn is not None:
+                targets, sizes, first = list(rt.targets), list(parts), 0
+                if rt.replicas.count > 1:  # the batch's factors need every replica's targets
+                    targets, sizes, first = self.every_replica(targets, sizes)
+                try:
+                    found = step_factors(rt.loss_fn, value, first + mb, targets, sizes, kind)
+                except PipeccError as exc:
+                    raise PipeccError(f"rank {rt.global_rank}: {exc}") from None
+                self.factors = None if found is None else found[first:first + len(parts)]
+        return self.factors
+
+    def every_replica(self, targets: list[Any], sizes: list[int]) -> tuple[list[Any], list[int], int]:
+        """Every replica's micro-batch targets and sizes, replica by replica (collective over the
+        replicas of this pipeline rank), and where this replica's start."""
+        import torch.distributed as dist
+        rt = self.rt
+        gathered: list[Any] = [None] * rt.replicas.count
+        mine = ([_on_cpu(t) for t in targets], sizes)
+        dist.all_gather_object(gathered, mine, group=rt.replicas.group(rt.rank))
+        every_target = [t for g in gathered for t in g[0]]
+        every_size = [n for g in gathered for n in g[1]]
+        return every_target, every_size, sum(len(g[1]) for g in gathered[:rt.replicas.index])
+
+    @staticmethod
+    def zero_loss(outs: tuple, loss: torch.Tensor) -> torch.Tensor:
+        """A zero loss with zero gradients for a micro-batch whose targets all count for nothing
+        (its own loss is 0/0, NaN, and would make every gradient NaN)."""
+        zero = torch.zeros((), device=loss.device)
+        for o in as_tuple(outs):
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad:
+                zero = zero + o.float().sum() * 0.0
+        return zero
 
     def check(self, mb: int, leaves: Sequence[Any], ports: Sequence[Port]) -> None:
         """Fail early, naming the port, when an output does not match the spec its peer relies on."""
@@ -211,3 +258,12 @@ class StageRunner:
             self.rt.mailbox.inbox[("B", self.stage - 1, mb)] = input_grads
         else:
             self.rt.mailbox.outbox[("B", self.stage, mb)] = input_grads
+
+
+def _on_cpu(value: Any) -> Any:
+    """A target (a tensor, or a tuple/list of them) on the CPU, to send to the other replicas."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value

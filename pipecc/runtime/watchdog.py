@@ -2,7 +2,9 @@
 
 ``--timeout`` bounds every wait for a peer; when *every* rank is inside model-file code (its
 import, ``example_inputs``, ``example_target``) no rank waits for anyone, so no wait times out
-and the run would hang for ever. ``bounded(what)`` gives that code the same ``--timeout``: past
+and the run would hang for ever. A checkpoint save that hangs (a stalled disk) is bounded the
+same way (``checkpoints.RunCheckpoints.save``), so the run names the rank that hung rather than
+the rank left waiting for it. ``bounded(what)`` gives that code the same ``--timeout``: past
 it the rank writes one ``pipecc: error: rank R: ...`` line and exits (a thread cannot be
 interrupted inside C code; the process can), and ``pipecc run``'s supervisor stops the others.
 

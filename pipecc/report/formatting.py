@@ -6,10 +6,14 @@ hostile)."""
 
 from __future__ import annotations
 
+import re
+
 from pipecc.errors import printable
 
-__all__ = ["count", "human", "printable", "seconds", "shapes_text", "terminal_text",
-           "text_table"]  # printable: from pipecc.errors
+__all__ = ["count", "human", "printable", "seconds", "seconds_in_text", "shapes_text", "terminal_text",
+           "text_table", "wrap", "WIDTH"]  # printable: from pipecc.errors
+
+WIDTH = 100  # the columns a text view's lines fit (`wrap`); a table row longer than this is laid out anew
 
 
 def count(n: int, noun: str, plural: str = "") -> str:
@@ -35,6 +39,41 @@ def seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} µs"
+
+
+# a duration as the planner's decision lines write it (plan.json keeps seconds): "0.002631 s"
+_RAW_SECONDS = re.compile(r"(?<![\w.])(\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+) s\b")
+
+
+def seconds_in_text(text: str) -> str:
+    """`text` with every raw duration ("0.002631 s", "1.2e-05 s") written as `seconds` writes it
+    ("2.63 ms"): the planner's decisions keep seconds for plan.json; a person reads one unit scale."""
+    return _RAW_SECONDS.sub(lambda m: seconds(float(m.group(1))), text)
+
+
+_UNITS = {"s", "ms", "µs", "B", "kB", "MB", "GB", "TB"}
+
+
+def wrap(line: str, indent: int = 4, width: int = WIDTH) -> list[str]:
+    """`line` broken at spaces into lines of at most `width` columns (a word longer than that
+    stays whole; the line's own leading spaces kept), each after the first indented by `indent`."""
+    out: list[str] = []
+    lead = len(line) - len(line.lstrip(" "))
+    current = " " * lead
+    words: list[str] = []
+    for word in line[lead:].split(" "):  # a unit stays with its number ("328 µs"), `a command` whole
+        if words and (word.rstrip(",;:)") in _UNITS and words[-1][-1:].isdigit()
+                      or words[-1].count("`") % 2 == 1):
+            words[-1] += " " + word
+        else:
+            words.append(word)
+    for word in words:
+        if current.strip() and len(current) + 1 + len(word) > width:
+            out.append(current)
+            current = " " * indent + word
+        else:
+            current = f"{current} {word}" if current.strip() else current + word
+    return [ln.rstrip() for ln in out + [current]]
 
 
 def shapes_text(shapes: list[str]) -> str:

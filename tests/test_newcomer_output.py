@@ -83,7 +83,7 @@ def test_plan_table_fits_100_columns_and_keeps_every_node_range(wide_plan) -> No
     text = plan_table(wide_plan, verbose=True)
     assert all(len(line) <= WIDTH for line in text.splitlines()), max(text.splitlines(), key=len)
     for stage in wide_plan.stages:  # the node range of each stage is still shown, on a line of its own
-        assert f"nodes {stage.nodes[0]} .. {stage.nodes[-1]}" in " ".join(text.split()), stage.nodes
+        assert f"first node {stage.nodes[0]}; last node {stage.nodes[-1]}" in " ".join(text.split()), stage.nodes
     assert "split layers" not in text.split("\n\n")[1] or wide_plan.split_layers  # the column only when used
 
 
@@ -113,6 +113,20 @@ def test_every_view_names_where_its_times_come_from(wide_plan) -> None:
     calibrated = dataclasses.replace(wide_plan, options={**wide_plan.options, "calibration": {"source": "run.json"}})
     assert cost_basis(calibrated).startswith("calibrated from the run run.json")
     assert "times predicted from the roofline" in " ".join(wide_plan.summary_text().split())
+
+
+def test_inspect_fits_100_columns_names_its_basis_and_says_bpipe_once(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    code, _, err = run_cli(["compile", str(_mlp_file(tmp_path)), "-b", "8", "--devices", "2xa100",
+                            "-o", str(out), "-q"], capsys)
+    assert code == 0, err
+    code, text, err = run_cli(["inspect", str(out), "-v"], capsys)
+    assert code == 0, err
+    assert all(len(line) <= WIDTH for line in text.splitlines() if str(out) not in line), text  # paths aside
+    joined = " ".join(text.split())
+    assert "times predicted from the roofline of the devices' datasheet figures" in joined
+    assert sum(line.lstrip().startswith("BPipe") for line in text.splitlines()) <= 1, text
+    assert not RAW_SECONDS.search(text), text
 
 
 def test_wrap_keeps_units_and_commands_whole() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pipecc.ir.plan import Plan
 from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines, cost_basis,
                                    first_last, recompute_line)
-from pipecc.report.formatting import WIDTH, count, human, seconds, seconds_in_text, text_table, wrap
+from pipecc.report.formatting import count, fit_table, human, seconds, seconds_in_text, text_table, wrap
 
 
 def replica_group(plan: Plan, stage) -> str:
@@ -38,7 +38,7 @@ def ratio_note(plan: Plan) -> str:
 
 def stage_table(plan: Plan) -> str:
     """One row per stage; the split-layers column only where layers are split. A table wider
-    than `WIDTH` (long node names, replica groups) gives each stage's node range a line of its own."""
+    than `WIDTH` (long node names, replica groups) gives each stage's nodes a line of its own."""
     slowest = bottleneck_stage(plan)
     on_fpga = plan.fpga_stages()
     split_nodes = {sh: sl.node for sl in plan.split_layers for sh in sl.shards}
@@ -53,15 +53,7 @@ def stage_table(plan: Plan) -> str:
                      human(s.send_bytes, "B"), seconds(s.comm_s),
                      human(s.peak_memory_bytes, "B") + (" BRAM" if s.index in on_fpga else "")]
                     + ([", ".join(shards) or "-"] if plan.split_layers else []))
-    table = text_table(headers, rows)
-    if max(len(line) for line in table.splitlines()) <= WIDTH:
-        return table
-    narrow = text_table([h for i, h in enumerate(headers) if i not in (2, 3)],
-                        [[c for i, c in enumerate(r) if i not in (2, 3)] for r in rows]).splitlines()
-    lines = narrow[:2]
-    for row, line in zip(rows, narrow[2:]):
-        lines += [line] + wrap(f"       nodes {row[2]} .. {row[3]}", indent=13)
-    return "\n".join(lines)
+    return fit_table(headers, rows, moved=[2, 3] + ([10] if plan.split_layers else []))
 
 
 def _labelled(label: str, text: str) -> list[str]:

@@ -728,7 +728,7 @@ def _strict_batchnorm_message(note: str, replicas: int = 1) -> str:
 
 def _batchnorm_message(note: str, replicas: int = 1) -> str:
     fix = "microbatches=1 and --replicas 1 give" if replicas > 1 else "microbatches=1 gives"
-    return (f"{note} (as {'DDP without SyncBatchNorm and ' if replicas > 1 else ''}GPipe do), so outputs and "
+    return (f"{note} (as {'DDP without SyncBatchNorm and GPipe do' if replicas > 1 else 'GPipe does'}), so outputs and "
             f"running statistics differ from the unpipelined model's; {fix} equal outputs (with dropout "
             "too: more micro-batches draw its masks per micro-batch); strict_batchnorm refuses instead")
 

@@ -61,11 +61,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import replace_section  # noqa: E402
 
-# NOTE: the registry's torchvision for torch 2.13 cannot load its C ops beside the CPU torch, and
-# transformers imports it: the schemas stand-in (tests/torchvision_ops.py) is loaded here and, by
-# tests/rank_site's sitecustomize, in every `pipecc` subprocess, as the real-model suite does
-sys.path.insert(0, str(ROOT / "tests"))
-import torchvision_ops  # noqa: E402,F401
 PIPECC = [sys.executable, "-m", "pipecc.cli"]
 
 # name -> model file, build_model/example_inputs arguments, batch. Small enough that one
@@ -332,8 +327,7 @@ def write_section(path: Path, text: str) -> None:
 # ----------------------------------------------------------------------------- measuring
 
 def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT / "tests" / "rank_site"), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _model_arg_flags(args: dict[str, Any]) -> list[str]:

@@ -29,10 +29,8 @@ import torch
 import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "models_holdout"))
-import torchvision_ops  # noqa: E402,F401  (before transformers imports torchvision)
 
 from pipecc import driver  # noqa: E402
 from bench_cost import write_section  # noqa: E402

@@ -28,7 +28,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torchvision_ops  # noqa: E402,F401  (before torchvision: tests/torchvision_ops.py)
 import real_zoo  # noqa: E402
 from results import replace_section  # noqa: E402
 

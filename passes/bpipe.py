@@ -314,7 +314,8 @@ def apply(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int,
     if mode == "off":
         return results, [], {}
     why = techniques.bpipe.requires(_sketch(ev), techniques.COMPILED)
-    if why is not None:
+    if why is not None:  # `auto` (the CLI's default) asked for nothing to turn off: the reason, not the fix
+        why = why if mode == "on" else techniques.bpipe.without_fix(why)
         return results, [f"BPipe (activation balancing) not considered: {why}"], {"used": False, "reason": why}
     tried, lost = [], []
     for m, d in [x if isinstance(x, tuple) else (x, 1) for x in ms]:

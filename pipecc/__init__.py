@@ -4,7 +4,7 @@
     pipecc.compile(model, example_inputs, devices, options=pipecc.PlanOptions(...))
     pipecc.load(OUT) -> PipelinedModule
     pipecc.distributed.load(OUT) -> DistributedPipeline (a training script under torchrun)
-    pm.plan -> pipecc.Plan: print(pm.plan) or pm.plan.summary() shows its stage table
+    pm.plan -> pipecc.Plan: print(pm.plan) or print(pm.plan.summary()) shows its stage table
 
 Attributes load lazily so that `import pipecc` stays cheap and the runtime (which imports
 `pipecc.ir.schedule`) never pulls in the compiler.

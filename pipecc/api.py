@@ -58,7 +58,9 @@ def compile(model: torch.nn.Module, example_inputs: Any, devices: str | Sequence
     BatchNorm in training mode normalises each micro-batch with its own statistics (as GPipe
     and torchgpipe do): with more than one micro-batch its outputs differ from the model's,
     which `compile` warns about; `microbatches=1` gives equal outputs, and
-    `strict_batchnorm=True` refuses such a pipeline instead of warning.
+    `strict_batchnorm=True` refuses such a pipeline instead of warning. Dropout in training
+    mode draws its masks per micro-batch: with more than one, outputs and gradients differ from
+    the model's by design (equal in distribution); `microbatches=1` or eval mode gives equal ones.
     """
     fpga_dir = plan_options.pop("fpga_dir", None)
     strict_batchnorm = bool(plan_options.pop("strict_batchnorm", False))

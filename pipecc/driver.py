@@ -630,29 +630,28 @@ def _module(state: State, *, model: nn.Module, target: Target) -> None:
     state.module = state.backends[-1].module(model, state.graph, state.plan, state.stages, target)
 
 
-def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = False) -> str | None:
+def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = False,
+                   replicas: int = 1) -> str | None:
     """Why the pipeline's BatchNorm outputs can differ from the model's, or None.
 
-    NOTE: a training pipeline runs each micro-batch through BatchNorm on its own, so in training
-    mode (and always, for BatchNorm without running statistics) it normalises with the
-    micro-batch's mean and variance, not the whole batch's, and updates its running statistics
-    once per micro-batch: GPipe's and torchgpipe's behaviour. With one micro-batch they are the
-    model's. Eval mode with running statistics is not affected, nor is ONNX
-    BatchNormalization (inference-only: running statistics). `pipecc run` trains in training
-    mode whatever mode the model file left; the drop-in runs the modules in the mode they are
-    in, so with `current_mode` a BatchNorm module now in eval mode does not count.
+    NOTE: a training pipeline runs each micro-batch (and each of `replicas` its slice, as DDP
+    without SyncBatchNorm) through BatchNorm on its own: in training mode (always, without running
+    statistics) it normalises with that piece's mean and variance and updates its running statistics
+    once per piece: GPipe's behaviour. With one piece they are the model's. Eval mode with running
+    statistics is unaffected, as is ONNX BatchNormalization (inference-only). `pipecc run` trains in
+    training mode; the drop-in runs modules in their current mode (`current_mode`: eval-mode ones do not count).
     """
     from pipecc.passes.recompute import training_batchnorm_names
-    if plan.microbatches <= 1 or plan.schedule == "inference" or graph.source == "onnx":
+    if plan.microbatches * replicas <= 1 or plan.schedule == "inference" or graph.source == "onnx":
         return None
     names = training_batchnorm_names(graph)
-    if current_mode:
-        names = [n for n in names if _batch_statistics_now(graph, n)]
+    names = [n for n in names if _batch_statistics_now(graph, n)] if current_mode else names
     if not names:
         return None
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-    return (f"BatchNorm ({names[0]}{more}) in training mode normalises each of the "
-            f"{plan.microbatches} micro-batches with its own statistics")
+    parts = (f"each of the {replicas} replicas' slices of " if replicas > 1 else "") + (
+        f"each of the {plan.microbatches} micro-batches" if plan.microbatches > 1 else "the batch")
+    return f"BatchNorm ({names[0]}{more}) in training mode normalises {parts} with its own statistics"
 
 
 def _batch_statistics_now(graph: AnnotatedGraph, name: str) -> bool:
@@ -702,14 +701,14 @@ def _trainable(graph: AnnotatedGraph) -> bool:
 
 
 def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool, *,
-                       current_mode: bool = False) -> str | None:
+                       current_mode: bool = False, replicas: int = 1) -> str | None:
     """The BatchNorm warning, or None; with `strict` a PipeccError instead of the warning."""
-    note = batchnorm_note(graph, plan, current_mode=current_mode)
+    note = batchnorm_note(graph, plan, current_mode=current_mode, replicas=replicas)
     if note is None:
         return None
     if strict:
-        raise PipeccError(_strict_batchnorm_message(note))
-    return _batchnorm_message(note)
+        raise PipeccError(_strict_batchnorm_message(note, replicas))
+    return _batchnorm_message(note, replicas)
 
 
 def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
@@ -724,15 +723,16 @@ def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
         raise PipeccError(found.message(pieces))
 
 
-def _strict_batchnorm_message(note: str) -> str:
+def _strict_batchnorm_message(note: str, replicas: int = 1) -> str:
     return (f"strict_batchnorm: {note}, so its outputs would differ from the model's; use "
-            "microbatches=1 (or eval mode)")
+            f"microbatches=1{' and --replicas 1' if replicas > 1 else ''} (or eval mode)")
 
 
-def _batchnorm_message(note: str) -> str:
-    return (f"{note} (as GPipe and torchgpipe do), so outputs and running statistics differ "
-            "from the unpipelined model's; microbatches=1 gives equal outputs "
-            "(strict_batchnorm refuses instead of warning)")
+def _batchnorm_message(note: str, replicas: int = 1) -> str:
+    fix = "microbatches=1 and --replicas 1 give" if replicas > 1 else "microbatches=1 gives"
+    return (f"{note} (as {'DDP without SyncBatchNorm and GPipe do' if replicas > 1 else 'GPipe does'}), so outputs and "
+            f"running statistics differ from the unpipelined model's; {fix} equal outputs (with dropout "
+            "too: more micro-batches draw its masks per micro-batch); strict_batchnorm refuses instead")
 
 
 def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Path, *,  # noqa: A001
@@ -749,8 +749,8 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     model_checks.check_trains(graph.gm.meta, plan.schedule, _trainable(graph))  # parameters, outputs with grads
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     onnx_import.check_executable(graph.gm)
-    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm)
     replicas = plan.replicas if isinstance(plan.replicas, int) else 1
+    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, replicas=replicas)
     _separable(graph, plan, replicas)
     if plan.schedule != "inference":  # a loss_fn mixing samples: refused when the batch is split
         check_split(graph.gm.meta.get(LOSS_META), plan.microbatches, replicas, Path(plan.model_path or "model").name)

@@ -1,7 +1,6 @@
 """Test configuration: tests import `helpers` from this folder; hypothesis runs derandomized
 in CI (CI=true), so a landing never depends on which random examples a run happened to draw
-(locally the examples vary from run to run and keep finding new cases). torchvision_ops makes
-`import torchvision` work on the CPU torch before any test imports it."""
+(locally the examples vary from run to run and keep finding new cases)."""
 import os
 import sys
 from pathlib import Path
@@ -10,13 +9,6 @@ import pytest
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-# NOTE: before anything imports torchvision (transformers and timm do): the registry's
-# torchvision for torch 2.13 is a CUDA build whose C ops cannot load here (see the module)
-import torchvision_ops  # noqa: E402,F401
-import real_zoo  # noqa: E402  (the same for the CLI children the tests start: tests/rank_site)
-
-os.environ.update(real_zoo.child_env())
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("dev", deadline=None)

@@ -33,18 +33,6 @@ BATCH = 4
 FLOP_TOLERANCE = 0.02
 CLI_TIMEOUT = 900.0  # seconds; torchrun with two ranks importing transformers on a busy machine
 
-# The children's PYTHONPATH starts with rank_site/, whose sitecustomize.py imports torchvision_ops
-# in every process they start (torchrun's ranks too): a rank imports a stage file, which may import
-# torchvision by module path, before the model file that imports torchvision_ops itself.
-RANK_SITE = TESTS / "rank_site"
-
-
-def child_env() -> dict[str, str]:
-    """The environment additions of the suite's `pipecc` children (RANK_SITE first on the path)."""
-    import os
-    rest = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": os.pathsep.join([str(RANK_SITE)] + ([rest] if rest else []))}
-
 
 # What a failing check reports: the last `pipecc: error:` line of the command, or the exception.
 ERROR_PREFIX = "pipecc: error: "
@@ -173,13 +161,9 @@ def checks_of(model: RealModel) -> list[str]:
 _FILE = '''\
 """{name}: {library}'s model as the library builds it (random weights); written by
 tests/real_zoo.py for the real-model suite."""
-import sys
-
-sys.path.insert(0, {tests!r})
-import torchvision_ops  # noqa: E402,F401  (torchvision's C-op schemas: tests/torchvision_ops.py)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-{imports}  # noqa: E402
+import torch
+import torch.nn.functional as F
+{imports}
 
 
 def build_model():
@@ -213,7 +197,7 @@ _LOSSES = {"tokens": "F.cross_entropy(logits.flatten(0, 1), target.flatten())",
 def write_model_file(model: RealModel, folder: Path) -> Path:
     """The model file for `model` in `folder` (named after it)."""
     path = folder / f"{model.name}.py"
-    path.write_text(_FILE.format(name=model.name, library=model.library, tests=str(TESTS),
+    path.write_text(_FILE.format(name=model.name, library=model.library,
                                  imports=model.imports, build=model.build, inputs=model.inputs,
                                  target=model.target, loss=_LOSSES[model.loss]))
     return path
@@ -235,7 +219,7 @@ def one_line(exc: BaseException) -> str:
 
 def _cli(*argv: str) -> str:
     """`pipecc ARGV`; its stdout, or CheckFailed with its last error line."""
-    result = run_pipecc(*argv, timeout=CLI_TIMEOUT, env=child_env())
+    result = run_pipecc(*argv, timeout=CLI_TIMEOUT)
     if result.returncode != 0:
         lines = [ln for ln in (result.stderr + result.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith(ERROR_PREFIX)]

@@ -99,7 +99,9 @@ def test_every_output_shows_the_same_figures_and_labels_the_bottleneck(folder: P
         assert summary[key] == plan[key], key
     worst = summary["bottleneck_stage"]
     bottleneck = seconds(plan["bottleneck_s"])
-    line = next(x for x in text.splitlines() if x.startswith("bottleneck"))
+    lines = text.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("bottleneck"))
+    line = " ".join(lines[at].split() + [w for x in lines[at + 1:] if x.startswith(" " * 16) for w in x.split()][:40])
     assert bottleneck in line and f"stage {worst}" in line and BOTTLENECK_WITH_COMM in line, line
     assert re.search(rf"<b>{re.escape(bottleneck)}</b><span>bottleneck: stage {worst}, "
                      rf"{re.escape(BOTTLENECK_WITH_COMM)}</span>", report), "report's header figure"

@@ -1,6 +1,6 @@
 """The Python API as a newcomer meets it (issue 21, item 9): `dir(pipecc)` lists the public
 names, and a plan or a pipelined module prints as a short summary, not a dataclass dump or
-nn.Module's tree of every adopted submodule; `pm.plan.summary()` prints the stage table."""
+nn.Module's tree of every adopted submodule; `pm.plan.summary()` returns the stage table."""
 
 from __future__ import annotations
 
@@ -55,13 +55,20 @@ def test_one_stage_one_micro_batch_is_singular(pm: pipecc.PipelinedModule) -> No
     assert "1 stage x 2 replicas on 2x cpu" in repr(replicated)
 
 
-def test_summary_prints_the_stage_table(pm: pipecc.PipelinedModule, capsys) -> None:
+def test_summary_returns_the_stage_table(pm: pipecc.PipelinedModule, capsys) -> None:
+    """`print(pm.plan.summary())` prints the table (issue 30: it returned None, printing "None");
+    the call itself prints nothing, and writes the table to `file` when given one."""
+    import io
     plan = pm.plan
-    assert plan.summary() is None
-    out = capsys.readouterr().out
-    assert out == plan.summary_text() + "\n" == str(plan) + "\n"
+    out = plan.summary()
+    assert capsys.readouterr().out == ""
+    assert out == plan.summary_text() == str(plan)
+    stream = io.StringIO()
+    assert plan.summary(file=stream) == out and stream.getvalue() == out + "\n"
     lines = out.splitlines()
-    assert lines[0] == repr(plan)
+    assert " ".join(line.strip() for line in lines[:lines.index("")]) == repr(plan)  # wrapped at 100
+    assert all(len(line) <= 100 for line in lines)
+    assert any(line.startswith("times predicted from the roofline") for line in lines)
     header = next(i for i, line in enumerate(lines) if line.startswith("stage "))
     assert lines[header].split() == ["stage", "device", "first", "node", "last", "node", "nodes", "fwd", "bwd",
                                      "comm", "peak", "mem"]

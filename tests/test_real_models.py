@@ -100,18 +100,6 @@ def test_real_model(name: str, check: str, real_root: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- the set-up
-def test_torchvision_imports_and_its_c_ops_stay_unavailable_when_schemas_stand_in() -> None:
-    """torchvision imports (with transformers and timm after it); where only the schemas stand
-    in for its C extension, a C op refuses with torchvision's own message instead of running."""
-    import torchvision_ops
-    torchvision = pytest.importorskip("torchvision")
-    assert torchvision_ops.MODE in ("native", "schemas")
-    assert torchvision.extension._has_ops() == (torchvision_ops.MODE == "native")
-    if torchvision_ops.MODE == "schemas":
-        with pytest.raises(RuntimeError, match="Couldn't load custom C\\+\\+ ops"):
-            torchvision.ops.nms(torch.rand(3, 4), torch.rand(3), 0.5)
-
-
 @pytest.mark.parametrize("groups,transposed", [(1, False), (4, False), (8, False), (4, True)])
 def test_grouped_conv_fixed_reference_equals_pipecc(groups: int, transposed: bool) -> None:
     """The reference the suite uses (torch's formula with the weight gradient divided by

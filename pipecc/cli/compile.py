@@ -47,13 +47,14 @@ def _check_dumps_outside(args: argparse.Namespace) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     from pipecc import driver, progress
     from pipecc.backends.torch.compile import check_output_folder
-    from pipecc.report.formatting import count, terminal_text
+    from pipecc.report.figures import cost_basis
+    from pipecc.report.formatting import count, seconds, seconds_in_text, terminal_text, wrap
     check_output_folder(args.output, args.force)  # now, not after minutes of analysis
     _check_dumps_outside(args)
     args.compare = True  # the report shows the baselines' figures
     analysis, plan, graph = plan_from_args(args)
     for decision in plan.decisions:
-        progress.explain(decision)
+        progress.explain(seconds_in_text(decision))
     done = driver.compile(analysis, plan, graph, args.output, force=args.force,
                           fpga_number=args.fpga_number, strict_batchnorm=args.strict_batchnorm,
                           debug=args.debug, dump_ir=args.dump_ir)
@@ -62,9 +63,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(terminal_text(f"pipecc: {line}"), file=sys.stderr)
     if not args.quiet:
         groups = f" x {plan.replicas} replicas" if plan.replicas > 1 else ""
-        print(terminal_text(f"wrote {done.out}: {count(len(done.stages), 'stage')}{groups}, schedule "
-                            f"{plan.schedule}, {count(plan.microbatches, 'micro-batch')}; run it with "
-                            f"`pipecc run {args.output}`"))
+        given = int(plan.options.get("devices_given") or len(plan.devices))
+        lines = [f"wrote {done.out}: {count(len(done.stages), 'stage')}{groups}, schedule {plan.schedule}, "
+                 f"{count(plan.microbatches, 'micro-batch')}; run it with `pipecc run {args.output}`"]
+        if len(plan.devices) < given:
+            lines.append(f"uses {len(plan.devices)} of the {given} devices given: more would not pay, the "
+                         "planner found (`pipecc plan -v` says why; --use-all-devices uses every one)")
+        lines.append(f"predicted {seconds(plan.predicted_iteration_s)} per iteration, from {cost_basis(plan)}")
+        print(terminal_text(lines[0]))  # NOTE: one line whatever its length (scripts read it); the rest wrap
+        for line in lines[1:]:
+            print(terminal_text("\n".join(wrap(line))))
         report = Path(done.out) / "report.html"
         if report.is_file():
             opener = "open" if sys.platform == "darwin" else "xdg-open"  # NOTE: `open` on Linux is openvt

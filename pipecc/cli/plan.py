@@ -113,7 +113,7 @@ def plan_inputs(args: argparse.Namespace) -> list[Any]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pipecc import progress
-    from pipecc.report.formatting import terminal_text
+    from pipecc.report.formatting import seconds_in_text, terminal_text
     from pipecc.report.text import plan_table
     if args.output:
         check_output_file(args.output, "-o", plan_inputs(args), args.force)  # now, not after minutes
@@ -121,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _, plan, _ = plan_from_args(args)
     if args.json:  # NOTE: otherwise the -v table lists the decisions: once is enough
         for decision in plan.decisions:
-            progress.explain(decision)
+            progress.explain(seconds_in_text(decision))
     if args.output:
         write_atomic(args.output, plan.dumps() + "\n", "-o", plan_inputs(args), args.force)
     if args.json:

@@ -124,8 +124,13 @@ def _profile(args: argparse.Namespace, rendezvous: Any) -> Any:
                          rendezvous=rendezvous, fixed_costs=not args.no_fixed_costs)
 
 
+POOR_FIT = 0.25  # a node's fit error above this is flagged in the table
+
+
 def profile_table(data: dict[str, Any], cached: bool = False) -> str:
-    """Per target: each node's fitted forward and backward curve, and the link."""
+    """Per target: each node's fitted forward and backward curve (its fit error explained, the
+    poor ones flagged), and the link."""
+    from pipecc.report.formatting import count, wrap
     lines = [f"profile of {data['model']['name']} at batch {data['batch_size']} (micro-batch "
              f"sizes {', '.join(map(str, data['microbatch_sizes']))})"
              + ("  [from the cache]" if cached else "")]
@@ -133,11 +138,20 @@ def profile_table(data: dict[str, Any], cached: bool = False) -> str:
         lines.append(f"\n{target['torch_device']} ({target['hardware']}) for "
                      f"{', '.join(target['devices'])}")
         rows = [["node", "op", "fwd us = a + c*b", "bwd us = a + c*b", "fit err"]]
+        poor = 0
         for n in target["nodes"]:
             f, b = n["fit"]["fwd"], n["fit"]["bwd"]
-            rows.append([n["name"], n["op"], _curve(f), _curve(b), f"{100 * n['fit_error']:.0f}%"])
+            flag = n["fit_error"] > POOR_FIT
+            poor += flag
+            rows.append([n["name"], n["op"], _curve(f), _curve(b),
+                         f"{100 * n['fit_error']:.0f}%" + (" !" if flag else "")])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines += wrap(f"fit err: the largest gap between a measured time and its line a + c*b, relative to the "
+                      f"measured time (micro-batch sizes {', '.join(map(str, data['microbatch_sizes']))})"
+                      + (f"; {poor} of {count(len(target['nodes']), 'node')} above {POOR_FIT:.0%} (marked !): "
+                         "their times are noisy (a larger --repeat helps) or not linear in b, and plans "
+                         "predict them that much less surely" if poor else ""), indent=4)
     links = data.get("links", [data["link"]] if data.get("link") else [])  # older: "link" only
     if links:
         lines.append("")

@@ -8,12 +8,11 @@ whose human node names (`META_NAME`) the plan lists.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from pipecc.errors import PipeccError
-from pipecc.report.formatting import count, human, seconds, text_table
+from pipecc.report.formatting import count, human, seconds, text_table, wrap
 
 
 @dataclass
@@ -254,15 +253,20 @@ class Plan:
         table = text_table(["stage", "device", "first node", "last node", "nodes", "fwd", "bwd", "comm",
                             "peak mem"], rows, left=4)
         return "\n".join([
-            repr(self), "", table, "",
-            f"bottleneck {seconds(self.bottleneck_s)} per micro-batch (stage marked *; communication "
-            "overlapped as the runtime sends), lower bound "
-            f"{seconds(self.lower_bound_s)}, bubble {self.bubble_fraction:.1%}"])
+            *wrap(repr(self)), "", table, "",
+            *wrap(f"bottleneck {seconds(self.bottleneck_s)} per micro-batch (stage marked *; communication "
+                  "overlapped as the runtime sends), lower bound "
+                  f"{seconds(self.lower_bound_s)}, bubble {self.bubble_fraction:.1%}"),
+            *wrap(f"times predicted from {cost_basis(self)}")])
 
-    def summary(self, file: TextIO | None = None) -> None:
-        """Print the stage table (per micro-batch: forward, backward, communication, peak
-        memory), as `pipecc plan` does for the command line; `str(plan)` is the same text."""
-        print(self.summary_text(), file=file or sys.stdout)
+    def summary(self, file: TextIO | None = None) -> str:
+        """The stage table (per micro-batch: forward, backward, communication, peak memory) as
+        text, as `pipecc plan` shows it on the command line: `print(pm.plan.summary())`;
+        `str(plan)` is the same text. With `file`, it is also written there."""
+        text = self.summary_text()
+        if file is not None:
+            print(text, file=file)
+        return text
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -281,6 +285,20 @@ class Plan:
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
         return cls(**data)
+
+
+def cost_basis(plan: Plan) -> str:
+    """Where the plan's times come from, for every view that prints one: a calibration (a run's
+    measured stage times mapped back), a `pipecc profile` file (measured per node), or the
+    roofline of the catalog's datasheet figures (not measured on any machine)."""
+    options = plan.options or {}
+    calibration = options.get("calibration")
+    if isinstance(calibration, dict) and calibration.get("source"):
+        return f"calibrated from the run {calibration['source']} (measured stage times mapped onto the plan)"
+    if options.get("profile"):
+        return f"the profile {options['profile']} (per-node times measured by `pipecc profile`)"
+    return ("the roofline of the devices' datasheet figures (`pipecc devices`), not measured "
+            "(`pipecc profile` measures this machine)")
 
 
 def devices_text(names: list[str]) -> str:

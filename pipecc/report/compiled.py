@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipecc.errors import PipeccError
-from pipecc.ir.plan import Plan
+from pipecc.ir.plan import Plan, cost_basis
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
 from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines,
                                    device_capacities, first_last, memory_kind, recompute_line)
-from pipecc.report.formatting import count, human, seconds, shapes_text, text_table
+from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, seconds_in_text, shapes_text,
+                                     text_table, wrap)
 from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 
@@ -341,15 +342,16 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
            + (" (the largest slice)" if mb % plan.replicas else "") if plan.replicas > 1
            else "" if plan.microbatch_sizes else "figures per micro-batch"),
         "",
-        text_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd", "comm",
-                    "peak mem / capacity", "in", "out", "split-layer shards"], rows, left=3,
-                   right_from=12),
+        fit_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd", "comm",
+                   "peak mem / capacity", "in", "out", "split-layer shards"], rows, moved=[2, 10, 11, 12],
+                  left=3, right_from=12),
         "",
         f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch: stage "
         f"{data['bottleneck_stage']} (marked *; {bottleneck_note(plan)})",
         f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}{ratio_note(plan)}",
         f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
         f"{plan.bubble_fraction:.1%}",
+        f"times           predicted from {cost_basis(plan)}",
     ]
     if plan.replicas > 1:
         lines.append(f"all-reduce      {seconds(max(s.allreduce_s for s in plan.stages))} per "
@@ -359,14 +361,18 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
     if recompute_line(plan):
         lines.append(recompute_line(plan))
     lines += bipartition_lines(plan)
-    lines += bpipe_lines(plan, verbose)
+    shown_bpipe = bpipe_lines(plan, verbose)
+    lines += shown_bpipe
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"
                      + ("" if b.get("fits_memory", True) else " (exceeds memory)"))
+    lines = lines[:1] + [part for line in lines[1:]  # the folder's line stays whole; a table is many lines
+                         for part in (wrap(line, indent=16) if "\n" not in line and len(line) > WIDTH else [line])]
     lines += ["", _ascii_timeline(timeline_of(c))]
     if verbose:
-        lines += ["", "decisions:"] + [f"  {d}" for d in plan.decisions]
+        decisions = [d for d in plan.decisions if not (shown_bpipe and d.startswith("BPipe"))]  # said above
+        lines += ["", "decisions:"] + [part for d in decisions for part in wrap(f"  {seconds_in_text(d)}")]
     lines += ["", f"details of one stage: pipecc inspect {c.path} --stage I"
               + ("" if c.graph else "  (this folder has no graph.json: recompile for node details)")]
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timel
 from pipecc.report.compiled import load_compiled, timeline_of
 from pipecc.report.dot import dot_text, graphviz_svg
 from pipecc.report.figures import (BOTTLENECK_WITH_COMM, bipartition_lines, bottleneck_note, bottleneck_stage,
-                                   device_capacities, first_last)
+                                   cost_basis, device_capacities, first_last)
 from pipecc.report.formatting import count, human, seconds
 from pipecc.report.text import ratio_note
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
@@ -297,7 +297,7 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
                              if plan.virtual_stages > 1 else "")
     figures = [(seconds(plan.predicted_iteration_s), "predicted iteration"),
                (f"{plan.batch_size / plan.predicted_iteration_s:,.0f}/s"
-                if plan.predicted_iteration_s > 0 else "-", "samples per second"),
+                if plan.predicted_iteration_s > 0 else "-", "samples per second, predicted"),
                (f"{plan.bubble_fraction:.1%}", "bubble (idle share)"),
                (seconds(plan.bottleneck_s), f"bottleneck: stage {bottleneck_stage(plan)}, "
                 f"{BOTTLENECK_WITH_COMM}"),
@@ -331,6 +331,7 @@ def render_page(plan: Plan, graph: dict[str, Any] | None, timeline: dict[str, An
 <p class="sub">batch {plan.batch_size} in {count(plan.microbatches, 'micro-batch')} of {mb} · schedule
 {esc(sched)} · {count(len(plan.stages), 'stage')} on {esc(devs)} · {esc(plan.dtype)}</p>
 <div class="figures">{fig_html}</div>
+<p class="note">Every time on this page is predicted, from {esc(cost_basis(plan))}.</p>
 {run}
 <h2>Pipeline schedule</h2>
 <p class="note">One iteration as the simulator predicts it, one row per device: each block is the

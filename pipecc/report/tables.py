@@ -80,5 +80,5 @@ def cost_table(graph: AnnotatedGraph, by_module: int = 0, max_formula: int = 40)
         f"parameters      {human(t['param_bytes'], 'B'):>9}",
         f"activations     {human(t['activation_bytes'], 'B'):>9}   = {t['activation_bytes_expr']} bytes",
     ]
-    lines += [f"warning: {w}" for w in data["warnings"]]
+    lines += [w if w.startswith(("note:", "warning:")) else f"warning: {w}" for w in data["warnings"]]
     return "\n".join(lines)

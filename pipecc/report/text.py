@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines, first_last, recompute_line
-from pipecc.report.formatting import count, human, seconds, text_table
+from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines, cost_basis,
+                                   first_last, recompute_line)
+from pipecc.report.formatting import count, fit_table, human, seconds, seconds_in_text, text_table, wrap
 
 
 def replica_group(plan: Plan, stage) -> str:
@@ -35,57 +36,73 @@ def ratio_note(plan: Plan) -> str:
     return (f" (against the bound for its own shape: {stages} stage{'s' if stages != 1 else ''} x "
             f"{plan.replicas} replicas)")
 
-def plan_table(plan: Plan, verbose: bool = False) -> str:
-    rows = []
+def stage_table(plan: Plan) -> str:
+    """One row per stage; the split-layers column only where layers are split. A table wider
+    than `WIDTH` (long node names, replica groups) gives each stage's nodes a line of its own."""
     slowest = bottleneck_stage(plan)
     on_fpga = plan.fpga_stages()
     split_nodes = {sh: sl.node for sl in plan.split_layers for sh in sl.shards}
+    headers = ["stage", "device", "first node", "last node", "fwd FLOPs", "fwd", "bwd", "sends", "comm",
+               "peak mem"] + (["split layers"] if plan.split_layers else [])
+    rows = []
     for s in plan.stages:
         shards = sorted({split_nodes[n] for n in s.nodes if n in split_nodes})
         rows.append([f"{s.index}{' *' if s.index == slowest else ''}", replica_group(plan, s),
                      *first_last(s.nodes),
                      human(s.forward_flops), seconds(s.forward_s), seconds(s.backward_s),
                      human(s.send_bytes, "B"), seconds(s.comm_s),
-                     human(s.peak_memory_bytes, "B") + (" BRAM" if s.index in on_fpga else ""),
-                     ", ".join(shards) or "-"])
+                     human(s.peak_memory_bytes, "B") + (" BRAM" if s.index in on_fpga else "")]
+                    + ([", ".join(shards) or "-"] if plan.split_layers else []))
+    return fit_table(headers, rows, moved=[2, 3] + ([10] if plan.split_layers else []))
+
+
+def _labelled(label: str, text: str) -> list[str]:
+    """A summary line `label` (padded to 16 columns) + `text`, wrapped to WIDTH under the text."""
+    return wrap(f"{label:<15} {text}", indent=16)
+
+
+def plan_table(plan: Plan, verbose: bool = False) -> str:
     lines = [
-        f"{plan.model}: batch {plan.batch_size}, "
-        + (f"unequal micro-batches per stage (UMPIPE): {sizes_text(plan)}, " if plan.microbatch_sizes
-           else f"{count(plan.microbatches, 'micro-batch')}, ")
-        + f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
-        + (f", {plan.replicas} replicas per stage (each on "
-           f"{replica_rows(plan.batch_size // plan.microbatches, plan.replicas)} of every micro-batch's "
-           f"{plan.batch_size // plan.microbatches} samples)"
-           if plan.replicas > 1 else ""),
+        *wrap(f"{plan.model}: batch {plan.batch_size}, "
+              + (f"unequal micro-batches per stage (UMPIPE): {sizes_text(plan)}, " if plan.microbatch_sizes
+                 else f"{count(plan.microbatches, 'micro-batch')}, ")
+              + f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
+              + (f", {plan.replicas} replicas per stage (each on "
+                 f"{replica_rows(plan.batch_size // plan.microbatches, plan.replicas)} of every micro-batch's "
+                 f"{plan.batch_size // plan.microbatches} samples)"
+                 if plan.replicas > 1 else "")),
         "",
-        text_table(["stage", "device", "first node", "last node", "fwd FLOPs", "fwd", "bwd",
-                    "sends", "comm", "peak mem", "split layers"], rows),
+        stage_table(plan),
         "",
-        f"bottleneck      {seconds(plan.bottleneck_s)} per micro-batch (stage marked *; {bottleneck_note(plan)})",
-        f"lower bound     {seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}{ratio_note(plan)}"
-        + (f"   (comm-blind bound {seconds(plan.lower_bound_compute_s)}, ratio "
-           f"{plan.balance_ratio_compute:.3f})" if plan.lower_bound_compute_s > 0 else ""),
-        f"iteration       {seconds(plan.predicted_iteration_s)} predicted, bubble "
-        f"{plan.bubble_fraction:.1%}",
+        *_labelled("bottleneck", f"{seconds(plan.bottleneck_s)} per micro-batch (stage marked *; "
+                   f"{bottleneck_note(plan)})"),
+        *_labelled("lower bound", f"{seconds(plan.lower_bound_s)}   balance ratio {plan.balance_ratio:.3f}"
+                   f"{ratio_note(plan)}"
+                   + (f"   (comm-blind bound {seconds(plan.lower_bound_compute_s)}, ratio "
+                      f"{plan.balance_ratio_compute:.3f})" if plan.lower_bound_compute_s > 0 else "")),
+        *_labelled("iteration", f"{seconds(plan.predicted_iteration_s)} predicted, bubble "
+                   f"{plan.bubble_fraction:.1%}"),
+        *_labelled("times", f"predicted from {cost_basis(plan)}"),
     ]
     if plan.microbatch_sizes:
         per = plan.options.get("umpipe_chunk_costs", {}).get("stage_figures_microbatch")
-        lines.append("micro-batches   unequal per stage (UMPIPE, gpipe order, forward and backward "
-                     "alike); the iteration predicted from per-chunk costs with per-call overhead"
-                     + (f"; stage figures above at {per} samples" if per else ""))
+        lines += _labelled("micro-batches", "unequal per stage (UMPIPE, gpipe order, forward and backward "
+                           "alike); the iteration predicted from per-chunk costs with per-call overhead"
+                           + (f"; stage figures above at {per} samples" if per else ""))
     if plan.replicas > 1:
-        lines.append(f"all-reduce      {seconds(max(s.allreduce_s for s in plan.stages))} per "
-                     "iteration at most (a stage's gradients in its replica group, overlapped "
-                     "with its last backward)")
+        lines += _labelled("all-reduce", f"{seconds(max(s.allreduce_s for s in plan.stages))} per "
+                           "iteration at most (a stage's gradients in its replica group, overlapped "
+                           "with its last backward)")
     for sl in plan.split_layers:
-        lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
+        lines += _labelled("split layer", f"{sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
     if recompute_line(plan):
-        lines.append(recompute_line(plan))
-    lines += bipartition_lines(plan)
-    lines += bpipe_lines(plan, verbose)
+        lines += wrap(recompute_line(plan), indent=16)
+    lines += [part for line in bipartition_lines(plan) for part in wrap(line, indent=16)]
+    shown_bpipe = bpipe_lines(plan, verbose)
+    lines += [part for line in shown_bpipe for part in wrap(line, indent=16)]
     if any(d.get("kind") == "fpga" for d in plan.devices):  # any FPGA device, with a stage or not
-        lines.append(f"FPGA stages     {plan.options.get('fpga_number', 'float')}, timed by the "
-                     "FPGA model of estimates.json; memory is on-chip BRAM")
+        lines += _labelled("FPGA stages", f"{plan.options.get('fpga_number', 'float')}, timed by the "
+                           "FPGA model of estimates.json; memory is on-chip BRAM")
     if plan.baselines:
         lines += ["", "baselines on the same cost model:"]
         lines.append(text_table(["partition", "bottleneck", "ratio to bound", "vs pipecc"],
@@ -95,8 +112,10 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                                   + ("" if b.get("fits_memory", True) else " (exceeds memory)")]
                                  for b in plan.baselines]))
     if verbose:
-        lines += ["", "decisions:"] + [f"  {d}" for d in plan.decisions]
-        lines += alternative_lines(plan)
+        # NOTE: the BPipe line above is the planner's BPipe decision: not printed twice
+        decisions = [d for d in plan.decisions if not (shown_bpipe and d.startswith("BPipe"))]
+        lines += ["", "decisions:"] + [part for d in decisions for part in wrap(f"  {seconds_in_text(d)}")]
+        lines += [part for line in alternative_lines(plan) for part in wrap(line)]
     return "\n".join(lines)
 
 
@@ -110,7 +129,7 @@ def alternative_lines(plan: Plan, top: int = TOP_ALTERNATIVES) -> list[str]:
     ranked = list(plan.alternatives)  # the planner records them fastest first
     lines = [f"  runner-up {a['schedule']} m={a['microbatches']}"
              + (f" replicas={a['replicas']}" if a.get("replicas", 1) > 1 else "")
-             + f": {a['reason']}" for a in ranked[:top]]
+             + f": {seconds_in_text(a['reason'])}" for a in ranked[:top]]
     rest = len(ranked) - top
     if rest > 0:
         lines.append(f"  ... and {count(rest, 'other configuration')} tried "

@@ -60,6 +60,18 @@ from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
 __all__ = ["RankRun", "check_options", "inference_only", "load_rank", "main", "run_compiled", "train"]
 
 
+def device_note(meta: dict[str, Any] | None, device: torch.device) -> str | None:
+    """A note when a folder planned for GPUs runs on the CPU (no CUDA device here): the numbers
+    are the same, the plan's predicted times are the GPUs', not this machine's."""
+    from pipecc.ir.plan import devices_text
+    gpus = [str(d.get("name")) for d in (meta or {}).get("devices") or []
+            if isinstance(d, dict) and d.get("kind") == "gpu"]
+    if not gpus or torch.device(device).type != "cpu":
+        return None
+    return (f"note: this folder was planned for {devices_text(gpus)}; without a CUDA device here every rank "
+            "runs on the CPU: the same numbers, but the plan's predicted times are for those GPUs")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pipecc.runtime.dist OUT --steps N [--verify] [--schedule S]``, one process per rank.
 
@@ -309,6 +321,8 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
         elif speaks and stream is None and module is not None and not run.lengths:
             print(f"note: {file} defines no train_data(batch_size, **model_args); every step repeats its example "
                   "batch", flush=True)
+        if speaks and device_note(meta, runtime.device):
+            print(device_note(meta, runtime.device), flush=True)
         val_every = getattr(args, "eval_every", None)
         if val_every is not None and not Batches.defined(module, "val_data"):
             raise UsageError(f"--eval-every evaluates the batches of val_data, which {file} does not define")

@@ -1,7 +1,8 @@
 """The drop-in module: a pipeline's stages run in one process, micro-batch by micro-batch.
 
 `PipelinedModule(stages, ports, owner=model, microbatches=m, devices=[...])` is an `nn.Module`
-that, called with the model's inputs, returns what the model returns (CONTRACT §7):
+that, called with the model's inputs, returns what the model returns (CONTRACT §7; in train mode
+dropout draws its masks per micro-batch and BatchNorm normalises each, so with m > 1 those differ):
 
   * `forward` splits every tensor input whose dim 0 is the batch into `m` micro-batches
     (`torch.tensor_split`, through `pipecc.runtime.ports.split_batch` like the distributed
@@ -172,10 +173,19 @@ class PipelinedModule(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        devices = ", ".join(str(d) for d in self._pipecc_devices)
+        """Stages, micro-batches and the devices, each device once: an interleaved plan's stages
+        (several per device, `plan.stages[k].device`) are counted per device, not listed again."""
+        stages, devices = f"stages={len(self._pipecc_stages)}", list(self._pipecc_devices)
+        plan = self.__dict__.get("plan")
+        on = [getattr(s, "device", None) for s in getattr(plan, "stages", [])]
+        if len(on) == len(devices) and None not in on and len(set(on)) < len(on):
+            first = {d: devices[k] for k, d in reversed(list(enumerate(on)))}  # each device's first stage
+            per = {on.count(d) for d in first}
+            stages += f" ({per.pop()} per device)" if len(per) == 1 else f" on {len(first)} devices"
+            devices = [first[d] for d in sorted(first)]
+        shown = ", ".join(str(d) for d in devices)
         amp = f", precision {str(self._pipecc_amp).removeprefix('torch.')} autocast" if self._pipecc_amp else ""
-        return (f"stages={len(self._pipecc_stages)}, microbatches={self._pipecc_microbatches}, "
-                f"devices=[{devices}]{amp}")
+        return f"{stages}, microbatches={self._pipecc_microbatches}, devices=[{shown}]{amp}"
 
     def __repr__(self) -> str:
         """One line, not nn.Module's tree of every adopted submodule (issue 21): the owner, the

@@ -15,6 +15,7 @@ return policy.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan
@@ -26,6 +27,12 @@ from pipecc.ir.techniques.facts import bipartition_on, stages_per_device, traini
 NAME = "BPipe"
 TAG = "activation balancing (BPipe)"
 OFF = "--activation-balancing off"
+
+
+def without_fix(why: str) -> str:
+    """A `requires` line without its fix (": use ..." / "; use ..."), for the planner's note when
+    BPipe was only weighed (`--activation-balancing auto`): there is nothing to turn off."""
+    return re.split(r"[:;] use ", why, maxsplit=1)[0]
 
 
 def uses(plan: Plan) -> bool:

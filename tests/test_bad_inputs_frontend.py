@@ -242,7 +242,8 @@ def test_compile_bad_model_file(case: Case, tmp_path: Path, capfd) -> None:
     code, out, err, folder = compile_case(case, tmp_path, capfd)
     if case.exit_code == 0:
         assert code == 0, err
-        assert (folder / "plan.json").is_file() and not err.strip(), err
+        assert (folder / "plan.json").is_file(), err
+        assert all(line.startswith("pipecc: warning: ") for line in err.strip().splitlines()), err  # warnings only
         return
     lines = err.strip().splitlines()
     assert code == case.exit_code, err
@@ -275,7 +276,9 @@ def test_tracing_past_the_limit_is_named(tmp_path: Path, capfd, monkeypatch) -> 
     monkeypatch.setenv("PIPECC_MODEL_TIME_LIMIT", "5")
     code, _, err, _ = compile_case(Case("deep", build_file(
         "return nn.Sequential(*[nn.Linear(4, 4) for _ in range(3000)])")), tmp_path, capfd)
-    assert code == 1 and err.strip().startswith("pipecc: error: tracing model did not return within 5 s"), err
+    # on a loaded machine building the 3000 layers may be what passes the limit: the line names that step
+    assert code == 1 and err.strip().startswith("pipecc: error: ") and "did not return within 5 s" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_symbol_on_an_onnx_file_is_a_usage_error(tmp_path: Path, capfd) -> None:

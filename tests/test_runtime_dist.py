@@ -296,8 +296,12 @@ def test_main_runs_a_compiled_folder_in_one_process(tmp_path: Path, monkeypatch,
     monkeypatch.setitem(sys.modules, "pipecc.runtime.local", types.SimpleNamespace(load_stage=load_stage))
     monkeypatch.delenv("RANK", raising=False)
     argv = [str(tmp_path), "--steps", "2", "--verify", "--schedule", "interleaved", "--microbatches", "3"]
+    assert main(argv) == 1  # no pipecc.json: the stage code it would run is recorded nowhere
+    assert "not a folder written by `pipecc compile` (no pipecc.json)" in capsys.readouterr().err
+    import pipecc.runtime.rank as rank_module
+    monkeypatch.setattr(rank_module, "_read_marker", lambda out: {})  # a marker with no fields: the stubs' folder
     assert main(argv) == 1  # no model file to compare with
-    assert "cannot verify: there is no" in capsys.readouterr().err
+    assert "pipecc.json names no model" in capsys.readouterr().err
     argv[argv.index("--verify")] = "--verify-stages-only"
     assert main(argv) == 0
     out = capsys.readouterr().out

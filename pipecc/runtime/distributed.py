@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
+from pipecc.runtime import teardown
 from pipecc.runtime.bipartition_exec import is_worker
 from pipecc.runtime.engine import PRECISIONS, PipelineRuntime
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, analyse, split_words, weight
@@ -472,10 +473,12 @@ class DistributedPipeline:
         return RunCheckpoints(Path(directory), self.runtime, folder_fingerprint(self.run.stage_dirs), None, None)
 
     def close(self) -> None:
-        """Leave the process group (after a barrier: no rank tears it down under a peer)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        """Leave the process group (collective): a barrier, so no rank tears it down under a
+        peer, then every group destroyed and nothing of gloo left running
+        (``pipecc.runtime.teardown``), so the script's interpreter exits cleanly."""
+        teardown.leave()
+        self.runtime.forget_groups()  # the groups pipecc made end with it, not at exit
+        self.tied.forget_groups()
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -1,0 +1,105 @@
+"""Leaving the process group so that nothing of it outlives ``destroy_process_group``.
+
+Why. ``torch.distributed.nn.functional`` evaluates ``group.WORLD`` as the default argument of
+ten of its functions when it is imported, and torch imports it lazily: ``torch._dynamo``
+imports it, and ``torch.optim`` imports ``torch._dynamo`` when a script builds its first
+optimizer. A script that builds its optimizer after joining the process group (every training
+script) so leaves the default group referenced from those defaults. ``destroy_process_group``
+then drops torch's own references but not these: the gloo backend stays alive with its two
+``pt_gloo_runloop`` worker threads, its ``gloo_tcp_loop`` thread and its sockets, and the
+process reaches interpreter teardown and ``exit`` with them running. A finished rank then
+aborted in about 1 run in 25 ("terminate called without an active exception", SIGABRT, exit
+-6), with every result written. ``init_process_group`` followed by ``import
+torch.distributed.nn.functional``, a collective and ``destroy_process_group`` aborts so by
+itself; imported before ``init_process_group`` it does not (the backend is destroyed inside
+``destroy_process_group``, its threads joined).
+
+What. ``bind_defaults_early`` (called before ``init_process_group``) imports that module while
+``group.WORLD`` is still None, so its defaults never hold a group. ``leave`` (the one way a
+pipecc rank leaves: ``DistributedPipeline.close``, ``pipecc run``'s ranks) waits for every rank,
+destroys the process groups and replaces any process group still held in that module's
+defaults by None (what ``group.WORLD`` is after the destroy, and what those functions then
+mean by it), covering a script that joined the group itself before pipecc imported the module.
+``backend_threads`` names the gloo threads still running (Linux; the tests assert none survive
+``leave``).
+
+Imports torch only."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch.distributed as dist
+
+__all__ = ["BINDS_WORLD", "backend_threads", "bind_defaults_early", "leave", "release_stale_defaults"]
+
+# torch modules that bind group.WORLD into default arguments at import and that torch itself
+# imports lazily after a process group may exist (found by the referrers of a destroyed group)
+BINDS_WORLD = ("torch.distributed.nn.functional",)
+THREAD_PREFIXES = ("gloo", "pt_gloo")  # gloo_tcp_loop, pt_gloo_runloop (torch 2.x thread names)
+
+
+def bind_defaults_early() -> None:
+    """Import ``BINDS_WORLD`` before a process group exists (their defaults then bind None)."""
+    import importlib
+
+    for name in BINDS_WORLD:
+        importlib.import_module(name)
+
+
+def leave() -> None:
+    """Leave the process group: a barrier (no rank tears its links down under a peer still
+    draining a message), ``destroy_process_group``, then ``release_stale_defaults``. A no-op
+    when no group is joined."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    release_stale_defaults()
+
+
+def release_stale_defaults() -> int:
+    """Replace every process group held in a default argument of ``BINDS_WORLD``'s functions by
+    None; the number replaced. Call only once every group is destroyed."""
+    replaced = 0
+    for name in BINDS_WORLD:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for fn in vars(module).values():
+            if isinstance(fn, types.FunctionType):
+                replaced += _release(fn)
+    return replaced
+
+
+def _release(fn: types.FunctionType) -> int:
+    count = 0
+    if fn.__defaults__:
+        defaults = tuple(None if isinstance(v, dist.ProcessGroup) else v for v in fn.__defaults__)
+        count += sum(a is not b for a, b in zip(defaults, fn.__defaults__))
+        fn.__defaults__ = defaults
+    if fn.__kwdefaults__:
+        stale = [k for k, v in fn.__kwdefaults__.items() if isinstance(v, dist.ProcessGroup)]
+        for k in stale:
+            fn.__kwdefaults__[k] = None
+        count += len(stale)
+    return count
+
+
+def backend_threads() -> list[str] | None:
+    """The names of this process's gloo threads (None where /proc does not list threads)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(tasks):
+        return None
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm", encoding="utf-8") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(THREAD_PREFIXES):
+            names.append(name)
+    return sorted(names)

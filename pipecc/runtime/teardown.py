@@ -20,20 +20,25 @@ pipecc rank leaves: ``DistributedPipeline.close``, ``pipecc run``'s ranks) waits
 destroys the process groups and replaces any process group still held in that module's
 defaults by None (what ``group.WORLD`` is after the destroy, and what those functions then
 mean by it), covering a script that joined the group itself before pipecc imported the module.
-``backend_threads`` names the gloo threads still running (Linux; the tests assert none survive
-``leave``).
+A script that never calls ``close()`` is covered by ``leave_at_exit`` (registered by
+``pipecc.distributed.load``): at interpreter exit, before teardown, it destroys what is still
+joined (without a barrier) and releases the same references. ``backend_threads`` names the
+gloo threads still running (Linux; the tests assert none survive ``leave``).
 
 Imports torch only."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import types
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-__all__ = ["BINDS_WORLD", "backend_threads", "bind_defaults_early", "leave", "release_stale_defaults"]
+__all__ = ["BINDS_WORLD", "backend_threads", "bind_defaults_early", "leave", "leave_at_exit",
+           "release_stale_defaults"]
 
 # torch modules that bind group.WORLD into default arguments at import and that torch itself
 # imports lazily after a process group may exist (found by the referrers of a destroyed group)
@@ -58,6 +63,32 @@ def leave() -> None:
     dist.barrier()
     dist.destroy_process_group()
     release_stale_defaults()
+
+
+def leave_at_exit(forget: Callable[[], None]) -> None:
+    """For a script that ends without ``close()``: at interpreter exit, while Python is whole,
+    destroy the process groups still joined, release the stale defaults and call ``forget``
+    (the pipelines' own references to groups). No barrier: every rank of a finished script has
+    completed its messages, and a rank that ends on an exception must not wait for its peers.
+    The latest ``forget`` is the one called."""
+    if not _AT_EXIT:
+        atexit.register(_at_exit)
+    _AT_EXIT[:] = [forget]
+
+
+_AT_EXIT: list[Callable[[], None]] = []  # the forget of leave_at_exit, once registered
+
+
+def _at_exit() -> None:
+    if not dist.is_initialized():
+        return  # closed, or never joined
+    try:
+        dist.destroy_process_group()
+        release_stale_defaults()
+        for forget in _AT_EXIT:
+            forget()
+    except Exception as e:  # exiting anyway: say why, in one line
+        print(f"pipecc: warning: leaving the process group at exit failed: {e}", file=sys.stderr)
 
 
 def release_stale_defaults() -> int:

@@ -101,7 +101,7 @@ def test_release_stale_defaults_touches_process_groups_only():
 @pytest.mark.slow
 def test_two_ranks_exit_cleanly_every_time(tmp_path):
     """The late import, messages, `leave`, then a plain interpreter exit, 4 times on 2 ranks:
-    every rank exits 0. Without `leave` (destroy_process_group alone) this script aborted
+    every rank exits 0. Without `leave` (destroy_process_group alone) a script like this one aborted
     (SIGABRT) in 15 of 100 runs on the 2-core machine (torch 2.14.1), so a regression fails here
     about one time in two; the deterministic guard is the thread check above."""
     for run in range(4):

@@ -7,12 +7,17 @@ optimizer. A script that builds its optimizer after joining the process group (e
 script) so leaves the default group referenced from those defaults. ``destroy_process_group``
 then drops torch's own references but not these: the gloo backend stays alive with its two
 ``pt_gloo_runloop`` worker threads, its ``gloo_tcp_loop`` thread and its sockets, and the
-process reaches interpreter teardown and ``exit`` with them running. A finished rank then
-aborted in about 1 run in 25 ("terminate called without an active exception", SIGABRT, exit
--6), with every result written. ``init_process_group`` followed by ``import
-torch.distributed.nn.functional``, a collective and ``destroy_process_group`` aborts so by
-itself; imported before ``init_process_group`` it does not (the backend is destroyed inside
-``destroy_process_group``, its threads joined).
+process reaches interpreter teardown with them running. The abort (a core dump's stacks, torch
+2.14.1, Python 3.11): a worker thread, done with the last barrier, drops its work, which holds
+the previous collective's tensors; releasing a tensor's Python object takes the GIL; when the
+main thread is already in ``Py_FinalizeEx``, CPython ends such a thread with ``pthread_exit``,
+whose forced unwind through the work's ``noexcept`` destructor calls ``std::terminate``:
+"terminate called without an active exception", SIGABRT, exit -6, with every result written.
+A race, so now and then: ``init_process_group``, then ``import torch.distributed.nn.functional``,
+messages, ``barrier`` and ``destroy_process_group`` aborted 15 of 100 two-rank runs; with
+``release_stale_defaults`` after the destroy 0 of 100, with the import before
+``init_process_group`` 0 of 40 (the backend is then destroyed inside ``destroy_process_group``,
+its threads joined). pipecc's training scripts and ``pipecc run`` had hit it about 1 run in 25.
 
 What. ``bind_defaults_early`` (called before ``init_process_group``) imports that module while
 ``group.WORLD`` is still None, so its defaults never hold a group. ``leave`` (the one way a

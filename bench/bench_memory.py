@@ -65,7 +65,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "zb-h1": ("2xcpu", ["--schedule", "zb-h1"]),
     "bpipe": ("4xcpu", ["--schedule", "1f1b", "--activation-balancing", "on"]),
     "recompute": ("2xcpu", ["--schedule", "1f1b", "--recompute", "on"]),
+    # bf16 autocast (messages in bf16, the plan priced so); only when asked (--variants 1f1b,1f1b-bf16)
+    "1f1b-bf16": ("2xcpu", ["--schedule", "1f1b", "--precision", "bf16"]),
 }
+DEFAULT_VARIANTS = ["gpipe", "1f1b", "interleaved", "zb-h1", "bpipe", "recompute"]
 DEFAULT_MODELS = ["mlp", "gpt", "tiny_cnn", "vgg16", "bert", "unet", "mobilenet", "two_input", "hf_gpt2"]
 MICROBATCHES = 4
 
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     parser.add_argument("--models", type=csv, default=DEFAULT_MODELS, help=f"of {','.join(MODELS)}")
-    parser.add_argument("--variants", type=csv, default=list(VARIANTS), help=f"of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", type=csv, default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0, help="per subprocess")
     parser.add_argument("--json", type=Path, help="also write every number here")

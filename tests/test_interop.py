@@ -126,13 +126,18 @@ def worker(out_dir: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from pipecc.runtime import teardown
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for name, route in [("mlp", "stages"), ("mlp", "policy"), ("gpt", "stages"), ("gpt", "policy"),
                         ("skip", "stages"), ("gpt", "zb"), ("skip", "zb")]:
         save_file(run_route(name, route, rank, world), os.path.join(out_dir, f"{name}_{route}_rank{rank}.safetensors"))
-    dist.destroy_process_group()
+    # NOTE: leave the group as pipecc's ranks do (pipecc.runtime.teardown): no gloo thread may
+    # outlive it, so the interpreter's teardown has nothing of gloo to race with
+    teardown.leave()
+    assert teardown.backend_threads() in ([], None), teardown.backend_threads()
 
 
 # ----------------------------------------------------------------------------- 2 ranks
@@ -302,6 +307,3 @@ def test_a_sum_loss_is_not_divided_by_the_micro_batches(one_rank_group) -> None:
 
 if __name__ == "__main__":
     worker(sys.argv[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # NOTE: skip interpreter teardown: torch's C++ destructors abort a finished rank now and then

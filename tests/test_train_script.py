@@ -90,11 +90,10 @@ SCRIPT = textwrap.dedent('''
     if outputs is not None:
         torch.save({"x": x, "outputs": outputs, "state": state, "rank": pipe.rank}, record + ".forward.pt")
     pipe.close()
-    # NOTE: torch's C++ teardown aborts about 1 run in 25 after a finished gloo run ("terminate
-    # called without an active exception"; pipecc run's ranks exit so too): docs/training.md
-    import os
-    sys.stdout.flush(); sys.stderr.flush()
-    os._exit(0)
+    # nothing of gloo may outlive close() (pipecc.runtime.teardown); the script then exits as any does
+    from pipecc.runtime.teardown import backend_threads
+    with open(f"{record}.rank{pipe.rank}.threads.json", "w") as f:
+        json.dump(backend_threads(), f)
 ''')
 
 
@@ -128,6 +127,8 @@ def _torchrun(work: Path, out: Path, ranks: int, steps: int, accumulate: int = 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    for r in range(ranks):  # close() ended gloo's threads on every rank (None: no /proc here)
+        assert json.loads((work / f"{record}.rank{r}.threads.json").read_text()) in ([], None), r
     return [json.loads((work / f"{record}.rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -212,6 +213,47 @@ def test_bf16_on_two_ranks_follows_the_one_process_autocast_run(work):
     got = _torchrun(work, out, 2, 10, precision="folder", record="bf16")  # the folder's: declared at compile
     want = _reference(work, "bf16", 10, precision="bf16")
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=2e-2, atol=1e-2)
+
+
+NO_CLOSE = textwrap.dedent('''
+    import atexit, json, sys
+    import torch
+    import torch.distributed as dist
+    from pipecc.runtime.teardown import backend_threads
+
+    out, record = sys.argv[1], sys.argv[2]
+    def report():  # registered first, so it runs after pipecc's own exit handler
+        with open(f"{record}.rank{rank}.exit.json", "w") as f:
+            json.dump({"joined": dist.is_initialized(), "threads": backend_threads()}, f)
+    atexit.register(report)
+    import pipecc
+    pipe = pipecc.distributed.load(out)
+    rank = pipe.rank
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    for _ in range(2):
+        pipe.step(x, target=y)
+        opt.step(); opt.zero_grad()
+    # no pipe.close(): the script just ends
+''')
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_a_script_that_never_closes_leaves_at_exit(work):
+    """Without close() every rank still leaves the process group at interpreter exit, with no
+    gloo thread left running, and exits 0 (pipecc.runtime.teardown.leave_at_exit)."""
+    out = work / "replicas"  # pipecc's own replica groups must end too
+    if not out.exists():
+        out = _compile(work, "replicas", "--devices", "2xcpu", "-m", "2", "--replicas", "2")
+    (work / "no_close.py").write_text(NO_CLOSE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(work / "no_close.py"), str(out), str(work / "noclose")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in range(2):
+        seen = json.loads((work / f"noclose.rank{r}.exit.json").read_text())
+        assert not seen["joined"] and seen["threads"] in ([], None), (r, seen)
 
 
 # ----------------------------------------------------------------------------- one process

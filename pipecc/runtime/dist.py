@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError, printable
 from pipecc.ir.schedule.registry import SCHEDULES
-from pipecc.runtime import lifeline
+from pipecc.runtime import lifeline, teardown
 from pipecc.runtime.checkpoints import DEFAULT_LR, RunCheckpoints, folder_fingerprint, \
     run_options
 from pipecc.runtime.engine import PipelineRuntime, RunConfig
@@ -175,10 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         code = _main(args, stdout)
     if under_torchrun:
-        # NOTE: a rank ends at once, skipping interpreter teardown. A failed rank's teardown may
-        # wait on a dead or hung peer's socket; a finished one's, past destroy_process_group,
-        # still aborted in torch's C++ destructors ("terminate called without an active
-        # exception", SIGABRT) in ~1 of 25 runs. Everything it wrote is closed by now.
+        # NOTE: a rank ends at once, skipping interpreter teardown: a failed rank's teardown may
+        # wait on a dead or hung peer's socket, or on a thread the model file started. (A
+        # finished rank's teardown no longer aborts: pipecc.runtime.teardown.) Everything it
+        # wrote is closed by now.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -474,12 +473,10 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
         _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout, history)
     if runtime.trace is not None:
         runtime.trace.write(Path(args.trace).resolve(), run.schedule_name)
-    if dist.is_initialized():
-        # NOTE: every rank past its last message before any tears its process group down; a
-        # rank destroying gloo's pairs while a peer still drains a collective (--json's gather)
-        # aborted ("terminate called without an active exception") in ~1 of 12 runs.
-        dist.barrier()
-        dist.destroy_process_group()
+    # NOTE: every rank past its last message before any tears its process group down (a rank
+    # destroying gloo's pairs while a peer still drained --json's gather aborted in ~1 of 12
+    # runs), and nothing of gloo left running (pipecc.runtime.teardown)
+    teardown.leave()
     return 0
 
 
@@ -584,12 +581,10 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
         _print_times(runtime, timer, args.out, "inference", batch, stdout or sys.stdout)
     if runtime.trace is not None:
         runtime.trace.write(Path(args.trace).resolve(), "inference")
-    if dist.is_initialized():
-        # NOTE: every rank past its last message before any tears its process group down; a
-        # rank destroying gloo's pairs while a peer still drains a collective (--json's gather)
-        # aborted ("terminate called without an active exception") in ~1 of 12 runs.
-        dist.barrier()
-        dist.destroy_process_group()
+    # NOTE: every rank past its last message before any tears its process group down (a rank
+    # destroying gloo's pairs while a peer still drained --json's gather aborted in ~1 of 12
+    # runs), and nothing of gloo left running (pipecc.runtime.teardown)
+    teardown.leave()
     return 0
 
 

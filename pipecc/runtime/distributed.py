@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
+from pipecc.runtime import teardown
 from pipecc.runtime.bipartition_exec import is_worker
 from pipecc.runtime.engine import PRECISIONS, PipelineRuntime
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, analyse, split_words, weight
@@ -106,7 +108,21 @@ def load(out: str | Path, *, loss_fn: Callable | None = None, precision: str | N
         optimizer=None, lr=None, seed=seed, length=None, verify=False, rtol=None, atol=None,
         verify_stages_only=False, checkpoint_dir=None, checkpoint_every=None, resume=False, json=False,
         warmup_steps=0, trace=None, debug=False, precision=precision, force=False)
-    return DistributedPipeline(run_rank.load_rank(args), loss_fn)
+    pipe = DistributedPipeline(run_rank.load_rank(args), loss_fn)
+    if dist.is_initialized():  # a script that never calls close() still leaves cleanly at exit
+        teardown.leave_at_exit(_forget_later(pipe))
+    return pipe
+
+
+def _forget_later(pipe: DistributedPipeline) -> Callable[[], None]:
+    """``pipe.forget_groups`` at exit, without keeping ``pipe`` alive until then."""
+    method = weakref.WeakMethod(pipe.forget_groups)
+
+    def forget() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+    return forget
 
 
 class DistributedPipeline:
@@ -472,10 +488,17 @@ class DistributedPipeline:
         return RunCheckpoints(Path(directory), self.runtime, folder_fingerprint(self.run.stage_dirs), None, None)
 
     def close(self) -> None:
-        """Leave the process group (after a barrier: no rank tears it down under a peer)."""
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        """Leave the process group (collective): a barrier, so no rank tears it down under a
+        peer, then every group destroyed and nothing of gloo left running
+        (``pipecc.runtime.teardown``), so the script's interpreter exits cleanly."""
+        teardown.leave()
+        self.forget_groups()
+
+    def forget_groups(self) -> None:
+        """Drop this rank's references to the (destroyed) groups pipecc made, so their
+        backends end now rather than at exit (``close`` does it)."""
+        self.runtime.forget_groups()
+        self.tied.forget_groups()
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ from pipecc.ir.schedule.registry import SCHEDULES, UNEVEN, VIRTUAL, schedule_for
 from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only, with_collectives
 from pipecc.ir.schedule.validate import validate
-from pipecc.runtime import rank_checkpoint
+from pipecc.runtime import rank_checkpoint, teardown
 from pipecc.runtime.bipartition_exec import BipartitionRunner, WeightRefresh, is_worker
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
@@ -392,6 +392,15 @@ class PipelineRuntime:
         (call after every ``optimizer.step()``; a no-op without Bi-Partition)."""
         self.refresh.after_optimizer_step()
 
+    def forget_groups(self) -> None:
+        """Drop this runtime's references to process groups (replica groups, NCCL's directed
+        groups, the replicas' pending all-reduces) once they are destroyed, so their backends
+        end now rather than at interpreter exit (``pipecc.runtime.teardown``). No step runs after."""
+        self.replicas.groups.clear()
+        self._wire.groups.clear()
+        if self.reduce.sync is not None:
+            self.reduce.sync.group, self.reduce.sync.works = None, []
+
     def save_checkpoint(self, directory: str | os.PathLike, step: int) -> Path:
         """Write ``stage_<rank>.safetensors`` and ``stage_<rank>.json`` into ``directory``."""
         return rank_checkpoint.save_checkpoint(self, directory, step)
@@ -496,6 +505,7 @@ def init_distributed(config: RunConfig) -> tuple[int, int]:
             # here; directed_groups then splits its two-rank groups from it.
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
+        teardown.bind_defaults_early()  # before the group exists (pipecc.runtime.teardown)
         dist.init_process_group(backend, timeout=timedelta(seconds=config.timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
 

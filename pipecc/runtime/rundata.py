@@ -181,6 +181,10 @@ class TiedGradients:
             if local and (len(local) > 1 or group is not None):
                 self.entries.append((name, group, local))
 
+    def forget_groups(self) -> None:
+        """Drop the (destroyed) tied-weight groups (``PipelineRuntime.forget_groups``)."""
+        self.entries = [(name, None, params) for name, _, params in self.entries]
+
     def reduce(self) -> None:
         for _, group, params in self.entries:
             total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params).detach().clone()

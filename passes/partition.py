@@ -308,10 +308,10 @@ class _Stage:
     starts: np.ndarray | None  # first entry of each cell group
     cells: np.ndarray | None   # flat (level, position) index of each group
     levels: int
-    starts_ok: np.ndarray | None = None  # hi >= 0: a start the stage fits from
-    two_t: np.ndarray | None = None      # 2.0 * t
-    top: int = 0                         # hi.max()
-    table: np.ndarray | None = None      # `_cover_max`'s doubling table, reused per probe
+    starts_ok: np.ndarray | None = None  # kept per stage (issue 31): hi >= 0, 2.0 * t, hi.max(),
+    two_t: np.ndarray | None = None      # and `_cover_max`'s doubling table
+    top: int = 0
+    table: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.starts_ok, self.two_t, self.top = self.hi >= 0, 2.0 * self.t, int(self.hi.max())
@@ -370,14 +370,11 @@ def _stages(ar: _Arrays, links: tuple[np.ndarray, np.ndarray], caps: np.ndarray)
 def _cover_max(wm: np.ndarray, st: _Stage, n: int) -> np.ndarray:
     """W[e] = max wm[a] over starts a whose interval (a, hi[a]] contains e (-inf if none)."""
     if st.src is None:  # every interval runs to the same end: a prefix maximum
-        W = np.empty(n + 1)
-        W[0] = -np.inf
-        np.maximum.accumulate(wm[:-1], out=W[1:])
+        W = np.full(n + 1, -np.inf)
+        W[1:] = np.maximum.accumulate(wm[:-1])
         W[st.top + 1:] = -np.inf
         return W
-    # NOTE (issue 31): the stage's table is allocated once and refilled per probe; the W returned
-    # (a view of it) is read before the stage's next probe (`_reach`)
-    if st.table is None:
+    if st.table is None:  # NOTE: refilled per probe; W (a view) is read before the next (`_reach`)
         st.table = np.empty(st.levels * (n + 1))
     M = st.table
     M.fill(-np.inf)
@@ -397,17 +394,15 @@ def _reach(stages: list[_Stage], T: float, n: int,
     R[0] = True
     carry = np.zeros(n + 1)
     out = []
-    # NOTE (issue 31): the same arithmetic as before, with less per-stage overhead (half of a
-    # plan's time is here): one errstate for the loop, v - W formed once, the masks and 2t built
-    # once per stage (`_Stage.starts_ok`, `two_t`): (v - W) - T is what v - W - T computed
+    # NOTE (issue 31): the same arithmetic, less overhead: one errstate, v - W once ((v - W) - T
+    # is what v - W - T computed), each stage's masks and 2t kept (`_Stage`)
     with np.errstate(invalid="ignore"):  # inf - inf where nothing reaches e
         for st in stages:
             wm = np.where(R & st.starts_ok, st.w - carry, -np.inf)
             W = _cover_max(wm, st, n)
             load = st.v - W
             R = (W > -np.inf) & (load <= T) & (st.t <= T)
-            if training and T < math.inf:
-                carry = np.maximum(0.0, (load - T) + st.two_t)
+            carry = np.maximum(0.0, (load - T) + st.two_t) if training and T < math.inf else carry
             if not R.any():
                 return None
             out.append((R, wm))

@@ -376,7 +376,9 @@ def _score(row: dict[str, Any], plan, graph, original, cluster: Cluster, batch: 
     cost = np.asarray(bound.fwd) + np.asarray(bound.bwd)
     types = [cluster.devices[d].name for d in order]
     planner_lb = lower_bound(bound, base_units.splittable,
-                             split_bytes=plan_emit.split_floor(base_bal.evaluator, base_units))
+                             split_bytes=plan_emit.split_floor(base_bal.evaluator, base_units),
+                             split_fixed=plan_emit.piece_fixed(base_bal.evaluator, order, 1,
+                                                               len(bound.mem_cap)))
     if not math.isclose(planner_lb, plan.lower_bound_s, rel_tol=1e-9):
         row["notes"].append(f"Plan.lower_bound_s {plan.lower_bound_s:.6g} s differs from the "
                             f"planner's bound on the analysed graph, {planner_lb:.6g} s")

@@ -4,6 +4,7 @@ graph on 16 devices.
     .venv/bin/python bench/bench_plan_speed.py                      # every table; writes its RESULTS.md section
     .venv/bin/python bench/bench_plan_speed.py --layers 12 24 --blocks 0 --no-write
     .venv/bin/python bench/bench_plan_speed.py --profile 48       # where plan time goes (cProfile)
+    .venv/bin/python bench/bench_plan_speed.py --sample 48        # the same, sampled (real shares)
 
 Layer table: transformers' GPT2LMHeadModel (bench/models_holdout/hf_gpt2.py: random weights,
 hidden 768, 12 heads, vocabulary 2048, sequence 64), analysed once per depth, planned on
@@ -110,6 +111,50 @@ def profile(n_layer: int, devices: str, batch: int, top: int) -> None:
         print(f"### cProfile: {n_layer} layers, {mode}\n{out.getvalue()}", flush=True)
 
 
+def sample(n_layer: int, devices: str, batch: int, top: int) -> None:
+    """Where plan time goes without cProfile's overhead: a thread samples the planning thread's
+    stack every 5 ms (`sys._current_frames`) during each mode's plan (cold caches); the `top`
+    functions by share of samples, inclusive (on the stack) and self (running)."""
+    import collections
+    import threading
+
+    import hf_gpt2
+    model = hf_gpt2.build_model(n_layer=n_layer, n_head=12, n_embd=768, vocab_size=2048, n_positions=128)
+    graph = driver.analyze_module(model, hf_gpt2.example_inputs(2), model_name="gpt2")
+    me = threading.get_ident()
+    for mode, fields in MODES.items():
+        inclusive, own, total = collections.Counter(), collections.Counter(), [0]
+        done = threading.Event()
+
+        def sampler() -> None:
+            while not done.wait(0.005):
+                frame = sys._current_frames().get(me)
+                total[0] += 1
+                seen: set[str] = set()
+                while frame is not None:
+                    code = frame.f_code
+                    key = "/".join(code.co_filename.split("/")[-2:]) + ":" + code.co_name
+                    if not seen:
+                        own[key] += 1
+                    if key not in seen:
+                        inclusive[key] += 1
+                        seen.add(key)
+                    frame = frame.f_back
+        cold()
+        thread = threading.Thread(target=sampler, daemon=True)
+        c0 = time.process_time()
+        thread.start()
+        driver.plan(graph, devices, batch_size=batch, **fields)
+        done.set()
+        thread.join()
+        print(f"### sampled: {n_layer} layers, {mode}: {time.process_time() - c0:.1f} s CPU, "
+              f"{total[0]} samples")
+        for name, counts in (("inclusive", inclusive), ("self", own)):
+            for key, k in counts.most_common(top):
+                print(f"{100 * k / max(total[0], 1):5.1f}% {name:9s} {key}")
+        print(flush=True)
+
+
 def block_rows(blocks: int) -> list[str]:
     with torch.device("meta"):
         model = nn.Sequential(*[Block(128) for _ in range(blocks)])
@@ -135,10 +180,15 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--profile", type=int, metavar="LAYERS",
                         help="print a cProfile breakdown of both modes at LAYERS layers, nothing else")
-    parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")
+    parser.add_argument("--sample", type=int, metavar="LAYERS",
+                        help="print a sampled breakdown (no cProfile overhead) at LAYERS layers, nothing else")
+    parser.add_argument("--top", type=int, default=30, help="--profile, --sample: functions listed")
     args = parser.parse_args()
     if args.profile:
         profile(args.profile, args.devices, args.batch_size, args.top)
+        return
+    if args.sample:
+        sample(args.sample, args.devices, args.batch_size, args.top)
         return
     load = os.getloadavg()[0]
     text = ["## Planner speed", "",

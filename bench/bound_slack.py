@@ -23,8 +23,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-import torchvision_ops  # noqa: E402,F401  (before transformers imports torchvision)
 
 from pipecc import driver  # noqa: E402
 from pipecc.passes import plan_emit, split_search  # noqa: E402

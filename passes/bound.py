@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipecc.passes.bound_grid import grid_bound
 from pipecc.passes.partition import PartitionProblem, _link1, cut_bytes
 from pipecc.targets.timing import CANNOT_RUN_S
 
@@ -20,7 +21,8 @@ _LB_ETA = 0.5      # its step size, / sqrt(step); tuned on random heterogeneous 
 
 def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = None,
                 comm: bool = True, bipartition: bool = False,
-                split_bytes: Sequence[float] | None = None) -> float:
+                split_bytes: Sequence[float] | None = None,
+                split_fixed: np.ndarray | Sequence[Sequence[float]] | None = None) -> float:
     """A bottleneck no placement on these devices can beat, even with intra-layer splits.
 
     Let c[d][i] = fwd + bwd of node i on device d, and suppose node i may be sharded with
@@ -72,10 +74,19 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     (6) Contiguity (not bipartition; `_cut_bound`): stages are consecutive runs of units, so
     with every splittable unit divisible at a cut and no messages, the least B at which the
     stages, filled in order, hold everything bounds B* (the fluid bound (1) lets every unit go
-    to its cheapest device, which heterogeneous devices in a pipeline cannot do).
+    to its cheapest device, which heterogeneous devices in a pipeline cannot do). A piece of
+    a divided unit i on stage k costs at least f + x·(c[k][i] - f), f = split_fixed[k][i]
+    (the caller's, `CostTables.piece_fixed`: the per-call fixed cost every piece's stage pays
+    again, at most c; None: 0, the pieces' costs proportional).
+    (7) Communication and contiguity at once (comm=True, not bipartition, every cost finite;
+    `passes.bound_grid`): the exact optimum of a relaxation, over stages that are
+    consecutive runs of a grid (each splittable unit in K_i pieces, a cut inside it sending
+    its split floor and the next stage paying f), of the same windows the partitioner
+    charges, minus 2·δ for rounding a real plan's cuts to the grid (δ = max_i of the unit's
+    divisible cost / K_i). That module's docstring has the proof.
     Returns the max of the valid bounds. O(steps · D · n + n + D) with steps = 200 (none
     when every device costs the same: λ = 1/p is then optimal), plus O(50 · p · n) for (5)
-    and O(50 · p · log n) for (6).
+    and O(50 · p · log n) for (6), O(40 · p · N) for (7) on a grid of N ≤ 20,000 pieces.
     """
     c = np.asarray(problem.fwd, dtype=float) + np.asarray(problem.bwd, dtype=float)
     if c.size == 0:
@@ -118,23 +129,50 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
         lam = lam * np.exp(_LB_ETA * load / load.max() / math.sqrt(t))  # raise the price of busy devices
         lam /= lam.sum()
     out = max(item, best, max((f for f, _ in pairs), default=0.0))
+    piece = None
+    if split_fixed is not None and splittable is not None:
+        piece = np.minimum(np.broadcast_to(np.asarray(split_fixed, dtype=float), c.shape), c)
+        piece = np.where(np.asarray(splittable, bool)[None, :], np.maximum(piece, 0.0), 0.0)
     if not bipartition and c.shape[0] > 1:
-        out = max(out, _cut_bound(c, fixed, splittable, out))
+        out = max(out, _cut_bound(c, fixed, splittable, out, piece))
     if comm and not bipartition and c.shape[0] > 1 and c.shape[1] > 1:
         out = max(out, _region_bound(problem, c, fixed, pairs, splittable, split_bytes, out))
+        out = max(out, grid_bound(problem, c, fixed, splittable, _inside_floor(problem, splittable, split_bytes),
+                                  piece, out))
     return out
 
 
+def _inside_floor(pr: PartitionProblem, splittable: Sequence[bool] | None,
+                  split_bytes: Sequence[float] | None) -> np.ndarray:
+    """[unit] the fewest bytes a cut inside the unit sends ((5) of `lower_bound`: the caller's
+    `split_bytes`, at least the rule of (2): something when bytes cross the boundary before it);
+    inf for a unit that is not splittable."""
+    n = len(pr.out_bytes)
+    X = np.zeros(n + 1)
+    X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
+    inside = np.full(n, np.inf)
+    if splittable is not None:
+        flags = np.asarray(splittable, bool)
+        old = np.where(X[:n] <= 0, 0.0, 5e-324)  # (2)'s rule: something or nothing
+        floor = old if split_bytes is None else np.maximum(old, np.asarray(split_bytes, float))
+        inside[flags] = floor[flags]
+    return inside
+
+
 def _cut_bound(c: np.ndarray, fixed: np.ndarray, splittable: Sequence[bool] | None,
-               start: float) -> float:
+               start: float, piece: np.ndarray | None = None) -> float:
     """Bound (6) of `lower_bound`: the least B at which stages 0..p-1, in order, each computing
-    at most B - c_k, can hold every unit, a splittable unit dividing between two neighbouring
-    stages at no cost (its pieces' costs proportional), no messages. Filling each stage as far
-    as it goes is optimal for that question (taking more leaves the later stages less), so
-    bisection on B finds the least to relative 1e-12; every real placement's stages are at
-    least those loads. `c`: [stage][unit] with inf where the stage cannot run the unit."""
+    at most B - c_k, can hold every unit, a splittable unit dividing between neighbouring
+    stages, each piece on stage k costing f + x·(c[k][i] - f) (f = piece[k][i], None: 0), no
+    messages. Filling each stage as far as it goes is optimal for that question: what is left
+    of a unit after a piece of it costs f + (1 - x)·(c - f) ≤ c on the next stage, so taking
+    more always leaves the later stages less; bisection on B finds the least to relative
+    1e-12, and every real placement's stages are at least those loads. `c`: [stage][unit]
+    with inf where the stage cannot run the unit."""
     p, n = c.shape
     split = np.zeros(n, bool) if splittable is None else np.asarray(splittable, bool)
+    f = np.zeros_like(c) if piece is None else piece
+    var = c - f  # [stage][unit] the divisible part (inf where the stage cannot run it)
     P = np.concatenate((np.zeros((p, 1)), np.cumsum(c, axis=1)), axis=1)  # [k][e] units < e on k
     finite = np.isfinite(c).all(axis=1)
 
@@ -144,10 +182,11 @@ def _cut_bound(c: np.ndarray, fixed: np.ndarray, splittable: Sequence[bool] | No
             budget = (B - fixed[k]) * (1 + 1e-12)
             if budget < 0:
                 return False
-            if done > 0:  # the rest of a divided unit
-                rest = (1.0 - done) * c[k, i]
+            if done > 0:  # the rest of a divided unit: its per-call cost again, and the rest
+                rest = f[k, i] + (1.0 - done) * var[k, i]
                 if rest > budget:
-                    done += budget / c[k, i] if math.isfinite(c[k, i]) else 0.0
+                    if math.isfinite(var[k, i]) and var[k, i] > 0 and budget > f[k, i]:
+                        done += (budget - f[k, i]) / var[k, i]
                     continue
                 budget -= rest
                 i, done = i + 1, 0.0
@@ -162,8 +201,8 @@ def _cut_bound(c: np.ndarray, fixed: np.ndarray, splittable: Sequence[bool] | No
                 return True
             budget -= used
             i = e
-            if split[i] and math.isfinite(c[k, i]) and c[k, i] > 0 and budget > 0:
-                done = budget / c[k, i]
+            if split[i] and math.isfinite(var[k, i]) and var[k, i] > 0 and budget > f[k, i]:
+                done = (budget - f[k, i]) / var[k, i]
         return i >= n
 
     if not math.isfinite(start) or start <= 0 or fits(start):
@@ -189,12 +228,7 @@ def _region_bound(pr: PartitionProblem, c: np.ndarray, fixed: np.ndarray,
     p, n = c.shape
     X = np.zeros(n + 1)
     X[1:n] = cut_bytes(pr.out_bytes, pr.last_use)
-    inside = np.full(n, np.inf)  # [unit] fewest bytes a cut inside it sends (inf: whole unit)
-    if splittable is not None:
-        flags = np.asarray(splittable, bool)
-        old = np.where(X[:n] <= 0, 0.0, 5e-324)  # (2)'s rule: something or nothing
-        floor = old if split_bytes is None else np.maximum(old, np.asarray(split_bytes, float))
-        inside[flags] = floor[flags]
+    inside = _inside_floor(pr, splittable, split_bytes)  # [unit] fewest bytes a cut inside it sends
     pre = np.minimum.accumulate(c, axis=0)               # [k] cheapest of stages 0..k
     suf = np.minimum.accumulate(c[::-1], axis=0)[::-1]   # [k] cheapest of stages k..p-1
     zero = np.zeros((p, 1))

@@ -308,6 +308,13 @@ class _Stage:
     starts: np.ndarray | None  # first entry of each cell group
     cells: np.ndarray | None   # flat (level, position) index of each group
     levels: int
+    starts_ok: np.ndarray | None = None  # kept per stage (issue 31): hi >= 0, 2.0 * t, hi.max(),
+    two_t: np.ndarray | None = None      # and `_cover_max`'s doubling table
+    top: int = 0
+    table: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.starts_ok, self.two_t, self.top = self.hi >= 0, 2.0 * self.t, int(self.hi.max())
 
 
 def _stage_hi(ar: _Arrays, k: int, caps: np.ndarray) -> tuple[np.ndarray, int]:
@@ -365,9 +372,12 @@ def _cover_max(wm: np.ndarray, st: _Stage, n: int) -> np.ndarray:
     if st.src is None:  # every interval runs to the same end: a prefix maximum
         W = np.full(n + 1, -np.inf)
         W[1:] = np.maximum.accumulate(wm[:-1])
-        W[st.hi.max() + 1:] = -np.inf
+        W[st.top + 1:] = -np.inf
         return W
-    M = np.full(st.levels * (n + 1), -np.inf)
+    if st.table is None:  # NOTE: refilled per probe; W (a view) is read before the next (`_reach`)
+        st.table = np.empty(st.levels * (n + 1))
+    M = st.table
+    M.fill(-np.inf)
     M[st.cells] = np.maximum.reduceat(wm[st.src], st.starts)
     M = M.reshape(st.levels, n + 1)
     for j in range(st.levels - 1, 0, -1):  # block (j, s) = halves (j-1, s) and (j-1, s + h)
@@ -384,16 +394,18 @@ def _reach(stages: list[_Stage], T: float, n: int,
     R[0] = True
     carry = np.zeros(n + 1)
     out = []
-    for st in stages:
-        wm = np.where(R & (st.hi >= 0), st.w - carry, -np.inf)
-        W = _cover_max(wm, st, n)
-        with np.errstate(invalid="ignore"):  # inf - inf where nothing reaches e
-            Q = st.v - W - T
-            R = (W > -np.inf) & (st.v - W <= T) & (st.t <= T)
-            carry = np.maximum(0.0, Q + 2.0 * st.t) if training and T < math.inf else carry
-        if not R.any():
-            return None
-        out.append((R, wm))
+    # NOTE (issue 31): the same arithmetic, less overhead: one errstate, v - W once ((v - W) - T
+    # is what v - W - T computed), each stage's masks and 2t kept (`_Stage`)
+    with np.errstate(invalid="ignore"):  # inf - inf where nothing reaches e
+        for st in stages:
+            wm = np.where(R & st.starts_ok, st.w - carry, -np.inf)
+            W = _cover_max(wm, st, n)
+            load = st.v - W
+            R = (W > -np.inf) & (load <= T) & (st.t <= T)
+            carry = np.maximum(0.0, (load - T) + st.two_t) if training and T < math.inf else carry
+            if not R.any():
+                return None
+            out.append((R, wm))
     return out if out[-1][0][n] else None
 
 

@@ -169,6 +169,22 @@ class CostTables:
         self._unit_fixed[d] = (f * g_f, b * g_b)
         return self._unit_fixed[d]
 
+    def piece_fixed(self, d: int) -> np.ndarray:
+        """[unit] the per-call fixed seconds (forward + backward) every piece of the unit pays on
+        device d when a layer split divides it (`bound.lower_bound`'s `split_fixed`): each
+        stage holding part of a split layer holds at least one op call of its rewrite (a
+        shard, a shard's helper, the combine: `passes.split_layers`), and each call pays
+        op_forward_s (+ op_backward_s when training) times the calibration's fixed factors.
+        At most the unit's own per-call fixed cost (`unit_fixed`), so never more than the
+        unit's time: 0 on an FPGA card and for a unit whose calls all run on measured curves.
+        The matmul half-rate term is left out (a helper such as a narrow has none)."""
+        f, b = self.unit_fixed(d)
+        if self.cluster.devices[d].kind == "fpga":
+            return np.zeros_like(f)
+        fixed, (g_f, g_b) = self.fixed[d], self.fixed_factors[d]
+        op = fixed.op_forward_s * g_f + (fixed.op_backward_s * g_b if self.options.training else 0.0)
+        return np.minimum(op, f + b)
+
     def stage_fixed(self, d: int) -> tuple[float, float]:
         """One micro-batch's per-stage fixed forward and backward seconds on device d:
         microbatch_s split by MICROBATCH_FORWARD_SHARE (forward only without training), times

@@ -35,7 +35,8 @@ from pipecc.report.formatting import count
 from pipecc.targets.calibrated import calibration_decisions
 from pipecc.targets.profiled import profile_decisions, time_source
 
-__all__ = ["SearchRecord", "baselines", "lower_bound", "shape_bound", "split_floor", "to_plan"]
+__all__ = ["SearchRecord", "baselines", "lower_bound", "piece_fixed", "shape_bound", "split_floor",
+           "to_plan"]
 
 
 @dataclass
@@ -67,7 +68,8 @@ def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
     if cand.replicas == 1:
         prob = ev.tables.bound_problem(prob, cand.order, mb)
     return partition_lower_bound(prob, units.splittable, comm=comm,
-                                 split_bytes=split_floor(ev, units))
+                                 split_bytes=split_floor(ev, units),
+                                 split_fixed=piece_fixed(ev, cand.order, cand.replicas, len(prob.mem_cap)))
 
 
 def shape_bound(ev: Evaluator, schedule: str, m: int, d: int, split: set[str]) -> float:
@@ -93,7 +95,19 @@ def shape_bound(ev: Evaluator, schedule: str, m: int, d: int, split: set[str]) -
         prob = ev.tables.bound_problem(prob, order, opt.batch_size // m)
     flags = [bool(sp) and any(name in split for name in names)
              for sp, names in zip(units.splittable, units.names)]
-    return partition_lower_bound(prob, flags, split_bytes=split_floor(ev, units))
+    return partition_lower_bound(prob, flags, split_bytes=split_floor(ev, units),
+                                 split_fixed=piece_fixed(ev, order, d, len(prob.mem_cap)))
+
+
+def piece_fixed(ev: Evaluator, order: Any, d: int, stages: int) -> np.ndarray:
+    """[stage][unit] what every piece of a split unit pays again on the stage's devices
+    (`bound.lower_bound`'s split_fixed, `CostTables.piece_fixed`): stage k on replica group
+    k % P (P = len(order)/d, d = 1: the device order[k % P]); a group's least member (each
+    member pays its own, the group the slowest)."""
+    P = len(order) // d
+    rows = [np.min([ev.tables.piece_fixed(x) for x in order[(k % P) * d:(k % P) * d + d]], axis=0)
+            for k in range(P)]
+    return np.stack([rows[k % P] for k in range(stages)])
 
 
 def split_floor(ev: Evaluator, units: Any) -> list[float]:

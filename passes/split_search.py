@@ -144,12 +144,13 @@ def _try(graph: AnnotatedGraph, plan: Plan, names: list[str], replan, stages: in
     fine_sizes: dict[str, list[int]] = {}
     fine_shards: dict[str, list[str]] = {}
     before = set(fine.gm.graph.nodes)
-    for name in names:
-        extent = _extent(graph, name)
-        q = min(4 * stages, extent)
-        if q >= 2:
-            fine_sizes[name] = _even(extent, q)
-            fine_shards[name] = split_node(fine, name, fine_sizes[name], recost=False)
+    with owners_cached(fine.gm):  # NOTE: a split registers shards owning no parameter (below)
+        for name in names:
+            extent = _extent(graph, name)
+            q = min(4 * stages, extent)
+            if q >= 2:
+                fine_sizes[name] = _even(extent, q)
+                fine_shards[name] = split_node(fine, name, fine_sizes[name], recost=False)
     if not fine_sizes:
         return None
     recost_added(fine, before)  # NOTE: once for every layer (issue 31: the same costs)
@@ -173,7 +174,12 @@ def _try(graph: AnnotatedGraph, plan: Plan, names: list[str], replan, stages: in
         return None
     trial = clone(graph)
     before = set(trial.gm.graph.nodes)
-    shards = {name: split_node(trial, name, merged, recost=False) for name, merged in merged_all.items()}
+    # NOTE (issue 31): how many names each parameter has is counted once for the trial's
+    # splits, not once per split (384 walks of the model's parameters at 48 layers): a split
+    # registers shard modules that own no parameter (they read their parent's through an
+    # unregistered reference) and removes no module, so the counts stay those of the clone
+    with owners_cached(trial.gm):
+        shards = {name: split_node(trial, name, merged, recost=False) for name, merged in merged_all.items()}
     recost_added(trial, before)
     try:
         return replan(trial, True), trial, merged_all, shards

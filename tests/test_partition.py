@@ -264,9 +264,11 @@ def test_comm_aware_lower_bound_is_tight_on_a_uniform_chain():
     # a cut inside a split layer may carry less than any whole-node cut: only its latency,
     # and nothing certain inside the first node (the model input is not charged)
     assert lower_bound(pr, [False] + [True] * 7) == pytest.approx((8 + 2 * 3 * 0.5) / 4)
-    # every node splittable: only one cut can lie inside the first node (issue 31: where the
-    # cuts can be), the other two send at least a latency
-    assert lower_bound(pr, [True] * 8) == pytest.approx((8 + 2 * 2 * 0.5) / 4)
+    # every node splittable: a cut inside the first node sends nothing certain, but one there
+    # leaves the other stages too much work (messages and contiguity charged at once,
+    # `passes.bound_grid`): the bound stays at three latencies, less the grid's rounding
+    # (≤ 0.2 %; charged apart it was (8 + 2 * 2 * 0.5) / 4)
+    assert (8 + 2 * 3 * 0.5) / 4 * (1 - 2e-3) <= lower_bound(pr, [True] * 8) <= (8 + 2 * 3 * 0.5) / 4
 
 
 def test_best_device_order_tries_each_distinct_order_once():

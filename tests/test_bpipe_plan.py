@@ -73,8 +73,8 @@ def test_thresholds_match_the_generated_counts() -> None:
 # ---------------------------------------------------------------------------- the estimate
 def test_memory_bound_plan_uses_bpipe(mlp, tmp_path) -> None:
     """Stage 0 would need recomputation under plain 1F1B: BPipe frees it, estimated > 1.02x."""
-    p = plan(mlp, cluster(tmp_path, 17e6))
-    assert [(x["evictor"], x["acceptor"]) for x in p.activation_balancing] == [(0, 7), (1, 6), (2, 5)]
+    p = plan(mlp, cluster(tmp_path, 11.5e6))
+    assert [(x["evictor"], x["acceptor"]) for x in p.activation_balancing] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert all(x["policy"] == "jit" and 1 <= x["threshold"] < 8 - x["evictor"] for x in p.activation_balancing)
     assert not any(s.recompute for s in p.stages) and p.schedule == "1f1b"
     est = p.estimate
@@ -129,7 +129,7 @@ def test_out_of_scope_auto_says_why_and_on_refuses(mlp, tmp_path) -> None:
 
 
 def test_refusal_of_edited_plans(mlp, tmp_path) -> None:
-    good = plan(mlp, cluster(tmp_path, 17e6))
+    good = plan(mlp, cluster(tmp_path, 11.5e6))
     assert good.activation_balancing
 
     def edited(**changes) -> str | None:

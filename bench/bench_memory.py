@@ -66,6 +66,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "bpipe": ("4xcpu", ["--schedule", "1f1b", "--activation-balancing", "on"]),
     "recompute": ("2xcpu", ["--schedule", "1f1b", "--recompute", "on"]),
 }
+# torch's CPU attention (scaled_dot_product_attention in float32) runs the flash kernel, which keeps
+# the log-sum-exp, not the scores: the plan must assume the kernel the run uses (pipecc.cost)
+COMMON_FLAGS = ["--flash-attention"]
 DEFAULT_MODELS = ["mlp", "gpt", "tiny_cnn", "vgg16", "bert", "unet", "mobilenet", "two_input", "hf_gpt2"]
 MICROBATCHES = 4
 
@@ -181,7 +184,7 @@ def measure(model: str, variant: str, tmp: Path, steps: int, timeout: float) -> 
     case: dict[str, Any] = {"model": model, "variant": variant, "devices": devices, "flags": flags,
                             "args": spec["args"], "batch": spec["batch"]}
     compile_cmd = PIPECC + ["compile", spec["path"], "--devices", devices, "-b", str(spec["batch"]),
-                            "-m", str(MICROBATCHES), "--replicas", "1", "--use-all-devices", "-o", str(folder),
+                            "-m", str(MICROBATCHES), "--replicas", "1", "--use-all-devices", *COMMON_FLAGS, "-o", str(folder),
                             "--force", "-q", *flags, *_model_args(spec["args"])]
     r = subprocess.run(compile_cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:

@@ -102,6 +102,13 @@ class PartitionProblem:
     # (`pipecc.targets.fixed_costs`): T_k adds both (c_k); None: none
     fixed_fwd: Sequence[float] | None = None
     fixed_bwd: Sequence[float] | None = None
+    # the simulator's memory terms beyond M_k (`passes.units.Units`: [node] the backward's largest
+    # working set; [node] escaping output bytes no backward keeps); None: not counted
+    work_mem: Sequence[float] | None = None
+    held_out_mem: Sequence[float] | None = None
+    # bytes each mem_cap was lowered by to bound those terms (plan_problem._with_working_sets):
+    # a simulated peak is compared with mem_cap + cap_margin, the device's own figure
+    cap_margin: float = 0.0
 
     def stage_fixed(self, k: int) -> tuple[float, float]:
         """Stage k's fixed forward and backward seconds per micro-batch (0, 0 without)."""

@@ -514,6 +514,7 @@ def _apply_saved(graph: AnnotatedGraph, data: set[fx.Node]) -> None:
         if rule is None or cost is None:
             continue
         charged = node in kept and not alias.get(node)
+        node.meta[cost_saved.META_KEPT] = node in kept or bool(alias.get(node)) and cost_saved.root(node, alias) in kept
         if node not in data:  # computed without the inputs (a weight's transform, position ids):
             stash = _simplify(rule.held) if charged else 0  # a new tensor each forward when kept
         else:

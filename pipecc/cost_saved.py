@@ -9,7 +9,7 @@ So the stash is counted per storage, in two steps:
     it keeps, and the buffers of its own it keeps (`extra`: a LayerNorm's mean and rstd, a max
     pool's indices, a dropout mask, a matmul's contiguous copy of a strided operand);
   * per graph (`apply`): every kept tensor is traced through views and in-place ops to the node
-    whose storage it is (`_root`), and that node is charged its output once, however many
+    whose storage it is (`root`), and that node is charged its output once, however many
     backwards keep it; a node nobody keeps is charged only its `extra`.
 
 The rules, from derivatives.yaml (checked against `torch.autograd.graph.saved_tensors_hooks` on
@@ -58,6 +58,7 @@ from pipecc.ir.graph import META_KIND, META_OP, META_VALUE, Dim, TensorInfo, ten
 from pipecc.ir.ops import VIEW_OPS
 
 META_SAVES = "pipecc.saves"  # node.meta key: its Saves (written by pipecc.cost.node_cost)
+META_KEPT = "pipecc.kept"    # node.meta key: True when a backward keeps its output's storage (`apply`)
 
 F32, I64 = 4, 8  # bytes of a norm statistic (float32) and of an index (int64)
 
@@ -351,7 +352,7 @@ def _pool(op: str, ops: list, acts: list, value: Any, held: Any) -> Saves:
     return _conservative(acts, held)
 
 
-def _root(node: fx.Node, alias: dict[fx.Node, bool]) -> fx.Node:
+def root(node: fx.Node, alias: dict[fx.Node, bool]) -> fx.Node:
     """The node whose storage `node`'s output is (through views and in-place ops)."""
     seen = 0
     while alias.get(node) and seen < 10_000:
@@ -370,11 +371,11 @@ def kept_roots(nodes: list[fx.Node], alias: dict[fx.Node, bool]) -> set[fx.Node]
         if rule is None:
             continue
         if rule.own:
-            kept.add(_root(node, alias))
+            kept.add(root(node, alias))
         for n in rule.keeps:
-            kept.add(_root(n, alias))
+            kept.add(root(n, alias))
     return kept
 
 
-__all__ = ["BYTES_ONLY_SHAPE_OPS", "META_SAVES", "Saves", "saves", "aliases", "is_view_node", "kept_roots",
-           "operands", "dropout_p"]
+__all__ = ["BYTES_ONLY_SHAPE_OPS", "META_KEPT", "META_SAVES", "Saves", "aliases", "dropout_p", "is_view_node",
+           "kept_roots", "operands", "root", "saves"]

@@ -209,14 +209,14 @@ def autograd_rows(models: list[str]) -> list[dict[str, Any]]:
     model file's loss_fn saves on top (the planner never sees the loss)."""
     import torch
 
-    from pipecc import driver
-    from pipecc.cost import NodeCost  # noqa: F401  (META_COST's values)
+    from pipecc import cost, driver
     from pipecc.ir.graph import META_COST
     rows = []
     for name in models:
         spec = MODELS[name]
         mb = max(1, spec["batch"] // MICROBATCHES)
         analysis = driver.analyze(ROOT / spec["path"], model_args=dict(spec["args"]), batch_size=mb)
+        cost.recost_attention(analysis.graph, True)  # COMMON_FLAGS: the CPU's flash kernel
         charged = sum(float(n.meta[META_COST].values["stash_bytes"]) for n in analysis.graph.gm.graph.nodes
                       if META_COST in n.meta)
         model_spec = analysis.spec
@@ -237,6 +237,8 @@ def autograd_rows(models: list[str]) -> list[dict[str, Any]]:
 
         torch.manual_seed(0)
         inputs = model_spec.make_inputs(mb)
+        # the model's inputs are the caller's (stage 0 holds the whole batch anyway): left out
+        weights |= {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         saved, out = saved_by(lambda: model(*inputs))
         loss_saved = None
         if model_spec.loss_fn is not None and model_spec.make_target is not None:
@@ -251,10 +253,11 @@ def autograd_markdown(rows: list[dict[str, Any]], command: str) -> str:
     lines = ["### What autograd saves against what the cost model charges", "",
              f"Command: `{command}`", "",
              "One micro-batch of the whole model in one process (train mode): `charged` is the cost model's "
-             "stash (the sum of every node's `stash_bytes`: each output that needs a gradient, attention's "
-             "extra buffers), `saved` the distinct storages autograd keeps for the backward "
-             "(`torch.autograd.graph.saved_tensors_hooks`; parameters and buffers left out), `loss_fn` what "
-             "the model file's loss saves on top (the planner never sees the loss). MB = 10^6 bytes.", "",
+             "stash (the sum of every node's `stash_bytes`, `pipecc.cost_saved`'s per-op rules, flash "
+             "attention as the CPU runs it), `saved` the distinct storages autograd keeps for the backward "
+             "(`torch.autograd.graph.saved_tensors_hooks`; parameters, buffers and the model's inputs left "
+             "out), `loss_fn` what the model file's loss saves on top (charged to the last stage, "
+             "`pipecc.frontend.loss_memory`). MB = 10^6 bytes.", "",
              "| model | micro-batch | charged MB | saved MB | saved / charged | loss_fn saves MB |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -30,6 +30,8 @@ transfers stream fully overlapped, B = max(max_k T_k, max_k t_k) with t one way.
 (static_mem and act_mem may differ per stage: [stage][node]; an FPGA stage counts its
 on-chip memory, not the GPU-style weights/gradients/optimizer state.)
 (received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
+(The planner's caps already leave room for the running action's working set, `cap_margin`; what
+else plan.json's simulated peak counts that M_k does not is in docs/memory.md.)
 A recomputed stage (`recompute[k]`, activation checkpointing) stashes only what it received and
 re-runs its forward during each backward, so only one micro-batch's internal activations live
 at once (GPipe's rematerialisation, PAPERS-SPEC §1.4; Chen et al. 2016, "Training Deep Nets

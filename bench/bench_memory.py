@@ -69,6 +69,9 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "1f1b-bf16": ("2xcpu", ["--schedule", "1f1b", "--precision", "bf16"]),
 }
 DEFAULT_VARIANTS = ["gpipe", "1f1b", "interleaved", "zb-h1", "bpipe", "recompute"]
+# torch's CPU attention (scaled_dot_product_attention in float32) runs the flash kernel, which keeps
+# the log-sum-exp, not the scores: the plan must assume the kernel the run uses (pipecc.cost)
+COMMON_FLAGS = ["--flash-attention"]
 DEFAULT_MODELS = ["mlp", "gpt", "tiny_cnn", "vgg16", "bert", "unet", "mobilenet", "two_input", "hf_gpt2"]
 MICROBATCHES = 4
 
@@ -184,7 +187,7 @@ def measure(model: str, variant: str, tmp: Path, steps: int, timeout: float) -> 
     case: dict[str, Any] = {"model": model, "variant": variant, "devices": devices, "flags": flags,
                             "args": spec["args"], "batch": spec["batch"]}
     compile_cmd = PIPECC + ["compile", spec["path"], "--devices", devices, "-b", str(spec["batch"]),
-                            "-m", str(MICROBATCHES), "--replicas", "1", "--use-all-devices", "-o", str(folder),
+                            "-m", str(MICROBATCHES), "--replicas", "1", "--use-all-devices", *COMMON_FLAGS, "-o", str(folder),
                             "--force", "-q", *flags, *_model_args(spec["args"])]
     r = subprocess.run(compile_cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -209,14 +212,14 @@ def autograd_rows(models: list[str]) -> list[dict[str, Any]]:
     model file's loss_fn saves on top (the planner never sees the loss)."""
     import torch
 
-    from pipecc import driver
-    from pipecc.cost import NodeCost  # noqa: F401  (META_COST's values)
+    from pipecc import cost, driver
     from pipecc.ir.graph import META_COST
     rows = []
     for name in models:
         spec = MODELS[name]
         mb = max(1, spec["batch"] // MICROBATCHES)
         analysis = driver.analyze(ROOT / spec["path"], model_args=dict(spec["args"]), batch_size=mb)
+        cost.recost_attention(analysis.graph, True)  # COMMON_FLAGS: the CPU's flash kernel
         charged = sum(float(n.meta[META_COST].values["stash_bytes"]) for n in analysis.graph.gm.graph.nodes
                       if META_COST in n.meta)
         model_spec = analysis.spec
@@ -237,6 +240,8 @@ def autograd_rows(models: list[str]) -> list[dict[str, Any]]:
 
         torch.manual_seed(0)
         inputs = model_spec.make_inputs(mb)
+        # the model's inputs are the caller's (stage 0 holds the whole batch anyway): left out
+        weights |= {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         saved, out = saved_by(lambda: model(*inputs))
         loss_saved = None
         if model_spec.loss_fn is not None and model_spec.make_target is not None:
@@ -251,10 +256,11 @@ def autograd_markdown(rows: list[dict[str, Any]], command: str) -> str:
     lines = ["### What autograd saves against what the cost model charges", "",
              f"Command: `{command}`", "",
              "One micro-batch of the whole model in one process (train mode): `charged` is the cost model's "
-             "stash (the sum of every node's `stash_bytes`: each output that needs a gradient, attention's "
-             "extra buffers), `saved` the distinct storages autograd keeps for the backward "
-             "(`torch.autograd.graph.saved_tensors_hooks`; parameters and buffers left out), `loss_fn` what "
-             "the model file's loss saves on top (the planner never sees the loss). MB = 10^6 bytes.", "",
+             "stash (the sum of every node's `stash_bytes`, `pipecc.cost_saved`'s per-op rules, flash "
+             "attention as the CPU runs it), `saved` the distinct storages autograd keeps for the backward "
+             "(`torch.autograd.graph.saved_tensors_hooks`; parameters, buffers and the model's inputs left "
+             "out), `loss_fn` what the model file's loss saves on top (charged to the last stage, "
+             "`pipecc.frontend.loss_memory`). MB = 10^6 bytes.", "",
              "| model | micro-batch | charged MB | saved MB | saved / charged | loss_fn saves MB |",
              "|---|---|---|---|---|---|"]
     for r in rows:

@@ -191,6 +191,7 @@ def _fit(ev: Evaluator, plain: Any, m: int, ks: Sequence[int | None], overlap: d
     timeline = ev.simulate(part, prob, "1f1b", m, 1, order=order, bpipe=list(ks), bpipe_policy=POLICY,
                            allreduce=allreduce)
     for k, (peak, cap) in enumerate(zip(timeline.peak_memory_bytes, plain.mem_cap)):
+        cap = cap + plain.cap_margin  # the simulated peak counts the working sets the margin bounds
         if peak > cap * (1 + 1e-9):
             raise InfeasibleError(f"BPipe with {m} micro-batches: stage {k} peaks at {peak / 1e9:.4g} GB > "
                                   f"{cap / 1e9:.4g} GB once stashes move (acceptor bytes, transfers in flight)")
@@ -364,7 +365,7 @@ def apply(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int,
         "hidden_fraction": hidden, "exposed_transfer_s": exposed,
         "memory_before_bytes": memory_before(ev, best),
         "memory_after_bytes": [float(x) for x in best.timeline.peak_memory_bytes],
-        "memory_cap_bytes": [float(c) for c in best.raw.mem_cap] if best.raw is not None else [],
+        "memory_cap_bytes": [float(c) + best.raw.cap_margin for c in best.raw.mem_cap] if best.raw is not None else [],
         "flash_attention": flash, "reason": reason,
         "stash_transfer_s": [max(row, default=0.0) for row in _stash_seconds(ev, best)]}
     ratio = "no baseline fits" if base is None else f"estimated {speedup:.2f}x"

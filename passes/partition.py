@@ -30,6 +30,8 @@ transfers stream fully overlapped, B = max(max_k T_k, max_k t_k) with t one way.
 (static_mem and act_mem may differ per stage: [stage][node]; an FPGA stage counts its
 on-chip memory, not the GPU-style weights/gradients/optimizer state.)
 (received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
+(The planner's caps already leave room for the running action's working set, `cap_margin`; what
+else plan.json's simulated peak counts that M_k does not is in docs/memory.md.)
 A recomputed stage (`recompute[k]`, activation checkpointing) stashes only what it received and
 re-runs its forward during each backward, so only one micro-batch's internal activations live
 at once (GPipe's rematerialisation, PAPERS-SPEC §1.4; Chen et al. 2016, "Training Deep Nets
@@ -102,6 +104,13 @@ class PartitionProblem:
     # (`pipecc.targets.fixed_costs`): T_k adds both (c_k); None: none
     fixed_fwd: Sequence[float] | None = None
     fixed_bwd: Sequence[float] | None = None
+    # the simulator's memory terms beyond M_k (`passes.units.Units`: [node] the backward's largest
+    # working set; [node] escaping output bytes no backward keeps); None: not counted
+    work_mem: Sequence[float] | None = None
+    held_out_mem: Sequence[float] | None = None
+    # bytes each mem_cap was lowered by to bound those terms (plan_problem._with_working_sets):
+    # a simulated peak is compared with mem_cap + cap_margin, the device's own figure
+    cap_margin: float = 0.0
 
     def stage_fixed(self, k: int) -> tuple[float, float]:
         """Stage k's fixed forward and backward seconds per micro-batch (0, 0 without)."""

@@ -175,7 +175,8 @@ class Evaluator:
         # only what it received
         received = [0.0] + [float(x) for x in part.cut_bytes]  # stage 0's input is not charged
         redone = prob.recompute or (False,) * stages
-        act = [received[k] if r else act[k] + received[k] for k, r in enumerate(redone)]
+        sent, fwork, bwork = self.working_sets(part, prob)
+        act = [received[k] + sent[k] if r else act[k] + received[k] + sent[k] for k, r in enumerate(redone)]
         split: dict[str, list[float] | float] = {}
         if schedule in ZERO_BUBBLE:  # I and W actions: the backward's two parts
             assert isinstance(self.options.batch_size, int)
@@ -187,6 +188,8 @@ class Evaluator:
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static,
                                      recompute_bytes=redo, **split)  # type: ignore[arg-type]
+        costs.forward_work_bytes, costs.backward_work_bytes = fwork, bwork
+        costs.input_grad_bytes = received if fwork is not None else None
         if bpipe is not None and bpipe_policy is None:
             raise ValueError("bpipe thresholds need their bpipe_policy")
         sched = schedule_for(schedule, stages, m, num_ranks=stages // v, bpipe_thresholds=bpipe,
@@ -206,6 +209,37 @@ class Evaluator:
         costs.step_bytes = self.step_bytes(sched, part, order) if self.options.training else None
         costs.static_bytes = self.with_shared_weights(costs.static_bytes, sched, part, order)
         return simulate(sched, costs, validated=True)  # schedule_for validated it
+
+    @staticmethod
+    def working_sets(part: Partition, prob: PartitionProblem) -> tuple[list[float], list[float] | None,
+                                                                       list[float] | None]:
+        """([stage] sent output bytes its stash holds beyond its kept activations, [stage] forward
+        and backward working sets, `StageCosts`; None without `prob.work_mem`): a stage keeps the
+        outputs it sent until its backward (`runtime.stage_runner`'s stash), a recomputing stage
+        all of them; the last stage's outputs live during its F only (the loss keeps what it needs,
+        `frontend.loss_memory`); a backward holds its largest node's output and input gradients."""
+        stages, b = len(part.bounds) - 1, part.bounds
+        if prob.work_mem is None or prob.held_out_mem is None:
+            return [0.0] * stages, None, None
+        work, unkept, last = (np.asarray(prob.work_mem, dtype=float), np.asarray(prob.held_out_mem, dtype=float),
+                              np.asarray(prob.last_use))
+        redone = prob.recompute or (False,) * stages
+        sent, fwork = [], []
+        for k in range(stages):
+            a, e = b[k], b[k + 1]
+            u = np.arange(a, e)
+            leaves = last[u] >= e
+            sent.append(0.0 if k == stages - 1 else float(part.cut_bytes[k]) if redone[k] else float(unkept[u][leaves].sum()))
+            # the forward's transients: an output nobody keeps lives from its unit to its last
+            # reader in the stage (the last stage's outputs: to the loss, after the stage)
+            live = np.zeros(e - a + 2)
+            ends = np.minimum(last[u], e) - a if k == stages - 1 else np.where(leaves, -1, last[u] - a)
+            keep = ends >= 0
+            np.add.at(live, np.arange(e - a)[keep], unkept[u][keep])
+            np.subtract.at(live, ends[keep] + 1, unkept[u][keep])
+            fwork.append(float(np.cumsum(live).max(initial=0.0)))
+        bwork = [float(work[b[k]:b[k + 1]].max(initial=0.0)) for k in range(stages)]
+        return sent, fwork, bwork
 
     def step_bytes(self, sched: Any, part: Partition, order: Sequence[int] | None = None) -> list[float] | None:
         """[rank] what its optimizer step holds beyond the static bytes (`passes.step_memory`:

@@ -24,7 +24,7 @@ import numpy as np
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.passes import replicas as rep
-from pipecc.passes.partition import PartitionProblem
+from pipecc.passes.partition import PartitionProblem, cut_bytes
 from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.units import Units
 
@@ -66,7 +66,7 @@ def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, or
         P = p // d
         held = inflight(schedule, P * v, m, v) if training else [1] * (P * v)
         prob = rep.group_problem(tables, units, mb, held, order, d, v)
-        return recomputing(prob, recompute)  # NOTE: no FPGA is ever replicated
+        return _with_working_sets(recomputing(prob, recompute), units, training)  # NOTE: no FPGA is ever replicated
     fwd, bwd = tables.times(units, mb)
     devs = [order[k % p] for k in range(p * v)]
     if recompute is not None and len(recompute) != len(devs):
@@ -92,7 +92,7 @@ def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, or
     fixed = [tables.stage_fixed(x) for x in devs]
     fixed_bwd = [b + (f if recompute is not None and recompute[k] else 0.0)
                  for k, (f, b) in enumerate(fixed)]
-    return PartitionProblem(
+    prob = PartitionProblem(
         fixed_fwd=[f for f, _ in fixed], fixed_bwd=fixed_bwd,
         fwd=fwd[devs_t], bwd=bwd[devs_t], out_bytes=units.values["output_bytes"],
         last_use=units.last_use, static_mem=np.stack([mem.static for mem in mems]),
@@ -102,3 +102,22 @@ def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, or
         labels=[f"device {k} ({cluster.devices[x].name}"
                 + (f", {mem.what}" if mem.what else "") + ")"
                 for k, (x, mem) in enumerate(zip(devs, mems))])
+    fpga = any(cluster.devices[x].kind == "fpga" for x in devs)  # NOTE: on-chip memory is its own model
+    return prob if fpga else _with_working_sets(prob, units, training)
+
+
+def _with_working_sets(prob: PartitionProblem, units: Units, training: bool) -> PartitionProblem:
+    """`prob` with the units' backward working sets and unkept sent outputs (the simulator's
+    memory terms, `Evaluator.simulate`), when training; and its M_k made a bound on them, in the
+    form its exact search needs (a constant per stage): each cap lowered by the largest working
+    set of any unit plus the largest cut (an input gradient still being sent). Not in M_k (it is
+    additive over units and grows with the stage's end; these are not): the outputs a stage sends
+    that no backward keeps (a recomputing stage: all it sends), the optimizer step's
+    temporaries, a tied weight's second copy (docs/memory.md)."""
+    if not training or units.work_bytes is None or units.unkept_out_bytes is None:
+        return prob
+    cuts = cut_bytes(prob.out_bytes, prob.last_use)
+    margin = float(np.max(units.work_bytes, initial=0.0)) + max(cuts, default=0.0)
+    caps = [c - margin if math.isfinite(c) else c for c in prob.mem_cap]
+    return dataclasses.replace(prob, work_mem=units.work_bytes, held_out_mem=units.unkept_out_bytes, mem_cap=caps,
+                               cap_margin=margin)

@@ -27,7 +27,10 @@ Model:
   during its F. Compute on a rank is sequential, so walking the row in order gives the
   exact peak over time. A stage that recomputes its activations (activation checkpointing)
   stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
-  that micro-batch's re-created internal activations (`recompute_bytes`).
+  that micro-batch's re-created internal activations (`recompute_bytes`). An F (a B or I)
+  also holds, while it runs, what it makes and drops before it ends (`forward_work_bytes`,
+  `backward_work_bytes`: the forward's transient outputs, the backward's gradients; after a
+  stage's first backward, its F also holds the input gradient still being sent, `input_grad_bytes`).
 - Unequal micro-batch sizes (UMPIPE, ``Schedule.microbatch_sizes``): cost rows are ragged,
   one entry per chunk of the stage (``forward_s[s]`` has ``len(sizes[s])`` entries), except
   ``send_backward_s[s]`` (s > 0), which has one entry per chunk of stage s-1: a gradient
@@ -117,9 +120,27 @@ class StageCosts:
     # [rank] bytes the rank's optimizer step holds for a moment beyond static_bytes, after the
     # last backward (`passes.step_memory`); None: none
     step_bytes: list[float] | None = None
+    # [stage] bytes alive only while its F (its B or I) runs, on top of what is stashed: the
+    # forward's transient outputs (the last stage's model outputs before the loss), the
+    # backward's gradient buffers (`Evaluator.simulate`); None: 0
+    forward_work_bytes: list[float] | None = None
+    backward_work_bytes: list[float] | None = None
+    # [stage] bytes of the input gradient a backward sends upstream: the runtime releases a send
+    # once a later message from that peer proves it arrived (`runtime.wire.send_release`), so
+    # after a stage's first backward its next F still holds one (None: 0)
+    input_grad_bytes: list[float] | None = None
     # BPipe: [evictor stage][microbatch] seconds of one stash transfer (its activation_bytes)
     # on the pair's link, each way; None: 0 (only schedules with a partner read it)
     stash_transfer_s: list[list[float]] | None = None
+
+    def work(self, kind: "ActionKind", stage: int, after_backward: bool = False) -> float:
+        """Bytes the action holds only while it runs (`forward_work_bytes`, `backward_work_bytes`;
+        an F `after_backward` of its stage also the input gradient still being sent)."""
+        table = self.forward_work_bytes if kind is ActionKind.F else \
+            self.backward_work_bytes if kind in (ActionKind.B, ActionKind.I) else None
+        pending = float(self.input_grad_bytes[stage]) if kind is ActionKind.F and after_backward \
+            and self.input_grad_bytes is not None else 0.0
+        return (0.0 if table is None else float(table[stage])) + pending
 
     def stash_s(self, evictor: int, microbatch: int) -> float:
         """Seconds of one transfer of ``evictor``'s stash of ``microbatch`` (0 without a table)."""
@@ -447,17 +468,21 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
     (with a recomputed stage's re-created activations during its B)."""
     static = sum(costs.static_bytes[s] for s in schedule.stages_of(rank))
     held = peak = 0.0
+    backward: set[int] = set()  # stages that ran a backward
     for a in schedule.actions[rank]:
         if not a.kind.is_compute:  # NOTE: a message's index may be an upstream chunk's
             continue
         size = costs.activation_bytes[a.stage][a.microbatch]
+        work = costs.work(a.kind, a.stage, a.stage in backward)  # held only while the action runs
+        if a.kind in (ActionKind.B, ActionKind.I):
+            backward.add(a.stage)
         if a.kind is ActionKind.F:
-            peak = max(peak, held + size)
+            peak = max(peak, held + size + work)
             if training:
                 held += size
         elif a.kind in (ActionKind.B, ActionKind.I):
-            if costs.recompute_bytes:  # a recomputed stage re-creates its activations first
-                peak = max(peak, held + costs.recompute_bytes[a.stage])
+            redo = costs.recompute_bytes[a.stage] if costs.recompute_bytes else 0.0
+            peak = max(peak, held + redo + work)  # a recomputed stage re-creates its activations first
             if a.kind.frees_stash:
                 held -= size
         elif a.kind.frees_stash:
@@ -482,15 +507,20 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
     ramps: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]  # (start, end, bytes)
     sends = {schedule.message(Action(e.kind, e.stage, e.microbatch)): e for e in events
              if e.kind.is_send and e.kind.is_stash}
-    for e in events:
+    backward: set[tuple[int, int]] = set()  # (rank, stage) that ran a backward
+    for e in sorted(events, key=lambda ev: ev.start):
         if e.kind.is_compute:
             size = costs.activation_bytes[e.stage][e.microbatch]
             if e.kind is ActionKind.F:
                 ramps[e.rank].append((e.start, e.end, size))
             elif e.kind.frees_stash:
                 steps[e.rank].append((e.end, -size))
+            extra = costs.work(e.kind, e.stage, (e.rank, e.stage) in backward)  # held while it runs
+            if e.kind in (ActionKind.B, ActionKind.I):
+                backward.add((e.rank, e.stage))
             if e.kind in (ActionKind.B, ActionKind.I) and costs.recompute_bytes:
-                extra = costs.recompute_bytes[e.stage]
+                extra += costs.recompute_bytes[e.stage]
+            if extra:
                 steps[e.rank] += [(e.start, extra), (e.end, -extra)]
         if not e.kind.is_stash:
             continue

@@ -21,7 +21,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from pipecc.ir.graph import META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.cost_saved import META_KEPT
+from pipecc.frontend.loss_memory import LOSS_STASH_META
+from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_OP, META_VALUE, AnnotatedGraph, TensorInfo,
+                             tensors_in)
 
 FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul", "backward_flops_matmul",
           "output_bytes", "stash_bytes", "bytes_moved",
@@ -39,6 +42,11 @@ class Units:
     param_bytes: np.ndarray
     last_use: list[int]             # index of the last unit using the unit's output (n: graph output)
     splittable: list[bool] = field(default_factory=list)
+    # [unit] the largest backward working set of its nodes: a node's output gradient plus its
+    # activation inputs' gradients (bytes, `UnitBuilder.at`); [unit] bytes of its escaping outputs
+    # no backward keeps (a stage holds its sent outputs until its backward: `pipecc.runtime.stage_runner`)
+    work_bytes: np.ndarray | None = None
+    unkept_out_bytes: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -227,6 +235,37 @@ class UnitBuilder:
         return pos, unit, esc, esc_unit
 
     @functools.cached_property
+    def _memory_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(gradient edges: source and destination positions, a node's activation inputs that take a
+        gradient; [node] whether it takes one; escaping nodes whose output no backward keeps:
+        positions, units), for `at`."""
+        src, dst = [], []
+        for i, node in enumerate(self.order):
+            value = node.meta.get(META_VALUE)
+            if not any(t.requires_grad for t in tensors_in(value)):
+                continue
+            for a in node.all_input_nodes:
+                if a in self._index and a.op != "get_attr" and \
+                        any(t.requires_grad for t in tensors_in(a.meta.get(META_VALUE))):
+                    src.append(self._index[a])
+                    dst.append(i)
+        unkept = [(self._index[n], u) for u, e in enumerate(self.escaping) for n in e if not n.meta.get(META_KEPT)]
+        grads = np.array([any(t.requires_grad for t in tensors_in(nd.meta.get(META_VALUE))) for nd in self.order],
+                         dtype=bool)
+        return (np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), grads,
+                np.array([p for p, _ in unkept], dtype=np.int64), np.array([u for _, u in unkept], dtype=np.int64))
+
+    def _memory(self, out: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """([unit] work_bytes, [unit] unkept_out_bytes) from the nodes' output bytes (`Units`)."""
+        src, dst, grads, esc, esc_unit = self._memory_index
+        pos, unit, _, _ = self._sums
+        per = np.where(grads, out, 0.0)
+        np.add.at(per, dst, out[src])
+        work = np.zeros(n)
+        np.maximum.at(work, unit, per[pos])
+        return work, _unit_sums(out[esc], esc_unit, n)
+
+    @functools.cached_property
     def _labels(self) -> tuple[list[list[str]], list[set[str]]]:
         return ([[n.meta[META_NAME] for n in g] for g in self.groups],
                 [{n.meta[META_KIND] for n in g} for g in self.groups])
@@ -242,10 +281,14 @@ class UnitBuilder:
                 values[f] = _unit_sums(arr[esc], esc_unit, n)
             else:
                 values[f] = _unit_sums(arr[pos], unit, n)
+        loss = float(self.graph.gm.meta.get(LOSS_STASH_META, 0.0)) * microbatch
+        if loss and n:  # what the model file's loss keeps, on the last stage (frontend.loss_memory)
+            values["stash_bytes"][-1] += loss
         names, kinds = self._labels  # NOTE: shared by every Units of this builder; nothing changes them
+        work, unkept = self._memory(per_node["output_bytes"], n)
         return Units(names=list(names), kinds=list(kinds),
                      values=values, param_bytes=self.param_bytes, last_use=self.last_use,
-                     splittable=self.splittable)
+                     splittable=self.splittable, work_bytes=work, unkept_out_bytes=unkept)
 
 
 def _unit_sums(values: np.ndarray, unit: np.ndarray, n: int) -> np.ndarray:

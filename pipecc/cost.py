@@ -49,7 +49,8 @@ from pipecc.ir.graph import (META_COST, META_KIND, META_OP, META_PARAMS, META_VA
                        AnnotatedGraph, Dim, TensorInfo, tensors_in, value_bytes)
 from pipecc import cost_precision as mixed
 from pipecc.cost_opaque import Measurer, is_opaque, measured_names
-from pipecc.ir.ops import VIEW_OPS
+from pipecc import cost_saved
+from pipecc.cost_saved import META_SAVES, Saves, is_view_node
 
 # FLOPs per output element of non-matmul work (forward). Sources: the usual counting
 # conventions of fvcore/ptflops (1 per elementwise op; norms ~5: mean, var, normalise, scale,
@@ -58,10 +59,6 @@ _PER_ELEMENT = {"norm": 5, "softmax": 5, "activation": 1, "elementwise": 1, "red
                 "pool": 1, "loss": 5, "embedding": 0, "shape": 0, "param": 0, "input": 0}
 _ACTIVATION_COST = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "mish": 6, "softplus": 4,
                     "elu": 3, "hardswish": 3, "hardsigmoid": 2, "erf": 4}
-_BYTES_ONLY_SHAPE_OPS = frozenset({"cat", "concat", "stack", "repeat", "tile", "contiguous",
-                                   "pad", "constant_pad_nd", "roll", "flip", "index_select",
-                                   "gather", "index", "scatter", "index_put", "masked_select",
-                                   "take_along_dim"})
 
 
 @dataclass
@@ -440,7 +437,7 @@ def _attention_memory(o: _Operands, stash: Any, bwd: Any, bwd_mm: Any, flash: bo
 
 def node_cost(node: fx.Node, gm: fx.GraphModule,
               data: set[fx.Node] | None = None, flash_attention: bool = False,
-              low: set[fx.Node] | None = None) -> tuple[NodeCost, bool]:
+              low: set[fx.Node] | None = None, autocast_device: str = "cuda") -> tuple[NodeCost, bool]:
     """Cost of one node; the flag says whether the op was unknown to the table. `data`: the
     nodes computed from a graph input (`annotate` passes them); an operand outside it is a
     weight for the backward split (without it, only `get_attr` operands are).
@@ -474,20 +471,58 @@ def node_cost(node: fx.Node, gm: fx.GraphModule,
         bwd_w, bwd_w_mm = (0, 0) if unknown else _weight_backward(o, fwd_mm, bwd)
     except (IndexError, AttributeError, TypeError, ZeroDivisionError):
         bwd_w, bwd_w_mm = 0, 0  # NOTE: a shape the split cannot read: all input work
-    is_view = o.op in VIEW_OPS or (kind == "shape" and o.op not in _BYTES_ONLY_SHAPE_OPS)
+    is_view = is_view_node(node)
     in_bytes = sum((t.nbytes for t in o.inputs), 0) if low is None else \
         sum((mixed.held_bytes(a, low) for a in node.all_input_nodes), 0)
     moved = 0 if is_view else in_bytes + held + param_bytes
     stash = 0 if is_view or not any(t.requires_grad for t in tensors_in(value)) else held
+    scores = None
     if kind == "attention" and not unknown:
         stash, bwd, bwd_mm = _attention_memory(o, stash, bwd, bwd_mm, flash_attention)
-    if low is not None and stash != 0:  # autocast's weight copies, saved per micro-batch
-        weights = o.params or [t for t in o.inputs if id(t) in o.weights]
-        stash = stash + mixed.weight_copy_bytes(node, weights)
+        scores = stash - held if stash != 0 else 0
+    weight_nodes = {a for a in node.all_input_nodes if a.op == "get_attr"}  # parameters and buffers
+    rule = cost_saved.saves(node, o.module, o.params, weight_nodes, held, scores)
+    if unknown:  # no formula: the conservative charge (cost_saved's docstring)
+        rule = Saves(stash != 0, tuple(a for a in node.all_input_nodes if a not in weight_nodes), 0, held)
+    data_grad = any(t.requires_grad for t in o.inputs if not o.is_weight(t) and id(t) not in o.weights)
+    if low is not None and stash != 0 and data_grad:  # autocast's weight copies, saved per micro-batch
+        weights = o.params or [t for t in o.inputs if id(t) in o.weights]  # (for the input's gradient)
+        copies = mixed.weight_copy_bytes(node, weights)
+        stash = stash + copies
+        rule = Saves(rule.own, rule.keeps, rule.extra + copies, held)
+    if low is not None and rule.keeps:  # an operand autocast casts for the op is kept as that copy
+        keeps, cast = mixed.kept_casts(node, rule.keeps, low, autocast_device)
+        rule = Saves(rule.own, keeps, rule.extra + cast, held)
+    node.meta[META_SAVES] = rule
     return NodeCost(forward_flops=fwd, backward_flops=bwd, forward_flops_matmul=fwd_mm,
                     backward_flops_matmul=bwd_mm, param_bytes=param_bytes,
                     output_bytes=out_bytes, stash_bytes=stash, bytes_moved=moved,
                     backward_weight_flops=bwd_w, backward_weight_flops_matmul=bwd_w_mm), unknown
+
+
+def _apply_saved(graph: AnnotatedGraph, data: set[fx.Node]) -> None:
+    """Every node's `stash_bytes` from the graph's saved-tensor rules (`pipecc.cost_saved`): its
+    own buffers plus its output once if any backward keeps its storage. Nodes whose figure did
+    not change keep their evaluated values."""
+    nodes = list(graph.gm.graph.nodes)
+    alias = {n: cost_saved.aliases(n, graph.gm.get_submodule(n.target) if n.op == "call_module" else None)
+             for n in nodes if n.op in ("call_function", "call_method", "call_module")}
+    kept = cost_saved.kept_roots(nodes, alias)
+    for node in nodes:
+        rule: Saves | None = node.meta.get(META_SAVES)
+        cost: NodeCost | None = node.meta.get(META_COST)
+        if rule is None or cost is None:
+            continue
+        charged = node in kept and not alias.get(node)
+        node.meta[cost_saved.META_KEPT] = node in kept or bool(alias.get(node)) and cost_saved.root(node, alias) in kept
+        if node not in data:  # computed without the inputs (a weight's transform, position ids):
+            stash = _simplify(rule.held) if charged else 0  # a new tensor each forward when kept
+        else:
+            stash = _simplify(rule.extra + rule.held if charged else rule.extra)
+        if cost.values is None or stash != cost.stash_bytes:
+            cost.stash_bytes = stash
+            if cost.values is not None:
+                cost.values["stash_bytes"] = _evaluate(stash, graph.point)
 
 
 def _reaches_output(graph: fx.Graph) -> set[fx.Node]:
@@ -592,14 +627,17 @@ def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None,
     for node in graph.gm.graph.nodes:
         if nodes is not None and node not in nodes:
             continue
-        cost, is_unknown = node_cost(node, graph.gm, data, flash_attention, low)
+        cost, is_unknown = node_cost(node, graph.gm, data, flash_attention, low, autocast_device)
         if is_opaque(node):  # a library function kept as one node: costed by what it runs
             measured = measurer.measure(node)
             if measured is not None:
                 for f, v in measured.items():
                     setattr(cost, f, v)
-                cost.stash_bytes = cost.stash_bytes + cost.output_bytes if measured["backward_flops"] \
-                    or measured["stash_bytes"] else 0
+                grads = bool(measured["backward_flops"] or measured["stash_bytes"])
+                cost.stash_bytes = cost.stash_bytes + cost.output_bytes if grads else 0
+                # what it saves inside is measured; its output and operands: the conservative charge
+                node.meta[META_SAVES] = Saves(grads, tuple(a for a in node.all_input_nodes if a in data) if grads else (),
+                                              measured["stash_bytes"] if grads else 0, cost.output_bytes)
                 is_unknown = False
         if node not in live:  # its result never reaches the loss: autograd skips it
             cost.backward_flops = cost.backward_flops_matmul = 0
@@ -615,6 +653,7 @@ def annotate(graph: AnnotatedGraph, flash_attention: bool | None = None,
         node.meta[META_COST] = cost
         if is_unknown:
             unknown[node.meta[META_OP]] = unknown.get(node.meta[META_OP], 0) + 1
+    _apply_saved(graph, data)
     notes = []
     if unknown:
         listed = ", ".join(f"{op} (x{n})" for op, n in sorted(unknown.items()))
@@ -633,14 +672,13 @@ TOTAL_FIELDS = ("forward_flops", "backward_flops", "forward_flops_matmul",
 
 
 def totals(graph: AnnotatedGraph, symbolic: bool = False) -> dict[str, Any]:
-    """Graph totals; activation bytes are what the nodes stash for backward plus views' 0."""
+    """Graph totals; activation bytes are what the nodes stash for backward (`pipecc.cost_saved`)."""
     out: dict[str, Any] = {f: 0 for f in TOTAL_FIELDS}
     for node in graph.gm.graph.nodes:
         cost: NodeCost = node.meta[META_COST]
         for f in TOTAL_FIELDS:
-            src = "output_bytes" if f == "activation_bytes" else f
-            if f == "activation_bytes" and (node.op in ("placeholder", "get_attr", "output")
-                                            or cost.stash_bytes == 0):
+            src = "stash_bytes" if f == "activation_bytes" else f
+            if f == "activation_bytes" and node.op in ("placeholder", "get_attr", "output"):
                 continue
             out[f] = out[f] + (getattr(cost, src) if symbolic else cost.value(src))
     if symbolic:

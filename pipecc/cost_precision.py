@@ -43,8 +43,8 @@ from pipecc.ir.graph import META_KIND, META_OP, META_PARAMS, META_VALUE, Dim, te
 from pipecc.ir.ops import MATMUL_KINDS
 from pipecc.ir.precision import PRECISIONS
 
-__all__ = ["LOW_ITEMSIZE", "PRECISIONS", "autocast_device", "autocast_low", "held_bytes", "weight_copy_bytes",
-           "wire_bytes"]
+__all__ = ["LOW_ITEMSIZE", "PRECISIONS", "autocast_device", "autocast_low", "held_bytes", "kept_casts",
+           "weight_copy_bytes", "wire_bytes"]
 
 LOW_ITEMSIZE = 2  # bytes per element of bfloat16 and float16
 
@@ -143,3 +143,22 @@ def weight_copy_bytes(node: fx.Node, weights: list[Any]) -> Dim:
         if t.dtype == torch.float32 and t.requires_grad and len(t.shape) >= 2:  # NOTE: not a bias
             total = total + t.numel * LOW_ITEMSIZE
     return total
+
+
+def kept_casts(node: fx.Node, keeps: tuple[fx.Node, ...], low: set[fx.Node],
+               device_type: str = "cuda") -> tuple[tuple[fx.Node, ...], Dim]:
+    """The operands `node`'s backward keeps (`pipecc.cost_saved`) under autocast: an operand held in
+    another dtype than the op runs in (a float32 activation into a low-precision op, a low one into
+    a float32-list op) is cast first, and the backward keeps the cast copy, a new storage of the
+    op's dtype, not the operand. Returns (operands kept as they are, bytes of the copies)."""
+    rule = _low_op(node, device_type)
+    if rule is None:
+        return keeps, 0
+    kept, copies = [], 0
+    for a in keeps:
+        floats = [t for t in tensors_in(a.meta.get(META_VALUE)) if t.dtype == torch.float32]
+        if floats and (a in low) != rule:
+            copies = copies + sum((t.numel for t in floats), 0) * (LOW_ITEMSIZE if rule else 4)
+        else:
+            kept.append(a)
+    return tuple(kept), copies

@@ -44,7 +44,7 @@ from torch import nn
 
 from pipecc import cost, progress
 from pipecc.errors import PipeccError, UsageError
-from pipecc.frontend import constants, model_checks, onnx_import, torch_capture
+from pipecc.frontend import constants, loss_memory, model_checks, modelfile, onnx_import, torch_capture
 from pipecc.frontend.torch_capture import parse_symbols  # noqa: F401  (driver.parse_symbols: the CLI's)
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, kept_cwd, load_model_file
@@ -268,13 +268,13 @@ def _analyze(path: Path, *, model_args: dict[str, Any] | None, batch_size: int,
     if state.spec is not None and graph.batch_size != batch_size and "B" in graph.symbols:
         raise PipeccError(f"example_inputs({batch_size}) returned a batch of {graph.batch_size}")
     if state.spec is not None:  # the loss and target a run will use, checked now, not in a rank
-        from pipecc.frontend.model_checks import OUTPUT_GRAD_META, check_forward, check_loss
-        spec = state.spec
-        from pipecc.frontend.modelfile import deadline
-        with deadline(f"the loss check of {path.name} (forward and loss_fn on the example)"):
-            graph.gm.meta[OUTPUT_GRAD_META] = check_forward(spec.model, tuple(spec.example_inputs), path.name)
-            graph.gm.meta[LOSS_META] = check_loss(  # how micro-batch losses combine (pipecc.json's loss_reduction)
+        spec, checks = state.spec, model_checks
+        with modelfile.deadline(f"the loss check of {path.name} (forward and loss_fn on the example)"):
+            graph.gm.meta[checks.OUTPUT_GRAD_META] = checks.check_forward(spec.model, tuple(spec.example_inputs), path.name)
+            graph.gm.meta[LOSS_META] = checks.check_loss(  # how micro-batch losses combine (pipecc.json's loss_reduction)
                 spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target, path.name)
+            graph.gm.meta[loss_memory.LOSS_STASH_META] = loss_memory.loss_stash_per_sample(  # the last stage's
+                spec.model, tuple(spec.example_inputs), batch_size, spec.loss_fn, spec.make_target)
     return Analysis(graph, state.spec)
 
 

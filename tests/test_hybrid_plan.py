@@ -27,6 +27,7 @@ from pipecc.passes.simulate import StageCosts, simulate
 from pipecc.report.artifacts import timeline_for
 from pipecc.report.html import render_report
 from pipecc.report.text import plan_table
+from pipecc.passes.units import UnitBuilder
 from pipecc.targets.devices import parse_devices
 
 
@@ -136,7 +137,8 @@ def test_groups_take_the_slowest_member_and_the_slowest_pair(mlp):
     assert want > max(cl.link(0, 2).time(1e6), cl.link(1, 3).time(1e6))
     assert prob.link_time(0, 1e6) == want
     mem = bal.tables.costs[0].memory(units, 1)
-    assert (prob.static_mem[0] == mem.static).all() and prob.mem_cap[0] == min(
+    # (less the working-set margin every training problem's caps leave, plan_problem._with_working_sets)
+    assert (prob.static_mem[0] == mem.static).all() and prob.mem_cap[0] + prob.cap_margin == min(
         bal.tables.costs[0].memory(units, 1).cap, bal.tables.costs[1].memory(units, 1).cap)
 
 
@@ -153,7 +155,11 @@ def test_single_stage_plan_equals_the_data_parallel_model(tiny_cnn):
     assert len(plan.stages) == 1 and plan.schedule == "1f1b"
     assert plan.predicted_iteration_s == pytest.approx(dp["overlapped_s"], rel=1e-9)
     assert plan.stages[0].allreduce_s == pytest.approx(dp["allreduce_s"], rel=1e-9)
-    assert plan.stages[0].peak_memory_bytes == pytest.approx(dp["memory_bytes"], rel=1e-6)
+    # the plan adds the running action's working set the bench's DP model leaves out (the
+    # backward's largest gradient buffers or the forward's transients, Evaluator.working_sets)
+    units = UnitBuilder(tiny_cnn.graph).at(2)
+    extra = plan.stages[0].peak_memory_bytes - dp["memory_bytes"]
+    assert 0 < extra <= max(units.work_bytes.max(), units.unkept_out_bytes.sum()) * (1 + 1e-9)
 
 
 def test_fpga_is_never_replicated(tiny_cnn):

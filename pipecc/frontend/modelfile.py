@@ -120,30 +120,61 @@ def time_limit_s() -> float:
     return value if value > 0 and math.isfinite(value) else 0.0
 
 
+RETRY_S = 0.5  # the timer fires again this often after the limit until the block has ended
+_held = 0  # > 0: inside torch's C++ dispatch (fake tensors), where the timer must not raise
+_expired = False  # the timer has fired in this block: a hold raises when it ends
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """A block the time limit never interrupts: an exception raised by the timer inside torch's
+    dispatch (a fake-tensor op calling back into Python) can cross C++ frames that cannot unwind
+    it, and the process aborts (SIGABRT) instead of naming the limit. A timer that fires inside
+    the block raises when the block ends, between two ops."""
+    global _held, _expired
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+    if not _held and _expired:
+        _expired = False
+        raise _OverTime()
+
+
 @contextlib.contextmanager
 def deadline(what: str) -> Iterator[None]:
     """Run the block under the time limit: one that does not return within it is named in one
     line, not a hang (a 100000-layer `--model-arg depth=100000`). The limit is a SIGALRM timer,
     so it holds in the main thread only (elsewhere the block runs unlimited); nested blocks keep
     the outer timer."""
+    global _expired
     limit = time_limit_s()
     timed = (bool(limit) and threading.current_thread() is threading.main_thread()
              and hasattr(signal, "setitimer") and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
     previous = None
     if timed:
         def over(signum: int, frame: Any) -> None:
-            raise _OverTime()
+            global _expired
+            _expired = True
+            if not _held:  # held (inside torch's dispatch): raised when the hold ends
+                raise _OverTime()
         previous = signal.signal(signal.SIGALRM, over)
-        signal.setitimer(signal.ITIMER_REAL, limit)
+        # then again every RETRY_S: a raise that lands in a callback Python ignores (a weakref's,
+        # a destructor's) is lost, and the next one ends the block
+        signal.setitimer(signal.ITIMER_REAL, limit, RETRY_S)
     try:
         yield
     except _OverTime:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # no second raise while this one is named
         raise PipeccError(f"{what} did not return within {limit:g} s; make the model smaller (--model-arg) "
                           f"or allow longer with {TIME_LIMIT_ENV}=SECONDS") from None
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            _expired = False
 
 
 @contextlib.contextmanager

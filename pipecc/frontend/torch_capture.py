@@ -193,8 +193,10 @@ class _Recorder(fx.Interpreter):
         self.values: dict[fx.Node, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
+        from pipecc.frontend.modelfile import held
         try:
-            out = super().run_node(n)
+            with held():  # the time limit ends the run between nodes, never inside torch's dispatch
+                out = super().run_node(n)
         except _DATA_DEPENDENT as exc:
             raise PipeccError(_data_dependent_message(n, exc, self.values)) from exc
         self.values[n] = _describe(out)

@@ -26,9 +26,11 @@ import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
+import sympy
 
+from pipecc import cost_saved
 from pipecc.ir import techniques
-from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo
+from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
@@ -99,12 +101,42 @@ def _tied_across(plan: Plan, shared: dict[str, list[str]]) -> str | None:
     return None
 
 
-def _problem(ev: Evaluator, plan: Plan, units: Any, mb: int) -> PartitionProblem:
+def _problem(ev: Evaluator, plan: Plan, units: Any, mb: int, graph: AnnotatedGraph) -> PartitionProblem:
     order = tuple(int(d.get("given_index", i)) for i, d in enumerate(plan.devices))
     prob = ev.problem(units, mb, plan.schedule, plan.microbatches, order)
     act = np.asarray(prob.act_mem, dtype=float)
     return dataclasses.replace(prob, stash_bytes=act.max(axis=0) if act.ndim > 1 else act,
+                               stash_entry_bytes=entry_stash_bytes(graph, units, mb),
                                param_bytes=np.asarray(units.param_bytes, dtype=float))
+
+
+def entry_stash_bytes(graph: AnnotatedGraph, units: Any, mb: int) -> np.ndarray:
+    """[unit] bytes of the outputs of earlier units (or of the model's inputs) that the unit's
+    backward keeps, per micro-batch of `mb` samples: the saved tensors a misplaced segment
+    starting at that unit ships besides the storages charged to its own nodes (`stash_bytes`
+    charges a kept storage once, to the node that makes it: `pipecc.cost_saved`)."""
+    nodes = {str(n.meta.get(META_NAME, n.name)): n for n in graph.gm.graph.nodes}
+    unit_of = {nodes[name]: u for u, names in enumerate(units.names) for name in names if name in nodes}
+    alias = {n: cost_saved.aliases(n, graph.gm.get_submodule(n.target) if n.op == "call_module" else None)
+             for n in graph.gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    point = dict(graph.point)
+    if "B" in graph.symbols:
+        point[graph.symbols["B"]] = mb
+    entry, value = np.zeros(len(units.names)), {}  # NOTE: repeated blocks share expressions
+    for u, names in enumerate(units.names):
+        roots: set = set()
+        for name in names:
+            rule = nodes[name].meta.get(cost_saved.META_SAVES) if name in nodes else None
+            if rule is not None:
+                roots.update(cost_saved.root(k, alias) for k in rule.keeps)
+        for r in roots:
+            if unit_of.get(r, -1) < u and r.op != "get_attr":
+                rule = r.meta.get(cost_saved.META_SAVES)
+                held = rule.held if rule is not None else sum(t.nbytes for t in tensors_in(r.meta.get(META_VALUE)))
+                if held not in value:
+                    value[held] = float(sympy.sympify(held).subs(point))
+                entry[u] += value[held]
+    return entry
 
 
 def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int,
@@ -172,7 +204,7 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
     mb = plan.batch_size // plan.microbatches
     units = ev.builder.at(mb)
     bounds = _unit_bounds(units, plan)
-    prob = _problem(ev, plan, units, mb)
+    prob = _problem(ev, plan, units, mb, graph)
     blockers = segment_blockers(graph)
     no_segment = [any(n in blockers for n in group) for group in units.names]
     unit_of = {n: u for u, group in enumerate(units.names) for n in group}

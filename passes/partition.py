@@ -1,8 +1,7 @@
 """Pipeline partitioner: contiguous stages on heterogeneous devices, exact min-bottleneck.
 
-Policy only: a pure function over numbers (no torch, no sympy), so it is tested without a
-model. The pass that builds a PartitionProblem from the annotated graph and the rewrite
-that cuts the graph at `Partition.bounds` live elsewhere.
+Policy only: a pure function over numbers (no torch, no sympy), tested without a model; building
+the PartitionProblem and cutting the graph at `Partition.bounds` live elsewhere.
 
 Cost model. Stage k runs on device k and holds nodes a..e-1 (a = bounds[k], e = bounds[k+1]).
 X[s] is the bytes crossing the boundary before node s: every tensor produced before s and
@@ -29,20 +28,17 @@ transfers stream fully overlapped, B = max(max_k T_k, max_k t_k) with t one way.
     M_k = Σ static_mem[a:e] + inflight[k] · (Σ act_mem[a:e] + X[a])
 (static_mem and act_mem may differ per stage: [stage][node]; an FPGA stage counts its
 on-chip memory, not the GPU-style weights/gradients/optimizer state.)
-(received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k].
-(The planner's caps already leave room for the running action's working set, `cap_margin`; what
-else plan.json's simulated peak counts that M_k does not is in docs/memory.md.)
-A recomputed stage (`recompute[k]`, activation checkpointing) stashes only what it received and
-re-runs its forward during each backward, so only one micro-batch's internal activations live
-at once (GPipe's rematerialisation, PAPERS-SPEC §1.4; Chen et al. 2016, "Training Deep Nets
-with Sublinear Memory Cost"):
+(received activations are stashed for backward as well). A stage fits if M_k ≤ mem_cap[k]
+(the caps leave room for the running action's working set, `cap_margin`; docs/memory.md).
+A recomputed stage (`recompute[k]`) stashes only what it received and re-runs its forward in
+each backward: one micro-batch's internal activations live at once (GPipe's rematerialisation,
+PAPERS-SPEC §1.4; Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"):
     M_k = Σ static_mem[a:e] + Σ act_mem[a:e] + inflight[k] · X[a]
 (its backward time, which includes the second forward, is the caller's: `bwd` as given).
-Blocked cuts: `blocked[k][s]` True forbids link k (stage k → k+1) from lying at boundary s
-(the FPGA backend takes one float32 tensor per stage boundary). A blocked cut adds
-CANNOT_RUN_S (`pipecc.targets.timing`) to T of both stages, a finite stand-in for "impossible"
-that the bisection can handle, as is a node's cost on a device that cannot run it: a result
-at or above it means no allowed placement exists.
+Blocked cuts: `blocked[k][s]` True forbids link k from lying at boundary s (the FPGA backend
+takes one float32 tensor per boundary): it adds CANNOT_RUN_S (`pipecc.targets.timing`) to T of
+both stages, a finite stand-in for "impossible" the bisection can handle, as is a node's cost on
+a device that cannot run it: a result at or above it means no allowed placement exists.
 """
 from __future__ import annotations
 
@@ -85,20 +81,19 @@ class PartitionProblem:
     blocked: Sequence[Sequence[bool]] | None = None  # [link k][boundary 0..n]: cut forbidden
     labels: Sequence[str] | None = None  # [stage] how messages name its device ("device k")
     training: bool = True  # gradients travel back (1F1B windows); False: forward-only stream
-    # "overlapped": transfers as the runtime runs them (module docstring); "charged": each
-    # transfer added to the compute of both its stages (x2 when training: activation and
-    # gradient), no link resource. Not a leftover: the planner partitions both ways and the
-    # simulator keeps the faster cuts, and the charged ones win where fill and drain or a
-    # slow link dominate (22 of 172 zoo plans at TINY sizes, up to 22% faster: GPT on 2xcpu
-    # under gpipe; measured when the comm-blind bound was dropped, issue 18).
+    # "overlapped": transfers as the runtime runs them (module docstring); "charged": each added
+    # to both its stages' compute (x2 when training), no link resource. Not a leftover: the
+    # charged cuts win 22 of 172 zoo plans (TINY; up to 22%, GPT on 2xcpu, gpipe; issue 18).
     comm: str = "overlapped"
     # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
     recompute: Sequence[bool] | None = None
-    # Bi-Partition (`passes.bipartition`) only: [node] bytes of saved tensors a node's backward
-    # needs per micro-batch, shipped when its FP and BP run on different workers (None:
-    # act_mem), and [node] bytes of its parameters alone, a forward worker's replica (None:
-    # static_mem, an over-estimate)
+    # Bi-Partition (`passes.bipartition`) only: [node] saved-tensor bytes charged to a node (its
+    # storage, per micro-batch; None: act_mem), shipped when its FP and BP run on different
+    # workers; [node] bytes of earlier nodes' outputs its backward keeps (shipped too when a
+    # segment starts at it; None: 0); [node] its parameters' bytes, a forward worker's replica
+    # (None: static_mem, an over-estimate)
     stash_bytes: Sequence[float] | None = None
+    stash_entry_bytes: Sequence[float] | None = None
     param_bytes: Sequence[float] | None = None
     # [stage] one micro-batch's fixed forward / backward seconds whatever the stage holds
     # (`pipecc.targets.fixed_costs`): T_k adds both (c_k); None: none
@@ -147,8 +142,7 @@ def cut_bytes(out_bytes: Sequence[float], last_use: Sequence[int]) -> list[float
         return []
     end = np.minimum(last, n - 1)
     live = (end > idx) & (out > 0)
-    # NOTE: a float running sum loses small tensors next to huge ones (1e20 + 0.1 - 1e20 = 0);
-    # integer byte counts are summed exactly in int64, anything else in exact rationals.
+    # NOTE: a float sum loses small next to huge (1e20 + 0.1 - 1e20 = 0): int64 or exact rationals
     if np.all(out == np.round(out)) and out.sum() < 2.0**62:
         delta = np.zeros(n + 1, dtype=np.int64)
         np.add.at(delta, idx[live], out[live].astype(np.int64))
@@ -403,8 +397,7 @@ def _reach(stages: list[_Stage], T: float, n: int,
     R[0] = True
     carry = np.zeros(n + 1)
     out = []
-    # NOTE (issue 31): the same arithmetic, less overhead: one errstate, v - W once ((v - W) - T
-    # is what v - W - T computed), each stage's masks and 2t kept (`_Stage`)
+    # NOTE (issue 31): one errstate, v - W once, each stage's masks and 2t kept (`_Stage`)
     with np.errstate(invalid="ignore"):  # inf - inf where nothing reaches e
         for st in stages:
             wm = np.where(R & st.starts_ok, st.w - carry, -np.inf)
@@ -461,11 +454,9 @@ def partition(problem: PartitionProblem) -> Partition:
     return best
 
 
-# NOTE: the planner partitions the very same numbers again (schedules with the same in-flight
-# counts, BPipe's fits, the fewer-devices searches: 36 of 486 calls for GPT-2 at 48 layers on
-# 8 devices, `pipecc plan`'s defaults): a solved problem is remembered by the digest of
-# everything `_solve` reads, so a repeat returns the same Partition (frozen) or raises the same
-# message
+# NOTE: the planner partitions the same numbers again (same in-flight counts, BPipe's fits, the
+# fewer-devices searches: 36 of 486 calls, GPT-2 48 layers, 8 devices): a solved problem is kept
+# by the digest of all `_solve` reads; a repeat returns the same Partition or raises the same message
 _SOLVED: OrderedDict[bytes, Partition | str] = OrderedDict()
 _SOLVED_MAX = 1024
 

@@ -16,8 +16,8 @@ instead of one symmetric one.
     forward message  XF_j = X[a_j] + (a_j > c_j ? S(c_j, a_j) : 0)
     backward message XB_j = X[c_j] + (c_j > a_j ? S(a_j, c_j) : 0)
 S is the segment's saved tensors per micro-batch ("ship", spec §3.3: `stash_bytes` per node,
-default `act_mem`, the storages charged to the segment's nodes, plus `stash_entry_bytes` of its
-first node, the earlier outputs it keeps: the segment's input). In mode "recompute" (spec §3.6
+default `act_mem`; or `segment_stash(lo, hi)`, the storages the segment's backward keeps, each
+once, its input among them: what the runtime ships). In mode "recompute" (spec §3.6
 option B) nothing is stashed: a_j > c_j sends the segment's input X[c_j] forward instead, and
 c_j > a_j needs nothing extra (worker j sent X[a_j] itself). With tf_j, tb_j the one-way link
 times of XF_j, XB_j, the 1F1B steady state generalises `partition.bottleneck`: a micro-batch
@@ -125,8 +125,6 @@ class _Costs:
         stash = pr.stash_bytes if pr.stash_bytes is not None else np.asarray(ar.act).max(axis=0)
         params = pr.param_bytes if pr.param_bytes is not None else np.asarray(ar.static).max(axis=0)
         self.PSt = _prefix(np.asarray(stash, dtype=float))
-        self.entry = (np.asarray(pr.stash_entry_bytes, dtype=float) if pr.stash_entry_bytes is not None
-                      else np.zeros(self.n))
         self.PPar = _prefix(np.asarray(params, dtype=float))
 
     def link(self, k: int, nbytes: float) -> float:
@@ -136,8 +134,11 @@ class _Costs:
         """XF_j, XB_j and the extra bytes among them at boundary j with cuts a, c."""
         X = self.ar.X
         if self.mode == "ship":
-            lo = min(a, c)
-            extra = float(self.PSt[max(a, c)] - self.PSt[lo]) + (float(self.entry[lo]) if a != c else 0.0)
+            lo, hi = min(a, c), max(a, c)
+            if self.pr.segment_stash is not None:
+                extra = float(self.pr.segment_stash(lo, hi)) if hi > lo else 0.0
+            else:
+                extra = float(self.PSt[hi] - self.PSt[lo])
         else:
             extra = float(X[c]) if a > c else 0.0
         xf = float(X[a]) + (extra if a > c else 0.0)

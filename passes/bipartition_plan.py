@@ -23,14 +23,15 @@ the rule refuses a plan that asks for it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import sympy
+import torch.fx as fx
 
 from pipecc import cost_saved
 from pipecc.ir import techniques
-from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
+from pipecc.ir.graph import META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
@@ -106,37 +107,62 @@ def _problem(ev: Evaluator, plan: Plan, units: Any, mb: int, graph: AnnotatedGra
     prob = ev.problem(units, mb, plan.schedule, plan.microbatches, order)
     act = np.asarray(prob.act_mem, dtype=float)
     return dataclasses.replace(prob, stash_bytes=act.max(axis=0) if act.ndim > 1 else act,
-                               stash_entry_bytes=entry_stash_bytes(graph, units, mb),
+                               segment_stash=segment_stash(graph, units, mb),
                                param_bytes=np.asarray(units.param_bytes, dtype=float))
 
 
-def entry_stash_bytes(graph: AnnotatedGraph, units: Any, mb: int) -> np.ndarray:
-    """[unit] bytes of the outputs of earlier units (or of the model's inputs) that the unit's
-    backward keeps, per micro-batch of `mb` samples: the saved tensors a misplaced segment
-    starting at that unit ships besides the storages charged to its own nodes (`stash_bytes`
-    charges a kept storage once, to the node that makes it: `pipecc.cost_saved`)."""
-    nodes = {str(n.meta.get(META_NAME, n.name)): n for n in graph.gm.graph.nodes}
-    unit_of = {nodes[name]: u for u, names in enumerate(units.names) for name in names if name in nodes}
+def segment_stash(graph: AnnotatedGraph, units: Any, mb: int) -> Callable[[int, int], float]:
+    """(lo, hi) -> the saved-tensor bytes a misplaced segment of units lo..hi-1 ships per
+    micro-batch of `mb` samples: its nodes' own buffers (a dropout mask, a norm's statistics)
+    and every storage their backwards keep, once each, wherever it was made (the segment's input
+    a linear keeps is made before it; an output only later nodes keep is not shipped). The
+    per-node `stash_bytes` charges each kept storage to the node making it
+    (`pipecc.cost_saved`), which a segment's two ends cut through."""
+    gnodes = list(graph.gm.graph.nodes)
+    by_name = {str(n.meta.get(META_NAME, n.name)): n for n in gnodes}
     alias = {n: cost_saved.aliases(n, graph.gm.get_submodule(n.target) if n.op == "call_module" else None)
-             for n in graph.gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+             for n in gnodes if n.op in ("call_function", "call_method", "call_module")}
+    charged = cost_saved.kept_roots(gnodes, alias)
     point = dict(graph.point)
     if "B" in graph.symbols:
         point[graph.symbols["B"]] = mb
-    entry, value = np.zeros(len(units.names)), {}  # NOTE: repeated blocks share expressions
-    for u, names in enumerate(units.names):
-        roots: set = set()
+    value: dict[Any, float] = {}  # NOTE: repeated blocks share their expressions
+
+    def at(expr: Any) -> float:
+        if expr not in value:
+            value[expr] = float(sympy.sympify(expr).subs(point))
+        return value[expr]
+
+    def held(r: fx.Node) -> float:
+        rule = r.meta.get(cost_saved.META_SAVES)
+        return at(rule.held) if rule is not None else at(sum(t.nbytes for t in tensors_in(r.meta.get(META_VALUE))))
+
+    own: list[float] = []        # [unit] its nodes' own buffers
+    kept: list[set] = []         # [unit] the storages its backwards keep
+    for names in units.names:
+        extra, roots = 0.0, set()
         for name in names:
-            rule = nodes[name].meta.get(cost_saved.META_SAVES) if name in nodes else None
-            if rule is not None:
-                roots.update(cost_saved.root(k, alias) for k in rule.keeps)
-        for r in roots:
-            if unit_of.get(r, -1) < u and r.op != "get_attr":
-                rule = r.meta.get(cost_saved.META_SAVES)
-                held = rule.held if rule is not None else sum(t.nbytes for t in tensors_in(r.meta.get(META_VALUE)))
-                if held not in value:
-                    value[held] = float(sympy.sympify(held).subs(point))
-                entry[u] += value[held]
-    return entry
+            node = by_name.get(name)
+            rule = node.meta.get(cost_saved.META_SAVES) if node is not None else None
+            cost = node.meta.get(META_COST) if node is not None else None
+            if rule is None:
+                continue
+            mine = node in charged and not alias.get(node)
+            extra += max(0.0, (at(cost.stash_bytes) if cost is not None else 0.0) - (held(node) if mine else 0.0))
+            roots.update(cost_saved.root(k, alias) for k in rule.keeps)
+            if rule.own:
+                roots.add(cost_saved.root(node, alias))
+        own.append(extra)
+        kept.append({r for r in roots if r.op != "get_attr"})
+    sizes = {r: held(r) for roots in kept for r in roots}
+    found: dict[tuple[int, int], float] = {}
+
+    def stash(lo: int, hi: int) -> float:
+        if (lo, hi) not in found:
+            roots = set().union(*kept[lo:hi]) if hi > lo else set()
+            found[lo, hi] = sum(own[lo:hi]) + sum(sizes[r] for r in roots)
+        return found[lo, hi]
+    return stash
 
 
 def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int,

@@ -87,13 +87,12 @@ class PartitionProblem:
     comm: str = "overlapped"
     # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
     recompute: Sequence[bool] | None = None
-    # Bi-Partition (`passes.bipartition`) only: [node] saved-tensor bytes charged to a node (its
-    # storage, per micro-batch; None: act_mem), shipped when its FP and BP run on different
-    # workers; [node] bytes of earlier nodes' outputs its backward keeps (shipped too when a
-    # segment starts at it; None: 0); [node] its parameters' bytes, a forward worker's replica
-    # (None: static_mem, an over-estimate)
+    # Bi-Partition (`passes.bipartition`) only: [node] saved-tensor bytes per micro-batch, shipped
+    # when its FP and BP run on different workers (None: act_mem), or (lo, hi) -> the bytes that
+    # nodes lo..hi-1 keep, each storage once (`segment_stash`, exact where given); [node] its
+    # parameters' bytes, a forward worker's replica (None: static_mem, an over-estimate)
     stash_bytes: Sequence[float] | None = None
-    stash_entry_bytes: Sequence[float] | None = None
+    segment_stash: Callable[[int, int], float] | None = None
     param_bytes: Sequence[float] | None = None
     # [stage] one micro-batch's fixed forward / backward seconds whatever the stage holds
     # (`pipecc.targets.fixed_costs`): T_k adds both (c_k); None: none

@@ -396,3 +396,34 @@ def test_mirrored_cuts_verify(planned, tmp_path, capsys) -> None:
     driver.compile(analysis, _bipartition(plan, C, A), graph, out)
     assert _run_here(out, "--verify", "--steps", "0") == 0
     assert "12 gradients match" in capsys.readouterr().out
+
+
+def test_a_saved_tensor_and_its_detach_travel_once() -> None:
+    """AOTAutograd saves a ReLU's output for the ReLU's backward and, as a detach of it, for
+    the next layer's weight gradient: one storage, sent once (the planner charges it once); the
+    backward worker uses the sent tensor for both and gets eager autograd's gradients."""
+    from pipecc.runtime.segments import trace_segment
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 6))
+    g = trace_segment(module, [((4, 8), torch.float32, True)], [0], torch.device("cpu"))
+    assert g.aliases and len(g.sent) == 1  # the ReLU's output; the detach refers to it
+    x = torch.randn(4, 8)
+    static = [p.detach() for p in module.parameters()]
+    with torch.no_grad():
+        res = g.fw(*static, x)
+    sent = [res[g.n_out + i] for i in g.sent]
+    saved: list = [None] * len(g.saved)
+    for i, t in zip(g.sent, sent):
+        saved[i] = t
+    for i, j in g.aliases.items():
+        saved[i] = saved[j]
+    for i, t in zip(g.static_index, g.static_graph(*static) if g.static_graph is not None else ()):
+        saved[i] = t
+    tangent = torch.randn(4, 6)
+    with torch.no_grad():
+        grads = list(g.bw(*saved, tangent))
+    xe = x.clone().requires_grad_(True)
+    module(xe).backward(tangent)
+    torch.testing.assert_close(grads[0], module[1].weight.grad)
+    torch.testing.assert_close(grads[1], module[1].bias.grad)
+    torch.testing.assert_close(grads[2], xe.grad)

@@ -45,7 +45,7 @@ Imports torch and ``pipecc.runtime``/``pipecc.errors`` only.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,7 +73,9 @@ class Graphs:
     *input grads)``. ``static`` = parameters then buffers. ``grad_outputs``: the outputs (indices
     into ``computed``) that get a tangent, in order. ``saved[i]``: (shape, dtype). ``sent``: the
     saved indices that travel; the others (``static_graph``'s outputs, in order) are recomputed
-    on the backward worker from its own weights.
+    on the backward worker from its own weights, and ``aliases`` {i: j}: saved tensor i is a
+    detach of saved tensor j (AOTAutograd keeps a ReLU's output and its detach, one storage):
+    it does not travel, the backward worker uses j for it.
     """
 
     fw: fx.GraphModule
@@ -84,6 +86,7 @@ class Graphs:
     sent: list[int]
     static_graph: fx.GraphModule | None
     static_index: list[int]
+    aliases: dict[int, int] = field(default_factory=dict)
 
 
 def trace_segment(module: nn.Module, inputs: Sequence[tuple[Shape, torch.dtype, bool]], computed: Sequence[int],
@@ -148,8 +151,25 @@ def trace_segment(module: nn.Module, inputs: Sequence[tuple[Shape, torch.dtype, 
                               "without --bipartition")
         saved.append((tuple(int(d) for d in val.shape), val.dtype))
     static_graph, static_index = _static_part(fw, k, saved_nodes)
-    sent = [i for i in range(n_saved) if i not in static_index]
-    return Graphs(fw, bw, len(computed), wanted, saved, sent, static_graph, static_index)
+    aliases = _aliases(saved_nodes, static_index)
+    sent = [i for i in range(n_saved) if i not in static_index and i not in aliases]
+    return Graphs(fw, bw, len(computed), wanted, saved, sent, static_graph, static_index, aliases)
+
+
+_ALIAS_OPS = ("aten.detach.default", "aten.alias.default")
+
+
+def _aliases(saved: Sequence[Any], static_index: Sequence[int]) -> dict[int, int]:
+    """{i: j}: saved tensor i is a detach (or alias) of saved tensor j, the same values in the
+    same storage: sending it too would ship that storage twice."""
+    index = {n: i for i, n in enumerate(saved) if isinstance(n, fx.Node)}
+    out: dict[int, int] = {}
+    for i, n in enumerate(saved):
+        if i in static_index or not isinstance(n, fx.Node) or n.op != "call_function":
+            continue
+        if str(n.target) in _ALIAS_OPS and n.args and index.get(n.args[0], i) != i:
+            out[i] = index[n.args[0]]
+    return out
 
 
 class _NoGrad(nn.Module):
@@ -273,6 +293,11 @@ class SegmentRunner:
             with torch.no_grad():
                 for i, t in zip(g.static_index, as_tuple(g.static_graph(*static))):
                     saved[i] = t
+        for i in g.aliases:  # a detach of another saved tensor (a chain of them ends in a filled one)
+            j = i
+            while j in g.aliases:
+                j = g.aliases[j]
+            saved[i] = saved[j]
         device = static[0].device if static else torch.device("cpu")
         returned = next(n for n in g.fw.graph.nodes if n.op == "output").args[0]
         tangents = []

@@ -277,7 +277,7 @@ def render_bipartition(rows: list[dict], seconds: float) -> str:
              "models, datasets, GPUs, bandwidth and worker counts unknown): PipeDream there is "
              "asynchronous with weight stashing, here 1F1B with a flush; our (a) is an exact "
              "optimal single cut on pipecc's cost model, which a layer-wise heuristic may not "
-             "be; saved-tensor bytes are pipecc's per-node stash estimate.", "", head,
+             "be; saved-tensor bytes are pipecc's per-op saved-tensor rules, each storage a segment keeps once (`bipartition_plan.segment_stash`).", "", head,
              "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         thr = lambda bott: r["mb"] / bott if bott > 0 else float("inf")  # noqa: E731

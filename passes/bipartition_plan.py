@@ -120,8 +120,7 @@ def segment_stash(graph: AnnotatedGraph, units: Any, mb: int) -> Callable[[int, 
     (`pipecc.cost_saved`), which a segment's two ends cut through."""
     gnodes = list(graph.gm.graph.nodes)
     by_name = {str(n.meta.get(META_NAME, n.name)): n for n in gnodes}
-    alias = {n: cost_saved.aliases(n, graph.gm.get_submodule(n.target) if n.op == "call_module" else None)
-             for n in gnodes if n.op in ("call_function", "call_method", "call_module")}
+    alias = cost_saved.alias_map(graph.gm)
     charged = cost_saved.kept_roots(gnodes, alias)
     point = dict(graph.point)
     if "B" in graph.symbols:

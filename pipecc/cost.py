@@ -505,8 +505,7 @@ def _apply_saved(graph: AnnotatedGraph, data: set[fx.Node]) -> None:
     own buffers plus its output once if any backward keeps its storage. Nodes whose figure did
     not change keep their evaluated values."""
     nodes = list(graph.gm.graph.nodes)
-    alias = {n: cost_saved.aliases(n, graph.gm.get_submodule(n.target) if n.op == "call_module" else None)
-             for n in nodes if n.op in ("call_function", "call_method", "call_module")}
+    alias = cost_saved.alias_map(graph.gm)
     kept = cost_saved.kept_roots(nodes, alias)
     for node in nodes:
         rule: Saves | None = node.meta.get(META_SAVES)

@@ -352,6 +352,12 @@ def _pool(op: str, ops: list, acts: list, value: Any, held: Any) -> Saves:
     return _conservative(acts, held)
 
 
+def alias_map(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """`aliases` for every computing node of the graph module (what `root` and `kept_roots` read)."""
+    return {n: aliases(n, gm.get_submodule(n.target) if n.op == "call_module" else None)
+            for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+
+
 def root(node: fx.Node, alias: dict[fx.Node, bool]) -> fx.Node:
     """The node whose storage `node`'s output is (through views and in-place ops)."""
     seen = 0
@@ -377,5 +383,5 @@ def kept_roots(nodes: list[fx.Node], alias: dict[fx.Node, bool]) -> set[fx.Node]
     return kept
 
 
-__all__ = ["BYTES_ONLY_SHAPE_OPS", "META_KEPT", "META_SAVES", "Saves", "aliases", "dropout_p", "is_view_node",
-           "kept_roots", "operands", "root", "saves"]
+__all__ = ["BYTES_ONLY_SHAPE_OPS", "META_KEPT", "META_SAVES", "Saves", "alias_map", "aliases",
+           "dropout_p", "is_view_node", "kept_roots", "operands", "root", "saves"]

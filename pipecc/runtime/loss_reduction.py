@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from pipecc.runtime import loss_targets
+
 MEAN, SUM, MIXED = "mean", "sum", "mixed"
 KINDS = (MEAN, SUM, MIXED)
 RTOL, ATOL = 1e-4, 1e-6
@@ -295,8 +297,9 @@ def step_factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, target
     loss_i``. On random outputs of the parts' shapes (on the outputs' device), the loss of two
     parts joined has, on each, a gradient ``c`` times that part's own, checked element by element
     and on the value: ``c_i / c_r = A_i / A_r`` (``_factors_as``). Costs about three forwards and
-    backwards of ``loss_fn`` on the batch, two micro-batches at a time (no model), once per step
-    on the rank holding the last stage.
+    backwards of ``loss_fn`` on the batch, two micro-batches at a time (no model), on the rank
+    holding the last stage: on the first step of each shape, then only where ``loss_targets``'
+    trace of ``loss_fn`` cannot say (its counted or fixed factors stand in for it otherwise).
 
     Refused (PipeccError, one line) when this step's loss is no such combination. With
     replicas the caller passes every replica's micro-batches (``StageRunner.every_replica``);
@@ -307,16 +310,31 @@ def step_factors(loss_fn: Callable[[Any, Any], Any], value: Any, mb: int, target
     analysed = [weight(kind, n, whole) for n in sizes]
     if len(sizes) < 2 or len(targets) != len(sizes):
         return None
-    found = _factors(loss_fn, value, mb, targets, sizes)
+    # NOTE: found in float32 (outputs too large for float64), the factors carry its rounding: within
+    # 1e-4 of the analysed ones they are taken for them (the difference is float32's own noise)
+    close = 1e-6 if _wide(value, mb, sizes) else 1e-4
+
+    def same(a: list[float], b: list[float]) -> bool:
+        return all(abs(x - y) <= 1e-9 + close * max(abs(x), abs(y)) for x, y in zip(a, b))
+
+    # the trace of loss_fn says whether targets can weigh the micro-batches (loss_targets): once the
+    # probe has confirmed it on a real step, its quick answer stands in for the probe
+    step = loss_targets.step_of(loss_fn, value, mb, targets, sizes) if kind in (MEAN, SUM) else None
+    quick = step.quick(targets, sizes) if step is not None else loss_targets.PROBE
+    if step is not None and step.settled and quick != loss_targets.PROBE:
+        found: list[float] | str | None = quick
+    else:
+        found = _factors(loss_fn, value, mb, targets, sizes)
+        if step is not None and isinstance(found, list) and quick != loss_targets.PROBE:
+            step.settled = same(found, analysed if quick is None else quick)  # type: ignore[arg-type]
+            if not step.settled:  # the trace's reading is wrong for this loss: the probe, for good
+                step.kind = loss_targets.PROBE
     if found is None:
         return None
     if isinstance(found, str):
         raise PipeccError(f"loss_fn on this step's targets {found}, so the losses of {len(sizes)} micro-batches do "
                           "not combine into the batch's loss; give --microbatches 1 --replicas 1")
-    # NOTE: found in float32 (outputs too large for float64), the factors carry its rounding: within
-    # 1e-4 of the analysed ones they are taken for them (the difference is float32's own noise)
-    close = 1e-6 if _wide(value, mb, sizes) else 1e-4
-    if all(abs(a - b) <= 1e-9 + close * max(abs(a), abs(b)) for a, b in zip(found, analysed)):
+    if same(found, analysed):
         return None
     if replicas > 1:
         raise PipeccError("loss_fn weighs this step's micro-batches by what their targets hold (e.g. "

@@ -185,10 +185,15 @@ class Evaluator:
                                          rep.slice_size(self.options.batch_size // m, d), d)
             split = {"backward_weight_s": w, "backward_input_s": [bk - wk for bk, wk in zip(b, w)],
                      "split_cost": SPLIT_BACKWARD_COST}  # what the runtime's split measured
+            pending = self.builder.weight_output_bytes(rep.slice_size(self.options.batch_size // m, d))
+            # stage 0's inputs take no gradient: its I does nothing and its W is the whole backward
+            weight_grads = [0.0] + [float(pending[part.bounds[k]:part.bounds[k + 1]].sum()) for k in range(1, stages)]
         costs = StageCosts.per_stage(m, f, b, send_forward_s=send, send_backward_s=back,
                                      activation_bytes=act, static_bytes=static,
                                      recompute_bytes=redo, **split)  # type: ignore[arg-type]
         costs.forward_work_bytes, costs.backward_work_bytes = fwork, bwork
+        if split:
+            costs.weight_grad_bytes = weight_grads
         costs.input_grad_bytes = received if fwork is not None else None
         if bpipe is not None and bpipe_policy is None:
             raise ValueError("bpipe thresholds need their bpipe_policy")

@@ -65,7 +65,7 @@ def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, or
     if d > 1:
         P = p // d
         held = inflight(schedule, P * v, m, v) if training else [1] * (P * v)
-        prob = rep.group_problem(tables, units, mb, held, order, d, v)
+        prob = _with_step_inputs(rep.group_problem(tables, units, mb, held, order, d, v), tables, mb * m)
         return _with_working_sets(recomputing(prob, recompute), units, training)  # NOTE: no FPGA is ever replicated
     fwd, bwd = tables.times(units, mb)
     devs = [order[k % p] for k in range(p * v)]
@@ -103,7 +103,20 @@ def problem(tables: CostTables, units: Units, mb: int, schedule: str, m: int, or
                 + (f", {mem.what}" if mem.what else "") + ")"
                 for k, (x, mem) in enumerate(zip(devs, mems))])
     fpga = any(cluster.devices[x].kind == "fpga" for x in devs)  # NOTE: on-chip memory is its own model
-    return prob if fpga else _with_working_sets(prob, units, training)
+    return prob if fpga else _with_working_sets(_with_step_inputs(prob, tables, mb * m), units, training)
+
+
+def _with_step_inputs(prob: PartitionProblem, tables: CostTables, rows: int) -> PartitionProblem:
+    """`prob` with the step's model inputs (``rows`` samples: a replica's share of the batch)
+    charged to the first unit's static memory: the rank of stage 0 moves the whole step's inputs
+    to its device and splits them into micro-batch views (`runtime.engine._split_inputs`), so it
+    holds them all step, whichever micro-batches are in flight."""
+    extra = tables.builder.input_bytes(rows)
+    if not extra:
+        return prob
+    static = np.array(prob.static_mem, dtype=float, copy=True)
+    static[..., 0] += extra
+    return dataclasses.replace(prob, static_mem=static)
 
 
 def _with_working_sets(prob: PartitionProblem, units: Units, training: bool) -> PartitionProblem:

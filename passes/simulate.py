@@ -129,6 +129,10 @@ class StageCosts:
     # once a later message from that peer proves it arrived (`runtime.wire.send_release`), so
     # after a stage's first backward its next F still holds one (None: 0)
     input_grad_bytes: list[float] | None = None
+    # [stage] zero-bubble: bytes an I leaves for its W (the output gradients of the stage's
+    # weight-bearing nodes, which W starts from: `runtime.split_backward`), held from the end of
+    # the I to the end of the W; None: 0
+    weight_grad_bytes: list[float] | None = None
     # BPipe: [evictor stage][microbatch] seconds of one stash transfer (its activation_bytes)
     # on the pair's link, each way; None: 0 (only schedules with a partner read it)
     stash_transfer_s: list[list[float]] | None = None
@@ -141,6 +145,10 @@ class StageCosts:
         pending = float(self.input_grad_bytes[stage]) if kind is ActionKind.F and after_backward \
             and self.input_grad_bytes is not None else 0.0
         return (0.0 if table is None else float(table[stage])) + pending
+
+    def pending_w(self, stage: int) -> float:
+        """Bytes an I of ``stage`` leaves for its W (``weight_grad_bytes``; 0 without)."""
+        return 0.0 if self.weight_grad_bytes is None else float(self.weight_grad_bytes[stage])
 
     def stash_s(self, evictor: int, microbatch: int) -> float:
         """Seconds of one transfer of ``evictor``'s stash of ``microbatch`` (0 without a table)."""
@@ -485,8 +493,11 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
             peak = max(peak, held + redo + work)  # a recomputed stage re-creates its activations first
             if a.kind.frees_stash:
                 held -= size
+            else:  # I: W's starting gradients stay until the W
+                held += costs.pending_w(a.stage)
+                peak = max(peak, held)
         elif a.kind.frees_stash:
-            held -= size
+            held -= size + (costs.pending_w(a.stage) if a.kind is ActionKind.W else 0.0)
     step = costs.step_bytes[rank] if costs.step_bytes is not None and training else 0.0
     return static + max(peak, step)  # the optimizer step: no activation is stashed by then
 
@@ -522,6 +533,8 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
                 extra += costs.recompute_bytes[e.stage]
             if extra:
                 steps[e.rank] += [(e.start, extra), (e.end, -extra)]
+            if e.kind in (ActionKind.I, ActionKind.W) and costs.pending_w(e.stage):  # I leaves W's gradients
+                steps[e.rank].append((e.end, costs.pending_w(e.stage) * (1 if e.kind is ActionKind.I else -1)))
         if not e.kind.is_stash:
             continue
         key = schedule.message(Action(e.kind, e.stage, e.microbatch))

@@ -219,6 +219,41 @@ class UnitBuilder:
         self.param_bytes = np.array([sum(n.meta[META_COST].param_bytes for n in g) for g in groups],
                                     dtype=float)
 
+    def weight_output_bytes(self, microbatch: float) -> np.ndarray:
+        """[unit] output bytes of its nodes that read a parameter, at ``microbatch`` samples: the
+        gradients a zero-bubble I keeps for its W (`runtime.split_backward`: W starts where each
+        weight's branch joins the input's path, from the gradient of that node's output)."""
+        pos, unit, _, _ = self._sums
+        reads = self._reads_weight
+        out = self._eval(microbatch)["output_bytes"][pos] * reads[pos]
+        return _unit_sums(out, unit, len(self.groups))
+
+    @functools.cached_property
+    def _reads_weight(self) -> np.ndarray:
+        """[node in unit order] 1.0 where the node reads a parameter (a weight-bearing layer)."""
+        def reads(n: fx.Node) -> bool:
+            if n.op == "get_attr":
+                return False
+            if n.op == "call_module":
+                return any(p.requires_grad for p in self.graph.gm.get_submodule(str(n.target)).parameters())
+            return any(a.op == "get_attr" and any(t.requires_grad for t in tensors_in(a.meta.get(META_VALUE)))
+                       for a in n.all_input_nodes)
+        return np.array([1.0 if reads(n) else 0.0 for n in self.order])
+
+    def input_bytes(self, n: int) -> float:
+        """The model inputs' bytes for ``n`` samples: what the rank of stage 0 holds for a whole
+        step (the runtime moves the step's inputs to its device and splits them into views,
+        `runtime.engine._split_inputs`)."""
+        b_sym = self.graph.symbols.get("B")
+        total = 0.0
+        for node in self.graph.gm.graph.nodes:
+            cost = node.meta.get(META_COST) if node.op == "placeholder" else None
+            e = getattr(cost, "output_bytes", 0)
+            if isinstance(e, sympy.Expr):
+                e = e.subs({**self.graph.point, **({b_sym: n} if b_sym is not None else {})})
+            total += float(e)
+        return total
+
     @functools.cached_property
     def one_tensor_cut(self) -> np.ndarray:
         """[boundary 0..n] True where exactly one float32 tensor crosses (only FPGA plans ask)."""

@@ -279,10 +279,27 @@ def test_simulated_peak_is_static_plus_the_larger_of_stash_and_optimizer_step(sc
         simulate(sched, costs)
 
 
+def test_zero_bubble_holds_what_each_i_leaves_for_its_w() -> None:
+    """zb-h1 on two ranks, four micro-batches: the last rank runs F0 I0 F1 I1 W0 F2 I2 W1 F3 I3
+    W2 W3, so two I's wait for their W at once; each holds the output gradients its W starts
+    from (`weight_grad_bytes`, measured 1.39-1.56x before on the bench's zb-h1 last stages)."""
+    from pipecc.ir.schedule import schedule_for
+    from pipecc.passes.simulate import StageCosts, simulate
+    sched = schedule_for("zb-h1", 2, 4)
+    costs = StageCosts.uniform(2, 4, 1.0, 2.0, activation_bytes=0.0, static_bytes=100.0)
+    assert simulate(sched, costs).peak_memory_bytes == [100.0, 100.0]
+    costs.weight_grad_bytes = [0.0, 7.0]  # stage 0's I does nothing (its inputs take no gradient)
+    assert simulate(sched, costs).peak_memory_bytes == [100.0, 100.0 + 2 * 7.0]
+    costs.activation_bytes = [[10.0] * 4, [10.0] * 4]  # and each stash until its W
+    peaks = simulate(sched, costs).peak_memory_bytes
+    assert peaks[1] == 100.0 + 2 * (10.0 + 7.0)  # after I1, I2, I3: two stashes and their W's gradients
+
+
 def test_planned_peak_counts_the_optimizer_step_and_the_received_input() -> None:
     """A wide MLP at batch 2 on two CPUs: activations are tiny, so each stage's planned peak is
     parameters x 4 (weights, gradients, Adam's moments) plus Adam's two temporaries of the
-    largest weight (hidden x hidden floats), as measured (bench/RESULTS.md's memory section)."""
+    largest weight (hidden x hidden floats), as measured (bench/RESULTS.md's memory section);
+    stage 0's rank also holds the step's inputs (batch x in_features floats)."""
     from pipecc import driver
     hidden = 512
     args = dict(in_features=16, hidden=hidden, depth=4, num_classes=10)
@@ -291,7 +308,8 @@ def test_planned_peak_counts_the_optimizer_step_and_the_received_input() -> None
     for stage in plan.stages:
         assert stage.param_bytes > hidden * hidden * F32  # each stage holds a hidden x hidden weight
         activations = stage.peak_memory_bytes - 4 * stage.param_bytes - 2 * hidden * hidden * F32
-        assert activations == 0  # the step's temporaries outweigh the stash at batch 2
+        inputs = 2 * 16 * F32 if stage.index == 0 else 0  # held all step (runtime.engine._split_inputs)
+        assert activations == inputs  # the step's temporaries outweigh the stash at batch 2
 
 
 # ---------------------------------------------------------------------------- inspect --run
@@ -356,6 +374,7 @@ def test_interleaved_stages_add_up_to_their_ranks_peak() -> None:
         mine = [s for s in plan.stages if s.index % 2 == rank]
         total = sum(s.peak_memory_bytes for s in mine)
         expected = 4 * sum(s.param_bytes for s in mine) + 2 * hidden * hidden * F32
+        expected += 2 * 16 * F32 if rank == 0 else 0  # the step's inputs, on the rank of stage 0
         assert abs(total - expected) <= len(mine)  # each share rounded down to whole bytes
 
 
@@ -378,3 +397,26 @@ def test_a_tied_weight_counts_on_every_stage_that_reads_it() -> None:
     # the head's stage holds the matrix all the same: as much as untied, where it was its own
     assert shared.stages[1].peak_memory_bytes == untied.stages[1].peak_memory_bytes
     assert shared.stages[0].peak_memory_bytes == untied.stages[0].peak_memory_bytes
+
+
+def test_unflattening_received_leaves_keeps_no_reference_to_them():
+    """`ports.unflatten` built tuples with a closure that called itself: a reference cycle that
+    held the received leaves until the garbage collector ran (a 1F1B last stage measured one
+    extra micro-batch's inputs). Now they die with their last user."""
+    import gc
+    import weakref
+
+    from pipecc.runtime.ports import Port, unflatten
+    ports = [Port("a", "tensor", (2,), torch.float32), Port("t", "tuple", items=(Port("b", "tensor", (2,), torch.float32),))]
+    leaves = [torch.ones(2), torch.zeros(2)]
+    refs = [weakref.ref(t) for t in leaves]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        built = unflatten(leaves, ports)
+        assert built[0] is leaves[0] and built[1][0] is leaves[1]
+        del built, leaves
+        assert [r() for r in refs] == [None, None]
+    finally:
+        if was:
+            gc.enable()

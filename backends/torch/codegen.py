@@ -45,7 +45,7 @@ from pipecc.backends.torch.inplace import written_inputs
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
-from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo
+from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo, tensors_in
 from pipecc.runtime.local import load_stage  # noqa: F401  (re-exported: the loader lives in the runtime)
 
 
@@ -226,6 +226,7 @@ class _Emitter:
         # inputs some op writes in place: work on a copy (see `inplace`); a module with a
         # lowering rule is written out of place (F.relu for nn.ReLU(inplace=True))
         written = set(written_inputs(self.stage.gm, _kept_in_place))
+        last_reader = {a: n for n in self.stage.gm.graph.nodes for a in n.all_input_nodes}
         for node in self.stage.gm.graph.nodes:
             if node.op == "placeholder":
                 port = next(receives)  # a model input keeps its argument name, a value its producer's
@@ -246,6 +247,14 @@ class _Emitter:
                 var = self._local(node)
                 self._var[node] = var
                 self.body.append(f"{var} = {expr}{_comment(node)}")
+                # values no later line reads are released at once, as the plan's memory counts them
+                # (a name kept to the return would hold every transient of the forward)
+                done = [a for a in node.all_input_nodes
+                        if last_reader[a] is node and a.op in ("call_function", "call_module", "call_method")]
+                done += [node] if node not in last_reader else []
+                done = [a for a in done if any(True for _ in tensors_in(a.meta.get(META_VALUE)))]
+                if done:
+                    self.body.append(f"del {', '.join(self._var[a] for a in done)}")
 
     def _local(self, node: fx.Node) -> str:
         """The variable holding `node`'s value, named after its human name (`blocks.0.add` ->
@@ -392,6 +401,9 @@ def _header(stage: Stage, emitter: _Emitter, model_name: str, index: int, device
         lines += ["", "Tied weights (other stages use them too; sum their gradients across stages):",
                   *textwrap.wrap(", ".join(text(t) for t in stage.tied), 92,
                                  initial_indent="    ", subsequent_indent="    ")]
+    if any(line.startswith("del ") for line in emitter.body):
+        lines += ["", "`del` lines release values no later line reads (what autograd keeps stays), as the",
+                  "plan's peak memory counts them."]
     if emitter.recompute:
         lines += ["", "Recomputes its activations in backward (torch.utils.checkpoint; pipecc --recompute)."]
     lines += ["", "Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES",

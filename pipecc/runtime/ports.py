@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,11 +215,14 @@ def flatten(values: Sequence[Any], ports: Sequence[Port], what: str) -> list[Any
 def unflatten(leaves: Sequence[Any], ports: Sequence[Port]) -> list[Any]:
     """``flatten``'s inverse: tuple ports become tuples again."""
     it = iter(leaves)
+    return [_built(p, it) for p in ports]
 
-    def build(port: Port) -> Any:
-        return tuple(build(item) for item in port.items) if port.kind == "tuple" else next(it)
 
-    return [build(p) for p in ports]
+def _built(port: Port, it: Iterator[Any]) -> Any:
+    # NOTE: a module-level function, not a closure calling itself: that closure would be a
+    # reference cycle holding ``it``, so a micro-batch's received tensors stayed alive until the
+    # garbage collector ran (measured: one extra micro-batch's input on a 1F1B last stage)
+    return tuple(_built(item, it) for item in port.items) if port.kind == "tuple" else next(it)
 
 
 def as_tuple(value: Any) -> tuple:

@@ -15,6 +15,9 @@ Sends (forward's returned tuple, in order):
     blocks_0_add: float32[B, 8, 32]  (port add_1; blocks.0.add; to the next stage)
     blocks_0_mlp_gelu: float32[B, 8, 128]  (port gelu; blocks.0.mlp.gelu; to the next stage)
 
+`del` lines release values no later line reads (what autograd keeps stays), as the
+plan's peak memory counts them.
+
 Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES
 maps each attribute to its name in the original model's state_dict.
 """
@@ -60,27 +63,45 @@ class Stage0(torch.nn.Module):
         arange = torch.arange(size, device=getattr_)  # arange int64[8]
         wte = F.embedding(idx, self.wte_weight)  # wte float32[B, 8, 32]
         wpe = F.embedding(arange, self.wpe_weight)  # wpe float32[8, 32]
+        del arange
         add = wte + wpe  # add float32[B, 8, 32]
+        del wte, wpe
         blocks_0_ln_1 = F.layer_norm(add, (32,), self.blocks_0_ln_1_weight, self.blocks_0_ln_1_bias, 1e-05)  # blocks.0.ln_1 float32[B, 8, 32]
         blocks_0_attn_size = blocks_0_ln_1.size(0)  # blocks.0.attn.size
         blocks_0_attn_size_1 = blocks_0_ln_1.size(1)  # blocks.0.attn.size_1
         blocks_0_attn_qkv = F.linear(blocks_0_ln_1, self.blocks_0_attn_qkv_weight, self.blocks_0_attn_qkv_bias)  # blocks.0.attn.qkv float32[B, 8, 96]
+        del blocks_0_ln_1
         blocks_0_attn_split = blocks_0_attn_qkv.split(32, dim=2)  # blocks.0.attn.split
+        del blocks_0_attn_qkv
         blocks_0_attn_getitem = blocks_0_attn_split[0]  # blocks.0.attn.getitem float32[B, 8, 32]
         blocks_0_attn_view = blocks_0_attn_getitem.view((blocks_0_attn_size, blocks_0_attn_size_1, 2, 16))  # blocks.0.attn.view float32[B, 8, 2, 16]
+        del blocks_0_attn_getitem
         blocks_0_attn_transpose = blocks_0_attn_view.transpose(1, 2)  # blocks.0.attn.transpose float32[B, 2, 8, 16]
+        del blocks_0_attn_view
         blocks_0_attn_getitem_1 = blocks_0_attn_split[1]  # blocks.0.attn.getitem_1 float32[B, 8, 32]
         blocks_0_attn_view_1 = blocks_0_attn_getitem_1.view((blocks_0_attn_size, blocks_0_attn_size_1, 2, 16))  # blocks.0.attn.view_1 float32[B, 8, 2, 16]
+        del blocks_0_attn_getitem_1
         blocks_0_attn_transpose_1 = blocks_0_attn_view_1.transpose(1, 2)  # blocks.0.attn.transpose_1 float32[B, 2, 8, 16]
+        del blocks_0_attn_view_1
         blocks_0_attn_getitem_2 = blocks_0_attn_split[2]  # blocks.0.attn.getitem_2 float32[B, 8, 32]
+        del blocks_0_attn_split
         blocks_0_attn_view_2 = blocks_0_attn_getitem_2.view((blocks_0_attn_size, blocks_0_attn_size_1, 2, 16))  # blocks.0.attn.view_2 float32[B, 8, 2, 16]
+        del blocks_0_attn_getitem_2
         blocks_0_attn_transpose_2 = blocks_0_attn_view_2.transpose(1, 2)  # blocks.0.attn.transpose_2 float32[B, 2, 8, 16]
+        del blocks_0_attn_view_2
         blocks_0_attn_scaled_dot_product_attention = F.scaled_dot_product_attention(blocks_0_attn_transpose, blocks_0_attn_transpose_1, blocks_0_attn_transpose_2, is_causal=True)  # blocks.0.attn.scaled_dot_product_attention float32[B, 2, 8, 16]
+        del blocks_0_attn_transpose, blocks_0_attn_transpose_1, blocks_0_attn_transpose_2
         blocks_0_attn_transpose_3 = blocks_0_attn_scaled_dot_product_attention.transpose(1, 2)  # blocks.0.attn.transpose_3 float32[B, 8, 2, 16]
+        del blocks_0_attn_scaled_dot_product_attention
         blocks_0_attn_reshape = blocks_0_attn_transpose_3.reshape(blocks_0_attn_size, blocks_0_attn_size_1, 32)  # blocks.0.attn.reshape float32[B, 8, 32]
+        del blocks_0_attn_transpose_3
         blocks_0_attn_proj = F.linear(blocks_0_attn_reshape, self.blocks_0_attn_proj_weight, self.blocks_0_attn_proj_bias)  # blocks.0.attn.proj float32[B, 8, 32]
+        del blocks_0_attn_reshape
         blocks_0_add = add + blocks_0_attn_proj  # blocks.0.add float32[B, 8, 32]
+        del add, blocks_0_attn_proj
         blocks_0_ln_2 = F.layer_norm(blocks_0_add, (32,), self.blocks_0_ln_2_weight, self.blocks_0_ln_2_bias, 1e-05)  # blocks.0.ln_2 float32[B, 8, 32]
         blocks_0_mlp_fc = F.linear(blocks_0_ln_2, self.blocks_0_mlp_fc_weight, self.blocks_0_mlp_fc_bias)  # blocks.0.mlp.fc float32[B, 8, 128]
+        del blocks_0_ln_2
         blocks_0_mlp_gelu = F.gelu(blocks_0_mlp_fc, approximate='tanh')  # blocks.0.mlp.gelu float32[B, 8, 128]
+        del blocks_0_mlp_fc
         return (blocks_0_add, blocks_0_mlp_gelu)

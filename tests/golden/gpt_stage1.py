@@ -16,6 +16,9 @@ Receives (forward's arguments, in order):
 Sends (forward's returned tuple, in order):
     lm_head: float32[B, 8, 101]  (lm_head; model output)
 
+`del` lines release values no later line reads (what autograd keeps stays), as the
+plan's peak memory counts them.
+
 Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES
 maps each attribute to its name in the original model's state_dict.
 """
@@ -68,30 +71,51 @@ class Stage1(torch.nn.Module):
     def forward(self, blocks_0_add: torch.Tensor, blocks_0_mlp_gelu: torch.Tensor) -> tuple:
         blocks_0_mlp_proj = F.linear(blocks_0_mlp_gelu, self.blocks_0_mlp_proj_weight, self.blocks_0_mlp_proj_bias)  # blocks.0.mlp.proj float32[B, 8, 32]
         blocks_0_add_1 = blocks_0_add + blocks_0_mlp_proj  # blocks.0.add_1 float32[B, 8, 32]
+        del blocks_0_mlp_proj
         blocks_1_ln_1 = F.layer_norm(blocks_0_add_1, (32,), self.blocks_1_ln_1_weight, self.blocks_1_ln_1_bias, 1e-05)  # blocks.1.ln_1 float32[B, 8, 32]
         blocks_1_attn_size = blocks_1_ln_1.size(0)  # blocks.1.attn.size
         blocks_1_attn_size_1 = blocks_1_ln_1.size(1)  # blocks.1.attn.size_1
         blocks_1_attn_qkv = F.linear(blocks_1_ln_1, self.blocks_1_attn_qkv_weight, self.blocks_1_attn_qkv_bias)  # blocks.1.attn.qkv float32[B, 8, 96]
+        del blocks_1_ln_1
         blocks_1_attn_split = blocks_1_attn_qkv.split(32, dim=2)  # blocks.1.attn.split
+        del blocks_1_attn_qkv
         blocks_1_attn_getitem = blocks_1_attn_split[0]  # blocks.1.attn.getitem float32[B, 8, 32]
         blocks_1_attn_view = blocks_1_attn_getitem.view((blocks_1_attn_size, blocks_1_attn_size_1, 2, 16))  # blocks.1.attn.view float32[B, 8, 2, 16]
+        del blocks_1_attn_getitem
         blocks_1_attn_transpose = blocks_1_attn_view.transpose(1, 2)  # blocks.1.attn.transpose float32[B, 2, 8, 16]
+        del blocks_1_attn_view
         blocks_1_attn_getitem_1 = blocks_1_attn_split[1]  # blocks.1.attn.getitem_1 float32[B, 8, 32]
         blocks_1_attn_view_1 = blocks_1_attn_getitem_1.view((blocks_1_attn_size, blocks_1_attn_size_1, 2, 16))  # blocks.1.attn.view_1 float32[B, 8, 2, 16]
+        del blocks_1_attn_getitem_1
         blocks_1_attn_transpose_1 = blocks_1_attn_view_1.transpose(1, 2)  # blocks.1.attn.transpose_1 float32[B, 2, 8, 16]
+        del blocks_1_attn_view_1
         blocks_1_attn_getitem_2 = blocks_1_attn_split[2]  # blocks.1.attn.getitem_2 float32[B, 8, 32]
+        del blocks_1_attn_split
         blocks_1_attn_view_2 = blocks_1_attn_getitem_2.view((blocks_1_attn_size, blocks_1_attn_size_1, 2, 16))  # blocks.1.attn.view_2 float32[B, 8, 2, 16]
+        del blocks_1_attn_getitem_2
         blocks_1_attn_transpose_2 = blocks_1_attn_view_2.transpose(1, 2)  # blocks.1.attn.transpose_2 float32[B, 2, 8, 16]
+        del blocks_1_attn_view_2
         blocks_1_attn_scaled_dot_product_attention = F.scaled_dot_product_attention(blocks_1_attn_transpose, blocks_1_attn_transpose_1, blocks_1_attn_transpose_2, is_causal=True)  # blocks.1.attn.scaled_dot_product_attention float32[B, 2, 8, 16]
+        del blocks_1_attn_transpose, blocks_1_attn_transpose_1, blocks_1_attn_transpose_2
         blocks_1_attn_transpose_3 = blocks_1_attn_scaled_dot_product_attention.transpose(1, 2)  # blocks.1.attn.transpose_3 float32[B, 8, 2, 16]
+        del blocks_1_attn_scaled_dot_product_attention
         blocks_1_attn_reshape = blocks_1_attn_transpose_3.reshape(blocks_1_attn_size, blocks_1_attn_size_1, 32)  # blocks.1.attn.reshape float32[B, 8, 32]
+        del blocks_1_attn_transpose_3
         blocks_1_attn_proj = F.linear(blocks_1_attn_reshape, self.blocks_1_attn_proj_weight, self.blocks_1_attn_proj_bias)  # blocks.1.attn.proj float32[B, 8, 32]
+        del blocks_1_attn_reshape
         blocks_1_add = blocks_0_add_1 + blocks_1_attn_proj  # blocks.1.add float32[B, 8, 32]
+        del blocks_0_add_1, blocks_1_attn_proj
         blocks_1_ln_2 = F.layer_norm(blocks_1_add, (32,), self.blocks_1_ln_2_weight, self.blocks_1_ln_2_bias, 1e-05)  # blocks.1.ln_2 float32[B, 8, 32]
         blocks_1_mlp_fc = F.linear(blocks_1_ln_2, self.blocks_1_mlp_fc_weight, self.blocks_1_mlp_fc_bias)  # blocks.1.mlp.fc float32[B, 8, 128]
+        del blocks_1_ln_2
         blocks_1_mlp_gelu = F.gelu(blocks_1_mlp_fc, approximate='tanh')  # blocks.1.mlp.gelu float32[B, 8, 128]
+        del blocks_1_mlp_fc
         blocks_1_mlp_proj = F.linear(blocks_1_mlp_gelu, self.blocks_1_mlp_proj_weight, self.blocks_1_mlp_proj_bias)  # blocks.1.mlp.proj float32[B, 8, 32]
+        del blocks_1_mlp_gelu
         blocks_1_add_1 = blocks_1_add + blocks_1_mlp_proj  # blocks.1.add_1 float32[B, 8, 32]
+        del blocks_1_add, blocks_1_mlp_proj
         ln_f = F.layer_norm(blocks_1_add_1, (32,), self.ln_f_weight, self.ln_f_bias, 1e-05)  # ln_f float32[B, 8, 32]
+        del blocks_1_add_1
         lm_head = F.linear(ln_f, self.lm_head_weight, None)  # lm_head float32[B, 8, 101]
+        del ln_f
         return (lm_head,)

@@ -8,6 +8,9 @@ Receives (forward's arguments, in order):
 Sends (forward's returned tuple, in order):
     relu_1: float32[B, 32]  (port _1; 1; to the next stage)
 
+`del` lines release values no later line reads (what autograd keeps stays), as the
+plan's peak memory counts them.
+
 Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES
 maps each attribute to its name in the original model's state_dict.
 """
@@ -30,4 +33,5 @@ class Stage0(torch.nn.Module):
     def forward(self, input_1: torch.Tensor) -> tuple:
         linear_0 = F.linear(input_1, self.linear_0_weight, self.linear_0_bias)  # 0 float32[B, 32]
         relu_1 = F.relu(linear_0)  # 1 float32[B, 32]
+        del linear_0
         return (relu_1,)

@@ -8,6 +8,9 @@ Receives (forward's arguments, in order):
 Sends (forward's returned tuple, in order):
     linear_4: float32[B, 5]  (port _4; 4; model output)
 
+`del` lines release values no later line reads (what autograd keeps stays), as the
+plan's peak memory counts them.
+
 Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES
 maps each attribute to its name in the original model's state_dict.
 """
@@ -34,5 +37,7 @@ class Stage1(torch.nn.Module):
     def forward(self, relu_1: torch.Tensor) -> tuple:
         linear_2 = F.linear(relu_1, self.linear_2_weight, self.linear_2_bias)  # 2 float32[B, 32]
         relu_3 = F.relu(linear_2)  # 3 float32[B, 32]
+        del linear_2
         linear_4 = F.linear(relu_3, self.linear_4_weight, self.linear_4_bias)  # 4 float32[B, 5]
+        del relu_3
         return (linear_4,)

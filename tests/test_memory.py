@@ -399,6 +399,19 @@ def test_a_tied_weight_counts_on_every_stage_that_reads_it() -> None:
     assert shared.stages[0].peak_memory_bytes == untied.stages[0].peak_memory_bytes
 
 
+def test_fake_tensors_hold_no_bytes() -> None:
+    """A trace inside the loop (`runtime.loss_targets` traces loss_fn on fake tensors) makes
+    tensors whose storage is on the meta device: no memory, none counted (the bench's GPT last
+    stage counted 2 MB of them, kept by the remembered trace)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = LiveTensorBytes()
+    with mode:
+        with FakeTensorMode():
+            fake = torch.empty(1000) * 2
+        real = torch.empty(10)
+    assert mode.live_bytes == real.numel() * 4 and fake.shape == (1000,)
+
+
 def test_unflattening_received_leaves_keeps_no_reference_to_them():
     """`ports.unflatten` built tuples with a closure that called itself: a reference cycle that
     held the received leaves until the garbage collector ran (a 1F1B last stage measured one

@@ -238,6 +238,9 @@ def read(gm: torch.fx.GraphModule, values: int) -> Use:
         flags[n] = _flag(n, f, flags)
     out = gm.graph.output_node().args[0]
     out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
+    for n in gm.graph.nodes:  # the fake values are read: a remembered graph keeps none of them
+        n.meta.pop("val", None)
+        n.meta.pop("tensor_meta", None)
     if not counts:
         return Use(FIXED, graph=gm, values=values)
     nll = _scaled_from(out)

@@ -59,11 +59,13 @@ BETWEEN = "between actions"  # peak_at outside every schedule action: zero_grad,
 
 
 def _storage(t: torch.Tensor) -> Any | None:
-    """The tensor's untyped storage, None for one without (a sparse or meta tensor)."""
+    """The tensor's untyped storage, None for one without (a sparse or meta tensor, or a fake
+    one: a trace's, e.g. `runtime.loss_targets`, whose storage is on the meta device)."""
     try:
         if t.is_meta or t.layout != torch.strided:
             return None
-        return t.untyped_storage()
+        st = t.untyped_storage()
+        return None if st.device.type == "meta" else st
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -26,6 +26,7 @@ MODEL = textwrap.dedent('''
     from torch.utils.data import DataLoader, TensorDataset
 
     def build_model(width=48, depth=4, **_):
+        torch.manual_seed(0)  # the same starting weights in every compile: how far the loss falls is fixed
         layers = [nn.Linear(16, width), nn.ReLU()]
         for _ in range(depth - 1):
             layers += [nn.Linear(width, width), nn.ReLU()]
@@ -195,14 +196,14 @@ def test_replicated_stages_train_and_forward_as_the_model(work, one_thread):
 
 
 def test_three_ranks_zero_bubble_with_accumulation_equals_one_process(work, one_thread):
-    """Zero-bubble (zb-h1) over 3 ranks, two batches accumulated per optimizer step, 50 steps."""
+    """Zero-bubble (zb-h1) over 3 ranks, two batches accumulated per optimizer step, 40 steps."""
     out = _compile(work, "three", "--devices", "3xcpu", "-m", "4", "--schedule", "zb-h1",
                    "--model-arg", "depth=6")
     plan = json.loads((out / "pipecc.json").read_text())
     assert plan["schedule"] == "zb-h1" and len(list(out.glob("stage_*"))) == 3
-    got = _torchrun(work, out, 3, 25, accumulate=2, record="three")
+    got = _torchrun(work, out, 3, 40, accumulate=2, record="three")
     assert got[0] == got[1] == got[2]
-    want = _reference(work, "three", 25, accumulate=2, depth=6)
+    want = _reference(work, "three", 40, accumulate=2, depth=6)
     torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-4, atol=1e-5)
     _falls(got[0])
 

@@ -29,8 +29,10 @@ Model:
   stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
   that micro-batch's re-created internal activations (`recompute_bytes`). An F (a B or I)
   also holds, while it runs, what it makes and drops before it ends (`forward_work_bytes`,
-  `backward_work_bytes`: the forward's transient outputs, the backward's gradients; after a
-  stage's first backward, its F also holds the input gradient still being sent, `input_grad_bytes`).
+  `backward_work_bytes`: the forward's transient outputs, the backward's gradients). The input
+  gradient a SEND_B sends upstream (`input_grad_bytes`) is held from the send until the receive
+  after which the runtime drops it (``Schedule.send_release``, the rule `runtime.wire` follows),
+  or to the end of the step: after its last F, a stage keeps every gradient it still sends.
 - Unequal micro-batch sizes (UMPIPE, ``Schedule.microbatch_sizes``): cost rows are ragged,
   one entry per chunk of the stage (``forward_s[s]`` has ``len(sizes[s])`` entries), except
   ``send_backward_s[s]`` (s > 0), which has one entry per chunk of stage s-1: a gradient
@@ -125,9 +127,8 @@ class StageCosts:
     # backward's gradient buffers (`Evaluator.simulate`); None: 0
     forward_work_bytes: list[float] | None = None
     backward_work_bytes: list[float] | None = None
-    # [stage] bytes of the input gradient a backward sends upstream: the runtime releases a send
-    # once a later message from that peer proves it arrived (`runtime.wire.send_release`), so
-    # after a stage's first backward its next F still holds one (None: 0)
+    # [stage] bytes of the input gradient a SEND_B sends upstream, held from the send until a
+    # later message from that peer proves it arrived (``Schedule.send_release``; None: 0)
     input_grad_bytes: list[float] | None = None
     # [stage] zero-bubble: bytes an I leaves for its W (the output gradients of the stage's
     # weight-bearing nodes, which W starts from: `runtime.split_backward`), held from the end of
@@ -137,14 +138,17 @@ class StageCosts:
     # on the pair's link, each way; None: 0 (only schedules with a partner read it)
     stash_transfer_s: list[list[float]] | None = None
 
-    def work(self, kind: "ActionKind", stage: int, after_backward: bool = False) -> float:
-        """Bytes the action holds only while it runs (`forward_work_bytes`, `backward_work_bytes`;
-        an F `after_backward` of its stage also the input gradient still being sent)."""
+    def work(self, kind: "ActionKind", stage: int) -> float:
+        """Bytes the action holds only while it runs (`forward_work_bytes`, `backward_work_bytes`)."""
         table = self.forward_work_bytes if kind is ActionKind.F else \
             self.backward_work_bytes if kind in (ActionKind.B, ActionKind.I) else None
-        pending = float(self.input_grad_bytes[stage]) if kind is ActionKind.F and after_backward \
-            and self.input_grad_bytes is not None else 0.0
-        return (0.0 if table is None else float(table[stage])) + pending
+        return 0.0 if table is None else float(table[stage])
+
+    def sent_gradient(self, kind: "ActionKind", stage: int) -> float:
+        """Bytes a SEND_B of ``stage`` holds until its release (`input_grad_bytes`); 0 otherwise."""
+        if kind is not ActionKind.SEND_B or self.input_grad_bytes is None:
+            return 0.0
+        return float(self.input_grad_bytes[stage])
 
     def pending_w(self, stage: int) -> float:
         """Bytes an I of ``stage`` leaves for its W (``weight_grad_bytes``; 0 without)."""
@@ -323,6 +327,21 @@ def _validate_once(schedule: Schedule) -> None:
     _VALIDATED[id(schedule)] = weakref.ref(schedule)
 
 
+_RELEASES: dict[int, tuple[weakref.ref, list[dict[Action, list[Action]]]]] = {}
+
+
+def _releases(schedule: Schedule) -> list[dict[Action, list[Action]]]:
+    """``schedule.send_release(r)`` for every rank, once per schedule object (as `_validate_once`)."""
+    hit = _RELEASES.get(id(schedule))
+    if hit is not None and hit[0]() is schedule:
+        return hit[1]
+    rows = [schedule.send_release(r) for r in range(schedule.num_ranks)]
+    if len(_RELEASES) > 4096:
+        _RELEASES.clear()
+    _RELEASES[id(schedule)] = (weakref.ref(schedule), rows)
+    return rows
+
+
 # NOTE: the kinds' property tests as set lookups in the simulator's loop (the same sets as
 # ActionKind.is_compute / is_send / is_recv; a test checks they agree)
 _COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
@@ -476,14 +495,18 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
     (with a recomputed stage's re-created activations during its B)."""
     static = sum(costs.static_bytes[s] for s in schedule.stages_of(rank))
     held = peak = 0.0
-    backward: set[int] = set()  # stages that ran a backward
+    release = _releases(schedule)[rank] if training and costs.input_grad_bytes is not None else {}
+    sent: dict[Action, float] = {}  # input gradients sent upstream and not yet released
     for a in schedule.actions[rank]:
+        if a in release:
+            held -= sum(sent.pop(x, 0.0) for x in release[a])
+        if training and costs.sent_gradient(a.kind, a.stage):
+            sent[a] = costs.sent_gradient(a.kind, a.stage)
+            held += sent[a]
         if not a.kind.is_compute:  # NOTE: a message's index may be an upstream chunk's
             continue
         size = costs.activation_bytes[a.stage][a.microbatch]
-        work = costs.work(a.kind, a.stage, a.stage in backward)  # held only while the action runs
-        if a.kind in (ActionKind.B, ActionKind.I):
-            backward.add(a.stage)
+        work = costs.work(a.kind, a.stage)  # held only while the action runs
         if a.kind is ActionKind.F:
             peak = max(peak, held + size + work)
             if training:
@@ -518,17 +541,20 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
     ramps: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]  # (start, end, bytes)
     sends = {schedule.message(Action(e.kind, e.stage, e.microbatch)): e for e in events
              if e.kind.is_send and e.kind.is_stash}
-    backward: set[tuple[int, int]] = set()  # (rank, stage) that ran a backward
+    release = dict(enumerate(_releases(schedule))) if costs.input_grad_bytes is not None else {}
     for e in sorted(events, key=lambda ev: ev.start):
+        action = Action(e.kind, e.stage, e.microbatch)
+        if costs.sent_gradient(e.kind, e.stage):  # held from the send to its release (or the step's end)
+            steps[e.rank].append((e.start, costs.sent_gradient(e.kind, e.stage)))
+        for x in release.get(e.rank, {}).get(action, ()):
+            steps[e.rank].append((e.end, -costs.sent_gradient(x.kind, x.stage)))
         if e.kind.is_compute:
             size = costs.activation_bytes[e.stage][e.microbatch]
             if e.kind is ActionKind.F:
                 ramps[e.rank].append((e.start, e.end, size))
             elif e.kind.frees_stash:
                 steps[e.rank].append((e.end, -size))
-            extra = costs.work(e.kind, e.stage, (e.rank, e.stage) in backward)  # held while it runs
-            if e.kind in (ActionKind.B, ActionKind.I):
-                backward.add((e.rank, e.stage))
+            extra = costs.work(e.kind, e.stage)  # held while it runs
             if e.kind in (ActionKind.B, ActionKind.I) and costs.recompute_bytes:
                 extra += costs.recompute_bytes[e.stage]
             if extra:

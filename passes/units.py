@@ -53,6 +53,9 @@ class Units:
         return len(self.names)
 
 
+# concatenations, whose backward gives each input a view of one gradient (`_w_keeps`)
+_JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.ops.aten.cat.default,
+                    torch.ops.aten.stack.default})
 # {the other symbols' point: {expression: expression at that point}}: `e.subs(point)` is a pure
 # function of the two (sympy expressions are immutable and hashed by value)
 _SUBSTITUTED: dict[frozenset, dict] = {}
@@ -224,9 +227,32 @@ class UnitBuilder:
         gradients a zero-bubble I keeps for its W (`runtime.split_backward`: W starts where each
         weight's branch joins the input's path, from the gradient of that node's output)."""
         pos, unit, _, _ = self._sums
-        reads = self._reads_weight
-        out = self._eval(microbatch)["output_bytes"][pos] * reads[pos]
-        return _unit_sums(out, unit, len(self.groups))
+        keeps = self._w_keeps
+        out = self._eval(microbatch)["output_bytes"]
+        kept = np.where(keeps >= 0, out[np.maximum(keeps, 0)], 0.0)
+        return _unit_sums(kept[pos], unit, len(self.groups))
+
+    @functools.cached_property
+    def _w_keeps(self) -> np.ndarray:
+        """[node in unit order] the position whose output's gradient a zero-bubble W keeps for the
+        node, -1 for none: a weight-bearing node's own output, or, when its only reader is a
+        concatenation, the whole joined tensor's (the backward of `cat` and `stack` hands each
+        input a view of one gradient, so a W that keeps one view keeps all of it: U-Net's
+        up-convolutions), counted once per concatenation."""
+        keeps = np.full(len(self.order), -1, dtype=np.int64)
+        joined: set[fx.Node] = set()
+        for i, node in enumerate(self.order):
+            if not self._reads_weight[i]:
+                continue
+            users = list(node.users)
+            if len(users) == 1 and users[0].target in _JOINS and users[0] in self._index:
+                if users[0] in joined:
+                    continue
+                joined.add(users[0])
+                keeps[i] = self._index[users[0]]
+            else:
+                keeps[i] = i
+        return keeps
 
     @functools.cached_property
     def _reads_weight(self) -> np.ndarray:

@@ -220,29 +220,9 @@ def directed_groups(schedule: Schedule, replicas: int = 1, replica: int = 0) -> 
 
 
 def send_release(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
-    """For each receive of ``rank``, the earlier sends that are certainly complete once it returns.
-
-    A send to peer P is complete when P has received it, which is certain once we receive a
-    message P sent after that receive. Releasing sends there, instead of at the end of the step,
-    drops the sent activations when the schedule says so: 1F1B holds p - r of them, not m.
-    """
-    index = {(r, a): i for r, row in enumerate(schedule.actions) for i, a in enumerate(row)}
-    key = schedule.message
-    receive_of = {key(a): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_recv}
-    send_of = {key(a): (r, a) for r, row in enumerate(schedule.actions) for a in row if a.kind.is_send}
-    released: dict[Action, list[Action]] = {}
-    pending: list[Action] = []
-    for a in schedule.actions[rank]:
-        if a.kind.is_send:
-            pending.append(a)
-        elif a.kind.is_recv:
-            peer, sent = send_of[key(a)]
-            done = [s for s in pending if receive_of[key(s)][0] == peer
-                    and index[receive_of[key(s)]] < index[(peer, sent)]]
-            if done:
-                released[a] = done
-                pending = [s for s in pending if s not in done]
-    return released
+    """For each receive of ``rank``, the earlier sends that are certainly complete once it returns:
+    ``Schedule.send_release`` (one rule, which the simulator's peak memory follows too)."""
+    return schedule.send_release(rank)
 
 
 def _gist(error: BaseException) -> str:

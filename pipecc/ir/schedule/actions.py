@@ -196,6 +196,32 @@ class Schedule:
         """``a.message(self.partner)``: the key of the message ``a`` sends or receives."""
         return a.message(self.partner)
 
+    def send_release(self, rank: int) -> dict[Action, list[Action]]:
+        """For each receive of ``rank``, the earlier sends of ``rank`` that are certainly complete
+        once it returns (the runtime drops their tensors there, `runtime.wire`; the simulator's
+        peak memory holds them until then, `passes.simulate`).
+
+        A send to peer P is complete when P has received it, which is certain once we receive a
+        message P sent after that receive. Releasing sends there, instead of at the end of the step,
+        drops the sent activations when the schedule says so: 1F1B holds p - r of them, not m.
+        """
+        index = {(r, a): i for r, row in enumerate(self.actions) for i, a in enumerate(row)}
+        receive_of = {self.message(a): (r, a) for r, row in enumerate(self.actions) for a in row if a.kind.is_recv}
+        send_of = {self.message(a): (r, a) for r, row in enumerate(self.actions) for a in row if a.kind.is_send}
+        released: dict[Action, list[Action]] = {}
+        pending: list[Action] = []
+        for a in self.actions[rank]:
+            if a.kind.is_send:
+                pending.append(a)
+            elif a.kind.is_recv:
+                peer, sent = send_of[self.message(a)]
+                done = [s for s in pending if receive_of[self.message(s)][0] == peer
+                        and index[receive_of[self.message(s)]] < index[(peer, sent)]]
+                if done:
+                    released[a] = done
+                    pending = [s for s in pending if s not in done]
+        return released
+
     def evictor_of(self, a: Action) -> int:
         """The evictor stage whose stash a BPipe action ``a`` moves."""
         key = self.message(a)

@@ -503,6 +503,7 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
         if training and costs.sent_gradient(a.kind, a.stage):
             sent[a] = costs.sent_gradient(a.kind, a.stage)
             held += sent[a]
+            peak = max(peak, held)  # after the last backward, every unreleased send at once
         if not a.kind.is_compute:  # NOTE: a message's index may be an upstream chunk's
             continue
         size = costs.activation_bytes[a.stage][a.microbatch]

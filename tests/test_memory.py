@@ -295,6 +295,27 @@ def test_zero_bubble_holds_what_each_i_leaves_for_its_w() -> None:
     assert peaks[1] == 100.0 + 2 * (10.0 + 7.0)  # after I1, I2, I3: two stashes and their W's gradients
 
 
+def test_a_sent_input_gradient_is_held_until_the_runtime_drops_it() -> None:
+    """The runtime drops a sent tensor once a later message from its peer proves it arrived
+    (`Schedule.send_release`). Under GPipe the last rank receives nothing after its first SEND_B,
+    so after its last SEND_B all four gradients are still out until the step ends; under 1F1B
+    each RECV_F from the second on releases a SEND_B, so after the last one two are out (B2's
+    and B3's). The event sweep (BPipe's) agrees with the row walk."""
+    from pipecc.ir.schedule import schedule_for
+    from pipecc.passes.simulate import StageCosts, _peak_memory, _peak_memory_timeline, simulate
+    for name, pending in (("gpipe", 4), ("1f1b", 2)):
+        sched = schedule_for(name, 2, 4)
+        costs = StageCosts.uniform(2, 4, 1.0, 2.0, activation_bytes=0.0, static_bytes=100.0)
+        costs.input_grad_bytes = [0.0, 10.0]  # stage 1 sends 10 bytes upstream per micro-batch
+        result = simulate(sched, costs)
+        assert result.peak_memory_bytes == [100.0, 100.0 + 10.0 * pending], name
+        assert _peak_memory_timeline(sched, costs, result.events) == result.peak_memory_bytes, name
+        assert [_peak_memory(sched, costs, r, True) for r in range(2)] == result.peak_memory_bytes
+    release = schedule_for("1f1b", 2, 4).send_release(1)  # what the runtime follows
+    assert {str(k): [str(a) for a in v] for k, v in release.items()} == {"1RECV_F2": ["1SEND_B0"],
+                                                                        "1RECV_F3": ["1SEND_B1"]}
+
+
 def test_planned_peak_counts_the_optimizer_step_and_the_received_input() -> None:
     """A wide MLP at batch 2 on two CPUs: activations are tiny, so each stage's planned peak is
     parameters x 4 (weights, gradients, Adam's moments) plus Adam's two temporaries of the

@@ -13,6 +13,7 @@ Precondition: `pipecc.cost.annotate` has run. No structural change to the graph.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -56,10 +57,25 @@ class Units:
 # concatenations, whose backward gives each input a view of one gradient (`_w_keeps`)
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.ops.aten.cat.default,
                     torch.ops.aten.stack.default})
+_ADDS = frozenset({operator.add, operator.iadd, torch.add, torch.ops.aten.add.Tensor})
 # {the other symbols' point: {expression: expression at that point}}: `e.subs(point)` is a pure
 # function of the two (sympy expressions are immutable and hashed by value)
 _SUBSTITUTED: dict[frozenset, dict] = {}
 _SUBSTITUTED_MAX = 50_000
+
+
+def _passes_gradient(node: fx.Node, source: fx.Node) -> bool:
+    """True when ``node``'s backward hands ``source`` its own output gradient or a view of it, no
+    new tensor: a concatenation (each input's gradient is a slice of the joined one), an addition
+    (`a + b`, a residual) whose operand has the sum's shape and dtype (AddBackward passes the
+    gradient through; a broadcast operand gets a reduced copy, a scaled one a product)."""
+    if node.target in _JOINS:
+        return True
+    if node.target not in _ADDS or node.kwargs.get("alpha", 1) != 1:
+        return False
+    out, operand = node.meta.get(META_VALUE), source.meta.get(META_VALUE)
+    return isinstance(out, TensorInfo) and isinstance(operand, TensorInfo) and \
+        tuple(out.shape) == tuple(operand.shape) and out.dtype == operand.dtype
 
 
 def _evaluator(graph: AnnotatedGraph, nodes: list[fx.Node]):
@@ -306,7 +322,7 @@ class UnitBuilder:
             if not any(t.requires_grad for t in tensors_in(value)):
                 continue
             for a in node.all_input_nodes:
-                if a in self._index and a.op != "get_attr" and \
+                if a in self._index and a.op != "get_attr" and not _passes_gradient(node, a) and \
                         any(t.requires_grad for t in tensors_in(a.meta.get(META_VALUE))):
                     src.append(self._index[a])
                     dst.append(i)

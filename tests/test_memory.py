@@ -10,6 +10,7 @@ parameters and gradients. No wall-clock assertions.
 from __future__ import annotations
 
 import contextlib
+import operator
 import json
 from pathlib import Path
 
@@ -454,3 +455,48 @@ def test_unflattening_received_leaves_keeps_no_reference_to_them():
     finally:
         if was:
             gc.enable()
+
+
+class _Joins(nn.Module):
+    """A residual add of equal shapes and a concatenation, the two backward ops that hand their
+    inputs the output's gradient (or slices of it) instead of new tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        r = h + x * 2.0
+        return self.b(torch.cat([r, h], dim=1))
+
+
+def test_a_backward_working_set_counts_no_gradient_autograd_passes_through() -> None:
+    """The add's and the cat's units charge one gradient, the output's, not one per input as a
+    Linear's does (`units._passes_gradient`), because autograd's AddBackward and CatBackward hand
+    the inputs that tensor or slices of it: checked here on the real backward's storages."""
+    from pipecc import driver
+    from pipecc.passes.units import UnitBuilder
+    torch.manual_seed(0)
+    model, x = _Joins(), torch.randn(8, 16, requires_grad=True)
+    grads: dict[str, torch.Tensor] = {}
+    h = torch.relu(model.a(x))
+    z = x * 2.0  # read by the add only
+    r = h + z
+    joined = torch.cat([r, h], dim=1)
+    for name, t in (("r", r), ("z", z), ("joined", joined)):
+        t.register_hook(lambda g, name=name: grads.__setitem__(name, g))
+    model.b(joined).sum().backward()
+    ptr = grads["joined"].untyped_storage().data_ptr()
+    assert grads["r"].untyped_storage().data_ptr() == ptr  # r's gradient: a slice of the cat's
+    assert grads["z"].untyped_storage().data_ptr() == ptr  # z's: the add passed r's through
+
+    graph = driver.analyze_module(model, (torch.randn(8, 16),))
+    builder = UnitBuilder(graph)
+    units = builder.at(8)
+    unit_of = {n.name: i for i, g in enumerate(builder.groups) for n in g}
+    add = next(n for n in graph.gm.graph.nodes if n.target in (operator.add, torch.ops.aten.add.Tensor))
+    cat = next(n for n in graph.gm.graph.nodes if n.target in (torch.cat, torch.ops.aten.cat.default))
+    assert unit_of[add.name] != unit_of[cat.name]
+    assert units.work_bytes[unit_of[add.name]] == 8 * 16 * F32  # was 2x: its output's and z's gradient
+    assert units.work_bytes[unit_of[cat.name]] == 8 * 32 * F32  # was 2x: its output's and its inputs'

@@ -29,10 +29,9 @@ Model:
   stashes only its inputs from F to B (`activation_bytes`) and, during each B, also holds
   that micro-batch's re-created internal activations (`recompute_bytes`). An F (a B or I)
   also holds, while it runs, what it makes and drops before it ends (`forward_work_bytes`,
-  `backward_work_bytes`: the forward's transient outputs, the backward's gradients). The input
-  gradient a SEND_B sends upstream (`input_grad_bytes`) is held from the send until the receive
-  after which the runtime drops it (``Schedule.send_release``, the rule `runtime.wire` follows),
-  or to the end of the step: after its last F, a stage keeps every gradient it still sends.
+  `backward_work_bytes`: the forward's transient outputs, the backward's gradients). A SEND_B's
+  input gradient (`input_grad_bytes`) is held until the receive after which the runtime drops it
+  (``Schedule.send_release``, as `runtime.wire`) or the step ends (a stage's last sends stay).
 - Unequal micro-batch sizes (UMPIPE, ``Schedule.microbatch_sizes``): cost rows are ragged,
   one entry per chunk of the stage (``forward_s[s]`` has ``len(sizes[s])`` entries), except
   ``send_backward_s[s]`` (s > 0), which has one entry per chunk of stage s-1: a gradient
@@ -146,9 +145,7 @@ class StageCosts:
 
     def sent_gradient(self, kind: "ActionKind", stage: int) -> float:
         """Bytes a SEND_B of ``stage`` holds until its release (`input_grad_bytes`); 0 otherwise."""
-        if kind is not ActionKind.SEND_B or self.input_grad_bytes is None:
-            return 0.0
-        return float(self.input_grad_bytes[stage])
+        return 0.0 if kind is not ActionKind.SEND_B or self.input_grad_bytes is None else float(self.input_grad_bytes[stage])
 
     def pending_w(self, stage: int) -> float:
         """Bytes an I of ``stage`` leaves for its W (``weight_grad_bytes``; 0 without)."""
@@ -327,21 +324,6 @@ def _validate_once(schedule: Schedule) -> None:
     _VALIDATED[id(schedule)] = weakref.ref(schedule)
 
 
-_RELEASES: dict[int, tuple[weakref.ref, list[dict[Action, list[Action]]]]] = {}
-
-
-def _releases(schedule: Schedule) -> list[dict[Action, list[Action]]]:
-    """``schedule.send_release(r)`` for every rank, once per schedule object (as `_validate_once`)."""
-    hit = _RELEASES.get(id(schedule))
-    if hit is not None and hit[0]() is schedule:
-        return hit[1]
-    rows = [schedule.send_release(r) for r in range(schedule.num_ranks)]
-    if len(_RELEASES) > 4096:
-        _RELEASES.clear()
-    _RELEASES[id(schedule)] = (weakref.ref(schedule), rows)
-    return rows
-
-
 # NOTE: the kinds' property tests as set lookups in the simulator's loop (the same sets as
 # ActionKind.is_compute / is_send / is_recv; a test checks they agree)
 _COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
@@ -495,7 +477,7 @@ def _peak_memory(schedule: Schedule, costs: StageCosts, rank: int, training: boo
     (with a recomputed stage's re-created activations during its B)."""
     static = sum(costs.static_bytes[s] for s in schedule.stages_of(rank))
     held = peak = 0.0
-    release = _releases(schedule)[rank] if training and costs.input_grad_bytes is not None else {}
+    release = schedule.send_releases[rank] if training and costs.input_grad_bytes is not None else {}
     sent: dict[Action, float] = {}  # input gradients sent upstream and not yet released
     for a in schedule.actions[rank]:
         if a in release:
@@ -542,12 +524,11 @@ def _peak_memory_timeline(schedule: Schedule, costs: StageCosts, events: list[Ev
     ramps: list[list[tuple[float, float, float]]] = [[] for _ in range(R)]  # (start, end, bytes)
     sends = {schedule.message(Action(e.kind, e.stage, e.microbatch)): e for e in events
              if e.kind.is_send and e.kind.is_stash}
-    release = dict(enumerate(_releases(schedule))) if costs.input_grad_bytes is not None else {}
+    release = dict(enumerate(schedule.send_releases)) if costs.input_grad_bytes is not None else {}
     for e in sorted(events, key=lambda ev: ev.start):
-        action = Action(e.kind, e.stage, e.microbatch)
         if costs.sent_gradient(e.kind, e.stage):  # held from the send to its release (or the step's end)
             steps[e.rank].append((e.start, costs.sent_gradient(e.kind, e.stage)))
-        for x in release.get(e.rank, {}).get(action, ()):
+        for x in release.get(e.rank, {}).get(Action(e.kind, e.stage, e.microbatch), ()):
             steps[e.rank].append((e.end, -costs.sent_gradient(x.kind, x.stage)))
         if e.kind.is_compute:
             size = costs.activation_bytes[e.stage][e.microbatch]

@@ -51,6 +51,7 @@ it lives here because the IR prints itself and the parser builds the IR, not the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -195,6 +196,12 @@ class Schedule:
     def message(self, a: Action) -> tuple[str, int, int] | None:
         """``a.message(self.partner)``: the key of the message ``a`` sends or receives."""
         return a.message(self.partner)
+
+    @functools.cached_property
+    def send_releases(self) -> tuple[dict[Action, list[Action]], ...]:
+        """``send_release(r)`` of every rank r, computed once per schedule (the simulator asks for
+        it at every plan it evaluates)."""
+        return tuple(self.send_release(r) for r in range(self.num_ranks))
 
     def send_release(self, rank: int) -> dict[Action, list[Action]]:
         """For each receive of ``rank``, the earlier sends of ``rank`` that are certainly complete

@@ -52,6 +52,7 @@ it lives here because the IR prints itself and the parser builds the IR, not the
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -201,7 +202,31 @@ class Schedule:
     def send_releases(self) -> tuple[dict[Action, list[Action]], ...]:
         """``send_release(r)`` of every rank r, computed once per schedule (the simulator asks for
         it at every plan it evaluates)."""
-        return tuple(self.send_release(r) for r in range(self.num_ranks))
+        keys = [[self.message(a) if a.kind.is_send or a.kind.is_recv else None for a in row] for row in self.actions]
+        sent_at, received_at = {}, {}  # message -> (rank, position) of its send, of its receive
+        for r, row in enumerate(self.actions):
+            for i, (a, k) in enumerate(zip(row, keys[r])):
+                if k is not None:
+                    (sent_at if a.kind.is_send else received_at)[k] = (r, i)
+        out = []
+        for r, row in enumerate(self.actions):
+            released: dict[Action, list[Action]] = {}
+            pending: dict[int, list[tuple[int, int, Action]]] = {}  # peer -> heap of (its receive's position, order, send)
+            for order, (a, k) in enumerate(zip(row, keys[r])):
+                if k is None:
+                    continue
+                if a.kind.is_send:
+                    peer, at = received_at[k]
+                    heapq.heappush(pending.setdefault(peer, []), (at, order, a))
+                else:
+                    peer, at = sent_at[k]  # the peer sent this after every receive of its before `at`
+                    heap, done = pending.get(peer, []), []
+                    while heap and heap[0][0] < at:
+                        done.append(heapq.heappop(heap)[1:])
+                    if done:
+                        released[a] = [x for _, x in sorted(done)]
+            out.append(released)
+        return tuple(out)
 
     def send_release(self, rank: int) -> dict[Action, list[Action]]:
         """For each receive of ``rank``, the earlier sends of ``rank`` that are certainly complete
@@ -212,22 +237,7 @@ class Schedule:
         message P sent after that receive. Releasing sends there, instead of at the end of the step,
         drops the sent activations when the schedule says so: 1F1B holds p - r of them, not m.
         """
-        index = {(r, a): i for r, row in enumerate(self.actions) for i, a in enumerate(row)}
-        receive_of = {self.message(a): (r, a) for r, row in enumerate(self.actions) for a in row if a.kind.is_recv}
-        send_of = {self.message(a): (r, a) for r, row in enumerate(self.actions) for a in row if a.kind.is_send}
-        released: dict[Action, list[Action]] = {}
-        pending: list[Action] = []
-        for a in self.actions[rank]:
-            if a.kind.is_send:
-                pending.append(a)
-            elif a.kind.is_recv:
-                peer, sent = send_of[self.message(a)]
-                done = [s for s in pending if receive_of[self.message(s)][0] == peer
-                        and index[receive_of[self.message(s)]] < index[(peer, sent)]]
-                if done:
-                    released[a] = done
-                    pending = [s for s in pending if s not in done]
-        return released
+        return self.send_releases[rank]
 
     def evictor_of(self, a: Action) -> int:
         """The evictor stage whose stash a BPipe action ``a`` moves."""

@@ -30,7 +30,7 @@ from pipecc.runtime.dist import main
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
 from pipecc.runtime.launcher import ProcessTree, root_cause
 from pipecc.runtime.ports import from_json, to_json
-from pipecc.runtime.wire import check_fifo, send_release
+from pipecc.runtime.wire import check_fifo
 
 # NOTE: tests sharing a launch (module fixtures) stay on one worker under `pytest -n N --dist loadgroup`.
 pytestmark = pytest.mark.xdist_group(name="runtime_dist")
@@ -310,10 +310,10 @@ def test_main_runs_a_compiled_folder_in_one_process(tmp_path: Path, monkeypatch,
 
 def test_sends_are_released_when_the_peer_provably_has_them() -> None:
     schedule = one_f_one_b(2, 3)  # rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 ...
-    release = {str(k): [str(a) for a in v] for k, v in send_release(schedule, 0).items()}
+    release = {str(k): [str(a) for a in v] for k, v in schedule.send_release(0).items()}
     assert release == {"0RECV_B0": ["0SEND_F0"], "0RECV_B1": ["0SEND_F1"], "0RECV_B2": ["0SEND_F2"]}
     # rank 1's SEND_B0 is known received only when rank 0's next forward (sent after it) arrives
-    release = {str(k): [str(a) for a in v] for k, v in send_release(schedule, 1).items()}
+    release = {str(k): [str(a) for a in v] for k, v in schedule.send_release(1).items()}
     assert release == {"1RECV_F2": ["1SEND_B0"]}
 
 

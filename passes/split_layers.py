@@ -95,6 +95,15 @@ class _Shard(nn.Module):
             return None if bias is None else bias.narrow(0, self.start, self.size)
         return bias if self.start == 0 else None  # input-feature split: bias once, in shard 0
 
+    def on(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) on `x`'s device: the parent sits on its first shard's device (the drop-in
+        module places it so), and a shard on another device reads its slice through a copy that
+        carries the gradient back."""
+        weight, bias = self.weight, self.bias
+        if weight.device != x.device:
+            weight, bias = weight.to(x.device), None if bias is None else bias.to(x.device)
+        return weight, bias
+
     def extra_repr(self) -> str:
         return f"of={self.pipecc_shard_of!r}, dim={self.dim}, start={self.start}, size={self.size}"
 
@@ -104,7 +113,7 @@ class LinearShard(_Shard):
     input features [start, end) (its input is already narrowed to them)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, *self.on(x))
 
 
 class Conv2dShard(_Shard):
@@ -116,7 +125,7 @@ class Conv2dShard(_Shard):
         if p.padding_mode != "zeros":  # as nn.Conv2d._conv_forward does
             x = F.pad(x, p._reversed_padding_repeated_twice, mode=p.padding_mode)
             padding = 0
-        return F.conv2d(x, self.weight, self.bias, p.stride, padding, p.dilation, 1)
+        return F.conv2d(x, *self.on(x), p.stride, padding, p.dilation, 1)
 
 
 class EmbeddingShard(_Shard):
@@ -125,7 +134,7 @@ class EmbeddingShard(_Shard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         end, pad = self.start + self.size, self.parent.padding_idx
         local_pad = pad - self.start if pad is not None and self.start <= pad < end else None
-        rows = F.embedding((ids - self.start).clamp(0, self.size - 1), self.weight, local_pad)
+        rows = F.embedding((ids - self.start).clamp(0, self.size - 1), self.on(ids)[0], local_pad)
         inside = (ids >= self.start) & (ids < end)
         return torch.where(inside.unsqueeze(-1), rows, 0.0)
 

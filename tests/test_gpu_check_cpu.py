@@ -71,3 +71,25 @@ def test_cpu_smoke_run_passes_every_step_and_writes_its_files(tmp_path):
     assert render.returncode == 0, render.stderr[-2000:]
     text = results.read_text()
     assert "<!-- gpu-check:begin -->" in text and "### 4_fidelity" in text
+
+
+def _bench(name):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.mark.parametrize("run, ok", [
+    ([4.0] * 12, True),  # the float32 run itself
+    ([4.0] * 11 + [4.3], True),  # the bf16 reference's late drift
+    ([4.0] * 11 + [4.6], False),  # near neither reference
+    ([4.0] * 5 + [4.3] + [4.0] * 6, False),  # an early step near neither
+])
+def test_a_bf16_run_must_match_both_references_early_and_one_always(run, ok):
+    train = _bench("gpu_check_train")
+    fp32, bf16 = [4.0] * 12, [4.0] * 11 + [4.3]  # the bf16 reference strays at step 11
+    assert train.bf16_verdict(run, fp32, bf16) is ok
+    # within the first 10 steps one reference is not enough
+    assert train.bf16_verdict([4.0] * 12, fp32, [4.0] * 5 + [4.3] + [4.0] * 6) is False

@@ -252,3 +252,18 @@ def test_a_clone_of_a_split_graph_owns_the_same_parameters():
         assert p is graph.gm.get_parameter(name)
     x = torch.randn(3, 8)
     torch.testing.assert_close(twice.gm(x), model(x))
+
+
+def test_a_shard_reads_its_slice_on_the_inputs_device():
+    """The drop-in places a split layer's parent on its first shard's device; a shard on another
+    device gets its slice there (here the meta device stands for a second device)."""
+    from pipecc.passes.split_layers import Conv2dShard, LinearShard
+    lin = nn.Linear(6, 8)
+    out = LinearShard(lin, "fc", 2, 4, 0)(torch.empty(3, 6, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 4)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    out = Conv2dShard(conv, "conv", 0, 5, 0)(torch.empty(1, 3, 4, 4, device="meta"))
+    assert out.device.type == "meta" and out.shape == (1, 5, 4, 4)
+    x = torch.randn(3, 6)  # same device: the parent's own slice, gradients into the parent
+    LinearShard(lin, "fc", 2, 4, 0)(x).sum().backward()
+    assert lin.weight.grad[2:6].abs().sum() > 0 and lin.weight.grad[:2].abs().sum() == 0

@@ -178,7 +178,7 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
                    "FILE` compares it with the predicted schedule (docs/trace.md)")
     p.add_argument("--force", action="store_true",
                    help="--trace: replace FILE even when pipecc did not write it (never OUT's files or the model file)")
-    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs, else nccl where CUDA is available")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: gloo for a pipeline compiled for CPUs (or with CPU stages beside GPU ones), else nccl where CUDA is available")
     c = p.add_argument_group("checkpoints (training only)")
     c.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save model, optimizer and RNG state of every rank here, atomically: every "

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
+from pipecc.runtime import wire
 
 __all__ = ["Batches"]
 
@@ -63,7 +64,7 @@ class Batches:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return here
         flag = torch.tensor([1 if here else 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        wire.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def _draw(self, step: int) -> tuple[Any, Any] | None:

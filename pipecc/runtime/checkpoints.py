@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from pipecc.errors import PipeccError
-from pipecc.runtime import ckpt_remap, watchdog
+from pipecc.runtime import ckpt_remap, watchdog, wire
 from pipecc.runtime.engine import PipelineRuntime
 
 __all__ = ["DEFAULT_LR", "LATEST", "RunCheckpoints", "check_rank_sums", "check_resume", "folder_fingerprint",
@@ -359,7 +359,7 @@ class RunCheckpoints:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.runtime.device)
         try:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            wire.all_reduce(t, op=dist.ReduceOp.MIN)
         except RuntimeError as exc:
             if saved is None or "timed out" not in str(exc).lower():
                 raise

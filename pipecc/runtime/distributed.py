@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.runtime import teardown
+from pipecc.runtime import teardown, wire
 from pipecc.runtime.bipartition_exec import is_worker
 from pipecc.runtime.engine import PRECISIONS, PipelineRuntime
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, analyse, split_words, weight
@@ -439,7 +439,7 @@ class DistributedPipeline:
                     raise PipeccError(reduction.message(split_words(1, replicas.count)))
                 share = torch.tensor([float(total) * weight(reduction, _rows_of(tgt), self.batch_size)],
                                      dtype=torch.float64, device=self.device)
-                dist.all_reduce(share, group=replicas.group(self.runtime.rank))
+                wire.all_reduce(share, group=replicas.group(self.runtime.rank))
                 loss = float(share)
             else:
                 loss = float(total)
@@ -459,7 +459,7 @@ class DistributedPipeline:
             local = sum(float(g.detach().double().norm(norm_type) ** norm_type) for g in counted)
         total = torch.tensor([local], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            wire.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         norm = float(total) if inf else float(total) ** (1.0 / norm_type)
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
@@ -508,7 +508,7 @@ class DistributedPipeline:
             return float("nan") if loss is None else loss
         src = self.runtime.replicas.rank_of(self.runtime.schedule.stage_to_rank[self.runtime.last_stage], 0)
         value = torch.tensor([float("nan") if loss is None else loss], dtype=torch.float64, device=self.device)
-        dist.broadcast(value, src)
+        wire.broadcast(value, src)
         return float(value)
 
     def _counted_grads(self) -> list[torch.Tensor]:
@@ -544,7 +544,7 @@ class DistributedPipeline:
                     bad = 1.0
         flag = torch.tensor([bad], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            wire.all_reduce(flag, op=dist.ReduceOp.MAX)
         if float(flag) > 0:
             self.loss_scale /= 2.0
             self._good_steps = 0

@@ -70,7 +70,7 @@ from pipecc.ir.schedule.registry import SCHEDULES, UNEVEN, VIRTUAL, schedule_for
 from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only, with_collectives
 from pipecc.ir.schedule.validate import validate
-from pipecc.runtime import rank_checkpoint, teardown
+from pipecc.runtime import rank_checkpoint, teardown, wire
 from pipecc.runtime.bipartition_exec import BipartitionRunner, WeightRefresh, is_worker
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
@@ -240,8 +240,8 @@ class PipelineRuntime:
         self.loss_scale = 1.0  # fp16: the scaled loss's factor (pipecc.runtime.distributed's scaler)
         self.device = torch.device(config.device) if config.device else _default_device()
         self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        if self.backend == "gloo" and self.device.type != "cpu":
-            raise PipeccError(f"the gloo backend sends CPU tensors only, device is {self.device}; use --backend nccl")
+        # gloo carries a GPU rank's messages through host memory (pipecc.runtime.wire): slower
+        # than NCCL, but it is how a GPU stage talks to a CPU stage
         self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules), config.microbatch_sizes,
                                        config.activation_balancing)
         self.m = self.schedule.num_microbatches  # unequal sizes: the most chunks of any stage
@@ -356,7 +356,7 @@ class PipelineRuntime:
             losses = self.runner(self.last_stage).losses
             if self.replicas.count > 1:  # each replica's loss is its share: the sum is the full batch's
                 total = torch.stack(losses).sum().reshape(1)
-                dist.all_reduce(total, group=self.replicas.group(self.rank))
+                wire.all_reduce(total, group=self.replicas.group(self.rank))
                 return float(total)
             return float(sum(losses))
         return None

@@ -121,9 +121,19 @@ class PipelinedModule(nn.Module):
                     if other[0] != device:
                         raise PipeccError(f"{name} is used by {other[1]} on {other[0]} and stage {k} on "
                                           f"{device} (a tied weight); place those stages on one device")
-        slots = _buffer_slots(self._pipecc_stages)
+        # a split layer's parent (`passes.split_layers`) is no stage's submodule: it goes to its
+        # first shard's device, and a shard on another device reads its slice through a copy
+        parents: dict[int, tuple[nn.Module, torch.device]] = {}
+        for stage, device in zip(self._pipecc_stages, self._pipecc_devices):
+            for m in stage.modules():
+                parent = m.__dict__.get("parent") if hasattr(m, "pipecc_shard_of") else None
+                if isinstance(parent, nn.Module):
+                    parents.setdefault(id(parent), (parent, device))
+        slots = _buffer_slots([*self._pipecc_stages, *(p for p, _ in parents.values())])
         for stage, device in zip(self._pipecc_stages, self._pipecc_devices):
             stage.to(device)
+        for parent, device in parents.values():
+            parent.to(device)
         self._rebind(slots)
 
     def _rebind(self, slots: list[tuple[nn.Module, str, torch.Tensor]]) -> None:

@@ -86,6 +86,44 @@ def _compiled_device(meta: dict[str, Any] | None) -> str | None:
     return None
 
 
+def stage_devices(plan: dict[str, Any]) -> list[str | None]:
+    """Where each stage of a compiled plan runs under torchrun: "cpu" for a CPU or FPGA device (an
+    FPGA stage is a C simulation on the host) or one placed on the CPU (`h200@cpu`), the placement
+    given (`h200@cuda:1`), else None (cuda:LOCAL_RANK). [] when plan.json says nothing."""
+    devices, out = plan.get("devices") or [], []
+    for stage in plan.get("stages") or []:
+        try:
+            d = devices[int(stage["device"])]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return []
+        place = d.get("placement") if isinstance(d, dict) else None
+        out.append("cpu" if not isinstance(d, dict) or d.get("kind") in ("cpu", "fpga") or place == "cpu"
+                   else place)
+    return out
+
+
+def _heterogeneous(plan: dict[str, Any], backend: str | None) -> bool:
+    """True when some stages run on the CPU and others on GPUs: then every rank speaks gloo (a
+    GPU rank's messages go through host memory, ``pipecc.runtime.wire``); NCCL is refused."""
+    on = stage_devices(plan)
+    mixed = "cpu" in on and any(d != "cpu" for d in on)
+    if mixed and backend == "nccl":
+        first = on.index("cpu")
+        raise UsageError(f"stage {first} runs on the CPU, which NCCL cannot reach; use --backend gloo "
+                         "(the GPU stages' messages then go through host memory)")
+    return mixed
+
+
+def _rank_device(on: Sequence[str | None], stages: Sequence[int], rank: int) -> str:
+    """The one device a rank's stages share (a heterogeneous folder; ``stage_devices``)."""
+    wanted = {on[s] for s in stages if s < len(on)}
+    if len(wanted) > 1:
+        raise PipeccError(f"rank {rank} holds stages {list(stages)} on different devices "
+                          f"({', '.join(sorted(str(d or 'cuda') for d in wanted))}); one rank runs on one device")
+    device = wanted.pop() if wanted else None
+    return device or f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+
+
 def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:
     """The stages that run on an FPGA card: ``pipecc.json``'s ``fpga_stages``, else those with ``hls/``."""
     listed = (meta or {}).get("fpga_stages") or {}
@@ -216,8 +254,10 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
     run_schedule = compiled if use_file else schedule_name
-    config = RunConfig(run_schedule, m, args.timeout, args.backend, _compiled_device(meta), sizes, balancing,
-                       run_precision(args, meta))
+    plan = read_plan(args.out)
+    mixed = under_torchrun and _heterogeneous(plan, args.backend)
+    config = RunConfig(run_schedule, m, args.timeout, args.backend or ("gloo" if mixed else None),
+                       _compiled_device(meta), sizes, balancing, run_precision(args, meta))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
@@ -226,6 +266,8 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     if len(stage_dirs) % world:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
     schedule = build_schedule(run_schedule, world, m, len(stage_dirs) // world, sizes, balancing)
+    if mixed:  # each rank on its stages' device
+        config.device = _rank_device(stage_devices(plan), schedule.stages_of(rank), rank)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]

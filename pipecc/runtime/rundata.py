@@ -27,6 +27,7 @@ from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.lengths import LENGTH_ARG
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
 from pipecc.runtime.trust import model_source
+from pipecc.runtime import wire
 
 __all__ = ["RunData", "TiedGradients"]
 
@@ -189,7 +190,7 @@ class TiedGradients:
         for _, group, params in self.entries:
             total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params).detach().clone()
             if group is not None:
-                dist.all_reduce(total, group=group)
+                wire.all_reduce(total, group=group)
             for p in params:
                 p.grad = total.clone()
 

@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from pipecc.ir.schedule.actions import Action, ActionKind
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
+from pipecc.runtime import wire
 
 __all__ = ["ActionTimer", "gather", "plan_identity", "read_plan", "run_document"]
 
@@ -178,12 +179,12 @@ def gather(summary: dict[str, Any], dst: int, device: torch.device) -> list[dict
     data = torch.frombuffer(bytearray(json.dumps(summary).encode()), dtype=torch.uint8).to(device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
+    wire.all_gather(lengths, length)
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     payloads = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(payloads, padded)
+    wire.all_gather(payloads, padded)
     if dist.get_rank() != dst:
         return None
     return [json.loads(bytes(p[:int(n.item())].cpu().tolist()).decode()) for p, n in zip(payloads, lengths)]

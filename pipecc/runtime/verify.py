@@ -55,6 +55,7 @@ from pipecc.runtime.local import merge_outputs
 from pipecc.runtime.replicas import replica_slice, slice_sizes
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
+from pipecc.runtime import wire
 
 __all__ = ["PeerFailed", "Verifier", "tolerance", "verify_chained"]
 
@@ -375,7 +376,7 @@ class Verifier:
         flags = torch.tensor([0.0 if failures else 1.0, float(count)], dtype=torch.float64,
                              device=self.runtime.device)
         if self.runtime.global_world > 1:
-            dist.all_reduce(flags)
+            wire.all_reduce(flags)
         if failures:
             more = f" (and {len(failures) - 1} more mismatches)" if len(failures) > 1 else ""
             raise PipeccError(failures[0] + more)

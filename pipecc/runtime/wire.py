@@ -29,6 +29,9 @@ Sends and receives. A SEND never blocks (``isend``; handle and tensor are kept u
 receive proves the peer has the message, ``Schedule.send_release``, or else to the end of ``step``); a
 RECV waits with a deadline. That is the model ``pipecc.ir.schedule.validate`` proves deadlock-free,
 so 1F1B, whose neighbours send in opposite directions at once, cannot deadlock.
+On gloo a GPU rank's messages and collectives go through host memory (``Wire`` stages its sends
+and receives; ``all_reduce``, ``broadcast`` and ``all_gather`` below copy), so a GPU stage and a CPU
+stage form one pipeline (a heterogeneous folder such as ``h200@cuda:0,cpu``).
 No ``batch_isend_irecv``: on gloo it can hang. On NCCL a process group runs its p2p operations
 in issue order on one stream and a send may wait for its receiver, which would let a pending
 send hold up a receive; the runtime therefore gives every direction between two ranks its own
@@ -57,6 +60,9 @@ from pipecc.runtime.ports import Port, describe, from_json, to_json
 __all__ = [
     "ALIGN",
     "Wire",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
     "check_fifo",
     "decode_object",
     "directed_groups",
@@ -139,6 +145,8 @@ class Wire:
     def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str, key: Any) -> None:
         """Post a send for action ``key``; its tensor stays referenced until ``release(key)``."""
         tensor = tensor.detach().contiguous()
+        if not self.nccl and tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")  # gloo sends host memory: a GPU stage beside a CPU one
         tag = 0 if self.by_order else tag
         work = dist.isend(tensor, dst=peer, group=self.groups.get((self.rank, peer)), tag=tag)
         self.inflight.setdefault(key, []).append((work, tensor, f"{what} to rank {peer}"))
@@ -151,14 +159,21 @@ class Wire:
     def post(self, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int], what: str) -> list:
         """Post receives into ``buffers`` without waiting (a prefetch); ``wait`` completes them."""
         group = self.groups.get((peer, self.rank))
-        return [(dist.irecv(b, src=peer, group=group, tag=0 if self.by_order else t), f"{what} from rank {peer}")
-                for b, t in zip(buffers, tags)]
+        posted = []
+        for b, t in zip(buffers, tags):
+            # gloo receives into host memory; a GPU buffer gets its bytes in ``wait``
+            landing = b if self.nccl or b.device.type == "cpu" else torch.empty_like(b, device="cpu")
+            work = dist.irecv(landing, src=peer, group=group, tag=0 if self.by_order else t)
+            posted.append((work, f"{what} from rank {peer}", None if landing is b else (landing, b)))
+        return posted
 
-    def wait(self, posted: Sequence[tuple[Any, str]]) -> None:
+    def wait(self, posted: Sequence[tuple[Any, str, Any]]) -> None:
         """Wait for receives ``post`` returned; the deadline counts from now."""
         deadline = time.monotonic() + self.timeout_s
-        for work, what in posted:
+        for work, what, staged in posted:
             self._wait(work, deadline, what)
+            if staged is not None:
+                staged[1].copy_(staged[0])
 
     def release(self, keys: Sequence[Any]) -> None:
         """Wait for (already completed, see ``Schedule.send_release``) sends and drop their tensors."""
@@ -190,6 +205,41 @@ class Wire:
             if isinstance(e, TimeoutError) or "timed out" in str(e).lower():
                 raise PipeccError(f"rank {self.rank}: timed out after {self.timeout_s} s waiting for {what}") from None
             raise PipeccError(f"rank {self.rank}: {what} failed, the peer exited or crashed ({_gist(e)})") from None
+
+
+def _through_host(tensor: torch.Tensor, group: Any) -> bool:
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> None:
+    """``dist.all_reduce`` in place; on gloo a GPU tensor goes through a host copy."""
+    if not _through_host(tensor, group):
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    host = tensor.cpu()
+    dist.all_reduce(host, op=op, group=group)
+    tensor.copy_(host)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
+    """``dist.broadcast`` in place; on gloo a GPU tensor goes through a host copy."""
+    if not _through_host(tensor, group):
+        dist.broadcast(tensor, src, group=group)
+        return
+    host = tensor.cpu()
+    dist.broadcast(host, src, group=group)
+    tensor.copy_(host)
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    """``dist.all_gather``; on gloo GPU tensors go through host copies."""
+    if not _through_host(tensor, group):
+        dist.all_gather(outputs, tensor, group=group)
+        return
+    host = [torch.empty_like(o, device="cpu") for o in outputs]
+    dist.all_gather(host, tensor.cpu(), group=group)
+    for o, h in zip(outputs, host):
+        o.copy_(h)
 
 
 def directed_groups(schedule: Schedule, replicas: int = 1, replica: int = 0) -> dict[tuple[int, int], Any]:

@@ -257,6 +257,23 @@ def test_local_stages_match_single_process(schedule: str, num_stages: int) -> No
     torch.testing.assert_close(out, ref_out)
 
 
+def test_runners_and_handlers_see_the_rank_context() -> None:
+    """The stage runners and action handlers get the rank's RankContext, not the runtime; what the
+    caller sets on the runtime (a swapped wire, loss_scale, keep_outputs) reaches them through it."""
+    from pipecc.runtime.wire import Wire
+    stages, ports = pm.build_stages(4)
+    runtime = PipelineRuntime(stages, ports, 0, 1, RunConfig("interleaved", 4), pm.loss_fn)
+    handlers = [*runtime.runners, runtime.messages, runtime.stash_moves, runtime.refresh]
+    assert all(h.ctx is runtime.ctx for h in handlers)
+    assert not any(value is runtime for h in handlers for value in vars(h).values())
+    wire = runtime._wire = Wire(0, 5.0)
+    runtime.keep_outputs, runtime.loss_scale = True, 1.0
+    assert runtime.ctx.wire is wire and runtime.ctx.state.keep_outputs
+    loss = runtime.step(*pm.batch(0))
+    assert loss == pytest.approx(pm.reference()[0], rel=1e-6)
+    assert runtime.peak_stash == 4 and runtime.last_outputs() is not None
+
+
 def test_output_not_matching_ports_names_the_port() -> None:
     stages, ports = pm.build_stages(2)
     ports[0]["sends"][0] = {**ports[0]["sends"][0], "shape": [24, 5]}  # b crosses as [2B, 4]

@@ -157,12 +157,12 @@ def _messages(ports: StagePorts):
 
     from pipecc.ir.schedule import one_f_one_b
     from pipecc.runtime.messages import Messages
+    from pipecc.runtime.wire import peer_rank
     schedule = one_f_one_b(2, 2)
     runner = SimpleNamespace(ports=ports, grad_sends=lambda: ports.in_leaves, grad_receives=lambda: ports.out_leaves)
-    rt = SimpleNamespace(schedule=schedule, m=2, device=torch.device("cpu"), _wire=_Loopback(),
-                         replicas=SimpleNamespace(rank_of=lambda r: r), stage_ids=[0, 1],
-                         runner=lambda s: runner, split_of=lambda s: 2)
-    return Messages(rt), rt
+    ctx = SimpleNamespace(schedule=schedule, device=torch.device("cpu"), wire=_Loopback(), amp_dtype=None,
+                          peer=lambda a: peer_rank(schedule, a), stage_ids=(0, 1), split_of=lambda s: 2)
+    return Messages(ctx, lambda s: runner), ctx
 
 
 @pytest.mark.parametrize("length", [5, 64])
@@ -177,7 +177,7 @@ def test_a_message_carries_its_shape(length):
     messages, rt = _messages(ports)
     h, n = torch.randn(4, length, 3), torch.arange(4)
     messages.send(Action(ActionKind.SEND_F, 0, 1), [h, n], ports.in_leaves)
-    assert len(rt._wire.sent) == 3  # the header, then the two tensors
+    assert len(rt.wire.sent) == 3  # the header, then the two tensors
     got = messages.recv(Action(ActionKind.RECV_F, 1, 1), ports.in_leaves)
     torch.testing.assert_close(got[0], h)
     torch.testing.assert_close(got[1], n)
@@ -190,7 +190,7 @@ def test_a_fixed_message_sends_no_header():
     ports = StagePorts.from_json(spec)  # --symbol S without --length: S stays at the example's
     messages, rt = _messages(ports)
     messages.send(Action(ActionKind.SEND_F, 0, 0), [torch.randn(4, 6, 3)], ports.in_leaves)
-    assert len(rt._wire.sent) == 1
+    assert len(rt.wire.sent) == 1
 
 
 # ----------------------------------------------------------------------------- refusals at compile

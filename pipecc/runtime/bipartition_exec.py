@@ -13,24 +13,28 @@ action of its stage (right after the stage's last forward of the step) when ``re
 (dist.py's training loop calls ``after_optimizer_step`` after every step), so the transfer
 overlaps the rank's remaining backwards; otherwise ``after_optimizer_step`` posts it. In one
 process the owner's weights are copied into the replica. Equal micro-batches, no replicas, no
-zero-bubble split (``bipartition_runners`` refuses the rest).
+zero-bubble split (``check_runs`` refuses the rest). Both see their rank through a
+``RankContext`` (``pipecc.runtime.context``); ``WeightRefresh`` is given the rank's runners.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pipecc.errors import PipeccError
-from pipecc.ir.schedule.actions import Action, ActionKind
+from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+from pipecc.runtime.context import RankContext
+from pipecc.runtime.messages import message_tag
 from pipecc.runtime.ports import Port, StagePorts, unflatten
 from pipecc.runtime.segments import BipartitionWorker, WorkerProgram
 from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["BipartitionRunner", "WeightRefresh", "is_worker"]
+__all__ = ["BipartitionRunner", "WeightRefresh", "check_runs", "is_worker", "replica_stages"]
 
 
 def is_worker(module: torch.nn.Module) -> bool:
@@ -38,26 +42,37 @@ def is_worker(module: torch.nn.Module) -> bool:
     return isinstance(module, BipartitionWorker)
 
 
+def holds_replica(module: torch.nn.Module) -> bool:
+    """True for a worker that runs a segment another worker owns (its row gets a REFRESH)."""
+    return is_worker(module) and any(not r.owner for r in module.runners)
+
+
+def replica_stages(stage_ids: Sequence[int], modules: Sequence[torch.nn.Module]) -> list[int]:
+    """Of a rank's stages (``stage_ids``, their ``modules``), those holding a replica of a segment
+    another stage owns: the stages whose REFRESH the schedule gets (``with_collectives``)."""
+    return [s for s, module in zip(stage_ids, modules) if holds_replica(module)]
+
+
+def check_runs(schedule: Schedule, replicas: int) -> None:
+    """Refuse what a rank with Bi-Partition workers cannot run: replicas, unequal micro-batches,
+    a zero-bubble schedule."""
+    if replicas > 1 or schedule.microbatch_sizes is not None:
+        raise PipeccError("a Bi-Partition pipeline runs without replicas and with equal micro-batches; "
+                          "compile it again without those")
+    if any(a.kind in (ActionKind.I, ActionKind.W) for row in schedule.actions for a in row):
+        raise PipeccError("a Bi-Partition pipeline cannot run a zero-bubble schedule; use 1f1b or gpipe")
+
+
 class BipartitionRunner(StageRunner):
-    """A Bi-Partition worker's stage: its program computes, its ports carry the cuts' values."""
+    """A Bi-Partition worker's stage: its program computes, its ports carry the cuts' values
+    (the executor has checked the run with ``check_runs``)."""
 
-    def __init__(self, rt: Any, stage: int, module: torch.nn.Module, ports: StagePorts) -> None:
-        schedule = rt.schedule
-        if rt.replicas.count > 1 or schedule.microbatch_sizes is not None:
-            raise PipeccError("a Bi-Partition pipeline runs without replicas and with equal micro-batches; "
-                              "compile it again without those")
-        if any(a.kind in (ActionKind.I, ActionKind.W) for row in schedule.actions for a in row):
-            raise PipeccError("a Bi-Partition pipeline cannot run a zero-bubble schedule; use 1f1b or gpipe")
-        super().__init__(rt, stage, module, ports)
+    def __init__(self, ctx: RankContext, stage: int, module: torch.nn.Module, ports: StagePorts) -> None:
+        super().__init__(ctx, stage, module, ports)
         program = self.program = WorkerProgram(module)
-        split = rt.split_of(stage)
+        split = ctx.split_of(stage)
         program.shape_of = lambda port, mb: port.microbatch_shape(mb, ports.batch_size, split)
-        program.device = rt.device
-
-    @property
-    def holds_replica(self) -> bool:
-        """True when the worker runs a segment another worker owns (its row has a REFRESH)."""
-        return any(not r.owner for r in self.program.module.runners)
+        program.device = ctx.device
 
     def grad_sends(self) -> list[Port]:
         return self.program.grad_sends
@@ -66,10 +81,10 @@ class BipartitionRunner(StageRunner):
         return self.program.grad_receives
 
     def forward_extra(self, mb: int, training: bool) -> list[torch.Tensor]:
-        return self.program.forward_extra(mb, self.rt.device) if training else []
+        return self.program.forward_extra(mb, self.ctx.device) if training else []
 
     def backward_extra(self, mb: int) -> list[torch.Tensor]:
-        return self.program.backward_extra(mb, self.rt.device)
+        return self.program.backward_extra(mb, self.ctx.device)
 
     def compute(self, mb: int, leaves: list[Any], training: bool,
                 capture: contextlib.AbstractContextManager | None) -> tuple[tuple, list[Any], list[Any]]:
@@ -79,48 +94,46 @@ class BipartitionRunner(StageRunner):
     def backward(self, mb: int) -> None:
         """The program's backward, then the usual hand-over."""
         _, outs = self.stash.pop(mb)
-        received = None if self.last else self.rt.mailbox.inbox.pop(("B", self.stage, mb))
+        received = None if self.last else self.ctx.mailbox.inbox.pop(("B", self.stage, mb))
         upstream = self.program.backward(mb, received, outs if self.last else None, first=self.first)
         if upstream is not None:
             self.hand_down(mb, upstream)
 
 
 class WeightRefresh:
-    """The replica refresh of the runtime ``rt``'s Bi-Partition runners (module docstring)."""
+    """The replica refresh of the Bi-Partition runners among ``runners``, the stage runners of the
+    rank ``ctx`` (module docstring)."""
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, ctx: RankContext, runners: Sequence[StageRunner]) -> None:
+        self.ctx = ctx
+        self.runners = list(runners)
         self.posted: dict[int, list] = {}  # segment boundary -> its refresh's posted receives
 
     def programs(self) -> dict[int, WorkerProgram]:
-        return {r.stage: r.program for r in self.rt.runners if isinstance(r, BipartitionRunner)}
-
-    def replica_stages(self) -> list[int]:
-        """This rank's stages holding a replica of a segment another stage owns."""
-        return [r.stage for r in self.rt.runners if isinstance(r, BipartitionRunner) and r.holds_replica]
+        return {r.stage: r.program for r in self.runners if isinstance(r, BipartitionRunner)}
 
     def run(self, a: Action, training: bool) -> None:
         """REFRESH: from here the stage's replicas are not read again this step; post their
         refresh's receive when the optimizer step (and the owners' send) follows the step."""
-        if training and self.rt.refresh_follows and a.stage in self.programs():
+        if training and self.ctx.state.refresh_follows and a.stage in self.programs():
             self.post(a.stage)
 
     def post(self, s: int) -> None:
         """Post the receives of stage ``s``'s replicas' refresh straight into their parameters
         (once per step)."""
-        rt, programs = self.rt, self.programs()
+        ctx, programs = self.ctx, self.programs()
         for runner in programs[s].module.runners:
             if runner.owner or runner.bp in programs or runner.boundary in self.posted:
                 continue
             params = [p.detach() for p in runner.module.parameters()]
-            tags = [rt.messages.tag(3, s, runner.boundary % rt.m, i) for i in range(len(params))]
-            self.posted[runner.boundary] = rt._wire.post(params, rt.schedule.stage_to_rank[runner.bp], tags,
+            tags = [message_tag(ctx.schedule, 3, s, runner.boundary % ctx.m, i) for i in range(len(params))]
+            self.posted[runner.boundary] = ctx.wire.post(params, ctx.schedule.stage_to_rank[runner.bp], tags,
                                                          "the replica refresh")
 
     def after_optimizer_step(self) -> None:
         """The owners of segments send their updated weights to the replicas; a replica's
         receive, posted during the step or here, lands in its parameters directly."""
-        rt, programs = self.rt, self.programs()
+        ctx, programs = self.ctx, self.programs()
         if not programs:
             return
         for program in programs.values():
@@ -134,13 +147,13 @@ class WeightRefresh:
                         for dst, src in zip(replica.module.parameters(), runner.module.parameters()):
                             dst.copy_(src)
                     continue
-                peer = rt.schedule.stage_to_rank[peer_stage]
+                peer = ctx.schedule.stage_to_rank[peer_stage]
                 for i, p in enumerate(runner.module.parameters()):
-                    rt._wire.send(p.detach(), peer, rt.messages.tag(3, peer_stage, runner.boundary % rt.m, i),
-                                  "the replica refresh", key=("refresh", runner.boundary))
+                    tag = message_tag(ctx.schedule, 3, peer_stage, runner.boundary % ctx.m, i)
+                    ctx.wire.send(p.detach(), peer, tag, "the replica refresh", key=("refresh", runner.boundary))
         for s in programs:
             self.post(s)
         for posted in self.posted.values():
-            rt._wire.wait(posted)
+            ctx.wire.wait(posted)
         self.posted = {}
-        rt._wire.flush()
+        ctx.wire.flush()

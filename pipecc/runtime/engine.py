@@ -7,7 +7,9 @@ list from ``pipecc.ir.schedule`` (``build_schedule``: a compiled folder's ``sche
 one built by name) literally, so a schedule's memory behaviour is real: GPipe stashes m
 microbatches per stage, 1F1B at most p - r. It is a handler table keyed by action kind
 (``handlers``) over one ``StageRunner`` per stage (``pipecc.runtime.stage_runner``: F and B, the
-stage's stash), each technique's state with its handler, in a module of its own:
+stage's stash), each technique's state with its handler, in a module of its own. The runners and
+handlers see the rank through one ``RankContext`` (``pipecc.runtime.context``: the schedule, the
+device, the mailbox, the wire, what the caller sets between steps), never the runtime:
 
     SEND_F RECV_F SEND_B RECV_B   ``pipecc.runtime.messages`` (what travels: ``ports``, how: ``wire``)
     I W                           ``pipecc.runtime.split_backward.ZeroBubble`` (zero-bubble)
@@ -52,7 +54,6 @@ GPUs; the tests run gloo on CPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -71,16 +72,16 @@ from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only, with_collectives
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime import rank_checkpoint, teardown, wire
-from pipecc.runtime.bipartition_exec import BipartitionRunner, WeightRefresh, is_worker
+from pipecc.runtime.bipartition_exec import BipartitionRunner, WeightRefresh, check_runs, is_worker, replica_stages
+from pipecc.runtime.context import Mailbox, RankContext, RankState, Shared
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
 from pipecc.runtime.replicas import GradientAllReduce, ReduceActions, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.split_backward import ZeroBubble
-from pipecc.runtime.stage_runner import Mailbox, StageRunner
+from pipecc.runtime.stage_runner import StageRunner
 from pipecc.runtime.stash import bpipe_thresholds
 from pipecc.runtime.stash_moves import StashMoves
-from pipecc.runtime.timing import ActionTimer
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
@@ -209,9 +210,6 @@ def _checked(schedule: Schedule, world: int) -> Schedule:
 # ---------------------------------------------------------------------------- runtime
 
 
-# ---------------------------------------------------------------------------- runtime
-
-
 class PipelineRuntime:
     """Runs this rank's stage(s) of a pipeline, following the schedule's action list literally.
 
@@ -221,7 +219,20 @@ class PipelineRuntime:
     ``optimizer.zero_grad()`` and ``optimizer.step()``). ``optimizer`` is only needed for
     checkpoints. ``world > 1`` initialises torch.distributed from the torchrun environment
     unless it already is. Internally values travel as leaves (tuple ports opened).
+
+    What the caller sets between steps lives in the rank's ``RankState`` (``state``), which the
+    runners read: ``loss_scale`` (fp16: the scaled loss's factor, pipecc.runtime.distributed's
+    scaler), ``keep_outputs`` (True: step() keeps the last stage's outputs for last_outputs()),
+    ``refresh_follows`` (Bi-Partition: the caller runs after_optimizer_step after every step, so
+    the replicas' refresh receive is posted during the step, REFRESH), ``timer`` (set: every
+    action runs through it, pipecc run --json); ``_wire`` is the rank's wire (a test may swap it).
     """
+
+    loss_scale = Shared()
+    keep_outputs = Shared()
+    refresh_follows = Shared()
+    timer = Shared()
+    _wire = Shared("wire")
 
     def __init__(self, stage: nn.Module | Sequence[nn.Module], ports: dict | Sequence[dict], rank: int,
                  world: int, config: RunConfig, loss_fn: Callable | None = None,
@@ -237,7 +248,6 @@ class PipelineRuntime:
         if config.precision is not None and config.precision not in PRECISIONS:
             raise UsageError(f"precision {config.precision!r}: choose from {', '.join(PRECISIONS)} (or none: float32)")
         self.amp_dtype = PRECISIONS.get(config.precision) if config.precision else None
-        self.loss_scale = 1.0  # fp16: the scaled loss's factor (pipecc.runtime.distributed's scaler)
         self.device = torch.device(config.device) if config.device else _default_device()
         self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         # gloo carries a GPU rank's messages through host memory (pipecc.runtime.wire): slower
@@ -269,35 +279,32 @@ class PipelineRuntime:
         if world > 1 and self.backend == "nccl":
             check_fifo(self.schedule)
             groups = directed_groups(self.schedule, self.replicas.count, self.replicas.index)
-            self._wire = Wire(self.global_rank, config.timeout_s, nccl=True, groups=groups, by_order=True)
+            self.state = RankState(Wire(self.global_rank, config.timeout_s, nccl=True, groups=groups, by_order=True))
         else:
-            self._wire = Wire(self.global_rank, config.timeout_s)
+            self.state = RankState(Wire(self.global_rank, config.timeout_s))
         grad_sync = None if self.replicas.count == 1 else GradientAllReduce(
             self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
         self.mailbox = Mailbox()
-        self.inputs: list[list[Any]] | None = None  # stage 0's split batch, during a step
-        self.targets: list[Any] | None = None  # the last stage's split target, during a training step
         self.peak_stash = 0  # most microbatches stashed at once during the last step
-        self.keep_outputs = False  # True: step() keeps the last stage's outputs for last_outputs()
-        self.timer: ActionTimer | None = None  # set: every action runs through it (pipecc run --json)
         self.trace: TraceRecorder | None = None  # set (and timer set to it): pipecc run --trace
-        # Bi-Partition: True when the caller runs after_optimizer_step after every step (dist.py's
-        # training loop): the replicas' refresh receive is then posted during the step (REFRESH)
-        self.refresh_follows = False
-        self.runners: list[StageRunner] = [
-            (BipartitionRunner if is_worker(module) else StageRunner)(self, s, module, ports)
-            for s, module, ports in zip(self.stage_ids, self.modules, self.ports)]
-        self.messages = Messages(self)
-        self.zero_bubble = ZeroBubble(self.runner)
-        self.stash_moves = StashMoves(self)
-        self.reduce = ReduceActions(grad_sync, lambda s: self.runner(s).module.parameters())
-        self.refresh = WeightRefresh(self)
+        if any(is_worker(module) for module in self.modules):
+            check_runs(self.schedule, self.replicas.count)  # Bi-Partition
         # the collectives the run needs (a schedule built by name, or text without them, gets them here)
-        self.schedule = with_collectives(self.schedule, self.replicas.count, self.refresh.replica_stages())
+        self.schedule = with_collectives(self.schedule, self.replicas.count,
+                                         replica_stages(self.stage_ids, self.modules))
+        self.ctx = RankContext(rank, self.global_rank, tuple(self.stage_ids), self.schedule, self.device,
+                               self.amp_dtype, self.replicas, loss_fn, self.mailbox, self.reslice, self.state)
+        self.runners: list[StageRunner] = [
+            (BipartitionRunner if is_worker(module) else StageRunner)(self.ctx, s, module, ports)
+            for s, module, ports in zip(self.stage_ids, self.modules, self.ports)]
+        self.messages = Messages(self.ctx, self.runner)
+        self.zero_bubble = ZeroBubble(self.runner)
+        self.stash_moves = StashMoves(self.ctx, self.runner)
+        self.reduce = ReduceActions(grad_sync, lambda s: self.runner(s).module.parameters())
+        self.refresh = WeightRefresh(self.ctx, self.runners)
         self.handlers: dict[ActionKind, Callable[[Action, bool], None]] = {
-            ActionKind.F: lambda a, training: self.runner(a.stage).forward(
-                a.microbatch, training, self.stash_moves.capture(a.stage, a.microbatch, self.runner(a.stage).module)),
-            ActionKind.B: lambda a, training: self.runner(a.stage).backward(a.microbatch),
+            ActionKind.F: self._forward,
+            ActionKind.B: self._backward,
             ActionKind.I: self.zero_bubble.input,
             ActionKind.W: self.zero_bubble.weight,
             ActionKind.SEND_F: self.messages.send_forward,
@@ -316,7 +323,7 @@ class PipelineRuntime:
     @property
     def peak_sends(self) -> int:
         """Most sending actions whose tensors were held at once during the last step/infer."""
-        return self._wire.peak_inflight
+        return self.state.wire.peak_inflight
 
     @property
     def evicted(self) -> dict[int, list[int]]:
@@ -326,9 +333,7 @@ class PipelineRuntime:
     def autocast(self) -> Any:
         """The context a stage's forward and loss run in: torch.autocast in the run's precision
         (``RunConfig.precision``), else nothing."""
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return self.ctx.autocast()
 
     def runner(self, stage: int) -> StageRunner:
         """The runner of this rank's stage ``stage``."""
@@ -336,8 +341,7 @@ class PipelineRuntime:
 
     def split_of(self, stage: int) -> int | tuple[int, ...]:
         """How ``stage`` splits the batch: its chunk sizes (unequal micro-batches), else m."""
-        sizes = self.schedule.microbatch_sizes
-        return self.m if sizes is None else sizes[stage]
+        return self.ctx.split_of(stage)
 
     def stashed(self) -> int:
         """Micro-batches stashed now, over this rank's stages."""
@@ -397,7 +401,7 @@ class PipelineRuntime:
         groups, the replicas' pending all-reduces) once they are destroyed, so their backends
         end now rather than at interpreter exit (``pipecc.runtime.teardown``). No step runs after."""
         self.replicas.groups.clear()
-        self._wire.groups.clear()
+        self.state.wire.groups.clear()
         if self.reduce.sync is not None:
             self.reduce.sync.group, self.reduce.sync.works = None, []
 
@@ -413,15 +417,16 @@ class PipelineRuntime:
 
     def _run(self, schedule: Schedule, inputs: Sequence[Any] | None, target: Any, training: bool) -> None:
         """Run this rank's row of ``schedule``: each action through its handler (``handlers``)."""
-        self.inputs = self._split_inputs(inputs) if 0 in self.stage_ids else None
-        self.targets = self._split_target(target) if training and self.last_stage in self.stage_ids else None
+        state = self.state
+        state.inputs = self._split_inputs(inputs) if 0 in self.stage_ids else None
+        state.targets = self._split_target(target) if training and self.last_stage in self.stage_ids else None
         self.mailbox.clear()
         for runner in self.runners:
             runner.reset()
         self.zero_bubble.reset()
         self.stash_moves.reset(schedule, training)
         self.reslice.reset()
-        self.peak_stash = self._wire.peak_inflight = 0
+        self.peak_stash = state.wire.peak_inflight = 0
         release = schedule.send_release(self.rank)
         row = schedule.actions[self.rank]
         self.reduce.prepare(row, training)
@@ -431,18 +436,26 @@ class PipelineRuntime:
                 self.stash_moves.before_backward(action)  # BPipe: its prefetched stash is back first
             self.timed(action, lambda a=action: self.handlers[a.kind](a, training))
             self.stash_moves.release_after(action, release.get(action, []))
-        self._wire.flush()
+        state.wire.flush()
         leftover = ([x for r in self.runners for x in r.leftover] or self.mailbox.inbox or self.mailbox.outbox
                     or self.zero_bubble.leftover or self.reslice.leftover or self.stash_moves.leftover)
         assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
-        self.inputs = self.targets = None
+        state.inputs = state.targets = None
 
     def timed(self, action: Action, execute: Callable[[], None]) -> None:
         """Run ``execute`` (the action's work), through the timer when one is set."""
-        if self.timer is None:
-            execute()
-        else:
-            self.timer.run(action, execute)
+        self.ctx.timed(action, execute)
+
+    def _forward(self, a: Action, training: bool) -> None:
+        """F on its stage's runner (BPipe: an evicted micro-batch's saved activations captured)."""
+        runner = self.runner(a.stage)
+        runner.forward(a.microbatch, training, self.stash_moves.capture(a.stage, a.microbatch, runner.module))
+        self.peak_stash = max(self.peak_stash, self.stashed())
+
+    def _backward(self, a: Action, training: bool) -> None:
+        """B on its stage's runner (BPipe: the micro-batch's saved activations were unpacked)."""
+        self.runner(a.stage).backward(a.microbatch)
+        self.stash_moves.backward_done(a.stage, a.microbatch)
 
     # -- the batch -------------------------------------------------------------------------
 

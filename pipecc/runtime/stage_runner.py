@@ -4,12 +4,14 @@ on the last stage) and, on the last stage, the micro-batch losses and kept outpu
 
 The executor (``pipecc.runtime.engine.PipelineRuntime``) holds one runner per stage the schedule
 places on its rank and hands each action to its handler (``PipelineRuntime.handlers``); F and B
-are the runner's. What a stage exchanges with its neighbours goes through the rank's mailbox
+are the runner's. A runner sees its rank through a ``RankContext`` (``pipecc.runtime.context``),
+not the runtime. What a stage exchanges with its neighbours goes through the rank's mailbox
 (``Mailbox``: received or locally handed-over values, values waiting for their SEND): a local
 neighbour's values are put straight into the inbox, detached, as a receive would deliver them.
 
 Technique hooks, each with its own module: BPipe's capture of an evicted micro-batch's saved
-activations (``capture`` from ``pipecc.runtime.stash_moves``), Bi-Partition's programs (a
+activations (``capture`` from ``pipecc.runtime.stash_moves``, given to ``forward`` by the
+executor, which also tells BPipe when B is done), Bi-Partition's programs (a
 ``pipecc.runtime.bipartition_exec.BipartitionRunner`` overrides the computation and the ports
 its messages carry), the zero-bubble I and W (``pipecc.runtime.split_backward.ZeroBubble``, which
 uses ``output_grads`` and ``hand_down``), unequal micro-batches' re-slicing
@@ -20,38 +22,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.context import Mailbox, RankContext
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, split_sizes, unflatten
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, step_factors, weight
 
 
-__all__ = ["Mailbox", "StageRunner"]
-
-
-@dataclass
-class Mailbox:
-    """A rank's values in flight, per step: ``inbox[("F"|"B", stage, mb)]`` what arrived (or a
-    local neighbour handed over) for ``stage``; ``outbox[...]`` what ``stage``'s next SEND takes."""
-
-    inbox: dict[tuple[str, int, int], list] = field(default_factory=dict)
-    outbox: dict[tuple[str, int, int], list] = field(default_factory=dict)
-
-    def clear(self) -> None:
-        self.inbox, self.outbox = {}, {}
+__all__ = ["Mailbox", "StageRunner"]  # Mailbox: pipecc.runtime.context's, named here as before
 
 
 class StageRunner:
-    """Stage ``stage`` of this rank: its module, its ports, and its per-step state (``reset``)."""
+    """Stage ``stage`` of the rank ``ctx``: its module, its ports, and its per-step state (``reset``)."""
 
-    def __init__(self, rt: Any, stage: int, module: nn.Module, ports: StagePorts) -> None:
-        self.rt, self.stage, self.module, self.ports = rt, stage, module, ports
-        self.first, self.last = stage == 0, stage == rt.last_stage
+    def __init__(self, ctx: RankContext, stage: int, module: nn.Module, ports: StagePorts) -> None:
+        self.ctx, self.stage, self.module, self.ports = ctx, stage, module, ports
+        self.first, self.last = stage == 0, stage == ctx.last_stage
         self.reset()
 
     def reset(self) -> None:
@@ -90,26 +80,26 @@ class StageRunner:
     def input_leaves(self, mb: int, training: bool) -> list[Any]:
         """F's input: stage 0's split batch, the re-sliced upstream chunks (unequal sizes) or
         what the inbox holds."""
-        rt = self.rt
+        ctx = self.ctx
         if self.first:
-            return rt.inputs[mb]
-        if rt.reslice.active(self.stage):
-            return rt.reslice.forward_leaves(self.stage, mb, rt.mailbox.inbox, training)
-        return rt.mailbox.inbox.pop(("F", self.stage, mb))
+            return ctx.state.inputs[mb]
+        if ctx.reslice.active(self.stage):
+            return ctx.reslice.forward_leaves(self.stage, mb, ctx.mailbox.inbox, training)
+        return ctx.mailbox.inbox.pop(("F", self.stage, mb))
 
     def compute(self, mb: int, leaves: list[Any], training: bool,
                 capture: contextlib.AbstractContextManager | None) -> tuple[tuple, list[Any], list[Any]]:
         """The stage's forward: (outputs, their leaves, extra buffers for the message)."""
         with torch.set_grad_enabled(training), capture or contextlib.nullcontext():
             outs = as_tuple(self.module(*unflatten(leaves, self.ports.receives)))
-        return outs, flatten(outs, self.ports.sends, f"rank {self.rt.global_rank} stage {self.stage} output"), []
+        return outs, flatten(outs, self.ports.sends, f"rank {self.ctx.global_rank} stage {self.stage} output"), []
 
     def forward(self, mb: int, training: bool, capture: contextlib.AbstractContextManager | None = None) -> None:
         """F: run the stage on micro-batch ``mb``; stash what B needs, hand the outputs on (or,
         on the last stage, keep the scaled loss or the outputs)."""
-        rt, s = self.rt, self.stage
+        ctx, s = self.ctx, self.stage
         leaves = self.input_leaves(mb, training)
-        with rt.autocast():  # mixed precision: the forward and the loss, as in an autocast region
+        with ctx.autocast():  # mixed precision: the forward and the loss, as in an autocast region
             outs, out_leaves, extra = self.compute(mb, leaves, training, capture)
             self.check(mb, out_leaves, self.ports.out_leaves)
             if self.last and training:
@@ -118,65 +108,65 @@ class StageRunner:
             if not training:
                 self.results[mb] = out_leaves
                 return
-            if rt.keep_outputs:
+            if ctx.state.keep_outputs:
                 self.results[mb] = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
             self.losses.append(loss.detach().float())
             # fp16: the backward runs on the scaled loss (pipecc.runtime.distributed unscales the gradients)
-            self.stash[mb] = (leaves, loss * rt.loss_scale if rt.loss_scale != 1.0 else loss)
+            scale = ctx.state.loss_scale
+            self.stash[mb] = (leaves, loss * scale if scale != 1.0 else loss)
         else:
             if training:
                 self.stash[mb] = (leaves, out_leaves)
-            if s + 1 in rt.stage_ids:  # local neighbour: hand over detached copies, like a receive
-                rt.mailbox.inbox[("F", s + 1, mb)] = [
+            if s + 1 in ctx.stage_ids:  # local neighbour: hand over detached copies, like a receive
+                ctx.mailbox.inbox[("F", s + 1, mb)] = [
                     o.detach().requires_grad_(training and p.carries_grad) if p.kind == "tensor" else o
                     for o, p in zip(out_leaves, self.ports.out_leaves)] + list(extra)
             else:
-                rt.mailbox.outbox[("F", s, mb)] = [*out_leaves, *extra]
-        rt.peak_stash = max(rt.peak_stash, rt.stashed())
+                ctx.mailbox.outbox[("F", s, mb)] = [*out_leaves, *extra]
 
     def loss(self, outs: tuple, mb: int) -> torch.Tensor:
         """Micro-batch ``mb``'s loss times its share of the batch (and the replica's weight)."""
-        rt = self.rt
+        ctx = self.ctx
         value = outs[0] if len(outs) == 1 else outs
-        loss = rt.loss_fn(value, rt.targets[mb]) if rt.loss_fn is not None else outs[0]
+        loss = ctx.loss_fn(value, ctx.state.targets[mb]) if ctx.loss_fn is not None else outs[0]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise PipeccError(f"rank {rt.global_rank}: the loss must be a scalar tensor, got "
+            raise PipeccError(f"rank {ctx.global_rank}: the loss must be a scalar tensor, got "
                               f"{getattr(loss, 'shape', type(loss).__name__)}; pass loss_fn")
         # how the model file's loss_fn combines over parts of the batch (pipecc.runtime.loss_reduction,
         # found at compile; rundata puts it on the loss function): a sum adds the parts' losses
-        reduction = getattr(rt.loss_fn, "reduction", MEAN_LOSS)
+        reduction = getattr(ctx.loss_fn, "reduction", MEAN_LOSS)
         n = self.ports.batch_size
-        sizes = rt.schedule.microbatch_sizes
+        sizes = ctx.schedule.microbatch_sizes
         if sizes is not None:  # b_k / B (n: the sizes' sum, check_sizes)
             part, whole = sizes[self.stage][mb], sum(sizes[0])
         else:
-            part, whole = (split_sizes(n, rt.m)[mb], n) if n is not None else (1, rt.m)
-        if reduction.kind not in (MEAN, SUM) and (rt.m > 1 or rt.replicas.count > 1):
-            raise PipeccError(f"rank {rt.global_rank}: " + reduction.message(split_words(rt.m, rt.replicas.count)))
+            part, whole = (split_sizes(n, ctx.m)[mb], n) if n is not None else (1, ctx.m)
+        if reduction.kind not in (MEAN, SUM) and (ctx.m > 1 or ctx.replicas.count > 1):
+            raise PipeccError(f"rank {ctx.global_rank}: " + reduction.message(split_words(ctx.m, ctx.replicas.count)))
         if reduction.kind not in (MEAN, SUM):  # the whole batch in one micro-batch
             return loss.reshape(())
         exact = self.step_factors(value, mb, reduction.kind, sizes[self.stage] if sizes is not None else
-                                  split_sizes(n, rt.m) if n is not None else None)
+                                  split_sizes(n, ctx.m) if n is not None else None)
         if exact is not None:  # this step's targets weigh the micro-batches (ignore_index, class weights)
             return loss.reshape(()) * exact[mb] if exact[mb] else self.zero_loss(outs, loss)
         if reduction.kind == SUM:
             return loss.reshape(())
-        return loss.reshape(()) * (weight(MEAN, part, whole) * rt.replicas.weight)
+        return loss.reshape(()) * (weight(MEAN, part, whole) * ctx.replicas.weight)
 
     def step_factors(self, value: Any, mb: int, kind: str, parts: list[int] | None) -> list[float] | None:
         """This step's factors on the micro-batch losses when its targets make them other than
         the analysed ones (``loss_reduction.step_factors``), found once per step; None otherwise."""
-        rt = self.rt
-        if self.factors_for is not rt.targets:
-            self.factors_for, self.factors = rt.targets, None
-            if parts is not None and rt.targets is not None and rt.loss_fn is not None:
-                targets, sizes, first = list(rt.targets), list(parts), 0
-                if rt.replicas.count > 1:  # the batch's factors need every replica's targets
+        ctx = self.ctx
+        if self.factors_for is not ctx.state.targets:
+            self.factors_for, self.factors = ctx.state.targets, None
+            if parts is not None and ctx.state.targets is not None and ctx.loss_fn is not None:
+                targets, sizes, first = list(ctx.state.targets), list(parts), 0
+                if ctx.replicas.count > 1:  # the batch's factors need every replica's targets
                     targets, sizes, first = self.every_replica(targets, sizes)
                 try:
-                    found = step_factors(rt.loss_fn, value, first + mb, targets, sizes, kind)
+                    found = step_factors(ctx.loss_fn, value, first + mb, targets, sizes, kind)
                 except PipeccError as exc:
-                    raise PipeccError(f"rank {rt.global_rank}: {exc}") from None
+                    raise PipeccError(f"rank {ctx.global_rank}: {exc}") from None
                 self.factors = None if found is None else found[first:first + len(parts)]
         return self.factors
 
@@ -184,13 +174,13 @@ class StageRunner:
         """Every replica's micro-batch targets and sizes, replica by replica (collective over the
         replicas of this pipeline rank), and where this replica's start."""
         import torch.distributed as dist
-        rt = self.rt
-        gathered: list[Any] = [None] * rt.replicas.count
+        ctx = self.ctx
+        gathered: list[Any] = [None] * ctx.replicas.count
         mine = ([_on_cpu(t) for t in targets], sizes)
-        dist.all_gather_object(gathered, mine, group=rt.replicas.group(rt.rank))
+        dist.all_gather_object(gathered, mine, group=ctx.replicas.group(ctx.rank))
         every_target = [t for g in gathered for t in g[0]]
         every_size = [n for g in gathered for n in g[1]]
-        return every_target, every_size, sum(len(g[1]) for g in gathered[:rt.replicas.index])
+        return every_target, every_size, sum(len(g[1]) for g in gathered[:ctx.replicas.index])
 
     @staticmethod
     def zero_loss(outs: tuple, loss: torch.Tensor) -> torch.Tensor:
@@ -208,15 +198,15 @@ class StageRunner:
         for v, port in zip(leaves, ports):
             if port.kind != "tensor":
                 continue
-            shape = port.microbatch_shape(mb, batch, self.rt.split_of(self.stage))
+            shape = port.microbatch_shape(mb, batch, self.ctx.split_of(self.stage))
             # mixed precision: a float32 port may hold the autocast dtype (it travels in it)
-            amp = self.rt.amp_dtype is not None and port.dtype == torch.float32 and isinstance(v, torch.Tensor) \
-                and v.dtype in (torch.float32, self.rt.amp_dtype)
+            amp = self.ctx.amp_dtype is not None and port.dtype == torch.float32 and isinstance(v, torch.Tensor) \
+                and v.dtype in (torch.float32, self.ctx.amp_dtype)
             if not isinstance(v, torch.Tensor) or not port.matches(v.shape, shape) or (v.dtype != port.dtype
                                                                                        and not amp):
                 got = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
                     else type(v).__name__
-                raise PipeccError(f"rank {self.rt.global_rank} stage {self.stage} mb {mb}: output {port.name!r} is "
+                raise PipeccError(f"rank {self.ctx.global_rank} stage {self.stage} mb {mb}: output {port.name!r} is "
                                   f"{got}, ports.json says {list(shape)} {str(port.dtype).removeprefix('torch.')}")
 
     # -- B -----------------------------------------------------------------------------------
@@ -226,7 +216,7 @@ class StageRunner:
         gradient), else the outputs that carry one with the gradients received for them."""
         if self.last:
             return [outs], None
-        grads = iter(self.rt.mailbox.inbox.pop(("B", self.stage, mb)))
+        grads = iter(self.ctx.mailbox.inbox.pop(("B", self.stage, mb)))
         pairs = [(o, next(grads)) for o, p in zip(outs, self.ports.out_leaves) if p.carries_grad]
         pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
         # mixed precision: a gradient travels in the wire dtype; autograd wants the output's
@@ -240,11 +230,10 @@ class StageRunner:
             torch.autograd.backward(roots)  # the scaled loss
         elif roots:
             torch.autograd.backward(roots, grads)
-        self.rt.stash_moves.backward_done(self.stage, mb)  # BPipe: its saved activations were unpacked
         if self.first:
             return
-        if self.rt.reslice.active(self.stage):  # unequal sizes: the upstream chunks whose gradient is complete
-            ready = self.rt.reslice.backward_done(self.stage, mb)
+        if self.ctx.reslice.active(self.stage):  # unequal sizes: the upstream chunks whose gradient is complete
+            ready = self.ctx.reslice.backward_done(self.stage, mb)
         else:
             ready = [(mb, [x.grad if x.grad is not None else torch.zeros_like(x)
                            for x, p in zip(in_leaves, self.ports.in_leaves) if p.carries_grad])]
@@ -254,10 +243,10 @@ class StageRunner:
     def hand_down(self, mb: int, input_grads: list) -> None:
         """The gradient of the stage's inputs for upstream chunk ``mb``: into a local upstream
         stage's inbox, else the outbox of this stage's SEND_B."""
-        if self.stage - 1 in self.rt.stage_ids:
-            self.rt.mailbox.inbox[("B", self.stage - 1, mb)] = input_grads
+        if self.stage - 1 in self.ctx.stage_ids:
+            self.ctx.mailbox.inbox[("B", self.stage - 1, mb)] = input_grads
         else:
-            self.rt.mailbox.outbox[("B", self.stage, mb)] = input_grads
+            self.ctx.mailbox.outbox[("B", self.stage, mb)] = input_grads
 
 
 def _on_cpu(value: Any) -> Any:

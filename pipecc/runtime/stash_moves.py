@@ -9,30 +9,39 @@ RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and the micro-batch's 
 for it first (``before_backward``), so ``unpack`` finds them. Inputs and outputs of the stage
 stay (the stage runner holds them). Only then are the sends RECV_R proves complete released
 (``Schedule.send_release``: ``release_after``).
+
+``StashMoves`` sees its rank through a ``RankContext`` (``pipecc.runtime.context``: the wire, the
+timer, the schedule) and the stages' stashes through ``runner_of``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+from pipecc.runtime.context import RankContext
+from pipecc.runtime.messages import message_tag
 from pipecc.runtime.stash import Prefetch, SavedTensors, module_storages, recv_packed, send_stash, storage_key
-from pipecc.runtime.wire import peer_rank
+
+if TYPE_CHECKING:  # NOTE: typing only; the runtime gives the runners
+    from pipecc.runtime.stage_runner import StageRunner
 
 
 __all__ = ["StashMoves"]
 
 
 class StashMoves:
-    """The stash transfers of the runtime ``rt``'s stages (no-ops on a schedule without them)."""
+    """The stash transfers of the rank ``ctx``'s stages (no-ops on a schedule without them);
+    ``runner_of(s)`` is stage ``s``'s ``StageRunner``."""
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, ctx: RankContext, runner_of: Callable[[int], StageRunner]) -> None:
+        self.ctx, self.runner_of = ctx, runner_of
         self.evicted: dict[int, list[int]] = {}  # stage -> bytes of each SEND_S of the last step
         self.reset(None, False)
 
@@ -44,7 +53,7 @@ class StashMoves:
         self.returning: dict[tuple[int, int], Prefetch] = {}  # RECV_R posted, B not yet run
         self.deferred: dict[tuple[int, int], list[Action]] = {}  # RECV_R's releases, until it arrived
         self.moving: list[Action] = []  # SEND_S/SEND_R whose buffers may still be on their way
-        rank = self.rt.rank
+        rank = self.ctx.rank
         self.evicting = {(a.stage, a.microbatch) for a in schedule.actions[rank]
                          if a.kind is ActionKind.SEND_S} if training and schedule is not None else set()
         self.evicted = {}
@@ -58,7 +67,7 @@ class StashMoves:
         if (s, mb) not in self.evicting:
             return None
         store = self.saved[(s, mb)] = SavedTensors(module_storages([module]),
-                                                   f"rank {self.rt.global_rank} stage {s} mb {mb}")
+                                                   f"rank {self.ctx.global_rank} stage {s} mb {mb}")
         return store.capture()
 
     def backward_done(self, s: int, mb: int) -> None:
@@ -70,50 +79,50 @@ class StashMoves:
         receive wait (timed as RECV_R), and only then are the sends RECV_R proves complete released."""
         key = (action.stage, action.microbatch)
         if key in self.returning:
-            self.rt.timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
-            self.rt._wire.release(self.deferred.pop(key, ()))
+            self.ctx.timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
+            self.ctx.wire.release(self.deferred.pop(key, ()))
 
     def release_after(self, action: Action, releases: list[Action]) -> None:
         """The sends ``action`` proves complete: released now, or (RECV_R, only posted) once it arrived."""
         if action.kind is ActionKind.RECV_R:
             self.deferred[(action.stage, action.microbatch)] = releases
         else:
-            self.rt._wire.release(releases)
+            self.ctx.wire.release(releases)
         if self.moving:
-            self.moving = self.rt._wire.collect(self.moving)
+            self.moving = self.ctx.wire.collect(self.moving)
 
     def run(self, a: Action, training: bool) -> None:
         """SEND_S evicts (stage, mb)'s saved activations to the partner, RECV_S keeps the
         evictor's, SEND_R sends them back, RECV_R posts their return."""
-        rt = self.rt
+        ctx = self.ctx
         s, mb = a.stage, a.microbatch
-        evictor = s if a.kind in (ActionKind.SEND_S, ActionKind.RECV_R) else rt.schedule.partner[s]
-        peer = rt.replicas.rank_of(peer_rank(rt.schedule, a))
+        evictor = s if a.kind in (ActionKind.SEND_S, ActionKind.RECV_R) else ctx.schedule.partner[s]
+        peer = ctx.peer(a)
         direction = 3 if a.kind in (ActionKind.SEND_S, ActionKind.RECV_S) else 4
 
         def tag_of(i: int) -> int:
-            return rt.messages.tag(direction, evictor, mb, i)
+            return message_tag(ctx.schedule, direction, evictor, mb, i)
 
         what = f"{a.kind.value} mb {mb} of stage {evictor}"
         if a.kind is ActionKind.SEND_S:
             store = self.saved.get((s, mb))
             if store is None:
-                raise PipeccError(f"rank {rt.global_rank}: {a} before {s}F{mb} (nothing captured to evict)")
-            leaves, outs = rt.runner(s).stash[mb]
+                raise PipeccError(f"rank {ctx.global_rank}: {a} before {s}F{mb} (nothing captured to evict)")
+            leaves, outs = self.runner_of(s).stash[mb]
             resident = frozenset(storage_key(t) for t in (*leaves, *outs) if isinstance(t, torch.Tensor))
             buffers = store.evict(resident)
             self.evicted.setdefault(s, []).append(sum(b.numel() for b in buffers))
-            if rt.timer is not None:
-                rt.timer.note_eviction(s, self.evicted[s][-1])
-            send_stash(rt._wire, buffers, peer, tag_of, what, a, rt.device)
+            if ctx.state.timer is not None:
+                ctx.state.timer.note_eviction(s, self.evicted[s][-1])
+            send_stash(ctx.wire, buffers, peer, tag_of, what, a, ctx.device)
             self.moving.append(a)
         elif a.kind is ActionKind.RECV_S:
-            self.foreign[(evictor, mb)] = recv_packed(rt._wire, peer, tag_of, what, rt.device)  # kept whole
+            self.foreign[(evictor, mb)] = recv_packed(ctx.wire, peer, tag_of, what, ctx.device)  # kept whole
         elif a.kind is ActionKind.SEND_R:
-            send_stash(rt._wire, self.foreign.pop((evictor, mb)), peer, tag_of, what, a, rt.device, counted=False)
+            send_stash(ctx.wire, self.foreign.pop((evictor, mb)), peer, tag_of, what, a, ctx.device, counted=False)
             self.moving.append(a)
         else:  # RECV_R: a prefetch, completed right before B (``before_backward``)
-            self.returning[(s, mb)] = Prefetch(rt._wire, peer, tag_of, what, rt.device, self.saved[(s, mb)].away_sizes)
+            self.returning[(s, mb)] = Prefetch(ctx.wire, peer, tag_of, what, ctx.device, self.saved[(s, mb)].away_sizes)
 
     def _returned(self, s: int, mb: int) -> None:
         """Wait for the stash RECV_R posted and put it back into (s, mb)'s store."""

@@ -430,10 +430,9 @@ def _fewer_devices(analysis: Analysis | AnnotatedGraph, cluster: Cluster, option
     result = whole if whole is not None and chosen is whole[0] else alone
     assert result is not None
     if result is alone:
-        device_count.remap(chosen, keep)
-    chosen.options["devices_given"] = p
-    chosen.decisions.insert(0, line)
-    return result
+        chosen = device_count.remap(chosen, keep)
+    return dataclasses.replace(chosen, options={**chosen.options, "devices_given": p},
+                               decisions=[line, *chosen.decisions]), result[1]
 
 
 def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: PlanOptions, *,

@@ -130,3 +130,17 @@ def test_debug_holds_a_step_to_its_contract(planned) -> None:
         _run(as_a_copy, "graph plan", "", planned)
     with pytest.raises(IRError, match="replaced the state's graph"):
         _run(new_graph, "graph", "plan", planned)
+
+
+def test_the_plan_choosers_leave_their_plans_unchanged(planned) -> None:
+    """`device_count.remap` and `replicas.faster_of` (the driver's choice between a plan over
+    every device and one over fewer) return new plans."""
+    from pipecc.passes import device_count, replicas
+    plan, graph = planned
+    before = plan.dumps()
+    moved = device_count.remap(plan, [2, 3])
+    assert plan.dumps() == before
+    assert [d["given_index"] for d in moved.devices] == [[2, 3][d.get("given_index", 0)] for d in plan.devices]
+    other = dataclasses.replace(moved, predicted_iteration_s=plan.predicted_iteration_s * 2)
+    kept, _ = replicas.faster_of((plan, graph), (other, graph), [0, 1], [], "")
+    assert plan.dumps() == before and kept is not plan and kept.decisions[:-1] == plan.decisions

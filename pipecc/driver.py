@@ -36,7 +36,7 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, kept_cwd, load_model_file
 from pipecc.ir import techniques
 from pipecc.runtime.loss_reduction import check_split
-from pipecc.instruments import Instruments, State, Step, ir_text, verify_state  # noqa: F401  (driver.Step, ...)
+from pipecc.instruments import Instruments, State, Step
 from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.ir.techniques import capabilities as caps

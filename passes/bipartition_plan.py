@@ -22,6 +22,7 @@ the rule refuses a plan that asks for it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -225,7 +226,9 @@ def describe(plan: Plan) -> str:
 def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WINDOW) -> Plan:
     """`plan` with separate FP/BP cuts when they simulate faster than its single cut (module
     docstring); its lower bounds are lowered to the Bi-Partition bound either way (any plan now
-    includes FP/BP cut pairs). `ev` must be built on `graph`, the plan's graph."""
+    includes FP/BP cut pairs). `ev` must be built on `graph`, the plan's graph. A new Plan, with
+    the decision line either way: `plan` stays as it was (`pipecc.passes.contract`)."""
+    plan = copy.deepcopy(plan)
     mb = plan.batch_size // plan.microbatches
     units = ev.builder.at(mb)
     bounds = _unit_bounds(units, plan)

@@ -23,6 +23,7 @@ curves and measured links as the plan over all does.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from pipecc.passes.plan_search import negligible_stages
@@ -68,10 +69,11 @@ def negligible_of_plan(plan: Any) -> list[int]:
     return negligible_stages([s.forward_s + s.backward_s for s in plan.stages])
 
 
-def remap(plan: Any, keep: Sequence[int]) -> None:
-    """A plan made on the devices `keep`: its devices' `given_index` into the given list."""
-    for dev in plan.devices:
-        dev["given_index"] = keep[int(dev.get("given_index", 0))]
+def remap(plan: Any, keep: Sequence[int]) -> Any:
+    """A plan made on the devices `keep` with its devices' `given_index` into the given list:
+    a new plan (`plan` stays as it was)."""
+    devices = [dict(dev, given_index=keep[int(dev.get("given_index", 0))]) for dev in plan.devices]
+    return dataclasses.replace(plan, devices=devices)
 
 
 def _shape(plan: Any) -> str:

@@ -36,6 +36,7 @@ no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
@@ -229,15 +230,12 @@ def faster_of(whole: tuple[Any, Any] | None, alone: tuple[Any, Any], keep: Seque
     left = ", ".join(sorted({d.name for d in fpgas}))
     plan, graph = alone
     if whole is not None and whole[0].predicted_iteration_s <= plan.predicted_iteration_s:
-        whole[0].decisions.append(f"with the FPGA ({left}): predicted {whole[0].predicted_iteration_s:.4g} s "
-                                  f"per iteration vs {plan.predicted_iteration_s:.4g} s on the other "
-                                  "devices alone")
-        return whole
-    for dev in plan.devices:  # indices into the given --devices
-        dev["given_index"] = keep[dev["given_index"]]
-    plan.decisions.append(
-        f"{left} left out (training: FPGA stages have no backward pass): predicted "
-        f"{plan.predicted_iteration_s:.4g} s per iteration on the other devices alone"
-        + (f" vs {whole[0].predicted_iteration_s:.4g} s with them" if whole is not None
-           else f"; with them: {why.splitlines()[0] if why else 'no plan'}"))
-    return plan, graph
+        line = (f"with the FPGA ({left}): predicted {whole[0].predicted_iteration_s:.4g} s "
+                f"per iteration vs {plan.predicted_iteration_s:.4g} s on the other devices alone")
+        return dataclasses.replace(whole[0], decisions=[*whole[0].decisions, line]), whole[1]
+    devices = [dict(dev, given_index=keep[dev["given_index"]]) for dev in plan.devices]  # into the given --devices
+    line = (f"{left} left out (training: FPGA stages have no backward pass): predicted "
+            f"{plan.predicted_iteration_s:.4g} s per iteration on the other devices alone"
+            + (f" vs {whole[0].predicted_iteration_s:.4g} s with them" if whole is not None
+               else f"; with them: {why.splitlines()[0] if why else 'no plan'}"))
+    return dataclasses.replace(plan, devices=devices, decisions=[*plan.decisions, line]), graph

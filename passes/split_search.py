@@ -240,7 +240,7 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
     kept (default: one per stage) and `budget` layers tried (default: three per stage, at most
     16; each try costs two plans). The
     schedule and micro-batch count stay those of `plan`, so its lower bound still applies."""
-    stages = len(plan.stages)
+    given, stages = plan, len(plan.stages)
     max_layers = stages if max_layers is None else max_layers
     budget = min(3 * stages, 16) if budget is None else budget
     lower, baselines = plan.lower_bound_s, plan.baselines
@@ -318,6 +318,8 @@ def _search(graph: AnnotatedGraph, plan: Plan, replan: Callable[[AnnotatedGraph,
         if not improved:
             break
     # the bound and the baselines stay those of the unsplit graph: the bound already covers
-    # every split, and other tools would partition the original layers
-    plan.lower_bound_s, plan.baselines = lower, baselines
+    # every split, and other tools would partition the original layers (`given` has them and
+    # stays as it was: the result is `given` itself when no split was kept)
+    if plan is not given:
+        plan.lower_bound_s, plan.baselines = lower, baselines
     return plan, graph

@@ -26,6 +26,7 @@ decisions why it did not try otherwise, an explicit list is refused.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,7 +123,9 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
     """The plan with `mode`'s micro-batch sizes: "auto" runs the GA on its partition and keeps
     the result when faster than the best equal split; a list is used for every stage. The
     plan's stage costs stay the planner's; `predicted_iteration_s`, `bubble_fraction`,
-    `microbatches` (stage 0's chunk count) and stage peak memory follow the sizes."""
+    `microbatches` (stage 0's chunk count) and stage peak memory follow the sizes. A new Plan,
+    with the decision line either way: `plan` stays as it was (`pipecc.passes.contract`)."""
+    plan = copy.deepcopy(plan)
     curves = curves_for_plan(ev, plan)
     B, p = plan.batch_size, len(plan.stages)
     price = pricing(curves, plan.schedule)

@@ -2,16 +2,18 @@
 
     analyze         build ─► capture ─► costs          (an ONNX file: import ─► costs)
     analyze_module  capture ─► costs                   (an in-memory module)
-    plan            balance ─► split layers ─► [unequal micro-batches] ─► [bipartition]
+    plan            recost ─► balance ─► split layers ─► [unequal micro-batches] ─► [bipartition]
                     (all devices, then fewer: `_fewer_devices`, unless use_all_devices)
     compile         cut stages ─► report ─► check ─► write     (the compiled folder OUT)
     compile_module  cut stages ─► check ─► module              (pipecc.compile's drop-in)
 
-Each function builds its list of `Step`s and hands it to `Instruments`, which runs them and,
-around every step: shows progress (consecutive steps with one label share one progress line),
-times it, runs the IR verifier after it when `debug` is set (tests always set it) and, with
-`dump_ir=DIR`, writes `DIR/NNN_<step>.txt`: the graph's text with each node's name, kind,
-value and cost, then the plan JSON once there is a plan and the stages' ports once cut.
+Each function builds its list of `Step`s and hands it to `Instruments` (`pipecc.instruments`),
+which runs every step through one function: progress (consecutive steps with one label share
+one progress line), its time, with `debug` (tests always set it) the IR verifier and the step's
+contract, and with `dump_ir=DIR` the file `DIR/NNN_<step>.txt`. Every step declares its contract
+(`pipecc.passes.contract`: what it reads, what it produces, whether it changes its input); no
+step edits a plan or graph it read (it puts a new one in the state), only the two cost
+annotations (`costs`, `recost`) write on the graph they read.
 
 Backends: torch always, FPGA when the plan puts stages on FPGA cards (`backends_for`).
 
@@ -29,15 +31,12 @@ and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would cha
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
-import time
+import dataclasses
 import warnings
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -50,8 +49,8 @@ from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, kept_cwd, load_model_file
 from pipecc.ir import techniques
 from pipecc.runtime.loss_reduction import check_split
-from pipecc.ir.graph import (META_COST, META_KIND, META_NAME, META_PARAMS, META_VALUE,
-                             AnnotatedGraph, TensorInfo)
+from pipecc.instruments import Instruments, State, Step
+from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.ir.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
@@ -83,111 +82,6 @@ class Compiled:
     out: Path
     stages: list[Any]
     notes: list[str]
-
-
-# ----------------------------------------------------------------------------- instruments
-@dataclass
-class State:
-    """One compilation as far as it has got: what the steps read and write."""
-
-    model: nn.Module | None = None         # an in-memory model and its example inputs
-    inputs: tuple = ()
-    spec: ModelSpec | None = None          # a .py model file's
-    graph: AnnotatedGraph | None = None
-    costed: bool = False                   # every node carries META_COST
-    plan: Plan | None = None
-    candidate: Any = None                  # the planner's choice the split search starts from
-    stages: list[Any] | None = None        # cut stages (pipecc.backends.torch.Stage)
-    backends: list[Backend] = field(default_factory=list)
-    extra_files: dict[str, str] = field(default_factory=dict)
-    module: nn.Module | None = None
-
-
-@dataclass(frozen=True)
-class Step:
-    name: str                              # `NNN_<name>.txt` with dump_ir; the timing's key
-    run: Callable[[State], None]
-    label: str | None = None               # its progress line (None: none of its own)
-
-
-class Instruments:
-    """Runs steps in order with progress, timing, the verifier (`debug`) and IR dumps."""
-
-    def __init__(self, debug: bool = False, dump_ir: str | Path | None = None) -> None:
-        self.debug = debug
-        self.dump_dir = _dump_folder(dump_ir) if dump_ir is not None else None
-        self.timings: list[tuple[str, float]] = []
-
-    def run(self, steps: Sequence[Step], state: State) -> State:
-        for label, group in itertools.groupby(steps, key=lambda s: s.label):
-            with progress.step(label) if label else nullcontext():
-                for step in group:
-                    start = time.perf_counter()
-                    step.run(state)
-                    seconds = time.perf_counter() - start
-                    self.timings.append((step.name, seconds))
-                    if self.debug:
-                        verify_state(state)
-                    if self.dump_dir is not None:
-                        self.dump(step.name, state, seconds)
-        return state
-
-    def dump(self, name: str, state: State, seconds: float) -> Path:
-        """`NNN_<name>.txt`, numbered on from the dumps already in the folder (so analyze,
-        plan and compile, each with its own Instruments, number one sequence)."""
-        assert self.dump_dir is not None
-        done = [int(p.name[:3]) for p in self.dump_dir.glob("[0-9][0-9][0-9]_*.txt")]
-        path = self.dump_dir / f"{max(done, default=-1) + 1:03d}_{name.replace(' ', '_')}.txt"
-        path.write_text(f"# after step {name!r} ({seconds:.3f} s)\n{ir_text(state)}", encoding="utf-8")
-        return path
-
-
-def _dump_folder(dump_ir: str | Path) -> Path:
-    """`--dump-ir DIR`, created now (before any step runs), or one line saying why it cannot be."""
-    folder = Path(dump_ir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not os.access(folder, os.W_OK):
-            raise PermissionError("not writable")
-    except OSError as exc:
-        why = "it is a file" if folder.is_file() else (exc.strerror or str(exc)).lower()
-        raise UsageError(f"--dump-ir {dump_ir}: cannot write dumps there ({why}); give a folder "
-                         "pipecc can create or write") from None
-    return folder
-
-
-def verify_state(state: State) -> None:
-    """The verifiers on what the steps have made so far (IRError names the first violation)."""
-    if state.graph is None:
-        return
-    verify(state.graph, costed=state.costed)
-    if state.plan is not None:
-        verify_plan(state.graph, state.plan, state.stages)
-
-
-def ir_text(state: State) -> str:
-    """The readable form `dump_ir` writes: the graph, the plan JSON, the stages' ports."""
-    g = state.graph
-    if g is None:
-        return "(no graph yet)\n"
-    point = ", ".join(f"{k}={g.point.get(s, '?')}" for k, s in g.symbols.items())
-    lines = [f"graph {g.model_name} (from {g.source}; {point})"]
-    for node in g.gm.graph.nodes:
-        meta = [str(node.meta.get(key)) for key in (META_NAME, META_KIND) if key in node.meta]
-        value = node.meta.get(META_VALUE)
-        if isinstance(value, TensorInfo):
-            meta.append(value.describe())
-        if META_COST in node.meta:
-            meta.append(f"fwd {node.meta[META_COST].forward_flops} FLOPs")
-        lines.append(f"{node.format_node()}" + (f"  # {', '.join(meta)}" if meta else ""))
-    if state.plan is not None:
-        lines += ["", "plan:", state.plan.dumps()]
-    for stage in state.stages or []:
-        recv = ", ".join(p.producer for p in stage.receives)
-        send = ", ".join(p.producer for p in stage.sends)
-        lines.append(f"stage {stage.index}: receives [{recv}] sends [{send}] "
-                     f"({count(len(stage.nodes), 'node')})")
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- analyze
@@ -279,6 +173,14 @@ def _analyze(path: Path, *, model_args: dict[str, Any] | None, batch_size: int,
 
 
 # ----------------------------------------------------------------------------- plan
+def _recost(state: State, *, options: PlanOptions, cluster: Cluster) -> None:
+    """The graph's costs in this plan's attention mode and precision, for these devices' kinds
+    (`cost.recost_attention`: nothing to do when it was last costed so)."""
+    assert state.graph is not None
+    cost.recost_attention(state.graph, bool(options.flash_attention), options.precision,
+                          [d.kind for d in cluster.devices])
+
+
 def _balance(state: State, *, planner: Planner) -> None:
     state.plan, state.candidate = planner.run()
 
@@ -341,21 +243,23 @@ def _split_layers(state: State, *, planner: Planner, cluster: Cluster, options: 
             plan_k, graph_k = split_search.search(graph, plan_k, replan,
                                                   lambda n, t=times: t.get(n, 0.0),
                                                   note=notes.append, bound=bound)
-        plan_k.decisions += notes
+        split, plan_k = plan_k is not unsplit, _noted(plan_k, *notes)
         tried.append((plan_k, graph_k))
-        if plan_k is not unsplit and plan_k.predicted_iteration_s > unsplit.predicted_iteration_s:
+        if split and plan_k.predicted_iteration_s > unsplit.predicted_iteration_s:
             # NOTE: a split that lowers the bottleneck may still lengthen the iteration: the unsplit plan stays
-            unsplit.decisions.append(f"layer splits lowered the bottleneck but predicted "
-                                     f"{plan_k.predicted_iteration_s:.4g} s per iteration: not used")
-            tried.append((unsplit, graph))
+            tried.append((_noted(unsplit, f"layer splits lowered the bottleneck but predicted "
+                                          f"{plan_k.predicted_iteration_s:.4g} s per iteration: not used"), graph))
     tried.sort(key=lambda r: r[0].predicted_iteration_s)
     result, graph = tried[0]
-    for other, _ in tried[1:]:
-        result.decisions.append(
-            f"after layer splitting, {other.schedule} with {count(other.microbatches, 'micro-batch')} "
-            f"predicts {other.predicted_iteration_s:.4g} s per iteration vs "
-            f"{result.predicted_iteration_s:.4g} s")
-    state.plan, state.graph = result, graph
+    state.plan, state.graph = _noted(result, *(
+        f"after layer splitting, {other.schedule} with {count(other.microbatches, 'micro-batch')} "
+        f"predicts {other.predicted_iteration_s:.4g} s per iteration vs "
+        f"{result.predicted_iteration_s:.4g} s" for other, _ in tried[1:])), graph
+
+
+def _noted(plan: Plan, *lines: str) -> Plan:
+    """`plan` with `lines` added to its decisions: a copy (a step never edits a plan it read)."""
+    return dataclasses.replace(plan, decisions=[*plan.decisions, *lines])
 
 
 def _unequal(state: State, *, cluster: Cluster, options: PlanOptions, mode: Any) -> None:
@@ -367,7 +271,7 @@ def _unequal(state: State, *, cluster: Cluster, options: PlanOptions, mode: Any)
     if why is not None:
         if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
             raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))}: {why}")
-        state.plan.decisions.append(f"UMPIPE not tried: {why}")
+        state.plan = _noted(state.plan, f"UMPIPE not tried: {why}")
         return
     state.plan = umpipe_plan.apply(state.plan, _evaluator(state.graph, cluster, options), mode,
                                    budget_s=options.umpipe_budget_s)
@@ -380,9 +284,9 @@ def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, clust
     unsplit plan of `graph`, kept only if faster than the split one. A decision line either way."""
     from pipecc.passes import bipartition_plan
     assert state.plan is not None and state.graph is not None
-    chosen = state.plan
-    if chosen.split_layers and state.candidate is not None:
+    if state.plan.split_layers and state.candidate is not None:
         _bipartition_split(state, cluster=cluster, options=options)  # split layers compose (issue 18)
+    chosen = state.plan
     if chosen.split_layers and state.candidate is not None:
         base = planner.to_plan(state.candidate)
         g, ev = graph, planner.evaluator
@@ -391,27 +295,28 @@ def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, clust
         ev = planner.evaluator if g is graph else _evaluator(g, cluster, options)
     why = techniques.bipartition.requires(base, techniques.COMPILED) or bipartition_plan.graph_requires(g, base)
     if why is not None:
-        chosen.decisions.append(f"Bi-Partition not tried: {why}")
+        state.plan = _noted(chosen, f"Bi-Partition not tried: {why}")
         return
     result = bipartition_plan.apply(base, ev, g, window=options.bipartition_window)
     if base is chosen:
         state.plan = result
         return
-    chosen.lower_bound_s = min(chosen.lower_bound_s, result.lower_bound_s)
-    if chosen.lower_bound_compute_s and result.lower_bound_compute_s:
-        chosen.lower_bound_compute_s = min(chosen.lower_bound_compute_s, result.lower_bound_compute_s)
+    compute = chosen.lower_bound_compute_s
+    if compute and result.lower_bound_compute_s:
+        compute = min(compute, result.lower_bound_compute_s)
+    chosen = dataclasses.replace(chosen, lower_bound_s=min(chosen.lower_bound_s, result.lower_bound_s),
+                                 lower_bound_compute_s=compute)
     line = next(d for d in reversed(result.decisions) if d.startswith("Bi-Partition"))
     if result.is_bipartition() and result.predicted_iteration_s < chosen.predicted_iteration_s:
-        result.decisions.append(f"Bi-Partition on unsplit layers beats the plan with split layers: "
-                                f"{result.predicted_iteration_s:.4g} s vs "
-                                f"{chosen.predicted_iteration_s:.4g} s per iteration")
-        state.plan, state.graph = result, g
+        state.plan, state.graph = _noted(result, f"Bi-Partition on unsplit layers beats the plan with split layers: "
+                                                 f"{result.predicted_iteration_s:.4g} s vs "
+                                                 f"{chosen.predicted_iteration_s:.4g} s per iteration"), g
         return
     if result.is_bipartition():
         line = (f"Bi-Partition not used: on unsplit layers it predicts "
                 f"{result.predicted_iteration_s:.4g} s per iteration, the plan with split layers "
                 f"{chosen.predicted_iteration_s:.4g} s ({line.removeprefix('Bi-Partition: ')})")
-    chosen.decisions.append(line)
+    state.plan = _noted(chosen, line)
 
 
 def _bipartition_split(state: State, *, cluster: Cluster, options: PlanOptions) -> None:
@@ -423,10 +328,10 @@ def _bipartition_split(state: State, *, cluster: Cluster, options: PlanOptions) 
     why = techniques.bipartition.requires(state.plan, techniques.COMPILED) or bipartition_plan.graph_requires(
         state.graph, state.plan)
     if why is not None:
-        state.plan.decisions.append(f"Bi-Partition with split layers not tried: {why}")
+        state.plan = _noted(state.plan, f"Bi-Partition with split layers not tried: {why}")
         return
-    bipartition_plan.apply(state.plan, _evaluator(state.graph, cluster, options), state.graph,
-                           window=options.bipartition_window)
+    state.plan = bipartition_plan.apply(state.plan, _evaluator(state.graph, cluster, options), state.graph,
+                                        window=options.bipartition_window)
 
 
 def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
@@ -525,10 +430,9 @@ def _fewer_devices(analysis: Analysis | AnnotatedGraph, cluster: Cluster, option
     result = whole if whole is not None and chosen is whole[0] else alone
     assert result is not None
     if result is alone:
-        device_count.remap(chosen, keep)
-    chosen.options["devices_given"] = p
-    chosen.decisions.insert(0, line)
-    return result
+        chosen = device_count.remap(chosen, keep)
+    return dataclasses.replace(chosen, options={**chosen.options, "devices_given": p},
+                               decisions=[line, *chosen.decisions]), result[1]
 
 
 def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: PlanOptions, *,
@@ -537,7 +441,8 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
     from pipecc.passes import split_search
     from pipecc.passes.plan_search import Planner
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
-    cost.recost_attention(graph, bool(options.flash_attention), options.precision, [d.kind for d in cluster.devices])
+    instruments, state = Instruments(debug, dump_ir), State(graph=graph, costed=True)
+    instruments.run([Step("recost", partial(_recost, options=options, cluster=cluster))], state)
     given_profile = options.profile
     options, cluster = resolve_options(options, analysis, cluster)
     sizes_mode = options.microbatch_sizes
@@ -559,13 +464,13 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
     fpgas = [d for d in cluster.devices if not d.can(caps.BACKWARD)]  # the FPGA cards: no backward pass
     if not (options.training and options.replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and given_profile is None):
-        state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
+        instruments.run(steps, state)
         return state.plan, state.graph
     # NOTE: data parallelism on the GPUs alone is one of the plans --replicas auto weighs: a
     # training plan may leave the FPGA cards out (they have no backward pass; their stage bounds
     # everyone's pace), which the plain pipeline over every device cannot do
     try:
-        state = Instruments(debug, dump_ir).run(steps, State(graph=graph, costed=True))
+        instruments.run(steps, state)
         whole: tuple[Plan, AnnotatedGraph] | None = (state.plan, state.graph)
         why = ""
     except UsageError:

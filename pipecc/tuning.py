@@ -116,7 +116,7 @@ def candidates(analysis: Any, cluster: Any, options: PlanOptions, k: int, *, deb
         for cand in planner.ranked(k):
             plan = planner.to_plan(cand)
             if keep is not None:
-                device_count.remap(plan, keep)
+                plan = device_count.remap(plan, keep)
                 plan.options["devices_given"] = len(cluster.devices)
             ranked.append((plan.predicted_iteration_s, plan))
     ranked.sort(key=lambda r: r[0])

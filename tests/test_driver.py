@@ -15,6 +15,7 @@ from pipecc import cli, driver, progress
 from pipecc.driver import Instruments, State, Step
 from pipecc.ir.graph import IRError
 from pipecc.models import mlp
+from pipecc.passes.contract import Contract
 
 MLP = ROOT / "models" / "mlp.py"
 MLP_ARGS = [f"--model-arg={k}={v}" for k, v in mlp.TINY.items()]
@@ -51,26 +52,26 @@ def test_dump_ir_writes_one_numbered_file_per_step(tmp_path):
     assert cli.main(["compile", str(MLP), "-b", "4", *MLP_ARGS, "--devices", "2xcpu", "--use-all-devices", "--replicas", "1", "-q",
                      "--dump-ir", str(dump), "-o", str(tmp_path / "out")]) == 0
     files = sorted(p.name for p in dump.iterdir())
-    assert files == ["000_build.txt", "001_capture.txt", "002_costs.txt", "003_balance.txt",
-                     "004_split_layers.txt", "005_cut_stages.txt", "006_report.txt",
-                     "007_check.txt", "008_write.txt"]
+    assert files == ["000_build.txt", "001_capture.txt", "002_costs.txt", "003_recost.txt",
+                     "004_balance.txt", "005_split_layers.txt", "006_cut_stages.txt", "007_report.txt",
+                     "008_check.txt", "009_write.txt"]
     assert (dump / "000_build.txt").read_text().endswith("(no graph yet)\n")
     capture = (dump / "001_capture.txt").read_text()
     assert "call_module[target=0]" in capture and "linear" in capture and "FLOPs" not in capture
     costs = (dump / "002_costs.txt").read_text()
     assert "fwd 1056*B FLOPs" in costs and "plan:" not in costs  # Linear(16, 32): 2*16*32+32
-    planned = (dump / "004_split_layers.txt").read_text()
+    planned = (dump / "005_split_layers.txt").read_text()
     text = planned[planned.index("plan:\n") + 6:]
     saved = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert json.loads(text)["stages"] == saved["stages"]
-    cut = (dump / "005_cut_stages.txt").read_text()
+    cut = (dump / "006_cut_stages.txt").read_text()
     assert "stage 0: receives [input.input]" in cut and "stage 1: receives" in cut
     # plan alone: its own steps, numbered on after what the folder holds
     assert cli.main(["plan", str(MLP), *MLP_ARGS, "--devices", "2xcpu", "--use-all-devices", "-q", "--json",
                      "--dump-ir", str(dump)]) == 0
-    assert sorted(p.name for p in dump.iterdir())[9:] == [
-        "009_build.txt", "010_capture.txt", "011_costs.txt", "012_balance.txt",
-        "013_split_layers.txt"]
+    assert sorted(p.name for p in dump.iterdir())[10:] == [
+        "010_build.txt", "011_capture.txt", "012_costs.txt", "013_recost.txt", "014_balance.txt",
+        "015_split_layers.txt"]
 
 
 def test_debug_runs_the_verifier_after_each_step(analysis):
@@ -81,7 +82,8 @@ def test_debug_runs_the_verifier_after_each_step(analysis):
         plan, graph = driver.plan(analysis, "2xcpu", split_layers=False)
         return State(graph=graph, costed=True, plan=plan)
 
-    steps = [Step("lose a node", lose_a_node)]
+    steps = [Step("lose a node", lose_a_node, contract=Contract("lose a node", ("graph", "plan"), ("plan",),
+                                                                "tests.test_driver:lose_a_node"))]
     Instruments(debug=False).run(steps, fresh())  # nothing notices
     with pytest.raises(IRError, match="is placed in no stage"):
         Instruments(debug=True).run(steps, fresh())

@@ -16,8 +16,8 @@ import pytest
 from helpers import MLP_TINY, model_args, run_cli, run_pipecc
 from pipecc import cli
 from pipecc.ir.schedule import (Action, ActionKind, ScheduleError, format, forward_only, gradient_reduce,
-                                interleaved_1f1b, one_f_one_b, parse, validate, weight_refresh, with_collectives,
-                                without_collectives, zb_h1)
+                                interleaved_1f1b, lower, one_f_one_b, parse, validate, weight_refresh,
+                                with_collectives, without_collectives, zb_h1)
 
 R, F = ActionKind.REDUCE, ActionKind.REFRESH
 
@@ -53,6 +53,45 @@ def test_weight_refresh_follows_the_stages_last_forward() -> None:
     assert with_collectives(base, 1, []) == base
     both = with_collectives(base, 2, [1])
     assert parse(str(both)) == both and len([a for row in both.actions for a in row if a.kind.is_collective]) == 4
+
+
+@pytest.mark.parametrize("base", [one_f_one_b(3, 4), zb_h1(2, 3), interleaved_1f1b(2, 4, 2)])
+def test_a_lowered_schedule_lowers_to_itself(base) -> None:
+    """The one lowering (compile's schedule.txt, the runtime's schedule built by name): REDUCE,
+    then REFRESH, as ``with_collectives``; on a lowered schedule (a compiled schedule.txt, or one
+    whose REDUCE sits later than the lowering puts it) it returns the same object, so the runtime
+    executes the file as written."""
+    lowered = lower(base, replicas=2, refresh_stages=[1])
+    assert lowered == with_collectives(base, 2, [1]) == weight_refresh(gradient_reduce(base), [1])
+    assert lower(lowered, replicas=2, refresh_stages=[1]) is lowered
+    assert lower(base) is base and lower(base, replicas=1, refresh_stages=[]) is base
+    assert lower(forward_only(base), replicas=2, refresh_stages=[0]) == forward_only(base)
+    rows = [[a for a in row if a.kind is not R] + [a for a in row if a.kind is R] for row in lowered.actions]
+    moved = parse("\n".join(f"rank {r}: " + " ".join(str(a) for a in row) for r, row in enumerate(rows)))
+    assert lower(moved, replicas=2, refresh_stages=[1]) is moved
+
+
+def test_a_rank_validates_its_schedule_once(monkeypatch) -> None:
+    """The schedule a rank reads (schedule.txt) is checked against the run by ``build_schedule``
+    in the loader and again in the executor: the same object, validated once."""
+    import sys
+
+    from pipecc.runtime.engine import build_schedule
+
+    text = format(gradient_reduce(one_f_one_b(2, 3)))
+    module = sys.modules["pipecc.ir.schedule.validate"]
+    checked = []
+    monkeypatch.setattr(module, "_check", lambda s, run=module._check: (checked.append(s), run(s)))
+    schedule = parse(text)
+    validate(schedule)
+    assert build_schedule(schedule, 2, 3) is schedule and build_schedule(schedule, 2, 3) is schedule
+    assert lower(schedule, replicas=2) is schedule
+    assert checked == [schedule]
+    broken = parse("rank 0: 0F0 0REDUCE0 0B0")
+    for _ in range(2):  # a schedule that fails is checked again (and fails again)
+        with pytest.raises(ScheduleError):
+            validate(broken)
+    assert len(checked) == 3
 
 
 @pytest.mark.parametrize("text,words", [

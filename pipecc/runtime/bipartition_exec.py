@@ -49,7 +49,7 @@ def holds_replica(module: torch.nn.Module) -> bool:
 
 def replica_stages(stage_ids: Sequence[int], modules: Sequence[torch.nn.Module]) -> list[int]:
     """Of a rank's stages (``stage_ids``, their ``modules``), those holding a replica of a segment
-    another stage owns: the stages whose REFRESH the schedule gets (``with_collectives``)."""
+    another stage owns: the stages whose REFRESH the schedule gets (``pipecc.ir.schedule.lower``)."""
     return [s for s, module in zip(stage_ids, modules) if holds_replica(module)]
 
 

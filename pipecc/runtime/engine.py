@@ -35,8 +35,9 @@ the neighbouring ranks (``global_rank``/``global_world`` are the process group's
 micro-batch loss is weighted by the replica's share of the batch, the schedule's REDUCE actions
 all-reduce the stages' gradients over the replicas (started during the last backward,
 overlapping it), ``step`` waits for them and returns the full-batch loss. The caller gives
-replica-sized ports, inputs and target. A schedule without REDUCE (built by name, or text) gets
-them here (``with_collectives``), and a Bi-Partition one its REFRESH actions.
+replica-sized ports, inputs and target. A schedule built by name, or text without REDUCE, gets
+them here (``pipecc.ir.schedule.lower``, the lowering compile applies to schedule.txt), and a
+Bi-Partition one its REFRESH actions; a lowered schedule.txt runs as written.
 
 Faults. Every wait has a deadline of ``timeout_s``; a dead or hung peer gives
 ``PipeccError("rank 1: timed out after 5.0 s waiting for RECV_F mb 2 from rank 0")`` (or "failed"
@@ -67,9 +68,10 @@ from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+from pipecc.ir.schedule.lower import lower
 from pipecc.ir.schedule.registry import SCHEDULES, UNEVEN, VIRTUAL, schedule_for
 from pipecc.ir.schedule.text import ScheduleError, parse
-from pipecc.ir.schedule.transforms import forward_only, with_collectives
+from pipecc.ir.schedule.transforms import forward_only
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime import rank_checkpoint, teardown, wire
 from pipecc.runtime.bipartition_exec import BipartitionRunner, WeightRefresh, check_runs, is_worker, replica_stages
@@ -289,9 +291,10 @@ class PipelineRuntime:
         self.trace: TraceRecorder | None = None  # set (and timer set to it): pipecc run --trace
         if any(is_worker(module) for module in self.modules):
             check_runs(self.schedule, self.replicas.count)  # Bi-Partition
-        # the collectives the run needs (a schedule built by name, or text without them, gets them here)
-        self.schedule = with_collectives(self.schedule, self.replicas.count,
-                                         replica_stages(self.stage_ids, self.modules))
+        # the collectives, added by compile's lowering to a schedule built here by name or from text;
+        # a lowered one (the folder's schedule.txt) is itself, executed as written
+        self.schedule = lower(self.schedule, replicas=self.replicas.count,
+                              refresh_stages=replica_stages(self.stage_ids, self.modules))
         self.ctx = RankContext(rank, self.global_rank, tuple(self.stage_ids), self.schedule, self.device,
                                self.amp_dtype, self.replicas, loss_fn, self.mailbox, self.reslice, self.state)
         self.runners: list[StageRunner] = [

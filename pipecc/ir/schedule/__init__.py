@@ -12,6 +12,8 @@ inference) iteration; it is the contract between the planner, the compiled folde
     validate    the rules every schedule is checked against (complete, matched, deadlock-free)
     transforms  ``gpipe_uneven``, ``one_f_one_b_uneven`` (UMPIPE), ``bpipe`` (stash transfers), the
                 collectives (``gradient_reduce``, ``weight_refresh``), ``forward_only``
+    lower       the collectives a run needs (``lower``: REDUCE, REFRESH), added once, at compile
+                and for a schedule the runtime builds by name
     registry    every schedule by name (``REGISTRY``) and ``schedule_for``, plan fields -> schedule
 
 This package is the schedule IR's interface: it exports the public names of its modules.
@@ -30,7 +32,8 @@ from pipecc.ir.schedule.registry import (REGISTRY, SCHEDULES, SPLIT_BACKWARD_COS
 from pipecc.ir.schedule.text import ScheduleError, format, format_grid, parse, parse_action
 from pipecc.ir.schedule.transforms import (BPIPE_POLICIES, bpipe, bpipe_pairs, forward_only, gpipe_uneven,
                                            gradient_reduce, one_f_one_b_uneven, weight_refresh,
-                                           with_collectives, without_collectives)
+                                           without_collectives)
+from pipecc.ir.schedule.lower import lower, with_collectives
 from pipecc.ir.schedule.validate import validate
 
 __all__ = [
@@ -59,6 +62,7 @@ __all__ = [
     "gradient_reduce",
     "inference",
     "interleaved_1f1b",
+    "lower",
     "one_f_one_b",
     "one_f_one_b_uneven",
     "overlapping",

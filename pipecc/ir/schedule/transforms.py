@@ -1,8 +1,8 @@
 """Schedule transforms over the generators' output: unequal micro-batches (UMPIPE's GPipe
 and 1F1B with per-stage chunk sizes, ``gpipe_uneven`` and ``one_f_one_b_uneven``), BPipe's stash
 transfers inserted into 1F1B (``bpipe``), the collectives (``gradient_reduce`` for replica groups,
-``weight_refresh`` for Bi-Partition's segment replicas, ``without_collectives`` the simulator's
-view) and the forward-only view of a training schedule (``forward_only``).
+``weight_refresh`` for Bi-Partition's segment replicas, both applied by ``lower``;
+``without_collectives`` the simulator's view) and the forward-only view of a training schedule (``forward_only``).
 
 UMPIPE (PAPERS-SPEC.md section 1): ``F(s, k)`` needs every chunk of ``s-1`` that overlaps chunk
 ``k``'s samples; ``B(s, k)`` (or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` and
@@ -25,7 +25,7 @@ from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven", "gradient_reduce",
-           "one_f_one_b_uneven", "weight_refresh", "with_collectives", "without_collectives"]
+           "one_f_one_b_uneven", "weight_refresh", "without_collectives"]
 
 
 def _place_comms_uneven(
@@ -354,6 +354,8 @@ def _after_last(schedule: Schedule, kind: ActionKind, stages: Sequence[int] | No
     ``stages`` (None: all) that has no ``kind`` action yet; a row's other actions keep their order."""
     wanted = set(range(schedule.num_stages) if stages is None else stages)
     have = {a.stage for row in schedule.actions for a in row if a.kind is kind}
+    if wanted <= have:  # NOTE: already lowered (a compiled schedule.txt): itself, not rebuilt and validated again
+        return schedule
     rows = []
     for row in schedule.actions:
         last = {a.stage: i for i, a in enumerate(row) if marks(a) and a.stage in wanted - have}
@@ -381,14 +383,6 @@ def weight_refresh(schedule: Schedule, stages: Sequence[int]) -> Schedule:
     if not schedule.is_training or not stages:
         return schedule
     return _after_last(schedule, ActionKind.REFRESH, stages, lambda a: a.kind is ActionKind.F)
-
-
-def with_collectives(schedule: Schedule, replicas: int = 1, refresh_stages: Sequence[int] = ()) -> Schedule:
-    """The schedule a plan runs: ``gradient_reduce`` when its stages have ``replicas`` > 1, then
-    ``weight_refresh`` of ``refresh_stages`` (Bi-Partition's replica-holding workers)."""
-    if replicas > 1:
-        schedule = gradient_reduce(schedule)
-    return weight_refresh(schedule, refresh_stages)
 
 
 def without_collectives(schedule: Schedule) -> Schedule:

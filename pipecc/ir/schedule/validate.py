@@ -8,6 +8,7 @@ and buffered (NCCL ``isend``), receives block until the matching send was execut
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -16,6 +17,11 @@ from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.text import ScheduleError
 
 __all__ = ["validate"]
+
+# The schedules that passed, by identity: a Schedule is immutable, so one that passed once passes
+# again, and a rank that hands the same object on (schedule.txt read, checked against the run,
+# given to the executor) validates it once. Weak: a schedule nobody holds drops out.
+_PASSED: weakref.WeakValueDictionary[int, Schedule] = weakref.WeakValueDictionary()
 
 
 def _remote(schedule: Schedule, neighbour: int, rank: int) -> bool:
@@ -122,8 +128,17 @@ def validate(schedule: Schedule) -> None:
     part in matching (2) and in the deadlock run (4).
     Collectives: REDUCE and REFRESH only in training schedules, at most one of each per stage,
     REDUCE after the stage's every B or W, REFRESH after its every F.
-    The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice).
+    The first broken rule is raised. O(R * A) for R ranks and A actions (O(A) in practice); a
+    schedule object that passed before returns at once.
     """
+    if _PASSED.get(id(schedule)) is schedule:
+        return
+    _check(schedule)
+    _PASSED[id(schedule)] = schedule
+
+
+def _check(schedule: Schedule) -> None:
+    """``validate``'s rules, run (no memo)."""
     S = schedule.num_stages
     owner = schedule.stage_to_rank
     training = schedule.is_training

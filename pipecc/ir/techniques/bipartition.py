@@ -73,8 +73,9 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
 
 def lower(plan: Plan, schedule: Schedule) -> Schedule:
     """The plan's schedule with its weight refresh: REFRESH after the last F of each worker that
-    holds a segment's replica (``weight_refresh``); `schedule` itself without a cut pair."""
+    holds a segment's replica (``pipecc.ir.schedule.lower``); `schedule` itself without a cut pair."""
     if not plan.is_bipartition():
         return schedule
-    from pipecc.ir.schedule.transforms import weight_refresh
-    return weight_refresh(schedule, sorted({f for kind, f, _, _ in plan.bipartition_pieces() if kind == "segment"}))
+    from pipecc.ir.schedule.lower import lower as add_collectives
+    refresh = sorted({f for kind, f, _, _ in plan.bipartition_pieces() if kind == "segment"})
+    return add_collectives(schedule, refresh_stages=refresh)

@@ -53,8 +53,7 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
 
 def lower(plan: Plan, schedule: Schedule) -> Schedule:
     """The plan's schedule with its gradient all-reduce: REDUCE after each stage's last gradient
-    action when its stages have replicas (``gradient_reduce``); `schedule` itself otherwise."""
-    if plan.replicas <= 1:
-        return schedule
-    from pipecc.ir.schedule.transforms import gradient_reduce
-    return gradient_reduce(schedule)
+    action when its stages have replicas (``pipecc.ir.schedule.lower``, the one lowering the
+    runtime also applies); `schedule` itself otherwise."""
+    from pipecc.ir.schedule.lower import lower as add_collectives
+    return add_collectives(schedule, replicas=plan.replicas)

@@ -202,7 +202,8 @@ def _save_whole(program: Any, path: Path, external: bool) -> None:
     is referred to by name), then rename into place: a full disk leaves no partial .onnx."""
     import shutil
     import tempfile
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.pipecc-new-", dir=path.parent))
+    from pipecc.runtime.atomic import temp_prefix
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path, "new"), dir=path.parent))
     try:
         with _quiet_exporter():
             program.save(str(tmp / path.name), external_data=external)

@@ -82,10 +82,16 @@ class CompiledFolder:
     def open(cls, path: str | Path) -> CompiledFolder:
         """``path``'s marker read and checked; a one-line ``PipeccError`` when it has none (``find``)."""
         out = Path(path)
-        marker = read_json(out / MARKER, "a pipecc marker")
+        marker = cls.read(out).marker
         from pipecc.runtime.stagefile import check_marker  # NOTE: lazy, as torch is: `pipecc --help` stays fast
         check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
         return cls(out, marker)
+
+    @classmethod
+    def read(cls, path: str | Path) -> CompiledFolder:
+        """``path``'s marker read, not checked: for readers that show a folder rather than run it."""
+        out = Path(path)
+        return cls(out, read_json(out / MARKER, "a pipecc marker"))
 
     @classmethod
     def find(cls, path: str | Path) -> CompiledFolder | None:

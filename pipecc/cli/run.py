@@ -87,13 +87,16 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipecc.cli.args import endpoint, nonnegative_int, positive_float, positive_int
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES, VIRTUAL
 from pipecc.runtime import lifeline
 from pipecc.runtime.launcher import supervise
+
+if TYPE_CHECKING:
+    from pipecc.runtime.folder import CompiledFolder
 
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
 
@@ -260,7 +263,7 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
             "schedule": schedule, "inference_only": forward, "replicas": replicas}
 
 
-def _check_run(args: argparse.Namespace, folder: Any, specs: list[dict[str, Any]], forward: bool,
+def _check_run(args: argparse.Namespace, folder: CompiledFolder, specs: list[dict[str, Any]], forward: bool,
                schedule: Any, ranks: int, virtual: int) -> None:
     """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
     micro-batches against the batch, the schedule (a name, or the folder's parsed schedule.txt),

@@ -312,11 +312,9 @@ def _why(exc: OSError) -> str:
 
 def _read_marker(out: Path) -> dict | None:
     """OUT/pipecc.json when it is a pipecc compile marker, else None (not pipecc's folder)."""
-    try:
-        marker = json.loads((out / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("format") == FORMAT else None
+    from pipecc.runtime.folder_sums import read_marker
+    marker = read_marker(out)  # a regular file, size-capped (a FIFO there is not read)
+    return marker if marker is not None and marker.get("format") == FORMAT else None
 
 
 def _add_manifest(tmp: Path) -> None:

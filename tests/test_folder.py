@@ -75,6 +75,8 @@ def test_a_missing_marker(tmp_path: Path) -> None:
     assert CompiledFolder.find(tmp_path) is None
     with pytest.raises(PipeccError, match=r"is not a compiled folder \(no pipecc.json\); run `pipecc compile"):
         CompiledFolder.open(tmp_path)
+    with pytest.raises(PipeccError, match=r"^the caller's words$"):  # pipecc.load says "not a folder written by"
+        CompiledFolder.open(tmp_path, "the caller's words")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")

@@ -251,7 +251,8 @@ def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
 
     out = Path(out_dir)
     from pipecc.runtime.folder import CompiledFolder
-    folder = CompiledFolder.open(out)  # checked, and the torch stage code and weights recorded by hash
+    # checked, the torch stage code and weights recorded by hash; a library caller's words when there is none
+    folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)")
     marker = folder.marker
     from pipecc.runtime.folder_sums import check, read_regular, recorded_files
     for rel in recorded_files(out):  # the HLS projects too, before any is copied or built

@@ -79,9 +79,12 @@ class CompiledFolder:
     marker: dict[str, Any]
 
     @classmethod
-    def open(cls, path: str | Path) -> CompiledFolder:
-        """``path``'s marker read and checked; a one-line ``PipeccError`` when it has none (``find``)."""
+    def open(cls, path: str | Path, missing: str | None = None) -> CompiledFolder:
+        """``path``'s marker read and checked; a one-line ``PipeccError`` when it has none
+        (``missing``, the caller's words, else `pipecc run`'s; ``find``: None instead)."""
         out = Path(path)
+        if missing is not None and not (out / MARKER).exists():
+            raise PipeccError(missing)
         marker = cls.read(out).marker
         from pipecc.runtime.stagefile import check_marker  # NOTE: lazy, as torch is: `pipecc --help` stays fast
         check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank

@@ -317,7 +317,8 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
     """
     out = Path(out_dir)
     from pipecc.runtime.folder import CompiledFolder
-    folder = CompiledFolder.open(out)  # checked, and the stage code and weights recorded by hash
+    # checked, the stage code and weights recorded by hash; a library caller's words when there is none
+    folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)")
     loaded = [load_stage(out / f"stage_{i}") for i in range(folder.num_stages)]
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve

@@ -104,16 +104,15 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
     an HLS project (`stage_<i>/hls/`, FPGA stages) run through the C simulation, built with
     g++ on first use. Such pipelines are inference-only. `module.plan` is the folder's
     plan.json (a `pipecc.ir.plan.Plan`), as for `pipecc.compile`."""
-    import json
     from pathlib import Path
 
     from pipecc.passes.batchdim import Mixing, pieces
     from pipecc.report.compiled import read_plan
+    from pipecc.runtime.folder import CompiledFolder
     try:  # a model whose nodes mix samples (found at compile): no split batch here either
-        marker = json.loads((Path(out_dir) / "pipecc.json").read_text(encoding="utf-8"))
-        found = marker.get("batch_mixing")
-        split = pieces(int(microbatches or marker.get("microbatches") or 1))
-    except (OSError, ValueError, TypeError, AttributeError):
+        folder = CompiledFolder.open(out_dir)
+        found, split = folder.marker.get("batch_mixing"), pieces(folder.run_microbatches(microbatches))
+    except PipeccError:  # the loader below says what is wrong with the folder
         found, split = None, ""
     if isinstance(found, dict) and split and set(found) <= {"node", "why", "fix"}:
         raise PipeccError(Mixing(**{k: str(v) for k, v in found.items()}).message(split))

@@ -316,7 +316,8 @@ def test_main_runs_a_compiled_folder_in_one_process(tmp_path: Path, monkeypatch,
     assert main(argv) == 1  # no pipecc.json: the stage code it would run is recorded nowhere
     assert "not a folder written by `pipecc compile` (no pipecc.json)" in capsys.readouterr().err
     import pipecc.runtime.rank as rank_module
-    monkeypatch.setattr(rank_module, "_read_marker", lambda out: {})  # a marker with no fields: the stubs' folder
+    from pipecc.runtime.folder import CompiledFolder
+    monkeypatch.setattr(rank_module, "_open_folder", lambda out: CompiledFolder(Path(out), {}))  # a marker with no fields: the stubs' folder
     assert main(argv) == 1  # no model file to compare with
     assert "pipecc.json names no model" in capsys.readouterr().err
     argv[argv.index("--verify")] = "--verify-stages-only"

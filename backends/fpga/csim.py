@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.atomic import temp_prefix
 
 CXXFLAGS = ["-std=c++14", "-O2", "-Wno-unknown-pragmas", "-Wno-unused-label",
             "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
@@ -176,7 +177,7 @@ def host_key() -> bytes:
         pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(temp_prefix(path, "file") + "key")  # pipecc's one temporary-name scheme
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(secrets.token_bytes(32))

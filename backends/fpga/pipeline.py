@@ -250,18 +250,15 @@ def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
     from pipecc.runtime.stagefile import assemble_owner, load_stage
 
     out = Path(out_dir)
-    try:
-        marker = json.loads((out / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise PipeccError(f"{out} is not a folder written by `pipecc compile` "
-                          "(no readable pipecc.json)") from None
-    from pipecc.runtime.folder_sums import require
-    require(out, marker)  # the torch stage code and weights loaded below, recorded by hash
+    from pipecc.runtime.folder import CompiledFolder
+    # checked, the torch stage code and weights recorded by hash; a library caller's words when there is none
+    folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)")
+    marker = folder.marker
     from pipecc.runtime.folder_sums import check, read_regular, recorded_files
     for rel in recorded_files(out):  # the HLS projects too, before any is copied or built
         if "/hls/" in f"/{rel}":
             check(out, rel, read_regular(out / rel), marker.get("sha256"))
-    loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
+    loaded = [load_stage(out / f"stage_{i}") for i in range(folder.num_stages)]
     torch_modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     owner = assemble_owner(torch_modules)  # every stage's weights, FPGA stages' too
     modules: list[nn.Module] = []
@@ -275,7 +272,7 @@ def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
         where, keep = _usable_hls(hls)
         modules.append(FpgaPipelineStage(where, i, threaded=threaded, keep=keep))
         fpga[i] = json.loads((hls / "stage.json").read_text()).get("card", "fpga")
-    m = microbatches if microbatches is not None else int(marker.get("microbatches", 1))
+    m = microbatches if microbatches is not None else folder.microbatches
     pm = PipelinedModule(modules, ports, owner=owner, microbatches=m, devices=devices)
     _mark_inference_only(pm, fpga)
     return pm

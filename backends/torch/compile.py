@@ -51,14 +51,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
-import re
 import shutil
-import socket
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Mapping, Sequence
@@ -83,17 +79,14 @@ from pipecc.runtime.ports import split_sizes
 from pipecc.runtime.reslice import check_sizes
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.trust import file_sha256
+from pipecc.runtime.atomic import (HOST, NAME_MAX, STALE_AFTER_S, TEMP_NAME, TEMP_TAG, entries,  # noqa: F401 (re-exported)
+                                   make_parents, same_file, short_name, temp_prefix, temp_status, umask_modes)
 
 FORMAT = "pipecc-compile"
 FORMAT_VERSION = 1
 MARKER = "pipecc.json"
 # NOTE: `pipecc run` imports the model file only when its hash is this one (pipecc.runtime.trust)
 MODEL_HASH = "model_sha256"
-NAME_MAX = 255                 # bytes in one file name (ext4, xfs, btrfs, tmpfs, APFS)
-TEMP_TAG = ".pipecc-"          # temporary files and folders beside OUT: .<OUT>.pipecc-...
-TEMP_NAME = re.compile(r"(new|old|file)-([0-9a-f]{8})-(\d+)-")
-HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
-STALE_AFTER_S = 3600.0         # a temporary of another host (or an older pipecc) is stale after
 
 RUN_STAGE = '''"""Entry point of a compiled pipeline: `torchrun --nproc-per-node P run_stage.py [--steps N]`.
 
@@ -133,13 +126,13 @@ def write_output(out_dir: str | Path, graph: AnnotatedGraph, plan: Plan, stages:
     created: list[Path] = []
     tmp: Path | None = None
     try:
-        _make_parents(out.parent, created)
+        make_parents(out.parent, created)
         tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "new"), dir=out.parent))
         _write_all(tmp, graph, plan, stages, extra_files or {})
         for writer in writers:
             writer(tmp)
         _add_manifest(tmp)
-        _umask_modes(tmp)
+        umask_modes(tmp)
         _replace(tmp, out, force)
     except BaseException as exc:
         if tmp is not None:
@@ -317,25 +310,11 @@ def _why(exc: OSError) -> str:
     return f"{where}{exc.strerror or exc}"
 
 
-def _make_parents(folder: Path, created: list[Path]) -> None:
-    """mkdir -p `folder`, appending each folder it creates to `created` (outermost first) as
-    it goes, so a failure half-way still knows what to remove."""
-    missing = []
-    while not folder.exists() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    for f in reversed(missing):
-        f.mkdir()
-        created.append(f)
-
-
 def _read_marker(out: Path) -> dict | None:
     """OUT/pipecc.json when it is a pipecc compile marker, else None (not pipecc's folder)."""
-    try:
-        marker = json.loads((out / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("format") == FORMAT else None
+    from pipecc.runtime.folder_sums import read_marker
+    marker = read_marker(out)  # a regular file, size-capped (a FIFO there is not read)
+    return marker if marker is not None and marker.get("format") == FORMAT else None
 
 
 def _add_manifest(tmp: Path) -> None:
@@ -343,43 +322,9 @@ def _add_manifest(tmp: Path) -> None:
     from pipecc.runtime import folder_sums
     marker = json.loads((tmp / MARKER).read_text(encoding="utf-8"))
     marker[folder_sums.KEY] = folder_sums.record(tmp)  # checked at every load (the runtime's folder_sums)
-    marker["files"] = sorted(rel for rel, kind in _entries(tmp) if kind != "dir")
+    marker["files"] = sorted(rel for rel, kind in entries(tmp) if kind != "dir")
     marker["files_mac"] = sign(tmp, marker["files"])  # the evidence a recompile checks (manifest.py)
     (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
-
-
-def _umask_modes(tmp: Path) -> None:
-    """The modes the user's umask gives new files and folders, on everything pipecc wrote:
-    mkdtemp makes the folder 0700 and safetensors writes through a 0600 temporary file."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for folder, dirs, files in os.walk(tmp):
-        os.chmod(folder, 0o777 & ~mask)
-        for name in files:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~mask)
-
-
-def _entries(root: Path) -> list[tuple[str, str]]:
-    """(relative POSIX path, "file" | "link" | "dir") under `root`; links are not followed and
-    only folders without entries are listed (the others are implied by their files). A folder
-    that cannot be listed is an error: what cannot be seen cannot be kept."""
-    def unreadable(exc: OSError) -> None:
-        raise exc
-
-    out: list[tuple[str, str]] = []
-    for folder, dirs, files in os.walk(root, onerror=unreadable):
-        rel = Path(folder).relative_to(root)
-        for name in list(dirs):
-            if (Path(folder) / name).is_symlink():
-                dirs.remove(name)
-                files.append(name)
-        for name in files:
-            out.append(((rel / name).as_posix(), "link" if (Path(folder) / name).is_symlink() else "file"))
-        if not dirs and not files and rel != Path("."):
-            out.append((rel.as_posix(), "dir"))
-    return out
 
 
 @dataclass
@@ -394,11 +339,11 @@ def plan_merge(out: Path, new: Path) -> Merge:
     """Sort OUT's entries that pipecc did not write into kept and in-the-way (a path the new
     folder `new` uses for a file, or one inside such a path, or a file where it needs a folder)."""
     wrote = pipecc_wrote(_read_marker(out), out)
-    new_files = {rel for rel, kind in _entries(new) if kind != "dir"}
+    new_files = {rel for rel, kind in entries(new) if kind != "dir"}
     new_dirs = {str(PurePosixPath(rel).parents[k]) for rel in new_files
                 for k in range(len(PurePosixPath(rel).parents) - 1)}
     merge = Merge()
-    for rel, kind in _entries(out):
+    for rel, kind in entries(out):
         if wrote(rel):
             continue
         above = {str(p) for p in PurePosixPath(rel).parents}
@@ -465,20 +410,6 @@ def _replace(tmp: Path, out: Path, force: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- temporary folders
-def temp_prefix(target: Path, kind: str) -> str:
-    """`.<name>.pipecc-<kind>-<host>-<pid>-` for a temporary file or folder beside `target`: the
-    host and pid say whose it is, so a later write can tell a killed one from a running one."""
-    return f".{_short(target.name)}{TEMP_TAG}{kind}-{HOST}-{os.getpid()}-"
-
-
-def _short(name: str) -> str:
-    """`name`, shortened (with a hash) when the temporary name would exceed NAME_MAX."""
-    if len(os.fsencode(name)) <= NAME_MAX - 80:
-        return name
-    digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:10]
-    return os.fsencode(name)[:100].decode("utf-8", errors="ignore") + "~" + digest
-
-
 def clean_stale_temps(target: str | Path) -> None:
     """Remove the temporary files and folders a killed write of `target` left beside it: those
     of a process on this host that is gone, or older than STALE_AFTER_S (other hosts, and
@@ -486,14 +417,14 @@ def clean_stale_temps(target: str | Path) -> None:
     (killed between the two renames of `_replace`) is put back as `target` first; files in it
     that pipecc did not write and the new `target` lacks are never deleted."""
     target = Path(target)
-    prefix = f".{_short(target.name)}{TEMP_TAG}"
+    prefix = f".{short_name(target.name)}{TEMP_TAG}"
     try:
         names = [n for n in os.listdir(target.parent) if n.startswith(prefix)]
     except OSError:
         return
     for name in sorted(names, key=lambda n: not n[len(prefix):].startswith("old-")):  # restore first
         path = target.parent / name
-        kind, stale = _stale(path, name[len(prefix):])
+        kind, stale = temp_status(path, name[len(prefix):])
         if not stale:
             continue
         with contextlib.suppress(OSError):
@@ -503,31 +434,6 @@ def clean_stale_temps(target: str | Path) -> None:
                 shutil.rmtree(path)
             else:
                 path.unlink()
-
-
-def _stale(path: Path, rest: str) -> tuple[str, bool]:
-    """(kind, whether `path` is stale) from the part of its name after `.pipecc-`."""
-    m = TEMP_NAME.match(rest)
-    kind = m.group(1) if m else ("old" if rest.startswith("old-") else "new")
-    if m and m.group(2) == HOST:
-        return kind, not _alive(int(m.group(3)))
-    try:
-        age = time.time() - path.lstat().st_mtime
-    except OSError:
-        return kind, False
-    return kind, age > STALE_AFTER_S
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: someone else's, alive
-        return True
-    return True
 
 
 def _settle_old(old: Path, target: Path) -> None:
@@ -542,20 +448,13 @@ def _settle_old(old: Path, target: Path) -> None:
         shutil.rmtree(old)
         return
     wrote = pipecc_wrote(_read_marker(previous), previous)
-    orphans = [rel for rel, kind in _entries(previous) if kind != "dir" and not wrote(rel)
-               and not _same_file(previous / rel, target / rel)]
+    orphans = [rel for rel, kind in entries(previous) if kind != "dir" and not wrote(rel)
+               and not same_file(previous / rel, target / rel)]
     if orphans:
         progress.notice(f"left {old}: it holds {len(orphans)} file(s) pipecc did not write that "
                         f"{target} lacks: {_listing(orphans)}")
         return
     shutil.rmtree(old)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samestat(a.lstat(), b.lstat())
-    except OSError:
-        return False
 
 
 def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microbatches: int = 1,
@@ -585,4 +484,3 @@ class Recomputed(torch.nn.Module):
     def forward(self, *args: object) -> tuple:
         from torch.utils.checkpoint import checkpoint
         return checkpoint(self.inner, *args, use_reentrant=False)
-

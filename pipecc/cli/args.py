@@ -305,13 +305,13 @@ def write_atomic(path: str, text: str, flag: str = "-o", inputs: Any = (), force
     file through a temporary file beside it, so a failure leaves nothing (not even the parent
     folders it created); a character device or a read pipe written into, never renamed over.
     The temporary's name records its writer, so a later write removes one a kill left behind."""
-    from pipecc.backends.torch.compile import clean_stale_temps, temp_prefix
+    from pipecc.backends.torch.compile import clean_stale_temps
     from pipecc.runtime import outfile
     check_output_file(path, flag, inputs, force)
     target = outfile.check(path, flag, inputs, force)
     if target.kind in ("new", "file"):
         clean_stale_temps(target.real)
-    outfile.write(path, text, flag, inputs, force, prefix=temp_prefix(target.real, "file"))
+    outfile.write(path, text, flag, inputs, force)  # temporary: pipecc.runtime.atomic.temp_prefix
 
 
 def model_stdout(args: Any) -> Any:

@@ -45,12 +45,8 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
 
 def fpga_stage_dirs(out: Path) -> dict[int, Path]:
     """Stage index -> `OUT/stage_<i>/hls` for a compiled folder."""
-    try:
-        marker = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise PipeccError(f"{out} is not a folder written by `pipecc compile` "
-                          "(no readable pipecc.json)") from None
-    n = int(marker.get("num_stages", 0))
+    from pipecc.runtime.folder import CompiledFolder
+    n = int(CompiledFolder.read(out).marker.get("num_stages", 0))
     return {i: out / f"stage_{i}" / "hls" for i in range(n)
             if (out / f"stage_{i}" / "hls" / "stage.json").is_file()}
 

@@ -82,19 +82,21 @@ left out of the statistics. `--memory` adds each rank's measured peak memory bes
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipecc.cli.args import endpoint, nonnegative_int, positive_float, positive_int
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.registry import SCHEDULES, TRAINING_SCHEDULES, VIRTUAL
 from pipecc.runtime import lifeline
 from pipecc.runtime.launcher import supervise
+
+if TYPE_CHECKING:
+    from pipecc.runtime.folder import CompiledFolder
 
 __all__ = ["add_parser", "cmd_run", "launch_plan", "torchrun_commands"]
 
@@ -209,60 +211,35 @@ def add_parser(subparsers: Any, common_parent: argparse.ArgumentParser) -> argpa
 # ----------------------------------------------------------------------------- planning the launch
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    from pipecc.runtime.folder_sums import MARKER_MAX_BYTES, read_regular
-    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could hang
-        raise PipeccError(f"{path} is not a regular file; compile again")
-    try:
-        data = json.loads(read_regular(path, MARKER_MAX_BYTES).decode("utf-8"))
-    except (OSError, PipeccError):
-        raise PipeccError(f"{path.parent} is not a compiled folder (no {path.name}); run "
-                          f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
-    except ValueError as exc:
-        raise PipeccError(f"{path} is not valid JSON ({exc}); compile again") from None
-    except RecursionError:
-        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
-    if not isinstance(data, dict):
-        raise PipeccError(f"{path} is not {what}; compile again")
-    return data
-
-
 def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     """What to start: {"out", "ranks", "nnodes", "nproc", "num_stages", "schedule"}; checks OUT."""
     out = Path(args.out).resolve()
     if not out.is_dir():
         raise PipeccError(f"{args.out} is not a folder; give the OUT of `pipecc compile ... -o OUT`")
-    marker = _read_json(out / "pipecc.json", "a pipecc marker")
-    from pipecc.runtime.stagefile import check_marker
-    check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
-    try:
-        num_stages = int(marker["num_stages"])
-    except (KeyError, TypeError, ValueError):
-        raise PipeccError(f"{out / 'pipecc.json'} has no num_stages; compile again") from None
-    if num_stages < 1:
-        raise PipeccError(f"{out / 'pipecc.json'} says {num_stages} stages; compile again")
+    from pipecc.runtime.folder import CompiledFolder, read_json
+    folder = CompiledFolder.open(out)  # an edited field is one line here, not a traceback in a rank
+    num_stages = folder.num_stages
     missing = [f"stage_{i}" for i in range(num_stages) if not (out / f"stage_{i}" / "ports.json").is_file()]
     if not (out / "run_stage.py").is_file():
         missing.insert(0, "run_stage.py")
     if missing:
         raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
-    from pipecc.runtime.schedule_file import read_schedule_file
     from pipecc.runtime.stagefile import check_folder  # NOTE: lazy, as torch is: `pipecc --help` stays fast
 
     specs = check_folder(out, num_stages)  # runs none of the folder's code
-    compiled = read_schedule_file(out, num_stages, marker)
+    compiled = folder.schedule_file()
     # the ranks run the folder's schedule.txt; --schedule or --microbatches build one by name
     use_file = args.schedule is None and args.microbatches is None
-    plan = _read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
-    forward = _forward_only(args, marker, out, num_stages)
-    schedule = "inference" if forward else args.schedule or str(marker.get("schedule") or "1f1b")
+    plan = read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
+    forward = folder.forward_only(args.schedule, args.optimizer, args.lr)
+    schedule = "inference" if forward else args.schedule or folder.schedule
     virtual = int(plan.get("virtual_stages") or 1) if schedule in VIRTUAL else 1
     if use_file:
         virtual = num_stages // compiled.num_ranks  # read_schedule_file: its stages are the folder's
     if virtual < 1 or num_stages % virtual:
         raise PipeccError(f"{num_stages} stages do not divide into {virtual} virtual stages per rank")
-    replicas = _replicas(marker, out)
-    _check_run(args, marker, specs, forward, compiled if use_file else schedule, num_stages // virtual, virtual)
+    replicas = folder.replicas
+    _check_run(args, folder, specs, forward, compiled if use_file else schedule, num_stages // virtual, virtual)
     ranks = num_stages // virtual * replicas  # PP x DP: every pipeline rank on `replicas` processes
     nnodes = args.nnodes
     if nnodes > 1 and not args.rdzv_endpoint:
@@ -286,36 +263,25 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
             "schedule": schedule, "inference_only": forward, "replicas": replicas}
 
 
-def _replicas(marker: dict[str, Any], out: Path) -> int:
-    """``pipecc.json``'s ``replicas`` (1 when absent: a folder compiled before PP x DP)."""
-    value = marker.get("replicas", 1)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PipeccError(f"{out / 'pipecc.json'} says replicas {value!r}; compile again")
-    return value
-
-
-def _check_run(args: argparse.Namespace, marker: dict[str, Any], specs: list[dict[str, Any]], forward: bool,
+def _check_run(args: argparse.Namespace, folder: CompiledFolder, specs: list[dict[str, Any]], forward: bool,
                schedule: Any, ranks: int, virtual: int) -> None:
     """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
     micro-batches against the batch, the schedule (a name, or the folder's parsed schedule.txt),
     --verify's model file, the model file's hash, the checkpoint options."""
     from pipecc.runtime.rank import check_options
     from pipecc.runtime.engine import build_schedule
-    from pipecc.runtime.lengths import Lengths, run_lengths
-    from pipecc.runtime.ports import StagePorts
-    from pipecc.runtime.reslice import folder_sizes
-    from pipecc.runtime.stash import folder_balancing
+    from pipecc.runtime.lengths import run_lengths
     from pipecc.runtime.trust import model_file
 
-    m = args.microbatches or int(marker.get("microbatches") or 4)
-    batch = int(marker.get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
-    check_options(args, marker, forward, m, batch, "an inference-only pipeline")
-    run_lengths(getattr(args, "length", None), Lengths.from_json(marker.get("lengths")))  # the declared range
-    _check_separable(marker, m, _replicas(marker, args.out))
-    model_file(marker, args.out)  # raises when the model file is not the one recorded by hash
+    m = folder.run_microbatches(args.microbatches)
+    batch = folder.batch(specs)
+    check_options(args, folder, forward, m, batch, "an inference-only pipeline")
+    run_lengths(getattr(args, "length", None), folder.lengths)  # the declared range
+    _check_separable(folder.marker, m, folder.replicas)
+    model_file(folder.marker, args.out)  # raises when the model file is not the one recorded by hash
     try:
-        build_schedule(schedule, ranks, m, virtual, folder_sizes(marker, args.microbatches),
-                       folder_balancing(marker))
+        build_schedule(schedule, ranks, m, virtual, folder.sizes_for(args.microbatches),
+                       folder.activation_balancing)
     except ValueError as e:
         shown = schedule if isinstance(schedule, str) else "(schedule.txt)"
         raise UsageError(f"--schedule {shown} with {ranks} ranks and {m} micro-batches: {e}") from None
@@ -334,32 +300,6 @@ def _check_separable(marker: dict[str, Any], m: int, replicas: int) -> None:
         except TypeError:
             raise PipeccError("pipecc.json's batch_mixing is not pipecc's; compile again") from None
         raise PipeccError(mixing.message(split))
-
-
-def _forward_only(args: argparse.Namespace, marker: dict[str, Any], out: Path, num_stages: int) -> bool:
-    """True when the run does forward passes only (an inference-only folder, or --schedule
-    inference); a usage error when training options are asked of a folder that cannot train."""
-    fpga = sorted({int(k) for k in marker.get("fpga_stages") or {} if str(k).isdigit()}
-                  | {i for i in range(num_stages) if (out / f"stage_{i}" / "hls").is_dir()})
-    never_trains = bool(fpga or marker.get("inference_only"))
-    if never_trains:
-        why = f"FPGA stages: {fpga}" if fpga else str(marker.get("inference_only_reason") or "compiled so")
-        why += "; FPGA stages have no backward pass" if fpga else ""
-        hint = ""
-    elif marker.get("schedule") == "inference":
-        why, hint = "compiled with --inference", "; give --schedule gpipe or 1f1b to train it"
-    else:
-        return args.schedule == "inference"
-    if args.schedule not in (None, "inference"):
-        if never_trains:
-            raise UsageError(f"{args.out} is an inference-only pipeline ({why}): `pipecc run` runs forward "
-                             f"passes only; --schedule {args.schedule} would train it")
-        return False  # compiled with --inference for CPUs/GPUs: a training schedule trains it
-    asked = [flag for flag, value in (("--optimizer", args.optimizer), ("--lr", args.lr)) if value is not None]
-    if asked:
-        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): `pipecc run` runs forward passes "
-                         f"only, so {' and '.join(asked)} {'do' if len(asked) > 1 else 'does'} not apply{hint}")
-    return True
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:

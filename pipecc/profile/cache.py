@@ -9,7 +9,7 @@ is `$XDG_CACHE_HOME/pipecc/profiles/` (default `~/.cache/pipecc/profiles/`).
 NOTE: the key hashes the model file, not what it imports; a model split over several files
 needs `--no-cache` after editing the others.
 
-An entry is written atomically (temporary file + `os.replace`), so a reader never sees a
+An entry is written atomically (`pipecc.runtime.atomic.write_atomic`), so a reader never sees a
 half-written profile; one that does not parse, or belongs to another key, is a miss.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipecc.runtime.atomic import write_atomic
 from pipecc.runtime.trust import file_sha256  # the hash pipecc.json records too
 
 __all__ = ["cache_dir", "cache_key", "file_sha256", "load", "store"]
@@ -55,17 +55,7 @@ def store(key: str, profile: Mapping[str, Any], directory: Path | None = None) -
     path = directory / f"{key}.json"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".pipecc-", suffix=".json", dir=directory)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(profile, fh, indent=1)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(profile, indent=1), mode=0o600)
     except OSError:  # disk full, permissions: as unwritable
-        Path(tmp).unlink(missing_ok=True)
         return None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path

@@ -79,8 +79,9 @@ def load_compiled(out: str | Path) -> Compiled:
         raise PipeccError(f"{path}: no such folder (compile one with `pipecc compile MODEL -o {path}`)")
     if not path.is_dir() or not (path / "pipecc.json").is_file():
         raise PipeccError(f"{path} is not a folder written by `pipecc compile` (no pipecc.json)")
-    marker = _read_json(path / "pipecc.json", "compile marker")
-    if not isinstance(marker, dict) or marker.get("format") != "pipecc-compile":
+    from pipecc.runtime.folder import CompiledFolder
+    marker = CompiledFolder.read(path).marker  # read as data: inspect shows what a run would refuse
+    if marker.get("format") != "pipecc-compile":
         raise PipeccError(f"{path}/pipecc.json is not a pipecc compile marker")
     plan = read_plan(path)
     problem = plan_problem(plan)

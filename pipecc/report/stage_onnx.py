@@ -87,11 +87,8 @@ class TensorStage(nn.Module):
 
 # ----------------------------------------------------------------------------- stage inputs
 def _marker(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise PipeccError(f"{out} is not a folder written by `pipecc compile` "
-                          "(no readable pipecc.json)") from None
+    from pipecc.runtime.folder import CompiledFolder
+    return CompiledFolder.read(out).marker
 
 
 def trusted_model_source(out: str | Path, marker: dict[str, Any] | None = None) -> tuple[Path | None, bytes | str]:
@@ -137,16 +134,18 @@ def model_inputs(out: str | Path, batch: int, seed: int = 0) -> dict[str, Any]:
 
 def stage_modules_and_inputs(out: str | Path, upto: int | None = None) -> list[tuple[nn.Module, dict, list]]:
     """[(module, ports, positional inputs)] for stages 0..upto, inputs from running the chain."""
+    from pipecc.runtime.folder import CompiledFolder
     from pipecc.runtime.folder_sums import require
     from pipecc.runtime.stagefile import load_stage
     out = Path(out)
     marker = _marker(out)
     require(out, marker)  # the stage code run below, checked by hash (pipecc.runtime.folder_sums)
-    n = int(marker["num_stages"])
+    folder = CompiledFolder(out, marker)
+    n = folder.num_stages
     last = n - 1 if upto is None else upto
     if not 0 <= last < n:
         raise PipeccError(f"stage {upto}: {out} has stages 0..{n - 1}")
-    batch = max(int(marker.get("batch_size", 1)) // max(int(marker.get("microbatches", 1)), 1), 1)
+    batch = max(folder.batch_size // folder.microbatches, 1)  # one micro-batch
     env = model_inputs(out, batch)
     result = []
     with torch.no_grad():
@@ -202,7 +201,8 @@ def _save_whole(program: Any, path: Path, external: bool) -> None:
     is referred to by name), then rename into place: a full disk leaves no partial .onnx."""
     import shutil
     import tempfile
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.pipecc-new-", dir=path.parent))
+    from pipecc.runtime.atomic import temp_prefix
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path, "new"), dir=path.parent))
     try:
         with _quiet_exporter():
             program.save(str(tmp / path.name), external_data=external)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ import torch.distributed as dist
 
 from pipecc.errors import PipeccError
 from pipecc.runtime import ckpt_remap, watchdog, wire
+from pipecc.runtime.atomic import write_atomic
 from pipecc.runtime.engine import PipelineRuntime
 
 __all__ = ["DEFAULT_LR", "LATEST", "RunCheckpoints", "check_rank_sums", "check_resume", "folder_fingerprint",
@@ -325,16 +325,12 @@ class RunCheckpoints:
         with watchdog.bounded(f"writing checkpoint step {step} into {target}"):
             self.runtime.save_checkpoint(target, step)
             sums = {name: _sha256(target / name) for name in (f"{base}.safetensors", f"{base}.json")}
-            tmp_sums = target / f".{base}{SUMS}.{os.getpid()}.tmp"
-            tmp_sums.write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp_sums, target / f"{base}{SUMS}")
+            write_atomic(target / f"{base}{SUMS}", json.dumps(sums, indent=1) + "\n")
         self._agree(0, saved=(target, step))  # every rank's files are in place
         latest = {"format": FORMAT, "step": step, "world": self.runtime.global_world, "folder": self.fingerprint}
         if self.run is not None:
             latest["run"] = self.run
-        tmp = self.directory / f".{LATEST}.{self.runtime.global_rank}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(latest, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.directory / LATEST)
+        write_atomic(self.directory / LATEST, json.dumps(latest, indent=1) + "\n")
         self._prune(step)
         return target
 

@@ -45,18 +45,16 @@ from pipecc.runtime import lifeline, teardown
 from pipecc.runtime.checkpoints import DEFAULT_LR, RunCheckpoints, folder_fingerprint, \
     run_options
 from pipecc.runtime.engine import PipelineRuntime, RunConfig
-from pipecc.runtime.lengths import Lengths
+from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.memory import memory_meter
-from pipecc.runtime.ports import StagePorts
 from pipecc.runtime.replicas import (Replicas)
-from pipecc.runtime.rank import (RankRun, _lock_checkpoints, _read_marker, _replica_count, _replica_data,  # noqa: F401
-                                 _stage_dirs, check_options, folder_has_sizes, inference_only, load_rank)
+from pipecc.runtime.rank import RankRun, check_options, load_rank  # noqa: F401  (re-exported)
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.timing import ActionTimer, gather, plan_identity, read_plan, run_document
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
 
-__all__ = ["RankRun", "check_options", "inference_only", "load_rank", "main", "run_compiled", "train"]
+__all__ = ["RankRun", "check_options", "load_rank", "main", "run_compiled", "train"]
 
 
 def device_note(meta: dict[str, Any] | None, device: torch.device) -> str | None:
@@ -273,7 +271,7 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
     try:
         if run.forward:
-            return _run_forward(args, run.meta, run.stage_dirs, run.specs, run.data, run.modules, run.ports,
+            return _run_forward(args, run.folder, run.stage_dirs, run.specs, run.data, run.modules, run.ports,
                                 run.rank, run.world, run.config, run.load_stage, run.why, stdout, run.replicas,
                                 run.rows, run.lengths, run.at_length)
         return train(args, run, stdout)
@@ -306,8 +304,8 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
     with _memory_meter(args, runtime, timer, run.rows, run.target):  # --memory: its meter counts the loop
         is_last = runtime.last_stage in runtime.stage_ids
         speaks = is_last and replicas.index == 0  # replicas: one of the last stage's prints
-        module, file = data.module, Path(str((meta or {}).get("model_path") or "the model file")).name
-        model_args = dict((meta or {}).get("model_args") or {})
+        module, file = data.module, Path(str(meta.get("model_path") or "the model file")).name
+        model_args = dict(meta.get("model_args") or {})
         draws = 0 in runtime.stage_ids or is_last  # the ranks whose stages read the data
         epochs = getattr(args, "epochs", None)
         stream = None
@@ -342,7 +340,7 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             if outputs is not None:
                 verify_chained(outputs, rows, [load_stage(d)[0].to(runtime.device) for d in stage_dirs], speaks)
         elif args.verify:
-            verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+            verifier = Verifier(runtime, data, meta, stage_dirs, load_stage, args.rtol, args.atol)
             if verifier.eval_only:
                 verifier.check_eval_outputs(inputs)
                 verifier = None
@@ -431,13 +429,13 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
                         scheduler.step()
         if verifier is not None and len(set(run.lengths)) > 1:  # --verify at every length, before training
             verifier = None
-            symbol = Lengths.from_json((meta or {}).get("lengths")).symbol  # type: ignore[union-attr]
+            symbol = run.folder.lengths.symbol
             for k, n in enumerate(run.lengths):
                 if n in run.lengths[:k]:
                     continue
                 if speaks:
                     print(f"verify at {symbol}={n}:", flush=True)
-                verifier = Verifier(runtime, run.at_length[n][0], meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+                verifier = Verifier(runtime, run.at_length[n][0], meta, stage_dirs, load_stage, args.rtol, args.atol)
                 train_step(k, update=False, check=True)
             verifier = None
         elif verifier is not None and (args.steps < 1 or stream is not None):
@@ -522,7 +520,7 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
         print(json.dumps(document), file=stdout, flush=True)
 
 
-def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_dirs: list[Path],
+def _run_forward(args: argparse.Namespace, folder: CompiledFolder, stage_dirs: list[Path],
                  specs: list[dict[str, Any]], data: RunData, modules: list[nn.Module], ports: list[dict],
                  rank: int, world: int, config: RunConfig, load_stage: Callable, why: str,
                  stdout: TextIO | None = None, replicas: Replicas | None = None, rows: tuple | None = None,
@@ -537,13 +535,13 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
     is_last = runtime.last_stage in runtime.stage_ids and runtime.replicas.index == 0  # the one that prints
     rows = data.inputs if rows is None else rows  # replicas: this replica's rows
     inputs = rows if 0 in runtime.stage_ids else None
-    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+    meta, batch = folder.marker, folder.batch(specs)
     if is_last:
         print(f"inference-only pipeline ({why}): running forward passes", flush=True)
     verifier = None
     verify = args.verify or args.verify_stages_only
     if args.verify and not args.verify_stages_only:
-        verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+        verifier = Verifier(runtime, data, meta, stage_dirs, load_stage, args.rtol, args.atol)
 
     def check(outputs: Any) -> None:
         if verifier is not None:
@@ -560,9 +558,9 @@ def _run_forward(args: argparse.Namespace, meta: dict[str, Any] | None, stage_di
                 inputs = rows if 0 in runtime.stage_ids else None
                 first = n not in lengths[:i]
                 if verify and first and args.verify and not args.verify_stages_only and i > 0:
-                    verifier = Verifier(runtime, data, meta or {}, stage_dirs, load_stage, args.rtol, args.atol)
+                    verifier = Verifier(runtime, data, meta, stage_dirs, load_stage, args.rtol, args.atol)
                 if verify and first and is_last:
-                    print(f"verify at {(meta or {}).get('lengths', {}).get('symbol')}={n}:", flush=True)
+                    print(f"verify at {meta.get('lengths', {}).get('symbol')}={n}:", flush=True)
             if timer is not None:
                 timer.begin_step()
             start = time.perf_counter()

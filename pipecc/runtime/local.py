@@ -316,20 +316,17 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
     `devices` (default: all on CPU) with `microbatches` (default: the plan's).
     """
     out = Path(out_dir)
-    try:
-        marker = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise PipeccError(f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)") from None
-    from pipecc.runtime.folder_sums import require
-    require(out, marker)  # the stage code and weights loaded below, recorded by hash
-    loaded = [load_stage(out / f"stage_{i}") for i in range(int(marker["num_stages"]))]
+    from pipecc.runtime.folder import CompiledFolder
+    # checked, the stage code and weights recorded by hash; a library caller's words when there is none
+    folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)")
+    loaded = [load_stage(out / f"stage_{i}") for i in range(folder.num_stages)]
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve
-    m = microbatches if microbatches is not None else int(marker.get("microbatches", 1))
+    m = microbatches if microbatches is not None else folder.microbatches
     if devices is not None and len(devices) != len(modules):
         devices = _given_devices(out, list(devices), len(modules))
     return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices,
-                           precision=str(marker.get("precision") or "fp32"))
+                           precision=folder.precision)
 
 
 def _given_devices(out: Path, devices: list[Any], stages: int) -> list[Any]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.atomic import temp_prefix, umask
 
 # Bytes every file of one kind pipecc writes contains: a file holding one of them was written
 # by pipecc (a plan's JSON, a profile, a Chrome trace of `run --trace`, the HTML report, an
@@ -164,7 +165,7 @@ def _replace(target: Target, produce: Callable, prefix: str | None) -> None:
         for f in reversed(missing):
             f.mkdir()
             created.append(f)
-        fd, tmp = tempfile.mkstemp(prefix=prefix or f".{real.name[:120]}.pipecc-file-{os.getpid()}-", dir=real.parent)
+        fd, tmp = tempfile.mkstemp(prefix=prefix or temp_prefix(real, "file"), dir=real.parent)
         if getattr(produce, "wants_path", False):
             os.close(fd)
             produce(tmp)
@@ -175,7 +176,7 @@ def _replace(target: Target, produce: Callable, prefix: str | None) -> None:
             if target.kind == "file":
                 os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
             else:
-                os.chmod(tmp, 0o666 & ~_umask())
+                os.chmod(tmp, 0o666 & ~umask())
         # the check again, just before the rename: nothing in between may have put a device here
         if os.path.lexists(real) and not stat.S_ISREG(os.stat(real).st_mode):
             raise PipeccError(f"{target.path} changed into a non-file while pipecc worked; nothing was written")
@@ -188,12 +189,6 @@ def _replace(target: Target, produce: Callable, prefix: str | None) -> None:
             for f in reversed(created):
                 with contextlib.suppress(OSError):
                     f.rmdir()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_into(target: Target, produce: Callable, shown: str) -> None:

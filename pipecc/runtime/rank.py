@@ -11,7 +11,6 @@ Imports torch, ``pipecc.ir.schedule``, ``pipecc.errors`` and the runtime — nev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -22,68 +21,33 @@ from typing import Any
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 from pipecc.runtime.admit import check_folder_plan
 from pipecc.runtime.checkpoints import LATEST, check_resume, read_latest, run_options
 from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
 from pipecc.runtime.engine import RunConfig, build_schedule, init_distributed
+from pipecc.runtime.folder import CompiledFolder, find_stage_dirs
 from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
-from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
+from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
 from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
                                      replica_target)
-from pipecc.runtime.reslice import folder_sizes
 from pipecc.runtime.rundata import RunData
-from pipecc.runtime.stagefile import check_folder, check_marker
-from pipecc.runtime.stash import folder_balancing
-from pipecc.runtime.timing import read_plan
+from pipecc.runtime.stagefile import check_folder
 from pipecc.runtime.trace import check_trace_path
 from pipecc.runtime.trust import verify_problem
 
-__all__ = ["RankRun", "check_options", "folder_has_sizes", "inference_only", "load_rank"]
+__all__ = ["RankRun", "check_options", "folder_has_sizes", "load_rank"]
 
 
-def _stage_dirs(out: Path) -> list[Path]:
-    dirs = sorted((p for p in out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
-                  key=lambda p: int(p.name[6:]))
-    if not dirs:
-        raise PipeccError(f"{out} holds no stage_<i>/ folders; run `pipecc compile` first")
-    if [int(p.name[6:]) for p in dirs] != list(range(len(dirs))):
-        raise PipeccError(f"{out}: stage folders {[p.name for p in dirs]} are not stage_0 .. stage_{len(dirs) - 1}")
-    return dirs
-
-
-def _read_marker(out: Path) -> dict[str, Any] | None:
-    """``OUT/pipecc.json`` as a dict, or None when there is none."""
-    path = out / "pipecc.json"
-    if not path.exists():
-        return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise PipeccError(f"{path} is unreadable ({e}); compile again") from None
-    except RecursionError:
-        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
-    if not isinstance(marker, dict):
-        raise PipeccError(f"{path} is not a pipecc marker; compile again")
-    check_marker(out, marker)
-    return marker
+def _open_folder(out: Path) -> CompiledFolder | None:
+    """``OUT``'s compiled folder (``pipecc.json`` read and checked), or None when it has none."""
+    return CompiledFolder.find(out)
 
 
 def folder_has_sizes(out: Path) -> bool:
     """True when the folder's plan gives its stages unequal micro-batches (``microbatch_sizes``)."""
-    meta = _read_marker(out)
-    return bool((meta or {}).get("microbatch_sizes"))
-
-
-def _compiled_device(meta: dict[str, Any] | None) -> str | None:
-    """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
-    simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
-    available; None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
-    devices = (meta or {}).get("devices") or []
-    if devices and all(isinstance(d, dict) and d.get("kind") in ("cpu", "fpga") for d in devices):
-        return "cpu"
-    return None
+    folder = _open_folder(out)
+    return folder is not None and folder.has_sizes
 
 
 def stage_devices(plan: dict[str, Any]) -> list[str | None]:
@@ -124,33 +88,6 @@ def _rank_device(on: Sequence[str | None], stages: Sequence[int], rank: int) -> 
     return device or f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
 
 
-def _fpga_stages(meta: dict[str, Any] | None, stage_dirs: Sequence[Path]) -> list[int]:
-    """The stages that run on an FPGA card: ``pipecc.json``'s ``fpga_stages``, else those with ``hls/``."""
-    listed = (meta or {}).get("fpga_stages") or {}
-    try:
-        found = {int(k) for k in listed}
-    except (TypeError, ValueError):
-        found = set()
-    return sorted(found | {i for i, d in enumerate(stage_dirs) if (d / "hls").is_dir()})
-
-
-def inference_only(meta: dict[str, Any] | None, stage_dirs: Sequence[Path] = ()) -> tuple[bool, bool, str]:
-    """(runs forward only, can never train, why) for a compiled folder.
-
-    A folder with FPGA stages (``pipecc.json``: ``"inference_only": true``, or a ``stage_<i>/hls/``)
-    can never train: the C simulation has no backward pass. One compiled with ``--inference``
-    (schedule "inference") runs forward only unless a training schedule is asked for.
-    """
-    fpga = _fpga_stages(meta, stage_dirs)
-    if fpga or (meta or {}).get("inference_only"):
-        why = f"FPGA stages: {fpga}" if fpga else str((meta or {}).get("inference_only_reason")
-                                                       or "compiled inference-only")
-        return True, True, why
-    if (meta or {}).get("schedule") == "inference":
-        return True, False, "compiled with --inference"
-    return False, False, ""
-
-
 def _load_fpga_stage(stage_dir: Path, index: int) -> nn.Module:
     """Stage ``index``'s executable when it runs on an FPGA card: its C simulation.
 
@@ -183,7 +120,7 @@ class RankRun:
     ``--checkpoint-dir`` lock this process holds while it runs (None: none, or the launcher's)."""
 
     stage_dirs: list[Path]
-    meta: dict[str, Any] | None
+    folder: CompiledFolder
     specs: list[dict[str, Any]]
     forward: bool  # forward passes only (an inference-only folder, or --schedule inference)
     why: str  # why forward only, for messages
@@ -204,43 +141,41 @@ class RankRun:
     lengths: list[int]  # --length: step i runs at lengths[i % len]; [] = the folder's example length
     at_length: dict[int, tuple[RunData, tuple, Any]]  # length -> (data, rows, target)
 
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The folder's ``pipecc.json``."""
+        return self.folder.marker
+
 
 def load_rank(args: argparse.Namespace) -> RankRun:
     """Folder loading: check the folder and the options against it (before any process group
     exists), join the process group, and load this rank's stages, ports and data."""
-    stage_dirs = _stage_dirs(args.out)
-    meta = _read_marker(args.out)
-    if meta is None:  # run_stage.py started by hand: its stage code is recorded by hash in pipecc.json
+    stage_dirs = find_stage_dirs(args.out)
+    folder = _open_folder(args.out)
+    if folder is None:  # run_stage.py started by hand: its stage code is recorded by hash in pipecc.json
         raise PipeccError(f"{args.out} is not a folder written by `pipecc compile` (no pipecc.json), so the stage "
                           "code it would run is recorded nowhere: compile it again")
+    meta = folder.marker
     lock = _lock_checkpoints(args, create=False)  # held until this returns; a folder in use names its run
     try:
         from pipecc.runtime.local import load_stage  # lazy: the stage loader lives with the local runtime
     except ImportError:
         raise PipeccError("pipecc.runtime.local.load_stage is missing; cannot load compiled stages") from None
     specs = check_folder(args.out, len(stage_dirs), files=False)
-    compiled = read_schedule_file(args.out, len(stage_dirs), meta)  # the folder's schedule.txt
-    forward, never_trains, why = inference_only(meta, stage_dirs)
-    if args.schedule in TRAINING_SCHEDULES and never_trains:
-        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): FPGA stages have no backward "
-                         f"pass, so it runs forward passes only; --schedule {args.schedule} would train it")
-    forward = forward and args.schedule not in TRAINING_SCHEDULES or args.schedule == "inference"
-    why = why or "--schedule inference"
-    if forward and (args.optimizer is not None or args.lr is not None):
-        asked = " and ".join(f for f, v in (("--optimizer", args.optimizer), ("--lr", args.lr)) if v is not None)
-        raise UsageError(f"{args.out} is an inference-only pipeline ({why}): it runs forward passes only, "
-                         f"so {asked} would train it")
-    schedule_name = args.schedule or (meta or {}).get("schedule") or "1f1b"
-    m = args.microbatches or int((meta or {}).get("microbatches") or 4)
-    batch = int((meta or {}).get("batch_size") or StagePorts.from_json(specs[0]).batch_size or 0)
+    compiled = folder.schedule_file(len(stage_dirs))  # the folder's schedule.txt
+    forward = folder.forward_only(args.schedule, args.optimizer, args.lr)
+    why = folder.why or "--schedule inference"
+    schedule_name = args.schedule or folder.schedule
+    m = folder.run_microbatches(args.microbatches)
+    batch = folder.batch(specs)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    check_options(args, meta, forward, m, batch, why, one_process=not under_torchrun)
+    check_options(args, folder, forward, m, batch, why, one_process=not under_torchrun)
     lock = lock or _lock_checkpoints(args, create=True)  # the checks passed: a new folder may be made now
-    count = _replica_count(meta) if under_torchrun else 1  # one process runs the folder unreplicated
+    count = folder.replicas if under_torchrun else 1  # one process runs the folder unreplicated
     world_guess = int(os.environ["WORLD_SIZE"]) // count if under_torchrun else 1
-    sizes = folder_sizes(meta, args.microbatches)  # unequal micro-batches: gpipe only
+    sizes = folder.sizes_for(args.microbatches)  # unequal micro-batches: gpipe only
     # BPipe: 1f1b on one rank per stage; one process (every stage on one rank) runs without it
-    balancing = folder_balancing(meta) if under_torchrun else None
+    balancing = folder.activation_balancing if under_torchrun else None
     # Under torchrun the folder's schedule.txt runs as it is (forward only: without its backward
     # actions); --schedule or --microbatches build one by name from the folder's plan instead, and
     # one process (every stage on one rank) runs the schedule built for it, as below.
@@ -254,10 +189,10 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
     run_schedule = compiled if use_file else schedule_name
-    plan = read_plan(args.out)
+    plan = folder.plan
     mixed = under_torchrun and _heterogeneous(plan, args.backend)
     config = RunConfig(run_schedule, m, args.timeout, args.backend or ("gloo" if mixed else None),
-                       _compiled_device(meta), sizes, balancing, run_precision(args, meta))
+                       folder.compiled_device, sizes, balancing, run_precision(args, meta))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
     replicas = Replicas.create(count, rank, world)  # collective when replicated
     if count > 1 and batch:  # its slices: s_r rows of every micro-batch (equal or one apart)
@@ -271,7 +206,7 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]
-    declared = Lengths.from_json((meta or {}).get("lengths"))
+    declared = folder.lengths
     lengths = run_lengths(getattr(args, "length", None), declared)
     if declared is not None:  # the dims that vary: their shapes travel with every message
         ports = [mark_dynamic(p, declared.symbol) for p in ports]
@@ -283,7 +218,7 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         for i, s in enumerate(schedule.stages_of(rank)):
             if (stage_dirs[s] / "hls").is_dir():
                 modules[i] = _load_fpga_stage(stage_dirs[s], s)
-    return RankRun(stage_dirs, meta, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
+    return RankRun(stage_dirs, folder, specs, forward, why, schedule_name, m, batch, config, rank, world, replicas,
                    modules, ports, data, rows, target, load_stage, lock, lengths, at_length)
 
 
@@ -301,7 +236,7 @@ def run_precision(args: argparse.Namespace, meta: dict[str, Any] | None) -> str 
     `--verify` compares float32 runs: a folder's own bf16/fp16 is not used by it (a note says so);
     an explicit one is refused by `check_options`."""
     asked = getattr(args, "precision", None)
-    chosen = asked or str((meta or {}).get("precision") or "fp32")
+    chosen = asked or CompiledFolder(Path(getattr(args, "out", ".")), meta or {}).precision
     if asked is None and chosen != "fp32" and (getattr(args, "verify", False)
                                                or getattr(args, "verify_stages_only", False)):
         if os.environ.get("RANK", "0") == "0":
@@ -309,17 +244,6 @@ def run_precision(args: argparse.Namespace, meta: dict[str, Any] | None) -> str 
                   "which this run does not use", file=sys.stderr)
         return None
     return None if chosen == "fp32" else chosen
-
-
-def _replica_count(meta: dict[str, Any] | None) -> int:
-    """How many replicas run every stage (``pipecc.json``'s ``replicas``; 1 when absent)."""
-    try:
-        count = int((meta or {}).get("replicas") or 1)
-    except (TypeError, ValueError):
-        count = 0
-    if count < 1:
-        raise PipeccError(f"pipecc.json says replicas {(meta or {}).get('replicas')!r}; compile again")
-    return count
 
 
 def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: Replicas) -> tuple[tuple, Any]:
@@ -335,24 +259,24 @@ def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: 
     return rows, replica_target(data.target, m, replicas.count, replicas.index, replicas.batch)
 
 
-def check_options(args: argparse.Namespace, meta: dict[str, Any] | None, forward: bool, m: int, batch: int,
+def check_options(args: argparse.Namespace, folder: CompiledFolder, forward: bool, m: int, batch: int,
                   why: str, one_process: bool = False) -> None:
     """Refuse, before any process group exists, what the run could only fail at later (one line).
 
     ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``); the
     techniques' rules on the folder's plan are ``pipecc.runtime.admit``'s. ``one_process`` (no
     torchrun): activation balancing is off, so any ``--schedule`` BPipe refuses goes."""
-    folder_sizes(meta, args.microbatches)
-    folder_balancing(meta)
-    check_folder_plan(meta, read_plan(Path(args.out)), args.schedule, one_process=one_process)
+    folder.sizes_for(args.microbatches)
+    folder.activation_balancing  # noqa: B018  (refuses pairs that are not pipecc's)
+    check_folder_plan(folder.marker, folder.plan, args.schedule, one_process=one_process)
     if batch and m > batch:
         raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
                          f"for; give --microbatches {batch} or fewer")
-    problem = replica_problem(batch, m, _replica_count(meta))
+    problem = replica_problem(batch, m, folder.replicas)
     if problem:
         raise UsageError(f"--microbatches {m}: {problem}")
     if args.verify and not args.verify_stages_only:
-        problem = verify_problem(meta, args.out)
+        problem = verify_problem(folder.marker, args.out)
         if problem:
             raise PipeccError(problem)
     ckpt = [flag for flag, given in (("--checkpoint-every", args.checkpoint_every is not None),

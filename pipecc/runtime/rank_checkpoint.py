@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.atomic import write_atomic
 from pipecc.runtime.ckpt_remap import record
 from pipecc.runtime.ports import from_json, to_json
 
@@ -45,10 +46,8 @@ def save_checkpoint(rt: Any, directory: str | os.PathLike, step: int) -> Path:
                              "state": to_json(rt.optimizer.state_dict(), tensors, "optim")}
     meta.update(record(rt.stage_ids, rt.modules, rt.optimizer))  # names: a re-planned resume maps by them
     base = directory / f"stage_{rt.global_rank}"  # one file per rank, each replica its own
-    save_file(tensors, f"{base}.safetensors.tmp")
-    os.replace(f"{base}.safetensors.tmp", f"{base}.safetensors")
-    Path(f"{base}.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
-    os.replace(f"{base}.json.tmp", f"{base}.json")
+    write_atomic(f"{base}.safetensors", lambda tmp: save_file(tensors, tmp))
+    write_atomic(f"{base}.json", json.dumps(meta, indent=1) + "\n")
     return Path(f"{base}.safetensors")
 
 def load_checkpoint(rt: Any, directory: str | os.PathLike) -> int:

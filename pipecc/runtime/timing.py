@@ -204,11 +204,8 @@ def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     without a plan. Reads ``OUT/pipecc.json`` for the model file's sha256 and arguments."""
     if not plan:
         return None
-    try:
-        marker = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        marker = {}
-    marker = marker if isinstance(marker, dict) else {}
+    from pipecc.runtime.folder_sums import read_marker
+    marker = read_marker(out) or {}  # a regular file, size-capped; {} when unreadable
     try:
         digest: str | None = hashlib.sha256((out / "plan.json").read_bytes()).hexdigest()
     except OSError:

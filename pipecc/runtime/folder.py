@@ -1,0 +1,272 @@
+"""The compiled folder (``pipecc compile -o OUT``), read once and asked by everyone.
+
+``CompiledFolder.open(OUT)`` reads ``OUT/pipecc.json`` (the marker: a regular file, size-capped,
+one-line errors naming the fix) and checks its fields (``stagefile.check_marker``: the recorded
+hashes, the format version, counts that are positive whole numbers, the devices, the fields
+plan.json repeats). What the launcher (``pipecc run``), every rank (``pipecc.runtime.rank``),
+``pipecc.load`` and ``pipecc.distributed.load`` ask of a folder is answered here, each fact in
+one place with its one default:
+
+    num_stages, stage_dirs          the stages (pipecc.json's count; the stage_<i>/ folders)
+    microbatches, batch(specs)      micro-batches (default 4) and the batch's rows
+    schedule, precision             the compiled schedule (default 1f1b) and precision (fp32)
+    devices, compiled_device        plan devices; "cpu" when every stage runs on a CPU (or FPGA)
+    replicas                        how many replicas run every stage (1 when absent)
+    microbatch_sizes, sizes_for     UMPIPE's per-stage sizes (None: equal splits)
+    activation_balancing            BPipe's pairs (None when off)
+    fpga_stages, never_trains, why  inference-only folders, and why they are
+    forward_only(schedule, ...)     whether a run does forward passes only (refusing training asks)
+    lengths, plan, schedule_file    the declared length range, plan.json, schedule.txt (lazily)
+
+``CompiledFolder(path, marker)`` builds one from a marker already read (no checks; tests and
+stubs). Imports ``pipecc.errors`` and the runtime only; torch only when a checker needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from pipecc.errors import PipeccError, UsageError
+
+__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs", "read_json"]
+
+MARKER = "pipecc.json"
+DEFAULT_MICROBATCHES = 4  # a marker without "microbatches" (compile always writes it)
+DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_PRECISION = "fp32"
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """``path`` (pipecc.json or plan.json) parsed as a JSON object, refused in one line: not a
+    regular file, missing, not JSON, nested too deeply, not an object."""
+    from pipecc.runtime.folder_sums import MARKER_MAX_BYTES, read_regular
+    if path.exists() and not path.is_file():  # a FIFO or a device: reading it could hang
+        raise PipeccError(f"{path} is not a regular file; compile again")
+    try:
+        data = json.loads(read_regular(path, MARKER_MAX_BYTES).decode("utf-8"))
+    except (OSError, PipeccError):
+        raise PipeccError(f"{path.parent} is not a compiled folder (no {path.name}); run "
+                          f"`pipecc compile MODEL -d DEVICES -o {path.parent}` first") from None
+    except ValueError as exc:
+        raise PipeccError(f"{path} is not valid JSON ({exc}); compile again") from None
+    except RecursionError:
+        raise PipeccError(f"{path} nests too deeply to read; it is damaged: compile again") from None
+    if not isinstance(data, dict):
+        raise PipeccError(f"{path} is not {what}; compile again")
+    return data
+
+
+def find_stage_dirs(out: Path) -> list[Path]:
+    """``out``'s ``stage_<i>/`` folders, in order (refused unless they are stage_0 .. stage_<n-1>)."""
+    dirs = sorted((p for p in out.glob("stage_*") if p.is_dir() and p.name[6:].isdigit()),
+                  key=lambda p: int(p.name[6:]))
+    if not dirs:
+        raise PipeccError(f"{out} holds no stage_<i>/ folders; run `pipecc compile` first")
+    if [int(p.name[6:]) for p in dirs] != list(range(len(dirs))):
+        raise PipeccError(f"{out}: stage folders {[p.name for p in dirs]} are not stage_0 .. stage_{len(dirs) - 1}")
+    return dirs
+
+
+@dataclass(frozen=True)
+class CompiledFolder:
+    """A compiled folder and its ``pipecc.json`` (``marker``), checked by ``open``."""
+
+    path: Path
+    marker: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path, missing: str | None = None) -> CompiledFolder:
+        """``path``'s marker read and checked; a one-line ``PipeccError`` when it has none
+        (``missing``, the caller's words, else `pipecc run`'s; ``find``: None instead)."""
+        out = Path(path)
+        if missing is not None and not (out / MARKER).exists():
+            raise PipeccError(missing)
+        marker = cls.read(out).marker
+        from pipecc.runtime.stagefile import check_marker  # NOTE: lazy, as torch is: `pipecc --help` stays fast
+        check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
+        return cls(out, marker)
+
+    @classmethod
+    def read(cls, path: str | Path) -> CompiledFolder:
+        """``path``'s marker read, not checked: for readers that show a folder rather than run it."""
+        out = Path(path)
+        return cls(out, read_json(out / MARKER, "a pipecc marker"))
+
+    @classmethod
+    def find(cls, path: str | Path) -> CompiledFolder | None:
+        """``open``, or None when ``path`` holds no ``pipecc.json`` at all."""
+        out = Path(path)
+        if not (out / MARKER).exists():
+            return None
+        return cls.open(out)
+
+    @property
+    def marker_path(self) -> Path:
+        return self.path / MARKER
+
+    # ------------------------------------------------------------------ stages and batch
+
+    @cached_property
+    def num_stages(self) -> int:
+        """pipecc.json's ``num_stages`` (required)."""
+        try:
+            num_stages = int(self.marker["num_stages"])
+        except (KeyError, TypeError, ValueError):
+            raise PipeccError(f"{self.marker_path} has no num_stages; compile again") from None
+        if num_stages < 1:
+            raise PipeccError(f"{self.marker_path} says {num_stages} stages; compile again")
+        return num_stages
+
+    @cached_property
+    def stage_dirs(self) -> list[Path]:
+        """The ``stage_<i>/`` folders, in order (refused unless they are stage_0 .. stage_<n-1>)."""
+        return find_stage_dirs(self.path)
+
+    @property
+    def microbatches(self) -> int:
+        """The micro-batches the folder was compiled for (``DEFAULT_MICROBATCHES`` when absent)."""
+        return int(self.marker.get("microbatches") or DEFAULT_MICROBATCHES)
+
+    def run_microbatches(self, asked: int | None) -> int:
+        """A run's micro-batches: ``asked`` (``--microbatches``) or the folder's."""
+        return asked or self.microbatches
+
+    @property
+    def batch_size(self) -> int:
+        """pipecc.json's ``batch_size`` (0 when absent)."""
+        return int(self.marker.get("batch_size") or 0)
+
+    def batch(self, specs: list[dict[str, Any]]) -> int:
+        """The rows of one batch: pipecc.json's ``batch_size``, else stage 0's ports' (0: unknown)."""
+        if self.batch_size:
+            return self.batch_size
+        from pipecc.runtime.ports import StagePorts
+        return int(StagePorts.from_json(specs[0]).batch_size or 0)
+
+    @property
+    def replicas(self) -> int:
+        """How many replicas run every stage (``replicas``; 1 when absent: compiled before PP x DP)."""
+        value = self.marker.get("replicas", 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PipeccError(f"{self.marker_path} says replicas {value!r}; compile again")
+        return value
+
+    # ------------------------------------------------------------------ how it runs
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the folder was compiled for (``DEFAULT_SCHEDULE`` when absent)."""
+        return str(self.marker.get("schedule") or DEFAULT_SCHEDULE)
+
+    @property
+    def precision(self) -> str:
+        """The precision the folder was compiled for (``compile --precision``; fp32 when absent)."""
+        return str(self.marker.get("precision") or DEFAULT_PRECISION)
+
+    @property
+    def devices(self) -> list[dict[str, Any]]:
+        """The plan's devices as pipecc.json records them ([] when absent)."""
+        return [d for d in self.marker.get("devices") or [] if isinstance(d, dict)]
+
+    @property
+    def compiled_device(self) -> str | None:
+        """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
+        simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
+        available; None otherwise: the runtime's default, cuda:LOCAL_RANK with NCCL."""
+        devices = self.marker.get("devices") or []
+        if devices and all(isinstance(d, dict) and d.get("kind") in ("cpu", "fpga") for d in devices):
+            return "cpu"
+        return None
+
+    @property
+    def has_sizes(self) -> bool:
+        """True when the plan gives its stages unequal micro-batches (``microbatch_sizes``)."""
+        return bool(self.marker.get("microbatch_sizes"))
+
+    @property
+    def microbatch_sizes(self) -> list[list[int]] | None:
+        """UMPIPE's per-stage micro-batch sizes (None: equal splits)."""
+        return self.sizes_for(None)
+
+    def sizes_for(self, asked: int | None) -> list[list[int]] | None:
+        """``microbatch_sizes``, refusing an ``asked`` ``--microbatches`` when the folder has them."""
+        from pipecc.runtime.reslice import folder_sizes
+        return folder_sizes(self.marker, asked)
+
+    @property
+    def activation_balancing(self) -> list[dict] | None:
+        """BPipe's pairs (``activation_balancing``; None when off)."""
+        from pipecc.runtime.stash import folder_balancing
+        return folder_balancing(self.marker)
+
+    @property
+    def lengths(self) -> Any:
+        """The declared length range (``pipecc.runtime.lengths.Lengths``; None when none)."""
+        from pipecc.runtime.lengths import Lengths
+        return Lengths.from_json(self.marker.get("lengths"))
+
+    # ------------------------------------------------------------------ inference-only folders
+
+    @cached_property
+    def fpga_stages(self) -> list[int]:
+        """The stages that run on an FPGA card: ``fpga_stages``, and those with a ``stage_<i>/hls/``."""
+        listed = {int(k) for k in self.marker.get("fpga_stages") or {} if str(k).isdigit()}
+        return sorted(listed | {int(p.parent.name[6:]) for p in self.path.glob("stage_*/hls")
+                                if p.is_dir() and p.parent.name[6:].isdigit()})
+
+    @property
+    def never_trains(self) -> bool:
+        """FPGA stages (``"inference_only": true``, or a ``stage_<i>/hls/``): the C simulation has
+        no backward pass, so no schedule trains it."""
+        return bool(self.fpga_stages or self.marker.get("inference_only"))
+
+    @property
+    def inference_compiled(self) -> bool:
+        """Compiled with ``--inference`` (schedule "inference"): forward only unless a training
+        schedule is asked for."""
+        return self.never_trains or self.marker.get("schedule") == "inference"
+
+    @property
+    def why(self) -> str:
+        """Why the folder runs forward passes only, for messages ("" when it trains)."""
+        if self.fpga_stages:
+            return f"FPGA stages: {self.fpga_stages}"
+        if self.never_trains:
+            return str(self.marker.get("inference_only_reason") or "compiled so")
+        return "compiled with --inference" if self.inference_compiled else ""
+
+    def forward_only(self, schedule: str | None, optimizer: Any = None, lr: Any = None) -> bool:
+        """True when a run with ``--schedule schedule`` does forward passes only (an inference-only
+        folder, or ``--schedule inference``); a ``UsageError`` when a folder that runs forward only
+        is asked to train (a training schedule of one that never trains, ``--optimizer``, ``--lr``)."""
+        if not self.inference_compiled and schedule != "inference":
+            return False
+        why = (self.why or "--schedule inference") + ("; FPGA stages have no backward pass" if self.fpga_stages else "")
+        if schedule not in (None, "inference"):
+            if self.never_trains:
+                raise UsageError(f"{self.path} is an inference-only pipeline ({why}): `pipecc run` runs forward "
+                                 f"passes only; --schedule {schedule} would train it")
+            return False  # compiled with --inference for CPUs/GPUs: a training schedule trains it
+        asked = [flag for flag, value in (("--optimizer", optimizer), ("--lr", lr)) if value is not None]
+        if asked:
+            hint = "; give --schedule gpipe or 1f1b to train it" if self.inference_compiled and not self.never_trains else ""
+            raise UsageError(f"{self.path} is an inference-only pipeline ({why}): `pipecc run` runs forward passes "
+                             f"only, so {' and '.join(asked)} {'do' if len(asked) > 1 else 'does'} not apply{hint}")
+        return True
+
+    # ------------------------------------------------------------------ the other files
+
+    @cached_property
+    def plan(self) -> dict[str, Any]:
+        """``plan.json`` as plain JSON ({} when missing or unreadable)."""
+        from pipecc.runtime.timing import read_plan
+        return read_plan(self.path)
+
+    def schedule_file(self, num_stages: int | None = None) -> Any:
+        """``schedule.txt``, parsed and checked against the folder (``pipecc.runtime.schedule_file``)."""
+        from pipecc.runtime.schedule_file import read_schedule_file
+        return read_schedule_file(self.path, self.num_stages if num_stages is None else num_stages, self.marker)

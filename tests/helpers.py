@@ -142,6 +142,18 @@ def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT,
                           timeout=timeout)
 
 
+def pipecc_here(*argv: str) -> subprocess.CompletedProcess:
+    """`pipecc ARGV` in this process, as `run_pipecc` returns it (exit code, stdout, stderr):
+    for plan, compile and inspect, which need no process of their own (a python that imports
+    torch: seconds of CPU each); `run` launches torchrun either way."""
+    import io
+    from pipecc import cli
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(list(argv))
+    return subprocess.CompletedProcess(["pipecc", *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     """`pipecc ARGV` in this process: (exit code, stdout, stderr)."""
     from pipecc import cli

@@ -6,36 +6,24 @@ the IR and planner halves are checked here without processes."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import io
 import json
 import random
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helpers import MLP_TINY, model_args
+from helpers import pipecc_here as _cli  # plan and compile in this process: only run launches
 from helpers import run_pipecc as pipecc
-from pipecc import cli
 from pipecc.ir.schedule import format, gpipe_uneven, one_f_one_b, one_f_one_b_uneven, parse, schedule_for, validate
 
 pytestmark = pytest.mark.xdist_group(name="compose")
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = [str(ROOT / "models" / "mlp.py"), *sum((["--model-arg", a] for a in model_args(MLP_TINY)), [])]
-
-
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    """`pipecc ARGV` in this process, as `run_pipecc` returns it: plan and compile need no
-    process of their own (a python with torch to start); only `run` launches torchrun."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(list(argv))
-    return subprocess.CompletedProcess(["pipecc", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def _verified(out: Path, *extra: str) -> str:

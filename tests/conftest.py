@@ -25,13 +25,32 @@ def slow_node_ids() -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the tests of slow_tests.txt `slow`: `make test-fast` (-m "not slow") leaves them out."""
-    import pytest
-
+    """Mark the tests of slow_tests.txt `slow`: `make test-fast` (-m "not slow") leaves them out.
+    Then run the files that hold slow tests first (slow_first)."""
     slow = slow_node_ids()
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+    items[:] = slow_first(items)
+
+
+def slow_first(items: list) -> list:
+    """The test files by how many slow tests they hold, most first; each file's tests together
+    and in their order, files of equal count in collection order.
+
+    Under `-n 2 --dist loadgroup` xdist hands out its groups first (largest first), then the
+    tests of no group in this order, one at a time to whichever worker asks: a 25-s test that
+    starts last keeps one worker busy while the other idles (the tail). With the files of slow
+    tests first the tail is short tests. A file stays whole so that its module-scoped fixtures
+    (compiled folders) are built once per worker, not again for the tests moved away from them."""
+    def path(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    weight: dict[str, int] = {}
+    for item in items:
+        weight[path(item)] = weight.get(path(item), 0) + (item.get_closest_marker("slow") is not None)
+    order = {name: i for i, name in enumerate(weight)}  # collection order
+    return sorted(items, key=lambda item: (-weight[path(item)], order[path(item)]))
 
 
 
@@ -76,3 +95,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------- shared compiled folders
+# Compiled once per xdist worker (session scope) and never written to: a test or module fixture
+# that runs, edits or damages a folder takes a copy (helpers.copy_folder, or the `mlp_copy`
+# fixture); a copy costs milliseconds, the MLP's compile 0.1 s warm to 1.5 s as a process's first.
+
+@pytest.fixture(scope="session")
+def mlp_folder(tmp_path_factory) -> Path:
+    """The tiny MLP (helpers.MLP_TINY) compiled for two CPU ranks, batch 8 in 2 micro-batches,
+    every device a stage (helpers.compile_mlp's defaults). Read-only: copy it to change or run it."""
+    from helpers import compile_mlp
+    return compile_mlp(tmp_path_factory.mktemp("shared") / "mlp")
+
+
+@pytest.fixture
+def mlp_copy(mlp_folder: Path, tmp_path: Path) -> Path:
+    """A copy of `mlp_folder` this test may run, edit or damage."""
+    from helpers import copy_folder
+    return copy_folder(mlp_folder, tmp_path / "mlp")

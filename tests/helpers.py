@@ -103,6 +103,36 @@ def model_args(kwargs: dict[str, Any]) -> list[str]:
     return [f"{k}={v}" for k, v in kwargs.items()]
 
 
+MLP_ARGS = model_args(MLP_TINY)  # the tiny MLP's `--model-arg` values
+
+
+def model_arg_flags(kwargs: dict[str, Any]) -> list[str]:
+    """`--model-arg KEY=VALUE` pairs, flattened, for a dict of build_model arguments."""
+    return [flag for arg in model_args(kwargs) for flag in ("--model-arg", arg)]
+
+
+def compile_mlp(out: Path, *extra: str, devices: str = "2xcpu", replicas: int | None = 1,
+                batch: int = 8, microbatches: int | None = 2, args: dict[str, Any] = MLP_TINY) -> Path:
+    """`pipecc compile models/mlp.py` in this process (quiet; every device a stage): the tiny
+    MLP unless `args` says otherwise; `replicas` / `microbatches` None leave the flag out."""
+    from pipecc import cli
+    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", devices, "--use-all-devices",
+            "-o", str(out), "-b", str(batch), "-q", *model_arg_flags(args)]
+    if replicas is not None:
+        argv += ["--replicas", str(replicas)]
+    if microbatches is not None:
+        argv += ["-m", str(microbatches)]
+    assert cli.main([*argv, *extra]) == 0
+    return out
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    """A copy of a compiled folder at `dst`, for a test that edits or runs it (a shared fixture's
+    folder is read-only: tests/conftest.py)."""
+    import shutil
+    return Path(shutil.copytree(src, dst))
+
+
 def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`pipecc ARGV` in a child process (one thread per process, unbuffered output); `env`
@@ -110,6 +140,18 @@ def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([*PIPECC, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def pipecc_here(*argv: str) -> subprocess.CompletedProcess:
+    """`pipecc ARGV` in this process, as `run_pipecc` returns it (exit code, stdout, stderr):
+    for plan, compile and inspect, which need no process of their own (a python that imports
+    torch: seconds of CPU each); `run` launches torchrun either way."""
+    import io
+    from pipecc import cli
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(list(argv))
+    return subprocess.CompletedProcess(["pipecc", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -20,23 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, PIPECC, ROOT, model_args, rehash
+from helpers import PIPECC, ROOT, compile_mlp, copy_folder, rehash
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.trust import HASH_KEY, file_sha256
 
 pytestmark = pytest.mark.xdist_group(name="bad_inputs_run")
 
-MLP_ARGS = model_args(MLP_TINY)
-
 
 @pytest.fixture(scope="module")
-def mlp_out(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bad_run") / "mlp"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out), "-b", "8", "-m", "2",
-            "-q", *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
-    assert cli.main(argv) == 0
-    return out
+def mlp_out(mlp_folder: Path, tmp_path_factory) -> Path:
+    """The shared tiny MLP folder (tests/conftest.py), a copy."""
+    return copy_folder(mlp_folder, tmp_path_factory.mktemp("bad_run") / "mlp")
 
 
 # ---------------------------------------------------------------------------- damage
@@ -243,9 +238,7 @@ def test_verify_stages_only_needs_no_model_file(mlp_out: Path, tmp_path: Path, m
 
 def test_compile_records_the_model_hash(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-o", str(out), "-b", "8", "-q",
-            *[a for arg in MLP_ARGS for a in ("--model-arg", arg)]]
-    assert cli.main(argv) == 0
+    compile_mlp(out, microbatches=None)
     marker = json.loads((out / "pipecc.json").read_text())
     assert marker.get(HASH_KEY) == file_sha256(ROOT / "models" / "mlp.py")
 

@@ -76,7 +76,7 @@ def loss_fn(outputs, target):
 '''
 A, C = (0, 4, 6, 11), (0, 2, 8, 11)  # forward and backward cuts over the 11 nodes
 # the zoo MLP on which the planner keeps a cut pair (docs/bipartition.md)
-MLP_ARGS = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
+MLP_PAIR_FLAGS = ["--model-arg", "in_features=256", "--model-arg", "hidden=1024", "--model-arg", "depth=3",
             "--model-arg", "num_classes=256"]
 
 
@@ -353,7 +353,7 @@ def test_cli_compile_refuses_when_the_trace_fails(tmp_path, capsys, monkeypatch)
     out = tmp_path / "out"
     code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
                                  "--replicas", "1", "--use-all-devices", "--schedule", "1f1b", "--no-split-layers", "--bipartition",
-                                 "auto", *MLP_ARGS, "-o", str(out)], capsys)
+                                 "auto", *MLP_PAIR_FLAGS, "-o", str(out)], capsys)
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith("pipecc: error: the segment at boundary 0 (nodes ")
     assert "(RuntimeError: planted: cannot partition); re-plan with --bipartition off" in err
@@ -372,7 +372,7 @@ def test_planner_made_plan_compiles_and_verifies(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     code, stdout, err = run_cli(["compile", str(zoo_path("mlp")), "-b", "32", "-m", "8", "--devices", "2xcpu",
                                  "--replicas", "1", "--use-all-devices", "--schedule", "1f1b", "--no-split-layers",
-                                 "--bipartition", "auto", *MLP_ARGS, "-o", str(out)], capsys)
+                                 "--bipartition", "auto", *MLP_PAIR_FLAGS, "-o", str(out)], capsys)
     assert code == 0, err
     assert "Bi-Partition (ship): 1 segment(s)" in stdout
     assert "note: Bi-Partition" not in stdout  # the traced payload is the plan's (below)

@@ -20,7 +20,7 @@ from pipecc.passes import bpipe as bp
 MLP = str(ROOT / "models" / "mlp.py")
 # activation-heavy: at batch 4096 each stage's stash (512 samples x 256 floats per layer) is
 # about its weights and Adam state, so an 8-device 1F1B overflows stage 0 long before stage 7
-MLP_ARGS = dict(hidden=256, depth=16, in_features=256)
+MLP_HEAVY = dict(hidden=256, depth=16, in_features=256)
 
 
 def cluster(tmp_path: Path, memory_bytes: float, n: int = 8) -> str:
@@ -37,7 +37,7 @@ def cluster(tmp_path: Path, memory_bytes: float, n: int = 8) -> str:
 
 @pytest.fixture(scope="module")
 def mlp() -> driver.Analysis:
-    return driver.analyze(MLP, model_args=MLP_ARGS, batch_size=4096)
+    return driver.analyze(MLP, model_args=MLP_HEAVY, batch_size=4096)
 
 
 def plan(analysis, devices: str, mode: str = "auto", recompute: str = "auto", **kw) -> Plan:

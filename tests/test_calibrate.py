@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import MLP_TINY, ROOT, model_args, run_cli
+from helpers import MLP_TINY, ROOT, model_args, pipecc_here, run_cli
 from helpers import run_pipecc as pipecc
 from pipecc import driver
 from pipecc.passes.plan_costs import CostTables
@@ -304,7 +304,7 @@ def test_two_rounds_converge_on_the_machine(tmp_path):
     calibrate: list[str] = []
     for i in range(2):
         out = tmp_path / f"out{i}"
-        done = pipecc("compile", str(MLP), *common, *calibrate, "-o", str(out))
+        done = pipecc_here("compile", str(MLP), *common, *calibrate, "-o", str(out))
         assert done.returncode == 0, done.stderr
         ran = pipecc("run", str(out), "--json", "--steps", "6", timeout=300)
         assert ran.returncode == 0, ran.stderr[-2000:]
@@ -312,7 +312,7 @@ def test_two_rounds_converge_on_the_machine(tmp_path):
         run.write_text(ran.stdout)
         ratios.append([r for _, _, f, b in load_run(json.loads(ran.stdout)).stage_errors for r in (f, b)])
         calibrate = ["--calibrate", str(run)]
-    done = pipecc("compile", str(MLP), *common, *calibrate, "-o", str(tmp_path / "out2"))
+    done = pipecc_here("compile", str(MLP), *common, *calibrate, "-o", str(tmp_path / "out2"))
     assert done.returncode == 0, done.stderr
     plan = json.loads((tmp_path / "out2" / "plan.json").read_text())
     assert any(d.startswith("costs: calibrated from run1.json") for d in plan["decisions"])

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import MLP_TINY, model_args, rehash, zoo_module
+from helpers import MLP_TINY, compile_mlp as compile_tiny_mlp, model_args, rehash, zoo_module
 from helpers import run_pipecc as pipecc
 from pipecc import cli, driver
 from pipecc.runtime import dist
@@ -51,12 +51,8 @@ BIG = {**MLP_TINY, "hidden": 1024}
 
 
 def compile_mlp(out: Path, devices: str, *extra: str, args: dict | None = None) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "-d", devices, "-b", "8", "-m", "2", "-o", str(out), "-q",
-            "--use-all-devices"]
-    for arg in model_args(args or MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main([*argv, *extra]) == 0
-    return out
+    """The MLP (tiny unless `args`), batch 8 in 2 micro-batches; `extra` gives --replicas."""
+    return compile_tiny_mlp(out, *extra, devices=devices, replicas=None, args=args or MLP_TINY)
 
 
 @pytest.fixture(scope="module")

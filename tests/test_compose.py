@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from helpers import MLP_TINY, model_args
+from helpers import pipecc_here as _cli  # plan and compile in this process: only run launches
 from helpers import run_pipecc as pipecc
 from pipecc.ir.schedule import format, gpipe_uneven, one_f_one_b, one_f_one_b_uneven, parse, schedule_for, validate
 
@@ -111,13 +112,13 @@ def test_planner_searches_sizes_under_1f1b() -> None:
 @pytest.mark.slow  # torchrun launches
 def test_umpipe_under_1f1b_plans_compiles_and_verifies(tmp_path: Path) -> None:
     plan_file = tmp_path / "plan.json"
-    result = pipecc("plan", *MLP, "-b", "8", "--devices", "cpu,cpu", "--schedule", "1f1b",
+    result = _cli("plan", *MLP, "-b", "8", "--devices", "cpu,cpu", "--schedule", "1f1b",
                     "--microbatch-sizes", "1,3,4", "-o", str(plan_file))
     assert result.returncode == 0, result.stderr[-3000:]
     planned = json.loads(plan_file.read_text())
     assert planned["schedule"] == "1f1b" and planned["microbatch_sizes"] == [[1, 3, 4], [1, 3, 4]]
     out = tmp_path / "out"
-    result = pipecc("compile", *MLP, "-b", "8", "--devices", "cpu,cpu", "--schedule", "1f1b",
+    result = _cli("compile", *MLP, "-b", "8", "--devices", "cpu,cpu", "--schedule", "1f1b",
                     "--microbatch-sizes", "1,3,4", "-o", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     schedule = parse((out / "schedule.txt").read_text())
@@ -235,12 +236,12 @@ def test_bpipe_with_replicas_plans_compiles_and_verifies(tmp_path: Path) -> None
     """2 stages of 6 Linear layers (internal activations to move) on 2 replica groups of 2."""
     flags = ["-b", "64", "-m", "4", "--devices", "4xcpu", "--schedule", "1f1b", "--replicas", "2",
              "--activation-balancing", "on", "--no-split-layers"]
-    result = pipecc("plan", *DEEP_MLP, *flags, "-o", str(tmp_path / "plan.json"))
+    result = _cli("plan", *DEEP_MLP, *flags, "-o", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     planned = json.loads((tmp_path / "plan.json").read_text())
     assert planned["replicas"] == 2 and planned["activation_balancing"]
     out = tmp_path / "out"
-    result = pipecc("compile", *DEEP_MLP, *flags, "-o", str(out))
+    result = _cli("compile", *DEEP_MLP, *flags, "-o", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     moved = _evictions(_verified(out, "--json"))
     assert moved[(0, 0)] > 0 and moved[(0, 1)] > 0  # both replicas of the evictor move their slice's stash
@@ -251,7 +252,7 @@ def test_bpipe_with_replicas_plans_compiles_and_verifies(tmp_path: Path) -> None
 def test_bpipe_with_recompute_auto_plans_compiles_and_verifies(tmp_path: Path) -> None:
     devices = _small_devices(tmp_path, SMALL)
     out = tmp_path / "out"
-    result = pipecc("compile", *DEEP_MLP, *DEEP_FLAGS, "--devices", devices, "-o", str(out))
+    result = _cli("compile", *DEEP_MLP, *DEEP_FLAGS, "--devices", devices, "-o", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     planned = json.loads((out / "plan.json").read_text())
     evictors = {p["evictor"] for p in planned["activation_balancing"]}
@@ -301,7 +302,7 @@ def test_bipartition_with_split_layers_plans_compiles_and_verifies(tmp_path: Pat
     from pipecc import driver
     from pipecc.ir.plan import Plan
     flags = ["-b", "8", "-m", "4", "--devices", "2xcpu", "--replicas", "1", "--schedule", "1f1b"]
-    result = pipecc("plan", *WIDE_MLP, *flags, "-o", str(tmp_path / "plan.json"))
+    result = _cli("plan", *WIDE_MLP, *flags, "-o", str(tmp_path / "plan.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     planned = Plan.from_json(json.loads((tmp_path / "plan.json").read_text()))
     assert planned.split_layers

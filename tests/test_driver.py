@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import MLP_ARGS, ROOT
 from pipecc import cli, driver, progress
 from pipecc.driver import Instruments, State, Step
 from pipecc.ir.graph import IRError
@@ -18,7 +18,7 @@ from pipecc.models import mlp
 from pipecc.passes.contract import Contract
 
 MLP = ROOT / "models" / "mlp.py"
-MLP_ARGS = [f"--model-arg={k}={v}" for k, v in mlp.TINY.items()]
+MLP_FLAGS = [f"--model-arg={arg}" for arg in MLP_ARGS]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_progress_lines_are_the_steps_labels(tmp_path, shown):
 
 def test_dump_ir_writes_one_numbered_file_per_step(tmp_path):
     dump = tmp_path / "ir"
-    assert cli.main(["compile", str(MLP), "-b", "4", *MLP_ARGS, "--devices", "2xcpu", "--use-all-devices", "--replicas", "1", "-q",
+    assert cli.main(["compile", str(MLP), "-b", "4", *MLP_FLAGS, "--devices", "2xcpu", "--use-all-devices", "--replicas", "1", "-q",
                      "--dump-ir", str(dump), "-o", str(tmp_path / "out")]) == 0
     files = sorted(p.name for p in dump.iterdir())
     assert files == ["000_build.txt", "001_capture.txt", "002_costs.txt", "003_recost.txt",
@@ -67,7 +67,7 @@ def test_dump_ir_writes_one_numbered_file_per_step(tmp_path):
     cut = (dump / "006_cut_stages.txt").read_text()
     assert "stage 0: receives [input.input]" in cut and "stage 1: receives" in cut
     # plan alone: its own steps, numbered on after what the folder holds
-    assert cli.main(["plan", str(MLP), *MLP_ARGS, "--devices", "2xcpu", "--use-all-devices", "-q", "--json",
+    assert cli.main(["plan", str(MLP), *MLP_FLAGS, "--devices", "2xcpu", "--use-all-devices", "-q", "--json",
                      "--dump-ir", str(dump)]) == 0
     assert sorted(p.name for p in dump.iterdir())[10:] == [
         "010_build.txt", "011_capture.txt", "012_costs.txt", "013_recost.txt", "014_balance.txt",

@@ -218,12 +218,8 @@ if os.environ.get("RANK") == "1":  # rank 1 of the run: its checkpoint save neve
 
 
 @pytest.mark.slow  # a torchrun launch
-def test_a_rank_hanging_in_its_final_save_is_the_one_named(tmp_path):
-    from helpers import MLP_TINY, model_args
-    out = tmp_path / "out"
-    assert cli.main(["compile", str(ROOT / "models" / "mlp.py"), "-d", "2xcpu", "-b", "8", "-m", "2", "-q",
-                     "--replicas", "1", "--use-all-devices", "-o", str(out),
-                     *[a for arg in model_args(MLP_TINY) for a in ("--model-arg", arg)]]) == 0
+def test_a_rank_hanging_in_its_final_save_is_the_one_named(mlp_copy, tmp_path):
+    out = mlp_copy  # tests/conftest.py: the shared tiny MLP folder, a copy
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(STALLED_SAVE_SITE)

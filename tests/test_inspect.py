@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli, zoo_module, zoo_path
+from helpers import MLP_TINY, run_cli, zoo_module, zoo_path
 from pipecc import driver, progress
 from pipecc.backends.torch import cut_stages, write_output
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
@@ -25,7 +25,6 @@ from pipecc.report.html import render_report
 
 # TINY gpt with 4 layers and a longer sequence, so 4 CPUs get 4 real stages.
 GPT_ARGS = dict(zoo_module("gpt").TINY, n_layer=4, n_embd=64, block_size=32, seq_len=32)
-MLP_ARGS = dict(zoo_module("mlp").TINY)
 
 
 def compile_folder(out: Path, name: str, model_args: dict, devices: str, batch: int = 8,
@@ -49,7 +48,7 @@ def gpt_out(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def mlp_out(tmp_path_factory) -> Path:
     # no model file recorded: the ONNX check must make the inputs from the ports
-    return compile_folder(tmp_path_factory.mktemp("mlp") / "out", "mlp", MLP_ARGS, "2xcpu",
+    return compile_folder(tmp_path_factory.mktemp("mlp") / "out", "mlp", MLP_TINY, "2xcpu",
                           with_model_file=False)
 
 
@@ -155,7 +154,7 @@ def test_dot_clusters_stages_and_labels_cross_stage_edges(gpt_out, capsys):
 
 
 def test_folder_without_graph_json_still_inspects(tmp_path, capsys):
-    out = compile_folder(tmp_path / "old", "mlp", MLP_ARGS, "2xcpu", extras=False)
+    out = compile_folder(tmp_path / "old", "mlp", MLP_TINY, "2xcpu", extras=False)
     code, text, err = run_cli(["inspect", str(out)], capsys)
     assert code == 0, err
     assert "recompile for node details" in text

@@ -12,22 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, ROOT, model_args, run_cli
+from helpers import copy_folder, run_cli
 from pipecc.runtime.timing import plan_identity, read_plan
 
 BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("inspect_run") / "mlp"
-    from pipecc import cli
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
-            "-o", str(folder), "-b", str(BATCH), "-m", "2", "-q"]
-    for arg in model_args(MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main(argv) == 0
-    return folder
+def out(mlp_folder: Path, tmp_path_factory) -> Path:
+    """The shared tiny MLP folder (tests/conftest.py: batch BATCH, 2 micro-batches), a copy."""
+    return copy_folder(mlp_folder, tmp_path_factory.mktemp("inspect_run") / "mlp")
 
 
 def history(losses: list[float | None], warm_rate: float = 10.0, rate: float = 1000.0) -> list[dict]:

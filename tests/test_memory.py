@@ -19,9 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from helpers import MLP_TINY, model_args, run_cli
+from helpers import run_cli
 from helpers import run_pipecc as pipecc
-from pipecc import cli
 from pipecc.runtime.memory import CudaMemory, LiveTensorBytes, held_tensors, memory_meter, static_bytes
 from pipecc.runtime.timing import ActionTimer, run_document
 
@@ -195,18 +194,18 @@ def test_document_rows_carry_measured_and_predicted_memory() -> None:
 # ---------------------------------------------------------------------------- a run
 
 
-def test_memory_needs_json(tmp_path: Path, capsys) -> None:
-    out = _compile(tmp_path / "mlp")
+def test_memory_needs_json(mlp_copy: Path, capsys) -> None:
+    out = mlp_copy  # tests/conftest.py: the shared tiny MLP folder, a copy
     code, stdout, err = run_cli(["run", str(out), "--memory", "--steps", "2"], capsys)
     assert code == 2 and stdout == ""
     assert err.startswith("pipecc: error: --memory adds the measured peak memory to --json") and err.count("\n") == 1
 
 
 @pytest.mark.slow  # a torchrun launch of two processes
-def test_two_rank_gloo_run_reports_each_stages_memory(tmp_path: Path) -> None:
+def test_two_rank_gloo_run_reports_each_stages_memory(mlp_copy: Path) -> None:
     """SGD keeps no state: each rank's static bytes are exactly its stage's parameters and their
     gradients; the peak is at least that, and the plan's prediction sits beside it."""
-    out = _compile(tmp_path / "mlp")
+    out = mlp_copy
     result = pipecc("run", str(out), "--json", "--memory", "--steps", "3", "--timeout", "30")
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout)
@@ -221,28 +220,19 @@ def test_two_rank_gloo_run_reports_each_stages_memory(tmp_path: Path) -> None:
         assert row["peak_memory_bytes"] < 4 * planned["peak_memory_bytes"]
 
 
-def _compile(out: Path) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1",
-            "--use-all-devices", "-o", str(out), "-b", "8", "-m", "2", "-q"]
-    for arg in model_args(MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main(argv) == 0
-    return out
-
-
 def _param_bytes(path: Path) -> int:
     with safe_open(str(path), "pt") as f:
         return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
 
 
-def test_one_process_holding_both_stages_reports_one_figure_for_each(tmp_path: Path, capsys) -> None:
+def test_one_process_holding_both_stages_reports_one_figure_for_each(mlp_copy: Path, capsys) -> None:
     """Without torchrun one process runs both stages (interleaved): the rank's peak and static
     bytes in each row (as plan.json gives a rank's peak to each of its stages); the tracker is
     gone from the dispatch stack afterwards."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     from pipecc.runtime import dist
-    out = _compile(tmp_path / "mlp")
+    out = mlp_copy
     assert dist.main([str(out), "--steps", "3", "--schedule", "interleaved", "--json", "--memory"]) == 0
     doc = json.loads(capsys.readouterr().out)
     params = sum(_param_bytes(out / f"stage_{i}" / "weights.safetensors") for i in range(2))

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import MLP_TINY, PIPECC, free_port, model_args, rehash
+from helpers import PIPECC, copy_folder, free_port, rehash
 from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.runtime import dist
@@ -33,7 +33,6 @@ from pipecc.runtime.launcher import ProcessTree
 pytestmark = pytest.mark.xdist_group(name="run_cmd")
 
 ROOT = Path(__file__).resolve().parents[1]
-MLP_ARGS = model_args(MLP_TINY)
 # batch 16 makes the planner cut the tiny GPT between its blocks, so the tied embedding/head
 # weight lands on both ranks and its gradient is summed across them
 GPT_ARGS = ["n_layer=2", "n_head=2", "n_embd=32", "vocab_size=101", "block_size=16", "seq_len=8",
@@ -55,8 +54,9 @@ def losses(stdout: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def mlp_out(tmp_path_factory) -> Path:
-    return compile_model("mlp.py", tmp_path_factory.mktemp("run") / "mlp", MLP_ARGS, 8)
+def mlp_out(mlp_folder: Path, tmp_path_factory) -> Path:
+    """The shared tiny MLP folder (tests/conftest.py: batch 8, 2 micro-batches), a copy."""
+    return copy_folder(mlp_folder, tmp_path_factory.mktemp("run") / "mlp")
 
 
 @pytest.fixture(scope="module")

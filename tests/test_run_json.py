@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, model_args, run_cli
+from helpers import compile_mlp, copy_folder, run_cli
 from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.runtime import dist
@@ -22,21 +22,11 @@ from pipecc.runtime.timing import run_document
 
 pytestmark = pytest.mark.xdist_group(name="run_json")
 
-ROOT = Path(__file__).resolve().parents[1]
 TOP = {"format", "version", "schedule", "microbatches", "batch_size", "steps", "warmup_steps", "step_s", "history", "precision",
        "predicted_step_s", "samples_per_s", "stages", "plan", "memory_source"}
 STAGE = {"index", "rank", "replica", "device", "forward_s", "backward_s", "forward_samples", "backward_samples",
          "predicted_forward_s", "predicted_backward_s", "comm_wait_s", "host_s",
          "peak_memory_bytes", "peak_memory_at", "static_memory_bytes", "predicted_peak_memory_bytes"}  # memory: tests/test_memory.py
-
-
-def compile_mlp(out: Path, *extra: str) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
-            "-o", str(out), "-b", "8", "-m", "2", "-q", *extra]  # a pipeline: every device a stage
-    for arg in model_args(MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main(argv) == 0
-    return out
 
 
 def document(result: subprocess.CompletedProcess) -> dict:
@@ -73,8 +63,9 @@ def loose_bound(doc: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def mlp_out(tmp_path_factory) -> Path:
-    return compile_mlp(tmp_path_factory.mktemp("json") / "mlp")
+def mlp_out(mlp_folder: Path, tmp_path_factory) -> Path:
+    """The shared tiny MLP folder (tests/conftest.py), a copy: its runs write into it."""
+    return copy_folder(mlp_folder, tmp_path_factory.mktemp("json") / "mlp")
 
 
 # ---------------------------------------------------------------------------- launches

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, model_args, run_cli, run_pipecc
-from pipecc import cli
+from helpers import compile_mlp, run_cli, run_pipecc
 from pipecc.ir.techniques import schedule_of
 from pipecc.ir.schedule.text import format, parse
 from pipecc.report.compiled import load_compiled, summary_json, timeline_of
@@ -24,7 +23,6 @@ from pipecc.runtime import dist
 
 pytestmark = pytest.mark.xdist_group(name="schedule_file")
 
-ROOT = Path(__file__).resolve().parents[1]
 # stage 0 on rank 1, stage 1 on rank 0, plain backwards: valid, and not what compile wrote
 SWAPPED = ("rank 0: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1\n"
            "rank 1: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1\n")
@@ -32,13 +30,7 @@ SWAPPED = ("rank 0: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1\n"
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("schedule_file") / "mlp"
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-b", "8",
-            "-m", "2", "--schedule", "1f1b", "-o", str(out), "-q"]
-    for arg in model_args(MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main(argv) == 0
-    return out
+    return compile_mlp(tmp_path_factory.mktemp("schedule_file") / "mlp", "--schedule", "1f1b")
 
 
 @pytest.fixture

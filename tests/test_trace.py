@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, model_args, run_cli
+from helpers import compile_mlp as compile_tiny_mlp, run_cli
 from helpers import run_pipecc as pipecc
-from pipecc import cli
 from pipecc.ir.schedule.text import parse
 from pipecc.runtime import dist
 from pipecc.runtime.trace import COMM_TID, STEP_TID, chrome_trace
@@ -28,12 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compile_mlp(out: Path, *extra: str, devices: str = "2xcpu", replicas: int = 1) -> Path:
-    argv = ["compile", str(ROOT / "models" / "mlp.py"), "--devices", devices, "--replicas", str(replicas),
-            "-o", str(out), "-b", "8", "-q", "--use-all-devices", *extra]
-    for arg in model_args(MLP_TINY):
-        argv += ["--model-arg", arg]
-    assert cli.main(argv) == 0
-    return out
+    """The tiny MLP, batch 8; `extra` gives the micro-batches (helpers.compile_mlp)."""
+    return compile_tiny_mlp(out, *extra, devices=devices, replicas=replicas, microbatches=None)
 
 
 def schedule_rows(out: Path) -> list[list[tuple[str, int, int]]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, model_args, run_pipecc
+from helpers import ROOT, model_args, pipecc_here, run_pipecc
 
 pytest.importorskip("sklearn")
 pytestmark = [pytest.mark.xdist_group("train_real"), pytest.mark.slow]
@@ -47,9 +47,9 @@ def _reference(zoo, args: dict, out: Path, batch: int, steps: int, lr: float) ->
 def _train(tmp: Path, name: str, args: dict, batch: int, steps: int, lr: float, *compile_flags: str):
     zoo_file = ROOT / "models" / f"{name}.py"
     out = tmp / "out"
-    result = run_pipecc("compile", str(zoo_file), "-b", str(batch), "--replicas", "1", "--use-all-devices",
-                        "-o", str(out), "-q", *[a for kv in model_args(args) for a in ("--model-arg", kv)],
-                        *compile_flags)
+    result = pipecc_here("compile", str(zoo_file), "-b", str(batch), "--replicas", "1", "--use-all-devices",
+                         "-o", str(out), "-q", *[a for kv in model_args(args) for a in ("--model-arg", kv)],
+                         *compile_flags)
     assert result.returncode == 0, result.stderr
     ckpt = tmp / "ckpt"
     result = run_pipecc("run", str(out), "--steps", str(steps), "--optimizer", "adamw", "--lr", repr(lr), "--json",

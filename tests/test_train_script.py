@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, run_pipecc
+from helpers import ROOT, pipecc_here, run_pipecc
 
 pytestmark = pytest.mark.xdist_group("train_script")
 
@@ -107,8 +107,8 @@ def _load(path: Path):
 
 def _compile(tmp: Path, name: str, *argv: str) -> Path:
     out = tmp / name
-    result = run_pipecc("compile", str(tmp / "model.py"), "-b", "32", "--replicas", "1", "--use-all-devices",
-                        "-o", str(out), "-q", *argv)
+    result = pipecc_here("compile", str(tmp / "model.py"), "-b", "32", "--replicas", "1", "--use-all-devices",
+                         "-o", str(out), "-q", *argv)  # in this process: only run launches
     assert result.returncode == 0, result.stderr
     return out
 
@@ -424,8 +424,8 @@ def test_bad_train_data_is_one_line_naming_the_step_and_keeps_checkpoints(work, 
     body, message = BAD_DATA[case]
     (tmp_path / "model.py").write_text(MODEL + "\n" + body)
     out = tmp_path / "out"
-    result = run_pipecc("compile", str(tmp_path / "model.py"), "-b", "32", "--devices", "2xcpu", "--replicas", "1",
-                        "--use-all-devices", "-m", "2", "-o", str(out), "-q")
+    result = pipecc_here("compile", str(tmp_path / "model.py"), "-b", "32", "--devices", "2xcpu", "--replicas", "1",
+                         "--use-all-devices", "-m", "2", "-o", str(out), "-q")
     assert result.returncode == 0, result.stderr
     ckpt = tmp_path / "ckpt"
     result = run_pipecc("run", str(out), "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
@@ -447,8 +447,8 @@ def test_run_data_usage_errors(work, tmp_path):
     # a model file without train_data: --epochs is refused, and a plain run says it repeats one batch
     (tmp_path / "plain.py").write_text(MODEL.split("def dataset")[0])
     plain = tmp_path / "plain"
-    assert run_pipecc("compile", str(tmp_path / "plain.py"), "-b", "32", "--devices", "2xcpu", "--replicas", "1",
-                      "--use-all-devices", "-m", "2", "-o", str(plain), "-q").returncode == 0
+    assert pipecc_here("compile", str(tmp_path / "plain.py"), "-b", "32", "--devices", "2xcpu", "--replicas", "1",
+                       "--use-all-devices", "-m", "2", "-o", str(plain), "-q").returncode == 0
     result = run_pipecc("run", str(plain), "--epochs", "1")
     assert result.returncode == 1 and "--epochs counts passes over train_data" in result.stderr
     result = run_pipecc("run", str(plain), "--steps", "2")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MLP_TINY, PIPECC, ROOT, model_args
+from helpers import MLP_ARGS, PIPECC, ROOT
 import pipecc
 from pipecc import cli
 from pipecc.errors import PipeccError
@@ -33,7 +33,6 @@ from pipecc.runtime.trust import HASH_KEY, file_sha256
 
 pytestmark = pytest.mark.xdist_group(name="trust")
 
-MLP_ARGS = model_args(MLP_TINY)
 MARK = "PLANTED_RAN"
 
 

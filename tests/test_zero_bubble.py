@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP_TINY, ROOT, model_args, run_cli, run_pipecc, zoo_module, zoo_path
+from helpers import MLP_TINY, ROOT, model_args, pipecc_here, run_cli, run_pipecc, zoo_module, zoo_path
 from pipecc import driver
 from pipecc.errors import UsageError
 from pipecc.ir.graph import META_COST, META_NAME
@@ -229,9 +229,9 @@ def test_torch_order_that_differs_is_refused() -> None:
 @pytest.fixture(scope="module")
 def zb_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("zb") / "mlp"
-    compiled = run_pipecc("compile", str(ROOT / "models" / "mlp.py"), "-b", "8", "--devices", "2xcpu", "--use-all-devices",
-                          "--schedule", "zb-h1", "-m", "4", "-o", str(out), "-q",
-                          *[x for kv in model_args(MLP_TINY) for x in ("--model-arg", kv)])
+    compiled = pipecc_here("compile", str(ROOT / "models" / "mlp.py"), "-b", "8", "--devices", "2xcpu", "--use-all-devices",
+                           "--schedule", "zb-h1", "-m", "4", "-o", str(out), "-q",
+                           *[x for kv in model_args(MLP_TINY) for x in ("--model-arg", kv)])
     assert compiled.returncode == 0, compiled.stderr
     return out, run_pipecc("run", str(out), "--steps", "2", "--verify", "--json", "--timeout", "30")
 
@@ -252,7 +252,7 @@ def test_compiled_zb_h1_reports_i_and_w(zb_run) -> None:
     kinds = {e["kind"] for e in json.loads((out / "timeline.json").read_text())["events"]}
     assert {"F", "I", "W"} <= kinds and "B" not in kinds
     assert "block W" in (out / "report.html").read_text()
-    shown = run_pipecc("inspect", str(out))
+    shown = pipecc_here("inspect", str(out))
     assert "I backward for the input, W for the weights" in shown.stdout
 
 

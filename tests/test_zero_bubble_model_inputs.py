@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_pipecc
+from helpers import pipecc_here, run_pipecc
 from pipecc import driver
 from pipecc.backends.torch.stages import cut_stages, ports_json
 from pipecc.runtime.engine import PipelineRuntime, RunConfig
@@ -166,8 +166,8 @@ def test_pipecc_run_verifies_zb_h1_of_an_encoder_decoder(tmp_path: Path) -> None
     """End to end: two torchrun ranks, zb-h1, outputs and gradients against one process."""
     path, _ = encdec(tmp_path)
     out = tmp_path / "out"
-    compiled = run_pipecc("compile", str(path), "-b", "4", "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
-                          "--schedule", "zb-h1", "-m", "2", "-o", str(out), "-q")
+    compiled = pipecc_here("compile", str(path), "-b", "4", "--devices", "2xcpu", "--replicas", "1", "--use-all-devices",
+                           "--schedule", "zb-h1", "-m", "2", "-o", str(out), "-q")
     assert compiled.returncode == 0, compiled.stderr
     later = json.loads((out / "stage_1" / "ports.json").read_text())["receives"]
     assert "tgt" in {p["name"] for p in later}

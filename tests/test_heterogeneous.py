@@ -10,6 +10,7 @@ import torch
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime import rank as run_rank
 from pipecc.runtime import wire
+from pipecc.runtime.folder import stage_devices
 
 PLAN = {"devices": [{"name": "h200", "kind": "gpu", "placement": "cuda:0"},
                     {"name": "cpu", "kind": "cpu", "placement": None},
@@ -20,21 +21,22 @@ PLAN = {"devices": [{"name": "h200", "kind": "gpu", "placement": "cuda:0"},
 
 
 def test_each_stage_runs_on_its_devices_kind_or_placement():
-    assert run_rank.stage_devices(PLAN) == ["cuda:0", "cpu", None, "cpu", "cpu"]
-    assert run_rank.stage_devices({}) == []
-    assert run_rank.stage_devices({"devices": [], "stages": [{"device": 3}]}) == []
+    assert stage_devices(PLAN) == ["cuda:0", "cpu", None, "cpu", "cpu"]
+    assert stage_devices({}) == []
+    assert stage_devices({"devices": [], "stages": [{"device": 3}]}) == []
 
 
 def test_a_folder_mixing_cpu_and_gpu_stages_speaks_gloo_and_refuses_nccl():
-    assert run_rank._heterogeneous(PLAN, None) and run_rank._heterogeneous(PLAN, "gloo")
+    on = stage_devices(PLAN)
+    assert run_rank._heterogeneous(on, None) and run_rank._heterogeneous(on, "gloo")
     with pytest.raises(UsageError, match="stage 1 runs on the CPU, which NCCL cannot reach; use --backend gloo"):
-        run_rank._heterogeneous(PLAN, "nccl")
+        run_rank._heterogeneous(on, "nccl")
     gpus = {"devices": PLAN["devices"][:1], "stages": [{"device": 0}, {"device": 0}]}
-    assert not run_rank._heterogeneous(gpus, "nccl")
+    assert not run_rank._heterogeneous(stage_devices(gpus), "nccl")
 
 
 def test_a_rank_takes_its_stages_device(monkeypatch):
-    on = run_rank.stage_devices(PLAN)
+    on = stage_devices(PLAN)
     assert run_rank._rank_device(on, [0], 0) == "cuda:0"
     assert run_rank._rank_device(on, [1, 3], 1) == "cpu"
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -74,3 +76,16 @@ def test_gloo_sends_and_receives_a_gpu_tensor_through_host_memory(monkeypatch):
     w.wait(posted)  # copies the host bytes into the meta buffer (a no-op there, but called)
     nccl = wire.Wire(rank=0, timeout_s=5.0, nccl=True)
     assert nccl.post([torch.empty(2, device="meta")], 1, [0], "z")[0][2] is None  # NCCL receives in place
+
+
+def test_nccl_on_a_folder_with_cpu_stages_is_one_line(tmp_path):
+    """`pipecc run --backend nccl` on a folder whose stage 1 runs on the CPU: one line, exit 1,
+    the folder as it was."""
+    from helpers import compile_mlp, run_pipecc
+    out = compile_mlp(tmp_path / "mixed", devices="h200,cpu")
+    before = sorted(p.name for p in out.rglob("*"))
+    r = run_pipecc("run", str(out), "--steps", "1", "--backend", "nccl")
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines == [lines[0]] and "stage 1 runs on the CPU, which NCCL cannot reach; use --backend gloo" in lines[0]
+    assert "Traceback" not in r.stderr and sorted(p.name for p in out.rglob("*")) == before

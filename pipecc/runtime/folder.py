@@ -32,7 +32,7 @@ from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
 
-__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs", "read_json"]
+__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs", "read_json", "stage_devices"]
 
 MARKER = "pipecc.json"
 DEFAULT_MICROBATCHES = 4  # a marker without "microbatches" (compile always writes it)
@@ -173,6 +173,11 @@ class CompiledFolder:
         return [d for d in self.marker.get("devices") or [] if isinstance(d, dict)]
 
     @property
+    def stage_devices(self) -> list[str | None]:
+        """Where each stage runs under torchrun (``stage_devices`` of plan.json)."""
+        return stage_devices(self.plan)
+
+    @property
     def compiled_device(self) -> str | None:
         """"cpu" when the pipeline was compiled for CPUs (and FPGA cards, whose stages run as a C
         simulation on the host CPU) only: then it runs on the CPU, over gloo, even where CUDA is
@@ -270,3 +275,19 @@ class CompiledFolder:
         """``schedule.txt``, parsed and checked against the folder (``pipecc.runtime.schedule_file``)."""
         from pipecc.runtime.schedule_file import read_schedule_file
         return read_schedule_file(self.path, self.num_stages if num_stages is None else num_stages, self.marker)
+
+
+def stage_devices(plan: dict[str, Any]) -> list[str | None]:
+    """Where each stage of a compiled plan runs under torchrun: "cpu" for a CPU or FPGA device (an
+    FPGA stage is a C simulation on the host) or one placed on the CPU (`h200@cpu`), the placement
+    given (`h200@cuda:1`), else None (cuda:LOCAL_RANK). [] when plan.json says nothing."""
+    devices, out = plan.get("devices") or [], []
+    for stage in plan.get("stages") or []:
+        try:
+            d = devices[int(stage["device"])]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return []
+        place = d.get("placement") if isinstance(d, dict) else None
+        out.append("cpu" if not isinstance(d, dict) or d.get("kind") in ("cpu", "fpga") or place == "cpu"
+                   else place)
+    return out

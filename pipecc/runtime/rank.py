@@ -50,26 +50,9 @@ def folder_has_sizes(out: Path) -> bool:
     return folder is not None and folder.has_sizes
 
 
-def stage_devices(plan: dict[str, Any]) -> list[str | None]:
-    """Where each stage of a compiled plan runs under torchrun: "cpu" for a CPU or FPGA device (an
-    FPGA stage is a C simulation on the host) or one placed on the CPU (`h200@cpu`), the placement
-    given (`h200@cuda:1`), else None (cuda:LOCAL_RANK). [] when plan.json says nothing."""
-    devices, out = plan.get("devices") or [], []
-    for stage in plan.get("stages") or []:
-        try:
-            d = devices[int(stage["device"])]
-        except (KeyError, IndexError, TypeError, ValueError):
-            return []
-        place = d.get("placement") if isinstance(d, dict) else None
-        out.append("cpu" if not isinstance(d, dict) or d.get("kind") in ("cpu", "fpga") or place == "cpu"
-                   else place)
-    return out
-
-
-def _heterogeneous(plan: dict[str, Any], backend: str | None) -> bool:
+def _heterogeneous(on: Sequence[str | None], backend: str | None) -> bool:
     """True when some stages run on the CPU and others on GPUs: then every rank speaks gloo (a
     GPU rank's messages go through host memory, ``pipecc.runtime.wire``); NCCL is refused."""
-    on = stage_devices(plan)
     mixed = "cpu" in on and any(d != "cpu" for d in on)
     if mixed and backend == "nccl":
         first = on.index("cpu")
@@ -79,7 +62,7 @@ def _heterogeneous(plan: dict[str, Any], backend: str | None) -> bool:
 
 
 def _rank_device(on: Sequence[str | None], stages: Sequence[int], rank: int) -> str:
-    """The one device a rank's stages share (a heterogeneous folder; ``stage_devices``)."""
+    """The one device a rank's stages share (a heterogeneous folder; ``CompiledFolder.stage_devices``)."""
     wanted = {on[s] for s in stages if s < len(on)}
     if len(wanted) > 1:
         raise PipeccError(f"rank {rank} holds stages {list(stages)} on different devices "
@@ -189,8 +172,7 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         # infer() runs without its backward actions
         schedule_name = "inference" if len(stage_dirs) == world_guess else "interleaved"
     run_schedule = compiled if use_file else schedule_name
-    plan = folder.plan
-    mixed = under_torchrun and _heterogeneous(plan, args.backend)
+    mixed = under_torchrun and _heterogeneous(folder.stage_devices, args.backend)
     config = RunConfig(run_schedule, m, args.timeout, args.backend or ("gloo" if mixed else None),
                        folder.compiled_device, sizes, balancing, run_precision(args, meta))
     rank, world = init_distributed(config) if under_torchrun else (0, 1)
@@ -202,7 +184,7 @@ def load_rank(args: argparse.Namespace) -> RankRun:
         raise PipeccError(f"{len(stage_dirs)} stages do not divide over {world} ranks")
     schedule = build_schedule(run_schedule, world, m, len(stage_dirs) // world, sizes, balancing)
     if mixed:  # each rank on its stages' device
-        config.device = _rank_device(stage_devices(plan), schedule.stages_of(rank), rank)
+        config.device = _rank_device(folder.stage_devices, schedule.stages_of(rank), rank)
     loaded = [load_stage(stage_dirs[s]) for s in schedule.stages_of(rank)]
     modules, ports = [mod for mod, _ in loaded], [replica_ports(p, count, replicas.index, m, replicas.batch)
                                                        for _, p in loaded]

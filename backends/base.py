@@ -29,7 +29,7 @@ from torch import nn
 
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 
 Writer = Callable[[Path], None]  # called with the compiled folder being written
 
@@ -49,7 +49,7 @@ class Backend(ABC):
 
     name: str
     # what the runtime of this backend's compiled folder / drop-in module executes
-    # (`pipecc.ir.techniques.capabilities`); the techniques' `requires` query them
+    # (`pipecc.techniques.capabilities`); the techniques' `requires` query them
     capabilities: frozenset[str] = caps.COMPILED_FOLDER
     module_capabilities: frozenset[str] = caps.IN_PROCESS
 

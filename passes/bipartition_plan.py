@@ -5,7 +5,7 @@
     shipping costs) ─► simulate both ─► the plan with FP/BP ranges when faster, else unchanged;
     a decision line either way
 
-Scope v1 (PAPERS-SPEC §3.8): Bi-Partition's rule, `pipecc.ir.techniques.bipartition.requires`
+Scope v1 (PAPERS-SPEC §3.8): Bi-Partition's rule, `pipecc.techniques.bipartition.requires`
 (a training plan under 1f1b or gpipe, one stage per device, replicas 1, equal micro-batches, no
 recomputing stage, stash-keeping devices, at least two stages; split layers compose: the
 driver searches the cut pairs on a split plan's rewritten graph), and what
@@ -31,7 +31,7 @@ import sympy
 import torch.fx as fx
 
 from pipecc import cost_saved
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.graph import META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
@@ -344,7 +344,7 @@ def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, uni
 
 
 def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
-    """The part of Bi-Partition's rule that needs the graph (`pipecc.ir.techniques.bipartition`
+    """The part of Bi-Partition's rule that needs the graph (`pipecc.techniques.bipartition`
     has the rest), or None: tied weights in different pieces, and in a segment (forward and
     backward on different workers) the model's last node (the loss) or a `segment_blockers`
     node. Before the search (no separate cuts yet) only the tied weights can refuse."""

@@ -33,7 +33,7 @@ never evicts (BPipe's rule refuses such a pair): the evictors move their activat
 acceptors that make room by recomputing. "full" recomputes every stage, so nothing evicts.
 
 Scope (anything else is not considered by "auto" and refused with "on"): BPipe's rule,
-`pipecc.ir.techniques.bpipe.requires` (training, 1f1b, one stage per pipeline rank, equal
+`pipecc.techniques.bpipe.requires` (training, 1f1b, one stage per pipeline rank, equal
 micro-batches, devices that keep an autograd stash), asked here on a sketch of the options
 (`_sketch`) and by the verifier, compile and `pipecc run` on the plan.
 """
@@ -45,12 +45,12 @@ import math
 from typing import Any, Sequence
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.ir.schedule.transforms import bpipe_pairs
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.passes.plan_candidate import Candidate
@@ -66,7 +66,7 @@ POLICY = "jit"  # PAPERS-SPEC.md 2.4: fewer transfers than "eager" when stages o
 
 def _sketch(ev: Evaluator) -> Plan:
     """The plans the search would make, as BPipe's rule reads them (1f1b, one stage per device,
-    every stage recomputing under `--recompute full`): `pipecc.ir.techniques.bpipe.requires`
+    every stage recomputing under `--recompute full`): `pipecc.techniques.bpipe.requires`
     asks it before any candidate exists."""
     opt = ev.options
     return techniques.sketch(schedule="1f1b" if opt.schedule == "auto" else opt.schedule,

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import PartitionProblem, cut_bytes
 from pipecc.passes.plan_costs import CostTables

@@ -27,11 +27,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 from pipecc.passes import bpipe as bpipe_pass
 from pipecc.passes import recompute as recompute_pass
 from pipecc.passes import replicas as rep

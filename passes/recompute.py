@@ -19,7 +19,7 @@ Modes (`PlanOptions.recompute`):
     which stages recompute and why ("stage 2 recomputes its activations: 41.2 GB > 36 GB
     without").
 
-Refused (one line): what `pipecc.ir.techniques.recompute.requires` refuses (recomputation in a
+Refused (one line): what `pipecc.techniques.recompute.requires` refuses (recomputation in a
 forward-only plan; "full" on a device that cannot recompute, an FPGA card's dataflow hardware:
 "auto" never picks those, `caps.RECOMPUTE`) and, needing the graph (`graph_requires`), "full"
 on a model with BatchNorm in training mode (recomputing updates its running statistics a second
@@ -32,11 +32,11 @@ import dataclasses
 from typing import Sequence
 
 from pipecc.errors import UsageError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
 from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
@@ -87,7 +87,7 @@ def check(ev: Evaluator) -> None:
 
 
 def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
-    """The part of recomputation's rule that needs the graph (`pipecc.ir.techniques.recompute`
+    """The part of recomputation's rule that needs the graph (`pipecc.techniques.recompute`
     has the rest): a recomputed stage holding BatchNorm in training mode would update its
     running statistics twice. None when no such stage."""
     marked = [s for s in plan.stages if s.recompute]

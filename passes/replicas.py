@@ -42,8 +42,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipecc.errors import UsageError
-from pipecc.ir import techniques
-from pipecc.ir.techniques import capabilities as caps
+from pipecc import techniques
+from pipecc.techniques import capabilities as caps
 from pipecc.passes.partition import PartitionProblem
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_costs import CostTables
@@ -57,7 +57,7 @@ def divisors(n: int) -> list[int]:
 
 def check_requested(requested: int | str, n: int, devices: Sequence[Any]) -> None:
     """One-line UsageErrors for a `--replicas N` the devices cannot take (the replica groups'
-    rule, `pipecc.ir.techniques.replicas.requires`, on the groups N would make)."""
+    rule, `pipecc.techniques.replicas.requires`, on the groups N would make)."""
     if requested == "auto":
         return
     d = int(requested)

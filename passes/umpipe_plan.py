@@ -18,7 +18,7 @@ The search prices a split under the plan's schedule (`pricing`): GPipe's recurre
 event simulator over 1F1B's row order with unequal chunks (`pipecc.ir.schedule.one_f_one_b_uneven`,
 PAPERS-SPEC.md §1.3), whose memory depends on the split.
 
-Where UMPIPE applies is its rule, `pipecc.ir.techniques.umpipe.requires` (a training plan under
+Where UMPIPE applies is its rule, `pipecc.techniques.umpipe.requires` (a training plan under
 GPipe's or 1F1B's row order, one stage per device, no replica groups, no recomputing stage, devices that take
 chunks of different sizes: the runtime's and the recurrence's scope); `auto` says in the plan's
 decisions why it did not try otherwise, an explicit list is refused.
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from pipecc.errors import UsageError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes import umpipe

@@ -47,12 +47,12 @@ from pipecc.frontend import constants, loss_memory, model_checks, modelfile, onn
 from pipecc.frontend.torch_capture import parse_symbols  # noqa: F401  (driver.parse_symbols: the CLI's)
 from pipecc.frontend.model_state import preserved_state
 from pipecc.frontend.modelfile import ModelSpec, kept_cwd, load_model_file
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.runtime.loss_reduction import check_split
 from pipecc.instruments import Instruments, State, Step
 from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.report.formatting import count
@@ -571,7 +571,7 @@ def _batch_statistics_now(graph: AnnotatedGraph, name: str) -> bool:
 
 def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capabilities) -> None:
     """A PipeccError (one line) for a plan a technique's rule refuses on these capabilities
-    (`pipecc.ir.techniques.requires`: BPipe, UMPIPE, Bi-Partition, recomputation, replica
+    (`pipecc.techniques.requires`: BPipe, UMPIPE, Bi-Partition, recomputation, replica
     groups, zero-bubble; `pipecc plan` never makes one, an edited plan.json can), then the
     rules that need the graph (BatchNorm in a recomputed stage or a Bi-Partition segment, tied
     weights across pieces) and the replicas' slices of the batch. (The one-process drop-in

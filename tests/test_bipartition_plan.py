@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipecc.errors import PipeccError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.plan import Plan, StagePlan
 
 

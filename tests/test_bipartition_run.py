@@ -24,7 +24,7 @@ from helpers import run_cli, zoo_path
 from helpers import run_pipecc as pipecc
 from pipecc import driver
 from pipecc.backends.torch.bipartition import payload_notes
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.passes.bipartition_plan import graph_requires
 from pipecc.errors import PipeccError
 from pipecc.runtime import dist

@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT, run_cli, zoo_module
 from pipecc import cost, driver
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import bpipe, one_f_one_b, validate
 from pipecc.passes import bpipe as bp

@@ -415,12 +415,12 @@ def test_one_process_runs_the_folder_without_balancing(bpipe_out: Path, capsys) 
     ({"activation_balancing": [dict(PAIRS[0], policy="lazy")]}, "policy 'lazy'"),
 ])
 def test_bpipe_rule_refuses_what_cannot_run(gpt_plan, change: dict, error: str) -> None:
-    """BPipe's rule (`pipecc.ir.techniques.bpipe.requires`) on edited plans: one line each; the
+    """BPipe's rule (`pipecc.techniques.bpipe.requires`) on edited plans: one line each; the
     folder's record of a plan without pairs is []."""
     import dataclasses
 
     from pipecc.backends.torch.compile import check_activation_balancing
-    from pipecc.ir import techniques
+    from pipecc import techniques
     analysis, plan, graph = gpt_plan
     bad = dataclasses.replace(plan, **{"activation_balancing": PAIRS, **change})
     message = techniques.bpipe.requires(bad, techniques.COMPILED)

@@ -145,7 +145,7 @@ def test_umpipe_under_1f1b_reslices_between_stages(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- the rules
 
 def test_every_pair_that_does_not_compose_is_refused_by_one_rule() -> None:
-    from pipecc.ir.techniques import matrix
+    from pipecc.techniques import matrix
     names = list(matrix.TURN_ON)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -160,8 +160,8 @@ def test_every_pair_that_does_not_compose_is_refused_by_one_rule() -> None:
 
 
 def test_bpipe_refuses_a_recomputing_evictor_only() -> None:
-    from pipecc.ir import techniques
-    from pipecc.ir.techniques import matrix
+    from pipecc import techniques
+    from pipecc.techniques import matrix
     plan = matrix.with_on("BPipe", "recompute", "replicas")
     assert techniques.requires(plan) is None and plan.replicas == 2 and plan.stages[-1].recompute
     plan.stages[0].recompute = True  # the evictor
@@ -284,7 +284,7 @@ def test_planner_searches_cut_pairs_on_the_split_plan() -> None:
     """`--bipartition auto` on a plan that splits a layer: the cut pairs are searched on the
     split plan's own graph (before, only on the unsplit plan), and the rule admits the result."""
     from pipecc import driver
-    from pipecc.ir import techniques
+    from pipecc import techniques
     analysis = driver.analyze(WIDE_MLP[0], model_args=WIDE, batch_size=32)
     plan, graph = driver.plan(analysis, "2xcpu", microbatches=8, schedule="1f1b", replicas=1, bipartition="auto")
     assert plan.split_layers and "bipartition" in plan.options  # the split plan's own search ran

@@ -172,7 +172,7 @@ def test_microbatches_that_do_not_split_over_the_replicas_are_refused(pp_dp: Pat
 
 
 def test_compile_refuses_plans_the_runtime_cannot_run(tmp_path: Path) -> None:
-    from pipecc.ir import techniques
+    from pipecc import techniques
     analysis, plan, graph = replicated_plan("2xcpu", 2)
     assert techniques.replicas.requires(plan, techniques.COMPILED) is None
     plan.stages[1].replica_devices = [3, 2]

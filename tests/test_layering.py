@@ -1,7 +1,7 @@
 """The layering, checked on the source (AST, nothing imported): no import cycles, `passes/`
 never imports `backends/`, the runtime never imports the compiler, modules stay small
 enough to read in one sitting (over 600 lines only with a `# NOTE(size): why` comment, over
-800 never), and each technique's scope rule lives in its one module (`pipecc/ir/techniques/`).
+800 never), and each technique's scope rule lives in its own package (`pipecc/techniques/<name>/`).
 
 Every import counts, also those inside functions: a lazy import that closes a cycle is still
 a cycle a reader has to untangle (this is how `cli` <-> `run_cmd` and `inspect` <-> `report`
@@ -21,25 +21,41 @@ PACKAGE_DIRS = {"pipecc": ROOT / "pipecc", "pipecc.passes": ROOT / "passes",
 MAX_LINES = 600
 SIZE_NOTE = "# NOTE(size):"
 HARD_MAX_LINES = 800  # no NOTE(size) excuses a module longer than this
-TECHNIQUES_DIR = ROOT / "pipecc" / "ir" / "techniques"
+TECHNIQUES_DIR = ROOT / "pipecc" / "techniques"
+# A technique package (`pipecc/techniques/<name>/`) holds parts of several layers; each part
+# follows its layer's import rules, named by its module: `<name>.search`/`<name>.plan` (and
+# `search_*`/`plan_*`) are planner passes, `<name>.runtime*` runtime, `<name>.codegen*` a backend's,
+# `<name>.report*` the report's; the package's `__init__` (its rule) and every other module of it
+# belong to the IR (pure functions over plans and schedules).
+PART_LAYERS = {"search": "passes", "plan": "passes", "runtime": "runtime", "codegen": "backends", "report": "report"}
 # the part of a technique's rule that needs the graph lives beside its search (`graph_requires`)
 GRAPH_PARTS = {"pipecc.passes.bipartition_plan": "bipartition", "pipecc.passes.recompute": "recompute"}
-# NOTE: copies of a rule still waiting for their module's rewrite (remove the line then; never add
-# one): build_schedule re-checks BPipe's schedule on the run's own placement (one process may
-# hold every stage), until the runtime executes the plan's schedule.txt (issue 18, item 3)
-RULE_COPIES_UNTIL_SPLIT = {"pipecc.runtime.engine": "bpipe"}
 # names the admissibility check had before it became each technique's one `requires`
 OLD_CHECK_NAMES = ("why_not", "scope", "refusal", "check_plan", "check_bipartition", "check_recompute",
                    "check_replicas", "check_microbatch_sizes")
-# What pipecc/runtime may import from pipecc: the schedule IR, the plan and the techniques' rules
-# (pure data and functions: the folder loader asks the same `requires` as compile), errors, the
-# model-file loader (imports torch only) and, for an FPGA stage's rank, the FPGA backend's
-# C-simulation module.
-RUNTIME_MAY_IMPORT = ("pipecc.errors", "pipecc.runtime", "pipecc.ir.schedule", "pipecc.ir.plan",
-                      "pipecc.ir.techniques", "pipecc.frontend.modelfile", "pipecc.backends.fpga")
+# What pipecc/runtime (and a technique's runtime part) may import from pipecc besides the runtime
+# and the IR (the schedule IR, the plan and the techniques' rules: pure data and functions, so the
+# folder loader asks the same `requires` as compile): errors, the model-file loader (imports torch
+# only) and, for an FPGA stage's rank, the FPGA backend's C-simulation module.
+RUNTIME_MAY_IMPORT = ("pipecc.errors", "pipecc.frontend.modelfile", "pipecc.backends.fpga")
 # What the IR may import: nothing of the compiler around it (report.formatting, how numbers and
 # tables are written, imports only pipecc.errors: the plan's summary for people uses it).
 IR_MAY_IMPORT = ("pipecc.errors", "pipecc.ir", "pipecc.report.formatting")
+
+
+def layer_of(module: str) -> str | None:
+    """The layer whose import rules `module` follows: "ir", "passes", "runtime", "backends",
+    "report", or None (the driver, CLI, API and the rest, which may import any layer)."""
+    parts = module.split(".")
+    if parts[:2] == ["pipecc", "techniques"]:
+        if len(parts) >= 4:
+            for prefix, layer in PART_LAYERS.items():
+                if parts[3] == prefix or parts[3].startswith(prefix + "_"):
+                    return layer
+        return "ir"
+    top = parts[1] if len(parts) > 1 else ""
+    return {"ir": "ir", "passes": "passes", "runtime": "runtime", "backends": "backends",
+            "report": "report"}.get(top)
 
 
 def modules() -> dict[str, Path]:
@@ -137,25 +153,37 @@ def test_no_import_cycles() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def _bad_edges(prefix: str, allowed: tuple[str, ...]) -> list[str]:
-    return sorted(f"{m} imports {t}" for m, ts in import_graph().items()
-                  if m == prefix or m.startswith(prefix + ".")
-                  for t in ts if not any(t == a or t.startswith(a + ".") for a in allowed))
+def _bad_edges(layer: str, allowed: tuple[str, ...], also: tuple[str, ...] = ("ir",)) -> list[str]:
+    """Imports by modules of `layer` of anything but `allowed` (prefixes) and the modules of
+    the layers `also` (a technique package's parts included)."""
+    return sorted(f"{m} imports {t}" for m, ts in import_graph().items() if layer_of(m) == layer
+                  for t in ts if not any(t == a or t.startswith(a + ".") for a in allowed)
+                  and layer_of(t) not in also)
+
+
+def test_technique_parts_get_their_layer() -> None:
+    assert layer_of("pipecc.techniques.bpipe") == "ir"
+    assert layer_of("pipecc.techniques.capabilities") == "ir"
+    assert layer_of("pipecc.techniques.bpipe.search") == "passes"
+    assert layer_of("pipecc.techniques.umpipe.plan_costs") == "passes"
+    assert layer_of("pipecc.techniques.bpipe.runtime") == "runtime"
+    assert layer_of("pipecc.techniques.bipartition.codegen") == "backends"
+    assert layer_of("pipecc.passes.partition") == "passes" and layer_of("pipecc.driver") is None
 
 
 def test_passes_never_import_backends() -> None:
     bad = sorted(f"{m} imports {t}" for m, ts in import_graph().items()
-                 if m.startswith("pipecc.passes") for t in ts if t.startswith("pipecc.backends"))
+                 if layer_of(m) == "passes" for t in ts if layer_of(t) == "backends")
     assert not bad, bad
 
 
 def test_runtime_never_imports_the_compiler() -> None:
-    bad = _bad_edges("pipecc.runtime", RUNTIME_MAY_IMPORT)
+    bad = _bad_edges("runtime", RUNTIME_MAY_IMPORT, also=("ir", "runtime"))
     assert not bad, bad
 
 
 def test_ir_imports_nothing_around_it() -> None:
-    bad = _bad_edges("pipecc.ir", IR_MAY_IMPORT)
+    bad = _bad_edges("ir", IR_MAY_IMPORT)
     assert not bad, bad
 
 
@@ -180,10 +208,10 @@ def test_no_module_over_the_hard_limit(module: str) -> None:
 def technique_tags() -> dict[str, str]:
     """Technique module name -> its TAG (the words every reason of its `requires` starts with)."""
     out = {}
-    for path in sorted(TECHNIQUES_DIR.glob("*.py")):
+    for path in sorted(TECHNIQUES_DIR.glob("*/__init__.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "TAG" for t in node.targets):
-                out[path.stem] = ast.literal_eval(node.value)
+                out[path.parent.name] = ast.literal_eval(node.value)
     return out
 
 
@@ -195,7 +223,7 @@ def _strings(tree: ast.AST) -> list[str]:
 
 
 def test_each_technique_rule_lives_in_its_module() -> None:
-    """A technique's scope rule is written once: in `pipecc/ir/techniques/<t>.py`, whose reasons
+    """A technique's scope rule is written once: in `pipecc/techniques/<t>.py`, whose reasons
     start with its TAG. No other module spells a TAG in a string (a second copy of a refusal),
     each technique module defines `requires` and `uses`, and none of the old names of the
     check survives as a function anywhere."""
@@ -206,13 +234,14 @@ def test_each_technique_rule_lives_in_its_module() -> None:
         tree = ast.parse(path.read_text())
         names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         bad += [f"{module} defines {n}(): the check is its technique's `requires`" for n in names & set(OLD_CHECK_NAMES)]
-        owner = path.stem if path.parent == TECHNIQUES_DIR else None
-        if owner in tags:
+        rel = path.relative_to(TECHNIQUES_DIR).parts if path.is_relative_to(TECHNIQUES_DIR) else ()
+        owner = rel[0] if len(rel) > 1 else None
+        if owner in tags and rel[1:] == ("__init__.py",):
             bad += [f"{module} lacks {n}()" for n in ("requires", "uses") if n not in names]
         for technique, tag in tags.items():
-            allowed = (owner, GRAPH_PARTS.get(module), RULE_COPIES_UNTIL_SPLIT.get(module))
+            allowed = (owner, GRAPH_PARTS.get(module))
             if technique not in allowed and any(tag in t for t in _strings(tree)):
-                bad.append(f"{module} spells {tag!r}: {technique}'s rule belongs in pipecc/ir/techniques/{technique}.py")
+                bad.append(f"{module} spells {tag!r}: {technique}'s rule belongs in its package, pipecc/techniques/{technique}/")
     assert not bad, bad
 
 

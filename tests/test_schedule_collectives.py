@@ -120,7 +120,7 @@ def replicated(tmp_path_factory):
 
 
 def test_a_replicated_folders_schedule_txt_carries_its_reduce(replicated) -> None:
-    from pipecc.ir.techniques import schedule_of
+    from pipecc.techniques import schedule_of
     from pipecc.report.compiled import load_compiled, timeline_of
 
     schedule = parse((replicated / "schedule.txt").read_text())
@@ -164,7 +164,7 @@ def test_a_bipartition_plans_schedule_refreshes_its_replica_holders(tmp_path) ->
     replicas, so their rows REFRESH after their last F; stage 1, the owner, does not."""
     from test_bipartition_run import _analysis, _bipartition
 
-    from pipecc.ir.techniques import schedule_of
+    from pipecc.techniques import schedule_of
 
     _, plan, _ = _analysis(tmp_path)
     bip = _bipartition(plan)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import compile_mlp, run_cli, run_pipecc
-from pipecc.ir.techniques import schedule_of
+from pipecc.techniques import schedule_of
 from pipecc.ir.schedule.text import format, parse
 from pipecc.report.compiled import load_compiled, summary_json, timeline_of
 from pipecc.runtime import dist

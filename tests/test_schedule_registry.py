@@ -12,7 +12,7 @@ import pytest
 from pipecc.cli.args import add_plan_args
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.techniques import schedule_of
+from pipecc.techniques import schedule_of
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1
 from pipecc.ir.schedule.registry import REGISTRY, SCHEDULES, TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE, schedule_for

@@ -1,9 +1,9 @@
-"""Each technique's one rule (`pipecc.ir.techniques.<t>.requires`) gives the same answer
+"""Each technique's one rule (`pipecc.techniques.<t>.requires`) gives the same answer
 wherever it is asked: the planner (an error or a decision line naming the same reason), the
 plan verifier (`verify_plan`: an IRError with the line), compile (a PipeccError with the line,
 nothing written) and the folder loader (`pipecc run` on a compiled folder whose plan.json was
 edited into the case: exit 1 and the same line). And docs/techniques.md's composition matrix is
-the rules' (`pipecc.ir.techniques.matrix`)."""
+the rules' (`pipecc.techniques.matrix`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,10 +17,10 @@ import pytest
 from helpers import ROOT, run_cli, zoo_path
 from pipecc import driver
 from pipecc.errors import PipeccError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.graph import IRError
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import matrix
+from pipecc.techniques import matrix
 from pipecc.ir.verify import verify_plan
 from pipecc.runtime.admit import check_folder_plan
 
@@ -185,11 +185,11 @@ def test_the_drop_in_module_lacks_stash_transfer(base) -> None:
 
 def test_docs_matrix_is_the_rules() -> None:
     """docs/techniques.md between its markers is `matrix.markdown()` (regenerate with
-    `python -m pipecc.ir.techniques.matrix`)."""
+    `python -m pipecc.techniques.matrix`)."""
     text = (ROOT / "docs" / "techniques.md").read_text()
     begin, end = "<!-- matrix:begin -->\n", "<!-- matrix:end -->"
     shown = text[text.index(begin) + len(begin):text.index(end)]
-    assert shown == matrix.markdown(), "docs/techniques.md is stale: python -m pipecc.ir.techniques.matrix"
+    assert shown == matrix.markdown(), "docs/techniques.md is stale: python -m pipecc.techniques.matrix"
 
 
 def test_the_matrix_is_symmetric_in_what_composes() -> None:

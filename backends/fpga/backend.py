@@ -25,7 +25,7 @@ from pipecc.backends.fpga.pipeline import check_boundary, compile_fpga_stages, m
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 from pipecc.targets.fpga_model import parse_number
 
 

@@ -21,7 +21,7 @@ from pipecc.backends.torch.compile import pipelined_module
 from pipecc.backends.torch.inplace import check_in_place
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import capabilities as caps
+from pipecc.techniques import capabilities as caps
 
 
 class TorchBackend(Backend):
@@ -31,7 +31,7 @@ class TorchBackend(Backend):
 
     def check(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any], target: Target) -> None:
         # NOTE: the techniques' scope (replicas, Bi-Partition, ...) the driver asked already
-        # (`pipecc.ir.techniques.requires` with this backend's capabilities)
+        # (`pipecc.techniques.requires` with this backend's capabilities)
         check_in_place(graph, stages)  # in-place writes to received values the stages can make
         pieces = pieces_of(plan)
         if pieces:

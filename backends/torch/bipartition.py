@@ -34,7 +34,7 @@ compares them with the plan's `extra_send_bytes` (a note beyond ±25 %, never a 
 about a second for the first segment (torch's AOTAutograd import), well under a second for each
 further segment and shape on CPU, and the segment's weights copied once more in memory.
 
-Where Bi-Partition can run is one rule (`pipecc.ir.techniques.bipartition.requires`, and the
+Where Bi-Partition can run is one rule (`pipecc.techniques.bipartition.requires`, and the
 graph's part `passes.bipartition_plan.graph_requires`: the loss, BatchNorm or a non-tensor value
 in a segment, tied weights), asked by the driver before compile. Refused here in one line,
 nothing written, is what only the generated code shows (`cut_pieces`, `trace_segments`): tied
@@ -55,21 +55,21 @@ from pipecc.backends.torch.stages import Stage, cut_stages, port_json, ports_jso
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph, TensorInfo
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import bipartition
+from pipecc.techniques import bipartition
 
 FIX = "plan with --bipartition off"
 PAYLOAD_TOLERANCE = 0.25  # |traced - planned| / planned beyond which `payload_notes` says so
 
 
 def uses_bipartition(plan: Plan) -> bool:
-    """True when the compiled folder needs Bi-Partition workers (`pipecc.ir.techniques.bipartition.uses`:
+    """True when the compiled folder needs Bi-Partition workers (`pipecc.techniques.bipartition.uses`:
     a training plan whose backward ranges differ from its forward ranges)."""
     return bipartition.uses(plan)
 
 
 def pieces_of(plan: Plan) -> list[tuple[str, int, int, list[str]]]:
     """The plan's pieces (`Plan.bipartition_pieces`), [] for a plan without Bi-Partition. The
-    scope was asked before (`pipecc.ir.techniques.bipartition.requires`, and the graph's part,
+    scope was asked before (`pipecc.techniques.bipartition.requires`, and the graph's part,
     `passes.bipartition_plan.graph_requires`); what remains here is the generated code's."""
     return plan.bipartition_pieces() if uses_bipartition(plan) else []
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
-from pipecc.runtime.stash import bpipe_thresholds
+from pipecc.techniques.bpipe import thresholds as bpipe_thresholds
 
 
 def check_activation_balancing(plan: Plan) -> list[dict]:
     """The plan's BPipe pairs as `pipecc.json` records them ([] when off). Where BPipe can run
     (1f1b, one stage per rank, well-formed pairs, ...) the driver asked already
-    (`pipecc.ir.techniques.bpipe.requires`); what remains is that the IR's `bpipe` generator
+    (`pipecc.techniques.bpipe.requires`); what remains is that the IR's `bpipe` generator
     builds and validates this schedule, as the runtime will."""
     pairs = [dict(p) for p in getattr(plan, "activation_balancing", None) or []]
     if not pairs:

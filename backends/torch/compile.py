@@ -13,7 +13,7 @@
                              list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/schedule.txt         the plan's validated action list in the schedule IR's text form
-                             (`pipecc.ir.techniques.schedule_of`, `pipecc.ir.schedule.format`): what
+                             (`pipecc.techniques.schedule_of`, `pipecc.ir.schedule.format`): what
                              `pipecc run` parses, validates and executes (`SCHEDULE_FILE`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
@@ -72,7 +72,7 @@ from pipecc.backends.torch.stages import Stage, plan_as_cut, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
-from pipecc.ir.techniques import schedule_of
+from pipecc.techniques import schedule_of
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
@@ -166,7 +166,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     if n != len(plan.stages):
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
     # NOTE: the techniques' scope the driver asked before any stage was cut
-    # (`pipecc.ir.techniques.requires`); here only what the folder records is derived
+    # (`pipecc.techniques.requires`); here only what the folder records is derived
     sizes = marker_sizes(plan)
     pieces = pieces_of(plan)
     balancing = check_activation_balancing(plan)

@@ -20,7 +20,7 @@ stage a..b-1 and received by every stage a+1..b. Stages and ports are read by du
 (`index`, `nodes`, `receives`, `sends`; ports' `name`, `producer`, `stage`), so the IR
 imports no backend.
 
-Every technique the plan uses must be admissible (`pipecc.ir.techniques.requires` on a compiled
+Every technique the plan uses must be admissible (`pipecc.techniques.requires` on a compiled
 folder's capabilities): replica groups (PP x DP: d divides the devices, stage k on rank k % P,
 its group devices j*d .. j*d+d-1), BPipe pairs, unequal micro-batches, separate forward/backward
 cuts, recomputation and zero-bubble schedules, each by its one rule.
@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, IRError, verify
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.plan import Plan
 
 __all__ = ["IRError", "verify", "verify_plan"]
@@ -78,7 +78,7 @@ def _placement(graph: AnnotatedGraph, plan: Plan) -> dict[str, int]:
 
 
 def _techniques(plan: Plan) -> None:
-    """The techniques' rules (`pipecc.ir.techniques.requires`) on a compiled folder's
+    """The techniques' rules (`pipecc.techniques.requires`) on a compiled folder's
     capabilities: replica groups, BPipe pairs, unequal micro-batches, separate cuts, ..."""
     why = techniques.requires(plan, techniques.COMPILED)
     if why is not None:

@@ -143,12 +143,12 @@ def _step_tail(plan: Plan, schedule: Schedule) -> list[float] | None:
 
 def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
     """The simulator's Timeline for `plan`, rebuilt from its per-stage figures, of `schedule`
-    (a compiled folder's schedule.txt; default: the plan's own, `pipecc.ir.techniques.schedule_of`).
+    (a compiled folder's schedule.txt; default: the plan's own, `pipecc.techniques.schedule_of`).
 
     Equal to the planner's own (same stage costs, same schedule): the per-direction transfer
     times come back from `comm_s`, which the planner sums as 2*recv + 2*send.
     """
-    from pipecc.ir.techniques import schedule_of
+    from pipecc.techniques import schedule_of
     from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, ZERO_BUBBLE
     from pipecc.passes.simulate import StageCosts, simulate
 

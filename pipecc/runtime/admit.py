@@ -1,6 +1,6 @@
 """A compiled folder asked the techniques' rules before a run (`pipecc run`, and every rank
 again): the same `requires` the planner, the verifier and compile ask
-(`pipecc.ir.techniques`), so a hand-edited plan.json or pipecc.json, or a `--schedule` the
+(`pipecc.techniques`), so a hand-edited plan.json or pipecc.json, or a `--schedule` the
 folder cannot run, is refused with the line compile would give.
 
 The plans asked: plan.json as it stands (compile's answer for it), then the one the run would
@@ -17,7 +17,7 @@ import copy
 from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.ir import techniques
+from pipecc import techniques
 from pipecc.ir.plan import Plan
 
 __all__ = ["folder_plan", "check_folder_plan"]

@@ -69,7 +69,7 @@ from torch import nn
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.ir.schedule.lower import lower
-from pipecc.ir.schedule.registry import SCHEDULES, UNEVEN, VIRTUAL, schedule_for
+from pipecc.ir.schedule.registry import SCHEDULES, VIRTUAL, schedule_for
 from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only
 from pipecc.ir.schedule.validate import validate
@@ -82,7 +82,7 @@ from pipecc.runtime.replicas import GradientAllReduce, ReduceActions, Replicas
 from pipecc.runtime.reslice import Reslicer, check_sizes
 from pipecc.runtime.split_backward import ZeroBubble
 from pipecc.runtime.stage_runner import StageRunner
-from pipecc.runtime.stash import bpipe_thresholds
+from pipecc.techniques import TECHNIQUES
 from pipecc.runtime.stash_moves import StashMoves
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
@@ -127,11 +127,13 @@ def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_p
     compile use. ``sizes`` (unequal micro-batches, one list per stage): "gpipe" and "1f1b" run
     them (``gpipe_uneven``, ``one_f_one_b_uneven``), and ``microbatches`` is ignored (the longest
     list counts).
-    ``balancing`` (BPipe pairs, ``bpipe_thresholds``): only "1f1b" with one stage per rank runs
+    ``balancing`` (BPipe pairs, ``pipecc.techniques.bpipe.thresholds``): only "1f1b" with one stage per rank runs
     them, as ``bpipe(one_f_one_b(world, m), thresholds, policy)``."""
-    technique = _technique_rechecks(kind, world, microbatches, stages_per_rank, sizes, balancing)
-    if technique is not None:
-        return technique
+    for technique in TECHNIQUES:  # their rules again on this run's placement (`at_run`)
+        at_run = getattr(technique, "at_run", None)
+        built = at_run(kind, world, microbatches, stages_per_rank, sizes, balancing) if at_run else None
+        if built is not None:
+            return built
     if isinstance(kind, Schedule):
         return _checked(kind, world)
     if kind.lstrip().startswith(("rank ", "sizes:", "partner:")):
@@ -157,38 +159,6 @@ def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_p
         raise PipeccError(f"schedule has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches, "
                           f"the run {world} and {microbatches}")
     return schedule
-
-
-def _technique_rechecks(kind: str | Schedule, world: int, microbatches: int, stages_per_rank: int,
-                        sizes: Sequence[Sequence[int]] | None, balancing: Sequence[dict] | None) -> Schedule | None:
-    """The techniques' schedule rules, checked again on the run's own placement (one process may
-    hold every stage) and the schedule they build by name: BPipe's pairs (1f1b, one stage per
-    rank, equal micro-batches; a folder's ``schedule.txt`` must still carry pairs the runtime
-    can run) and UMPIPE's sizes (gpipe). None when neither applies (the caller builds the rest)."""
-    if isinstance(kind, Schedule):
-        if balancing:  # the folder's record of its BPipe pairs must still be one the runtime can run
-            bpipe_thresholds(balancing, kind.num_stages)
-        return None
-    if balancing:
-        thresholds, policy = bpipe_thresholds(balancing, world * stages_per_rank)
-        if kind != "1f1b" or stages_per_rank != 1 or sizes is not None:
-            what = f"schedule {kind!r}" if kind != "1f1b" else (
-                f"{stages_per_rank} stages per rank" if stages_per_rank != 1 else "unequal micro-batch sizes")
-            raise UsageError(f"activation balancing (BPipe) runs under the 1f1b schedule with one stage per rank, "
-                             f"not {what}; drop --schedule or compile with --activation-balancing off")
-        try:
-            return schedule_for("1f1b", world, microbatches, bpipe_thresholds=thresholds, bpipe_policy=policy)
-        except (ValueError, ScheduleError) as e:
-            raise PipeccError(f"activation balancing: {getattr(e, 'summary', e)}") from None
-    if sizes is not None:
-        if kind not in UNEVEN:
-            raise UsageError(f"unequal micro-batch sizes run under the {' or '.join(UNEVEN)} schedule only, not "
-                             f"{kind!r}; drop --schedule or compile with equal micro-batches")
-        try:
-            return schedule_for(kind, len(sizes), microbatches, num_ranks=world, microbatch_sizes=sizes)
-        except ValueError as e:
-            raise PipeccError(f"microbatch_sizes: {getattr(e, 'summary', e)}") from None
-    return None
 
 
 def _name(schedule: str | Schedule) -> str:

@@ -55,10 +55,9 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.ir.techniques.bpipe import pairs_problem
 from pipecc.runtime.wire import ALIGN, Wire, pack_tensors, packed_layout, packed_views  # ALIGN: where every storage starts
 
-__all__ = ["ALIGN", "Prefetch", "SavedTensors", "bpipe_thresholds", "folder_balancing", "layout",
+__all__ = ["ALIGN", "Prefetch", "SavedTensors", "folder_balancing", "layout",
            "module_storages", "pack_stash", "recv_packed", "recv_stash", "send_stash", "storage_key", "unpack_stash"]
 
 
@@ -297,19 +296,3 @@ def folder_balancing(meta: dict[str, Any] | None) -> list[dict] | None:
     if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
         raise PipeccError(f"pipecc.json says activation_balancing {pairs!r}; compile again")
     return pairs
-
-
-def bpipe_thresholds(balancing: Sequence[dict], stages: int) -> tuple[list[int | None], str]:
-    """Per stage its eviction threshold K (None: not an evictor) and the pairs' return policy,
-    from ``pipecc.json``'s ``activation_balancing``; refuses pairs BPipe's rule refuses
-    (``pipecc.ir.techniques.bpipe.pairs_problem``: a pairing other than (s, p-1-s) with
-    s < p // 2, a stage in two pairs, K out of range, mixed policies)."""
-    why = pairs_problem(balancing, stages)  # BPipe's rule on the pairs (pipecc.ir.techniques.bpipe)
-    if why is not None:
-        raise PipeccError(why)
-    thresholds: list[int | None] = [None] * stages
-    policies = set()
-    for pair in balancing:
-        thresholds[int(pair["evictor"])] = int(pair["threshold"])
-        policies.add(str(pair.get("policy", "jit")))
-    return thresholds, policies.pop() if policies else "jit"

@@ -24,7 +24,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipecc.ir.techniques import capabilities as _caps
+from pipecc.techniques import capabilities as _caps
 
 KINDS = ("cpu", "gpu", "fpga")
 GPU_DTYPES = ("fp32", "tf32", "fp16", "bf16")
@@ -89,7 +89,7 @@ class Device:
 
     @property
     def capabilities(self) -> frozenset[str]:
-        """What a stage on this device can do (`pipecc.ir.techniques.capabilities`: by kind)."""
+        """What a stage on this device can do (`pipecc.techniques.capabilities`: by kind)."""
         return _caps.of_kind(self.kind)
 
     def can(self, capability: str) -> bool:

@@ -9,7 +9,7 @@ of each worker holding a segment's replica, ``weight_refresh``), as torch.distri
 lowers its compute actions once (``_add_send_recv``, ``_add_reduce_grad``).
 
 It is the one place they are added, used twice with the same result: by compile, which writes
-the lowered schedule to ``OUT/schedule.txt`` (``pipecc.ir.techniques.schedule_of``, through the
+the lowered schedule to ``OUT/schedule.txt`` (``pipecc.techniques.schedule_of``, through the
 replicas' and Bi-Partition's ``lower``), and by the runtime for a schedule it builds at run time
 (``--schedule``/``--microbatches``: by name or from text, ``pipecc.runtime.engine``). A schedule
 that is already lowered (a compiled ``schedule.txt``) lowers to itself, the same object, so the

@@ -18,11 +18,12 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
-from pipecc.ir.techniques import capabilities as cap
-from pipecc.ir.techniques.facts import bipartition_on, stages_per_device, training, unequal
+from pipecc.techniques import capabilities as cap
+from pipecc.techniques.facts import bipartition_on, stages_per_device, training, unequal
 
 NAME = "BPipe"
 TAG = "activation balancing (BPipe)"
@@ -64,6 +65,47 @@ def pairs_problem(pairs: Sequence[Any], p: int) -> str | None:
     if len(policies) > 1:
         return f"{TAG}: the pairs mix return policies {sorted(policies)}; use one, or {OFF}"
     return None
+
+
+def thresholds(balancing: Sequence[dict], stages: int) -> tuple[list[int | None], str]:
+    """Per stage its eviction threshold K (None: not an evictor) and the pairs' return policy,
+    from ``pipecc.json``'s ``activation_balancing``; refuses the pairs `pairs_problem` refuses
+    (a pairing other than (s, p-1-s) with s < p // 2, a stage in two pairs, K out of range,
+    mixed policies)."""
+    why = pairs_problem(balancing, stages)
+    if why is not None:
+        raise PipeccError(why)
+    out: list[int | None] = [None] * stages
+    policies = set()
+    for pair in balancing:
+        out[int(pair["evictor"])] = int(pair["threshold"])
+        policies.add(str(pair.get("policy", "jit")))
+    return out, policies.pop() if policies else "jit"
+
+
+def at_run(kind: str | Schedule, world: int, microbatches: int, stages_per_rank: int,
+           sizes: Sequence[Sequence[int]] | None, balancing: Sequence[dict] | None) -> Schedule | None:
+    """BPipe's rule checked again on a run's own placement (`pipecc.runtime.engine.build_schedule`:
+    one process may hold every stage): the schedule its pairs run, built by name (1f1b, one stage
+    per rank, equal micro-batches), or None without pairs or when `kind` is a folder's parsed
+    ``schedule.txt`` (whose pairs must still be ones the runtime can run)."""
+    if not balancing:
+        return None
+    if isinstance(kind, Schedule):
+        thresholds(balancing, kind.num_stages)
+        return None
+    ks, policy = thresholds(balancing, world * stages_per_rank)
+    if kind != "1f1b" or stages_per_rank != 1 or sizes is not None:
+        what = f"schedule {kind!r}" if kind != "1f1b" else (
+            f"{stages_per_rank} stages per rank" if stages_per_rank != 1 else "unequal micro-batch sizes")
+        raise UsageError(f"{TAG} runs under the 1f1b schedule with one stage per rank, "
+                         f"not {what}; drop --schedule or compile with {OFF}")
+    from pipecc.ir.schedule.registry import schedule_for
+    from pipecc.ir.schedule.text import ScheduleError
+    try:
+        return schedule_for("1f1b", world, microbatches, bpipe_thresholds=ks, bpipe_policy=policy)
+    except (ValueError, ScheduleError) as e:
+        raise PipeccError(f"activation balancing: {getattr(e, 'summary', e)}") from None
 
 
 def requires(plan: Plan, caps: cap.Capabilities) -> str | None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.techniques import capabilities as cap
-from pipecc.ir.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
+from pipecc.techniques import capabilities as cap
+from pipecc.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
 
 NAME = "Bi-Partition"
 TAG = "separate forward/backward cuts (Bi-Partition)"

@@ -1,6 +1,6 @@
 """Which techniques compose: every pair turned on in one example plan and asked both
 techniques' `requires` (`docs/techniques.md` shows the result; `tests/test_techniques.py`
-checks the page against it, so it cannot drift). Run `python -m pipecc.ir.techniques.matrix`
+checks the page against it, so it cannot drift). Run `python -m pipecc.techniques.matrix`
 to print the tables.
 
 The example: 8 nodes, batch 8 in 4 micro-batches, 4 stages of two nodes on CPUs/GPUs, 1f1b.
@@ -18,7 +18,7 @@ from typing import Callable
 
 from pipecc.ir.plan import Plan, SplitLayer, StagePlan
 from pipecc.ir.schedule.registry import UNEVEN
-from pipecc.ir.techniques import TECHNIQUES, capabilities as cap, requires
+from pipecc.techniques import TECHNIQUES, capabilities as cap, requires
 
 STAGES, NODES_PER_STAGE = 4, 2
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.techniques import capabilities as cap
-from pipecc.ir.techniques.facts import recomputing, training
+from pipecc.techniques import capabilities as cap
+from pipecc.techniques.facts import recomputing, training
 
 NAME = "recompute"
 TAG = "activation recomputation"

@@ -12,11 +12,14 @@ Bi-Partition's segments assume equal micro-batches: their rules refuse the pair,
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import UNEVEN
-from pipecc.ir.techniques import capabilities as cap
-from pipecc.ir.techniques.facts import recomputing, stages_per_device, training, unequal
+from pipecc.techniques import capabilities as cap
+from pipecc.techniques.facts import recomputing, stages_per_device, training, unequal
 
 NAME = "UMPIPE"
 TAG = "unequal micro-batches (UMPIPE)"
@@ -60,3 +63,21 @@ def lower(plan: Plan, schedule: Schedule) -> Schedule:
     n = len(plan.stages)
     return schedule_for(plan.schedule, n, plan.microbatches, num_ranks=schedule.num_ranks,
                         microbatch_sizes=plan.microbatch_sizes)
+
+
+def at_run(kind: str | Schedule, world: int, microbatches: int, stages_per_rank: int,
+           sizes: Sequence[Sequence[int]] | None, balancing: Sequence[dict] | None) -> Schedule | None:
+    """The schedule a run's unequal sizes (one list per stage) build by name
+    (`pipecc.runtime.engine.build_schedule`; ``microbatches`` is ignored, the longest list
+    counts), or None without sizes, beside BPipe's pairs (whose rule refuses them) or when `kind`
+    is a folder's parsed ``schedule.txt`` (the engine checks its sizes against the ports)."""
+    if sizes is None or balancing or isinstance(kind, Schedule):
+        return None
+    if kind not in UNEVEN:
+        raise UsageError(f"unequal micro-batch sizes run under the {' or '.join(UNEVEN)} schedule only, not "
+                         f"{kind!r}; drop --schedule or compile with equal micro-batches")
+    from pipecc.ir.schedule.registry import schedule_for
+    try:
+        return schedule_for(kind, len(sizes), microbatches, num_ranks=world, microbatch_sizes=sizes)
+    except ValueError as e:
+        raise PipeccError(f"microbatch_sizes: {getattr(e, 'summary', e)}") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.techniques import capabilities as cap
+from pipecc.techniques import capabilities as cap
 
 NAME = "replicas"
 TAG = "replica groups (PP x DP)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule import ZERO_BUBBLE
-from pipecc.ir.techniques import capabilities as cap
+from pipecc.techniques import capabilities as cap
 
 NAME = "zero-bubble"
 TAG = "the zero-bubble schedule"

@@ -36,8 +36,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan, StagePlan
-from pipecc.ir.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
-from pipecc.ir.techniques.capabilities import COMPILED, DROP_IN, Capabilities
+from pipecc.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
+from pipecc.techniques.capabilities import COMPILED, DROP_IN, Capabilities
 
 __all__ = ["LOWERING", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "requires", "schedule_of",
            "sketch"]

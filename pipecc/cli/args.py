@@ -8,6 +8,8 @@ from typing import Any
 from pipecc.errors import UsageError
 from pipecc.ir.precision import PRECISIONS
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
+from pipecc.techniques import TECHNIQUES
+from pipecc.techniques.options import Option
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,49 +66,16 @@ def replicas(text: str) -> int | str:
     return "auto" if text == "auto" else positive_int(text)
 
 
-# ----------------------------------------------------------------------------- one vocabulary
-# Every technique switch on the command line reads `auto|on|off` (a technique that has nothing
-# to force offers `auto|off`); args.py maps the words to the values the planner has always
-# taken (`recompute="full"`, `microbatch_sizes="equal"`, ...), so plan.json, the Python API and
-# the planner are unchanged. The old CLI spellings (`--recompute none|full`,
-# `--microbatch-sizes equal`) keep working: they are the planner's own values, which plan.json's
-# `options` and the Python API still use, so a user who copies one from there is not refused.
-SWITCHES: dict[str, dict[str, str]] = {
-    "recompute": {"auto": "auto", "on": "full", "off": "none"},
-    "activation_balancing": {"auto": "auto", "on": "on", "off": "off"},
-    "bipartition": {"auto": "auto", "off": "off"},
-}
-OLD_SPELLINGS: dict[str, dict[str, str]] = {
-    "recompute": {"none": "none", "full": "full"},
-}
-
-
-def switch(name: str) -> Any:
-    """The argparse `type` of switch `name`: a CLI word (or an old spelling) -> the planner's value."""
-    words, old = SWITCHES[name], OLD_SPELLINGS.get(name, {})
-
-    def parse(text: str) -> str:
-        if text in words:
-            return words[text]
-        if text in old:
-            return old[text]
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(words)})")
-    parse.__name__ = name
+def technique_switch(option: Option) -> Any:
+    """The argparse `type` of a technique's switch (`pipecc.techniques.options.Option`): a CLI
+    word, an old spelling or free text -> the planner's value."""
+    def parse(text: str) -> Any:
+        try:
+            return option.value(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = option.dest
     return parse
-
-
-def microbatch_sizes(text: str) -> str | list[int]:
-    """auto | off | S1,S2,... (each > 0; the sum is checked against the batch size later).
-    off is the planner's "equal" (every stage splits the batch equally), still accepted."""
-    if text in ("auto", "equal"):
-        return text
-    if text == "off":
-        return "equal"
-    try:
-        sizes = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, off or sizes like 3,5, got {text!r}") from None
-    return sizes
 
 
 class _SplitLayers(argparse.Action):
@@ -213,28 +182,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                       "where it pays, off never (old spelling: --no-split-layers)")
     tech.add_argument("--no-split-layers", dest="no_split_layers", action=_SplitLayers, nargs=0,
                       default=False, help=argparse.SUPPRESS)
-    tech.add_argument("--recompute", type=switch("recompute"), default="off", metavar="auto|on|off",
-                      help="activation recomputation (torch.utils.checkpoint per stage): off (default), "
-                      "on (every stage) or auto (only the stages that need it to fit memory); "
-                      "old spellings none|full still work")
-    tech.add_argument("--activation-balancing", type=switch("activation_balancing"), default="auto",
-                      metavar="auto|on|off",
-                      help="BPipe: under 1F1B, stage s sends stashed activations to stage p-1-s and "
-                      "takes them back before their backward, to spend the freed memory on a larger "
-                      "micro-batch or no recomputation. auto (default): only where pipecc's estimate "
-                      "predicts a speed-up; on: always (1f1b, replicas 1); off: never")
-    tech.add_argument("--bipartition", type=switch("bipartition"), default="off", metavar="auto|off",
-                      help="Bi-Partition: separate forward and backward cuts (a layer's forward on "
-                      "one device, its backward on the next; its saved tensors and weights travel). "
-                      "off (default); auto: search them around the chosen cuts (training, 1f1b or "
-                      "gpipe, replicas 1) and keep them only if the simulated iteration is faster")
-    tech.add_argument("--microbatch-sizes", type=microbatch_sizes, default="off",
-                      metavar="auto|off|S1,S2,...",
-                      help="UMPIPE: per-stage micro-batch sizes. off (default): every stage splits "
-                      "the batch into equal micro-batches; auto: when the chosen plan runs gpipe or "
-                      "1f1b, search each stage's own sizes (genetic search, at most 10 s) and keep "
-                      "them if faster; S1,S2,...: these sizes (summing to the batch size) on every "
-                      "stage, under gpipe (or --schedule 1f1b) with replicas 1 (old spelling of off: equal)")
+    for technique in TECHNIQUES:  # each technique's switches (its package's OPTIONS)
+        for option in getattr(technique, "OPTIONS", ()):
+            tech.add_argument(option.flag, dest=option.dest, type=technique_switch(option), default=option.default,
+                              metavar=option.metavar, help=option.help)
     tech.add_argument("--flash-attention", action="store_true",
                       help="cost fused attention as flash attention runs it: no stashed scores, "
                       "recomputed in backward (default: the math path, which keeps them)")

@@ -1,13 +1,29 @@
-"""The paper techniques' scope rules, one module each, pure functions over plan fields
-(onnx-ir's `requires`): where a technique can run, asked alike by the planner, the plan
-verifier (`pipecc.ir.verify.verify_plan`), compile (`pipecc.driver.compile`) and the
-compiled-folder loader (`pipecc run`, which imports no compiler: hence here, in the IR).
+"""The paper techniques, one package each: `pipecc/techniques/<name>/` holds everything of a
+technique (its rule, its planner search, its schedule transform, its runtime handlers, its
+generated code), and the one line that registers it is its place in `TECHNIQUES` below.
 
-    <technique>.requires(plan, caps) -> str | None
-        None: admissible; else one line naming the problem and the fix
-    <technique>.uses(plan) -> bool      whether `plan` applies the technique
-    <technique>.lower(plan, schedule)   the schedule transform it applies (`schedule` itself
+A package's `__init__` is its rule: pure functions over plan fields (onnx-ir's `requires`),
+where the technique can run, asked alike by the planner, the plan verifier
+(`pipecc.ir.verify.verify_plan`), compile (`pipecc.driver.compile`) and the compiled-folder
+loader (`pipecc run`, which imports no compiler: so the rule imports only the IR). The protocol
+every consumer iterates (`TECHNIQUES`, `LOWERING`):
+
+    NAME, TAG, OFF                      how people, its refusals and their fixes name it
+    OPTIONS                             its command-line switches (`options.Option`), which
+                                        `pipecc.cli.args` adds to the plan commands
+    uses(plan) -> bool                  whether `plan` applies the technique
+    requires(plan, caps) -> str | None  None: admissible; else one line naming the problem and the fix
+    lower(plan, schedule)               the schedule transform it applies (`schedule` itself
                                         when the plan does not use it)
+    at_run(kind, world, m, stages_per_rank, sizes, balancing)   (optional) its rule again on a
+                                        run's own placement, and the schedule it builds by name
+                                        (`pipecc.runtime.engine.build_schedule`), or None
+
+Its other modules are parts of other layers, named by the layer (`tests/test_layering.py`
+`layer_of` holds each to its layer's imports): `search*`/`plan*` planner passes, `runtime*`
+the runtime's handlers, `codegen*` the torch backend's code, `report*` its report lines; any
+other module is IR like the rule. Over all techniques:
+
     requires(plan, caps)                the first reason of any technique `plan` uses
     lower(plan, schedule)               every technique's `lower`, in LOWERING order
     schedule_of(plan)                   the plan's final action list: its base schedule by name,

@@ -20,11 +20,18 @@ from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.techniques import capabilities as cap
+from pipecc.techniques.options import Option
 from pipecc.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
 
 NAME = "Bi-Partition"
 TAG = "separate forward/backward cuts (Bi-Partition)"
 OFF = "--bipartition off"
+OPTIONS = (Option("--bipartition", "bipartition", "off", "auto|off",
+                  "Bi-Partition: separate forward and backward cuts (a layer's forward on "
+                  "one device, its backward on the next; its saved tensors and weights travel). "
+                  "off (default); auto: search them around the chosen cuts (training, 1f1b or "
+                  "gpipe, replicas 1) and keep them only if the simulated iteration is faster",
+                  words={"auto": "auto", "off": "off"}),)
 SCHEDULES = ("1f1b", "gpipe")
 MODES = ("", "ship", "recompute")
 

@@ -23,11 +23,18 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
 from pipecc.techniques import capabilities as cap
+from pipecc.techniques.options import Option
 from pipecc.techniques.facts import bipartition_on, stages_per_device, training, unequal
 
 NAME = "BPipe"
 TAG = "activation balancing (BPipe)"
 OFF = "--activation-balancing off"
+OPTIONS = (Option("--activation-balancing", "activation_balancing", "auto", "auto|on|off",
+                  "BPipe: under 1F1B, stage s sends stashed activations to stage p-1-s and "
+                  "takes them back before their backward, to spend the freed memory on a larger "
+                  "micro-batch or no recomputation. auto (default): only where pipecc's estimate "
+                  "predicts a speed-up; on: always (1f1b, replicas 1); off: never",
+                  words={"auto": "auto", "on": "on", "off": "off"}),)
 
 
 def without_fix(why: str) -> str:

@@ -10,11 +10,17 @@ from __future__ import annotations
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.techniques import capabilities as cap
+from pipecc.techniques.options import Option
 from pipecc.techniques.facts import recomputing, training
 
 NAME = "recompute"
 TAG = "activation recomputation"
 OFF = "--recompute auto or none"
+OPTIONS = (Option("--recompute", "recompute", "none", "auto|on|off",
+                  "activation recomputation (torch.utils.checkpoint per stage): off (default), "
+                  "on (every stage) or auto (only the stages that need it to fit memory); "
+                  "old spellings none|full still work",
+                  words={"auto": "auto", "on": "full", "off": "none"}, old={"none": "none", "full": "full"}),)
 
 
 def uses(plan: Plan) -> bool:

@@ -19,11 +19,30 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import UNEVEN
 from pipecc.techniques import capabilities as cap
+from pipecc.techniques.options import Option
 from pipecc.techniques.facts import recomputing, stages_per_device, training, unequal
 
 NAME = "UMPIPE"
 TAG = "unequal micro-batches (UMPIPE)"
 OFF = "--microbatch-sizes equal"
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``--microbatch-sizes S1,S2,...``: the sizes (each > 0; the sum is checked against the
+    batch size later)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"expected auto, off or sizes like 3,5, got {text!r}") from None
+
+
+OPTIONS = (Option("--microbatch-sizes", "microbatch_sizes", "equal", "auto|off|S1,S2,...",
+                  "UMPIPE: per-stage micro-batch sizes. off (default): every stage splits "
+                  "the batch into equal micro-batches; auto: when the chosen plan runs gpipe or "
+                  "1f1b, search each stage's own sizes (genetic search, at most 10 s) and keep "
+                  "them if faster; S1,S2,...: these sizes (summing to the batch size) on every "
+                  "stage, under gpipe (or --schedule 1f1b) with replicas 1 (old spelling of off: equal)",
+                  words={"auto": "auto", "off": "equal"}, old={"equal": "equal"}, parse=parse_sizes),)
 
 
 def uses(plan: Plan) -> bool:

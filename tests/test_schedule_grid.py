@@ -17,7 +17,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipecc.ir.schedule import REGISTRY, Schedule, format, schedule_for, validate, zb_v
+import pytest
+
+from pipecc.ir.schedule import (REGISTRY, Schedule, add_send_recv, compute_by_name, format, parse, schedule_for,
+                                validate, zb_v, zb_v_compute)
 
 GOLDEN = Path(__file__).parent / "golden" / "schedule_grid.sha256"
 
@@ -82,6 +85,37 @@ def test_schedule_grid_text_is_unchanged() -> None:
     digest = hashlib.sha256(grid_text().encode()).hexdigest()
     assert digest == GOLDEN.read_text().split()[0], (
         "schedule text changed; diff `python tests/test_schedule_grid.py FILE` before and after")
+
+
+def test_generators_list_compute_actions_only_and_schedule_for_lowers_them() -> None:
+    for name, kind in REGISTRY.items():
+        for p, m, v in ((1, 2, 1), (3, 6, 1), (2, 4, 2), (3, 6, 3)):
+            if v > 1 and not kind.virtual_stages:
+                continue
+            compute = compute_by_name(name, p, m, v)
+            assert all(a.kind.is_compute for row in compute.actions for a in row)
+            assert schedule_for(name, p * v, m, num_ranks=p) == add_send_recv(compute)
+    assert all(a.kind.is_compute for row in zb_v_compute(3, 7).actions for a in row)
+    assert zb_v(3, 7) == add_send_recv(zb_v_compute(3, 7))
+
+
+def test_add_send_recv_places_messages_by_one_rule() -> None:
+    # equal micro-batches: receive right before the compute that needs it, send right after
+    assert format(add_send_recv(parse("rank 0: 0F0 0B0\nrank 1: 1F0 1B0"))) == (
+        "rank 0: 0F0 0SEND_F0 0RECV_B0 0B0\nrank 1: 1RECV_F0 1F0 1B0 1SEND_B0")
+    # I sends the gradient, W needs nothing; stages on one rank exchange locally
+    assert format(add_send_recv(parse("rank 0: 0F0 1F0 1I0 1W0 0I0 0W0"))) == "rank 0: 0F0 1F0 1I0 1W0 0I0 0W0"
+    # unequal chunks: F(1, 0) needs stage 0's chunks 0 and 1; the gradient of stage 0's chunk 1
+    # goes once every chunk of stage 1 overlapping it ran its backward
+    uneven = parse("sizes: 1 3 | 2 2\nrank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1F1 1B0 1B1")
+    assert format(add_send_recv(uneven)).splitlines()[1:] == [
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+        "rank 1: 1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1"]
+
+
+def test_add_send_recv_refuses_a_schedule_with_messages() -> None:
+    with pytest.raises(ValueError, match="compute actions only .* rank 0 runs 0SEND_F0"):
+        add_send_recv(schedule_for("1f1b", 2, 2))
 
 
 if __name__ == "__main__":

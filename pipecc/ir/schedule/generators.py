@@ -24,9 +24,11 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"need at least one stage and one microbatch, got p={num_stages}, m={num_microbatches}")
 
 
-def _build(num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...], compute: list[list[Action]]) -> Schedule:
-    return Schedule(num_ranks, len(stage_to_rank), num_microbatches, stage_to_rank, tuple(tuple(row) for row in compute))
-
+def _build(num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...],
+           compute: list[list[Action]]) -> Schedule:
+    """The compute-only schedule of rows ``compute`` (no SEND/RECV: ``add_send_recv`` adds them)."""
+    rows = tuple(tuple(row) for row in compute)
+    return Schedule(num_ranks, len(stage_to_rank), num_microbatches, stage_to_rank, rows)
 
 
 def gpipe_compute(num_stages: int, num_microbatches: int) -> Schedule:

@@ -1,46 +1,22 @@
 """The schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and forward-only
 inference, each a pure function of (ranks or stages, micro-batches) to a ``Schedule``.
 
-Every generator lists each rank's compute actions; ``_place_comms`` then inserts the SEND/RECV
-pairs wherever neighbouring stages sit on different ranks (``pipecc.ir.schedule.validate``
-states the communication semantics they are proved against).
+Every generator (``gpipe_compute``, ``one_f_one_b_compute``, ...) lists each rank's compute
+actions only: F, B or I and W, in the order the rank runs them. The SEND/RECV between stages on
+different ranks are added afterwards, by one rule for every schedule
+(``pipecc.ir.schedule.sendrecv.add_send_recv``, which ``schedule_for`` applies);
+``gpipe``, ``one_f_one_b``, ... are the generators so lowered: the schedules that run,
+unvalidated (``pipecc.ir.schedule.validate`` states the communication semantics they are proved
+against).
 """
 
 from __future__ import annotations
 
 from pipecc.ir.schedule.actions import _B, _F, _I, _W, Action, ActionKind, Schedule
+from pipecc.ir.schedule.sendrecv import add_send_recv
 
-__all__ = ["gpipe", "inference", "interleaved_1f1b", "one_f_one_b", "zb_h1", "zb_v"]
-
-
-def _place_comms(compute: list[list[Action]], stage_to_rank: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
-    """Insert SEND/RECV around compute actions wherever neighbouring stages sit on different ranks.
-
-    Receives go just before the compute that needs them and sends just after the compute
-    that produces them, which waits least under async sends. O(actions).
-    """
-    last = len(stage_to_rank) - 1
-    rows = []
-    for rank, row in enumerate(compute):
-        out: list[Action] = []
-        for a in row:
-            s, mb = a.stage, a.microbatch
-            if a.kind is ActionKind.F:
-                if s > 0 and stage_to_rank[s - 1] != rank:
-                    out.append(Action(ActionKind.RECV_F, s, mb))
-                out.append(a)
-                if s < last and stage_to_rank[s + 1] != rank:
-                    out.append(Action(ActionKind.SEND_F, s, mb))
-            elif a.kind is ActionKind.W:  # weights only: nothing to receive or send
-                out.append(a)
-            else:  # B or I: needs the output gradient, produces the input gradient
-                if s < last and stage_to_rank[s + 1] != rank:
-                    out.append(Action(ActionKind.RECV_B, s, mb))
-                out.append(a)
-                if s > 0 and stage_to_rank[s - 1] != rank:
-                    out.append(Action(ActionKind.SEND_B, s, mb))
-        rows.append(tuple(out))
-    return tuple(rows)
+__all__ = ["gpipe", "gpipe_compute", "inference", "inference_compute", "interleaved_1f1b", "interleaved_1f1b_compute",
+           "one_f_one_b", "one_f_one_b_compute", "zb_h1", "zb_h1_compute", "zb_v", "zb_v_compute"]
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -48,12 +24,14 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ValueError(f"need at least one stage and one microbatch, got p={num_stages}, m={num_microbatches}")
 
 
-def _build(num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...], compute: list[list[Action]]) -> Schedule:
-    return Schedule(num_ranks, len(stage_to_rank), num_microbatches, stage_to_rank, _place_comms(compute, stage_to_rank))
+def _build(num_ranks: int, num_microbatches: int, stage_to_rank: tuple[int, ...],
+           compute: list[list[Action]]) -> Schedule:
+    """The compute-only schedule of rows ``compute`` (no SEND/RECV: ``add_send_recv`` adds them)."""
+    rows = tuple(tuple(row) for row in compute)
+    return Schedule(num_ranks, len(stage_to_rank), num_microbatches, stage_to_rank, rows)
 
 
-
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe_compute(num_stages: int, num_microbatches: int) -> Schedule:
     """GPipe: every rank runs all m forwards, then all m backwards in microbatch order.
 
     Backwards go in order 0..m-1, like torch's ScheduleGPipe (with equal costs the
@@ -65,7 +43,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     return _build(num_stages, m, tuple(range(num_stages)), compute)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b_compute(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): rank r runs w = min(p-r-1, m) warm-up forwards, then
     alternates F(w+i), B(i), then drains the remaining backwards. Stage r stashes
     min(p-r, m)."""
@@ -82,7 +60,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return _build(p, m, tuple(range(p)), compute)
 
 
-def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages_per_rank: int) -> Schedule:
+def interleaved_1f1b_compute(num_ranks: int, num_microbatches: int, virtual_stages_per_rank: int) -> Schedule:
     """Megatron-style interleaved 1F1B: rank r holds stages r, r+p, ..., r+(v-1)p.
 
     Microbatches go round in groups of p: forward step k on a rank runs chunk
@@ -90,14 +68,14 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages_per_r
     chunk ``v - 1 - (k // p) % v`` on the same microbatch formula. Rank r warms up with
     ``min(m*v, (v-1)*p + 2*(p-r-1))`` forwards (as in Megatron and torch's
     ScheduleInterleaved1F1B), then alternates F and B, then drains. Requires
-    ``m % p == 0``. With v == 1 this is plain ``one_f_one_b``.
+    ``m % p == 0``. With v == 1 this is plain ``one_f_one_b_compute``.
     """
     p, m, v = num_ranks, num_microbatches, virtual_stages_per_rank
     _check_sizes(p, m)
     if v < 1:
         raise ValueError(f"virtual_stages_per_rank must be >= 1, got {v}")
     if v == 1:
-        return one_f_one_b(p, m)
+        return one_f_one_b_compute(p, m)
     if m % p != 0:
         raise ValueError(
             f"interleaved 1F1B needs num_microbatches divisible by num_ranks: m={m}, p={p} "
@@ -125,7 +103,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages_per_r
     return _build(p, m, tuple(s % p for s in range(p * v)), compute)
 
 
-def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+def zb_h1_compute(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024, section 3.1): 1F1B
     with each B split into I and W, the W's deferred to fill the drain bubbles.
 
@@ -157,7 +135,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return _build(p, m, tuple(range(p)), compute)
 
 
-def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
+def zb_v_compute(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-V (Qi et al., ICLR 2024, section 6): 2p stages in a V, rank r holding stage r (down
     the V) and 2p-1-r (back up), each B split into I and W. Ranks p-1's two stages meet at the
     point of the V and hand over locally; the loss is on rank 0.
@@ -207,9 +185,41 @@ def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 
-def inference(num_stages: int, num_microbatches: int) -> Schedule:
+def inference_compute(num_stages: int, num_microbatches: int) -> Schedule:
     """Forwards only: rank s runs F(s, 0..m-1)."""
     _check_sizes(num_stages, num_microbatches)
     compute = [[_F(s, i) for i in range(num_microbatches)] for s in range(num_stages)]
     return _build(num_stages, num_microbatches, tuple(range(num_stages)), compute)
 
+
+# ---------------------------------------------------------------------------- lowered
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """``gpipe_compute`` with its SEND/RECV (``add_send_recv``)."""
+    return add_send_recv(gpipe_compute(num_stages, num_microbatches))
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """``one_f_one_b_compute`` with its SEND/RECV (``add_send_recv``)."""
+    return add_send_recv(one_f_one_b_compute(num_stages, num_microbatches))
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages_per_rank: int) -> Schedule:
+    """``interleaved_1f1b_compute`` with its SEND/RECV (``add_send_recv``)."""
+    return add_send_recv(interleaved_1f1b_compute(num_ranks, num_microbatches, virtual_stages_per_rank))
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """``zb_h1_compute`` with its SEND/RECV (``add_send_recv``)."""
+    return add_send_recv(zb_h1_compute(num_stages, num_microbatches))
+
+
+def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
+    """``zb_v_compute`` with its SEND/RECV (``add_send_recv``)."""
+    return add_send_recv(zb_v_compute(num_ranks, num_microbatches))
+
+
+def inference(num_stages: int, num_microbatches: int) -> Schedule:
+    """``inference_compute`` with its SEND/RECV (``add_send_recv``)."""
+    return add_send_recv(inference_compute(num_stages, num_microbatches))

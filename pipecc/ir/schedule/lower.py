@@ -1,8 +1,9 @@
 """The lowering: a compute schedule -> the schedule a run executes, with its collectives.
 
-A compute schedule is a generator's rows (``pipecc.ir.schedule.generators``: F, B or I and W,
-and the point-to-point SEND/RECV each needs) after the techniques' compute transforms
-(UMPIPE's chunks, BPipe's stash transfers, ``transforms``). ``lower`` adds what runs across the
+A compute schedule is a generator's rows (``pipecc.ir.schedule.generators``: F, B or I and W)
+with the point-to-point SEND/RECV each needs (``pipecc.ir.schedule.sendrecv.add_send_recv``),
+after the techniques' compute transforms (UMPIPE's chunks, BPipe's stash transfers,
+``transforms``). ``lower`` adds what runs across the
 copies of a stage: the replica groups' gradient all-reduce (REDUCE after each stage's last
 gradient action, ``gradient_reduce``) and Bi-Partition's weight refresh (REFRESH after the last F
 of each worker holding a segment's replica, ``weight_refresh``), as torch.distributed.pipelining

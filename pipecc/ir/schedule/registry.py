@@ -17,19 +17,22 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1
+from pipecc.ir.schedule.generators import (gpipe_compute, inference_compute, interleaved_1f1b_compute,
+                                           one_f_one_b_compute, zb_h1_compute)
+from pipecc.ir.schedule.sendrecv import add_send_recv
 from pipecc.ir.schedule.transforms import bpipe, gpipe_uneven, one_f_one_b_uneven
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["REGISTRY", "SCHEDULES", "SPLIT_BACKWARD_COST", "TRAINING_SCHEDULES", "UNEVEN", "VIRTUAL", "ZERO_BUBBLE",
-           "ScheduleKind", "by_name", "schedule_for"]
+           "ScheduleKind", "by_name", "compute_by_name", "schedule_for"]
 
 
 @dataclass(frozen=True)
 class ScheduleKind:
     """A schedule name and what callers ask of it before building one.
 
-    ``build(ranks, microbatches, virtual_stages)`` makes the schedule; ``training``: it has
+    ``build(ranks, microbatches, virtual_stages)`` makes its compute actions (no SEND/RECV:
+    ``add_send_recv`` adds them); ``training``: it has
     backward actions (the planner's candidates, a folder that can train); ``virtual_stages``:
     a rank may hold several stages; ``split_backward``: its backward is split into I and W
     (zero-bubble: priced at ``SPLIT_BACKWARD_COST``, refused by backends without the split)."""
@@ -48,15 +51,15 @@ def _one_per_rank(generator: Callable[[int, int], Schedule]) -> Callable[[int, i
 
 # NOTE: the order is the one every listing shows (and the planner tries under --schedule auto)
 REGISTRY: dict[str, ScheduleKind] = {k.name: k for k in (
-    ScheduleKind("gpipe", _one_per_rank(gpipe), training=True,
+    ScheduleKind("gpipe", _one_per_rank(gpipe_compute), training=True,
                  summary="all forwards, then all backwards; stashes every micro-batch"),
-    ScheduleKind("1f1b", _one_per_rank(one_f_one_b), training=True,
+    ScheduleKind("1f1b", _one_per_rank(one_f_one_b_compute), training=True,
                  summary="PipeDream-flush: warm-up forwards, then one forward one backward"),
-    ScheduleKind("interleaved", interleaved_1f1b, training=True, virtual_stages=True,
+    ScheduleKind("interleaved", interleaved_1f1b_compute, training=True, virtual_stages=True,
                  summary="Megatron's interleaved 1F1B: several stages per rank"),
-    ScheduleKind("inference", _one_per_rank(inference), training=False,
+    ScheduleKind("inference", _one_per_rank(inference_compute), training=False,
                  summary="forwards only"),
-    ScheduleKind("zb-h1", _one_per_rank(zb_h1), training=True, split_backward=True,
+    ScheduleKind("zb-h1", _one_per_rank(zb_h1_compute), training=True, split_backward=True,
                  summary="zero-bubble H1: 1F1B with each backward split into I and W"),
 )}
 SCHEDULES = tuple(REGISTRY)  # every name, as plans, `pipecc run --schedule` and the simulator spell it
@@ -75,9 +78,10 @@ UNEVEN = ("gpipe", "1f1b")
 SPLIT_BACKWARD_COST = 1.2
 
 
-def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule called `name` over `num_ranks` ranks (`virtual_stages` stages per rank for
-    a schedule that holds several; the others hold one stage per rank), unvalidated.
+def compute_by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The compute actions (no SEND/RECV) of the schedule called `name` over `num_ranks` ranks
+    (`virtual_stages` stages per rank for a schedule that holds several; the others hold one
+    stage per rank).
 
     Raises ValueError for an unknown name or a stage count the schedule cannot hold.
     """
@@ -90,17 +94,28 @@ def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: in
     return kind.build(num_ranks, num_microbatches, virtual_stages)
 
 
+def by_name(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """``compute_by_name`` with its SEND/RECV (``add_send_recv``), unvalidated.
+
+    Raises ValueError for an unknown name or a stage count the schedule cannot hold.
+    """
+    return add_send_recv(compute_by_name(name, num_ranks, num_microbatches, virtual_stages))
+
+
 def schedule_for(name: str, num_stages: int, num_microbatches: int, *, num_ranks: int | None = None,
                  microbatch_sizes: Sequence[Sequence[int]] | None = None,
                  bpipe_thresholds: Sequence[int | None] | None = None, bpipe_policy: str = "jit") -> Schedule:
     """The validated schedule of a plan: `name` over `num_stages` stages on `num_ranks` ranks
-    (default one per stage; several stages per rank only for a schedule in ``VIRTUAL``).
+    (default one per stage; several stages per rank only for a schedule in ``VIRTUAL``): the
+    generator's compute actions, their SEND/RECV added by ``add_send_recv``, then BPipe's stash
+    transfers.
 
     ``microbatch_sizes`` (UMPIPE, one list per stage): ``gpipe_uneven`` for gpipe,
     ``one_f_one_b_uneven`` for 1f1b (one stage per rank); `num_microbatches` is then the
     longest list's length and not read. ``bpipe_thresholds``
     (BPipe, one entry per stage, None for a stage that does not evict): ``bpipe(one_f_one_b(p,
-    m), thresholds, bpipe_policy)`` (1f1b, one stage per rank; all None: plain 1F1B). The
+    m), thresholds, bpipe_policy)`` (1f1b, one stage per rank; all None: plain 1F1B), where
+    ``one_f_one_b`` is ``add_send_recv(one_f_one_b_compute(p, m))``. The
     inference schedule is the name "inference".
 
     Raises ValueError (``ScheduleError`` when the result breaks a rule) for what cannot be
@@ -127,13 +142,14 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
         if name == "1f1b" and ranks != num_stages:
             raise ValueError(f"unequal micro-batch sizes under 1f1b put one stage on each rank, not "
                              f"{num_stages} stages on {ranks} ranks")
+        # NOTE: UMPIPE's row orders are lowered by the same add_send_recv, inside the transforms
         schedule = gpipe_uneven(sizes, ranks) if name == "gpipe" else one_f_one_b_uneven(sizes)
-    elif thresholds is not None:
-        if name != "1f1b" or virtual != 1:
+    else:
+        if thresholds is not None and (name != "1f1b" or virtual != 1):
             raise ValueError(f"BPipe inserts its transfers into 1f1b with one stage per rank, not {name!r} "
                              f"with {virtual} stages per rank")
-        schedule = bpipe(one_f_one_b(ranks, num_microbatches), thresholds, policy)
-    else:
-        schedule = by_name(name, ranks, num_microbatches, virtual)
+        schedule = add_send_recv(compute_by_name(name, ranks, num_microbatches, virtual))
+        if thresholds is not None:
+            schedule = bpipe(schedule, thresholds, policy)
     validate(schedule)
     return schedule

@@ -22,53 +22,11 @@ from pipecc.ir.schedule.actions import _B, _F, Action, ActionKind, Schedule
 from pipecc.ir.schedule.chunks import check_size_lists, overlapping
 from pipecc.ir.schedule.generators import one_f_one_b
 from pipecc.ir.schedule.progress import advance
+from pipecc.ir.schedule.sendrecv import add_send_recv
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "forward_only", "gpipe_uneven", "gradient_reduce",
            "one_f_one_b_uneven", "weight_refresh", "without_collectives"]
-
-
-def _place_comms_uneven(
-    compute: list[list[Action]], stage_to_rank: tuple[int, ...], sizes: tuple[tuple[int, ...], ...]
-) -> tuple[tuple[Action, ...], ...]:
-    """``_place_comms`` for per-stage chunk sizes: before ``F(s, k)`` receive every chunk of
-    ``s-1`` overlapping it not yet received; after ``F(s, k)`` send it whole; before ``B(s, k)``
-    (or ``I``) receive its gradient; after it, send the gradient of every chunk of ``s-1`` whose
-    overlapping chunks of ``s`` have all run their backward. O(actions + chunks)."""
-    last = len(stage_to_rank) - 1
-    needs = [[]] + [overlapping(sizes[s - 1], sizes[s]) for s in range(1, last + 1)]  # [s][k] -> chunks of s-1
-    covers = [overlapping(sizes[s + 1], sizes[s]) for s in range(last)]  # [s][j] -> chunks of s+1
-    rows = []
-    for rank, row in enumerate(compute):
-        out: list[Action] = []
-        received: set[tuple[int, int]] = set()
-        graded: set[tuple[int, int]] = set()
-        sent: set[tuple[int, int]] = set()
-        for a in row:
-            s, k = a.stage, a.microbatch
-            if a.kind is ActionKind.F:
-                if s > 0 and stage_to_rank[s - 1] != rank:
-                    for j in needs[s][k]:
-                        if (s, j) not in received:
-                            received.add((s, j))
-                            out.append(Action(ActionKind.RECV_F, s, j))
-                out.append(a)
-                if s < last and stage_to_rank[s + 1] != rank:
-                    out.append(Action(ActionKind.SEND_F, s, k))
-            elif a.kind is ActionKind.W:
-                out.append(a)
-            else:
-                if s < last and stage_to_rank[s + 1] != rank:
-                    out.append(Action(ActionKind.RECV_B, s, k))
-                out.append(a)
-                graded.add((s, k))
-                if s > 0 and stage_to_rank[s - 1] != rank:
-                    for j in needs[s][k]:
-                        if (s, j) not in sent and all((s, i) in graded for i in covers[s - 1][j]):
-                            sent.add((s, j))
-                            out.append(Action(ActionKind.SEND_B, s, j))
-        rows.append(tuple(out))
-    return tuple(rows)
 
 
 def gpipe_uneven(sizes: Sequence[Sequence[int]], num_ranks: int | None = None) -> Schedule:
@@ -99,7 +57,7 @@ def gpipe_uneven(sizes: Sequence[Sequence[int]], num_ranks: int | None = None) -
         row += [_B(s, k) for s in reversed(mine) for k in range(len(table[s]))]
         compute.append(row)
     m = max(len(row) for row in table)
-    return Schedule(p, len(table), m, placement, _place_comms_uneven(compute, placement, table), table)
+    return add_send_recv(Schedule(p, len(table), m, placement, tuple(map(tuple, compute)), table))
 
 
 def one_f_one_b_uneven(sizes: Sequence[Sequence[int]]) -> Schedule:
@@ -157,7 +115,7 @@ def one_f_one_b_uneven(sizes: Sequence[Sequence[int]]) -> Schedule:
             done_f[s] += 1
     placement = tuple(range(p))
     m = max(len(row) for row in table)
-    return Schedule(p, p, m, placement, _place_comms_uneven(rows, placement, table), table)
+    return add_send_recv(Schedule(p, p, m, placement, tuple(map(tuple, rows)), table))
 
 
 

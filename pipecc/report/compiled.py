@@ -33,7 +33,7 @@ from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, s
                                      text_table, wrap)
 from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
 from pipecc.runtime.folder import CompiledFolder
-from pipecc.runtime.folder_data import plan_problem
+from pipecc.runtime.folder_data import plan_problem, read_typed_plan
 
 __all__ = ["INSPECT_FORMAT", "Compiled", "damaged", "load_compiled", "plan_problem", "read_plan", "stage_json",
            "stage_text", "summary_json", "summary_text", "timeline_of"]
@@ -102,8 +102,9 @@ def load_compiled(out: str | Path) -> Compiled:
 
 
 def read_plan(out: str | Path) -> Plan:
-    """OUT/plan.json as a Plan (``CompiledFolder.typed_plan``; its figures unchecked: see ``plan_problem``)."""
-    return CompiledFolder(Path(out), {}).typed_plan
+    """OUT/plan.json as a Plan (as ``CompiledFolder.typed_plan`` reads it; its figures unchecked: see
+    ``plan_problem``)."""
+    return read_typed_plan(out)
 
 
 @contextlib.contextmanager

@@ -46,7 +46,8 @@ from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
 
-__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs", "read_json", "stage_devices"]
+__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs",
+           "plan_json", "read_json", "stage_devices"]
 
 MARKER = "pipecc.json"
 DEFAULT_MICROBATCHES = 4  # neither pipecc.json nor plan.json says (compile always writes both)
@@ -72,6 +73,19 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PipeccError(f"{path} is not {what}; compile again")
     return data
+
+
+def plan_json(out: Path) -> dict[str, Any]:
+    """``out/plan.json`` as plain JSON ({} when missing, not a regular file or unreadable: what
+    reads it for predictions then has none; ``pipecc inspect`` refuses it: ``CompiledFolder.typed_plan``)."""
+    path = Path(out) / "plan.json"
+    if not path.is_file():  # a FIFO there would hang the read
+        return {}
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
 
 
 def find_stage_dirs(out: Path) -> list[Path]:
@@ -325,10 +339,7 @@ class CompiledFolder:
     @cached_property
     def plan(self) -> dict[str, Any]:
         """``plan.json`` as plain JSON ({} when missing, not a regular file or unreadable)."""
-        from pipecc.runtime.timing import read_plan
-        if not (self.path / "plan.json").is_file():  # a FIFO there would hang the read
-            return {}
-        return read_plan(self.path)
+        return plan_json(self.path)
 
     def schedule_file(self, num_stages: int | None = None) -> Any:
         """``schedule.txt``, parsed and checked against the folder (``pipecc.runtime.schedule_file``:

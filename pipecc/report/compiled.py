@@ -1,9 +1,10 @@
 """`pipecc inspect OUT`: what a compile made, read back from the folder alone.
 
-Compile time writes OUT/graph.json and OUT/timeline.json (see `artifacts`). Inspect reads those,
-through the folder's one reader (`pipecc.runtime.folder.CompiledFolder.show`), with `schedule.txt` (the action list the runtime executes: the timeline is drawn from it,
+Compile time writes OUT/graph.json and OUT/timeline.json (see `artifacts`). Inspect reads those
+with `schedule.txt` (the action list the runtime executes: the timeline is drawn from it,
 `timeline_of`), `plan.json`, `pipecc.json` and each `stage_<i>/ports.json` (and an FPGA stage's
-`estimates.json`); it never imports the model or the stage code. A folder compiled before
+`estimates.json`) through the folder's one reader, `pipecc.runtime.folder.CompiledFolder.show`
+(`Compiled` is the views' name for it); it never imports the model or the stage code. A folder compiled before
 graph.json (or schedule.txt) existed still inspects, without the per-node details (with the
 plan's own schedule).
 

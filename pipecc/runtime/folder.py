@@ -46,8 +46,8 @@ from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
 
-__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs",
-           "plan_json", "read_json", "stage_devices"]
+__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder",
+           "find_stage_dirs", "plan_json", "read_json", "stage_devices"]
 
 MARKER = "pipecc.json"
 DEFAULT_MICROBATCHES = 4  # neither pipecc.json nor plan.json says (compile always writes both)
@@ -139,8 +139,8 @@ class CompiledFolder:
         if problem:
             raise PipeccError(f"{out}/plan.json is damaged: {problem}; recompile the folder")
         folder.check_copies()
-        for _ in (folder.stage_ports, folder.graph, folder.timeline, folder.saved_schedule, folder.estimates):
-            pass  # each read (and cached) now: a damaged one is refused before anything is drawn
+        # each read (and cached) now, in this order: a damaged one is refused before anything is drawn
+        folder.stage_ports, folder.graph, folder.timeline, folder.saved_schedule, folder.estimates  # noqa: B018
         return folder
 
     @classmethod

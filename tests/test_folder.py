@@ -261,3 +261,11 @@ def test_run_data_draws_the_folders_batch(mlp_copy: Path) -> None:
     folder = CompiledFolder(mlp_copy, marker)
     assert folder.batch(specs) == 8 and RunData.load(folder, specs, 0).inputs[0].shape[0] == 8
     assert RunData.load(None, specs, 0).note is None  # no folder: seeded random inputs at the ports' shapes
+
+
+def test_a_rank_refuses_disagreeing_copies_in_one_line(mlp_copy: Path, capsys) -> None:
+    """The runtime itself (one process, as run_stage.py starts it) opens the folder the same way."""
+    from pipecc.runtime import dist
+    _edit_json(mlp_copy / "plan.json", microbatches=4)
+    assert dist.main([str(mlp_copy), "--steps", "1"]) == 1
+    assert "microbatches is 2, but the folder was compiled with 4 (plan.json)" in _one_line(capsys.readouterr().err)

@@ -107,8 +107,8 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
     from pathlib import Path
 
     from pipecc.passes.batchdim import Mixing, pieces
-    from pipecc.report.compiled import read_plan
     from pipecc.runtime.folder import CompiledFolder
+    folder = None
     try:  # a model whose nodes mix samples (found at compile): no split batch here either
         folder = CompiledFolder.open(out_dir)
         found, split = folder.marker.get("batch_mixing"), pieces(folder.run_microbatches(microbatches))
@@ -121,5 +121,6 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
         module = load_mixed(out_dir, devices=devices, microbatches=microbatches)
     else:
         module = local.load(out_dir, devices=devices, microbatches=microbatches)
-    module.plan = read_plan(out_dir)  # type: ignore[assignment]  # for inspection: pm.plan.stages
+    # for inspection: pm.plan.stages (the loaders above opened the folder, so `folder` is that one)
+    module.plan = (folder or CompiledFolder.read(out_dir)).typed_plan  # type: ignore[assignment]
     return module

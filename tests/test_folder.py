@@ -165,3 +165,107 @@ def test_schedule_inference_with_an_optimizer(tmp_path: Path) -> None:
     ranks refused it; `pipecc run` now does before starting them)."""
     with pytest.raises(UsageError, match=r"\(--schedule inference\): .*so --optimizer does not apply$"):
         CompiledFolder(tmp_path, {}).forward_only("inference", "adam")
+
+
+# ---------------------------------------------------------------------------- the micro-batch count's copies
+# pipecc.json's `microbatches` is the fact; plan.json and schedule.txt repeat it (compile writes all
+# three, unchanged); a hand edit that makes a copy disagree is one line, in `run` and in `inspect`.
+
+def test_plan_jsons_copy_must_agree(tmp_path: Path) -> None:
+    out = _folder(tmp_path, batch_size=8, microbatches=4)
+    (out / "plan.json").write_text(json.dumps({"microbatches": 8, "batch_size": 8}))
+    with pytest.raises(PipeccError) as info:
+        CompiledFolder.open(out)
+    assert str(info.value) == (f"{out / 'pipecc.json'}: microbatches is 4, but the folder was compiled with 8 "
+                               "(plan.json); it was edited or is damaged: compile the folder again")
+    (out / "plan.json").write_text(json.dumps({"microbatches": 4, "batch_size": 8}))
+    assert CompiledFolder.open(out).microbatches == 4
+
+
+def test_a_marker_without_the_count_takes_plan_jsons(tmp_path: Path) -> None:
+    """An older marker without `microbatches`: plan.json's copy is the count (every reader's), else the default."""
+    assert CompiledFolder(tmp_path, {}).microbatches == DEFAULT_MICROBATCHES
+    (tmp_path / "plan.json").write_text(json.dumps({"microbatches": 8}))
+    assert CompiledFolder(tmp_path, {}).microbatches == 8
+    assert CompiledFolder(tmp_path, {"microbatches": 2}).microbatches == 2  # the marker's, when it has one
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_plan_json_that_is_a_fifo_is_not_read(tmp_path: Path) -> None:
+    out = _folder(tmp_path, microbatches=2)
+    os.mkfifo(out / "plan.json")  # reading it would hang; `pipecc run` refuses it by name later
+    assert CompiledFolder.open(out).plan == {}
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipecc: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda out: _edit_json(out / "plan.json", microbatches=4),
+     "pipecc.json: microbatches is 2, but the folder was compiled with 4 (plan.json); it was edited"),
+    (lambda out: _edit_json(out / "pipecc.json", microbatches=1),
+     "pipecc.json: microbatches is 1, but the folder was compiled with 2 (plan.json); it was edited"),
+    (lambda out: (out / "schedule.txt").write_text("rank 0: 0F0 1F0 1B0 0B0\n", encoding="utf-8"),
+     "schedule.txt does not match the folder: it has 1 micro-batches, the folder 2; fix it or compile again"),
+])
+def test_disagreeing_copies_are_one_line_in_run_and_inspect(mlp_copy: Path, capsys, edit, words: str) -> None:
+    from helpers import run_cli
+    edit(mlp_copy)
+    for argv in (["run", str(mlp_copy), "--print-command"], ["inspect", str(mlp_copy)],
+                 ["inspect", str(mlp_copy), "--format", "json"]):
+        code, stdout, err = run_cli(argv, capsys)
+        assert (code, stdout) == (1, ""), (argv, err)
+        assert words in _one_line(err), (argv, err)
+
+
+def _edit_json(path: Path, **fields) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    path.write_text(json.dumps({**data, **fields}, indent=1), encoding="utf-8")
+
+
+def test_inspect_reads_through_the_compiled_folder(mlp_folder: Path) -> None:
+    """`pipecc inspect`'s view is a CompiledFolder's (CompiledFolder.show): each fact read there, once."""
+    from pipecc.report.compiled import load_compiled, summary_json
+    c = load_compiled(mlp_folder)
+    folder = c.folder
+    assert isinstance(folder, CompiledFolder) and c.path == folder.path == mlp_folder
+    assert c.marker is folder.marker and c.plan is folder.typed_plan and c.schedule is folder.saved_schedule
+    assert c.ports is folder.stage_ports and c.graph is folder.graph and c.timeline is folder.timeline
+    assert c.microbatches == folder.microbatches == c.plan.microbatches == folder.saved_schedule.num_microbatches == 2
+    data = summary_json(c)
+    assert (data["microbatches"], data["microbatch_size"]) == (2, 4)
+    assert [p["name"] for p in c.ports[0]["receives"]] == data["stages"][0]["receives"]
+
+
+def test_show_refuses_what_inspect_refused(tmp_path: Path) -> None:
+    with pytest.raises(PipeccError, match=r"no such folder \(compile one with `pipecc compile MODEL -o"):
+        CompiledFolder.show(tmp_path / "none")
+    with pytest.raises(PipeccError, match=r"is not a folder written by `pipecc compile` \(no pipecc.json\)$"):
+        CompiledFolder.show(tmp_path)
+    (tmp_path / "pipecc.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(PipeccError, match=r"pipecc.json is not a pipecc compile marker$"):
+        CompiledFolder.show(tmp_path)
+
+
+def test_run_data_draws_the_folders_batch(mlp_copy: Path) -> None:
+    """RunData's batch is the folder's (CompiledFolder.batch): pipecc.json's, else stage 0's ports'."""
+    from pipecc.runtime.rundata import RunData
+    from pipecc.runtime.stagefile import check_folder
+    folder = CompiledFolder.open(mlp_copy)
+    specs = check_folder(mlp_copy, folder.num_stages, files=False)
+    assert folder.batch(specs) == 8 and RunData.load(folder, specs, 0).inputs[0].shape[0] == 8
+    marker = {k: v for k, v in folder.marker.items() if k != "batch_size"}
+    folder = CompiledFolder(mlp_copy, marker)
+    assert folder.batch(specs) == 8 and RunData.load(folder, specs, 0).inputs[0].shape[0] == 8
+    assert RunData.load(None, specs, 0).note is None  # no folder: seeded random inputs at the ports' shapes
+
+
+def test_a_rank_refuses_disagreeing_copies_in_one_line(mlp_copy: Path, capsys) -> None:
+    """The runtime itself (one process, as run_stage.py starts it) opens the folder the same way."""
+    from pipecc.runtime import dist
+    _edit_json(mlp_copy / "plan.json", microbatches=4)
+    assert dist.main([str(mlp_copy), "--steps", "1"]) == 1
+    assert "microbatches is 2, but the folder was compiled with 4 (plan.json)" in _one_line(capsys.readouterr().err)

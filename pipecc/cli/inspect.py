@@ -7,7 +7,7 @@ the measured Gantt chart under the predicted one (atomically). `--run RUN.json` 
 plan's predicted (`pipecc.report.history`); with `--report HTML` the page has the curves.
 
 Wiring in `pipecc.cli.build_parser`: `add_parser(sub, common)`; it sets `func=cmd_inspect`.
-OUT is read as untrusted data (`pipecc.report.compiled.load_compiled` checks it): a damaged
+OUT is read as untrusted data (`pipecc.runtime.folder.CompiledFolder.show` checks it): a damaged
 folder is a one-line error, and names in it are escaped before they reach the terminal.
 """
 

@@ -3,7 +3,8 @@
 Compile time writes OUT/graph.json and OUT/timeline.json (see `artifacts`). Inspect reads those
 with `schedule.txt` (the action list the runtime executes: the timeline is drawn from it,
 `timeline_of`), `plan.json`, `pipecc.json` and each `stage_<i>/ports.json` (and an FPGA stage's
-`estimates.json`); it never imports the model or the stage code. A folder compiled before
+`estimates.json`) through the folder's one reader, `pipecc.runtime.folder.CompiledFolder.show`
+(`Compiled` is the views' name for it); it never imports the model or the stage code. A folder compiled before
 graph.json (or schedule.txt) existed still inspects, without the per-node details (with the
 plan's own schedule).
 
@@ -17,10 +18,8 @@ them; node costs are given both at the compile batch (like `pipecc cost`) and pe
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-from dataclasses import dataclass, field
-from numbers import Real
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,142 +33,79 @@ from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottlenec
 from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, seconds_in_text, shapes_text,
                                      text_table, wrap)
 from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
-from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
+from pipecc.runtime.folder import CompiledFolder
+from pipecc.runtime.folder_data import plan_problem, read_typed_plan
+
+__all__ = ["INSPECT_FORMAT", "Compiled", "damaged", "load_compiled", "plan_problem", "read_plan", "stage_json",
+           "stage_text", "summary_json", "summary_text", "timeline_of"]
 
 INSPECT_FORMAT = "pipecc-inspect"
 
 
 # ----------------------------------------------------------------------------- reading OUT
-@dataclass
+@dataclass(frozen=True)
 class Compiled:
-    """A compiled folder, read back."""
+    """A compiled folder as the views draw it: its ``CompiledFolder`` (``CompiledFolder.show``:
+    every file read and checked there, once) under the names the views use."""
 
-    path: Path
-    marker: dict[str, Any]
-    plan: Plan
-    ports: list[dict[str, Any]]
-    graph: dict[str, Any] | None = None          # graph.json, when the compile wrote one
-    timeline: dict[str, Any] | None = None       # timeline.json, likewise
-    schedule: Schedule | None = None             # schedule.txt (parsed and validated), likewise
-    estimates: dict[int, dict[str, Any]] = field(default_factory=dict)  # FPGA stages
+    folder: CompiledFolder
+
+    @property
+    def path(self) -> Path:
+        return self.folder.path
+
+    @property
+    def marker(self) -> dict[str, Any]:
+        return self.folder.marker
+
+    @property
+    def plan(self) -> Plan:
+        """plan.json, typed and checked (``CompiledFolder.typed_plan``)."""
+        return self.folder.typed_plan
+
+    @property
+    def microbatches(self) -> int:
+        """The folder's micro-batches (pipecc.json's; plan.json's and schedule.txt's agree with it)."""
+        return self.folder.microbatches
+
+    @property
+    def ports(self) -> list[dict[str, Any]]:
+        return self.folder.stage_ports
+
+    @property
+    def graph(self) -> dict[str, Any] | None:
+        """graph.json, when the compile wrote one."""
+        return self.folder.graph
+
+    @property
+    def timeline(self) -> dict[str, Any] | None:
+        """timeline.json, likewise."""
+        return self.folder.timeline
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """schedule.txt (parsed and validated), likewise."""
+        return self.folder.saved_schedule
+
+    @property
+    def estimates(self) -> dict[int, dict[str, Any]]:
+        """The FPGA stages' estimates, by stage."""
+        return self.folder.estimates
 
     def nodes_of(self, stage: int) -> list[dict[str, Any]]:
         return [n for n in (self.graph or {}).get("nodes", []) if n["stage"] == stage]
 
 
-def _read_json(path: Path, what: str) -> Any:
-    from pipecc.runtime.folder_sums import read_regular
-    try:  # a regular file only, size-capped: a FIFO or a device there would hang the read
-        return json.loads(read_regular(path, 256 << 20).decode("utf-8"))
-    except PipeccError as exc:
-        raise PipeccError(f"{path}: cannot read the {what} ({str(exc).split('; ')[0]})") from None
-    except OSError as exc:
-        raise PipeccError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise PipeccError(f"{path}: the {what} is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise PipeccError(f"{path}: the {what} nests too deeply to read; it is damaged: compile "
-                          "the folder again") from None
-
-
 def load_compiled(out: str | Path) -> Compiled:
-    """Read OUT; a missing folder or one `pipecc compile` did not write is a PipeccError."""
-    path = Path(out)
-    if not path.exists():
-        raise PipeccError(f"{path}: no such folder (compile one with `pipecc compile MODEL -o {path}`)")
-    if not path.is_dir() or not (path / "pipecc.json").is_file():
-        raise PipeccError(f"{path} is not a folder written by `pipecc compile` (no pipecc.json)")
-    from pipecc.runtime.folder import CompiledFolder
-    marker = CompiledFolder.read(path).marker  # read as data: inspect shows what a run would refuse
-    if marker.get("format") != "pipecc-compile":
-        raise PipeccError(f"{path}/pipecc.json is not a pipecc compile marker")
-    plan = read_plan(path)
-    problem = plan_problem(plan)
-    if problem:
-        raise PipeccError(f"{path}/plan.json is damaged: {problem}; recompile the folder")
-    ports = [_read_json(path / f"stage_{i}" / "ports.json", "stage ports")
-             if (path / f"stage_{i}" / "ports.json").is_file() else {}
-             for i in range(len(plan.stages))]
-    compiled = Compiled(path, marker, plan, ports)
-    if (path / "graph.json").is_file():
-        compiled.graph = _read_json(path / "graph.json", "graph")
-    if (path / "timeline.json").is_file():
-        compiled.timeline = _read_json(path / "timeline.json", "timeline")
-    if (path / SCHEDULE_FILE).is_file():
-        compiled.schedule = read_schedule_file(path, len(plan.stages), marker)
-    for i in range(len(plan.stages)):
-        est = path / f"stage_{i}" / "estimates.json"
-        if est.is_file():
-            compiled.estimates[i] = _read_json(est, "FPGA estimates")
-    return compiled
+    """Read OUT (``CompiledFolder.show``); a missing folder, one `pipecc compile` did not write or
+    a damaged file of it is a PipeccError."""
+    return Compiled(CompiledFolder.show(out))
 
 
 def read_plan(out: str | Path) -> Plan:
-    """OUT/plan.json as a Plan; a missing, unreadable or malformed file is a PipeccError (its
-    figures are not checked: see `plan_problem`)."""
-    path = Path(out)
-    try:
-        return Plan.from_json(_read_json(path / "plan.json", "plan"))
-    except (TypeError, KeyError, AttributeError, ValueError) as exc:
-        raise PipeccError(f"{path}/plan.json does not match this pipecc's plan format ({exc})") from None
-
-
-def plan_problem(plan: Plan) -> str | None:
-    """What makes a plan read from disk unusable by the views, in words, or None. The views
-    index devices by `stage.device` and stages by `stage.index`, and do arithmetic on the
-    figures: a plan.json edited by hand (or cut short) must not reach them."""
-    def number(x: Any) -> bool:
-        return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-
-    def count(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-    if not isinstance(plan.devices, list) or not all(
-            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("kind"), str)
-            for d in plan.devices):
-        return "devices must be a list of {name, kind}"
-    if not isinstance(plan.stages, list) or not plan.stages:
-        return "it has no stages"
-    for k, s in enumerate(plan.stages):
-        if s.index != k or isinstance(s.index, bool):
-            return (f"stage {k} says index {s.index!r}; stages are numbered 0..{len(plan.stages) - 1} "
-                    "in order")
-        if not isinstance(s.device, int) or isinstance(s.device, bool) \
-                or not 0 <= s.device < len(plan.devices):
-            have = f"devices 0..{len(plan.devices) - 1}" if plan.devices else "no devices"
-            return f"stage {k} is on device {s.device!r}, but the plan has {have}"
-        if not isinstance(s.nodes, list) or not all(isinstance(n, str) for n in s.nodes):
-            return f"stage {k}'s nodes must be a list of names"
-        for f in ("forward_s", "backward_s", "comm_s", "send_bytes", "recv_bytes", "peak_memory_bytes",
-                  "forward_flops", "param_bytes"):
-            if not number(getattr(s, f)):
-                return f"stage {k}'s {f} is {getattr(s, f)!r}, not a number >= 0"
-    for f in ("batch_size", "microbatches", "virtual_stages", "replicas"):
-        if not count(getattr(plan, f)):
-            return f"{f} is {getattr(plan, f)!r}, not a positive integer"
-    for f in ("bottleneck_s", "lower_bound_s", "predicted_iteration_s", "bubble_fraction"):
-        if not number(getattr(plan, f)):
-            return f"{f} is {getattr(plan, f)!r}, not a number >= 0"
-    if len(plan.devices) % plan.replicas:
-        return f"replicas {plan.replicas} does not divide its {len(plan.devices)} devices"
-    sizes = plan.microbatch_sizes
-    if sizes is not None:  # UMPIPE: one list of positive sizes per stage, each summing to the batch
-        if not isinstance(sizes, list) or len(sizes) != len(plan.stages):
-            return f"microbatch_sizes must hold one list per stage ({len(plan.stages)}), got {sizes!r}"
-        for k, row in enumerate(sizes):
-            if not isinstance(row, list) or not row or not all(count(b) for b in row) \
-                    or sum(row) != plan.batch_size:
-                return (f"stage {k}'s microbatch_sizes {row!r} must be positive integers summing "
-                        f"to the batch size {plan.batch_size}")
-    for k, s in enumerate(plan.stages):
-        group = s.replica_devices
-        if not isinstance(group, list) or not all(
-                isinstance(g, int) and not isinstance(g, bool) and 0 <= g < len(plan.devices)
-                for g in group):
-            return f"stage {k}'s replica_devices {group!r} are not devices of the plan"
-    if not isinstance(plan.model, str) or not isinstance(plan.schedule, str):
-        return "model and schedule must be names"
-    return None
+    """OUT/plan.json as a Plan (as ``CompiledFolder.typed_plan`` reads it; its figures unchecked: see
+    ``plan_problem``)."""
+    return read_typed_plan(out)
 
 
 @contextlib.contextmanager
@@ -235,8 +171,8 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "backward_nodes": list(s.backward_nodes or s.nodes),
             "extra_send_bytes": s.extra_send_bytes})
     return {"format": INSPECT_FORMAT, "version": FORMAT_VERSION, "out": str(c.path),
-            "model": plan.model, "batch_size": plan.batch_size, "microbatches": plan.microbatches,
-            "microbatch_size": plan.batch_size // max(plan.microbatches, 1),
+            "model": plan.model, "batch_size": plan.batch_size, "microbatches": c.microbatches,
+            "microbatch_size": plan.batch_size // max(c.microbatches, 1),
             "schedule": plan.schedule, "virtual_stages": plan.virtual_stages,
             "replicas": plan.replicas, "microbatch_sizes": plan.microbatch_sizes,
             "devices": plan.devices, "stages": stages, "bottleneck_stage": worst,
@@ -263,7 +199,7 @@ def _stage_index(c: Compiled, stage: int) -> int:
 def _port_facts(c: Compiled, stage: int) -> tuple[list[dict], list[dict]]:
     """This stage's receives and sends, each with bytes per micro-batch and where it goes."""
     ports = c.ports[stage] if stage < len(c.ports) else {}
-    mb = c.plan.batch_size // max(c.plan.microbatches, 1)
+    mb = c.plan.batch_size // max(c.microbatches, 1)
     users: dict[str, list[int]] = {}
     for n in (c.graph or {}).get("nodes", []):
         users[n["id"]] = sorted({u["stage"] for u in n["users"] if u["stage"] is not None})
@@ -337,7 +273,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
            f"figures per micro-batch of "
            f"{plan.options.get('umpipe_chunk_costs', {}).get('stage_figures_microbatch', '?')}"
            if plan.microbatch_sizes else
-           f", {count(plan.microbatches, 'micro-batch')} of {mb} (batch {plan.batch_size}); ")
+           f", {count(c.microbatches, 'micro-batch')} of {mb} (batch {plan.batch_size}); ")
         + (f"{plan.replicas} replicas per stage, each on {replica_rows(mb, plan.replicas)} samples of "
            "every micro-batch; figures per replica and micro-batch"
            + (" (the largest slice)" if mb % plan.replicas else "") if plan.replicas > 1
@@ -416,7 +352,7 @@ def stage_text(c: Compiled, stage: int) -> str:
              f"fwd {seconds(s['forward_s'])}, bwd {seconds(s['backward_s'])}, comm "
              f"{seconds(s['comm_s'])}, peak memory {human(s['peak_memory_bytes'], 'B')}, "
              f"params {human(s['param_bytes'], 'B')} (per micro-batch of "
-             f"{c.plan.batch_size // max(c.plan.microbatches, 1)})", ""]
+             f"{c.plan.batch_size // max(c.microbatches, 1)})", ""]
     if s.get("recompute"):
         lines[1:1] = ["recomputes its activations in backward (bwd includes one more forward)"]
     n = len(c.plan.stages)

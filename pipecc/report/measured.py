@@ -102,7 +102,7 @@ def check_matches(trace: dict[str, Any], compiled: Any, timeline: dict[str, Any]
     """Refuse (one line) a trace that is not of ``compiled``'s pipeline as its schedule.txt runs it."""
     meta, plan, where = trace["meta"], compiled.plan, compiled.path
     hint = f"trace a run of {where} without --schedule or --microbatches (pipecc run {where} --trace FILE)"
-    ours = (timeline["num_ranks"], len(plan.stages), plan.microbatches)
+    ours = (timeline["num_ranks"], len(plan.stages), compiled.microbatches)
     theirs = (meta["num_ranks"], meta["num_stages"], meta["microbatches"])
     if ours != theirs:
         raise PipeccError(f"--trace {trace['path']} is of another pipeline ({theirs[0]} ranks, {theirs[1]} stages, "

@@ -98,8 +98,8 @@ def trusted_model_source(out: str | Path, marker: dict[str, Any] | None = None) 
     it was compiled from (or the folder recorded no hash): ``inspect --onnx`` runs the folder's
     code, so it refuses what ``run`` refuses. (None, why) when there is no ``.py`` model file.
     """
-    from pipecc.runtime.trust import model_source
-    return model_source(_marker(Path(out)) if marker is None else marker, out)
+    from pipecc.runtime.folder import CompiledFolder
+    return CompiledFolder(Path(out), _marker(Path(out)) if marker is None else marker).model_source()
 
 
 def model_inputs(out: str | Path, batch: int, seed: int = 0) -> dict[str, Any]:

@@ -17,9 +17,23 @@ one place with its one default:
     fpga_stages, never_trains, why  inference-only folders, and why they are
     forward_only(schedule, ...)     whether a run does forward passes only (refusing training asks)
     lengths, plan, schedule_file    the declared length range, plan.json, schedule.txt (lazily)
+    model_source()                  the model file, when its bytes hash to the recorded sha256
+
+Compile writes the micro-batch count three times: pipecc.json's ``microbatches``, plan.json's and
+schedule.txt's (its actions' micro-batches). pipecc.json's is the fact every reader asks for here
+(``microbatches``); the copies are checked against it, each one line naming the file when a hand
+edit made them disagree: plan.json's (with ``replicas`` and ``batch_size``, the other counts it
+repeats) when the folder is opened (``check_copies``), schedule.txt's whenever it is read
+(``schedule_file``, ``saved_schedule``). The files stay as compile wrote them.
+
+``CompiledFolder.show(OUT)`` reads a folder for showing it (``pipecc inspect``, the report page),
+not running it: the marker unchecked, then every file the views draw, read and checked now, so
+a damaged one is one line before anything prints: ``typed_plan`` (plan.json as a ``Plan``),
+``stage_ports``, ``graph``, ``timeline``, ``saved_schedule`` and ``estimates``.
 
 ``CompiledFolder(path, marker)`` builds one from a marker already read (no checks; tests and
-stubs). Imports ``pipecc.errors`` and the runtime only; torch only when a checker needs it.
+stubs). Imports ``pipecc.errors`` and the runtime only (``pipecc.ir.plan`` for ``typed_plan``);
+torch only when a checker needs it.
 """
 
 from __future__ import annotations
@@ -32,10 +46,11 @@ from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
 
-__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder", "find_stage_dirs", "read_json", "stage_devices"]
+__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder",
+           "find_stage_dirs", "plan_json", "read_json", "stage_devices"]
 
 MARKER = "pipecc.json"
-DEFAULT_MICROBATCHES = 4  # a marker without "microbatches" (compile always writes it)
+DEFAULT_MICROBATCHES = 4  # neither pipecc.json nor plan.json says (compile always writes both)
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_PRECISION = "fp32"
 
@@ -58,6 +73,19 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PipeccError(f"{path} is not {what}; compile again")
     return data
+
+
+def plan_json(out: Path) -> dict[str, Any]:
+    """``out/plan.json`` as plain JSON ({} when missing, not a regular file or unreadable: what
+    reads it for predictions then has none; ``pipecc inspect`` refuses it: ``CompiledFolder.typed_plan``)."""
+    path = Path(out) / "plan.json"
+    if not path.is_file():  # a FIFO there would hang the read
+        return {}
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
 
 
 def find_stage_dirs(out: Path) -> list[Path]:
@@ -88,7 +116,32 @@ class CompiledFolder:
         marker = cls.read(out).marker
         from pipecc.runtime.stagefile import check_marker  # NOTE: lazy, as torch is: `pipecc --help` stays fast
         check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
-        return cls(out, marker)
+        folder = cls(out, marker)
+        folder.check_copies()
+        return folder
+
+    @classmethod
+    def show(cls, path: str | Path) -> CompiledFolder:
+        """``path`` read for showing (``pipecc inspect``, the report page): the marker as data
+        (inspect shows what a run would refuse), then every file the views draw, read and checked
+        now, in this order; a missing folder, one `pipecc compile` did not write, a damaged file
+        or copies of a count that disagree (``check_copies``) is one line."""
+        out = Path(path)
+        if not out.exists():
+            raise PipeccError(f"{out}: no such folder (compile one with `pipecc compile MODEL -o {out}`)")
+        if not out.is_dir() or not (out / MARKER).is_file():
+            raise PipeccError(f"{out} is not a folder written by `pipecc compile` (no pipecc.json)")
+        folder = cls.read(out)
+        if folder.marker.get("format") != "pipecc-compile":
+            raise PipeccError(f"{out}/pipecc.json is not a pipecc compile marker")
+        from pipecc.runtime.folder_data import plan_problem
+        problem = plan_problem(folder.typed_plan)
+        if problem:
+            raise PipeccError(f"{out}/plan.json is damaged: {problem}; recompile the folder")
+        folder.check_copies()
+        # each read (and cached) now, in this order: a damaged one is refused before anything is drawn
+        folder.stage_ports, folder.graph, folder.timeline, folder.saved_schedule, folder.estimates  # noqa: B018
+        return folder
 
     @classmethod
     def read(cls, path: str | Path) -> CompiledFolder:
@@ -128,8 +181,25 @@ class CompiledFolder:
 
     @property
     def microbatches(self) -> int:
-        """The micro-batches the folder was compiled for (``DEFAULT_MICROBATCHES`` when absent)."""
-        return int(self.marker.get("microbatches") or DEFAULT_MICROBATCHES)
+        """The micro-batches the folder was compiled for: pipecc.json's, the fact plan.json and
+        schedule.txt repeat (``check_copies``); a marker without one (older): plan.json's, else
+        ``DEFAULT_MICROBATCHES``."""
+        m = self.marker.get("microbatches")
+        if "microbatches" not in self.marker:
+            m = self.plan.get("microbatches")
+            m = m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else None
+        return int(m or DEFAULT_MICROBATCHES)
+
+    def check_copies(self) -> None:
+        """The counts plan.json repeats (``replicas``, ``batch_size``, ``microbatches``) agree with
+        pipecc.json's, the facts: a hand-edited copy is one line, before anything runs or is
+        drawn. A folder whose marker lacks a count (older) is not compared on it."""
+        from pipecc.runtime.folder_sums import RECOMPILE
+        plan = self.plan
+        for key in ("replicas", "batch_size", "microbatches"):
+            if key in self.marker and key in plan and self.marker[key] != plan[key]:
+                raise PipeccError(f"{self.marker_path}: {key} is {self.marker[key]!r}, but the folder was compiled "
+                                  f"with {plan[key]!r} (plan.json); it was edited or is damaged: {RECOMPILE}")
 
     def run_microbatches(self, asked: int | None) -> int:
         """A run's micro-batches: ``asked`` (``--microbatches``) or the folder's."""
@@ -141,7 +211,8 @@ class CompiledFolder:
         return int(self.marker.get("batch_size") or 0)
 
     def batch(self, specs: list[dict[str, Any]]) -> int:
-        """The rows of one batch: pipecc.json's ``batch_size``, else stage 0's ports' (0: unknown)."""
+        """The rows of one batch: pipecc.json's ``batch_size``, else stage 0's ports' (0: unknown;
+        a run then draws its data at the model file's own ``example_inputs`` default)."""
         if self.batch_size:
             return self.batch_size
         from pipecc.runtime.ports import StagePorts
@@ -267,14 +338,66 @@ class CompiledFolder:
 
     @cached_property
     def plan(self) -> dict[str, Any]:
-        """``plan.json`` as plain JSON ({} when missing or unreadable)."""
-        from pipecc.runtime.timing import read_plan
-        return read_plan(self.path)
+        """``plan.json`` as plain JSON ({} when missing, not a regular file or unreadable)."""
+        return plan_json(self.path)
 
     def schedule_file(self, num_stages: int | None = None) -> Any:
-        """``schedule.txt``, parsed and checked against the folder (``pipecc.runtime.schedule_file``)."""
+        """``schedule.txt``, parsed and checked against the folder (``pipecc.runtime.schedule_file``:
+        its stages, and its micro-batches against ``microbatches``' pipecc.json)."""
         from pipecc.runtime.schedule_file import read_schedule_file
         return read_schedule_file(self.path, self.num_stages if num_stages is None else num_stages, self.marker)
+
+    def model_source(self) -> tuple[Path | None, bytes | str]:
+        """(the model file, its bytes) when they hash to pipecc.json's ``model_sha256``, else (None,
+        why not); ``pipecc.runtime.trust.model_source`` (a changed file is refused there)."""
+        from pipecc.runtime.trust import model_source
+        return model_source(self.marker, self.path)
+
+    # ------------------------------------------------------------------ what inspect shows (``show``)
+
+    @cached_property
+    def typed_plan(self) -> Any:
+        """``plan.json`` as a ``pipecc.ir.plan.Plan`` (a PipeccError when missing or not a plan;
+        ``show`` also checks its figures: ``folder_data.plan_problem``)."""
+        from pipecc.runtime.folder_data import read_typed_plan
+        return read_typed_plan(self.path)
+
+    @cached_property
+    def stage_ports(self) -> list[dict[str, Any]]:
+        """Each plan stage's ``ports.json`` as JSON ({} for a stage without one)."""
+        from pipecc.runtime.folder_data import read_data
+        files = [self.path / f"stage_{i}" / "ports.json" for i in range(len(self.typed_plan.stages))]
+        return [read_data(f, "stage ports") if f.is_file() else {} for f in files]
+
+    @cached_property
+    def graph(self) -> dict[str, Any] | None:
+        """``graph.json`` (None in a folder compiled before it)."""
+        return self._data("graph.json", "graph")
+
+    @cached_property
+    def timeline(self) -> dict[str, Any] | None:
+        """``timeline.json`` (None in a folder compiled before it)."""
+        return self._data("timeline.json", "timeline")
+
+    @cached_property
+    def saved_schedule(self) -> Any:
+        """``schedule.txt`` parsed and checked against the folder (``schedule_file``, over the plan's
+        stages); None in a folder compiled before it."""
+        from pipecc.runtime.schedule_file import SCHEDULE_FILE
+        if not (self.path / SCHEDULE_FILE).is_file():
+            return None
+        return self.schedule_file(len(self.typed_plan.stages))
+
+    @cached_property
+    def estimates(self) -> dict[int, dict[str, Any]]:
+        """The FPGA stages' ``estimates.json``, by stage."""
+        from pipecc.runtime.folder_data import read_data
+        files = {i: self.path / f"stage_{i}" / "estimates.json" for i in range(len(self.typed_plan.stages))}
+        return {i: read_data(f, "FPGA estimates") for i, f in files.items() if f.is_file()}
+
+    def _data(self, name: str, what: str) -> Any:
+        from pipecc.runtime.folder_data import read_data
+        return read_data(self.path / name, what) if (self.path / name).is_file() else None
 
 
 def stage_devices(plan: dict[str, Any]) -> list[str | None]:

@@ -8,23 +8,25 @@ statement can reach the function; instead the stage file says
     helper_fn = model_function(__file__, "helper")
 
 and `model_function` imports the model file the compiled folder records (`pipecc.json`'s
-`model_path`, two folders up from the stage file), only when its sha256 is the recorded one
+`model_path`, two folders up from the stage file; read through `CompiledFolder`, the folder's one
+reader, `CompiledFolder.model_source`), only when its sha256 is the recorded one
 (`pipecc.runtime.trust.model_file`, the check `pipecc run` makes before it imports the file
 for its data). A compiled folder whose stages call model-file functions therefore loads only
 beside its model file, unchanged; otherwise the stage fails to load with one line saying to
 restore the file or compile again. Each model file is imported once per process.
 
-Imports `pipecc.errors`, `pipecc.runtime.trust` and the model-file loader (torch only).
+Imports `pipecc.errors`, `pipecc.runtime.folder`, `pipecc.runtime.trust` and the model-file loader
+(torch only).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.trust import HASH_KEY, model_source
+from pipecc.runtime.folder import MARKER, CompiledFolder
+from pipecc.runtime.trust import HASH_KEY
 
 __all__ = ["model_function"]
 
@@ -37,14 +39,14 @@ def model_function(stage_file: str | Path, qualname: str) -> Any:
     out = stage.parent.parent
     what = f"{stage.parent.name}/{stage.name} calls {qualname} of the model file"
     try:
-        meta = json.loads((out / "pipecc.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise PipeccError(f"{what}, but {out / 'pipecc.json'} cannot be read ({type(e).__name__}); "
+        folder = CompiledFolder.read(out)  # the folder's one reader of pipecc.json (read as data)
+    except PipeccError as e:  # what failed under it: OSError, JSONDecodeError, ...; PipeccError when not an object
+        raise PipeccError(f"{what}, but {out / MARKER} cannot be read ({type(e.__context__ or e).__name__}); "
                           "compile the folder again") from None
-    path, source = model_source(meta if isinstance(meta, dict) else None, out)  # raises on a changed file
+    path, source = folder.model_source()  # raises on a changed file
     if path is None or not isinstance(source, bytes):
         raise PipeccError(f"{what}, but {source}; restore the model file beside the folder or compile again")
-    key = (str(path.resolve()), str(meta.get(HASH_KEY)))
+    key = (str(path.resolve()), str(folder.marker.get(HASH_KEY)))
     if key not in _IMPORTED:
         from pipecc.frontend.modelfile import import_model_file  # torch and pipecc.errors only
         _IMPORTED[key] = import_model_file(path, source)  # the bytes hashed, compiled from memory

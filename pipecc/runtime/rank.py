@@ -192,8 +192,8 @@ def load_rank(args: argparse.Namespace) -> RankRun:
     lengths = run_lengths(getattr(args, "length", None), declared)
     if declared is not None:  # the dims that vary: their shapes travel with every message
         ports = [mark_dynamic(p, declared.symbol) for p in ports]
-    batches = {n: RunData.load(meta, specs, args.seed, args.out, n) for n in lengths}  # the same on every rank
-    data = batches[lengths[0]] if lengths else RunData.load(meta, specs, args.seed, args.out)
+    batches = {n: RunData.load(folder, specs, args.seed, n) for n in lengths}  # the same on every rank
+    data = batches[lengths[0]] if lengths else RunData.load(folder, specs, args.seed)
     rows, target = _replica_data(data, specs, m, replicas)
     at_length = {n: (d, *_replica_data(d, specs, m, replicas)) for n, d in batches.items()}
     if forward:

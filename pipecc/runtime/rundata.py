@@ -6,14 +6,13 @@ file, or seeded random inputs and a smoke loss) and the tied weights' gradient s
 Imports torch, ``pipecc.errors``, ``pipecc.runtime`` and, when a ``.py`` model file is given,
 ``pipecc.frontend.modelfile`` (which imports the file without building the model) — never the
 compiler. The model file is imported only when its sha256 is the one ``pipecc.json`` records
-(``pipecc.runtime.trust``).
+(``CompiledFolder.model_source``, ``pipecc.runtime.trust``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +23,9 @@ from pipecc.errors import PipeccError
 from pipecc.runtime.loss_reduction import LossReduction
 from pipecc.runtime.watchdog import bounded
 from pipecc.runtime.engine import PipelineRuntime
+from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.lengths import LENGTH_ARG
 from pipecc.runtime.ports import StagePorts, build_output, unflatten
-from pipecc.runtime.trust import model_source
 from pipecc.runtime import wire
 
 __all__ = ["RunData", "TiedGradients"]
@@ -75,17 +74,20 @@ class RunData:
     send_names: tuple[str, ...] = ()
 
     @classmethod
-    def load(cls, meta: dict[str, Any] | None, specs: list[dict[str, Any]], seed: int,
-             out: str | Path | None = None, length: int | None = None) -> RunData:
-        """The run's data; ``length`` (a folder with a declared length, ``pipecc.runtime.lengths``):
-        the model file's input makers are called with ``seq_len=length``."""
+    def load(cls, folder: CompiledFolder | None, specs: list[dict[str, Any]], seed: int,
+             length: int | None = None) -> RunData:
+        """The run's data (``folder``: the compiled folder; None: seeded random inputs); ``length``
+        (a folder with a declared length, ``pipecc.runtime.lengths``): the model file's input makers
+        are called with ``seq_len=length``. The batch is the folder's (``CompiledFolder.batch``);
+        a folder that knows none leaves it to the model file's own ``example_inputs`` default."""
         first = StagePorts.from_json(specs[0])
+        meta = folder.marker if folder is not None else None
         if length is not None and (meta is None or not meta.get("model_path")):
             raise PipeccError("--length builds each batch with the model file's example_inputs(batch_size, "
                               "seq_len=L); this folder records no model file")
-        if meta is None:
+        if folder is None or meta is None:
             return cls(_synthetic_inputs(first, seed), None, _mean_of_outputs, _mean_of_outputs)
-        path, source = model_source(meta, out)  # NOTE: raises unless the file is the one recorded by hash
+        path, source = folder.model_source()  # NOTE: raises unless the file is the one recorded by hash
         if path is None or not isinstance(source, bytes):
             if length is not None:
                 raise PipeccError(f"--length: {source}, and a run at another length needs its example_inputs")
@@ -98,12 +100,12 @@ class RunData:
         model_args = dict(meta.get("model_args") or {})
         if length is not None:
             model_args[LENGTH_ARG] = length
-        batch = int(meta.get("batch_size") or first.batch_size or 1)
+        batch = folder.batch(specs)  # 0: the folder knows none
 
         def call(name: str) -> Any:
             try:
                 with bounded(f"{name} in {path.name}"):
-                    return _call_with_accepted(getattr(module, name), batch, **model_args)
+                    return _call_with_accepted(getattr(module, name), *([batch] if batch else []), **model_args)
             except Exception as e:
                 raise PipeccError(f"{name} in {path.name} failed: {type(e).__name__}: {e}") from None
 

@@ -159,8 +159,9 @@ def _count(value: Any) -> bool:
 def check_marker(out: str | Path, marker: dict[str, Any] | None) -> None:
     """The fields of ``OUT/pipecc.json`` a run is built from, checked before anything starts:
     an edited marker (``"num_stages": "2"``, a batch of 0, micro-batches that do not divide it,
-    ``replicas`` the plan was not made with, no devices, another format version) would otherwise
-    fail later, in some rank, with a traceback. One line naming the field; nothing is run."""
+    no devices, another format version) would otherwise fail later, in some rank, with a
+    traceback. One line naming the field; nothing is run. (Counts that plan.json repeats, such as
+    ``replicas`` the plan was not made with: ``CompiledFolder.check_copies``, after this.)"""
     if marker is None:
         return
     folder_sums.require(out, marker)  # the code and weights a run loads, recorded by hash
@@ -182,17 +183,7 @@ def check_marker(out: str | Path, marker: dict[str, Any] | None) -> None:
     if "devices" in marker and (not isinstance(devices, list) or not devices
                                 or not all(isinstance(d, dict) for d in devices)):
         raise bad(f"devices is {devices!r}, not the list of the plan's devices")
-    plan_path = Path(out) / "plan.json"
-    try:
-        plan = json.loads(plan_path.read_text(encoding="utf-8")) if plan_path.is_file() else {}
-    except (OSError, ValueError, RecursionError):
-        plan = {}  # read_plan names a damaged plan.json
-    if not isinstance(plan, dict):
-        return
-    for key in ("replicas", "batch_size", "microbatches"):
-        if key in marker and key in plan and marker[key] != plan[key]:
-            raise bad(f"{key} is {marker[key]!r}, but the folder was compiled with {plan[key]!r} "
-                      "(plan.json)")
+    # the counts plan.json repeats are checked against these by CompiledFolder.check_copies
 
 
 def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[dict[str, Any]]:

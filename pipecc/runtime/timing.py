@@ -191,12 +191,10 @@ def gather(summary: dict[str, Any], dst: int, device: torch.device) -> list[dict
 
 
 def read_plan(out: Path) -> dict[str, Any]:
-    """``OUT/plan.json`` as plain JSON ({} when missing or unreadable: predictions are then null)."""
-    try:
-        plan = json.loads((out / "plan.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return plan if isinstance(plan, dict) else {}
+    """``OUT/plan.json`` as plain JSON ({} when missing or unreadable: predictions are then null;
+    ``pipecc.runtime.folder.plan_json``, which ``CompiledFolder.plan`` reads it with)."""
+    from pipecc.runtime.folder import plan_json
+    return plan_json(Path(out))
 
 
 def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
@@ -204,8 +202,10 @@ def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     without a plan. Reads ``OUT/pipecc.json`` for the model file's sha256 and arguments."""
     if not plan:
         return None
+    from pipecc.runtime.folder import CompiledFolder
     from pipecc.runtime.folder_sums import read_marker
     marker = read_marker(out) or {}  # a regular file, size-capped; {} when unreadable
+    folder = CompiledFolder(out, marker)  # the folder's facts (micro-batches: pipecc.json's, which plan.json repeats)
     try:
         digest: str | None = hashlib.sha256((out / "plan.json").read_bytes()).hexdigest()
     except OSError:
@@ -226,7 +226,7 @@ def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     options = plan.get("options") if isinstance(plan.get("options"), dict) else {}
     return {"model": marker.get("model", plan.get("model")), "model_sha256": marker.get("model_sha256"),
             "model_args": marker.get("model_args", plan.get("model_args", {})),
-            "batch_size": plan.get("batch_size"), "microbatches": plan.get("microbatches"),
+            "batch_size": plan.get("batch_size"), "microbatches": folder.microbatches,
             "schedule": plan.get("schedule"), "devices": devices, "sha256": digest, "stages": stages,
             "profile": options.get("profile"), "calibration": options.get("calibration")}
 

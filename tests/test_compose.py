@@ -82,7 +82,7 @@ def test_schedule_for_builds_uneven_1f1b() -> None:
 
 def test_simulated_pricing_is_the_simulator() -> None:
     """The search's price of a split under 1F1B is the event simulator's timeline."""
-    from pipecc.passes import umpipe
+    from pipecc.techniques.umpipe import search as umpipe
     from pipecc.passes.simulate import simulate
     curves = umpipe.Curves.from_functions(3, 8, f=lambda s, b: 1.0 + b * (s + 1), g=lambda s, b: 2.0 + 2 * b,
                                           send_f=lambda s, b: 0.1 * b, send_b=lambda s, b: 0.1 * b)

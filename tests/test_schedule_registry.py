@@ -131,7 +131,7 @@ def test_schedule_for_is_what_the_technique_passes_built() -> None:
     # passes/bipartition_plan.py _simulate: by_name(plan.schedule, len(plan.stages), m, 1)
     for name in ("1f1b", "gpipe"):
         assert schedule_for(name, 3, 6) == _old_by_name(name, 3, 6, 1)
-    # passes/umpipe_plan.py: gpipe_uneven(sizes)
+    # pipecc/techniques/umpipe/plan.py: gpipe_uneven(sizes)
     assert schedule_for("gpipe", 3, 3, microbatch_sizes=SIZES) == gpipe_uneven(SIZES)
     # passes/bpipe.py _fit and backends/torch/bpipe.py: bpipe(one_f_one_b(p, m), thresholds, policy)
     for ks, policy in ((THRESHOLDS, "jit"), ((2, None, None, None), "eager")):

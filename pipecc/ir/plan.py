@@ -109,7 +109,7 @@ class Plan:
     # UMPIPE: per stage, its chunk sizes in sample order (positive, each list summing to
     # batch_size), used for its forward and its backward chunks under gpipe row order; None:
     # every stage splits the batch into `microbatches` equal chunks. With sizes, `microbatches`
-    # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `passes.umpipe`.)
+    # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `techniques.umpipe.search`.)
     microbatch_sizes: list[list[int]] | None = None
     # Bi-Partition: "" (off: every stage's backward range is its forward range), "ship" (the
     # runtime mode: a misplaced segment's saved tensors travel to its backward worker) or

@@ -8,7 +8,7 @@ UMPIPE (PAPERS-SPEC.md section 1): ``F(s, k)`` needs every chunk of ``s-1`` that
 ``k``'s samples; ``B(s, k)`` (or ``I``) needs its own ``RECV_B(s, k)``. ``gpipe_uneven`` and
 ``one_f_one_b_uneven`` build the two row orders the runtime executes with unequal sizes
 (GPipe's and 1F1B's); both run each stage's forwards and its backwards in chunk order, which is
-all the runtime's re-slicing needs (``pipecc.runtime.reslice``).
+all the runtime's re-slicing needs (``pipecc.techniques.umpipe.runtime``).
 
 BPipe (PAPERS-SPEC.md 2.3-2.4): ``bpipe(one_f_one_b(p, m), thresholds)`` builds the schedule;
 ``Schedule.stash_profile`` counts an evicted stash on the acceptor.

@@ -1,8 +1,8 @@
-"""UMPIPE's rule (unequal micro-batches per stage, `passes.umpipe`, `passes.umpipe_plan`): where
+"""UMPIPE's rule (unequal micro-batches per stage; its search `search`, its planner pass `plan`): where
 per-stage chunk sizes can run. One `requires`, asked by the planner (before it searches sizes),
 the plan verifier, compile and `pipecc run`.
 
-The runtime's re-slicing (`pipecc.runtime.reslice`) runs each stage's chunks in order, so
+The runtime's re-slicing (`runtime`) runs each stage's chunks in order, so
 GPipe's and 1F1B's row orders both take unequal sizes (`pipecc.ir.schedule.UNEVEN`: the
 recurrence prices GPipe, the event simulator 1F1B, PAPERS-SPEC.md §1.3), with one stage per
 device and no replica groups; a recomputing stage is not modelled and every stage's device must

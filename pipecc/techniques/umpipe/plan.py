@@ -1,7 +1,7 @@
 """UMPIPE in the planner: per-chunk stage costs of a chosen plan, and `--microbatch-sizes`.
 
     plan (its partition, devices, schedule) ─► Curves: f_s(b), g_s(b), link times, memory for
-    b = 1..B ─► passes.umpipe.search (auto) or the given list ─► the plan with per-stage
+    b = 1..B ─► search.search (auto) or the given list ─► the plan with per-stage
     `microbatch_sizes`, its predicted time (the recurrence) and a decision line
 
 Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): the one cost model's
@@ -36,7 +36,7 @@ from pipecc.errors import UsageError
 from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.passes import umpipe
+from pipecc.techniques.umpipe import search as umpipe
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.simulate import simulate
@@ -187,7 +187,7 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
 
 def pricing(curves: umpipe.Curves, schedule: str) -> umpipe.GPipePricing | umpipe.SimulatedPricing:
     """How the search prices a split under `schedule`: GPipe's recurrence, or the event
-    simulator for 1F1B's row order (`passes.umpipe`'s docstring)."""
+    simulator for 1F1B's row order (`search`'s docstring)."""
     return umpipe.GPipePricing(curves) if schedule == "gpipe" else umpipe.SimulatedPricing(curves, schedule)
 
 

@@ -18,7 +18,8 @@ import pytest
 from helpers import MLP_TINY, model_args
 from helpers import pipecc_here as _cli  # plan and compile in this process: only run launches
 from helpers import run_pipecc as pipecc
-from pipecc.ir.schedule import format, gpipe_uneven, one_f_one_b, one_f_one_b_uneven, parse, schedule_for, validate
+from pipecc.ir.schedule import format, one_f_one_b, parse, schedule_for, validate
+from pipecc.techniques.umpipe.schedule import gpipe_uneven, one_f_one_b_uneven
 
 pytestmark = pytest.mark.xdist_group(name="compose")
 

@@ -17,9 +17,10 @@ from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1
 from pipecc.ir.schedule.registry import REGISTRY, SCHEDULES, TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.ir.schedule.text import format, parse
-from pipecc.ir.schedule.transforms import bpipe, gpipe_uneven
+from pipecc.ir.schedule.transforms import bpipe
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime.engine import build_schedule
+from pipecc.techniques.umpipe.schedule import gpipe_uneven
 
 SIZES = [[1, 3, 4], [4, 4], [2, 2, 2, 2]]  # UMPIPE: three stages, batch 8
 THRESHOLDS = [1, 2, None, None]            # BPipe over four stages

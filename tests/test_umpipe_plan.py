@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecc.ir.schedule import gpipe, gpipe_uneven
+from pipecc.ir.schedule import gpipe
 from pipecc.techniques.umpipe import search as umpipe
 from pipecc.passes.simulate import StageCosts, simulate
+from pipecc.techniques.umpipe.schedule import gpipe_uneven
 from pipecc.techniques.umpipe.search import Curves, end_times, population_times, stage_costs
 
 

@@ -15,7 +15,7 @@ trade fill/drain against link latency. With equal sizes the curves give the plan
 (tests/test_one_cost_model.py).
 
 The search prices a split under the plan's schedule (`pricing`): GPipe's recurrence, or the
-event simulator over 1F1B's row order with unequal chunks (`pipecc.ir.schedule.one_f_one_b_uneven`,
+event simulator over 1F1B's row order with unequal chunks (`schedule.one_f_one_b_uneven`,
 PAPERS-SPEC.md §1.3), whose memory depends on the split.
 
 Where UMPIPE applies is its rule, `pipecc.techniques.umpipe.requires` (a training plan under

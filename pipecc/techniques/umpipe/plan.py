@@ -145,11 +145,11 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
             f"unequal micro-batches (UMPIPE): {_describe(sizes)}: predicted {res.T:.4g} s vs "
             f"{res.edp_T:.4g} s for the best equal split ({len(res.edp_sizes)} of "
             f"{res.edp_sizes[0]}; {res.gain:+.1%}); {base}")
-        plan.options["umpipe"] = {"generations": res.generations, "seconds": res.seconds,
-                                  "stopped": res.stopped, "edp_s": res.edp_T,
-                                  "edp_sizes": res.edp_sizes,
-                                  "baselines": {k: {"sizes": v[0], "iteration_s": v[1]}
-                                                for k, v in res.baselines.items()}}
+        plan.umpipe_search = {"generations": res.generations, "seconds": res.seconds,
+                              "stopped": res.stopped, "edp_s": res.edp_T,
+                              "edp_sizes": res.edp_sizes,
+                              "baselines": {k: {"sizes": v[0], "iteration_s": v[1]}
+                                            for k, v in res.baselines.items()}}
     else:
         check_given(mode, B)
         if len(set(mode)) == 1 and plan.microbatches == len(mode):
@@ -171,7 +171,7 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
     # NOTE: the stage table's forward_s/backward_s stay the planner's figures at its equal
     # micro-batch; the per-chunk seconds the prediction used travel with the plan (reports
     # rebuild the timeline from them: `pipecc.report.artifacts.timeline_for`)
-    plan.options["umpipe_chunk_costs"] = {
+    plan.umpipe_chunk_costs = {
         "stage_figures_microbatch": B // max(plan.microbatches, 1),
         **{k: getattr(costs, k) for k in ("forward_s", "backward_s", "send_forward_s",
                                           "send_backward_s", "activation_bytes", "static_bytes",

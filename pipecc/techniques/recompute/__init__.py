@@ -2,7 +2,7 @@
 their forward inside their backward. One `requires`, asked by the planner (`--recompute
 full`, on a sketch where every stage recomputes), the plan verifier, compile and `pipecc run`.
 BatchNorm in training mode (its running statistics would update twice) needs the graph:
-`search.graph_requires`.
+`search.graph_requires`. The drop-in module's checkpointed stage: `codegen.Recomputed`.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 `pipecc run`. The package's other parts: `search` (the recurrence and the GA), `plan` (chunk
 costs, `--microbatch-sizes`), `schedule` (the row orders), `runtime` (the re-slicing inbox).
 
-The runtime's re-slicing runs each stage's chunks in order, so GPipe's and 1F1B's row orders both take unequal sizes (`pipecc.ir.schedule.UNEVEN`: the
-recurrence prices GPipe, the event simulator 1F1B, PAPERS-SPEC.md §1.3), with one stage per
-device and no replica groups; a recomputing stage is not modelled and every stage's device must
-take chunks of different sizes (an FPGA kernel is compiled for one). BPipe's pairs and
-Bi-Partition's segments assume equal micro-batches: their rules refuse the pair, not this one.
+The runtime's re-slicing runs each stage's chunks in order, so GPipe's and 1F1B's row orders
+both take unequal sizes (`pipecc.ir.schedule.UNEVEN`: the recurrence prices GPipe, the event
+simulator 1F1B, PAPERS-SPEC.md §1.3), with one stage per device and no replica groups; a
+recomputing stage is not modelled and every stage's device must take chunks of different sizes
+(an FPGA kernel is compiled for one). BPipe's pairs and Bi-Partition's segments assume equal
+micro-batches: their rules refuse the pair, not this one.
 """
 
 from __future__ import annotations

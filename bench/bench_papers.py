@@ -19,11 +19,11 @@ closed formulas (`_gpt3_stage_costs`), not from a traced model: a 96B model is n
 UMPIPE (PAPERS-SPEC.md §1.6). For each model, device spec and batch B, one partition for every
 contender: pipecc's plan under `--schedule gpipe --replicas 1` (its optimal cuts at its best
 equal micro-batch count; no layer splitting). On that partition, per-chunk stage costs f_s(b),
-g_s(b) and link times for b = 1..B (`passes.umpipe_plan.curves_for_plan`: the one cost model,
+g_s(b) and link times for b = 1..B (`techniques.umpipe.plan.curves_for_plan`: the one cost model,
 the roofline plus the fixed costs of `pipecc.targets.fixed_costs`). Contenders, all on
 those same curves:
 
-  UMPIPE       the GA of `passes.umpipe.search` (tied mode, fixed seed, `--budget` seconds)
+  UMPIPE       the GA of `techniques.umpipe.search.search` (tied mode, fixed seed, `--budget` seconds)
   GPipe-EDP    gpipe with the best equal split over every m dividing B (m <= 64)
   1F1B-EDP     PipeDream-flush (pipecc's 1f1b) with the best equal split, same m range
   local greedy and greedy DP: the paper's two baselines as PAPERS-SPEC §1.5 defines them
@@ -102,7 +102,7 @@ def equal_1f1b(curves: Any, most: int = 64) -> tuple[float, int]:
 
 def compare(curves: Any, budget_s: float) -> dict[str, Any]:
     """Every contender's seconds per iteration on `curves`."""
-    from pipecc.passes import umpipe
+    from pipecc.techniques.umpipe import search as umpipe
     res = umpipe.search(curves, budget_s=budget_s, most_chunks=64)
     t_1f1b, m_1f1b = equal_1f1b(curves)
     return {"umpipe_s": res.T, "sizes": res.sizes, "gpipe_s": res.edp_T, "gpipe_m": len(res.edp_sizes),
@@ -115,7 +115,7 @@ def model_rows(names: list[str], devices: list[str], batches: list[int], budget_
     from pipecc import driver
     from pipecc.passes.plan_options import PlanOptions
     from pipecc.passes.plan_search import Planner
-    from pipecc.passes.umpipe_plan import curves_for_plan
+    from pipecc.techniques.umpipe.plan import curves_for_plan
     from pipecc.targets.devices import parse_devices
     rows = []
     for name in names:
@@ -137,7 +137,7 @@ def model_rows(names: list[str], devices: list[str], batches: list[int], budget_
 
 
 def synthetic_rows(stages: list[int], batches: list[int], budget_s: float) -> list[dict]:
-    from pipecc.passes.umpipe import Curves
+    from pipecc.techniques.umpipe.search import Curves
     rows = []
     for p in stages:
         rng = np.random.default_rng(p)

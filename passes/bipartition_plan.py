@@ -39,9 +39,9 @@ from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.bound import lower_bound
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
-from pipecc.passes.recompute import training_batchnorm_names
+from pipecc.techniques.recompute.search import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
-from pipecc.passes.umpipe_plan import _unit_bounds
+from pipecc.techniques.umpipe.plan import _unit_bounds
 
 __all__ = ["graph_requires", "segment_blockers", "shared_weights", "apply", "describe", "WINDOW"]
 

@@ -111,7 +111,7 @@ def _stage_bytes(prob: Any, bounds: Sequence[int], cuts: Sequence[float]) -> tup
     """[stage] static bytes and stash bytes per micro-batch (internal activations plus the
     received input), as `passes.partition` counts them. A recomputing stage (`prob.recompute`)
     stashes only its received input; the one micro-batch it re-creates in each backward counts
-    as static (`passes.recompute`'s memory model)."""
+    as static (`techniques.recompute.search`'s memory model)."""
     import numpy as np
     p = len(bounds) - 1
     static = np.broadcast_to(np.asarray(prob.static_mem, dtype=float), (p, len(prob.out_bytes)))
@@ -251,11 +251,11 @@ def _with_recompute(ev: Evaluator, m: int, d: int, forced: bool, results: Sequen
     recomputes, "full" recomputes every stage (BPipe then moves the stages' inputs); "auto"
     tries no recomputation first and, where nothing fits, the stages the search without BPipe
     recomputes at the same (m, d), then every stage that may (its device can, no training-mode
-    BatchNorm: `passes.recompute`), each first on the acceptors' half only: a recomputing stage
+    BatchNorm: `techniques.recompute.search`), each first on the acceptors' half only: a recomputing stage
     stashes only its inputs, which the runtime keeps for its input gradients anyway, so it has
     nothing to evict (`evaluate_candidate` leaves it out of the pairs). InfeasibleError when
     none fits."""
-    from pipecc.passes.recompute import training_batchnorm_names
+    from pipecc.techniques.recompute.search import training_batchnorm_names
     mode, p = ev.options.recompute, ev.p // d
     if mode == "none":
         return evaluate_candidate(ev, m, forced, d)

@@ -8,7 +8,7 @@
 `evaluate` is one candidate of the search: the exact partition of (schedule, m micro-batches,
 d replicas, recomputing stages) on its problem (`passes.plan_problem`), re-costed where a
 device model costs whole stages (`CostTables.recost`), simulated under its schedule. The
-technique passes (`passes.recompute`, `passes.bpipe`, `passes.replicas`, `passes.umpipe_plan`,
+technique passes (`techniques.recompute.search`, `passes.bpipe`, `passes.replicas`, `techniques.umpipe.plan`,
 `passes.bipartition_plan`) ask an `Evaluator` for problems, timelines and candidates; the
 search (`passes.plan_search`) drives them and the emitter (`passes.plan_emit`) writes the plan.
 

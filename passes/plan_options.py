@@ -15,7 +15,7 @@ devices when they are predicted faster unless `--use-all-devices`).
 
 What needs the model is resolved by the driver: `batch_size=None` is the graph's example
 batch, and a `microbatch_sizes` list fixes the schedule, replicas and micro-batch count
-(`passes.umpipe_plan.base_options`).
+(`techniques.umpipe.plan.base_options`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 
 __all__ = ["ACTIVATION_BALANCING", "BIPARTITION", "RECOMPUTE", "PlanOptions"]
 
-RECOMPUTE = ("none", "full", "auto")          # passes.recompute
+RECOMPUTE = ("none", "full", "auto")          # techniques.recompute.search
 ACTIVATION_BALANCING = ("auto", "on", "off")  # passes.bpipe
 BIPARTITION = ("off", "auto")                 # passes.bipartition_plan
 
@@ -59,9 +59,9 @@ class PlanOptions:
     profile: Any = None               # measured costs (a `pipecc profile` file, its dict or Profile)
     calibrate: Any = None             # a `pipecc run --json` document (file, dict or Calibration): measured
                                       # stage times mapped back onto the nodes (pipecc.targets.calibrated)
-    recompute: str = "none"           # activation recomputation: none, full or auto (passes.recompute)
+    recompute: str = "none"           # activation recomputation: none, full or auto (techniques.recompute.search)
     replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
-    microbatch_sizes: str | Sequence[int] = "equal"  # UMPIPE: equal, auto or S1,S2,... (passes.umpipe_plan)
+    microbatch_sizes: str | Sequence[int] = "equal"  # UMPIPE: equal, auto or S1,S2,... (techniques.umpipe.plan)
     umpipe_budget_s: float = 10.0     # UMPIPE's search budget under microbatch_sizes="auto"
     bipartition: str = "off"          # separate FP/BP cuts: off or auto (passes.bipartition_plan)
     bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)

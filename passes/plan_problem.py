@@ -6,7 +6,7 @@ micro-batches in flight as the schedule stashes there (`inflight`, from the gene
 schedule). A unit a device cannot run costs CANNOT_RUN_S there, and a device whose stages
 take one float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
 A stage with `recompute[k]` pays one more forward in its backward and holds one
-micro-batch's activations (`passes.recompute`); with d > 1 replicas the problem is over
+micro-batch's activations (`techniques.recompute.search`); with d > 1 replicas the problem is over
 replica groups (`passes.replicas.group_problem`). Every time is the one cost model's
 (`CostTables`): unit times with their per-call fixed costs, each stage's per-micro-batch
 fixed costs (`PartitionProblem.fixed_fwd/fixed_bwd`), messages with both hosts' costs.

@@ -5,7 +5,7 @@
     recompute pass's mode ─► BPipe weighed against the best (passes.bpipe) ─► the fastest
     that fits memory ─► Plan (passes.plan_emit)
 
-Layer splitting (`passes.split_search`), unequal micro-batches (`passes.umpipe_plan`) and
+Layer splitting (`passes.split_search`), unequal micro-batches (`techniques.umpipe.plan`) and
 separate forward/backward cuts (`passes.bipartition_plan`) run after it, on its plan, as the
 driver's later steps. `Planner` holds one search's state (its candidates, best first, and the
 BPipe estimate); the numbers are the evaluator's. `ranked(k)` lists the k best distinct
@@ -33,7 +33,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE
 from pipecc.techniques import capabilities as caps
 from pipecc.passes import bpipe as bpipe_pass
-from pipecc.passes import recompute as recompute_pass
+from pipecc.techniques.recompute import search as recompute_pass
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S

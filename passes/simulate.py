@@ -38,7 +38,7 @@ Model:
   message carries an upstream chunk (``pipecc.ir.schedule``). F(s, k) waits for every chunk
   of s-1 overlapping its samples; B(s, k) for the gradient of its own chunk, which stage s+1
   sends once every chunk overlapping it has run its backward. Under GPipe row order this is
-  the end-time recurrence of ``passes.umpipe`` (tests/test_umpipe_plan.py checks both agree).
+  the end-time recurrence of ``techniques.umpipe.search`` (tests/test_umpipe_plan.py checks both agree).
 - BPipe (``Schedule.partner``, ``StageCosts.stash_transfer_s[evictor][mb]``): SEND_S and
   SEND_R occupy the pair's directed link like any send; RECV_S blocks the acceptor until the
   stash arrived; RECV_R is a prefetch (the evictor goes on, its B waits for the data). Peak

@@ -263,9 +263,9 @@ def _noted(plan: Plan, *lines: str) -> Plan:
 
 
 def _unequal(state: State, *, cluster: Cluster, options: PlanOptions, mode: Any) -> None:
-    """UMPIPE on the chosen plan's partition (`passes.umpipe_plan`): "auto" searches per-stage
+    """UMPIPE on the chosen plan's partition (`techniques.umpipe.plan`): "auto" searches per-stage
     micro-batch sizes when the plan allows them (else says why not), a list is used as given."""
-    from pipecc.passes import umpipe_plan
+    from pipecc.techniques.umpipe import plan as umpipe_plan
     assert state.plan is not None and state.graph is not None
     why = techniques.umpipe.requires(state.plan, techniques.COMPILED)
     if why is not None:
@@ -338,7 +338,7 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
                     cluster: Cluster) -> tuple[PlanOptions, Cluster]:
     """`options` as the planner reads them, and the cluster it plans on: the batch size the
     graph's when None; a `microbatch_sizes` list parsed and checked, fixing the base plan's
-    schedule, replicas and micro-batch count (`passes.umpipe_plan.base_options`); a profile
+    schedule, replicas and micro-batch count (`techniques.umpipe.plan.base_options`); a profile
     loaded, checked against the model and devices, its links measured (`use_profile`); a
     calibration run loaded and checked alike (`use_calibration`)."""
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
@@ -346,10 +346,10 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
     sizes: Any = options.microbatch_sizes
     fixed: dict[str, Any] = {}
     if isinstance(sizes, str) and sizes not in ("auto", "equal"):
-        from pipecc.passes.umpipe_plan import parse_option
+        from pipecc.techniques.umpipe.plan import parse_option
         sizes = parse_option(sizes)
     if not isinstance(sizes, str):
-        from pipecc.passes import umpipe_plan
+        from pipecc.techniques.umpipe import plan as umpipe_plan
         sizes = [int(b) for b in sizes]
         schedule, replicas, microbatches = umpipe_plan.base_options(
             sizes, options.schedule, options.replicas, options.microbatches, options.training, batch)
@@ -546,7 +546,7 @@ def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = Fa
     statistics is unaffected, as is ONNX BatchNormalization (inference-only). `pipecc run` trains in
     training mode; the drop-in runs modules in their current mode (`current_mode`: eval-mode ones do not count).
     """
-    from pipecc.passes.recompute import training_batchnorm_names
+    from pipecc.techniques.recompute.search import training_batchnorm_names
     if plan.microbatches * replicas <= 1 or plan.schedule == "inference" or graph.source == "onnx":
         return None
     names = training_batchnorm_names(graph)
@@ -577,7 +577,8 @@ def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capab
     weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
     module runs Bi-Partition's forward ranges as stages and lets autograd run every backward in
     place: the same numbers, no messages to ship.)"""
-    from pipecc.passes import bipartition_plan, recompute
+    from pipecc.passes import bipartition_plan
+    from pipecc.techniques.recompute import search as recompute
     from pipecc.runtime.replicas import replica_problem
     why = techniques.requires(plan, capabilities) or recompute.graph_requires(graph, plan)
     if why is None and techniques.bipartition.uses(plan):

@@ -18,7 +18,8 @@ import pytest
 from helpers import MLP_TINY, model_args
 from helpers import pipecc_here as _cli  # plan and compile in this process: only run launches
 from helpers import run_pipecc as pipecc
-from pipecc.ir.schedule import format, gpipe_uneven, one_f_one_b, one_f_one_b_uneven, parse, schedule_for, validate
+from pipecc.ir.schedule import format, one_f_one_b, parse, schedule_for, validate
+from pipecc.techniques.umpipe.schedule import gpipe_uneven, one_f_one_b_uneven
 
 pytestmark = pytest.mark.xdist_group(name="compose")
 
@@ -82,7 +83,7 @@ def test_schedule_for_builds_uneven_1f1b() -> None:
 
 def test_simulated_pricing_is_the_simulator() -> None:
     """The search's price of a split under 1F1B is the event simulator's timeline."""
-    from pipecc.passes import umpipe
+    from pipecc.techniques.umpipe import search as umpipe
     from pipecc.passes.simulate import simulate
     curves = umpipe.Curves.from_functions(3, 8, f=lambda s, b: 1.0 + b * (s + 1), g=lambda s, b: 2.0 + 2 * b,
                                           send_f=lambda s, b: 0.1 * b, send_b=lambda s, b: 0.1 * b)

@@ -16,14 +16,14 @@ import pytest
 from pipecc import driver
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.passes import replicas as rep
-from pipecc.passes import umpipe
+from pipecc.techniques.umpipe import search as umpipe
 from pipecc.passes.bipartition import evaluate_bi
 from pipecc.passes.bipartition_plan import stage_costs as bi_stage_costs
 from pipecc.passes.partition import PartitionProblem, evaluate, partition
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner
 from pipecc.passes.simulate import simulate
-from pipecc.passes.umpipe_plan import _unit_bounds, curves_for_plan
+from pipecc.techniques.umpipe.plan import _unit_bounds, curves_for_plan
 from pipecc.report.artifacts import timeline_for
 from pipecc.runtime.timing import run_document
 from pipecc.targets import fixed_costs

@@ -79,7 +79,7 @@ def test_bipartition_apply_leaves_its_plan_unchanged(wide) -> None:
 
 @pytest.mark.parametrize("mode", [[4, 4, 8, 16], "auto"])
 def test_umpipe_apply_leaves_its_plan_unchanged(wide, mode) -> None:
-    from pipecc.passes import umpipe_plan
+    from pipecc.techniques.umpipe import plan as umpipe_plan
     plan, _, ev = wide
     before = plan.dumps()
     result = umpipe_plan.apply(plan, ev, mode, budget_s=0.5)

@@ -1,4 +1,4 @@
-"""Activation recomputation (`--recompute none|full|auto`, passes/recompute.py) end to end:
+"""Activation recomputation (`--recompute none|full|auto`, pipecc/techniques/recompute/search.py) end to end:
 the memory and time model (partitioner, simulator), the planner's choice and its reasons, the
 plan's fields, the generated stage.py and the drop-in module (gradients equal the model's, the
 forward really runs twice), the refusals, and one `pipecc run --verify` launch.

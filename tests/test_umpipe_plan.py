@@ -1,5 +1,5 @@
 """UMPIPE planner: the end-time recurrence (loop and vectorised) against the event simulator,
-the spec's worked example, the GA and its baselines (passes/umpipe.py), and the plan/CLI
+the spec's worked example, the GA and its baselines (pipecc/techniques/umpipe/search.py), and the plan/CLI
 surface (`--microbatch-sizes`)."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecc.ir.schedule import gpipe, gpipe_uneven
-from pipecc.passes import umpipe
+from pipecc.ir.schedule import gpipe
+from pipecc.techniques.umpipe import search as umpipe
 from pipecc.passes.simulate import StageCosts, simulate
-from pipecc.passes.umpipe import Curves, end_times, population_times, stage_costs
+from pipecc.techniques.umpipe.schedule import gpipe_uneven
+from pipecc.techniques.umpipe.search import Curves, end_times, population_times, stage_costs
 
 
 def _worked_curves() -> Curves:
@@ -269,7 +270,7 @@ def _curves_of(analysis, devices, profile=None):
     from pipecc import driver
     from pipecc.passes.plan_options import PlanOptions
     from pipecc.passes.plan_search import Planner
-    from pipecc.passes.umpipe_plan import curves_for_plan
+    from pipecc.techniques.umpipe.plan import curves_for_plan
     from pipecc.targets.devices import parse_devices
     from pipecc.targets.profiled import use_profile
     cluster = parse_devices(devices)

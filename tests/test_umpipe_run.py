@@ -23,13 +23,13 @@ from pipecc.ir.schedule import (
     ScheduleError,
     format,
     gpipe,
-    gpipe_uneven,
     overlapping,
     parse,
     validate,
 )
 from pipecc.runtime.engine import PipelineRuntime, RunConfig, build_schedule
 from pipecc.runtime.wire import check_fifo
+from pipecc.techniques.umpipe.schedule import gpipe_uneven
 
 pytestmark = pytest.mark.xdist_group(name="umpipe_run")
 

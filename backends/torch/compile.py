@@ -76,7 +76,8 @@ from pipecc.techniques import schedule_of
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
-from pipecc.runtime.reslice import check_sizes
+from pipecc.techniques.umpipe.runtime import check_sizes
+from pipecc.techniques.recompute.codegen import Recomputed
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.trust import file_sha256
 from pipecc.runtime.atomic import (HOST, NAME_MAX, STALE_AFTER_S, TEMP_NAME, TEMP_TAG, entries,  # noqa: F401 (re-exported)
@@ -214,7 +215,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
 def marker_sizes(plan: Plan) -> list[list[int]] | None:
     """The plan's per-stage micro-batch sizes (UMPIPE) as `pipecc.json` records them: None when
     absent or every stage splits the batch equally (`split_sizes`, as the runtime does without
-    sizes); lists the runtime cannot slice (`pipecc.runtime.reslice.check_sizes`) refused."""
+    sizes); lists the runtime cannot slice (`pipecc.techniques.umpipe.runtime.check_sizes`) refused."""
     sizes = getattr(plan, "microbatch_sizes", None)
     if sizes is None:
         return None
@@ -471,16 +472,3 @@ def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microba
         modules.append(Recomputed(module) if k < len(recompute) and recompute[k] else module)
     return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices,
                            precision=precision)
-
-
-class Recomputed(torch.nn.Module):
-    """A stage module run under torch.utils.checkpoint (non-reentrant): backward keeps only its
-    inputs and re-runs it, with the RNG state restored. The generated stage.py does the same."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: object) -> tuple:
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.inner, *args, use_reentrant=False)

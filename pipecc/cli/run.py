@@ -54,7 +54,7 @@ workers also stop by themselves when the agent or `pipecc run` is gone (`pipecc.
 
 Unequal micro-batches: a folder whose plan gives every stage its own micro-batch sizes
 (`pipecc.json`'s `microbatch_sizes`, UMPIPE) runs them under the gpipe schedule: each stage
-splits the batch into its own chunks and re-slices what it receives (`pipecc.runtime.reslice`);
+splits the batch into its own chunks and re-slices what it receives (`pipecc.techniques.umpipe.runtime`);
 `--schedule` other than gpipe and `--microbatches` are usage errors there.
 
 Bi-Partition folders (`pipecc.json`'s `"bipartition": "ship"`; `pipecc.runtime.segments`): one

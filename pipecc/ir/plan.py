@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, TypedDict
 
 from pipecc.errors import PipeccError
 from pipecc.report.formatting import count, human, seconds, text_table, wrap
@@ -73,6 +73,44 @@ class SplitLayer:
     shards: list[str] = field(default_factory=list)  # names of the shard nodes
 
 
+class UmpipeSearch(TypedDict):
+    """UMPIPE's search under ``--microbatch-sizes auto`` (`pipecc.techniques.umpipe.plan.apply`):
+    the GA's ``generations``, ``seconds`` and why it ``stopped``, the best equal split's
+    predicted ``edp_s`` and its ``edp_sizes``, and per baseline ("local-greedy", "greedy-dp")
+    its ``{"sizes", "iteration_s"}``. plan.json: ``options["umpipe"]``."""
+
+    generations: int
+    seconds: float
+    stopped: str
+    edp_s: float
+    edp_sizes: list[int]
+    baselines: dict[str, dict[str, Any]]
+
+
+class UmpipeChunkCosts(TypedDict, total=False):
+    """The per-chunk seconds and bytes UMPIPE's prediction used (``StageCosts``'s fields,
+    ``x[stage][chunk]``; reports rebuild the timeline from them: `pipecc.report.artifacts`),
+    and the micro-batch the stage table's figures are at (``stage_figures_microbatch``: the
+    planner's equal one). ``tail_s`` is missing in plans written before the one cost model.
+    plan.json: ``options["umpipe_chunk_costs"]``."""
+
+    stage_figures_microbatch: int
+    forward_s: list[list[float]]
+    backward_s: list[list[float]]
+    send_forward_s: list[list[float]]
+    send_backward_s: list[list[float]]
+    activation_bytes: list[list[float]]
+    static_bytes: list[float]
+    tail_s: list[float] | None
+
+
+# Typed fields that plan.json keeps inside "options" (where they were written before they had
+# fields): field -> key. They follow the planner's options and precede what is added to them
+# after planning (`OPTIONS_AFTER_PLANNING`), in this order, so plan.json stays as it was.
+OPTIONS_FIELDS = {"umpipe_search": "umpipe", "umpipe_chunk_costs": "umpipe_chunk_costs"}
+OPTIONS_AFTER_PLANNING = ("devices_given", "lengths")
+
+
 @dataclass
 class Plan:
     model: str
@@ -109,7 +147,7 @@ class Plan:
     # UMPIPE: per stage, its chunk sizes in sample order (positive, each list summing to
     # batch_size), used for its forward and its backward chunks under gpipe row order; None:
     # every stage splits the batch into `microbatches` equal chunks. With sizes, `microbatches`
-    # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `passes.umpipe`.)
+    # is stage 0's chunk count. (`pipecc plan --microbatch-sizes`, `techniques.umpipe.search`.)
     microbatch_sizes: list[list[int]] | None = None
     # Bi-Partition: "" (off: every stage's backward range is its forward range), "ship" (the
     # runtime mode: a misplaced segment's saved tensors travel to its backward worker) or
@@ -127,6 +165,10 @@ class Plan:
     # not: baseline and bpipe {"microbatch_size", "recompute", "microbatches", "iteration_s",
     # "peak_memory_bytes"}, "speedup", "hidden_fraction", "reason"; {} when not evaluated
     estimate: dict[str, Any] = field(default_factory=dict)
+    # UMPIPE's side data (plan.json: inside "options", `OPTIONS_FIELDS`): its search's record
+    # under --microbatch-sizes auto, and the per-chunk costs of its prediction; None: none
+    umpipe_search: UmpipeSearch | None = None
+    umpipe_chunk_costs: UmpipeChunkCosts | None = None
 
     def bpipe_thresholds(self) -> list[int | None]:
         """Per stage, its BPipe threshold K (evictors) or None: `schedule.bpipe`'s argument."""
@@ -270,6 +312,8 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        typed = {key: data.pop(name) for name, key in OPTIONS_FIELDS.items()}
+        data["options"] = _with_typed(data["options"], {k: v for k, v in typed.items() if v is not None})
         data["balance_ratio"] = self.balance_ratio
         data["balance_ratio_compute"] = self.balance_ratio_compute
         return data
@@ -282,9 +326,22 @@ class Plan:
         data = dict(data)
         data.pop("balance_ratio", None)
         data.pop("balance_ratio_compute", None)
+        options = dict(data.get("options") or {})
+        for name, key in OPTIONS_FIELDS.items():
+            data[name] = options.pop(key, None)
+        if "options" in data:
+            data["options"] = options
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
         return cls(**data)
+
+
+def _with_typed(options: dict[str, Any], typed: dict[str, Any]) -> dict[str, Any]:
+    """`options` with the typed fields' entries where plan.json has always had them: before
+    the first key added after planning, else last."""
+    after = next((i for i, k in enumerate(options) if k in OPTIONS_AFTER_PLANNING), len(options))
+    items = list(options.items())
+    return dict(items[:after] + list(typed.items()) + items[after:])
 
 
 def cost_basis(plan: Plan) -> str:

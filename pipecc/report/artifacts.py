@@ -108,12 +108,12 @@ def timeline_json(timeline: Any) -> dict[str, Any]:
 
 def _uneven_timeline(plan: Plan, schedule: Schedule) -> Any:
     """UMPIPE: gpipe row order over the plan's per-stage sizes, with the per-chunk seconds the
-    planner predicted with (`plan.options["umpipe_chunk_costs"]`); a plan without them (written
+    planner predicted with (`plan.umpipe_chunk_costs`); a plan without them (written
     by hand) gets the stage figures scaled linearly in the chunk size."""
     from pipecc.passes.simulate import StageCosts, simulate
 
     sizes = plan.microbatch_sizes or []
-    saved = plan.options.get("umpipe_chunk_costs")
+    saved = plan.umpipe_chunk_costs
     if saved:
         costs = StageCosts(**{k: v for k, v in saved.items() if k != "stage_figures_microbatch"})
         if "tail_s" not in saved:  # NOTE: plans before the one cost model saved no tails

@@ -271,7 +271,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
                                        if plan.virtual_stages > 1 else "")
         + (f", unequal micro-batches per stage: {sizes_text(plan)} (batch {plan.batch_size}); "
            f"figures per micro-batch of "
-           f"{plan.options.get('umpipe_chunk_costs', {}).get('stage_figures_microbatch', '?')}"
+           f"{(plan.umpipe_chunk_costs or {}).get('stage_figures_microbatch', '?')}"
            if plan.microbatch_sizes else
            f", {count(c.microbatches, 'micro-batch')} of {mb} (batch {plan.batch_size}); ")
         + (f"{plan.replicas} replicas per stage, each on {replica_rows(mb, plan.replicas)} samples of "

@@ -85,7 +85,7 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
         *_labelled("times", f"predicted from {cost_basis(plan)}"),
     ]
     if plan.microbatch_sizes:
-        per = plan.options.get("umpipe_chunk_costs", {}).get("stage_figures_microbatch")
+        per = (plan.umpipe_chunk_costs or {}).get("stage_figures_microbatch")
         lines += _labelled("micro-batches", "unequal per stage (UMPIPE, gpipe order, forward and backward "
                            "alike); the iteration predicted from per-chunk costs with per-call overhead"
                            + (f"; stage figures above at {per} samples" if per else ""))

@@ -24,7 +24,7 @@ import torch
 
 from pipecc.ir.schedule.actions import Action, Schedule
 from pipecc.runtime.replicas import Replicas
-from pipecc.runtime.reslice import Reslicer
+from pipecc.techniques.umpipe.runtime import Reslicer
 from pipecc.runtime.wire import Wire, peer_rank
 
 if TYPE_CHECKING:  # NOTE: typing only; the runtime sets the timer

@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     would free nothing).
 
     Unequal micro-batches (``pipecc.json``'s ``microbatch_sizes``, one size list per stage):
-    the gpipe schedule with every stage's own chunks (``pipecc.runtime.reslice``), in one
+    the gpipe schedule with every stage's own chunks (``pipecc.techniques.umpipe.runtime``), in one
     process too; ``--schedule`` other than gpipe and ``--microbatches`` are usage errors.
 
     Bi-Partition folders (``pipecc.json``: ``"bipartition": "ship"``, ``pipecc.runtime.segments``):

@@ -20,7 +20,7 @@ device, the mailbox, the wire, what the caller sets between steps), never the ru
 
 Unequal micro-batches (UMPIPE; ``RunConfig.microbatch_sizes``, one size list per stage): the
 schedule is ``gpipe_uneven`` or ``one_f_one_b_uneven`` (GPipe's or 1F1B's row order); every stage splits its own inputs and target by its own sizes,
-receives upstream chunks whole and re-slices them (``pipecc.runtime.reslice``), and the last
+receives upstream chunks whole and re-slices them (``pipecc.techniques.umpipe.runtime``), and the last
 stage weights chunk k's loss by ``b_k / B``.
 
 Loss. On the last stage microbatch i's loss is ``loss_fn(outputs, target_i)`` (``outputs`` is the
@@ -79,7 +79,7 @@ from pipecc.runtime.context import Mailbox, RankContext, RankState, Shared
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
 from pipecc.runtime.replicas import GradientAllReduce, ReduceActions, Replicas
-from pipecc.runtime.reslice import Reslicer, check_sizes
+from pipecc.techniques.umpipe.runtime import Reslicer, check_sizes
 from pipecc.runtime.split_backward import ZeroBubble
 from pipecc.runtime.stage_runner import StageRunner
 from pipecc.techniques import TECHNIQUES

@@ -270,7 +270,7 @@ class CompiledFolder:
 
     def sizes_for(self, asked: int | None) -> list[list[int]] | None:
         """``microbatch_sizes``, refusing an ``asked`` ``--microbatches`` when the folder has them."""
-        from pipecc.runtime.reslice import folder_sizes
+        from pipecc.techniques.umpipe.runtime import folder_sizes
         return folder_sizes(self.marker, asked)
 
     @property

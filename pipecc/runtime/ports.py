@@ -182,7 +182,7 @@ def microbatch_extents(extent: int, batch: int, m: int | Sequence[int], what: st
     """Per-microbatch extents of a dim of ``extent = c * batch`` rows: ``c`` times each batch split.
 
     ``m`` is the micro-batch count (the equal split, ``split_sizes``) or a stage's own list of
-    chunk sizes summing to ``batch`` (unequal micro-batches, ``pipecc.runtime.reslice``)."""
+    chunk sizes summing to ``batch`` (unequal micro-batches, ``pipecc.techniques.umpipe.runtime``)."""
     if extent % batch:
         raise PipeccError(f"port {what!r}: batch dim of {extent} is not a multiple of the batch size {batch}")
     sizes = split_sizes(batch, m, what) if isinstance(m, int) else list(m)

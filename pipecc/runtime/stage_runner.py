@@ -15,7 +15,7 @@ executor, which also tells BPipe when B is done), Bi-Partition's programs (a
 ``pipecc.runtime.bipartition_exec.BipartitionRunner`` overrides the computation and the ports
 its messages carry), the zero-bubble I and W (``pipecc.runtime.split_backward.ZeroBubble``, which
 uses ``output_grads`` and ``hand_down``), unequal micro-batches' re-slicing
-(``pipecc.runtime.reslice.Reslicer``).
+(``pipecc.techniques.umpipe.runtime.Reslicer``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ inference) iteration; it is the contract between the planner, the compiled folde
                 (``gpipe_compute``, ...), and those lowered by ``add_send_recv`` (``gpipe``, ...)
     progress    ``advance``: every rank's row run until it blocks (validate, transforms, simulator)
     validate    the rules every schedule is checked against (complete, matched, deadlock-free)
-    transforms  ``gpipe_uneven``, ``one_f_one_b_uneven`` (UMPIPE), ``bpipe`` (stash transfers), the
-                collectives (``gradient_reduce``, ``weight_refresh``), ``forward_only``
+    transforms  ``bpipe`` (stash transfers), the collectives (``gradient_reduce``, ``weight_refresh``),
+                ``forward_only`` (UMPIPE's row orders: ``pipecc.techniques.umpipe.schedule``)
     lower       the collectives a run needs (``lower``: REDUCE, REFRESH), added once, at compile
                 and for a schedule the runtime builds by name
     registry    every schedule by name (``REGISTRY``) and ``schedule_for``, plan fields -> schedule
@@ -36,8 +36,8 @@ from pipecc.ir.schedule.registry import (REGISTRY, SCHEDULES, SPLIT_BACKWARD_COS
                                          ZERO_BUBBLE, ScheduleKind, by_name, compute_by_name, schedule_for)
 from pipecc.ir.schedule.sendrecv import add_send_recv
 from pipecc.ir.schedule.text import ScheduleError, format, format_grid, parse, parse_action
-from pipecc.ir.schedule.transforms import (BPIPE_POLICIES, bpipe, bpipe_pairs, forward_only, gpipe_uneven,
-                                           gradient_reduce, one_f_one_b_uneven, weight_refresh,
+from pipecc.ir.schedule.transforms import (BPIPE_POLICIES, bpipe, bpipe_pairs, forward_only,
+                                           gradient_reduce, weight_refresh,
                                            without_collectives)
 from pipecc.ir.schedule.lower import lower, with_collectives
 from pipecc.ir.schedule.validate import validate
@@ -67,7 +67,6 @@ __all__ = [
     "forward_only",
     "gpipe",
     "gpipe_compute",
-    "gpipe_uneven",
     "gradient_reduce",
     "inference",
     "inference_compute",
@@ -76,7 +75,6 @@ __all__ = [
     "lower",
     "one_f_one_b",
     "one_f_one_b_compute",
-    "one_f_one_b_uneven",
     "overlapping",
     "parse",
     "parse_action",

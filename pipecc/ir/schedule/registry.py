@@ -20,7 +20,7 @@ from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.generators import (gpipe_compute, inference_compute, interleaved_1f1b_compute,
                                            one_f_one_b_compute, zb_h1_compute)
 from pipecc.ir.schedule.sendrecv import add_send_recv
-from pipecc.ir.schedule.transforms import bpipe, gpipe_uneven, one_f_one_b_uneven
+from pipecc.ir.schedule.transforms import bpipe
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["REGISTRY", "SCHEDULES", "SPLIT_BACKWARD_COST", "TRAINING_SCHEDULES", "UNEVEN", "VIRTUAL", "ZERO_BUBBLE",
@@ -111,7 +111,8 @@ def schedule_for(name: str, num_stages: int, num_microbatches: int, *, num_ranks
     transfers.
 
     ``microbatch_sizes`` (UMPIPE, one list per stage): ``gpipe_uneven`` for gpipe,
-    ``one_f_one_b_uneven`` for 1f1b (one stage per rank); `num_microbatches` is then the
+    ``one_f_one_b_uneven`` for 1f1b (one stage per rank; both in
+    ``pipecc.techniques.umpipe.schedule``); `num_microbatches` is then the
     longest list's length and not read. ``bpipe_thresholds``
     (BPipe, one entry per stage, None for a stage that does not evict): ``bpipe(one_f_one_b(p,
     m), thresholds, bpipe_policy)`` (1f1b, one stage per rank; all None: plain 1F1B), where
@@ -142,7 +143,10 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
         if name == "1f1b" and ranks != num_stages:
             raise ValueError(f"unequal micro-batch sizes under 1f1b put one stage on each rank, not "
                              f"{num_stages} stages on {ranks} ranks")
-        # NOTE: UMPIPE's row orders are lowered by the same add_send_recv, inside the transforms
+        # NOTE: UMPIPE's row orders are lowered by the same add_send_recv, inside them; imported
+        # here, not above: importing a technique's module first runs the techniques' rules, which
+        # import this registry
+        from pipecc.techniques.umpipe.schedule import gpipe_uneven, one_f_one_b_uneven
         schedule = gpipe_uneven(sizes, ranks) if name == "gpipe" else one_f_one_b_uneven(sizes)
     else:
         if thresholds is not None and (name != "1f1b" or virtual != 1):

@@ -1,7 +1,7 @@
 """The point-to-point lowering: a compute schedule -> the same rows with their SEND/RECV.
 
 The generators (``pipecc.ir.schedule.generators``) and UMPIPE's row orders
-(``transforms.gpipe_uneven``, ``one_f_one_b_uneven``) list each rank's compute actions only
+(``pipecc.techniques.umpipe.schedule``: ``gpipe_uneven``, ``one_f_one_b_uneven``) list each rank's compute actions only
 (F, B or I and W); ``add_send_recv`` adds the messages between stages on different ranks, by
 one rule for every schedule, as torch.distributed.pipelining adds its communication to compute
 actions in one pass (``_add_send_recv``). ``schedule_for`` (``registry``) builds every schedule

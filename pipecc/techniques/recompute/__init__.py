@@ -1,8 +1,8 @@
-"""Activation recomputation's rule (`--recompute`, `passes.recompute`): which stages may re-run
+"""Activation recomputation's rule (`--recompute`, its planner pass `search`): which stages may re-run
 their forward inside their backward. One `requires`, asked by the planner (`--recompute
 full`, on a sketch where every stage recomputes), the plan verifier, compile and `pipecc run`.
 BatchNorm in training mode (its running statistics would update twice) needs the graph:
-`passes.recompute.graph_requires`.
+`search.graph_requires`. The drop-in module's checkpointed stage: `codegen.Recomputed`.
 """
 
 from __future__ import annotations

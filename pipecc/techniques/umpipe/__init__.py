@@ -1,13 +1,14 @@
-"""UMPIPE's rule (unequal micro-batches per stage, `passes.umpipe`, `passes.umpipe_plan`): where
-per-stage chunk sizes can run. One `requires`, asked by the planner (before it searches sizes),
-the plan verifier, compile and `pipecc run`.
+"""UMPIPE's rule (unequal micro-batches per stage): where per-stage chunk sizes can run. One
+`requires`, asked by the planner (before it searches sizes), the plan verifier, compile and
+`pipecc run`. The package's other parts: `search` (the recurrence and the GA), `plan` (chunk
+costs, `--microbatch-sizes`), `schedule` (the row orders), `runtime` (the re-slicing inbox).
 
-The runtime's re-slicing (`pipecc.runtime.reslice`) runs each stage's chunks in order, so
-GPipe's and 1F1B's row orders both take unequal sizes (`pipecc.ir.schedule.UNEVEN`: the
-recurrence prices GPipe, the event simulator 1F1B, PAPERS-SPEC.md §1.3), with one stage per
-device and no replica groups; a recomputing stage is not modelled and every stage's device must
-take chunks of different sizes (an FPGA kernel is compiled for one). BPipe's pairs and
-Bi-Partition's segments assume equal micro-batches: their rules refuse the pair, not this one.
+The runtime's re-slicing runs each stage's chunks in order, so GPipe's and 1F1B's row orders
+both take unequal sizes (`pipecc.ir.schedule.UNEVEN`: the recurrence prices GPipe, the event
+simulator 1F1B, PAPERS-SPEC.md §1.3), with one stage per device and no replica groups; a
+recomputing stage is not modelled and every stage's device must take chunks of different sizes
+(an FPGA kernel is compiled for one). BPipe's pairs and Bi-Partition's segments assume equal
+micro-batches: their rules refuse the pair, not this one.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
 
 def lower(plan: Plan, schedule: Schedule) -> Schedule:
     """The plan's schedule with its unequal sizes: the base row order (`schedule`, gpipe or 1f1b
-    by name) rebuilt over every stage's own chunks (``gpipe_uneven``, ``one_f_one_b_uneven``);
+    by name) rebuilt over every stage's own chunks (``schedule.gpipe_uneven``, ``one_f_one_b_uneven``);
     `schedule` itself when the plan has equal micro-batches."""
     if not uses(plan):
         return schedule

@@ -1,7 +1,7 @@
 """UMPIPE in the planner: per-chunk stage costs of a chosen plan, and `--microbatch-sizes`.
 
     plan (its partition, devices, schedule) ─► Curves: f_s(b), g_s(b), link times, memory for
-    b = 1..B ─► passes.umpipe.search (auto) or the given list ─► the plan with per-stage
+    b = 1..B ─► search.search (auto) or the given list ─► the plan with per-stage
     `microbatch_sizes`, its predicted time (the recurrence) and a decision line
 
 Per-chunk costs (PAPERS-SPEC.md §1.2, §1.6 "Cost model"): the one cost model's
@@ -15,7 +15,7 @@ trade fill/drain against link latency. With equal sizes the curves give the plan
 (tests/test_one_cost_model.py).
 
 The search prices a split under the plan's schedule (`pricing`): GPipe's recurrence, or the
-event simulator over 1F1B's row order with unequal chunks (`pipecc.ir.schedule.one_f_one_b_uneven`,
+event simulator over 1F1B's row order with unequal chunks (`schedule.one_f_one_b_uneven`,
 PAPERS-SPEC.md §1.3), whose memory depends on the split.
 
 Where UMPIPE applies is its rule, `pipecc.techniques.umpipe.requires` (a training plan under
@@ -36,7 +36,7 @@ from pipecc.errors import UsageError
 from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.passes import umpipe
+from pipecc.techniques.umpipe import search as umpipe
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.simulate import simulate
@@ -145,11 +145,11 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
             f"unequal micro-batches (UMPIPE): {_describe(sizes)}: predicted {res.T:.4g} s vs "
             f"{res.edp_T:.4g} s for the best equal split ({len(res.edp_sizes)} of "
             f"{res.edp_sizes[0]}; {res.gain:+.1%}); {base}")
-        plan.options["umpipe"] = {"generations": res.generations, "seconds": res.seconds,
-                                  "stopped": res.stopped, "edp_s": res.edp_T,
-                                  "edp_sizes": res.edp_sizes,
-                                  "baselines": {k: {"sizes": v[0], "iteration_s": v[1]}
-                                                for k, v in res.baselines.items()}}
+        plan.umpipe_search = {"generations": res.generations, "seconds": res.seconds,
+                              "stopped": res.stopped, "edp_s": res.edp_T,
+                              "edp_sizes": res.edp_sizes,
+                              "baselines": {k: {"sizes": v[0], "iteration_s": v[1]}
+                                            for k, v in res.baselines.items()}}
     else:
         check_given(mode, B)
         if len(set(mode)) == 1 and plan.microbatches == len(mode):
@@ -171,7 +171,7 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
     # NOTE: the stage table's forward_s/backward_s stay the planner's figures at its equal
     # micro-batch; the per-chunk seconds the prediction used travel with the plan (reports
     # rebuild the timeline from them: `pipecc.report.artifacts.timeline_for`)
-    plan.options["umpipe_chunk_costs"] = {
+    plan.umpipe_chunk_costs = {
         "stage_figures_microbatch": B // max(plan.microbatches, 1),
         **{k: getattr(costs, k) for k in ("forward_s", "backward_s", "send_forward_s",
                                           "send_backward_s", "activation_bytes", "static_bytes",
@@ -187,7 +187,7 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
 
 def pricing(curves: umpipe.Curves, schedule: str) -> umpipe.GPipePricing | umpipe.SimulatedPricing:
     """How the search prices a split under `schedule`: GPipe's recurrence, or the event
-    simulator for 1F1B's row order (`passes.umpipe`'s docstring)."""
+    simulator for 1F1B's row order (`search`'s docstring)."""
     return umpipe.GPipePricing(curves) if schedule == "gpipe" else umpipe.SimulatedPricing(curves, schedule)
 
 

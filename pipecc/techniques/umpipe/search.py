@@ -15,7 +15,7 @@ Decisions (shared with the runtime):
   backward chunk that cuts through a forward chunk's autograd graph would cost that whole
   chunk's backward, spec §1.8 pitfall 1; free backward sizes need recompute.)
 - *Schedule*: GPipe row order (every stage: all forward chunks in sample order, then all
-  backward chunks in sample order, ``pipecc.ir.schedule.gpipe_uneven``), priced by the
+  backward chunks in sample order, ``schedule.gpipe_uneven``), priced by the
   recurrence below; or 1F1B's (``one_f_one_b_uneven``), which has none: the search then prices
   each split with the event simulator (``SimulatedPricing``, spec §1.3), whose peak memory
   depends on the split (spec §1.8, pitfall 6).

@@ -25,15 +25,19 @@ as torch.fx analyses write `node.meta`; they change no node, edge or name. `Inst
 every step to its contract under `debug` (which tests always set): a part it does not produce
 keeps its value, and a plan it read and did not declare changing prints the same JSON after it.
 
-`CONTRACTS` is the one table of them, in the order the driver runs them (`pipecc.driver`'s
-module docstring); `implementation` names the function that does the work ("module:function").
+`CONTRACTS` is the one table of the driver's own steps, in the order the driver runs them
+(`pipecc.driver`'s module docstring); `implementation` names the function that does the work
+("module:function"). A technique's planning step is declared where the technique lives: its
+package's plan part holds a `TechniqueStep` (`STEP`), its contract with it, which the driver
+runs after "split layers", in `pipecc.techniques.TECHNIQUES` order, when the options ask for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
-__all__ = ["Contract", "CONTRACTS", "READABLE", "PRODUCIBLE", "contract_of"]
+__all__ = ["Contract", "CONTRACTS", "PlanContext", "READABLE", "PRODUCIBLE", "TechniqueStep", "contract_of"]
 
 READABLE = ("file", "model", "graph", "costs", "plan", "cluster", "options", "stages", "backends")
 PRODUCIBLE = ("model", "graph", "costs", "plan", "stages", "report", "folder", "module")
@@ -69,7 +73,6 @@ CONTRACTS: dict[str, Contract] = {c.name: c for c in (
     _c("recost", "graph costs cluster options", "costs", "pipecc.cost:recost_attention", changes_input=True),
     _c("balance", "graph costs cluster options", "plan", "pipecc.passes.plan_search:Planner"),
     _c("split layers", "graph costs plan cluster options", "graph plan", "pipecc.passes.split_search:search"),
-    _c("unequal micro-batches", "graph costs plan cluster options", "plan", "pipecc.techniques.umpipe.plan:apply"),
     _c("bipartition", "graph costs plan cluster options", "graph plan", "pipecc.passes.bipartition_plan:apply"),
     # compile
     _c("cut stages", "graph plan", "stages", "pipecc.backends.torch.stages:cut_stages"),
@@ -86,3 +89,23 @@ def contract_of(name: str) -> Contract:
         return CONTRACTS[name]
     except KeyError:
         raise KeyError(f"step {name!r} declares no contract: add it to pipecc.passes.contract.CONTRACTS") from None
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a technique's planning step reads beside the driver's `State`."""
+    planner: Any                       # `passes.plan_search.Planner`: the search "balance" ran
+    graph: Any                         # the unsplit annotated graph it planned
+    cluster: Any                       # `pipecc.targets.hardware.Cluster`
+    options: Any                       # `passes.plan_options.PlanOptions`, resolved
+    evaluator: Callable[[Any], Any]    # graph -> an `Evaluator` over it (a split graph has its own units)
+
+
+@dataclass(frozen=True)
+class TechniqueStep:
+    """A technique's planning step (its package's ``plan.STEP``): `run(state, ctx)` when
+    `wanted(options)`, with `label` as its progress line."""
+    contract: Contract
+    label: str
+    wanted: Callable[[Any], bool]
+    run: Callable[[Any, PlanContext], None]

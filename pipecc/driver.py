@@ -54,6 +54,7 @@ from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
+from pipecc.passes.contract import PlanContext
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.report.formatting import count
 
@@ -262,21 +263,6 @@ def _noted(plan: Plan, *lines: str) -> Plan:
     return dataclasses.replace(plan, decisions=[*plan.decisions, *lines])
 
 
-def _unequal(state: State, *, cluster: Cluster, options: PlanOptions, mode: Any) -> None:
-    """UMPIPE on the chosen plan's partition (`techniques.umpipe.plan`): "auto" searches per-stage
-    micro-batch sizes when the plan allows them (else says why not), a list is used as given."""
-    from pipecc.techniques.umpipe import plan as umpipe_plan
-    assert state.plan is not None and state.graph is not None
-    why = techniques.umpipe.requires(state.plan, techniques.COMPILED)
-    if why is not None:
-        if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
-            raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))}: {why}")
-        state.plan = _noted(state.plan, f"UMPIPE not tried: {why}")
-        return
-    state.plan = umpipe_plan.apply(state.plan, _evaluator(state.graph, cluster, options), mode,
-                                   budget_s=options.umpipe_budget_s)
-
-
 def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, cluster: Cluster,
                  options: PlanOptions) -> None:
     """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan; when it
@@ -445,7 +431,6 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
     instruments.run([Step("recost", partial(_recost, options=options, cluster=cluster))], state)
     given_profile = options.profile
     options, cluster = resolve_options(options, analysis, cluster)
-    sizes_mode = options.microbatch_sizes
     splittable = split_search.splittable_names(graph) if options.split_layers else []
     planner = Planner(graph, cluster, options, splittable=splittable)
     steps = [Step("balance", partial(_balance, planner=planner),
@@ -453,10 +438,12 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
     if options.split_layers and splittable and len(cluster.devices) > 1:
         steps.append(Step("split layers", partial(_split_layers, planner=planner,
                                                   cluster=cluster, options=options, debug=debug)))
-    if sizes_mode != "equal":
-        steps.append(Step("unequal micro-batches", partial(
-            _unequal, cluster=cluster, options=options, mode=sizes_mode),
-            "searching unequal micro-batch sizes"))
+    ctx = PlanContext(planner, graph, cluster, options, partial(_evaluator, cluster=cluster, options=options))
+    for part in techniques.parts("plan"):  # each technique's planning step, where its options ask for it
+        technique_step = getattr(part, "STEP", None)
+        if technique_step is not None and technique_step.wanted(options):
+            steps.append(Step(technique_step.contract.name, partial(technique_step.run, ctx=ctx),
+                              technique_step.label, technique_step.contract))
     if options.bipartition == "auto":
         steps.append(Step("bipartition", partial(_bipartition, planner=planner, graph=graph,
                                                  cluster=cluster, options=options),

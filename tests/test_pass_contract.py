@@ -16,6 +16,7 @@ from pipecc import driver
 from pipecc.instruments import Instruments, State, Step
 from pipecc.ir.graph import IRError
 from pipecc.models import mlp
+from pipecc import techniques
 from pipecc.passes.contract import CONTRACTS, PRODUCIBLE, READABLE, Contract
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.targets.devices import parse_devices
@@ -27,15 +28,25 @@ def _driver_step_names() -> set[str]:
     """The names of the `Step(...)`s pipecc/driver.py builds (its first argument, a literal)."""
     tree = ast.parse((ROOT / "pipecc" / "driver.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Step"]
-    assert calls and all(isinstance(c.args[0], ast.Constant) for c in calls)
-    return {c.args[0].value for c in calls}
+    # NOTE: a technique's step is named by its own contract (`technique_step.contract.name`)
+    own = [c for c in calls if ast.unparse(c.args[0]) == "technique_step.contract.name"]
+    assert calls and len(own) == 1 and all(isinstance(c.args[0], ast.Constant) for c in calls if c not in own)
+    return {c.args[0].value for c in calls if c not in own}
+
+
+def _technique_contracts() -> dict[str, Contract]:
+    """The techniques' planning steps (`plan.STEP` of a technique package), by name."""
+    steps = [getattr(part, "STEP", None) for part in techniques.parts("plan")]
+    return {s.contract.name: s.contract for s in steps if s is not None}
 
 
 def test_every_step_the_driver_runs_declares_its_contract() -> None:
     names = _driver_step_names()
     assert names == set(CONTRACTS), (names ^ set(CONTRACTS))  # none undeclared, none stale
     assert "recost" in names
-    for contract in CONTRACTS.values():
+    own = _technique_contracts()
+    assert "unequal micro-batches" in own and not set(own) & set(CONTRACTS)
+    for contract in [*CONTRACTS.values(), *own.values()]:
         assert set(contract.reads) <= set(READABLE) and set(contract.produces) <= set(PRODUCIBLE)
         module, _, attr = contract.implementation.partition(":")
         target = importlib.import_module(module)

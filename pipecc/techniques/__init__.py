@@ -49,19 +49,35 @@ one rule only (the technique whose scope excludes it), so each reason is written
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+from types import ModuleType
 from typing import Any, Sequence
 
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
 from pipecc.techniques.capabilities import COMPILED, DROP_IN, Capabilities
 
-__all__ = ["LOWERING", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "requires", "schedule_of",
-           "sketch"]
+__all__ = ["LOWERING", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "parts", "requires",
+           "schedule_of", "sketch"]
 
 TECHNIQUES = (umpipe, bpipe, bipartition, recompute, replicas, zero_bubble)
 # the order the schedule transforms apply: UMPIPE rebuilds the base rows over its chunks, BPipe
 # inserts its transfers into 1F1B's rows, then the collectives go after the compute they follow
 LOWERING = (zero_bubble, recompute, umpipe, bpipe, replicas, bipartition)
+
+
+def parts(layer: str) -> list[ModuleType]:
+    """Every technique's part of `layer` (``pipecc.techniques.<name>.<layer>``: "plan" the
+    driver's step, "runtime" the engine's handlers), in `TECHNIQUES` order, where it has one.
+    Only that layer's caller asks (the driver for "plan", the engine for "runtime"): importing a
+    part follows the layering the import test holds it to."""
+    out = []
+    for technique in TECHNIQUES:
+        name = f"{technique.__name__}.{layer}"
+        if importlib.util.find_spec(name) is not None:
+            out.append(importlib.import_module(name))
+    return out
 
 
 def requires(plan: Plan, caps: Capabilities = COMPILED) -> str | None:

@@ -27,6 +27,7 @@ decisions why it did not try otherwise, an explicit list is refused.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,11 +38,12 @@ from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.techniques.umpipe import search as umpipe
+from pipecc.passes.contract import Contract, PlanContext, TechniqueStep
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.simulate import simulate
 
-__all__ = ["curves_for_plan", "apply", "parse_option", "base_options", "pricing"]
+__all__ = ["STEP", "curves_for_plan", "apply", "parse_option", "base_options", "pricing", "step"]
 
 
 def parse_option(text: str) -> str | list[int]:
@@ -208,3 +210,24 @@ def base_options(sizes: Any, schedule: str, replicas: int | str, microbatches: i
                          f"({len(sizes)} sizes); give one of them")
     m: int | str = len(sizes) if batch % len(sizes) == 0 else "auto"
     return ("gpipe" if schedule == "auto" else schedule), 1, m
+
+
+def step(state: Any, ctx: PlanContext) -> None:
+    """The driver's "unequal micro-batches" step, on the chosen plan's partition: "auto" searches
+    per-stage micro-batch sizes when the plan allows them (else says why not), a list is used
+    as given (`apply`)."""
+    mode = ctx.options.microbatch_sizes
+    assert state.plan is not None and state.graph is not None
+    why = techniques.umpipe.requires(state.plan, techniques.COMPILED)
+    if why is not None:
+        if mode != "auto":  # NOTE: the CLI forced gpipe, replicas 1: only the model can refuse
+            raise UsageError(f"--microbatch-sizes {','.join(map(str, mode))}: {why}")
+        state.plan = dataclasses.replace(state.plan, decisions=[*state.plan.decisions, f"UMPIPE not tried: {why}"])
+        return
+    state.plan = apply(state.plan, ctx.evaluator(state.graph), mode, budget_s=ctx.options.umpipe_budget_s)
+
+
+STEP = TechniqueStep(
+    Contract("unequal micro-batches", ("graph", "costs", "plan", "cluster", "options"), ("plan",),
+             "pipecc.techniques.umpipe.plan:apply"),
+    "searching unequal micro-batch sizes", lambda options: options.microbatch_sizes != "equal", step)

@@ -1,4 +1,4 @@
-"""BPipe, the runtime half: the saved-tensor store (``pipecc.runtime.stash``) in one process and
+"""BPipe, the runtime half: the saved-tensor store (``pipecc.techniques.bpipe.runtime_stash``) in one process and
 between two gloo processes, and a compiled BPipe folder (a 4-block GPT) run by ``pipecc run --verify`` on 4 ranks
 (the stash actions executed, a planted bug caught), with the compile-time refusals."""
 
@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.stash import (ALIGN, Prefetch, SavedTensors, header_sizes, module_storages, pack_stash,
-                                  recv_packed, send_stash, storage_key, unpack_stash)
 from pipecc.runtime.wire import Wire
+from pipecc.techniques.bpipe.runtime_stash import (ALIGN, Prefetch, SavedTensors, header_sizes, module_storages,
+                                                   pack_stash, recv_packed, send_stash, storage_key, unpack_stash)
 
 pytestmark = pytest.mark.xdist_group(name="bpipe_run")
 

@@ -10,8 +10,9 @@ inference) iteration; it is the contract between the planner, the compiled folde
     generators  gpipe, 1f1b, interleaved 1F1B, ZB-H1, ZB-V, inference
     progress    ``advance``: every rank's row run until it blocks (validate, transforms, simulator)
     validate    the rules every schedule is checked against (complete, matched, deadlock-free)
-    transforms  ``gpipe_uneven``, ``one_f_one_b_uneven`` (UMPIPE), ``bpipe`` (stash transfers), the
-                collectives (``gradient_reduce``, ``weight_refresh``), ``forward_only``
+    transforms  ``gpipe_uneven``, ``one_f_one_b_uneven`` (UMPIPE), the collectives
+                (``gradient_reduce``, ``weight_refresh``), ``forward_only``; BPipe's stash transfers
+                are its package's (``pipecc.techniques.bpipe.schedule``)
     lower       the collectives a run needs (``lower``: REDUCE, REFRESH), added once, at compile
                 and for a schedule the runtime builds by name
     registry    every schedule by name (``REGISTRY``) and ``schedule_for``, plan fields -> schedule
@@ -30,16 +31,14 @@ from pipecc.ir.schedule.progress import advance
 from pipecc.ir.schedule.registry import (REGISTRY, SCHEDULES, SPLIT_BACKWARD_COST, TRAINING_SCHEDULES, VIRTUAL,
                                          ZERO_BUBBLE, ScheduleKind, by_name, schedule_for)
 from pipecc.ir.schedule.text import ScheduleError, format, format_grid, parse, parse_action
-from pipecc.ir.schedule.transforms import (BPIPE_POLICIES, bpipe, bpipe_pairs, forward_only, gpipe_uneven,
-                                           gradient_reduce, one_f_one_b_uneven, weight_refresh,
-                                           without_collectives)
+from pipecc.ir.schedule.transforms import (forward_only, gpipe_uneven, gradient_reduce, one_f_one_b_uneven,
+                                           weight_refresh, without_collectives)
 from pipecc.ir.schedule.lower import lower, with_collectives
 from pipecc.ir.schedule.validate import validate
 
 __all__ = [
     "Action",
     "ActionKind",
-    "BPIPE_POLICIES",
     "REGISTRY",
     "SCHEDULES",
     "SPLIT_BACKWARD_COST",
@@ -50,8 +49,6 @@ __all__ = [
     "VIRTUAL",
     "ZERO_BUBBLE",
     "advance",
-    "bpipe",
-    "bpipe_pairs",
     "by_name",
     "chunk_bounds",
     "format",

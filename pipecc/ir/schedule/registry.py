@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1
-from pipecc.ir.schedule.transforms import bpipe, gpipe_uneven, one_f_one_b_uneven
+from pipecc.ir.schedule.transforms import gpipe_uneven, one_f_one_b_uneven
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["REGISTRY", "SCHEDULES", "SPLIT_BACKWARD_COST", "TRAINING_SCHEDULES", "UNEVEN", "VIRTUAL", "ZERO_BUBBLE",
@@ -68,7 +68,7 @@ UNEVEN = ("gpipe", "1f1b")
 
 # What pipecc's runtime pays for the split: its I and W together cost SPLIT_BACKWARD_COST times
 # one plain backward B, each part scaled alike. Measured on CPU (one thread, middle stages of
-# Linear+ReLU chains, best of 30; pipecc.runtime.split_backward's docstring): I + W = 1.14-1.29 B
+# Linear+ReLU chains, best of 30; pipecc.techniques.zero_bubble.runtime's docstring): I + W = 1.14-1.29 B
 # through torch's split, whose graph analysis and hooks run in Python per micro-batch; the
 # paper's split costs 1.0 B. The planner, the report's timeline and `run --json`'s predictions
 # all use it; re-measure on another machine (`pipecc run --json` shows backward_s per stage).
@@ -132,6 +132,8 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
         if name != "1f1b" or virtual != 1:
             raise ValueError(f"BPipe inserts its transfers into 1f1b with one stage per rank, not {name!r} "
                              f"with {virtual} stages per rank")
+        # NOTE: lazy: importing BPipe's package runs pipecc.techniques, whose rules import this package
+        from pipecc.techniques.bpipe.schedule import bpipe
         schedule = bpipe(one_f_one_b(ranks, num_microbatches), thresholds, policy)
     else:
         schedule = by_name(name, ranks, num_microbatches, virtual)

@@ -1,4 +1,4 @@
-"""BPipe's rule (activation balancing, `passes.bpipe`): where pairing stage s with p-1-s and
+"""BPipe's rule (activation balancing, `pipecc.techniques.bpipe.search`): where pairing stage s with p-1-s and
 moving stashes between them can run. One `requires`, asked by the planner (before it
 considers BPipe, on a sketch of the options), the plan verifier, compile and `pipecc run`.
 
@@ -21,8 +21,8 @@ from typing import Any, Sequence
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
 from pipecc.techniques import capabilities as cap
+from pipecc.techniques.bpipe.schedule import BPIPE_POLICIES as POLICIES, bpipe
 from pipecc.techniques.facts import bipartition_on, stages_per_device, training, unequal
 
 NAME = "BPipe"
@@ -144,11 +144,10 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
 
 def lower(plan: Plan, schedule: Schedule) -> Schedule:
     """The plan's schedule with its stash transfers: `schedule` (1F1B) with SEND_S/RECV_S/
-    SEND_R/RECV_R between each pair (``pipecc.ir.schedule.bpipe``, the plan's thresholds and
-    policy), validated; `schedule` itself without pairs."""
+    SEND_R/RECV_R between each pair (``schedule.bpipe``, the plan's thresholds and policy),
+    validated; `schedule` itself without pairs."""
     if not uses(plan):
         return schedule
-    from pipecc.ir.schedule.transforms import bpipe
     from pipecc.ir.schedule.validate import validate
     policy = str(plan.activation_balancing[0].get("policy", "jit"))
     lowered = bpipe(schedule, plan.bpipe_thresholds(), policy)

@@ -328,8 +328,9 @@ import sys
 
 import torch
 
-from pipecc.runtime import engine, stash
+from pipecc.runtime import engine
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
+from pipecc.techniques.bpipe import runtime_stash as stash
 
 if os.environ.get("PLANT") == "restore":  # the planted bug: one returned storage comes back as zeros
     restore = stash.SavedTensors.restore

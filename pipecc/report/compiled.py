@@ -29,11 +29,12 @@ from pipecc.ir.plan import Plan, cost_basis
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines,
+from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage,
                                    device_capacities, first_last, memory_kind, recompute_line)
 from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, seconds_in_text, shapes_text,
                                      text_table, wrap)
 from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
+from pipecc.techniques.bpipe.report import bpipe_lines
 from pipecc.runtime.schedule_file import SCHEDULE_FILE, read_schedule_file
 
 INSPECT_FORMAT = "pipecc-inspect"

@@ -1,5 +1,5 @@
-"""BPipe's rule (activation balancing, `pipecc.techniques.bpipe.search`): where pairing stage s with p-1-s and
-moving stashes between them can run. One `requires`, asked by the planner (before it
+"""BPipe's rule (activation balancing): where pairing stage s with p-1-s and moving stashes
+between them can run. One `requires`, asked by the planner (before it
 considers BPipe, on a sketch of the options), the plan verifier, compile and `pipecc run`.
 
 BPipe moves autograd saved tensors between the ranks of a 1F1B pipeline (PAPERS-SPEC.md 2.2):
@@ -11,6 +11,12 @@ stage but an evictor (a recomputing stage stashes only its inputs, which the run
 the input gradients anyway: evicting them would move nothing and free nothing).
 The pairs themselves: (s, p-1-s) with s < p//2, each stage in one pair, 1 <= K <= p - s, one
 return policy.
+
+The rest of BPipe is this package's parts: `schedule` (the stash transfers inserted into 1F1B,
+IR), `search` (the planner pass: thresholds, candidates, the estimate), `codegen` (the compiled
+folder's check of its pairs), `runtime` (the executor's SEND_S/RECV_S/SEND_R/RECV_R handler) over
+`runtime_stash` (the saved-tensor store and its transport), `report` (its lines in `pipecc plan`
+and `pipecc inspect`).
 """
 
 from __future__ import annotations

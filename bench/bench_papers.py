@@ -366,12 +366,13 @@ def _gpt3_stage_costs(shape: dict[str, int], b: int, recompute: bool, flash: boo
 def bpipe_config(shape: dict[str, int], b: int, recompute: bool, flash: bool, balanced: bool,
                  ports: int = 1) -> dict[str, Any]:
     """One contender: 1F1B over 6 nodes on HDR InfiniBand with micro-batches of b, with or
-    without recomputation, with or without BPipe (thresholds from `passes.bpipe.thresholds`,
+    without recomputation, with or without BPipe (thresholds from `pipecc.techniques.bpipe.search.thresholds`,
     stash transfers on the pair's link, timeline memory). Its iteration and whether it fits."""
     import dataclasses
     import math as _math
-    from pipecc.ir.schedule import bpipe, one_f_one_b
-    from pipecc.passes import bpipe as bp
+    from pipecc.ir.schedule import one_f_one_b
+    from pipecc.techniques.bpipe import search as bp
+    from pipecc.techniques.bpipe.schedule import bpipe
     from pipecc.passes.simulate import StageCosts, simulate
     from pipecc.targets.devices import load_catalog
     from pipecc.targets.timing import MEMORY_HEADROOM
@@ -458,7 +459,7 @@ def render_bpipe(rows: list[dict[str, Any]], seconds: float) -> str:
              + "; ".join(f"{n} L={s['layers']} h={s['hidden']} heads={s['heads']}"
                          for n, s in BPIPE_MODELS.items()) + ". Baseline: the fastest 1F1B "
              "over b in {1, 2, 4} x recompute on/off that fits; BPipe: the fastest 1F1B with "
-             "BPipe (pairs (0,5), (1,4), (2,3), thresholds from `passes.bpipe.thresholds`, "
+             "BPipe (pairs (0,5), (1,4), (2,3), thresholds from `pipecc.techniques.bpipe.search.thresholds`, "
              "just-in-time returns, stash transfers on the pair's link, timeline memory) over b "
              "in {1, 2, 4} without recompute that fits. Stage costs: "
              "`_gpt3_stage_costs` (Megatron FLOPs, Korthikanti activation bytes, ZeRO's 16 bytes "

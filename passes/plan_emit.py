@@ -26,7 +26,7 @@ import numpy as np
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes import baselines as base_rules
-from pipecc.passes import bpipe as bpipe_pass
+from pipecc.techniques.bpipe import search as bpipe_pass
 from pipecc.passes import replicas as rep
 from pipecc.passes.bound import lower_bound as partition_lower_bound
 from pipecc.passes.plan_candidate import Candidate
@@ -42,7 +42,7 @@ __all__ = ["SearchRecord", "baselines", "lower_bound", "piece_fixed", "shape_bou
 @dataclass
 class SearchRecord:
     """What the search found besides the candidate it writes: every feasible candidate (best
-    first), the BPipe estimate and decision lines (`passes.bpipe.apply`)."""
+    first), the BPipe estimate and decision lines (`pipecc.techniques.bpipe.search.apply`)."""
 
     results: list[Candidate] = field(default_factory=list)
     estimate: dict[str, Any] = field(default_factory=dict)

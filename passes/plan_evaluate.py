@@ -8,7 +8,7 @@
 `evaluate` is one candidate of the search: the exact partition of (schedule, m micro-batches,
 d replicas, recomputing stages) on its problem (`passes.plan_problem`), re-costed where a
 device model costs whole stages (`CostTables.recost`), simulated under its schedule. The
-technique passes (`techniques.recompute.search`, `passes.bpipe`, `passes.replicas`, `techniques.umpipe.plan`,
+technique passes (`techniques.recompute.search`, `techniques.bpipe.search`, `passes.replicas`, `techniques.umpipe.plan`,
 `passes.bipartition_plan`) ask an `Evaluator` for problems, timelines and candidates; the
 search (`passes.plan_search`) drives them and the emitter (`passes.plan_emit`) writes the plan.
 
@@ -151,7 +151,7 @@ class Evaluator:
         """The timeline of `part` on `prob` under `schedule` with m micro-batches, v stages per
         rank. `allreduce` [stage]: replica groups' all-reduce seconds (summed per rank), None
         without replication. `bpipe` [stage]: BPipe thresholds (1F1B, one stage per device)
-        under `bpipe_policy` (`passes.bpipe.POLICY`): a stash (internal activations plus the
+        under `bpipe_policy` (`pipecc.techniques.bpipe.search.POLICY`): a stash (internal activations plus the
         received input, as the partitioner counts it) moves over the pair's link (free with
         `free_stash`); all None: the same stash bytes without moves (memory before balancing)."""
         stages = len(part.bounds) - 1

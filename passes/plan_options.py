@@ -32,7 +32,7 @@ from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 __all__ = ["ACTIVATION_BALANCING", "BIPARTITION", "RECOMPUTE", "PlanOptions"]
 
 RECOMPUTE = ("none", "full", "auto")          # techniques.recompute.search
-ACTIVATION_BALANCING = ("auto", "on", "off")  # passes.bpipe
+ACTIVATION_BALANCING = ("auto", "on", "off")  # techniques.bpipe.search
 BIPARTITION = ("off", "auto")                 # passes.bipartition_plan
 
 
@@ -65,7 +65,7 @@ class PlanOptions:
     umpipe_budget_s: float = 10.0     # UMPIPE's search budget under microbatch_sizes="auto"
     bipartition: str = "off"          # separate FP/BP cuts: off or auto (passes.bipartition_plan)
     bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
-    activation_balancing: str = "off"  # BPipe: auto, on or off (passes.bpipe)
+    activation_balancing: str = "off"  # BPipe: auto, on or off (pipecc.techniques.bpipe.search)
     flash_attention: bool = False     # cost fused attention as flash attention runs it (cost.annotate)
     # False: a plan on fewer of the devices (one, when pipelining does not pay) is a candidate
     # (`passes.device_count`); True: every device gets a stage (or a replica)

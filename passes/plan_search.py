@@ -2,7 +2,7 @@
 
     costed graph + cluster ─► cost tables (passes.plan_costs) ─► for each (schedule, m, d):
     evaluate (passes.plan_evaluate: problem ─► exact partition ─► simulate), through the
-    recompute pass's mode ─► BPipe weighed against the best (passes.bpipe) ─► the fastest
+    recompute pass's mode ─► BPipe weighed against the best (pipecc.techniques.bpipe.search) ─► the fastest
     that fits memory ─► Plan (passes.plan_emit)
 
 Layer splitting (`passes.split_search`), unequal micro-batches (`techniques.umpipe.plan`) and
@@ -32,7 +32,7 @@ from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE
 from pipecc.techniques import capabilities as caps
-from pipecc.passes import bpipe as bpipe_pass
+from pipecc.techniques.bpipe import search as bpipe_pass
 from pipecc.techniques.recompute import search as recompute_pass
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import InfeasibleError, partition

@@ -130,7 +130,7 @@ class StageCosts:
     # later message from that peer proves it arrived (``Schedule.send_release``; None: 0)
     input_grad_bytes: list[float] | None = None
     # [stage] zero-bubble: bytes an I leaves for its W (the output gradients of the stage's
-    # weight-bearing nodes, which W starts from: `runtime.split_backward`), held from the end of
+    # weight-bearing nodes, which W starts from: `pipecc.techniques.zero_bubble.runtime`), held from the end of
     # the I to the end of the W; None: 0
     weight_grad_bytes: list[float] | None = None
     # BPipe: [evictor stage][microbatch] seconds of one stash transfer (its activation_bytes)

@@ -240,7 +240,7 @@ class UnitBuilder:
 
     def weight_output_bytes(self, microbatch: float) -> np.ndarray:
         """[unit] output bytes of its nodes that read a parameter, at ``microbatch`` samples: the
-        gradients a zero-bubble I keeps for its W (`runtime.split_backward`: W starts where each
+        gradients a zero-bubble I keeps for its W (`pipecc.techniques.zero_bubble.runtime`: W starts where each
         weight's branch joins the input's path, from the gradient of that node's output)."""
         pos, unit, _, _ = self._sums
         keeps = self._w_keeps

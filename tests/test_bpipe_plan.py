@@ -14,8 +14,9 @@ from pipecc import cost, driver
 from pipecc.errors import PipeccError, UsageError
 from pipecc import techniques
 from pipecc.ir.plan import Plan
-from pipecc.ir.schedule import bpipe, one_f_one_b, validate
-from pipecc.passes import bpipe as bp
+from pipecc.ir.schedule import one_f_one_b, validate
+from pipecc.techniques.bpipe import search as bp
+from pipecc.techniques.bpipe.schedule import bpipe
 
 MLP = str(ROOT / "models" / "mlp.py")
 # activation-heavy: at batch 4096 each stage's stash (512 samples x 256 floats per layer) is

@@ -1,4 +1,4 @@
-"""BPipe, the runtime half: the saved-tensor store (``pipecc.runtime.stash``) in one process and
+"""BPipe, the runtime half: the saved-tensor store (``pipecc.techniques.bpipe.runtime_stash``) in one process and
 between two gloo processes, and a compiled BPipe folder (a 4-block GPT) run by ``pipecc run --verify`` on 4 ranks
 (the stash actions executed, a planted bug caught), with the compile-time refusals."""
 
@@ -15,9 +15,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.runtime.stash import (ALIGN, Prefetch, SavedTensors, header_sizes, module_storages, pack_stash,
-                                  recv_packed, send_stash, storage_key, unpack_stash)
 from pipecc.runtime.wire import Wire
+from pipecc.techniques.bpipe.runtime_stash import (ALIGN, Prefetch, SavedTensors, header_sizes, module_storages,
+                                                   pack_stash, recv_packed, send_stash, storage_key, unpack_stash)
 
 pytestmark = pytest.mark.xdist_group(name="bpipe_run")
 
@@ -328,8 +328,9 @@ import sys
 
 import torch
 
-from pipecc.runtime import engine, stash
+from pipecc.runtime import engine
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
+from pipecc.techniques.bpipe import runtime_stash as stash
 
 if os.environ.get("PLANT") == "restore":  # the planted bug: one returned storage comes back as zeros
     restore = stash.SavedTensors.restore

@@ -11,8 +11,6 @@ from pipecc.ir.schedule import (
     Action,
     ActionKind,
     ScheduleError,
-    bpipe,
-    bpipe_pairs,
     format,
     gpipe,
     one_f_one_b,
@@ -20,6 +18,7 @@ from pipecc.ir.schedule import (
     parse_action,
     validate,
 )
+from pipecc.techniques.bpipe.schedule import bpipe, bpipe_pairs
 
 
 def balanced(p: int) -> list[int | None]:

@@ -17,7 +17,7 @@ from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.generators import gpipe, inference, interleaved_1f1b, one_f_one_b, zb_h1
 from pipecc.ir.schedule.registry import REGISTRY, SCHEDULES, TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.ir.schedule.text import format, parse
-from pipecc.ir.schedule.transforms import bpipe
+from pipecc.techniques.bpipe.schedule import bpipe
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime.engine import build_schedule
 from pipecc.techniques.umpipe.schedule import gpipe_uneven
@@ -134,7 +134,8 @@ def test_schedule_for_is_what_the_technique_passes_built() -> None:
         assert schedule_for(name, 3, 6) == _old_by_name(name, 3, 6, 1)
     # pipecc/techniques/umpipe/plan.py: gpipe_uneven(sizes)
     assert schedule_for("gpipe", 3, 3, microbatch_sizes=SIZES) == gpipe_uneven(SIZES)
-    # passes/bpipe.py _fit and backends/torch/bpipe.py: bpipe(one_f_one_b(p, m), thresholds, policy)
+    # pipecc/techniques/bpipe/search.py _fit and pipecc/techniques/bpipe/codegen.py:
+    # bpipe(one_f_one_b(p, m), thresholds, policy)
     for ks, policy in ((THRESHOLDS, "jit"), ((2, None, None, None), "eager")):
         old = bpipe(one_f_one_b(4, 6), list(ks), policy)
         validate(old)

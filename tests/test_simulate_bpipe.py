@@ -8,7 +8,8 @@ import math
 import pytest
 
 from passes.simulate import StageCosts, _peak_memory, _peak_memory_timeline, simulate
-from pipecc.ir.schedule import ActionKind, bpipe, gpipe, interleaved_1f1b, one_f_one_b
+from pipecc.ir.schedule import ActionKind, gpipe, interleaved_1f1b, one_f_one_b
+from pipecc.techniques.bpipe.schedule import bpipe
 
 
 def balanced(p: int) -> list[int | None]:

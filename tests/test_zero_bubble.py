@@ -183,7 +183,7 @@ def test_runtime_split_reaches_every_parameter(weight_only_output: bool) -> None
     Either way the gradients equal one plain backward."""
     from torch.distributed.pipelining._backward import stage_backward_weight
 
-    from pipecc.runtime.split_backward import input_backward
+    from pipecc.techniques.zero_bubble.runtime import input_backward
 
     torch.manual_seed(0)
     lin, gate = nn.Linear(6, 6), nn.Parameter(torch.randn(6))

@@ -82,7 +82,7 @@ def encdec(tmp_path: Path) -> tuple[Path, Any]:
 
 def test_split_backward_of_a_weight_meeting_the_input_twice() -> None:
     """input_backward + weight_backward give one plain backward's gradients."""
-    from pipecc.runtime.split_backward import input_backward, weight_backward
+    from pipecc.techniques.zero_bubble.runtime import input_backward, weight_backward
 
     torch.manual_seed(0)
     mix, emb, head = nn.Linear(D, D), nn.Embedding(VOCAB, D), nn.Linear(D, 3)

@@ -64,7 +64,7 @@ import torch
 from pipecc import progress
 
 from pipecc.backends.torch.bipartition import pieces_of, write_workers
-from pipecc.backends.torch.bpipe import check_activation_balancing
+from pipecc.techniques.bpipe.codegen import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
 from pipecc.backends.torch.manifest import CACHE, LAYOUT, pipecc_wrote, sign  # noqa: F401 (CACHE, LAYOUT: re-exported)

@@ -63,7 +63,7 @@ and the owners refresh their segments' replicas after every step. They run the 1
 schedules only (another `--schedule` is a usage error, `inference` runs the forward ranges).
 Activation balancing: a folder whose plan pairs stages (`pipecc.json`'s `activation_balancing`,
 BPipe) runs 1f1b with the evictors' saved activations sent to their partners and back
-(`pipecc.runtime.stash`); `--schedule` other than 1f1b is a usage error there.
+(`pipecc.techniques.bpipe.runtime_stash`); `--schedule` other than 1f1b is a usage error there.
 
 Checkpoints: `--checkpoint-dir DIR [--checkpoint-every N] [--resume]` (`pipecc.runtime.checkpoints`;
 a checkpoint of another folder of the same model is re-mapped, `pipecc.runtime.ckpt_remap`).

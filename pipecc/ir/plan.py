@@ -156,10 +156,11 @@ class Plan:
     # bytes of the replica refresh per iteration: every segment's parameters, sent by the owner
     # (backward worker) to the forward worker after each optimizer step
     weight_sync_bytes: int = 0
-    # BPipe (PAPERS-SPEC.md 2.3, `--activation-balancing`, `passes.bpipe`): per pair, the evictor
+    # BPipe (PAPERS-SPEC.md 2.3, `--activation-balancing`, `pipecc.techniques.bpipe.search`): per pair, the evictor
     # stage s, its acceptor p-1-s, the evictor's threshold K (stashes it keeps) and the return
     # policy: [{"evictor": s, "acceptor": a, "threshold": K, "policy": "jit"}]; [] = no BPipe.
-    # The schedule is pipecc.ir.schedule.bpipe(one_f_one_b(p, m), thresholds, policy) (`pipecc.techniques.schedule_of`).
+    # The schedule is pipecc.techniques.bpipe.schedule.bpipe(one_f_one_b(p, m), thresholds, policy)
+    # (`pipecc.techniques.schedule_of`).
     activation_balancing: list[dict[str, Any]] = field(default_factory=list)
     # the BPipe estimate (PAPERS-SPEC.md 2.7) behind the decision, whether BPipe was used or
     # not: baseline and bpipe {"microbatch_size", "recompute", "microbatches", "iteration_s",

@@ -28,13 +28,14 @@ from pipecc.ir.plan import Plan, cost_basis
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines,
+from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage,
                                    device_capacities, first_last, memory_kind, recompute_line)
 from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, seconds_in_text, shapes_text,
                                      text_table, wrap)
 from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
 from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.folder_data import plan_problem, read_typed_plan
+from pipecc.techniques.bpipe.report import bpipe_lines
 
 __all__ = ["INSPECT_FORMAT", "Compiled", "damaged", "load_compiled", "plan_problem", "read_plan", "stage_json",
            "stage_text", "summary_json", "summary_text", "timeline_of"]

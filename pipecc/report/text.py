@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, bpipe_lines, cost_basis,
+from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, cost_basis,
                                    first_last, recompute_line)
 from pipecc.report.formatting import count, fit_table, human, seconds, seconds_in_text, text_table, wrap
+from pipecc.techniques.bpipe.report import bpipe_lines
 
 
 def replica_group(plan: Plan, stage) -> str:

@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     and so is a training ``--schedule`` for a folder with FPGA stages.
 
     Activation balancing (BPipe; ``pipecc.json``'s ``activation_balancing``): under torchrun the
-    schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (``pipecc.runtime.stash``); ``--schedule``
+    schedule is ``bpipe(one_f_one_b(p, m), thresholds)`` (``pipecc.techniques.bpipe.runtime_stash``); ``--schedule``
     other than 1f1b is a usage error. One process runs without it (a partner on the same rank
     would free nothing).
 

@@ -12,8 +12,8 @@ handlers see the rank through one ``RankContext`` (``pipecc.runtime.context``: t
 device, the mailbox, the wire, what the caller sets between steps), never the runtime:
 
     SEND_F RECV_F SEND_B RECV_B   ``pipecc.runtime.messages`` (what travels: ``ports``, how: ``wire``)
-    I W                           ``pipecc.runtime.split_backward.ZeroBubble`` (zero-bubble)
-    SEND_S RECV_S SEND_R RECV_R   ``pipecc.runtime.stash_moves.StashMoves`` (BPipe)
+    I W                           ``pipecc.techniques.zero_bubble.runtime.ZeroBubble`` (zero-bubble)
+    SEND_S RECV_S SEND_R RECV_R   ``pipecc.techniques.bpipe.runtime.StashMoves`` (BPipe)
     REDUCE                        ``pipecc.runtime.replicas.ReduceActions`` (replica groups)
     REFRESH                       ``pipecc.runtime.bipartition_exec.WeightRefresh`` (Bi-Partition,
                                   whose stages run a ``BipartitionRunner``)
@@ -80,10 +80,10 @@ from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
 from pipecc.runtime.replicas import GradientAllReduce, ReduceActions, Replicas
 from pipecc.techniques.umpipe.runtime import Reslicer, check_sizes
-from pipecc.runtime.split_backward import ZeroBubble
+from pipecc.techniques.zero_bubble.runtime import ZeroBubble
 from pipecc.runtime.stage_runner import StageRunner
 from pipecc.techniques import TECHNIQUES
-from pipecc.runtime.stash_moves import StashMoves
+from pipecc.techniques.bpipe.runtime import StashMoves
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 

@@ -276,7 +276,7 @@ class CompiledFolder:
     @property
     def activation_balancing(self) -> list[dict] | None:
         """BPipe's pairs (``activation_balancing``; None when off)."""
-        from pipecc.runtime.stash import folder_balancing
+        from pipecc.techniques.bpipe.runtime_stash import folder_balancing
         return folder_balancing(self.marker)
 
     @property

@@ -51,7 +51,7 @@ median step time after its timed forward/backward actions and its receive waits:
 no stage timer covers (posting sends, the engine's loop, the optimizer step and zero_grad),
 spread over the rank's micro-batches (the same figure in each row of a rank). It is where a
 step measures longer than its stages and waits add up to. With activation balancing (BPipe,
-``pipecc.runtime.stash``) every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
+``pipecc.techniques.bpipe.runtime_stash``) every row also has ``stash_evictions`` and ``stash_evicted_bytes``, per timed step: how many
 micro-batches' saved activations the stage sent to its partner, and their bytes. A forward-only
 run reports backward 0.0 with 0 samples.
 Predictions are the plan's, per micro-batch of the compiled micro-batch count, less the host

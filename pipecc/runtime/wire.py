@@ -13,7 +13,7 @@ Wire protocol (per SEND/RECV action, one microbatch):
     (integer token ids never do); both sides decide this from the spec alone. A received input
     the stage did not use sends zeros.
   * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): an int64 byte count,
-    then one uint8 payload packing the storages and their layout (``pipecc.runtime.stash``); the
+    then one uint8 payload packing the storages and their layout (``pipecc.techniques.bpipe.runtime_stash``); the
     peer is the partner stage's rank (``Schedule.partner``), the message key the evictor's.
   * Bi-Partition message carrying a segment's saved tensors (``pipecc.runtime.segments``): all
     its tensor leaves, values and saved tensors, travel as one uint8 payload (``pack_tensors``,

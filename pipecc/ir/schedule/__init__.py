@@ -12,8 +12,9 @@ inference) iteration; it is the contract between the planner, the compiled folde
                 (``gpipe_compute``, ...), and those lowered by ``add_send_recv`` (``gpipe``, ...)
     progress    ``advance``: every rank's row run until it blocks (validate, transforms, simulator)
     validate    the rules every schedule is checked against (complete, matched, deadlock-free)
-    transforms  ``bpipe`` (stash transfers), the collectives (``gradient_reduce``, ``weight_refresh``),
-                ``forward_only`` (UMPIPE's row orders: ``pipecc.techniques.umpipe.schedule``)
+    transforms  the collectives (``gradient_reduce``, ``weight_refresh``), ``forward_only``; UMPIPE's
+                row orders are its package's (``pipecc.techniques.umpipe.schedule``), BPipe's stash
+                transfers too (``pipecc.techniques.bpipe.schedule``)
     lower       the collectives a run needs (``lower``: REDUCE, REFRESH), added once, at compile
                 and for a schedule the runtime builds by name
     registry    every schedule by name (``REGISTRY``) and ``schedule_for``, plan fields -> schedule
@@ -36,16 +37,13 @@ from pipecc.ir.schedule.registry import (REGISTRY, SCHEDULES, SPLIT_BACKWARD_COS
                                          ZERO_BUBBLE, ScheduleKind, by_name, compute_by_name, schedule_for)
 from pipecc.ir.schedule.sendrecv import add_send_recv
 from pipecc.ir.schedule.text import ScheduleError, format, format_grid, parse, parse_action
-from pipecc.ir.schedule.transforms import (BPIPE_POLICIES, bpipe, bpipe_pairs, forward_only,
-                                           gradient_reduce, weight_refresh,
-                                           without_collectives)
+from pipecc.ir.schedule.transforms import forward_only, gradient_reduce, weight_refresh, without_collectives
 from pipecc.ir.schedule.lower import lower, with_collectives
 from pipecc.ir.schedule.validate import validate
 
 __all__ = [
     "Action",
     "ActionKind",
-    "BPIPE_POLICIES",
     "REGISTRY",
     "SCHEDULES",
     "SPLIT_BACKWARD_COST",
@@ -57,8 +55,6 @@ __all__ = [
     "ZERO_BUBBLE",
     "add_send_recv",
     "advance",
-    "bpipe",
-    "bpipe_pairs",
     "by_name",
     "chunk_bounds",
     "compute_by_name",

@@ -20,7 +20,6 @@ from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.generators import (gpipe_compute, inference_compute, interleaved_1f1b_compute,
                                            one_f_one_b_compute, zb_h1_compute)
 from pipecc.ir.schedule.sendrecv import add_send_recv
-from pipecc.ir.schedule.transforms import bpipe
 from pipecc.ir.schedule.validate import validate
 
 __all__ = ["REGISTRY", "SCHEDULES", "SPLIT_BACKWARD_COST", "TRAINING_SCHEDULES", "UNEVEN", "VIRTUAL", "ZERO_BUBBLE",
@@ -71,7 +70,7 @@ UNEVEN = ("gpipe", "1f1b")
 
 # What pipecc's runtime pays for the split: its I and W together cost SPLIT_BACKWARD_COST times
 # one plain backward B, each part scaled alike. Measured on CPU (one thread, middle stages of
-# Linear+ReLU chains, best of 30; pipecc.runtime.split_backward's docstring): I + W = 1.14-1.29 B
+# Linear+ReLU chains, best of 30; pipecc.techniques.zero_bubble.runtime's docstring): I + W = 1.14-1.29 B
 # through torch's split, whose graph analysis and hooks run in Python per micro-batch; the
 # paper's split costs 1.0 B. The planner, the report's timeline and `run --json`'s predictions
 # all use it; re-measure on another machine (`pipecc run --json` shows backward_s per stage).
@@ -154,6 +153,8 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
                              f"with {virtual} stages per rank")
         schedule = add_send_recv(compute_by_name(name, ranks, num_microbatches, virtual))
         if thresholds is not None:
+            # NOTE: lazy: importing BPipe's package runs pipecc.techniques, whose rules import this package
+            from pipecc.techniques.bpipe.schedule import bpipe
             schedule = bpipe(schedule, thresholds, policy)
     validate(schedule)
     return schedule

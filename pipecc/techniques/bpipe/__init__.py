@@ -1,5 +1,5 @@
-"""BPipe's rule (activation balancing, `passes.bpipe`): where pairing stage s with p-1-s and
-moving stashes between them can run. One `requires`, asked by the planner (before it
+"""BPipe's rule (activation balancing): where pairing stage s with p-1-s and moving stashes
+between them can run. One `requires`, asked by the planner (before it
 considers BPipe, on a sketch of the options), the plan verifier, compile and `pipecc run`.
 
 BPipe moves autograd saved tensors between the ranks of a 1F1B pipeline (PAPERS-SPEC.md 2.2):
@@ -11,6 +11,12 @@ stage but an evictor (a recomputing stage stashes only its inputs, which the run
 the input gradients anyway: evicting them would move nothing and free nothing).
 The pairs themselves: (s, p-1-s) with s < p//2, each stage in one pair, 1 <= K <= p - s, one
 return policy.
+
+The rest of BPipe is this package's parts: `schedule` (the stash transfers inserted into 1F1B,
+IR), `search` (the planner pass: thresholds, candidates, the estimate), `codegen` (the compiled
+folder's check of its pairs), `runtime` (the executor's SEND_S/RECV_S/SEND_R/RECV_R handler) over
+`runtime_stash` (the saved-tensor store and its transport), `report` (its lines in `pipecc plan`
+and `pipecc inspect`).
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from typing import Any, Sequence
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
-from pipecc.ir.schedule import BPIPE_POLICIES as POLICIES
 from pipecc.techniques import capabilities as cap
+from pipecc.techniques.bpipe.schedule import BPIPE_POLICIES as POLICIES, bpipe
 from pipecc.techniques.options import Option
 from pipecc.techniques.facts import bipartition_on, stages_per_device, training, unequal
 
@@ -151,11 +157,10 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
 
 def lower(plan: Plan, schedule: Schedule) -> Schedule:
     """The plan's schedule with its stash transfers: `schedule` (1F1B) with SEND_S/RECV_S/
-    SEND_R/RECV_R between each pair (``pipecc.ir.schedule.bpipe``, the plan's thresholds and
-    policy), validated; `schedule` itself without pairs."""
+    SEND_R/RECV_R between each pair (``schedule.bpipe``, the plan's thresholds and policy),
+    validated; `schedule` itself without pairs."""
     if not uses(plan):
         return schedule
-    from pipecc.ir.schedule.transforms import bpipe
     from pipecc.ir.schedule.validate import validate
     policy = str(plan.activation_balancing[0].get("policy", "jit"))
     lowered = bpipe(schedule, plan.bpipe_thresholds(), policy)

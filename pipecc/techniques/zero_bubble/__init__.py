@@ -1,7 +1,7 @@
-"""The zero-bubble schedules' rule (`zb-h1`, `pipecc.runtime.split_backward`): every stage's
-backward runs as an input-gradient action I and a weight-gradient action W. One `requires`,
-asked by the planner (an explicit `--schedule zb-h1`; `auto` leaves the schedule out where it
-would refuse), the plan verifier, compile and `pipecc run --schedule`.
+"""The zero-bubble schedules' rule (`zb-h1`; the executor's I and W handler is this package's
+`runtime`): every stage's backward runs as an input-gradient action I and a weight-gradient
+action W. One `requires`, asked by the planner (an explicit `--schedule zb-h1`; `auto` leaves
+the schedule out where it would refuse), the plan verifier, compile and `pipecc run --schedule`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The compiled folder's BPipe record: the plan's stage pairs, with the schedule the runtime
-(`pipecc.runtime.stash`, `pipecc.ir.schedule.bpipe`) will build from them validated."""
+(`pipecc.techniques.bpipe.runtime_stash`, `pipecc.techniques.bpipe.schedule`) will build from them validated."""
 
 from __future__ import annotations
 

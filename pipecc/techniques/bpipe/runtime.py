@@ -1,5 +1,5 @@
 """BPipe's actions in the executor: ``StashMoves`` runs SEND_S, RECV_S, SEND_R and RECV_R and holds
-their per-step state (the stash format, its transfer and capture: ``pipecc.runtime.stash``).
+their per-step state (the stash format, its transfer and capture: ``pipecc.techniques.bpipe.runtime_stash``).
 
 A micro-batch the schedule evicts (it has a ``SEND_S`` on this rank) runs its forward under
 saved-tensor hooks that file every saved activation in its store (``capture``); SEND_S packs the
@@ -27,7 +27,8 @@ from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.context import RankContext
 from pipecc.runtime.messages import message_tag
-from pipecc.runtime.stash import Prefetch, SavedTensors, module_storages, recv_packed, send_stash, storage_key
+from pipecc.techniques.bpipe.runtime_stash import (Prefetch, SavedTensors, module_storages, recv_packed, send_stash,
+                                                   storage_key)
 
 if TYPE_CHECKING:  # NOTE: typing only; the runtime gives the runners
     from pipecc.runtime.stage_runner import StageRunner

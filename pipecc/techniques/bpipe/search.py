@@ -49,7 +49,7 @@ from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.ir.schedule.transforms import bpipe_pairs
+from pipecc.techniques.bpipe.schedule import bpipe_pairs
 from pipecc.techniques import capabilities as caps
 from pipecc.passes import replicas as rep
 from pipecc.passes.partition import InfeasibleError, partition

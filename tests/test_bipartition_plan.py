@@ -59,11 +59,11 @@ def test_bad_ranges_are_refused_in_one_line(fwd, bwd, what):
         _plan(fwd, bwd).bipartition_pieces()
 
 
-# ---- the pure search (passes.bipartition) ---------------------------------------------------
+# ---- the pure search (techniques.bipartition.search) ---------------------------------------------------
 import math
 import random
 
-from pipecc.passes.bipartition import bipartition, brute_force_bi, evaluate_bi
+from pipecc.techniques.bipartition.search import bipartition, brute_force_bi, evaluate_bi
 from pipecc.passes.bound import lower_bound
 from pipecc.passes.partition import PartitionProblem, brute_force, evaluate, partition
 
@@ -254,7 +254,7 @@ def test_auto_outside_the_scope_says_why_not(lumpy):
 
 def test_batchnorm_never_lands_in_a_segment():
     from pipecc import driver
-    from pipecc.passes.bipartition_plan import graph_requires, segment_blockers
+    from pipecc.techniques.bipartition.plan import graph_requires, segment_blockers
     analysis = driver.analyze(zoo_path("tiny_cnn"), batch_size=4)
     blockers = segment_blockers(analysis.graph)
     bn = [n for n, why in blockers.items() if "BatchNorm" in why]

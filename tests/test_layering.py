@@ -29,7 +29,7 @@ TECHNIQUES_DIR = ROOT / "pipecc" / "techniques"
 # belong to the IR (pure functions over plans and schedules).
 PART_LAYERS = {"search": "passes", "plan": "passes", "runtime": "runtime", "codegen": "backends", "report": "report"}
 # the part of a technique's rule that needs the graph lives beside its search (`graph_requires`)
-GRAPH_PARTS = {"pipecc.passes.bipartition_plan": "bipartition", "pipecc.passes.recompute": "recompute"}
+GRAPH_PARTS = {"pipecc.passes.recompute": "recompute"}
 # names the admissibility check had before it became each technique's one `requires`
 OLD_CHECK_NAMES = ("why_not", "scope", "refusal", "check_plan", "check_bipartition", "check_recompute",
                    "check_replicas", "check_microbatch_sizes")

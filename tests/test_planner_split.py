@@ -110,15 +110,17 @@ def test_the_evaluators_timeline_is_its_simulation_of_the_same_cuts(graph):
     assert plan.predicted_iteration_s == best.timeline.iteration_s
 
 
-TECHNIQUES = ["bpipe", "recompute", "replicas", "umpipe_plan", "bipartition_plan", "split_search",
-              "split_layers", "split_forms"]
+# technique pass -> its file (a technique package's planner parts: `pipecc/techniques/<name>/`)
+TECHNIQUES = {name: f"passes/{name}.py" for name in ("bpipe", "recompute", "umpipe_plan", "split_search",
+                                                     "split_layers", "split_forms")}
+TECHNIQUES.update(replicas="pipecc/techniques/replicas/search.py", bipartition_plan="pipecc/techniques/bipartition/plan.py")
 
 
 @pytest.mark.parametrize("name", TECHNIQUES)
 def test_technique_passes_ask_the_typed_evaluator(name):
     """No technique pass takes an untyped balancer or reaches into a private simulator: a
     parameter typed `Any` named like one, `._simulate(` or `.opt.` is a regression."""
-    source = (ROOT / "passes" / f"{name}.py").read_text()
+    source = (ROOT / TECHNIQUES[name]).read_text()
     tree = ast.parse(source)
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -43,7 +43,7 @@ class StagePlan:
     # micro-batch and re-runs its forward during backward (torch.utils.checkpoint in its
     # generated forward); backward_s then includes that second forward. False in older plans.
     recompute: bool = False
-    # Bi-Partition (`--bipartition auto`, passes.bipartition): `nodes` is this worker's FORWARD
+    # Bi-Partition (`--bipartition auto`, techniques.bipartition.search): `nodes` is this worker's FORWARD
     # range and `backward_nodes` its BACKWARD range, both contiguous in graph order; [] = the
     # same as `nodes` (no Bi-Partition). See Plan.bipartition_pieces for the derived segments.
     backward_nodes: list[str] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """Bi-Partition in the planner: FP/BP cut pairs for a chosen plan, and the compile-time check.
 
     plan (its partition, devices, schedule, m) ─► PartitionProblem of its units (the evaluator's
-    costs) ─► passes.bipartition.bipartition (windowed exact DP around the plan's cuts, stash
+    costs) ─► techniques.bipartition.search.bipartition (windowed exact DP around the plan's cuts, stash
     shipping costs) ─► simulate both ─► the plan with FP/BP ranges when faster, else unchanged;
     a decision line either way
 
@@ -35,7 +35,7 @@ from pipecc import techniques
 from pipecc.ir.graph import META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
+from pipecc.techniques.bipartition.search import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.bound import lower_bound
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
@@ -82,7 +82,7 @@ def segment_blockers(graph: AnnotatedGraph) -> dict[str, str]:
 def shared_weights(graph: AnnotatedGraph) -> dict[str, list[str]]:
     """Parameter or module target -> the node names using it, for targets used by more than
     one node: the runtime refuses a Bi-Partition plan that puts such nodes in different pieces
-    (tied weights, `backends.torch.bipartition`), so no cut may lie between them."""
+    (tied weights, `techniques.bipartition.codegen`), so no cut may lie between them."""
     users: dict[str, list[str]] = {}
     for node in graph.gm.graph.nodes:
         if node.op == "get_attr":
@@ -169,7 +169,7 @@ def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int,
                 step: Sequence[float] | None = None) -> StageCosts:
     """The simulator's costs of a cut pair (`passes.simulate` module docstring): FP/BP range
     sums plus each worker's per-micro-batch fixed costs (`PartitionProblem.stage_fixed`), both
-    messages per boundary, stashes held per `passes.bipartition`'s memory model, each worker's
+    messages per boundary, stashes held per `techniques.bipartition.search`'s memory model, each worker's
     per-iteration fixed cost `step[j]` (the optimizer step) then the replica refresh as its
     tail after its last action."""
     a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(bi.fwd_bounds) - 1

@@ -71,7 +71,7 @@ stage-to-stage traffic).
 
 The "auto" column is the plain pipeline (`replicas=1`: schedule, m and cuts chosen by pipecc).
 PP x DP (hybrid column): `driver.plan(..., replicas="auto")`, pipecc's default since replica
-groups (schedule, m, replication degree d and cuts searched together; `pipecc.passes.replicas`). Its d = n, one-stage, m = 1 candidate
+groups (schedule, m, replication degree d and cuts searched together; `pipecc.techniques.replicas.search`). Its d = n, one-stage, m = 1 candidate
 is the DP model above exactly: units at batch/n, the slowest device's fwd + max(bwd, t_ar) with
 the same ring formula over the same links (the planner's all-reduce overlaps the last
 backward, as the "overlapped" DP column does), memory 4 × param bytes + activations at batch/n
@@ -118,7 +118,7 @@ from pipecc import driver  # noqa: E402
 from pipecc.targets.devices import Cluster, parse_devices  # noqa: E402
 from pipecc.errors import PipeccError  # noqa: E402
 from pipecc.passes import baselines as baseline_rules  # noqa: E402
-from pipecc.passes import replicas as rep  # noqa: E402
+from pipecc.techniques.replicas import search as rep  # noqa: E402
 from pipecc.passes import split_search  # noqa: E402
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner  # noqa: E402

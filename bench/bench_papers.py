@@ -237,19 +237,19 @@ def bipartition_rows(names: list[str], devices: list[str], batch: int) -> list[d
             kw = dict(schedule="1f1b", replicas=1, microbatches="auto")
             bi, _ = driver.plan(analysis, dev, split_layers=False, bipartition="auto", **kw)
             split, _ = driver.plan(analysis, dev, split_layers=True, bipartition="off", **kw)
-            info = bi.options.get("bipartition") or {}
+            info = bi.bipartition
             why = next((d for d in bi.decisions if d.startswith("Bi-Partition")), "")
             mb = batch // bi.microbatches
             rows.append({
                 "model": name, "devices": dev, "batch": batch, "m": bi.microbatches,
-                "a_s": info.get("single_iteration_s", bi.predicted_iteration_s),
-                "a_bottleneck": info.get("single_bottleneck_s", bi.bottleneck_s),
+                "a_s": info.single_iteration_s if info else bi.predicted_iteration_s,
+                "a_bottleneck": info.single_bottleneck_s if info else bi.bottleneck_s,
                 "b_s": bi.predicted_iteration_s, "b_bottleneck": bi.bottleneck_s,
                 "b_used": bi.is_bipartition(),
-                "b_cuts": (f"{info['fwd_bounds'][1:-1]} / {info['bwd_bounds'][1:-1]}"
-                           if info.get("used") else "-"),
-                "c_s": info.get("recompute_iteration_s", bi.predicted_iteration_s),
-                "c_bottleneck": info.get("recompute_bottleneck_s") or bi.bottleneck_s,
+                "b_cuts": (f"{list(info.fwd_bounds)[1:-1]} / {list(info.bwd_bounds)[1:-1]}"
+                           if info and info.used else "-"),
+                "c_s": info.recompute_iteration_s if info else bi.predicted_iteration_s,
+                "c_bottleneck": (info.recompute_bottleneck_s if info else None) or bi.bottleneck_s,
                 "d_s": split.predicted_iteration_s, "d_bottleneck": split.bottleneck_s,
                 "d_m": split.microbatches, "d_splits": len(split.split_layers),
                 "mb": mb, "bound": bi.lower_bound_s, "why": why, "seconds": time.perf_counter() - t0})

@@ -49,7 +49,7 @@ def lower_bound(problem: PartitionProblem, splittable: Sequence[bool] | None = N
     take mirror-ascent steps along the supergradient of F (per-device loads of the cheapest
     assignment), keeping the best value of (4) seen: every λ gives a valid bound.
     comm=False gives the compute-only bound max(F, (2)) (plan.json's `lower_bound_compute_s`).
-    bipartition=True (separate forward and backward cuts, `passes.bipartition`): a whole
+    bipartition=True (separate forward and backward cuts, `techniques.bipartition.search`): a whole
     node's forward and backward may sit on different devices, so (2) becomes
     max(min_d fwd[d][i], min_d bwd[d][i]) (PAPERS-SPEC §3.4: min_d (f+g) is not a bound
     then). (1), (3) and (4) stay: every worker still holds whole pieces of compute with

@@ -87,7 +87,7 @@ class PartitionProblem:
     comm: str = "overlapped"
     # [stage] True: the stage recomputes its activations (module docstring, M_k); None: none do
     recompute: Sequence[bool] | None = None
-    # Bi-Partition (`passes.bipartition`) only: [node] saved-tensor bytes per micro-batch, shipped
+    # Bi-Partition (`techniques.bipartition.search`) only: [node] saved-tensor bytes per micro-batch, shipped
     # when its FP and BP run on different workers (None: act_mem), or (lo, hi) -> the bytes that
     # nodes lo..hi-1 keep, each storage once (`segment_stash`, exact where given); [node] its
     # parameters' bytes, a forward worker's replica (None: static_mem, an over-estimate)

@@ -1,7 +1,7 @@
 """`Candidate`: one evaluated plan of the search, before it is written as a `Plan`.
 
 Its own module because every technique pass reads candidates while the evaluator that makes
-them (`passes.plan_evaluate`) imports some of those passes (`passes.replicas`).
+them (`passes.plan_evaluate`) imports some of those passes (`techniques.replicas.search`).
 """
 
 from __future__ import annotations

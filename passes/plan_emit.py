@@ -27,7 +27,7 @@ from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes import baselines as base_rules
 from pipecc.techniques.bpipe import search as bpipe_pass
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.passes.bound import lower_bound as partition_lower_bound
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
@@ -51,7 +51,7 @@ class SearchRecord:
 
 def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
     """A bottleneck no plan of the candidate's shape beats: its micro-batch count, replication
-    degree d (P = n/d groups at a slice of mb/d, `passes.replicas.group_problem`) and stages
+    degree d (P = n/d groups at a slice of mb/d, `techniques.replicas.search.group_problem`) and stages
     per rank, whatever its cuts or layer splits: `bound.lower_bound` on the candidate's
     problem (d = 1: with `bound_problem`'s costs), every cost the planner charges counted
     (per-call fixed costs in the unit times, each stage's per-micro-batch fixed costs, the

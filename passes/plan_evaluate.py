@@ -8,8 +8,8 @@
 `evaluate` is one candidate of the search: the exact partition of (schedule, m micro-batches,
 d replicas, recomputing stages) on its problem (`passes.plan_problem`), re-costed where a
 device model costs whole stages (`CostTables.recost`), simulated under its schedule. The
-technique passes (`techniques.recompute.search`, `techniques.bpipe.search`, `passes.replicas`, `techniques.umpipe.plan`,
-`passes.bipartition_plan`) ask an `Evaluator` for problems, timelines and candidates; the
+technique passes (`techniques.recompute.search`, `techniques.bpipe.search`, `techniques.replicas.search`,
+`techniques.umpipe.plan`, `techniques.bipartition.plan`) ask an `Evaluator` for problems, timelines and candidates; the
 search (`passes.plan_search`) drives them and the emitter (`passes.plan_emit`) writes the plan.
 
 Every figure is the one cost model's (`passes.plan_costs.CostTables`): unit times with their
@@ -36,7 +36,7 @@ import torch
 from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
 from pipecc.ir.schedule.registry import SPLIT_BACKWARD_COST, VIRTUAL, ZERO_BUBBLE, schedule_for
 from pipecc.passes import plan_problem
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.passes import step_memory
 from pipecc.passes.partition import (InfeasibleError, Partition, PartitionProblem,
                                      best_device_order, evaluate, memory_free, partition)

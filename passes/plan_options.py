@@ -33,7 +33,7 @@ __all__ = ["ACTIVATION_BALANCING", "BIPARTITION", "RECOMPUTE", "PlanOptions"]
 
 RECOMPUTE = ("none", "full", "auto")          # techniques.recompute.search
 ACTIVATION_BALANCING = ("auto", "on", "off")  # techniques.bpipe.search
-BIPARTITION = ("off", "auto")                 # passes.bipartition_plan
+BIPARTITION = ("off", "auto")                 # techniques.bipartition.plan
 
 
 @dataclass
@@ -60,10 +60,10 @@ class PlanOptions:
     calibrate: Any = None             # a `pipecc run --json` document (file, dict or Calibration): measured
                                       # stage times mapped back onto the nodes (pipecc.targets.calibrated)
     recompute: str = "none"           # activation recomputation: none, full or auto (techniques.recompute.search)
-    replicas: int | str = 1           # PP x DP degree: N or "auto" (passes.replicas)
+    replicas: int | str = 1           # PP x DP degree: N or "auto" (techniques.replicas.search)
     microbatch_sizes: str | Sequence[int] = "equal"  # UMPIPE: equal, auto or S1,S2,... (techniques.umpipe.plan)
     umpipe_budget_s: float = 10.0     # UMPIPE's search budget under microbatch_sizes="auto"
-    bipartition: str = "off"          # separate FP/BP cuts: off or auto (passes.bipartition_plan)
+    bipartition: str = "off"          # separate FP/BP cuts: off or auto (techniques.bipartition.plan)
     bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
     activation_balancing: str = "off"  # BPipe: auto, on or off (pipecc.techniques.bpipe.search)
     flash_attention: bool = False     # cost fused attention as flash attention runs it (cost.annotate)

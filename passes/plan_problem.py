@@ -7,7 +7,7 @@ schedule). A unit a device cannot run costs CANNOT_RUN_S there, and a device who
 take one float32 tensor blocks every other cut next to them (`PartitionProblem.blocked`).
 A stage with `recompute[k]` pays one more forward in its backward and holds one
 micro-batch's activations (`techniques.recompute.search`); with d > 1 replicas the problem is over
-replica groups (`passes.replicas.group_problem`). Every time is the one cost model's
+replica groups (`techniques.replicas.search.group_problem`). Every time is the one cost model's
 (`CostTables`): unit times with their per-call fixed costs, each stage's per-micro-batch
 fixed costs (`PartitionProblem.fixed_fwd/fixed_bwd`), messages with both hosts' costs.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.techniques import capabilities as caps
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.passes.partition import PartitionProblem, cut_bytes
 from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.units import Units

@@ -6,7 +6,7 @@
     that fits memory ─► Plan (passes.plan_emit)
 
 Layer splitting (`passes.split_search`), unequal micro-batches (`techniques.umpipe.plan`) and
-separate forward/backward cuts (`passes.bipartition_plan`) run after it, on its plan, as the
+separate forward/backward cuts (`techniques.bipartition.plan`) run after it, on its plan, as the
 driver's later steps. `Planner` holds one search's state (its candidates, best first, and the
 BPipe estimate); the numbers are the evaluator's. `ranked(k)` lists the k best distinct
 candidates (`pipecc tune` measures them) without changing the choice.
@@ -34,7 +34,7 @@ from pipecc.ir.schedule.registry import TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE
 from pipecc.techniques import capabilities as caps
 from pipecc.techniques.bpipe import search as bpipe_pass
 from pipecc.techniques.recompute import search as recompute_pass
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S
 from pipecc.passes.plan_costs import CostTables
@@ -93,7 +93,7 @@ class Planner:
 
     def candidates(self) -> list[tuple[str, int, int]]:
         """(schedule, micro-batches, replicas) to try: every schedule and m, each with every
-        replication degree d allowed (`passes.replicas.allowed`); P = n/d pipeline ranks. One
+        replication degree d allowed (`techniques.replicas.search.allowed`); P = n/d pipeline ranks. One
         rank (plain data parallelism) has one meaningful schedule: 1f1b."""
         opt, p, devices = self.options, self.p, self.cluster.devices
         assert isinstance(opt.batch_size, int)

@@ -50,7 +50,7 @@ Model:
   ends at start(last B) + max(that B's seconds, allreduce_s). The all-reduce is no event
   and not busy time: an exposed all-reduce counts as bubble.
 
-- Bi-Partition (``passes.bipartition``, PAPERS-SPEC §3): forward and backward cut at
+- Bi-Partition (``techniques.bipartition.search``, PAPERS-SPEC §3): forward and backward cut at
   different units, but worker order is the same in both directions, so forward stage s and
   backward stage s stay on one rank and the schedule and stage->rank map do not change;
   only the costs do: ``forward_s[s]`` is the FP range's, ``backward_s[s]`` the BP range's,

@@ -265,10 +265,10 @@ def _noted(plan: Plan, *lines: str) -> Plan:
 
 def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, cluster: Cluster,
                  options: PlanOptions) -> None:
-    """Separate forward/backward cuts (`passes.bipartition_plan`) on the chosen plan; when it
+    """Separate forward/backward cuts (`techniques.bipartition.plan`) on the chosen plan; when it
     splits layers, first on its split graph (`_bipartition_split`), then on the planner's
     unsplit plan of `graph`, kept only if faster than the split one. A decision line either way."""
-    from pipecc.passes import bipartition_plan
+    from pipecc.techniques.bipartition import plan as bipartition_plan
     assert state.plan is not None and state.graph is not None
     if state.plan.split_layers and state.candidate is not None:
         _bipartition_split(state, cluster=cluster, options=options)  # split layers compose (issue 18)
@@ -309,7 +309,7 @@ def _bipartition_split(state: State, *, cluster: Cluster, options: PlanOptions) 
     """Separate forward/backward cuts on the chosen plan with its split layers, on its rewritten
     graph (a split layer's shards are nodes like any other), when the rule admits that plan:
     `state.plan` gets the cut pair when it is faster, else a decision line says why not."""
-    from pipecc.passes import bipartition_plan
+    from pipecc.techniques.bipartition import plan as bipartition_plan
     assert state.plan is not None and state.graph is not None
     why = techniques.bipartition.requires(state.plan, techniques.COMPILED) or bipartition_plan.graph_requires(
         state.graph, state.plan)
@@ -464,7 +464,7 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
         raise  # a request these devices cannot take (e.g. zb-h1 with an FPGA) stays an error
     except PipeccError as exc:
         whole, why = None, str(exc)
-    from pipecc.passes import replicas as rep
+    from pipecc.techniques.replicas import search as rep
     sub, keep = rep.without_fpgas(cluster)
     try:
         alone = plan(graph, sub, PlanOptions.of(options, use_all_devices=True), debug=debug)
@@ -564,9 +564,9 @@ def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capab
     weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
     module runs Bi-Partition's forward ranges as stages and lets autograd run every backward in
     place: the same numbers, no messages to ship.)"""
-    from pipecc.passes import bipartition_plan
+    from pipecc.techniques.bipartition import plan as bipartition_plan
     from pipecc.techniques.recompute import search as recompute
-    from pipecc.runtime.replicas import replica_problem
+    from pipecc.techniques.replicas.runtime import replica_problem
     why = techniques.requires(plan, capabilities) or recompute.graph_requires(graph, plan)
     if why is None and techniques.bipartition.uses(plan):
         why = bipartition_plan.graph_requires(graph, plan)

@@ -184,7 +184,7 @@ def _baselines(analysis: Any, cluster: Any, options: PlanOptions, planner: Any,
 def _with_bounds(planner: Any, base: Any, bounds: tuple[int, ...]) -> Plan:
     """The plan of `base` (a plain-pipeline candidate) with its cuts replaced by `bounds`, costed
     and simulated like the planner's own (a placement that does not fit memory is refused)."""
-    from pipecc.passes import replicas as rep
+    from pipecc.techniques.replicas import search as rep
     ev = planner.evaluator
     mb = rep.slice_size(int(ev.options.batch_size) // base.microbatches, 1)
     prob, part = ev.tables.recost(base.raw or base.problem, bounds, base.order, mb, 1)

@@ -115,7 +115,7 @@ def _check_input_makers(model_spec: Any, lengths: Lengths, spec: SymbolSpec, bat
 
 def length_table(plan: Plan, graph: Any, cluster: Any, options: Any, lengths: Lengths) -> dict[str, Any]:
     """plan.json's `options["lengths"]`: the declaration and the plan's times at each length."""
-    from pipecc.passes import replicas as rep
+    from pipecc.techniques.replicas import search as rep
     from pipecc.passes import split_search
     from pipecc.passes.plan_costs import CostTables
     from pipecc.passes.plan_options import PlanOptions

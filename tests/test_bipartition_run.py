@@ -23,13 +23,13 @@ import torch
 from helpers import run_cli, zoo_path
 from helpers import run_pipecc as pipecc
 from pipecc import driver
-from pipecc.backends.torch.bipartition import payload_notes
+from pipecc.techniques.bipartition.codegen import payload_notes
 from pipecc import techniques
-from pipecc.passes.bipartition_plan import graph_requires
+from pipecc.techniques.bipartition.plan import graph_requires
 from pipecc.errors import PipeccError
 from pipecc.runtime import dist
 from pipecc.runtime.engine import PipelineRuntime
-from pipecc.runtime.segments import SegmentRunner
+from pipecc.techniques.bipartition.runtime_segments import SegmentRunner
 from pipecc.runtime.stagefile import load_stage
 
 pytestmark = pytest.mark.xdist_group(name="bipartition_run")
@@ -344,7 +344,7 @@ def test_a_segment_that_writes_its_input_in_place_compiles_and_verifies(tmp_path
 
 def test_cli_compile_refuses_when_the_trace_fails(tmp_path, capsys, monkeypatch) -> None:
     """Whatever AOTAutograd raises (here planted): exit 1, one line naming the segment, no OUT."""
-    from pipecc.runtime import segments
+    from pipecc.techniques.bipartition import runtime_segments as segments
 
     def fail(*_args, **_kwargs):
         raise RuntimeError("planted: cannot partition\nsecond line")
@@ -402,7 +402,7 @@ def test_a_saved_tensor_and_its_detach_travel_once() -> None:
     """AOTAutograd saves a ReLU's output for the ReLU's backward and, as a detach of it, for
     the next layer's weight gradient: one storage, sent once (the planner charges it once); the
     backward worker uses the sent tensor for both and gets eager autograd's gradients."""
-    from pipecc.runtime.segments import trace_segment
+    from pipecc.techniques.bipartition.runtime_segments import trace_segment
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 6))
     g = trace_segment(module, [((4, 8), torch.float32, True)], [0], torch.device("cpu"))

@@ -20,7 +20,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule import by_name
 from pipecc.ir.verify import verify_plan
 from pipecc.passes import plan_emit
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner
 from pipecc.passes.simulate import StageCosts, simulate

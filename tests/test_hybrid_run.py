@@ -1,5 +1,5 @@
 """PP x DP at run time: a compiled folder whose stages run on groups of replicas
-(`pipecc.runtime.replicas`), launched by `pipecc run` with one rank per device.
+(`pipecc.techniques.replicas.runtime`), launched by `pipecc run` with one rank per device.
 
 Launches cost seconds each, so there are few: the tiny MLP as 2 stages x 2 replicas (1F1B,
 --verify and --json in one launch), and as plain data parallelism (1 stage x 2 replicas:
@@ -22,7 +22,7 @@ from helpers import MLP_TINY, model_args
 from helpers import run_pipecc as pipecc
 from pipecc import cli, driver
 from pipecc.errors import PipeccError
-from pipecc.runtime import replicas as rep
+from pipecc.techniques.replicas import runtime as rep
 from pipecc.runtime.timing import run_document
 
 # NOTE: tests sharing a compiled folder (module fixtures) stay on one worker under xdist.

@@ -28,8 +28,6 @@ TECHNIQUES_DIR = ROOT / "pipecc" / "techniques"
 # `<name>.report*` the report's; the package's `__init__` (its rule) and every other module of it
 # belong to the IR (pure functions over plans and schedules).
 PART_LAYERS = {"search": "passes", "plan": "passes", "runtime": "runtime", "codegen": "backends", "report": "report"}
-# the part of a technique's rule that needs the graph lives beside its search (`graph_requires`)
-GRAPH_PARTS = {"pipecc.passes.bipartition_plan": "bipartition"}
 # names the admissibility check had before it became each technique's one `requires`
 OLD_CHECK_NAMES = ("why_not", "scope", "refusal", "check_plan", "check_bipartition", "check_recompute",
                    "check_replicas", "check_microbatch_sizes")
@@ -239,8 +237,7 @@ def test_each_technique_rule_lives_in_its_module() -> None:
         if owner in tags and rel[1:] == ("__init__.py",):
             bad += [f"{module} lacks {n}()" for n in ("requires", "uses") if n not in names]
         for technique, tag in tags.items():
-            allowed = (owner, GRAPH_PARTS.get(module))
-            if technique not in allowed and any(tag in t for t in _strings(tree)):
+            if technique != owner and any(tag in t for t in _strings(tree)):
                 bad.append(f"{module} spells {tag!r}: {technique}'s rule belongs in its package, pipecc/techniques/{technique}/")
     assert not bad, bad
 

@@ -15,10 +15,10 @@ import pytest
 
 from pipecc import driver
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.techniques.umpipe import search as umpipe
-from pipecc.passes.bipartition import evaluate_bi
-from pipecc.passes.bipartition_plan import stage_costs as bi_stage_costs
+from pipecc.techniques.bipartition.search import evaluate_bi
+from pipecc.techniques.bipartition.plan import stage_costs as bi_stage_costs
 from pipecc.passes.partition import PartitionProblem, evaluate, partition
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner

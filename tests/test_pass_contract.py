@@ -78,7 +78,7 @@ def wide():
 
 
 def test_bipartition_apply_leaves_its_plan_unchanged(wide) -> None:
-    from pipecc.passes import bipartition_plan
+    from pipecc.techniques.bipartition import plan as bipartition_plan
     plan, graph, ev = wide
     before = plan.dumps()
     result = bipartition_plan.apply(plan, ev, graph)
@@ -146,7 +146,8 @@ def test_debug_holds_a_step_to_its_contract(planned) -> None:
 def test_the_plan_choosers_leave_their_plans_unchanged(planned) -> None:
     """`device_count.remap` and `replicas.faster_of` (the driver's choice between a plan over
     every device and one over fewer) return new plans."""
-    from pipecc.passes import device_count, replicas
+    from pipecc.passes import device_count
+    from pipecc.techniques.replicas import search as replicas
     plan, graph = planned
     before = plan.dumps()
     moved = device_count.remap(plan, [2, 3])

@@ -110,8 +110,9 @@ def test_the_evaluators_timeline_is_its_simulation_of_the_same_cuts(graph):
     assert plan.predicted_iteration_s == best.timeline.iteration_s
 
 
-TECHNIQUES = ["pipecc/techniques/bpipe/search.py", "pipecc/techniques/recompute/search.py", "replicas",
-              "pipecc/techniques/umpipe/plan.py", "bipartition_plan", "split_search", "split_layers", "split_forms"]
+TECHNIQUES = ["pipecc/techniques/bpipe/search.py", "pipecc/techniques/recompute/search.py",
+              "pipecc/techniques/replicas/search.py", "pipecc/techniques/umpipe/plan.py",
+              "pipecc/techniques/bipartition/plan.py", "split_search", "split_layers", "split_forms"]
 
 
 @pytest.mark.parametrize("name", TECHNIQUES)

@@ -129,7 +129,7 @@ def test_schedule_for_is_what_the_planner_built(name: str, n: int, m: int, v: in
 
 
 def test_schedule_for_is_what_the_technique_passes_built() -> None:
-    # passes/bipartition_plan.py _simulate: by_name(plan.schedule, len(plan.stages), m, 1)
+    # pipecc/techniques/bipartition/plan.py _simulate: by_name(plan.schedule, len(plan.stages), m, 1)
     for name in ("1f1b", "gpipe"):
         assert schedule_for(name, 3, 6) == _old_by_name(name, 3, 6, 1)
     # pipecc/techniques/umpipe/plan.py: gpipe_uneven(sizes)

@@ -16,12 +16,13 @@ from typing import Any, Sequence
 from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
-from pipecc.backends.torch.bipartition import cut_pieces, payload_notes, pieces_of
 from pipecc.backends.torch.compile import pipelined_module
 from pipecc.backends.torch.inplace import check_in_place
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.techniques import capabilities as caps
+# NOTE: the module, not its names: it imports this package (its generated code's helpers) in turn
+from pipecc.techniques.bipartition import codegen as bipartition_codegen
 
 
 class TorchBackend(Backend):
@@ -33,9 +34,9 @@ class TorchBackend(Backend):
         # NOTE: the techniques' scope (replicas, Bi-Partition, ...) the driver asked already
         # (`pipecc.techniques.requires` with this backend's capabilities)
         check_in_place(graph, stages)  # in-place writes to received values the stages can make
-        pieces = pieces_of(plan)
+        pieces = bipartition_codegen.pieces_of(plan)
         if pieces:
-            cut_pieces(graph, pieces)  # the pieces' generated code: tied weights, tensor boundaries
+            bipartition_codegen.cut_pieces(graph, pieces)  # the pieces' generated code: tied weights, tensor boundaries
         return None  # every graph node has a torch form; cut_stages checked the placement
 
     def writers(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
@@ -44,7 +45,7 @@ class TorchBackend(Backend):
 
     def notes(self, plan: Plan, out: str | Path | None = None) -> list[str]:
         # Bi-Partition: a traced saved-tensor payload far from the plan's figure (a note only)
-        return payload_notes(plan, out) if out is not None else []
+        return bipartition_codegen.payload_notes(plan, out) if out is not None else []
 
     def module(self, model: nn.Module, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
                target: Target) -> nn.Module:

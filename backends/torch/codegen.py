@@ -69,7 +69,7 @@ def generate_stage(stage: Stage, model_name: str, stage_index: int | None = None
                    device_desc: str = "cpu", num_stages: int | None = None,
                    recompute: bool = False, class_name: str | None = None) -> GeneratedStage:
     """The source and tensors of a stage's module, class `Stage<index>` unless `class_name`
-    (a Bi-Partition segment is a `Segment<boundary>`, `backends.torch.bipartition`)."""
+    (a Bi-Partition segment is a `Segment<boundary>`, `techniques.bipartition.codegen`)."""
     index = stage.index if stage_index is None else stage_index
     emitter = _Emitter(stage, recompute)
     emitter.run()

@@ -8,7 +8,7 @@
                              per device), "microbatch_sizes" (UMPIPE: one size list per stage,
                              null for equal splits; `marker_sizes`), "bipartition"
                              ("ship" when the workers hold Bi-Partition segments, else "";
-                             `backends.torch.bipartition`), "activation_balancing" (BPipe: the
+                             `techniques.bipartition.codegen`), "activation_balancing" (BPipe: the
                              plan's pairs, [] when off; `check_activation_balancing`) and the
                              list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
@@ -17,7 +17,7 @@
                              `pipecc run` parses, validates and executes (`SCHEDULE_FILE`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
-    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (backends.torch.bipartition;
+    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (techniques.bipartition.codegen;
                              traced once here, `trace_segments`: one AOTAutograd cannot split is refused)
     OUT/run_stage.py         the entry torchrun starts: `torchrun --nproc-per-node P OUT/run_stage.py`
     + extra_files            e.g. report.html, written by the caller's generators
@@ -63,7 +63,6 @@ import torch
 
 from pipecc import progress
 
-from pipecc.backends.torch.bipartition import pieces_of, write_workers
 from pipecc.techniques.bpipe.codegen import check_activation_balancing
 from pipecc.backends.torch.codegen import write_stage
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
@@ -73,6 +72,8 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.techniques import schedule_of
+# NOTE: the module, not its names: it imports this package (its generated code's helpers) in turn
+from pipecc.techniques.bipartition import codegen as bipartition_codegen
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
@@ -169,7 +170,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     # NOTE: the techniques' scope the driver asked before any stage was cut
     # (`pipecc.techniques.requires`); here only what the folder records is derived
     sizes = marker_sizes(plan)
-    pieces = pieces_of(plan)
+    pieces = bipartition_codegen.pieces_of(plan)
     balancing = check_activation_balancing(plan)
     (tmp / "plan.json").write_text(plan_as_cut(plan, graph).dumps(), encoding="utf-8")  # the stage.py's nodes
     # NOTE: first, so that a stage calling a model-file function loads here too (segment tracing):
@@ -195,8 +196,8 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     except ValueError as e:
         raise PipeccError(f"the plan's schedule cannot be built: {getattr(e, 'summary', e)}; plan again") from None
     (tmp / SCHEDULE_FILE).write_text(schedule_text(schedule) + "\n", encoding="utf-8")
-    if pieces:  # Bi-Partition: cores and segments per worker (backends.torch.bipartition)
-        write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
+    if pieces:  # Bi-Partition: cores and segments per worker (techniques.bipartition.codegen)
+        bipartition_codegen.write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
     for stage, planned in zip(stages, plan.stages):
         if pieces:
             break

@@ -40,7 +40,7 @@ def check_plan_args(args: argparse.Namespace) -> tuple[Any, Any]:
     from pipecc.targets.fpga_model import parse_number  # NOTE: these import torch (seconds)
     parse_number(args.fpga_number)
     if args.replicas != "auto":
-        from pipecc.passes.replicas import check_requested
+        from pipecc.techniques.replicas.search import check_requested
         check_requested(args.replicas, len(cluster.devices), cluster.devices)
     profile = None
     if args.profile is not None:

@@ -22,7 +22,7 @@ compiled with --inference for CPUs/GPUs only still trains when given `--schedule
 Processes. A pipeline of S stages needs S ranks, or S / v for the interleaved schedule with v
 virtual stages per rank (`plan.json`'s `virtual_stages`); a folder whose stages are replicated
 (`pipecc.json`'s `replicas` d > 1, PP x DP) needs d times as many, one per device of the plan
-(rank g = pipeline rank g // d, replica g % d; `pipecc.runtime.replicas`). One machine: `--standalone`, whose
+(rank g = pipeline rank g // d, replica g % d; `pipecc.techniques.replicas.runtime`). One machine: `--standalone`, whose
 rendezvous store takes a free port, so concurrent runs never collide. Several machines: the
 same `pipecc run` on every node with `--nnodes N --node-rank R --rdzv-endpoint HOST:PORT`
 (node 0's address and a free port there) and `--nproc-per-node P` (default ranks / N), passed
@@ -57,7 +57,7 @@ Unequal micro-batches: a folder whose plan gives every stage its own micro-batch
 splits the batch into its own chunks and re-slices what it receives (`pipecc.techniques.umpipe.runtime`);
 `--schedule` other than gpipe and `--microbatches` are usage errors there.
 
-Bi-Partition folders (`pipecc.json`'s `"bipartition": "ship"`; `pipecc.runtime.segments`): one
+Bi-Partition folders (`pipecc.json`'s `"bipartition": "ship"`; `pipecc.techniques.bipartition.runtime_segments`): one
 rank per worker as usual; a segment's saved tensors travel with the forward or backward message
 and the owners refresh their segments' replicas after every step. They run the 1f1b and gpipe
 schedules only (another `--schedule` is a usage error, `inference` runs the forward ranges).

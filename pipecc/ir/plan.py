@@ -43,7 +43,7 @@ class StagePlan:
     # micro-batch and re-runs its forward during backward (torch.utils.checkpoint in its
     # generated forward); backward_s then includes that second forward. False in older plans.
     recompute: bool = False
-    # Bi-Partition (`--bipartition auto`, passes.bipartition): `nodes` is this worker's FORWARD
+    # Bi-Partition (`--bipartition auto`, techniques.bipartition.search): `nodes` is this worker's FORWARD
     # range and `backward_nodes` its BACKWARD range, both contiguous in graph order; [] = the
     # same as `nodes` (no Bi-Partition). See Plan.bipartition_pieces for the derived segments.
     backward_nodes: list[str] = field(default_factory=list)
@@ -111,6 +111,72 @@ OPTIONS_FIELDS = {"umpipe_search": "umpipe", "umpipe_chunk_costs": "umpipe_chunk
 OPTIONS_AFTER_PLANNING = ("devices_given", "lengths")
 
 
+@dataclass(frozen=True)
+class BipartitionSearch:
+    """What the Bi-Partition search weighed (`techniques.bipartition.plan.apply`), used or not:
+    its window (units each cut may move) and mode, the single cut's simulated iteration and
+    bottleneck, the best recomputing cut pair's (None: none fits) and the best shipping
+    bottleneck; with `used`, the cut pair kept (`fwd_bounds`/`bwd_bounds` in unit counts, 0 .. n),
+    its iteration and bottleneck, and per boundary its segment's stash and replica-refresh bytes.
+    plan.json's `options["bipartition"]`."""
+
+    used: bool
+    window: int
+    mode: str
+    single_iteration_s: float
+    single_bottleneck_s: float
+    recompute_bottleneck_s: float | None
+    recompute_iteration_s: float
+    best_ship_bottleneck_s: float
+    fwd_bounds: tuple[int, ...] | None = None
+    bwd_bounds: tuple[int, ...] | None = None
+    iteration_s: float | None = None
+    bottleneck_s: float | None = None
+    stash_bytes: tuple[float, ...] | None = None
+    weight_sync_bytes: tuple[float, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object: every weighed figure, then the kept cut pair's when there is one."""
+        out = {k: getattr(self, k) for k in _SEARCH_KEYS}
+        for k in _CUT_KEYS:
+            value = getattr(self, k)
+            if value is not None:
+                out[k] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BipartitionSearch":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class BipartitionCosts:
+    """A Bi-Partition plan's per-stage seconds the report's timeline needs and the stage figures
+    cannot tell apart (`comm_s` sums both directions): the forward and backward message send
+    times and each worker's tail after its last action (optimizer step, replica refresh).
+    plan.json's `options["bipartition_costs"]`."""
+
+    send_forward_s: tuple[float, ...]
+    send_backward_s: tuple[float, ...]
+    tail_s: tuple[float, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"send_forward_s": list(self.send_forward_s), "send_backward_s": list(self.send_backward_s),
+                "tail_s": list(self.tail_s)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BipartitionCosts":
+        return cls(**{k: tuple(v) for k, v in data.items()})
+
+
+_SEARCH_KEYS = ("used", "window", "mode", "single_iteration_s", "single_bottleneck_s", "recompute_bottleneck_s",
+                "recompute_iteration_s", "best_ship_bottleneck_s")
+_CUT_KEYS = ("fwd_bounds", "bwd_bounds", "iteration_s", "bottleneck_s", "stash_bytes", "weight_sync_bytes")
+# Bi-Partition's typed fields plan.json keeps inside `options` under their own names, after
+# UMPIPE's (`OPTIONS_FIELDS`; its step runs first): field name -> its type.
+_IN_OPTIONS: dict[str, Any] = {"bipartition": BipartitionSearch, "bipartition_costs": BipartitionCosts}
+
+
 @dataclass
 class Plan:
     model: str
@@ -170,6 +236,11 @@ class Plan:
     # under --microbatch-sizes auto, and the per-chunk costs of its prediction; None: none
     umpipe_search: UmpipeSearch | None = None
     umpipe_chunk_costs: UmpipeChunkCosts | None = None
+    # Bi-Partition's search record and, for a plan it cuts, the timeline's send and tail seconds
+    # (`techniques.bipartition.plan.apply`); None when it did not run. plan.json keeps them in
+    # `options` (`to_json`).
+    bipartition: BipartitionSearch | None = None
+    bipartition_costs: BipartitionCosts | None = None
 
     def bpipe_thresholds(self) -> list[int | None]:
         """Per stage, its BPipe threshold K (evictors) or None: `schedule.bpipe`'s argument."""
@@ -313,8 +384,12 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        typed = {key: data.pop(name) for name, key in OPTIONS_FIELDS.items()}
-        data["options"] = _with_typed(data["options"], {k: v for k, v in typed.items() if v is not None})
+        typed = {key: value for name, key in OPTIONS_FIELDS.items() if (value := data.pop(name)) is not None}
+        for k in _IN_OPTIONS:
+            data.pop(k)
+            if (v := getattr(self, k)) is not None:
+                typed[k] = v.to_json()
+        data["options"] = _with_typed(data["options"], typed)
         data["balance_ratio"] = self.balance_ratio
         data["balance_ratio_compute"] = self.balance_ratio_compute
         return data
@@ -334,6 +409,18 @@ class Plan:
             data["options"] = options
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
+        if isinstance(data.get("options"), dict):
+            data["options"] = options = dict(data["options"])
+            for k, kind in _IN_OPTIONS.items():
+                raw = options.get(k)
+                try:
+                    typed = kind.from_json(raw) if isinstance(raw, dict) else None
+                except TypeError:
+                    typed = None
+                # NOTE: a value the field cannot write back as it reads (a hand-edited plan.json) stays an option
+                if typed is not None and json.dumps(typed.to_json()) == json.dumps(raw):
+                    data[k] = typed
+                    del options[k]
         return cls(**data)
 
 

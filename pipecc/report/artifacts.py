@@ -169,11 +169,11 @@ def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
                                  backward_weight_s=[s.backward_weight_s for s in plan.stages],
                                  split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
     costs.tail_s = _step_tail(plan, schedule)
-    saved = plan.options.get("bipartition_costs") if plan.is_bipartition() else None
-    if saved:  # Bi-Partition: the two directions differ; the planner saved both, and the tail
-        costs.send_forward_s = [[float(t)] * m for t in saved["send_forward_s"]]
-        costs.send_backward_s = [[float(t)] * m for t in saved["send_backward_s"]]
-        costs.tail_s = [float(t) for t in saved["tail_s"]] or None
+    saved = plan.bipartition_costs if plan.is_bipartition() else None
+    if saved is not None:  # Bi-Partition: the two directions differ; the planner saved both, and the tail
+        costs.send_forward_s = [[float(t)] * m for t in saved.send_forward_s]
+        costs.send_backward_s = [[float(t)] * m for t in saved.send_backward_s]
+        costs.tail_s = [float(t) for t in saved.tail_s] or None
     if plan.activation_balancing:  # BPipe: its stash transfers, as the planner timed them
         costs.stash_transfer_s = [[float(x)] * m for x in plan.estimate.get("stash_transfer_s", [0.0] * n)]
     if plan.replicas > 1:  # replica groups: each rank's gradient all-reduce, as the planner has it

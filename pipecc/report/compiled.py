@@ -184,7 +184,7 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "split_layers": [vars(sl) for sl in plan.split_layers], "baselines": plan.baselines,
             "decisions": plan.decisions, "has_graph": c.graph is not None,
             "bipartition_mode": plan.bipartition_mode, "weight_sync_bytes": plan.weight_sync_bytes,
-            "bipartition": plan.options.get("bipartition"),
+            "bipartition": plan.bipartition.to_json() if plan.bipartition is not None else None,
             "lengths": plan.options.get("lengths"),
             "activation_balancing": plan.activation_balancing, "estimate": plan.estimate,
             "schedule_text": None if c.schedule is None else schedule_text(c.schedule)}

@@ -79,10 +79,10 @@ def bipartition_lines(plan: Plan) -> list[str]:
     in units and, per stage, its forward and backward node ranges; [] without."""
     if not plan.is_bipartition():
         return []
-    info = plan.options.get("bipartition") or {}
+    info = plan.bipartition
     cuts = ""
-    if info.get("fwd_bounds"):
-        cuts = (f"FP cuts {list(info['fwd_bounds'][1:-1])}, BP cuts {list(info['bwd_bounds'][1:-1])} "
+    if info is not None and info.fwd_bounds:
+        cuts = (f"FP cuts {list(info.fwd_bounds[1:-1])}, BP cuts {list(info.bwd_bounds or ())[1:-1]} "
                 "(in units); ")
     out = [f"Bi-Partition    {cuts}mode {plan.bipartition_mode}: a segment between two cuts runs "
            f"forward on one stage, backward on its neighbour; {plan.weight_sync_bytes} bytes of "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipecc.ir.schedule.actions import Action, Schedule
-from pipecc.runtime.replicas import Replicas
+from pipecc.techniques.replicas.runtime import Replicas
 from pipecc.techniques.umpipe.runtime import Reslicer
 from pipecc.runtime.wire import Wire, peer_rank
 

@@ -12,7 +12,7 @@ the generated ``run_stage.py`` calls ``main``. This module reads the folder (``s
   * ``pipecc.runtime.engine``: ``PipelineRuntime``, which runs a rank's stages by the schedule
     (loss, faults, checkpoints), and ``init_distributed``;
   * ``pipecc.runtime.rundata``: the model's data (inputs, target, loss) and tied weights;
-  * ``pipecc.runtime.replicas``: replicated stages (PP x DP): rank mapping, data slices, the
+  * ``pipecc.techniques.replicas.runtime``: replicated stages (PP x DP): rank mapping, data slices, the
     gradient all-reduce;
   * ``pipecc.runtime.verify``: ``--verify``.
 
@@ -47,7 +47,7 @@ from pipecc.runtime.checkpoints import DEFAULT_LR, RunCheckpoints, folder_finger
 from pipecc.runtime.engine import PipelineRuntime, RunConfig
 from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.memory import memory_meter
-from pipecc.runtime.replicas import (Replicas)
+from pipecc.techniques.replicas.runtime import (Replicas)
 from pipecc.runtime.rank import RankRun, check_options, load_rank  # noqa: F401  (re-exported)
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.timing import ActionTimer, gather, plan_identity, read_plan, run_document
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     after checking its checksums, its state for NaN/Inf and the run's options against those it
     was trained with; one run holds the folder's lock at a time (``pipecc.runtime.ckptlock``).
 
-    Replicated stages (``pipecc.json``: ``"replicas": d > 1``, ``pipecc.runtime.replicas``): under
+    Replicated stages (``pipecc.json``: ``"replicas": d > 1``, ``pipecc.techniques.replicas.runtime``): under
     torchrun with n ranks, global rank g runs pipeline rank g // d (its stages, the schedule built
     for n // d ranks) as replica g % d: it feeds and uses its slice of every micro-batch (stage 0's
     inputs, the target), talks to the same replica of its neighbours, weights its loss by its
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     the gpipe schedule with every stage's own chunks (``pipecc.techniques.umpipe.runtime``), in one
     process too; ``--schedule`` other than gpipe and ``--microbatches`` are usage errors.
 
-    Bi-Partition folders (``pipecc.json``: ``"bipartition": "ship"``, ``pipecc.runtime.segments``):
+    Bi-Partition folders (``pipecc.json``: ``"bipartition": "ship"``, ``techniques.bipartition.runtime_segments``):
     each rank loads its core and its adjacent segments (owned or replica), traces the segments'
     graphs on first use and refreshes the replicas after every optimizer step.
 

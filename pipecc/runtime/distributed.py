@@ -63,11 +63,11 @@ from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime import teardown, wire
-from pipecc.runtime.bipartition_exec import is_worker
+from pipecc.techniques.bipartition.runtime import is_worker
 from pipecc.runtime.engine import PRECISIONS, PipelineRuntime
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, analyse, split_words, weight
 from pipecc.runtime.ports import StagePorts, as_tuple, build_output, flatten, unflatten
-from pipecc.runtime.replicas import replica_inputs, replica_target, replica_unslice
+from pipecc.techniques.replicas.runtime import replica_inputs, replica_target, replica_unslice
 from pipecc.runtime.rundata import TiedGradients
 
 __all__ = ["DistributedPipeline", "load"]

@@ -14,8 +14,8 @@ device, the mailbox, the wire, what the caller sets between steps), never the ru
     SEND_F RECV_F SEND_B RECV_B   ``pipecc.runtime.messages`` (what travels: ``ports``, how: ``wire``)
     I W                           ``pipecc.techniques.zero_bubble.runtime.ZeroBubble`` (zero-bubble)
     SEND_S RECV_S SEND_R RECV_R   ``pipecc.techniques.bpipe.runtime.StashMoves`` (BPipe)
-    REDUCE                        ``pipecc.runtime.replicas.ReduceActions`` (replica groups)
-    REFRESH                       ``pipecc.runtime.bipartition_exec.WeightRefresh`` (Bi-Partition,
+    REDUCE                        ``pipecc.techniques.replicas.runtime.ReduceActions`` (replica groups)
+    REFRESH                       ``pipecc.techniques.bipartition.runtime.WeightRefresh`` (Bi-Partition,
                                   whose stages run a ``BipartitionRunner``)
 
 Unequal micro-batches (UMPIPE; ``RunConfig.microbatch_sizes``, one size list per stage): the
@@ -29,7 +29,7 @@ loss) times ``n_i / n``, the microbatch's share of the batch (``1/m`` for equal 
 target is split along dim 0 like the batch. When ``loss_fn`` is a per-sample mean, the
 accumulated gradients are those of the full-batch mean loss, and ``step`` returns that loss.
 
-Replicas (PP x DP, ``pipecc.runtime.replicas``): with ``replicas`` given, ``rank``/``world`` are
+Replicas (PP x DP, ``pipecc.techniques.replicas.runtime``): with ``replicas`` given, ``rank``/``world`` are
 this process's pipeline rank and the number of pipeline ranks; messages go to the same replica of
 the neighbouring ranks (``global_rank``/``global_world`` are the process group's), each
 micro-batch loss is weighted by the replica's share of the batch, the schedule's REDUCE actions
@@ -74,11 +74,12 @@ from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime import rank_checkpoint, teardown, wire
-from pipecc.runtime.bipartition_exec import BipartitionRunner, WeightRefresh, check_runs, is_worker, replica_stages
+from pipecc.techniques.bipartition.runtime import (BipartitionRunner, WeightRefresh, check_runs, is_worker,
+                                                 replica_stages)
 from pipecc.runtime.context import Mailbox, RankContext, RankState, Shared
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
-from pipecc.runtime.replicas import GradientAllReduce, ReduceActions, Replicas
+from pipecc.techniques.replicas.runtime import GradientAllReduce, ReduceActions, Replicas
 from pipecc.techniques.umpipe.runtime import Reslicer, check_sizes
 from pipecc.techniques.zero_bubble.runtime import ZeroBubble
 from pipecc.runtime.stage_runner import StageRunner

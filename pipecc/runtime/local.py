@@ -43,7 +43,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import as_output_type, build_output, split_batch
-from pipecc.runtime.segments import share_replicas
+from pipecc.techniques.bipartition.runtime_segments import share_replicas
 from pipecc.runtime.stagefile import assemble_owner, load_stage, persistent_buffer
 
 __all__ = ["PipelinedModule", "load", "load_stage"]

@@ -28,7 +28,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.context import RankContext
 from pipecc.runtime.ports import Port, describe
-from pipecc.runtime.segments import SAVED
+from pipecc.techniques.bipartition.runtime_segments import SAVED
 from pipecc.runtime.wire import decode_object, encode_object, fingerprint, pack_tensors, packed_layout, packed_views
 
 if TYPE_CHECKING:  # NOTE: typing only; the runtime gives the runners

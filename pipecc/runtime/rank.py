@@ -29,7 +29,7 @@ from pipecc.runtime.folder import CompiledFolder, find_stage_dirs
 from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
-from pipecc.runtime.replicas import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
+from pipecc.techniques.replicas.runtime import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
                                      replica_target)
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import check_folder
@@ -230,7 +230,7 @@ def run_precision(args: argparse.Namespace, meta: dict[str, Any] | None) -> str 
 
 def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: Replicas) -> tuple[tuple, Any]:
     """Stage 0's inputs and the target as this replica feeds them (its slice of every
-    micro-batch, ``pipecc.runtime.replicas``); the full batch without replicas."""
+    micro-batch, ``pipecc.techniques.replicas.runtime``); the full batch without replicas."""
     if replicas.count == 1:
         return data.inputs, data.target
     first = StagePorts.from_json(specs[0])

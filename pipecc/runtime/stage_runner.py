@@ -12,7 +12,7 @@ neighbour's values are put straight into the inbox, detached, as a receive would
 Technique hooks, each with its own module: BPipe's capture of an evicted micro-batch's saved
 activations (``capture`` from ``pipecc.techniques.bpipe.runtime``, given to ``forward`` by the
 executor, which also tells BPipe when B is done), Bi-Partition's programs (a
-``pipecc.runtime.bipartition_exec.BipartitionRunner`` overrides the computation and the ports
+``pipecc.techniques.bipartition.runtime.BipartitionRunner`` overrides the computation and the ports
 its messages carry), the zero-bubble I and W (``pipecc.techniques.zero_bubble.runtime.ZeroBubble``, which
 uses ``output_grads`` and ``hand_down``), unequal micro-batches' re-slicing
 (``pipecc.techniques.umpipe.runtime.Reslicer``).

@@ -86,10 +86,10 @@ def _build(folder: Path, file: str, class_name: str) -> nn.Module:
 
 
 def _load_worker(folder: Path, core: nn.Module, ports: dict[str, Any]) -> nn.Module:
-    """A Bi-Partition worker (``pipecc.runtime.segments``): its core and its segments' modules,
+    """A Bi-Partition worker (``pipecc.techniques.bipartition.runtime_segments``): its core and its segments' modules,
     owned or replica; ``PARAM_NAMES`` names the core's and the owned segments' tensors, ``SHARDS``
     their split layers' slices (a slice of a split layer may sit in a core or in a segment)."""
-    from pipecc.runtime.segments import worker_class
+    from pipecc.techniques.bipartition.runtime_segments import worker_class
 
     worker = int(ports.get("stage", 0))
     names = {f"core.{a}": n for a, n in getattr(type(core), "PARAM_NAMES", {}).items()}

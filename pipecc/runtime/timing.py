@@ -32,7 +32,7 @@ the cost model's basis (``options.profile``: the profile file's name, null for t
 the calibration factors the plan was made with (``options.calibration``, null when none); null
 where the folder has no ``plan.json``.
 
-One row per stage and rank: with replicated stages (PP x DP, ``pipecc.runtime.replicas``) every
+One row per stage and rank: with replicated stages (PP x DP, ``pipecc.techniques.replicas.runtime``) every
 replica of a stage has its row, ``rank`` the process's global rank, ``device`` the plan's device
 of that rank and ``replica`` its index in the stage's group (0 in every row of a plain pipeline).
 

@@ -52,7 +52,7 @@ from pipecc.runtime.determinism import Deterministic
 from pipecc.runtime.engine import PipelineRuntime
 from pipecc.runtime.ports import as_tuple, output_ports
 from pipecc.runtime.local import merge_outputs
-from pipecc.runtime.replicas import replica_slice, slice_sizes
+from pipecc.techniques.replicas.runtime import replica_slice, slice_sizes
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import assemble_owner, persistent_buffer
 from pipecc.runtime import wire

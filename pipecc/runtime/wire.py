@@ -15,7 +15,7 @@ Wire protocol (per SEND/RECV action, one microbatch):
   * BPipe stash (SEND_S/RECV_S evictor -> partner, SEND_R/RECV_R back): an int64 byte count,
     then one uint8 payload packing the storages and their layout (``pipecc.techniques.bpipe.runtime_stash``); the
     peer is the partner stage's rank (``Schedule.partner``), the message key the evictor's.
-  * Bi-Partition message carrying a segment's saved tensors (``pipecc.runtime.segments``): all
+  * Bi-Partition message carrying a segment's saved tensors (``pipecc.techniques.bipartition.runtime_segments``): all
     its tensor leaves, values and saved tensors, travel as one uint8 payload (``pack_tensors``,
     each leaf ALIGN-aligned; both ends know every shape), on the first tensor leaf's tag; the
     receiver's leaves are views of it (``packed_views``). Object ports go as usual.
@@ -252,7 +252,7 @@ def directed_groups(schedule: Schedule, replicas: int = 1, replica: int = 0) -> 
     (``check_fifo``): exactly the "buffered sends, blocking receives" model ``validate`` proves
     deadlock-free. Collective: every rank must call it, with the same schedule.
 
-    With ``replicas`` (PP x DP, ``pipecc.runtime.replicas``) the schedule's ranks are pipeline
+    With ``replicas`` (PP x DP, ``pipecc.techniques.replicas.runtime``) the schedule's ranks are pipeline
     ranks and every replica gets its own groups, keyed by global ranks (j * replicas + r); the
     result holds those of replica ``replica``.
     """

@@ -41,7 +41,7 @@ other module is IR like the rule. Over all techniques:
 A planner asks a technique's `requires` *before* it searches (the context rules hold whether
 or not the plan applies the technique yet), on the plan it would extend or on a `sketch` of its
 options; compile and the loader ask `requires` for the techniques the plan uses. What needs the
-graph stays beside the search (`passes.bipartition_plan.graph_requires`,
+graph stays beside the search (`techniques.bipartition.plan.graph_requires`,
 `techniques.recompute.search.graph_requires`); what needs generated code stays in the backend.
 `docs/techniques.md` shows which pairs compose (`matrix`); a pair that does not is refused by
 one rule only (the technique whose scope excludes it), so each reason is written once.

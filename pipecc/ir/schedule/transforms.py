@@ -57,7 +57,7 @@ def _after_last(schedule: Schedule, kind: ActionKind, stages: Sequence[int] | No
 def gradient_reduce(schedule: Schedule) -> Schedule:
     """Replica groups (PP x DP): a training schedule with ``REDUCE(s, j)`` right after every
     stage's last gradient action (its last B, or W when the backward is split), which all-reduces
-    the stage's gradients over its replicas (``pipecc.runtime.replicas``). Stages that have their
+    the stage's gradients over its replicas (``pipecc.techniques.replicas.runtime``). Stages that have their
     REDUCE already keep it, so applying it twice changes nothing."""
     if not schedule.is_training:
         return schedule
@@ -66,7 +66,7 @@ def gradient_reduce(schedule: Schedule) -> Schedule:
 
 def weight_refresh(schedule: Schedule, stages: Sequence[int]) -> Schedule:
     """Bi-Partition: a training schedule with ``REFRESH(s, j)`` right after the last F of each of
-    ``stages`` (the workers holding a replica of a misplaced segment, ``pipecc.runtime.segments``):
+    ``stages`` (the workers holding a replica of a misplaced segment, ``techniques.bipartition.runtime_segments``):
     from there the replica is not read again this iteration, so its refresh from the owner can
     be received into it while the rank runs its remaining backwards. Idempotent, as
     ``gradient_reduce``."""

@@ -1,9 +1,10 @@
-"""Bi-Partition's rule (separate forward/backward cuts, `passes.bipartition`,
-`passes.bipartition_plan`): where a stage's backward range may differ from its forward range.
+"""Bi-Partition's rule (separate forward/backward cuts; its parts: `search`, the windowed cut-pair
+search, `plan`, the planner pass, `codegen`, the torch backend's worker folders, `runtime` and
+`runtime_segments`, the executor's): where a stage's backward range may differ from its forward range.
 One `requires`, asked by the planner (before the windowed search), the plan verifier, compile
 and `pipecc run`. What needs the graph (tied weights, BatchNorm or the loss in a segment,
-non-tensor boundaries) is `passes.bipartition_plan.graph_requires`, beside the search that
-avoids it; what needs generated code (AOTAutograd splitting a segment) is the torch backend's.
+non-tensor boundaries) is `plan.graph_requires`, beside the search that
+avoids it; what needs generated code (AOTAutograd splitting a segment) is `codegen`'s.
 
 v1 scope (PAPERS-SPEC §3.8): a training plan under 1f1b or gpipe, one stage per device,
 replicas 1, equal micro-batches, no recomputing stage, stages whose devices

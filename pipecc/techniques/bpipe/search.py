@@ -25,7 +25,7 @@ then checks the exact bytes, an acceptor holding its evictor's stashes.
 
 Composition (issue 18): with replica groups (`--replicas`, PP x DP) the pairs are pipeline
 ranks, replica r of group s evicting to replica r of group p-1-s, every figure a replica's
-slice (`passes.replicas`) and the groups' all-reduce in the timeline; with `--recompute auto`
+slice (`techniques.replicas.search`) and the groups' all-reduce in the timeline; with `--recompute auto`
 a candidate that fits nowhere without recomputation recomputes some stages (the acceptors'
 half first, then those the search without BPipe recomputes, `_with_recompute`); a recomputing
 stage stashes only its inputs, which the runtime keeps for its input gradients anyway, so it
@@ -51,7 +51,7 @@ from pipecc.ir.schedule.actions import ActionKind
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.techniques.bpipe.schedule import bpipe_pairs
 from pipecc.techniques import capabilities as caps
-from pipecc.passes import replicas as rep
+from pipecc.techniques.replicas import search as rep
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
@@ -143,7 +143,7 @@ def evaluate_candidate(ev: Evaluator, m: int, forced: bool = False, d: int = 1,
                        recompute: Sequence[bool] | None = None) -> Candidate:
     """The BPipe candidate with m micro-batches (1F1B, one stage per pipeline rank; with d
     replicas every stage on a group of d devices, each replica pairing with the same replica
-    of its partner group, `passes.replicas`; `recompute[k]`: stage k recomputes, and does not
+    of its partner group, `techniques.replicas.search`; `recompute[k]`: stage k recomputes, and does not
     evict, its stash being its inputs): K_s from the memory-blind cuts' bytes, then every
     K shifted by 0, -1, +1, -2, +2 (the cuts move with K, so the formula's K need not be best);
     the fastest that fits exactly wins. Raises InfeasibleError when none fits with balanced

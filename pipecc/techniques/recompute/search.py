@@ -40,7 +40,7 @@ from pipecc.techniques import capabilities as caps
 from pipecc.passes.partition import InfeasibleError, evaluate, partition
 from pipecc.passes.plan_candidate import Candidate
 from pipecc.passes.plan_evaluate import Evaluator
-from pipecc.passes.replicas import slice_size
+from pipecc.techniques.replicas.search import slice_size
 
 MODES = ("none", "full", "auto")
 

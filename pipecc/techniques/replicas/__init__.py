@@ -1,5 +1,5 @@
-"""Replica groups' rule (PP x DP, `--replicas`, `passes.replicas`, `pipecc.runtime.replicas`):
-how a plan's stages sit on replica groups. One `requires`, asked by the planner (`--replicas`),
+"""Replica groups' rule (PP x DP, `--replicas`; the planner's part is `search`, the runtime's
+`runtime`): how a plan's stages sit on replica groups. One `requires`, asked by the planner (`--replicas`),
 the plan verifier, compile and `pipecc run`.
 
 `Plan.replicas` = d divides the n devices, P = n/d pipeline ranks; stage k sits on rank

@@ -1,4 +1,4 @@
-"""Bi-Partition plans in the torch backend ("ship" mode, `pipecc.runtime.segments`): what a
+"""Bi-Partition plans in the torch backend ("ship" mode, `pipecc.techniques.bipartition.runtime_segments`): what a
 compiled folder holds for them, and the plans the runtime cannot execute (refused at compile).
 
 A plan whose stages' backward ranges (`StagePlan.backward_nodes`) differ from their forward
@@ -20,7 +20,7 @@ a segment like through any stage). Worker j's folder `stage_<j>/` holds
 
 and `pipecc.json` says `"bipartition": "ship"`. Inference plans ignore the backward ranges
 (their folders run the forward ranges). At run time both workers trace each segment's
-forward/backward graphs (`pipecc.runtime.segments.trace_segment`, AOTAutograd).
+forward/backward graphs (`pipecc.techniques.bipartition.runtime_segments.trace_segment`, AOTAutograd).
 
 Compile traces them too (`trace_segments`, called by `write_workers` on the folder it just wrote):
 every segment module as the runtime loads it (`pipecc.runtime.stagefile.load_stage` of its owner's
@@ -35,7 +35,7 @@ about a second for the first segment (torch's AOTAutograd import), well under a 
 further segment and shape on CPU, and the segment's weights copied once more in memory.
 
 Where Bi-Partition can run is one rule (`pipecc.techniques.bipartition.requires`, and the
-graph's part `passes.bipartition_plan.graph_requires`: the loss, BatchNorm or a non-tensor value
+graph's part `techniques.bipartition.plan.graph_requires`: the loss, BatchNorm or a non-tensor value
 in a segment, tied weights), asked by the driver before compile. Refused here in one line,
 nothing written, is what only the generated code shows (`cut_pieces`, `trace_segments`): tied
 weights among the cut pieces, a non-tensor or tuple boundary, a segment AOTAutograd cannot split.
@@ -70,7 +70,7 @@ def uses_bipartition(plan: Plan) -> bool:
 def pieces_of(plan: Plan) -> list[tuple[str, int, int, list[str]]]:
     """The plan's pieces (`Plan.bipartition_pieces`), [] for a plan without Bi-Partition. The
     scope was asked before (`pipecc.techniques.bipartition.requires`, and the graph's part,
-    `passes.bipartition_plan.graph_requires`); what remains here is the generated code's."""
+    `techniques.bipartition.plan.graph_requires`); what remains here is the generated code's."""
     return plan.bipartition_pieces() if uses_bipartition(plan) else []
 
 

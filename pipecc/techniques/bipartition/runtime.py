@@ -1,4 +1,4 @@
-"""Bi-Partition in the executor (the workers' programs: ``pipecc.runtime.segments``).
+"""Bi-Partition in the executor (the workers' programs: ``pipecc.techniques.bipartition.runtime_segments``).
 
 ``BipartitionRunner`` is the stage runner of a ``BipartitionWorker``: F and B run through its
 ``WorkerProgram`` (core under autograd, misplaced segments through their AOT forward/backward
@@ -30,7 +30,7 @@ from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.context import RankContext
 from pipecc.runtime.messages import message_tag
 from pipecc.runtime.ports import Port, StagePorts, unflatten
-from pipecc.runtime.segments import BipartitionWorker, WorkerProgram
+from pipecc.techniques.bipartition.runtime_segments import BipartitionWorker, WorkerProgram
 from pipecc.runtime.stage_runner import StageRunner
 
 

@@ -1,7 +1,7 @@
 """Bi-Partition in the planner: FP/BP cut pairs for a chosen plan, and the compile-time check.
 
     plan (its partition, devices, schedule, m) ─► PartitionProblem of its units (the evaluator's
-    costs) ─► passes.bipartition.bipartition (windowed exact DP around the plan's cuts, stash
+    costs) ─► techniques.bipartition.search.bipartition (windowed exact DP around the plan's cuts, stash
     shipping costs) ─► simulate both ─► the plan with FP/BP ranges when faster, else unchanged;
     a decision line either way
 
@@ -33,9 +33,9 @@ import torch.fx as fx
 from pipecc import cost_saved
 from pipecc import techniques
 from pipecc.ir.graph import META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
-from pipecc.ir.plan import Plan
+from pipecc.ir.plan import BipartitionCosts, BipartitionSearch, Plan
 from pipecc.ir.schedule.registry import schedule_for
-from pipecc.passes.bipartition import BiPartition, bipartition, evaluate_bi
+from pipecc.techniques.bipartition.search import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.bound import lower_bound
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
@@ -82,7 +82,7 @@ def segment_blockers(graph: AnnotatedGraph) -> dict[str, str]:
 def shared_weights(graph: AnnotatedGraph) -> dict[str, list[str]]:
     """Parameter or module target -> the node names using it, for targets used by more than
     one node: the runtime refuses a Bi-Partition plan that puts such nodes in different pieces
-    (tied weights, `backends.torch.bipartition`), so no cut may lie between them."""
+    (tied weights, `techniques.bipartition.codegen`), so no cut may lie between them."""
     users: dict[str, list[str]] = {}
     for node in graph.gm.graph.nodes:
         if node.op == "get_attr":
@@ -169,7 +169,7 @@ def stage_costs(bi: BiPartition, prob: PartitionProblem, m: int,
                 step: Sequence[float] | None = None) -> StageCosts:
     """The simulator's costs of a cut pair (`passes.simulate` module docstring): FP/BP range
     sums plus each worker's per-micro-batch fixed costs (`PartitionProblem.stage_fixed`), both
-    messages per boundary, stashes held per `passes.bipartition`'s memory model, each worker's
+    messages per boundary, stashes held per `techniques.bipartition.search`'s memory model, each worker's
     per-iteration fixed cost `step[j]` (the optimizer step) then the replica refresh as its
     tail after its last action."""
     a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(bi.fwd_bounds) - 1
@@ -216,11 +216,11 @@ def _cuts(b: Sequence[int]) -> str:
 
 
 def describe(plan: Plan) -> str:
-    """"FP cuts [..], BP cuts [..]" in unit counts, from the plan's options ("" if none)."""
-    info = plan.options.get("bipartition") or {}
-    if not info.get("used"):
+    """"FP cuts [..], BP cuts [..]" in unit counts, from the plan's search record ("" if none)."""
+    info = plan.bipartition
+    if info is None or not info.used:
         return ""
-    return f"FP cuts {_cuts(info['fwd_bounds'])}, BP cuts {_cuts(info['bwd_bounds'])}"
+    return f"FP cuts {_cuts(info.fwd_bounds)}, BP cuts {_cuts(info.bwd_bounds)}"
 
 
 def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WINDOW) -> Plan:
@@ -268,16 +268,12 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
                    f"{base.bottleneck:.4g} s (a misplaced segment's forward runs twice)")
     except InfeasibleError:
         rc, rc_line = None, "recomputation: no cut pair fits memory"
-    info: dict[str, Any] = {"used": False, "window": window, "mode": "ship",
-                            "single_iteration_s": t_single.iteration_s,
-                            "single_bottleneck_s": base.bottleneck,
-                            "recompute_bottleneck_s": rc.bottleneck if rc else None,
-                            "recompute_iteration_s": (_simulate(rc, prob, plan, step).iteration_s
-                                                      if rc is not None and rc.is_split
-                                                      else t_single.iteration_s),
-                            "best_ship_bottleneck_s": min([b.bottleneck for b, _, _ in tried],
-                                                          default=base.bottleneck)}
-    plan.options["bipartition"] = info
+    plan.bipartition = BipartitionSearch(
+        used=False, window=window, mode="ship", single_iteration_s=t_single.iteration_s,
+        single_bottleneck_s=base.bottleneck, recompute_bottleneck_s=rc.bottleneck if rc else None,
+        recompute_iteration_s=(_simulate(rc, prob, plan, step).iteration_s if rc is not None and rc.is_split
+                               else t_single.iteration_s),
+        best_ship_bottleneck_s=min([b.bottleneck for b, _, _ in tried], default=base.bottleneck))
     tried.sort(key=lambda r: r[2].iteration_s)
     if not tried or tried[0][2].iteration_s >= t_single.iteration_s * (1 - 1e-9):
         plan.decisions.append(f"Bi-Partition not used: no FP/BP cut pair beats the single cut "
@@ -285,10 +281,11 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
         return plan
     bi, prob, tl = tried[0]
     _fill(plan, bi, prob, tl, units, ev)
-    info.update(used=True, fwd_bounds=list(bi.fwd_bounds), bwd_bounds=list(bi.bwd_bounds),
-                iteration_s=tl.iteration_s, bottleneck_s=bi.bottleneck,
-                stash_bytes=[float(x) for x in bi.misplaced_stash_bytes],
-                weight_sync_bytes=[float(x) for x in bi.weight_sync_bytes])
+    plan.bipartition = dataclasses.replace(
+        plan.bipartition, used=True, fwd_bounds=tuple(bi.fwd_bounds), bwd_bounds=tuple(bi.bwd_bounds),
+        iteration_s=tl.iteration_s, bottleneck_s=bi.bottleneck,
+        stash_bytes=tuple(float(x) for x in bi.misplaced_stash_bytes),
+        weight_sync_bytes=tuple(float(x) for x in bi.weight_sync_bytes))
     plan.decisions.append(
         f"Bi-Partition: {t_single.iteration_s / tl.iteration_s:.3g}× faster than the single cut "
         f"({describe(plan)}, in units of the {units.n} in graph order): predicted {tl.iteration_s:.4g} s per iteration vs "
@@ -337,10 +334,10 @@ def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, uni
     plan.weight_sync_bytes = int(sum(bi.weight_sync_bytes))
     # NOTE: reports rebuild the timeline from the plan (`pipecc.report.artifacts.timeline_for`);
     # comm_s cannot tell the two directions apart here, so the seconds travel with the plan
-    plan.options["bipartition_costs"] = {
-        "send_forward_s": [row[0] for row in costs.send_forward_s],
-        "send_backward_s": [row[0] for row in costs.send_backward_s],
-        "tail_s": list(costs.tail_s or [])}
+    plan.bipartition_costs = BipartitionCosts(
+        send_forward_s=tuple(row[0] for row in costs.send_forward_s),
+        send_backward_s=tuple(row[0] for row in costs.send_backward_s),
+        tail_s=tuple(costs.tail_s or []))
 
 
 def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:

@@ -33,7 +33,7 @@ the zoo and holdout-style models, tests/test_cost_saved.py):
     keeps 1 byte an element: the larger is charged); its output is a new storage, kept if a
     consumer keeps it;
   * fused attention: q, k, v and its output, plus the scores (math path) or the log-sum-exp
-    (flash attention), `pipecc.cost._attention_memory`;
+    (flash attention), `pipecc.cost_formulas.attention_memory`;
   * views (`pipecc.ir.ops.VIEW_OPS`, shape ops that copy nothing) and in-place ops: nothing of
     their own; they alias their input's storage;
   * recurrent layers: their gates and states per step, as measured on torch's CPU kernels
@@ -177,7 +177,7 @@ def saves(node: fx.Node, module: Any, params: list[TensorInfo], weights: set[fx.
           attention_extra: Any = None) -> Saves:
     """The node's rule (module docstring). `weights`: operand nodes computed from parameters
     alone (not activations); `attention_extra`: a fused attention node's scores or log-sum-exp
-    bytes (`pipecc.cost._attention_memory`); `held`: its output's bytes when kept."""
+    bytes (`pipecc.cost_formulas.attention_memory`); `held`: its output's bytes when kept."""
     op, kind = node.meta.get(META_OP, ""), node.meta.get(META_KIND, "unknown")
     value = node.meta.get(META_VALUE)
     ops = operands(node)

@@ -347,7 +347,7 @@ if os.environ.get("NCCL_LIKE"):  # NCCL's wire on gloo: a group per direction, m
     def nccl_like(self, *args, **kwargs):
         init(self, *args, **kwargs)
         check_fifo(self.schedule)
-        self._wire = Wire(self.global_rank, self.config.timeout_s, groups=directed_groups(self.schedule),
+        self._wire = Wire(self.global_rank, self._config.timeout_s, groups=directed_groups(self.schedule),
                           by_order=True)
 
     engine.PipelineRuntime.__init__ = nccl_like

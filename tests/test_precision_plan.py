@@ -163,7 +163,7 @@ def test_the_folder_keeps_the_precision_and_every_loader_uses_it(bf16_folder):
     pm = pipecc.load(out)
     assert "bfloat16 autocast" in repr(pm)
     pipe = pipecc.distributed.load(out)
-    assert pipe.runtime.amp_dtype is torch.bfloat16
+    assert pipe.runtime.ctx.amp_dtype is torch.bfloat16
     # the same weights, run by hand in one module under autocast
     ref = ns["build_model"]()
     ref.load_state_dict(pipe.full_state_dict())
@@ -173,7 +173,7 @@ def test_the_folder_keeps_the_precision_and_every_loader_uses_it(bf16_folder):
     loss = pipe.step(x, target=y)
     torch.testing.assert_close(torch.as_tensor(float(loss)), expected.detach().float(), rtol=2e-2, atol=1e-3)
     pipe.close()
-    assert pipecc.distributed.load(out, precision="fp32").runtime.amp_dtype is None
+    assert pipecc.distributed.load(out, precision="fp32").runtime.ctx.amp_dtype is None
 
 
 def test_drop_in_runs_each_stage_under_autocast():

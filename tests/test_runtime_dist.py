@@ -263,7 +263,7 @@ def test_runners_and_handlers_see_the_rank_context() -> None:
     from pipecc.runtime.wire import Wire
     stages, ports = pm.build_stages(4)
     runtime = PipelineRuntime(stages, ports, 0, 1, RunConfig("interleaved", 4), pm.loss_fn)
-    handlers = [*runtime.runners, runtime.messages, runtime.stash_moves, runtime.refresh]
+    handlers = [*runtime._runners, runtime._messages, runtime._stash_moves, runtime._refresh]
     assert all(h.ctx is runtime.ctx for h in handlers)
     assert not any(value is runtime for h in handlers for value in vars(h).values())
     wire = runtime._wire = Wire(0, 5.0)

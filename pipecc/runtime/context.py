@@ -8,7 +8,9 @@ during steps (the wire, the step's split batch and target, what the runtime's ca
 collaborators (the stage runners of the rank, the message tag) come as explicit arguments. The
 runtime's attributes of the same names read and write the state (``Shared``), so
 ``runtime.loss_scale = 2.0`` (fp16's scaler) or a test's ``runtime._wire = Wire(...)`` (NCCL's
-wire on gloo) reach every runner and handler.
+wire on gloo) reach every runner and handler. The runtime's own read-only facts of the rank
+(``rank``, ``stage_ids``, ``schedule``, ``device``, ...) are this context's, and ``TraceRecorder``
+(``pipecc.runtime.trace``) is given the context too.
 
 Imports torch, ``pipecc.ir.schedule`` and ``pipecc.runtime`` modules below the executor only.
 """
@@ -91,6 +93,11 @@ class RankContext:
     def last_stage(self) -> int:
         return self.schedule.num_stages - 1
 
+    @property
+    def world(self) -> int:
+        """The number of pipeline ranks (the schedule's rows)."""
+        return self.schedule.num_ranks
+
     def split_of(self, stage: int) -> int | tuple[int, ...]:
         """How ``stage`` splits the batch: its chunk sizes (unequal micro-batches), else m."""
         sizes = self.schedule.microbatch_sizes
@@ -117,9 +124,9 @@ class RankContext:
 
 
 class Shared:
-    """A ``PipelineRuntime`` attribute that lives in its ``RankState`` (``runtime.state``), so
+    """A ``PipelineRuntime`` attribute that lives in its ``RankState`` (``runtime.ctx.state``), so
     what the runtime's caller sets reaches the runners: ``loss_scale = Shared()`` in the class
-    makes ``runtime.loss_scale`` read and write ``runtime.state.loss_scale``."""
+    makes ``runtime.loss_scale`` read and write ``runtime.ctx.state.loss_scale``."""
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name
@@ -128,7 +135,7 @@ class Shared:
         self.name = self.name or name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj.state, self.name)
+        return self if obj is None else getattr(obj.ctx.state, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj.state, self.name, value)
+        setattr(obj.ctx.state, self.name, value)

@@ -468,7 +468,8 @@ def train(args: argparse.Namespace, run: RankRun, stdout: TextIO | None = None) 
             if speaks:
                 print(f"checkpoint: step {i} saved in {where}", flush=True)
     if timer is not None and getattr(args, "json", False):
-        _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout, history)
+        _print_times(runtime, timer, args.out, run.schedule_name, batch, stdout or sys.stdout, run.config.precision,
+                     history)
     if runtime.trace is not None:
         runtime.trace.write(Path(args.trace).resolve(), run.schedule_name)
     # NOTE: every rank past its last message before any tears its process group down (a rank
@@ -485,7 +486,7 @@ def _timer(args: argparse.Namespace, runtime: PipelineRuntime) -> ActionTimer | 
     if getattr(args, "json", False):
         runtime.timer = ActionTimer(runtime.global_rank, runtime.device, warmup, replica=runtime.replicas.index)
     if getattr(args, "trace", None) is not None:
-        runtime.timer = runtime.trace = TraceRecorder(runtime, warmup, inner=runtime.timer)
+        runtime.timer = runtime.trace = TraceRecorder(runtime.ctx, warmup, inner=runtime.timer)
         runtime.trace.align()
     return runtime.timer
 
@@ -506,7 +507,7 @@ def _memory_meter(args: argparse.Namespace, runtime: PipelineRuntime, timer: Act
 
 
 def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedule: str, batch: int,
-                 stdout: TextIO, history: list[dict[str, Any]] | None = None) -> None:
+                 stdout: TextIO, precision: str | None, history: list[dict[str, Any]] | None = None) -> None:
     """``--json``: gather every rank's times to the last stage's rank, which prints the document
     (collective: every rank calls it)."""
     dst = runtime.replicas.rank_of(runtime.schedule.stage_to_rank[runtime.last_stage], 0)
@@ -516,7 +517,7 @@ def _print_times(runtime: PipelineRuntime, timer: ActionTimer, out: Path, schedu
         document = run_document(summaries, plan, schedule, runtime.m, batch,
                                 stash=runtime.schedule.partner is not None, identity=plan_identity(out, plan))
         document["history"] = history or []  # every step this run trained: loss, wall time, samples/s, lr
-        document["precision"] = runtime.config.precision or "fp32"  # what the stages ran under (autocast)
+        document["precision"] = precision or "fp32"  # what the stages ran under (autocast)
         print(json.dumps(document), file=stdout, flush=True)
 
 
@@ -576,7 +577,7 @@ def _run_forward(args: argparse.Namespace, folder: CompiledFolder, stage_dirs: l
         if verify and args.steps < 1:
             check(runtime.infer(inputs))  # --verify --steps 0: check one forward pass
     if timer is not None and getattr(args, "json", False):
-        _print_times(runtime, timer, args.out, "inference", batch, stdout or sys.stdout)
+        _print_times(runtime, timer, args.out, "inference", batch, stdout or sys.stdout, config.precision)
     if runtime.trace is not None:
         runtime.trace.write(Path(args.trace).resolve(), "inference")
     # NOTE: every rank past its last message before any tears its process group down (a rank

@@ -429,7 +429,7 @@ class DistributedPipeline:
         loss = None
         if value is not None:
             outputs = self._outputs(value)
-            with torch.no_grad(), self.runtime.autocast():
+            with torch.no_grad(), self.runtime.ctx.autocast():
                 total = self.model_loss(outputs, tgt)
             replicas = self.runtime.replicas
             if replicas.count > 1:  # each replica's rows: a mean weighted by its share, a sum as it is

@@ -6,7 +6,7 @@ stages r, r+P, r+2P, ... for interleaved 1F1B. ``PipelineRuntime`` executes the 
 list from ``pipecc.ir.schedule`` (``build_schedule``: a compiled folder's ``schedule.txt``, or
 one built by name) literally, so a schedule's memory behaviour is real: GPipe stashes m
 microbatches per stage, 1F1B at most p - r. It is a handler table keyed by action kind
-(``handlers``) over one ``StageRunner`` per stage (``pipecc.runtime.stage_runner``: F and B, the
+(``_handlers``) over one ``StageRunner`` per stage (``pipecc.runtime.stage_runner``: F and B, the
 stage's stash), each technique's state with its handler, in a module of its own. The runners and
 handlers see the rank through one ``RankContext`` (``pipecc.runtime.context``: the schedule, the
 device, the mailbox, the wire, what the caller sets between steps), never the runtime:
@@ -193,12 +193,21 @@ class PipelineRuntime:
     checkpoints. ``world > 1`` initialises torch.distributed from the torchrun environment
     unless it already is. Internally values travel as leaves (tuple ports opened).
 
-    What the caller sets between steps lives in the rank's ``RankState`` (``state``), which the
-    runners read: ``loss_scale`` (fp16: the scaled loss's factor, pipecc.runtime.distributed's
-    scaler), ``keep_outputs`` (True: step() keeps the last stage's outputs for last_outputs()),
-    ``refresh_follows`` (Bi-Partition: the caller runs after_optimizer_step after every step, so
-    the replicas' refresh receive is posted during the step, REFRESH), ``timer`` (set: every
-    action runs through it, pipecc run --json); ``_wire`` is the rank's wire (a test may swap it).
+    What other modules read (everything else is the runtime's own):
+      * who and where the rank is, read-only, from its ``RankContext`` (``ctx``, what the stage
+        runners and action handlers are given instead of the runtime): ``rank``, ``world``,
+        ``global_rank``, ``global_world``, ``stage_ids``, ``last_stage``, ``m``, ``schedule``,
+        ``device``, ``replicas``; and ``modules``, the rank's stage modules;
+      * what the caller sets: ``optimizer`` (checkpoints save it), ``trace`` (``pipecc run
+        --trace``'s ``TraceRecorder``), and what lives in the rank's ``RankState`` (``ctx.state``),
+        which the runners read: ``loss_scale`` (fp16: the scaled loss's factor,
+        pipecc.runtime.distributed's scaler), ``keep_outputs`` (True: step() keeps the last stage's
+        outputs for last_outputs()), ``refresh_follows`` (Bi-Partition: the caller runs
+        after_optimizer_step after every step, so the replicas' refresh receive is posted during the
+        step, REFRESH), ``timer`` (set: every action runs through it, pipecc run --json); ``_wire``
+        is the rank's wire (a test may swap it);
+      * after a step: ``peak_stash``, ``peak_sends``;
+      * the methods below the constructor.
     """
 
     loss_scale = Shared()
@@ -210,127 +219,168 @@ class PipelineRuntime:
     def __init__(self, stage: nn.Module | Sequence[nn.Module], ports: dict | Sequence[dict], rank: int,
                  world: int, config: RunConfig, loss_fn: Callable | None = None,
                  optimizer: torch.optim.Optimizer | None = None, replicas: Replicas | None = None):
-        self.modules = [stage] if isinstance(stage, nn.Module) else list(stage)
+        modules = [stage] if isinstance(stage, nn.Module) else list(stage)
         port_list = [ports] if isinstance(ports, dict) else list(ports)
-        if len(port_list) != len(self.modules):
-            raise PipeccError(f"rank {rank}: {len(self.modules)} stage modules but {len(port_list)} port specs")
-        self.ports = [StagePorts.from_json(p) for p in port_list]
-        self.rank, self.world, self.config = rank, world, config
-        self.loss_fn, self.optimizer = loss_fn, optimizer
-        self.m = config.microbatches
+        if len(port_list) != len(modules):
+            raise PipeccError(f"rank {rank}: {len(modules)} stage modules but {len(port_list)} port specs")
+        stage_ports = [StagePorts.from_json(p) for p in port_list]
+        self._modules, self._config, self._world = modules, config, world
+        self.optimizer = optimizer
         if config.precision is not None and config.precision not in PRECISIONS:
             raise UsageError(f"precision {config.precision!r}: choose from {', '.join(PRECISIONS)} (or none: float32)")
-        self.amp_dtype = PRECISIONS.get(config.precision) if config.precision else None
-        self.device = torch.device(config.device) if config.device else _default_device()
-        self.backend = config.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        amp_dtype = PRECISIONS.get(config.precision) if config.precision else None
+        device = torch.device(config.device) if config.device else _default_device()
+        backend = config.backend or ("nccl" if device.type == "cuda" else "gloo")
         # gloo carries a GPU rank's messages through host memory (pipecc.runtime.wire): slower
         # than NCCL, but it is how a GPU stage talks to a CPU stage
-        self.schedule = build_schedule(config.schedule, world, self.m, len(self.modules), config.microbatch_sizes,
-                                       config.activation_balancing)
-        self.m = self.schedule.num_microbatches  # unequal sizes: the most chunks of any stage
-        self.replicas = replicas or Replicas()
-        if self.schedule.microbatch_sizes is not None:
-            if self.replicas.count > 1:
+        schedule = build_schedule(config.schedule, world, config.microbatches, len(modules),
+                                  config.microbatch_sizes, config.activation_balancing)
+        replicas = replicas or Replicas()
+        if schedule.microbatch_sizes is not None:
+            if replicas.count > 1:
                 raise PipeccError("unequal micro-batch sizes cannot run with replicated stages (--replicas > 1); "
                                   "compile with --replicas 1 or equal micro-batches")
-            check_sizes(self.schedule.microbatch_sizes, self.schedule.num_stages,
-                        self.ports[0].batch_size)
-        self.global_rank, self.global_world = self.replicas.rank_of(rank), world * self.replicas.count
-        if self.global_world > 1:
+            check_sizes(schedule.microbatch_sizes, schedule.num_stages, stage_ports[0].batch_size)
+        global_rank, global_world = replicas.rank_of(rank), world * replicas.count
+        if global_world > 1:
             init_distributed(config)
-            if (dist.get_rank(), dist.get_world_size()) != (self.global_rank, self.global_world):
-                raise PipeccError(f"runtime built for rank {self.global_rank} of {self.global_world}, process group "
+            if (dist.get_rank(), dist.get_world_size()) != (global_rank, global_world):
+                raise PipeccError(f"runtime built for rank {global_rank} of {global_world}, process group "
                                   f"says {dist.get_rank()} of {dist.get_world_size()}")
-        self.stage_ids = self.schedule.stages_of(rank)
-        if len(self.stage_ids) != len(self.modules):
-            raise PipeccError(f"rank {rank} holds stages {self.stage_ids} in this schedule but got "
-                              f"{len(self.modules)} modules")
-        self.reslice = Reslicer(self.schedule, self.stage_ids, self.ports)  # unequal sizes' inbox
-        self.last_stage = self.schedule.num_stages - 1
-        for module in self.modules:
-            module.to(self.device)
-        if world > 1 and self.backend == "nccl":
-            check_fifo(self.schedule)
-            groups = directed_groups(self.schedule, self.replicas.count, self.replicas.index)
-            self.state = RankState(Wire(self.global_rank, config.timeout_s, nccl=True, groups=groups, by_order=True))
+        stage_ids = schedule.stages_of(rank)
+        if len(stage_ids) != len(modules):
+            raise PipeccError(f"rank {rank} holds stages {stage_ids} in this schedule but got "
+                              f"{len(modules)} modules")
+        self._reslice = Reslicer(schedule, stage_ids, stage_ports)  # unequal sizes' inbox
+        for module in modules:
+            module.to(device)
+        if world > 1 and backend == "nccl":
+            check_fifo(schedule)
+            groups = directed_groups(schedule, replicas.count, replicas.index)
+            self._state = RankState(Wire(global_rank, config.timeout_s, nccl=True, groups=groups, by_order=True))
         else:
-            self.state = RankState(Wire(self.global_rank, config.timeout_s))
-        grad_sync = None if self.replicas.count == 1 else GradientAllReduce(
-            self.replicas.group(rank), self.global_rank, config.timeout_s, nccl=self.backend == "nccl")
-        self.mailbox = Mailbox()
-        self.peak_stash = 0  # most microbatches stashed at once during the last step
+            self._state = RankState(Wire(global_rank, config.timeout_s))
+        grad_sync = None if replicas.count == 1 else GradientAllReduce(
+            replicas.group(rank), global_rank, config.timeout_s, nccl=backend == "nccl")
+        self._mailbox = Mailbox()
+        self._peak_stash = 0  # most microbatches stashed at once during the last step
         self.trace: TraceRecorder | None = None  # set (and timer set to it): pipecc run --trace
-        if any(is_worker(module) for module in self.modules):
-            check_runs(self.schedule, self.replicas.count)  # Bi-Partition
+        if any(is_worker(module) for module in modules):
+            check_runs(schedule, replicas.count)  # Bi-Partition
         # the collectives, added by compile's lowering to a schedule built here by name or from text;
         # a lowered one (the folder's schedule.txt) is itself, executed as written
-        self.schedule = lower(self.schedule, replicas=self.replicas.count,
-                              refresh_stages=replica_stages(self.stage_ids, self.modules))
-        self.ctx = RankContext(rank, self.global_rank, tuple(self.stage_ids), self.schedule, self.device,
-                               self.amp_dtype, self.replicas, loss_fn, self.mailbox, self.reslice, self.state)
-        self.runners: list[StageRunner] = [
+        schedule = lower(schedule, replicas=replicas.count, refresh_stages=replica_stages(stage_ids, modules))
+        self._ctx = RankContext(rank, global_rank, tuple(stage_ids), schedule, device, amp_dtype, replicas,
+                                loss_fn, self._mailbox, self._reslice, self._state)
+        self._runners: list[StageRunner] = [
             (BipartitionRunner if is_worker(module) else StageRunner)(self.ctx, s, module, ports)
-            for s, module, ports in zip(self.stage_ids, self.modules, self.ports)]
-        self.messages = Messages(self.ctx, self.runner)
-        self.zero_bubble = ZeroBubble(self.runner)
-        self.stash_moves = StashMoves(self.ctx, self.runner)
-        self.reduce = ReduceActions(grad_sync, lambda s: self.runner(s).module.parameters())
-        self.refresh = WeightRefresh(self.ctx, self.runners)
-        self.handlers: dict[ActionKind, Callable[[Action, bool], None]] = {
+            for s, module, ports in zip(stage_ids, modules, stage_ports)]
+        self._messages = Messages(self.ctx, self.runner)
+        self._zero_bubble = ZeroBubble(self.runner)
+        self._stash_moves = StashMoves(self.ctx, self.runner)
+        self._reduce = ReduceActions(grad_sync, lambda s: self.runner(s).module.parameters())
+        self._refresh = WeightRefresh(self.ctx, self._runners)
+        self._handlers: dict[ActionKind, Callable[[Action, bool], None]] = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
-            ActionKind.I: self.zero_bubble.input,
-            ActionKind.W: self.zero_bubble.weight,
-            ActionKind.SEND_F: self.messages.send_forward,
-            ActionKind.RECV_F: self.messages.recv_forward,
-            ActionKind.SEND_B: self.messages.send_backward,
-            ActionKind.RECV_B: self.messages.recv_backward,
-            **{kind: self.stash_moves.run for kind in ActionKind if kind.is_stash},
-            ActionKind.REDUCE: self.reduce.run,
-            ActionKind.REFRESH: self.refresh.run,
+            ActionKind.I: self._zero_bubble.input,
+            ActionKind.W: self._zero_bubble.weight,
+            ActionKind.SEND_F: self._messages.send_forward,
+            ActionKind.RECV_F: self._messages.recv_forward,
+            ActionKind.SEND_B: self._messages.send_backward,
+            ActionKind.RECV_B: self._messages.recv_backward,
+            **{kind: self._stash_moves.run for kind in ActionKind if kind.is_stash},
+            ActionKind.REDUCE: self._reduce.run,
+            ActionKind.REFRESH: self._refresh.run,
         }
         if world > 1:
-            self.messages.handshake()
+            self._messages.handshake()
+
+    # -- who and where the rank is (read-only; the RankContext's) -------------------------
+
+    @property
+    def ctx(self) -> RankContext:
+        """The rank as its stage runners and action handlers see it (``pipecc.runtime.context``)."""
+        return self._ctx
+
+    @property
+    def rank(self) -> int:
+        """The pipeline rank: the schedule's row."""
+        return self.ctx.rank
+
+    @property
+    def world(self) -> int:
+        """The number of pipeline ranks."""
+        return self._world
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the process group (replicas: ``Replicas.rank_of``)."""
+        return self.ctx.global_rank
+
+    @property
+    def global_world(self) -> int:
+        """The process group's size: pipeline ranks times replicas."""
+        return self._world * self.ctx.replicas.count
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """The rank's stages, ascending (a new list)."""
+        return list(self.ctx.stage_ids)
+
+    @property
+    def last_stage(self) -> int:
+        return self.ctx.last_stage
+
+    @property
+    def m(self) -> int:
+        """Micro-batches per step (unequal sizes: the most chunks of any stage)."""
+        return self.ctx.m
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule the rank runs (its collectives included)."""
+        return self.ctx.schedule
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def replicas(self) -> Replicas:
+        return self.ctx.replicas
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The rank's stage modules, in ``stage_ids`` order."""
+        return self._modules
 
     # -- public API ----------------------------------------------------------------------
 
     @property
     def peak_sends(self) -> int:
         """Most sending actions whose tensors were held at once during the last step/infer."""
-        return self.state.wire.peak_inflight
+        return self._state.wire.peak_inflight
 
     @property
-    def evicted(self) -> dict[int, list[int]]:
-        """BPipe: stage -> bytes of each SEND_S of the last step."""
-        return self.stash_moves.evicted
-
-    def autocast(self) -> Any:
-        """The context a stage's forward and loss run in: torch.autocast in the run's precision
-        (``RunConfig.precision``), else nothing."""
-        return self.ctx.autocast()
+    def peak_stash(self) -> int:
+        """Most micro-batches stashed at once during the last step."""
+        return self._peak_stash
 
     def runner(self, stage: int) -> StageRunner:
         """The runner of this rank's stage ``stage``."""
-        return self.runners[self.stage_ids.index(stage)]
-
-    def split_of(self, stage: int) -> int | tuple[int, ...]:
-        """How ``stage`` splits the batch: its chunk sizes (unequal micro-batches), else m."""
-        return self.ctx.split_of(stage)
-
-    def stashed(self) -> int:
-        """Micro-batches stashed now, over this rank's stages."""
-        return sum(len(r.stash) for r in self.runners)
+        return self._runners[self.ctx.stage_ids.index(stage)]
 
     def step(self, inputs: Sequence[Any] | None = None, target: Any = None) -> float | None:
         """One training iteration; the full-batch mean loss on the rank holding the last stage."""
         if not self.schedule.is_training:
-            raise PipeccError(f"schedule {_name(self.config.schedule)} has no backward; use infer()")
+            raise PipeccError(f"schedule {_name(self._config.schedule)} has no backward; use infer()")
         self._run(self.schedule, inputs, target, training=True)
         if self.trace is not None and self.replicas.count > 1:
-            self.trace.span("all-reduce wait", "all-reduce", self.reduce.wait)
+            self.trace.span("all-reduce wait", "all-reduce", self._reduce.wait)
         else:
-            self.reduce.wait()  # before the caller's optimizer step
-        if self.last_stage in self.stage_ids:
+            self._reduce.wait()  # before the caller's optimizer step
+        if self.last_stage in self.ctx.stage_ids:
             losses = self.runner(self.last_stage).losses
             if self.replicas.count > 1:  # each replica's loss is its share: the sum is the full batch's
                 total = torch.stack(losses).sum().reshape(1)
@@ -353,7 +403,7 @@ class PipelineRuntime:
         """The model outputs of the last ``infer`` (or ``step`` with ``keep_outputs`` set), merged
         over microbatches as ``infer`` returns them; None off the last rank or when none are kept."""
         chunks = self.schedule.chunks(self.last_stage)
-        if self.last_stage not in self.stage_ids or len(self.runner(self.last_stage).results) != chunks:
+        if self.last_stage not in self.ctx.stage_ids or len(self.runner(self.last_stage).results) != chunks:
             return None
         last = self.runner(self.last_stage)
         merged = []
@@ -368,16 +418,16 @@ class PipelineRuntime:
     def after_optimizer_step(self) -> None:
         """Bi-Partition: the owners of segments send their updated weights to the replicas
         (call after every ``optimizer.step()``; a no-op without Bi-Partition)."""
-        self.refresh.after_optimizer_step()
+        self._refresh.after_optimizer_step()
 
     def forget_groups(self) -> None:
         """Drop this runtime's references to process groups (replica groups, NCCL's directed
         groups, the replicas' pending all-reduces) once they are destroyed, so their backends
         end now rather than at interpreter exit (``pipecc.runtime.teardown``). No step runs after."""
         self.replicas.groups.clear()
-        self.state.wire.groups.clear()
-        if self.reduce.sync is not None:
-            self.reduce.sync.group, self.reduce.sync.works = None, []
+        self._state.wire.groups.clear()
+        if self._reduce.sync is not None:
+            self._reduce.sync.group, self._reduce.sync.works = None, []
 
     def save_checkpoint(self, directory: str | os.PathLike, step: int) -> Path:
         """Write ``stage_<rank>.safetensors`` and ``stage_<rank>.json`` into ``directory``."""
@@ -390,46 +440,42 @@ class PipelineRuntime:
     # -- execution -----------------------------------------------------------------------
 
     def _run(self, schedule: Schedule, inputs: Sequence[Any] | None, target: Any, training: bool) -> None:
-        """Run this rank's row of ``schedule``: each action through its handler (``handlers``)."""
-        state = self.state
-        state.inputs = self._split_inputs(inputs) if 0 in self.stage_ids else None
-        state.targets = self._split_target(target) if training and self.last_stage in self.stage_ids else None
-        self.mailbox.clear()
-        for runner in self.runners:
+        """Run this rank's row of ``schedule``: each action through its handler (``_handlers``)."""
+        state = self._state
+        state.inputs = self._split_inputs(inputs) if 0 in self.ctx.stage_ids else None
+        state.targets = self._split_target(target) if training and self.last_stage in self.ctx.stage_ids else None
+        self._mailbox.clear()
+        for runner in self._runners:
             runner.reset()
-        self.zero_bubble.reset()
-        self.stash_moves.reset(schedule, training)
-        self.reslice.reset()
-        self.peak_stash = state.wire.peak_inflight = 0
+        self._zero_bubble.reset()
+        self._stash_moves.reset(schedule, training)
+        self._reslice.reset()
+        self._peak_stash = state.wire.peak_inflight = 0
         release = schedule.send_release(self.rank)
         row = schedule.actions[self.rank]
-        self.reduce.prepare(row, training)
+        self._reduce.prepare(row, training)
         for action in row:
-            self.reduce.before(action)
+            self._reduce.before(action)
             if action.kind.is_backward:
-                self.stash_moves.before_backward(action)  # BPipe: its prefetched stash is back first
-            self.timed(action, lambda a=action: self.handlers[a.kind](a, training))
-            self.stash_moves.release_after(action, release.get(action, []))
+                self._stash_moves.before_backward(action)  # BPipe: its prefetched stash is back first
+            self.ctx.timed(action, lambda a=action: self._handlers[a.kind](a, training))
+            self._stash_moves.release_after(action, release.get(action, []))
         state.wire.flush()
-        leftover = ([x for r in self.runners for x in r.leftover] or self.mailbox.inbox or self.mailbox.outbox
-                    or self.zero_bubble.leftover or self.reslice.leftover or self.stash_moves.leftover)
+        leftover = ([x for r in self._runners for x in r.leftover] or self._mailbox.inbox or self._mailbox.outbox
+                    or self._zero_bubble.leftover or self._reslice.leftover or self._stash_moves.leftover)
         assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
         state.inputs = state.targets = None
-
-    def timed(self, action: Action, execute: Callable[[], None]) -> None:
-        """Run ``execute`` (the action's work), through the timer when one is set."""
-        self.ctx.timed(action, execute)
 
     def _forward(self, a: Action, training: bool) -> None:
         """F on its stage's runner (BPipe: an evicted micro-batch's saved activations captured)."""
         runner = self.runner(a.stage)
-        runner.forward(a.microbatch, training, self.stash_moves.capture(a.stage, a.microbatch, runner.module))
-        self.peak_stash = max(self.peak_stash, self.stashed())
+        runner.forward(a.microbatch, training, self._stash_moves.capture(a.stage, a.microbatch, runner.module))
+        self._peak_stash = max(self._peak_stash, sum(len(r.stash) for r in self._runners))
 
     def _backward(self, a: Action, training: bool) -> None:
         """B on its stage's runner (BPipe: the micro-batch's saved activations were unpacked)."""
         self.runner(a.stage).backward(a.microbatch)
-        self.stash_moves.backward_done(a.stage, a.microbatch)
+        self._stash_moves.backward_done(a.stage, a.microbatch)
 
     # -- the batch -------------------------------------------------------------------------
 
@@ -449,14 +495,14 @@ class PipelineRuntime:
                                       f"expects {list(port.shape)} {port.dtype}")
                 if port.batch_dim in port.dynamic:  # a length in the batch dim (B*S rows): this batch's
                     port = replace(port, shape=tuple(v.shape))
-            extents = port.extents(ports.batch_size, self.split_of(0))
+            extents = port.extents(ports.batch_size, self.ctx.split_of(0))
             per_leaf.append(torch.split(v, extents, port.batch_dim) if extents else [v] * self.schedule.chunks(0))
         return [[values[mb] for values in per_leaf] for mb in range(self.schedule.chunks(0))]
 
     def _split_target(self, target: Any) -> list[Any]:
         """The target per microbatch: tensors (or a tuple/list of them) split along dim 0."""
         batch = self.runner(self.last_stage).ports.batch_size
-        split_as, chunks = self.split_of(self.last_stage), self.schedule.chunks(self.last_stage)
+        split_as, chunks = self.ctx.split_of(self.last_stage), self.schedule.chunks(self.last_stage)
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             t = t.to(self.device)

@@ -3,7 +3,7 @@ actions, the stage's stash (per micro-batch: the input leaves and the outputs, o
 on the last stage) and, on the last stage, the micro-batch losses and kept outputs.
 
 The executor (``pipecc.runtime.engine.PipelineRuntime``) holds one runner per stage the schedule
-places on its rank and hands each action to its handler (``PipelineRuntime.handlers``); F and B
+places on its rank and hands each action to its handler (``PipelineRuntime._handlers``); F and B
 are the runner's. A runner sees its rank through a ``RankContext`` (``pipecc.runtime.context``),
 not the runtime. What a stage exchanges with its neighbours goes through the rank's mailbox
 (``Mailbox``: received or locally handed-over values, values waiting for their SEND): a local

@@ -88,14 +88,15 @@ def check_trace_path(path: str | os.PathLike, args: Any = None) -> Path:
 
 
 class TraceRecorder:
-    """One rank's events; ``rt`` is its ``PipelineRuntime`` (for the message bytes, the device and
-    the ranks), ``inner`` an ``ActionTimer`` every action also runs through (``--json``), or None."""
+    """One rank's events; ``ctx`` is its ``RankContext`` (``pipecc.runtime.context``, the runtime's
+    ``ctx``: the message bytes in its mailbox, the device and the ranks), ``inner`` an
+    ``ActionTimer`` every action also runs through (``--json``), or None."""
 
-    def __init__(self, rt: Any, warmup_steps: int, inner: Any = None):
-        self.rt, self.warmup_steps, self.inner = rt, warmup_steps, inner
+    def __init__(self, ctx: Any, warmup_steps: int, inner: Any = None):
+        self.ctx, self.warmup_steps, self.inner = ctx, warmup_steps, inner
         self.events: list[tuple[Action, int, int, int, int | None]] = []  # (action, step, start, end, bytes)
         self.spans: list[tuple[str, str, int, int, int, dict[str, Any]]] = []  # (name, cat, tid, start, end, args)
-        self._cuda = rt.device.type == "cuda"
+        self._cuda = ctx.device.type == "cuda"
         self.step = -1
         self._on = False  # inside a step
         self._step_start = 0
@@ -174,9 +175,9 @@ class TraceRecorder:
 
     def payload(self) -> dict[str, Any]:
         """This rank's events as plain data (to gather)."""
-        rt = self.rt
-        return {"rank": rt.global_rank, "pipeline_rank": rt.rank, "replica": rt.replicas.index,
-                "stages": list(rt.stage_ids), "host": self.host, "origin_ns": self.origin_ns,
+        ctx = self.ctx
+        return {"rank": ctx.global_rank, "pipeline_rank": ctx.rank, "replica": ctx.replicas.index,
+                "stages": list(ctx.stage_ids), "host": self.host, "origin_ns": self.origin_ns,
                 "events": sorted([[*_event(*e)] for e in self.events] + [list(e) for e in self.spans],
                                  key=lambda e: e[3])}  # by start: each track in time order
 
@@ -184,12 +185,12 @@ class TraceRecorder:
         """Gather every rank's events to global rank 0, which writes the Chrome trace to ``path``
         atomically (collective: every rank calls it)."""
         from pipecc.runtime.timing import gather  # NOTE: gather's JSON over the process group
-        rt = self.rt
-        payloads = gather(self.payload(), 0, rt.device)
+        ctx = self.ctx
+        payloads = gather(self.payload(), 0, ctx.device)
         if payloads is None:
             return
-        meta = {"schedule": schedule, "num_ranks": rt.world, "replicas": rt.replicas.count,
-                "num_stages": rt.schedule.num_stages, "microbatches": rt.m, "steps": self.step + 1,
+        meta = {"schedule": schedule, "num_ranks": ctx.world, "replicas": ctx.replicas.count,
+                "num_stages": ctx.schedule.num_stages, "microbatches": ctx.m, "steps": self.step + 1,
                 "warmup_steps": min(self.warmup_steps, self.step + 1)}
         text = json.dumps(chrome_trace(payloads, meta))
         from pipecc.runtime import outfile  # checked with the run's inputs and --force before it started
@@ -202,17 +203,17 @@ class TraceRecorder:
             self.inner.run(action, execute)
 
     def _outbox_bytes(self, a: Action) -> int | None:
-        values = self.rt.mailbox.outbox.get(("F" if a.kind is ActionKind.SEND_F else "B", a.stage, a.microbatch))
+        values = self.ctx.mailbox.outbox.get(("F" if a.kind is ActionKind.SEND_F else "B", a.stage, a.microbatch))
         return _nbytes(values)
 
     def _inbox_bytes(self, a: Action) -> int | None:
-        values = self.rt.mailbox.inbox.get(("F" if a.kind is ActionKind.RECV_F else "B", a.stage, a.microbatch))
+        values = self.ctx.mailbox.inbox.get(("F" if a.kind is ActionKind.RECV_F else "B", a.stage, a.microbatch))
         return _nbytes(values)
 
     def _sync(self) -> None:
         # NOTE: CUDA kernels run asynchronously; without a sync the event would be their launch
-        if self.rt.device.type == "cuda":
-            torch.cuda.synchronize(self.rt.device)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
 
 
 def _event(action: Action, step: int, start: int, end: int, nbytes: int | None) -> tuple:

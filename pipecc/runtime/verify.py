@@ -334,7 +334,7 @@ class Verifier:
         self._unsliced: set[str] = set()
         if replicas.count == 1:
             return values
-        ports = self.runtime.ports[self.runtime.stage_ids.index(self.runtime.last_stage)]
+        ports = self.runtime.runner(self.runtime.last_stage).ports
         dims = {p.name: p.batch_dim for p in ports.sends if p.kind == "tensor"}
         # NOTE: a port of several tensors (a namedtuple of batched outputs) has no one batch
         # dim: `_leaves_differ` cuts its leaves along dim 0

@@ -73,7 +73,6 @@ CONTRACTS: dict[str, Contract] = {c.name: c for c in (
     _c("recost", "graph costs cluster options", "costs", "pipecc.cost:recost_attention", changes_input=True),
     _c("balance", "graph costs cluster options", "plan", "pipecc.passes.plan_search:Planner"),
     _c("split layers", "graph costs plan cluster options", "graph plan", "pipecc.passes.split_search:search"),
-    _c("bipartition", "graph costs plan cluster options", "graph plan", "pipecc.techniques.bipartition.plan:apply"),
     # compile
     _c("cut stages", "graph plan", "stages", "pipecc.backends.torch.stages:cut_stages"),
     _c("report", "graph plan", "report", "pipecc.report.html:render_report"),

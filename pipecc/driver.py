@@ -20,14 +20,11 @@ Backends: torch always, FPGA when the plan puts stages on FPGA cards (`backends_
 Analysis leaves an in-memory model as it found it (weights, buffers, train flags, RNG:
 `model_state.preserved_state` around the capture step). What analysis and compile refuse, each
 with its reason: a forward that returns no tensor or exits, a `--symbol` naming a missing input
-or dim (the frontend), a training pipeline for a model with nothing to train (`_trainable`),
+or dim (the frontend), a training pipeline for a model with nothing to train (`compile_checks.trainable`),
 and, with `strict_batchnorm`, BatchNorm statistics that micro-batching would change
-(`batchnorm_note`; by default a warning).
+(`compile_checks.batchnorm_note`; by default a warning).
 """
 
-# NOTE(size): the driver is the list of steps and their thin wrappers (one per plan feature:
-# split layers, UMPIPE, Bi-Partition, and the compile-time checks); splitting it would hide
-# the order in which they run.
 from __future__ import annotations
 
 import contextlib
@@ -50,13 +47,15 @@ from pipecc.frontend.modelfile import ModelSpec, kept_cwd, load_model_file
 from pipecc import techniques
 from pipecc.runtime.loss_reduction import check_split
 from pipecc.instruments import Instruments, State, Step
-from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
+from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.techniques import capabilities as caps
 from pipecc.ir.verify import verify, verify_plan
 from pipecc.passes.contract import PlanContext
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.report.formatting import count
+from pipecc.compile_checks import (batchnorm_message, batchnorm_note, batchnorm_warning,  # noqa: F401
+                                   capabilities_of, check_techniques, separable, strict_batchnorm_message, trainable)
 
 if TYPE_CHECKING:  # the backends and the planner load only when a step needs them
     from pipecc.backends.base import Backend, Target
@@ -263,63 +262,6 @@ def _noted(plan: Plan, *lines: str) -> Plan:
     return dataclasses.replace(plan, decisions=[*plan.decisions, *lines])
 
 
-def _bipartition(state: State, *, planner: Planner, graph: AnnotatedGraph, cluster: Cluster,
-                 options: PlanOptions) -> None:
-    """Separate forward/backward cuts (`techniques.bipartition.plan`) on the chosen plan; when it
-    splits layers, first on its split graph (`_bipartition_split`), then on the planner's
-    unsplit plan of `graph`, kept only if faster than the split one. A decision line either way."""
-    from pipecc.techniques.bipartition import plan as bipartition_plan
-    assert state.plan is not None and state.graph is not None
-    if state.plan.split_layers and state.candidate is not None:
-        _bipartition_split(state, cluster=cluster, options=options)  # split layers compose (issue 18)
-    chosen = state.plan
-    if chosen.split_layers and state.candidate is not None:
-        base = planner.to_plan(state.candidate)
-        g, ev = graph, planner.evaluator
-    else:
-        base, g = chosen, state.graph
-        ev = planner.evaluator if g is graph else _evaluator(g, cluster, options)
-    why = techniques.bipartition.requires(base, techniques.COMPILED) or bipartition_plan.graph_requires(g, base)
-    if why is not None:
-        state.plan = _noted(chosen, f"Bi-Partition not tried: {why}")
-        return
-    result = bipartition_plan.apply(base, ev, g, window=options.bipartition_window)
-    if base is chosen:
-        state.plan = result
-        return
-    compute = chosen.lower_bound_compute_s
-    if compute and result.lower_bound_compute_s:
-        compute = min(compute, result.lower_bound_compute_s)
-    chosen = dataclasses.replace(chosen, lower_bound_s=min(chosen.lower_bound_s, result.lower_bound_s),
-                                 lower_bound_compute_s=compute)
-    line = next(d for d in reversed(result.decisions) if d.startswith("Bi-Partition"))
-    if result.is_bipartition() and result.predicted_iteration_s < chosen.predicted_iteration_s:
-        state.plan, state.graph = _noted(result, f"Bi-Partition on unsplit layers beats the plan with split layers: "
-                                                 f"{result.predicted_iteration_s:.4g} s vs "
-                                                 f"{chosen.predicted_iteration_s:.4g} s per iteration"), g
-        return
-    if result.is_bipartition():
-        line = (f"Bi-Partition not used: on unsplit layers it predicts "
-                f"{result.predicted_iteration_s:.4g} s per iteration, the plan with split layers "
-                f"{chosen.predicted_iteration_s:.4g} s ({line.removeprefix('Bi-Partition: ')})")
-    state.plan = _noted(chosen, line)
-
-
-def _bipartition_split(state: State, *, cluster: Cluster, options: PlanOptions) -> None:
-    """Separate forward/backward cuts on the chosen plan with its split layers, on its rewritten
-    graph (a split layer's shards are nodes like any other), when the rule admits that plan:
-    `state.plan` gets the cut pair when it is faster, else a decision line says why not."""
-    from pipecc.techniques.bipartition import plan as bipartition_plan
-    assert state.plan is not None and state.graph is not None
-    why = techniques.bipartition.requires(state.plan, techniques.COMPILED) or bipartition_plan.graph_requires(
-        state.graph, state.plan)
-    if why is not None:
-        state.plan = _noted(state.plan, f"Bi-Partition with split layers not tried: {why}")
-        return
-    state.plan = bipartition_plan.apply(state.plan, _evaluator(state.graph, cluster, options), state.graph,
-                                        window=options.bipartition_window)
-
-
 def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
                     cluster: Cluster) -> tuple[PlanOptions, Cluster]:
     """`options` as the planner reads them, and the cluster it plans on: the batch size the
@@ -444,10 +386,6 @@ def _plan_on(analysis: Analysis | AnnotatedGraph, cluster: Cluster, options: Pla
         if technique_step is not None and technique_step.wanted(options):
             steps.append(Step(technique_step.contract.name, partial(technique_step.run, ctx=ctx),
                               technique_step.label, technique_step.contract))
-    if options.bipartition == "auto":
-        steps.append(Step("bipartition", partial(_bipartition, planner=planner, graph=graph,
-                                                 cluster=cluster, options=options),
-                          "searching separate forward/backward cuts"))
     fpgas = [d for d in cluster.devices if not d.can(caps.BACKWARD)]  # the FPGA cards: no backward pass
     if not (options.training and options.replicas == "auto" and fpgas and len(fpgas) < len(cluster.devices)
             and given_profile is None):
@@ -522,112 +460,6 @@ def _module(state: State, *, model: nn.Module, target: Target) -> None:
     state.module = state.backends[-1].module(model, state.graph, state.plan, state.stages, target)
 
 
-def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = False,
-                   replicas: int = 1) -> str | None:
-    """Why the pipeline's BatchNorm outputs can differ from the model's, or None.
-
-    NOTE: a training pipeline runs each micro-batch (and each of `replicas` its slice, as DDP
-    without SyncBatchNorm) through BatchNorm on its own: in training mode (always, without running
-    statistics) it normalises with that piece's mean and variance and updates its running statistics
-    once per piece: GPipe's behaviour. With one piece they are the model's. Eval mode with running
-    statistics is unaffected, as is ONNX BatchNormalization (inference-only). `pipecc run` trains in
-    training mode; the drop-in runs modules in their current mode (`current_mode`: eval-mode ones do not count).
-    """
-    from pipecc.techniques.recompute.search import training_batchnorm_names
-    if plan.microbatches * replicas <= 1 or plan.schedule == "inference" or graph.source == "onnx":
-        return None
-    names = training_batchnorm_names(graph)
-    names = [n for n in names if _batch_statistics_now(graph, n)] if current_mode else names
-    if not names:
-        return None
-    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-    parts = (f"each of the {replicas} replicas' slices of " if replicas > 1 else "") + (
-        f"each of the {plan.microbatches} micro-batches" if plan.microbatches > 1 else "the batch")
-    return f"BatchNorm ({names[0]}{more}) in training mode normalises {parts} with its own statistics"
-
-
-def _batch_statistics_now(graph: AnnotatedGraph, name: str) -> bool:
-    """Whether BatchNorm node `name` normalises with batch statistics in its module's current
-    mode (a traced function call's flag was fixed when it was captured: it does)."""
-    node = graph.by_name()[name]
-    if node.op != "call_module":
-        return True
-    module = graph.gm.get_submodule(str(node.target))
-    return bool(module.training or getattr(module, "running_mean", None) is None)
-
-
-def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capabilities) -> None:
-    """A PipeccError (one line) for a plan a technique's rule refuses on these capabilities
-    (`pipecc.techniques.requires`: BPipe, UMPIPE, Bi-Partition, recomputation, replica
-    groups, zero-bubble; `pipecc plan` never makes one, an edited plan.json can), then the
-    rules that need the graph (BatchNorm in a recomputed stage or a Bi-Partition segment, tied
-    weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
-    module runs Bi-Partition's forward ranges as stages and lets autograd run every backward in
-    place: the same numbers, no messages to ship.)"""
-    from pipecc.techniques.bipartition import plan as bipartition_plan
-    from pipecc.techniques.recompute import search as recompute
-    from pipecc.techniques.replicas.runtime import replica_problem
-    why = techniques.requires(plan, capabilities) or recompute.graph_requires(graph, plan)
-    if why is None and techniques.bipartition.uses(plan):
-        why = bipartition_plan.graph_requires(graph, plan)
-    if why is None and isinstance(plan.replicas, int):
-        why = replica_problem(plan.batch_size, plan.microbatches, plan.replicas)
-        why = why and why.replace("use --microbatches", "plan with --microbatches")
-    if why is not None:
-        raise PipeccError(why)
-
-
-def capabilities_of(backends: Sequence[Backend], in_process: bool = False) -> caps.Capabilities:
-    """What every one of `backends` executes (their compiled folders', or with `in_process`
-    their drop-in modules')."""
-    run = frozenset(caps.ALL)
-    for b in backends:
-        run &= b.module_capabilities if in_process else b.capabilities
-    return caps.DROP_IN if in_process and run == caps.IN_PROCESS else (
-        caps.COMPILED if run == caps.COMPILED_FOLDER else caps.Capabilities(runtime=run))
-
-
-def _trainable(graph: AnnotatedGraph) -> bool:
-    """Whether training changes anything: a parameter that requires a gradient."""
-    return any(info.requires_grad for node in graph.gm.graph.nodes
-               for _, info in node.meta.get(META_PARAMS, []))
-
-
-def _batchnorm_warning(graph: AnnotatedGraph, plan: Plan, strict: bool, *,
-                       current_mode: bool = False, replicas: int = 1) -> str | None:
-    """The BatchNorm warning, or None; with `strict` a PipeccError instead of the warning."""
-    note = batchnorm_note(graph, plan, current_mode=current_mode, replicas=replicas)
-    if note is None:
-        return None
-    if strict:
-        raise PipeccError(_strict_batchnorm_message(note, replicas))
-    return _batchnorm_message(note, replicas)
-
-
-def _separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
-    """Refuse (one line naming the node) a plan that splits the batch of a model whose nodes
-    mix samples (`pipecc.passes.batchdim`); the finding is kept for the compiled folder
-    (`pipecc.json`'s `batch_mixing`: `pipecc run -m N` asks it again)."""
-    from pipecc.passes import batchdim
-    found = batchdim.find_mixing(graph, training=plan.schedule != "inference")
-    graph.gm.meta[batchdim.META_MIXING] = found
-    pieces = batchdim.pieces(plan.microbatches, replicas)
-    if found is not None and pieces:
-        raise PipeccError(found.message(pieces))
-
-
-def _strict_batchnorm_message(note: str, replicas: int = 1) -> str:
-    return (f"strict_batchnorm: {note}, so its outputs would differ from the model's; use "
-            f"microbatches=1{' and --replicas 1' if replicas > 1 else ''} (or eval mode)")
-
-
-def _batchnorm_message(note: str, replicas: int = 1) -> str:
-    fix = "microbatches=1 and --replicas 1 give" if replicas > 1 else "microbatches=1 gives"
-    return (f"{note} (as {'DDP without SyncBatchNorm and GPipe do' if replicas > 1 else 'GPipe does'}), so outputs and "
-            f"running statistics differ from the unpipelined model's; {fix} equal outputs (with dropout "
-            "too: more micro-batches draw its masks per micro-batch); strict_batchnorm refuses instead")
-
-
 def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Path, *,  # noqa: A001
             force: bool = False, fpga_number: str = "float", strict_batchnorm: bool = False,
             debug: bool = False, dump_ir: str | Path | None = None) -> Compiled:
@@ -639,12 +471,12 @@ def compile(analysis: Analysis, plan: Plan, graph: AnnotatedGraph, out: str | Pa
     parameters, and BatchNorm over several micro-batches with `strict_batchnorm` (by default
     that is a warning among the returned notes)."""
     from pipecc.backends.base import Target
-    model_checks.check_trains(graph.gm.meta, plan.schedule, _trainable(graph))  # parameters, outputs with grads
+    model_checks.check_trains(graph.gm.meta, plan.schedule, trainable(graph))  # parameters, outputs with grads
     check_techniques(graph, plan, capabilities_of(backends_for(plan)))
     onnx_import.check_executable(graph.gm)
     replicas = plan.replicas if isinstance(plan.replicas, int) else 1
-    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, replicas=replicas)
-    _separable(graph, plan, replicas)
+    batchnorm = batchnorm_warning(graph, plan, strict_batchnorm, replicas=replicas)
+    separable(graph, plan, replicas)
     if plan.schedule != "inference":  # a loss_fn mixing samples: refused when the batch is split
         check_split(graph.gm.meta.get(LOSS_META), plan.microbatches, replicas, Path(plan.model_path or "model").name)
     example = tuple(analysis.spec.example_inputs) if analysis.spec is not None else None
@@ -672,8 +504,8 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     from pipecc.backends.base import Target
     check_techniques(graph, plan, capabilities_of(backends_for(plan), in_process=True))
     onnx_import.check_executable(graph.gm)
-    batchnorm = _batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
-    _separable(graph, plan, 1)  # one process runs each micro-batch whole (no replicas' slices)
+    batchnorm = batchnorm_warning(graph, plan, strict_batchnorm, current_mode=True)
+    separable(graph, plan, 1)  # one process runs each micro-batch whole (no replicas' slices)
     if batchnorm:
         warnings.warn(batchnorm, UserWarning, stacklevel=3)
     in_train_mode = batchnorm_note(graph, plan)  # what `train()` would start
@@ -688,6 +520,6 @@ def compile_module(model: nn.Module, graph: AnnotatedGraph, plan: Plan, example_
     assert module is not None
     module.plan = plan  # type: ignore[assignment]  # for inspection: pm.plan.stages, ...
     if in_train_mode and not batchnorm and hasattr(module, "warn_on_train"):
-        module.warn_on_train(_strict_batchnorm_message(in_train_mode) if strict_batchnorm
-                             else _batchnorm_message(in_train_mode), refuse=strict_batchnorm)
+        module.warn_on_train(strict_batchnorm_message(in_train_mode) if strict_batchnorm
+                             else batchnorm_message(in_train_mode), refuse=strict_batchnorm)
     return module

@@ -37,13 +37,14 @@ from pipecc.ir.plan import BipartitionCosts, BipartitionSearch, Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.techniques.bipartition.search import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.bound import lower_bound
+from pipecc.passes.contract import Contract, PlanContext, TechniqueStep
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.techniques.recompute.search import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.techniques.umpipe.plan import _unit_bounds
 
-__all__ = ["graph_requires", "segment_blockers", "shared_weights", "apply", "describe", "WINDOW"]
+__all__ = ["STEP", "graph_requires", "segment_blockers", "shared_weights", "apply", "describe", "step", "WINDOW"]
 
 WINDOW = 8  # units each cut may move (PAPERS-SPEC §3.4's Δ)
 WIDEST = 16  # ... doubled once while a cut sits at the window's edge and the result improves
@@ -363,3 +364,73 @@ def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
                 return (f"plan: node {n} ({blockers[n]}) runs forward on stage {fp} and backward on stage "
                         f"{bp}, which the runtime cannot do; re-plan with --bipartition auto or off")
     return None
+
+
+# ----------------------------------------------------------------------------- the driver's step
+
+
+def _noted(plan: Plan, *lines: str) -> Plan:
+    """`plan` with `lines` added to its decisions: a copy (a step never edits a plan it read)."""
+    return dataclasses.replace(plan, decisions=[*plan.decisions, *lines])
+
+
+def step(state: Any, ctx: PlanContext) -> None:
+    """Separate forward/backward cuts (`techniques.bipartition.plan`) on the chosen plan; when it
+    splits layers, first on its split graph (`_split_step`), then on the planner's
+    unsplit plan of `graph`, kept only if faster than the split one. A decision line either way."""
+    from pipecc.techniques.bipartition import plan as bipartition_plan
+    assert state.plan is not None and state.graph is not None
+    if state.plan.split_layers and state.candidate is not None:
+        _split_step(state, ctx)  # split layers compose (issue 18)
+    chosen = state.plan
+    if chosen.split_layers and state.candidate is not None:
+        base = ctx.planner.to_plan(state.candidate)
+        g, ev = ctx.graph, ctx.planner.evaluator
+    else:
+        base, g = chosen, state.graph
+        ev = ctx.planner.evaluator if g is ctx.graph else ctx.evaluator(g)
+    why = techniques.bipartition.requires(base, techniques.COMPILED) or graph_requires(g, base)
+    if why is not None:
+        state.plan = _noted(chosen, f"Bi-Partition not tried: {why}")
+        return
+    result = apply(base, ev, g, window=ctx.options.bipartition_window)
+    if base is chosen:
+        state.plan = result
+        return
+    compute = chosen.lower_bound_compute_s
+    if compute and result.lower_bound_compute_s:
+        compute = min(compute, result.lower_bound_compute_s)
+    chosen = dataclasses.replace(chosen, lower_bound_s=min(chosen.lower_bound_s, result.lower_bound_s),
+                                 lower_bound_compute_s=compute)
+    line = next(d for d in reversed(result.decisions) if d.startswith("Bi-Partition"))
+    if result.is_bipartition() and result.predicted_iteration_s < chosen.predicted_iteration_s:
+        state.plan, state.graph = _noted(result, f"Bi-Partition on unsplit layers beats the plan with split layers: "
+                                                 f"{result.predicted_iteration_s:.4g} s vs "
+                                                 f"{chosen.predicted_iteration_s:.4g} s per iteration"), g
+        return
+    if result.is_bipartition():
+        line = (f"Bi-Partition not used: on unsplit layers it predicts "
+                f"{result.predicted_iteration_s:.4g} s per iteration, the plan with split layers "
+                f"{chosen.predicted_iteration_s:.4g} s ({line.removeprefix('Bi-Partition: ')})")
+    state.plan = _noted(chosen, line)
+
+
+def _split_step(state: Any, ctx: PlanContext) -> None:
+    """Separate forward/backward cuts on the chosen plan with its split layers, on its rewritten
+    graph (a split layer's shards are nodes like any other), when the rule admits that plan:
+    `state.plan` gets the cut pair when it is faster, else a decision line says why not."""
+    from pipecc.techniques.bipartition import plan as bipartition_plan
+    assert state.plan is not None and state.graph is not None
+    why = techniques.bipartition.requires(state.plan, techniques.COMPILED) or graph_requires(
+        state.graph, state.plan)
+    if why is not None:
+        state.plan = _noted(state.plan, f"Bi-Partition with split layers not tried: {why}")
+        return
+    state.plan = apply(state.plan, ctx.evaluator(state.graph), state.graph,
+                                        window=ctx.options.bipartition_window)
+
+
+STEP = TechniqueStep(
+    Contract("bipartition", ("graph", "costs", "plan", "cluster", "options"), ("graph", "plan"),
+             "pipecc.techniques.bipartition.plan:apply"),
+    "searching separate forward/backward cuts", lambda options: options.bipartition == "auto", step)

@@ -260,12 +260,18 @@ def test_local_stages_match_single_process(schedule: str, num_stages: int) -> No
 def test_runners_and_handlers_see_the_rank_context() -> None:
     """The stage runners and action handlers get the rank's RankContext, not the runtime; what the
     caller sets on the runtime (a swapped wire, loss_scale, keep_outputs) reaches them through it."""
+    from pipecc.ir.schedule.actions import ActionKind
     from pipecc.runtime.wire import Wire
     stages, ports = pm.build_stages(4)
     runtime = PipelineRuntime(stages, ports, 0, 1, RunConfig("interleaved", 4), pm.loss_fn)
-    handlers = [*runtime._runners, runtime._messages, runtime._stash_moves, runtime._refresh]
+    techniques = runtime._techniques  # each technique's handler (pipecc.runtime.handlers), one per runtime part
+    assert len(techniques) == 5
+    handlers = [*runtime._runners, runtime._messages, *[h for h in techniques if hasattr(h, "ctx")]]
+    assert len(handlers) == len(runtime._runners) + 3  # BPipe's and Bi-Partition's hold the context
     assert all(h.ctx is runtime.ctx for h in handlers)
-    assert not any(value is runtime for h in handlers for value in vars(h).values())
+    assert not any(value is runtime for h in [*handlers, *techniques] for value in vars(h).values())
+    claimed = [kind for h in techniques for kind in h.kinds]
+    assert len(claimed) == len(set(claimed)) and set(runtime._handlers) == set(ActionKind)  # one handler per kind
     wire = runtime._wire = Wire(0, 5.0)
     runtime.keep_outputs, runtime.loss_scale = True, 1.0
     assert runtime.ctx.wire is wire and runtime.ctx.state.keep_outputs

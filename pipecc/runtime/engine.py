@@ -7,16 +7,18 @@ list from ``pipecc.ir.schedule`` (``build_schedule``: a compiled folder's ``sche
 one built by name) literally, so a schedule's memory behaviour is real: GPipe stashes m
 microbatches per stage, 1F1B at most p - r. It is a handler table keyed by action kind
 (``_handlers``) over one ``StageRunner`` per stage (``pipecc.runtime.stage_runner``: F and B, the
-stage's stash), each technique's state with its handler, in a module of its own. The runners and
+stage's stash) and the messages; every other action kind is a technique's, run by the handler its
+package's runtime part builds (``pipecc.runtime.handlers``: one protocol, whose hooks the engine
+calls around each action and step; ``pipecc.techniques.parts("runtime")``). The runners and
 handlers see the rank through one ``RankContext`` (``pipecc.runtime.context``: the schedule, the
 device, the mailbox, the wire, what the caller sets between steps), never the runtime:
 
     SEND_F RECV_F SEND_B RECV_B   ``pipecc.runtime.messages`` (what travels: ``ports``, how: ``wire``)
-    I W                           ``pipecc.techniques.zero_bubble.runtime.ZeroBubble`` (zero-bubble)
-    SEND_S RECV_S SEND_R RECV_R   ``pipecc.techniques.bpipe.runtime.StashMoves`` (BPipe)
-    REDUCE                        ``pipecc.techniques.replicas.runtime.ReduceActions`` (replica groups)
-    REFRESH                       ``pipecc.techniques.bipartition.runtime.WeightRefresh`` (Bi-Partition,
-                                  whose stages run a ``BipartitionRunner``)
+    I W                           zero-bubble's (``pipecc.techniques.zero_bubble.runtime``)
+    SEND_S RECV_S SEND_R RECV_R   BPipe's (``pipecc.techniques.bpipe.runtime``)
+    REDUCE                        the replica groups' (``pipecc.techniques.replicas.runtime``)
+    REFRESH                       Bi-Partition's (``pipecc.techniques.bipartition.runtime``, whose
+                                  stages run a ``BipartitionRunner``)
 
 Unequal micro-batches (UMPIPE; ``RunConfig.microbatch_sizes``, one size list per stage): the
 schedule is ``gpipe_uneven`` or ``one_f_one_b_uneven`` (GPipe's or 1F1B's row order); every stage splits its own inputs and target by its own sizes,
@@ -74,17 +76,16 @@ from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime import rank_checkpoint, teardown, wire
-from pipecc.techniques.bipartition.runtime import (BipartitionRunner, WeightRefresh, check_runs, is_worker,
+from pipecc.techniques.bipartition.runtime import (BipartitionRunner, check_runs, is_worker,
                                                  replica_stages)
 from pipecc.runtime.context import Mailbox, RankContext, RankState, Shared
+from pipecc.runtime.handlers import Handler, RankParts, captured
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
-from pipecc.techniques.replicas.runtime import GradientAllReduce, ReduceActions, Replicas
+from pipecc.techniques.replicas.runtime import Replicas
 from pipecc.techniques.umpipe.runtime import Reslicer, check_sizes
-from pipecc.techniques.zero_bubble.runtime import ZeroBubble
 from pipecc.runtime.stage_runner import StageRunner
-from pipecc.techniques import TECHNIQUES
-from pipecc.techniques.bpipe.runtime import StashMoves
+from pipecc.techniques import TECHNIQUES, parts as technique_parts
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
@@ -260,8 +261,6 @@ class PipelineRuntime:
             self._state = RankState(Wire(global_rank, config.timeout_s, nccl=True, groups=groups, by_order=True))
         else:
             self._state = RankState(Wire(global_rank, config.timeout_s))
-        grad_sync = None if replicas.count == 1 else GradientAllReduce(
-            replicas.group(rank), global_rank, config.timeout_s, nccl=backend == "nccl")
         self._mailbox = Mailbox()
         self._peak_stash = 0  # most microbatches stashed at once during the last step
         self.trace: TraceRecorder | None = None  # set (and timer set to it): pipecc run --trace
@@ -276,22 +275,17 @@ class PipelineRuntime:
             (BipartitionRunner if is_worker(module) else StageRunner)(self.ctx, s, module, ports)
             for s, module, ports in zip(stage_ids, modules, stage_ports)]
         self._messages = Messages(self.ctx, self.runner)
-        self._zero_bubble = ZeroBubble(self.runner)
-        self._stash_moves = StashMoves(self.ctx, self.runner)
-        self._reduce = ReduceActions(grad_sync, lambda s: self.runner(s).module.parameters())
-        self._refresh = WeightRefresh(self.ctx, self._runners)
+        # each technique's share of the rank (`pipecc.runtime.handlers`), in TECHNIQUES order
+        parts = RankParts(self.ctx, self.runner, self._runners, config.timeout_s, backend == "nccl")
+        self._techniques: list[Handler] = [part.handler(parts) for part in technique_parts("runtime")]
         self._handlers: dict[ActionKind, Callable[[Action, bool], None]] = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
-            ActionKind.I: self._zero_bubble.input,
-            ActionKind.W: self._zero_bubble.weight,
             ActionKind.SEND_F: self._messages.send_forward,
             ActionKind.RECV_F: self._messages.recv_forward,
             ActionKind.SEND_B: self._messages.send_backward,
             ActionKind.RECV_B: self._messages.recv_backward,
-            **{kind: self._stash_moves.run for kind in ActionKind if kind.is_stash},
-            ActionKind.REDUCE: self._reduce.run,
-            ActionKind.REFRESH: self._refresh.run,
+            **{kind: handler.run for handler in self._techniques for kind in handler.kinds},
         }
         if world > 1:
             self._messages.handshake()
@@ -376,10 +370,8 @@ class PipelineRuntime:
         if not self.schedule.is_training:
             raise PipeccError(f"schedule {_name(self._config.schedule)} has no backward; use infer()")
         self._run(self.schedule, inputs, target, training=True)
-        if self.trace is not None and self.replicas.count > 1:
-            self.trace.span("all-reduce wait", "all-reduce", self._reduce.wait)
-        else:
-            self._reduce.wait()  # before the caller's optimizer step
+        for handler in self._techniques:  # before the caller's optimizer step (the replicas' all-reduces)
+            handler.finish_step(self.trace)
         if self.last_stage in self.ctx.stage_ids:
             losses = self.runner(self.last_stage).losses
             if self.replicas.count > 1:  # each replica's loss is its share: the sum is the full batch's
@@ -418,7 +410,8 @@ class PipelineRuntime:
     def after_optimizer_step(self) -> None:
         """Bi-Partition: the owners of segments send their updated weights to the replicas
         (call after every ``optimizer.step()``; a no-op without Bi-Partition)."""
-        self._refresh.after_optimizer_step()
+        for handler in self._techniques:
+            handler.after_optimizer_step()
 
     def forget_groups(self) -> None:
         """Drop this runtime's references to process groups (replica groups, NCCL's directed
@@ -426,8 +419,8 @@ class PipelineRuntime:
         end now rather than at interpreter exit (``pipecc.runtime.teardown``). No step runs after."""
         self.replicas.groups.clear()
         self._state.wire.groups.clear()
-        if self._reduce.sync is not None:
-            self._reduce.sync.group, self._reduce.sync.works = None, []
+        for handler in self._techniques:
+            handler.forget_groups()
 
     def save_checkpoint(self, directory: str | os.PathLike, step: int) -> Path:
         """Write ``stage_<rank>.safetensors`` and ``stage_<rank>.json`` into ``directory``."""
@@ -447,35 +440,36 @@ class PipelineRuntime:
         self._mailbox.clear()
         for runner in self._runners:
             runner.reset()
-        self._zero_bubble.reset()
-        self._stash_moves.reset(schedule, training)
-        self._reslice.reset()
         self._peak_stash = state.wire.peak_inflight = 0
         release = schedule.send_release(self.rank)
         row = schedule.actions[self.rank]
-        self._reduce.prepare(row, training)
+        handlers = self._techniques
+        for handler in handlers:
+            handler.reset(schedule, row, training)
         for action in row:
-            self._reduce.before(action)
-            if action.kind.is_backward:
-                self._stash_moves.before_backward(action)  # BPipe: its prefetched stash is back first
+            for handler in handlers:
+                handler.before(action)
             self.ctx.timed(action, lambda a=action: self._handlers[a.kind](a, training))
-            self._stash_moves.release_after(action, release.get(action, []))
+            releases = release.get(action, [])
+            if not any([handler.after(action, releases) for handler in handlers]):  # none keeps them
+                state.wire.release(releases)
         state.wire.flush()
         leftover = ([x for r in self._runners for x in r.leftover] or self._mailbox.inbox or self._mailbox.outbox
-                    or self._zero_bubble.leftover or self._reslice.leftover or self._stash_moves.leftover)
+                    or [x for handler in self._techniques for x in handler.leftover])
         assert not leftover, f"rank {self.global_rank}: schedule left {sorted(leftover)} unconsumed"
         state.inputs = state.targets = None
 
     def _forward(self, a: Action, training: bool) -> None:
         """F on its stage's runner (BPipe: an evicted micro-batch's saved activations captured)."""
         runner = self.runner(a.stage)
-        runner.forward(a.microbatch, training, self._stash_moves.capture(a.stage, a.microbatch, runner.module))
+        runner.forward(a.microbatch, training, captured(self._techniques, a.stage, a.microbatch, runner.module))
         self._peak_stash = max(self._peak_stash, sum(len(r.stash) for r in self._runners))
 
     def _backward(self, a: Action, training: bool) -> None:
         """B on its stage's runner (BPipe: the micro-batch's saved activations were unpacked)."""
         self.runner(a.stage).backward(a.microbatch)
-        self._stash_moves.backward_done(a.stage, a.microbatch)
+        for handler in self._techniques:
+            handler.backward_done(a.stage, a.microbatch)
 
     # -- the batch -------------------------------------------------------------------------
 

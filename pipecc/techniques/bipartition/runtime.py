@@ -28,13 +28,14 @@ import torch
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.context import RankContext
+from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.messages import message_tag
 from pipecc.runtime.ports import Port, StagePorts, unflatten
 from pipecc.techniques.bipartition.runtime_segments import BipartitionWorker, WorkerProgram
 from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["BipartitionRunner", "WeightRefresh", "check_runs", "is_worker", "replica_stages"]
+__all__ = ["BipartitionRunner", "WeightRefresh", "handler", "check_runs", "is_worker", "replica_stages"]
 
 
 def is_worker(module: torch.nn.Module) -> bool:
@@ -100,7 +101,7 @@ class BipartitionRunner(StageRunner):
             self.hand_down(mb, upstream)
 
 
-class WeightRefresh:
+class WeightRefresh(Handler):
     """The replica refresh of the Bi-Partition runners among ``runners``, the stage runners of the
     rank ``ctx`` (module docstring)."""
 
@@ -108,6 +109,8 @@ class WeightRefresh:
         self.ctx = ctx
         self.runners = list(runners)
         self.posted: dict[int, list] = {}  # segment boundary -> its refresh's posted receives
+
+    kinds = (ActionKind.REFRESH,)
 
     def programs(self) -> dict[int, WorkerProgram]:
         return {r.stage: r.program for r in self.runners if isinstance(r, BipartitionRunner)}
@@ -157,3 +160,9 @@ class WeightRefresh:
             ctx.wire.wait(posted)
         self.posted = {}
         ctx.wire.flush()
+
+
+def handler(parts: RankParts) -> WeightRefresh:
+    """Bi-Partition's share of the rank (`pipecc.runtime.handlers`): REFRESH, and the owners'
+    weights sent to their replicas after the optimizer step."""
+    return WeightRefresh(parts.ctx, parts.runners)

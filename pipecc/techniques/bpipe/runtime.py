@@ -6,9 +6,9 @@ saved-tensor hooks that file every saved activation in its store (``capture``); 
 store's storages into one payload, sends it to the partner stage p-1-s and drops them (the wire
 lets go of the payload once the send completed, ``Wire.collect``); the partner keeps them from
 RECV_S to SEND_R; RECV_R posts their receive (a prefetch) and the micro-batch's backward waits
-for it first (``before_backward``), so ``unpack`` finds them. Inputs and outputs of the stage
+for it first (``before``), so ``unpack`` finds them. Inputs and outputs of the stage
 stay (the stage runner holds them). Only then are the sends RECV_R proves complete released
-(``Schedule.send_release``: ``release_after``).
+(``Schedule.send_release``: ``after``).
 
 ``StashMoves`` sees its rank through a ``RankContext`` (``pipecc.runtime.context``: the wire, the
 timer, the schedule) and the stages' stashes through ``runner_of``.
@@ -17,7 +17,7 @@ timer, the schedule) and the stages' stashes through ``runner_of``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ import torch
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.context import RankContext
+from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.messages import message_tag
 from pipecc.techniques.bpipe.runtime_stash import (Prefetch, SavedTensors, module_storages, recv_packed, send_stash,
                                                    storage_key)
@@ -34,19 +35,21 @@ if TYPE_CHECKING:  # NOTE: typing only; the runtime gives the runners
     from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["StashMoves"]
+__all__ = ["StashMoves", "handler"]
 
 
-class StashMoves:
+class StashMoves(Handler):
     """The stash transfers of the rank ``ctx``'s stages (no-ops on a schedule without them);
     ``runner_of(s)`` is stage ``s``'s ``StageRunner``."""
 
     def __init__(self, ctx: RankContext, runner_of: Callable[[int], StageRunner]) -> None:
         self.ctx, self.runner_of = ctx, runner_of
         self.evicted: dict[int, list[int]] = {}  # stage -> bytes of each SEND_S of the last step
-        self.reset(None, False)
+        self.reset(None, (), False)
 
-    def reset(self, schedule: Schedule | None, training: bool) -> None:
+    kinds = tuple(kind for kind in ActionKind if kind.is_stash)
+
+    def reset(self, schedule: Schedule | None, row: Sequence[Action], training: bool) -> None:
         """Per step: (stage, mb) -> the saved activations of an evicted micro-batch (this rank's
         stage); (evictor stage, mb) -> the partner's storages this rank keeps for it."""
         self.saved: dict[tuple[int, int], SavedTensors] = {}
@@ -75,22 +78,23 @@ class StashMoves:
         """After B: its saved activations were unpacked."""
         self.saved.pop((s, mb), None)
 
-    def before_backward(self, action: Action) -> None:
+    def before(self, action: Action) -> None:
         """Before a backward action: the prefetched stash must be here; waiting for it is a
         receive wait (timed as RECV_R), and only then are the sends RECV_R proves complete released."""
         key = (action.stage, action.microbatch)
-        if key in self.returning:
+        if action.kind.is_backward and key in self.returning:
             self.ctx.timed(Action(ActionKind.RECV_R, *key), partial(self._returned, *key))
             self.ctx.wire.release(self.deferred.pop(key, ()))
 
-    def release_after(self, action: Action, releases: list[Action]) -> None:
-        """The sends ``action`` proves complete: released now, or (RECV_R, only posted) once it arrived."""
-        if action.kind is ActionKind.RECV_R:
+    def after(self, action: Action, releases: list[Action]) -> bool:
+        """The sends a RECV_R proves complete are released once it arrived (it is only posted):
+        it takes them (True); the stash sends that completed meanwhile drop their buffers."""
+        taken = action.kind is ActionKind.RECV_R
+        if taken:
             self.deferred[(action.stage, action.microbatch)] = releases
-        else:
-            self.ctx.wire.release(releases)
         if self.moving:
             self.moving = self.ctx.wire.collect(self.moving)
+        return taken
 
     def run(self, a: Action, training: bool) -> None:
         """SEND_S evicts (stage, mb)'s saved activations to the partner, RECV_S keeps the
@@ -128,3 +132,8 @@ class StashMoves:
     def _returned(self, s: int, mb: int) -> None:
         """Wait for the stash RECV_R posted and put it back into (s, mb)'s store."""
         self.saved[(s, mb)].restore(self.returning.pop((s, mb)).wait())
+
+
+def handler(parts: RankParts) -> StashMoves:
+    """BPipe's share of the rank (`pipecc.runtime.handlers`)."""
+    return StashMoves(parts.ctx, parts.runner)

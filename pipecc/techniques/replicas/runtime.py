@@ -52,9 +52,10 @@ import torch.distributed as dist
 
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import ActionKind
+from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.wire import wait_until
 
-__all__ = ["GradientAllReduce", "ReduceActions", "Replicas", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
+__all__ = ["GradientAllReduce", "ReduceActions", "Replicas", "handler", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
            "replica_rows", "replica_slice", "replica_target", "slice_sizes"]
 
 
@@ -256,7 +257,7 @@ class GradientAllReduce:
                     from None
 
 
-class ReduceActions:
+class ReduceActions(Handler):
     """The executor's REDUCE handler: ``prepare(row)`` finds, for each REDUCE of the rank's row,
     the stage's last gradient action before it; ``before`` arms the all-reduce's hooks on that
     action's stage (``params_of(stage)``), so the reduction starts during its backward, and the
@@ -267,7 +268,9 @@ class ReduceActions:
         self.sync, self.params_of = sync, params_of
         self.points: set[Any] = set()
 
-    def prepare(self, row: Sequence[Any], training: bool) -> None:
+    kinds = (ActionKind.REDUCE,)
+
+    def reset(self, schedule: Any, row: Sequence[Any], training: bool) -> None:
         self.points = set()
         if not training or self.sync is None:
             return
@@ -291,3 +294,23 @@ class ReduceActions:
         """Before the caller's optimizer step: every all-reduce of the step completed."""
         if self.sync is not None:
             self.sync.wait()
+
+    def finish_step(self, trace: Any) -> None:
+        """`wait`, as the trace's "all-reduce wait" span when there is a trace and a group."""
+        if trace is not None and self.sync is not None:
+            trace.span("all-reduce wait", "all-reduce", self.wait)
+        else:
+            self.wait()
+
+    def forget_groups(self) -> None:
+        if self.sync is not None:
+            self.sync.group, self.sync.works = None, []
+
+
+def handler(parts: RankParts) -> ReduceActions:
+    """The replica groups' share of the rank (`pipecc.runtime.handlers`): REDUCE, and the
+    all-reduce of a stage's gradients in its group, started during its last backward."""
+    ctx = parts.ctx
+    sync = None if ctx.replicas.count == 1 else GradientAllReduce(
+        ctx.replicas.group(ctx.rank), ctx.global_rank, parts.timeout_s, nccl=parts.nccl)
+    return ReduceActions(sync, lambda s: parts.runner(s).module.parameters())

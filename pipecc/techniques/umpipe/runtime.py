@@ -34,9 +34,10 @@ import torch
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.chunks import chunk_bounds, overlapping
+from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.ports import StagePorts
 
-__all__ = ["Reslicer", "check_sizes", "folder_sizes"]
+__all__ = ["Reslicer", "check_sizes", "folder_sizes", "handler"]
 
 
 def check_sizes(sizes: Sequence[Sequence[int]], num_stages: int, batch: int | None) -> None:
@@ -158,3 +159,22 @@ def folder_sizes(meta: dict[str, Any] | None, microbatches: int | None) -> list[
         raise UsageError(f"--microbatches {microbatches}: this folder splits the batch unequally per stage "
                          f"({shown}); drop --microbatches, or compile again with equal micro-batches")
     return sizes
+
+
+class _Reslicing(Handler):
+    """UMPIPE's share of the rank (`pipecc.runtime.handlers`): the context's re-slicing inbox
+    (`RankContext.reslice`, which the messages fill) reset before a step, checked after it."""
+
+    def __init__(self, reslice: Reslicer) -> None:
+        self.reslice = reslice
+
+    def reset(self, schedule: Any, row: Any, training: bool) -> None:
+        self.reslice.reset()
+
+    @property
+    def leftover(self) -> list:
+        return self.reslice.leftover
+
+
+def handler(parts: RankParts) -> Handler:
+    return _Reslicing(parts.ctx.reslice)

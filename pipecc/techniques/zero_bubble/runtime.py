@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from pipecc.ir.schedule.actions import Action
+from pipecc.ir.schedule.actions import Action, ActionKind
+from pipecc.runtime.handlers import Handler, RankParts
 
 if TYPE_CHECKING:  # NOTE: typing only; the handler is given its runners
     from pipecc.runtime.stage_runner import StageRunner
 
-__all__ = ["ZeroBubble", "input_backward", "weight_backward"]
+__all__ = ["ZeroBubble", "handler", "input_backward", "weight_backward"]
 
 
 def input_backward(roots: list, grads: list | None, inputs: list,
@@ -74,15 +75,20 @@ def weight_backward(params: list, groups: list) -> None:
     stage_backward_weight(params, groups, retain_graph=True)
 
 
-class ZeroBubble:
+class ZeroBubble(Handler):
     """The executor's I and W handler (``zb-h1``, ``zb-v``); ``runner_of(stage)`` gives the stage's
     ``StageRunner``. Per step (``reset``): ``roots[(stage, mb)]``, what W needs after I."""
 
     def __init__(self, runner_of: Any) -> None:
         self.runner_of = runner_of
-        self.reset()
+        self.reset(None, (), False)
 
-    def reset(self) -> None:
+    kinds = (ActionKind.I, ActionKind.W)
+
+    def run(self, a: Action, training: bool) -> None:
+        (self.input if a.kind is ActionKind.I else self.weight)(a, training)
+
+    def reset(self, schedule: Any, row: Sequence[Action], training: bool) -> None:
         # after I, for W: (outputs, their grads, torch's param groups, parameters left to a walk)
         self.roots: dict[tuple[int, int], tuple[list, list | None, list, list]] = {}
 
@@ -123,3 +129,8 @@ class ZeroBubble:
             torch.autograd.backward(roots, grads, inputs=walk, retain_graph=bool(groups))
         if groups:
             weight_backward([q for q in runner.module.parameters() if q.requires_grad], groups)
+
+
+def handler(parts: RankParts) -> ZeroBubble:
+    """Zero-bubble's share of the rank (`pipecc.runtime.handlers`): I and W."""
+    return ZeroBubble(parts.runner)

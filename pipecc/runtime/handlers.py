@@ -1,0 +1,99 @@
+"""A technique's share of a rank's execution, behind one small protocol: the engine's handler
+table beyond F, B and the messages.
+
+Each technique package's runtime part (``pipecc.techniques.<name>.runtime``) defines
+``handler(parts) -> Handler``; the engine (`pipecc.runtime.engine.PipelineRuntime`) builds one
+per technique with a runtime part (`pipecc.techniques.parts("runtime")`, in `TECHNIQUES` order),
+runs every action kind a handler claims (`kinds`) through its `run`, and calls every handler's
+hooks around a step, in that order:
+
+    reset(schedule, row, training)   before a step's row runs (the schedule: the one it runs)
+    before(action)                   before each action of the row
+    run(action, training)            an action of one of its `kinds`
+    capture(stage, mb, module)       a context F runs in (None: none), e.g. saved-tensor hooks
+    backward_done(stage, mb)         after B of (stage, mb)
+    after(action, releases)          after each action; `releases`: the sends it lets go of
+    leftover                         what it still holds after the row (a schedule's bug)
+    finish_step(trace)               after the row, before the caller's optimizer step
+    after_optimizer_step()           after the caller's optimizer step
+    forget_groups()                  process groups destroyed: drop references to them
+
+Every hook does nothing by default, so a handler writes only the ones it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
+
+__all__ = ["Handler", "RankParts", "captured"]
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What a technique's handler is built from: the rank (its context: schedule, wire,
+    mailbox, replicas, ...), its stage runners, and how the run talks (the per-wait timeout;
+    NCCL or gloo)."""
+    ctx: Any                          # `pipecc.runtime.context.RankContext` (not imported: it imports the parts)
+    runner: Callable[[int], Any]      # stage -> its `StageRunner`
+    runners: Sequence[Any]            # this rank's runners, in stage order
+    timeout_s: float
+    nccl: bool
+
+
+class Handler:
+    """The protocol (module docstring), with hooks that do nothing."""
+
+    kinds: tuple[ActionKind, ...] = ()
+
+    def run(self, action: Action, training: bool) -> None:
+        raise NotImplementedError(f"{type(self).__name__} claims {action.kind.name} but runs nothing")
+
+    def reset(self, schedule: Schedule, row: Sequence[Action], training: bool) -> None:
+        pass
+
+    def before(self, action: Action) -> None:
+        pass
+
+    def capture(self, stage: int, microbatch: int, module: Any) -> contextlib.AbstractContextManager | None:
+        return None
+
+    def backward_done(self, stage: int, microbatch: int) -> None:
+        pass
+
+    def after(self, action: Action, releases: list[Action]) -> None:
+        pass
+
+    @property
+    def leftover(self) -> list:
+        return []
+
+    def finish_step(self, trace: Any) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def forget_groups(self) -> None:
+        pass
+
+
+def captured(handlers: Sequence[Handler], stage: int, microbatch: int,
+             module: Any) -> contextlib.AbstractContextManager | None:
+    """The context F of (stage, microbatch) runs in: every handler's `capture`, nested (None: none)."""
+    contexts = [c for h in handlers if (c := h.capture(stage, microbatch, module)) is not None]
+    if len(contexts) <= 1:
+        return contexts[0] if contexts else None
+    stack = contextlib.ExitStack()
+
+    @contextlib.contextmanager
+    def nested() -> Any:
+        with stack:
+            for c in contexts:
+                stack.enter_context(c)
+            yield
+    return nested()

@@ -145,12 +145,17 @@ def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT,
 def pipecc_here(*argv: str) -> subprocess.CompletedProcess:
     """`pipecc ARGV` in this process, as `run_pipecc` returns it (exit code, stdout, stderr):
     for plan, compile and inspect, which need no process of their own (a python that imports
-    torch: seconds of CPU each); `run` launches torchrun either way."""
+    torch: seconds of CPU each), and for `run` where the launcher's process is not what a test
+    checks (torchrun and its ranks are processes either way; this one only saves the launcher's
+    python, and the run's own --timeout bounds it). Usage errors return argparse's exit code."""
     import io
     from pipecc import cli
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(list(argv))
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as e:  # argparse's usage errors (exit 2), as the process would end
+            code = e.code if isinstance(e.code, int) else 1
     return subprocess.CompletedProcess(["pipecc", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 

@@ -172,7 +172,7 @@ def pipecc_here(*argv: str) -> subprocess.CompletedProcess:
         try:
             code = cli.main(list(argv))
         except SystemExit as e:  # argparse's usage errors (exit 2), as the process would end
-            code = e.code if isinstance(e.code, int) else 1
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1  # a message: 1
     return subprocess.CompletedProcess(["pipecc", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 

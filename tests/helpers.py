@@ -142,15 +142,37 @@ def run_pipecc(*argv: str, timeout: float = 120, cwd: Path = ROOT,
                           timeout=timeout)
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """What python does with a warning outside pytest: its formatted line on stderr."""
+    import warnings
+    try:
+        (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+    except OSError:
+        pass
+
+
 def pipecc_here(*argv: str) -> subprocess.CompletedProcess:
     """`pipecc ARGV` in this process, as `run_pipecc` returns it (exit code, stdout, stderr):
     for plan, compile and inspect, which need no process of their own (a python that imports
-    torch: seconds of CPU each); `run` launches torchrun either way."""
+    torch: seconds of CPU each), and for `run` where the launcher's process is not what a test
+    checks (torchrun and its ranks are processes either way; this one only saves the launcher's
+    python, and the run's own --timeout bounds it). Usage errors return argparse's exit code;
+    warnings are printed to its stderr under python's default filters, as a process shows them
+    (pytest would otherwise record them, and a test counting stderr lines would not see them)."""
     import io
+    import warnings
     from pipecc import cli
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(list(argv))
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+        warnings.showwarning = _print_warning
+        warnings.resetwarnings()
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)  # python's default filters (sys.warnoptions empty)
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as e:  # argparse's usage errors (exit 2), as the process would end
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1  # a message: 1
     return subprocess.CompletedProcess(["pipecc", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 

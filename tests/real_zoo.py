@@ -26,12 +26,11 @@ from typing import Any, Callable
 
 import torch
 
-from helpers import GROUPED_CONV_FIX, reference_flops, run_pipecc
+from helpers import GROUPED_CONV_FIX, pipecc_here, reference_flops
 
 TESTS = Path(__file__).resolve().parent
 BATCH = 4
 FLOP_TOLERANCE = 0.02
-CLI_TIMEOUT = 900.0  # seconds; torchrun with two ranks importing transformers on a busy machine
 
 
 # What a failing check reports: the last `pipecc: error:` line of the command, or the exception.
@@ -218,8 +217,10 @@ def one_line(exc: BaseException) -> str:
 
 
 def _cli(*argv: str) -> str:
-    """`pipecc ARGV`; its stdout, or CheckFailed with its last error line."""
-    result = run_pipecc(*argv, timeout=CLI_TIMEOUT)
+    """`pipecc ARGV` in this process (helpers.pipecc_here: the model's library is imported once,
+    not by a python per command; `run` still launches torchrun and its ranks, bounded by the
+    run's own --timeout); its stdout, or CheckFailed with its last error line."""
+    result = pipecc_here(*argv)
     if result.returncode != 0:
         lines = [ln for ln in (result.stderr + result.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith(ERROR_PREFIX)]

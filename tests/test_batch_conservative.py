@@ -15,7 +15,7 @@ from torch import nn
 
 import pipecc
 from pipecc.errors import PipeccError
-from helpers import run_pipecc
+from helpers import pipecc_here
 
 
 class _Two(nn.Module):
@@ -149,8 +149,8 @@ def test_command_line_refuses_an_unknown_op_too(tmp_path):
     path = tmp_path / "model.py"
     path.write_text(UNKNOWN_FILE)
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--batch-size", "8", "-m", "2",
-                      "--replicas", "1", "-o", str(out))
+    done = pipecc_here("compile", str(path), "--devices", "2xcpu", "--batch-size", "8", "-m", "2",
+                       "--replicas", "1", "-o", str(out))
     assert done.returncode == 1 and not out.exists(), done.stderr
     assert done.stderr.startswith("pipecc: error: node linalg_qr "), done.stderr
     assert "does not know to keep samples apart" in done.stderr

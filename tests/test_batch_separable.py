@@ -20,7 +20,7 @@ from torch import nn
 
 import pipecc
 from pipecc.errors import PipeccError
-from helpers import run_pipecc
+from helpers import pipecc_here
 
 
 class _Two(nn.Module):
@@ -361,17 +361,17 @@ def test_compiled_folder_buffers_and_no_grad(tmp_path):
     path = tmp_path / "model.py"
     path.write_text(MODEL_FILE)
     common = ["compile", str(path), "--devices", "2xcpu", "--batch-size", "8", "--replicas", "1"]
-    refused = run_pipecc(*common, "-m", "2", "-o", str(tmp_path / "m2"))
+    refused = pipecc_here(*common, "-m", "2", "-o", str(tmp_path / "m2"))
     assert refused.returncode == 1 and not (tmp_path / "m2").exists()
     assert refused.stderr.startswith("pipecc: error: node add_ writes the buffer steps"), refused.stderr
     out = tmp_path / "m1"
-    done = run_pipecc(*common, "-m", "1", "-o", str(out))
+    done = pipecc_here(*common, "-m", "1", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert json.loads((out / "pipecc.json").read_text())["batch_mixing"]["node"] == "add_"
-    run = run_pipecc("run", str(out), "--steps", "1", "--verify", timeout=600)
+    run = pipecc_here("run", str(out), "--steps", "1", "--verify")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "verify: outputs, loss and 4 gradients match" in run.stdout
-    again = run_pipecc("run", str(out), "--steps", "1", "-m", "2")
+    again = pipecc_here("run", str(out), "--steps", "1", "-m", "2")
     assert again.returncode == 1 and "node add_ writes the buffer steps" in again.stderr
     with pytest.raises(PipeccError, match="^node add_ writes the buffer steps"):
         pipecc.load(out, microbatches=2)

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli, zoo_path
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here, run_cli, zoo_path
 from pipecc import driver
 from pipecc.techniques.bipartition.codegen import payload_notes
 from pipecc import techniques
@@ -157,8 +156,8 @@ def test_folder_holds_cores_and_segments_with_owner_and_replica(bip_out: Path) -
 def test_torchrun_verify_matches_one_process(bip_out: Path, planned, tmp_path) -> None:
     # 4 micro-batches of 6 samples (2, 2, 1, 1): the segments' graphs are traced per shape
     steps, lr = 3, 0.5
-    result = pipecc("run", str(bip_out), "--verify", "--steps", str(steps), "--microbatches", "4", "--lr", str(lr),
-                    "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=240)
+    result = pipecc_here("run", str(bip_out), "--verify", "--steps", str(steps), "--microbatches", "4", "--lr", str(lr),
+                         "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "verify: outputs, loss and 12 gradients match the single-process run" in result.stdout
     assert sum(line.startswith("step ") for line in result.stdout.splitlines()) == steps

@@ -306,8 +306,8 @@ def test_compiled_folder_records_the_pairs(bpipe_out: Path) -> None:
 def test_torchrun_bpipe_folder_verifies_and_evicts(bpipe_out: Path) -> None:
     import json
 
-    from helpers import run_pipecc
-    result = run_pipecc("run", str(bpipe_out), "--verify", "--steps", "2", "--json")
+    from helpers import pipecc_here
+    result = pipecc_here("run", str(bpipe_out), "--verify", "--steps", "2", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "verify: outputs, loss and" in result.stderr and "gradients match the single-process run" in result.stderr
     rows = {row["index"]: row for row in json.loads(result.stdout)["stages"]}

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from helpers import MLP_TINY, ROOT, model_args, pipecc_here, run_cli
-from helpers import run_pipecc as pipecc
 from pipecc import driver
 from pipecc.passes.plan_costs import CostTables
 from pipecc.passes.plan_options import PlanOptions
@@ -306,7 +305,7 @@ def test_two_rounds_converge_on_the_machine(tmp_path):
         out = tmp_path / f"out{i}"
         done = pipecc_here("compile", str(MLP), *common, *calibrate, "-o", str(out))
         assert done.returncode == 0, done.stderr
-        ran = pipecc("run", str(out), "--json", "--steps", "6", timeout=300)
+        ran = pipecc_here("run", str(out), "--json", "--steps", "6")
         assert ran.returncode == 0, ran.stderr[-2000:]
         run = tmp_path / f"run{i}.json"
         run.write_text(ran.stdout)

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import MLP_TINY, compile_mlp as compile_tiny_mlp, model_args, rehash, zoo_module
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here as pipecc  # in this process: only torchrun and its ranks start
 from pipecc import cli, driver
 from pipecc.runtime import dist
 from pipecc.runtime.checkpoints import _sha256 as file_sha256

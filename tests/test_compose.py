@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from helpers import MLP_TINY, model_args
-from helpers import pipecc_here as _cli  # plan and compile in this process: only run launches
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here as _cli  # in this process: only torchrun and its ranks start
 from pipecc.ir.schedule import format, one_f_one_b, parse, schedule_for, validate
 from pipecc.techniques.umpipe.schedule import gpipe_uneven, one_f_one_b_uneven
 
@@ -29,7 +28,7 @@ MLP = [str(ROOT / "models" / "mlp.py"), *sum((["--model-arg", a] for a in model_
 
 def _verified(out: Path, *extra: str) -> str:
     """`pipecc run OUT --verify` under torchrun (2 steps): its stdout, once it passed."""
-    result = pipecc("run", str(out), "--verify", "--steps", "2", "--timeout", "120", *extra, timeout=300)
+    result = _cli("run", str(out), "--verify", "--steps", "2", "--timeout", "120", *extra)
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
     assert "gradients match the single-process run" in text, text[-4000:]

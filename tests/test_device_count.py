@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import ROOT, run_cli, run_pipecc, zoo_module
+from helpers import ROOT, pipecc_here, run_cli, zoo_module
 
 from pipecc import driver
 from pipecc.passes import device_count
@@ -101,6 +101,6 @@ def test_a_folder_using_fewer_devices_runs_and_verifies(tmp_path, capsys) -> Non
     out = tmp_path / "out"
     code, _, err = run_cli(["compile", MLP, "-b", "8", "--devices", "2xcpu", "-o", str(out), "-q"], capsys)
     assert code == 0, err
-    ran = run_pipecc("run", str(out), "--steps", "2", "--verify", timeout=300)
+    ran = pipecc_here("run", str(out), "--steps", "2", "--verify")
     assert ran.returncode == 0, ran.stderr
     assert "match the single-process run" in ran.stdout + ran.stderr

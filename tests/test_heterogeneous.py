@@ -81,10 +81,10 @@ def test_gloo_sends_and_receives_a_gpu_tensor_through_host_memory(monkeypatch):
 def test_nccl_on_a_folder_with_cpu_stages_is_one_line(tmp_path):
     """`pipecc run --backend nccl` on a folder whose stage 1 runs on the CPU: one line, exit 1,
     the folder as it was."""
-    from helpers import compile_mlp, run_pipecc
+    from helpers import compile_mlp, pipecc_here
     out = compile_mlp(tmp_path / "mixed", devices="h200,cpu")
     before = sorted(p.name for p in out.rglob("*"))
-    r = run_pipecc("run", str(out), "--steps", "1", "--backend", "nccl")
+    r = pipecc_here("run", str(out), "--steps", "1", "--backend", "nccl")
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert lines == [lines[0]] and "stage 1 runs on the CPU, which NCCL cannot reach; use --backend gloo" in lines[0]

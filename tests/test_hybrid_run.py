@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from helpers import MLP_TINY, model_args
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here as pipecc  # in this process: only torchrun and its ranks start
 from pipecc import cli, driver
 from pipecc.errors import PipeccError
 from pipecc.techniques.replicas import runtime as rep

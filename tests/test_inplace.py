@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipecc
-from helpers import run_pipecc
+from helpers import pipecc_here
 from pipecc import driver
 from pipecc.backends.torch.codegen import _kept_in_place
 from pipecc.backends.torch.inplace import written_inputs
@@ -269,7 +269,7 @@ def test_run_verify_with_a_cut_before_an_inplace_op(files: dict[str, Path], tmp_
     operation'. Stage 1 starts with relu_ on its received `a` and runs under recomputation;
     stage 2 starts with add_ on its received `b`."""
     out = compile_folder(files["mid"], tmp_path / "out", "a/relu_,b/add_,c,sum,add", recompute=(1,))
-    result = run_pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "60", timeout=180)
+    result = pipecc_here("run", str(out), "--steps", "1", "--verify", "--timeout", "60")
     assert result.returncode == 0, result.stderr
     assert "verify: outputs, loss and 6 gradients match the single-process run" in result.stdout
 

@@ -222,10 +222,10 @@ def test_replicas_whose_targets_weigh_differently_train_as_the_model(tmp_path):
     """Two replicas, one micro-batch each (data parallel): replica 0's targets mostly ignored.
     Each replica alone sees one micro-batch, so only every replica's targets together give the
     factors (gathered once per step); before, each replica's loss counted half."""
-    from helpers import run_pipecc
+    from helpers import pipecc_here
     out = tmp_path / "out"
     assert compile_model(weighted_model_file(tmp_path, "F.cross_entropy(outputs, target)", 3), out,
                          "-m", "1", "--replicas", "2") == 0
-    result = run_pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "60", timeout=300)
+    result = pipecc_here("run", str(out), "--steps", "1", "--verify", "--timeout", "60")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "verify: outputs, loss and" in result.stdout, result.stdout[-2000:]

@@ -19,8 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from helpers import run_cli
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here, run_cli
 from pipecc.runtime.memory import CudaMemory, LiveTensorBytes, held_tensors, memory_meter, static_bytes
 from pipecc.runtime.timing import ActionTimer, run_document
 
@@ -206,7 +205,7 @@ def test_two_rank_gloo_run_reports_each_stages_memory(mlp_copy: Path) -> None:
     """SGD keeps no state: each rank's static bytes are exactly its stage's parameters and their
     gradients; the peak is at least that, and the plan's prediction sits beside it."""
     out = mlp_copy
-    result = pipecc("run", str(out), "--json", "--memory", "--steps", "3", "--timeout", "30")
+    result = pipecc_here("run", str(out), "--json", "--memory", "--steps", "3", "--timeout", "30")
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout)
     plan = json.loads((out / "plan.json").read_text())

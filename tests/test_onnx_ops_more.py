@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_pipecc
+from helpers import pipecc_here
 from pipecc import cost
 from pipecc.frontend.onnx_import import from_onnx
 
@@ -133,8 +133,8 @@ def test_mobilenet_v3_block_compiles_and_matches_onnxruntime(tmp_path: Path) -> 
     path = _save(tmp_path, "mbv3", nodes, [_vi("x", FLOAT, ["B", 3, 8, 8])], [_vi("y", FLOAT, ["B", 8, 8, 8])],
                  inits)
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "--batch-size", "2",
-                      "-o", str(out), timeout=300)
+    done = pipecc_here("compile", str(path), "--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "--batch-size", "2",
+                       "-o", str(out))
     assert done.returncode == 0, done.stderr
     import pipecc
     pm = pipecc.load(out).eval()

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, zoo_module, zoo_path
+from helpers import pipecc_here, zoo_module, zoo_path
 from pipecc import driver
 from pipecc.errors import PipeccError, UsageError
 
@@ -24,10 +22,8 @@ def gpt_full():
 
 def test_plan_json_contract_fields():
     zoo = zoo_module("gpt")
-    r = subprocess.run([sys.executable, "-m", "pipecc.cli", "plan", "models/gpt.py", "-b", "4",
-                        "--devices", "2xa100,v100", "--json", "--use-all-devices",
-                        *[f"--model-arg={k}={v}" for k, v in zoo.TINY.items()]],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = pipecc_here("plan", str(zoo_path("gpt")), "-b", "4", "--devices", "2xa100,v100", "--json", "--use-all-devices",
+                    *[f"--model-arg={k}={v}" for k, v in zoo.TINY.items()])
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     for key in ("batch_size", "microbatches", "schedule", "devices", "stages", "split_layers",
@@ -112,10 +108,8 @@ def test_coarse_cuts_only_at_blocks(gpt_full):
 def test_plan_output_file_is_written(tmp_path):
     zoo = zoo_module("mlp")
     out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "pipecc.cli", "plan", "models/mlp.py",
-                        "--devices", "2xcpu", "-o", str(out),
-                        *[f"--model-arg={k}={v}" for k, v in zoo.TINY.items()]],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = pipecc_here("plan", str(zoo_path("mlp")), "--devices", "2xcpu", "-o", str(out),
+                    *[f"--model-arg={k}={v}" for k, v in zoo.TINY.items()])
     assert r.returncode == 0, r.stderr
     assert "bottleneck" in r.stdout and "lower bound" in r.stdout
     assert json.loads(out.read_text())["stages"]

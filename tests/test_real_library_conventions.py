@@ -23,8 +23,7 @@ import torch
 
 import pipecc
 from pipecc.errors import PipeccError
-from real_zoo import CLI_TIMEOUT
-from helpers import run_pipecc
+from helpers import pipecc_here
 
 MNASNET_FILE = '''\
 import torch
@@ -102,10 +101,10 @@ def test_run_verify(name: str, tmp_path: Path) -> None:
     path = tmp_path / f"{name}.py"
     path.write_text(text)
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(path), "--devices", "2xcpu", "--batch-size", "4", "--replicas", replicas,
-                      "-o", str(out), timeout=CLI_TIMEOUT)
+    done = pipecc_here("compile", str(path), "--devices", "2xcpu", "--batch-size", "4", "--replicas", replicas,
+                       "-o", str(out))
     assert done.returncode == 0, done.stderr
-    run = run_pipecc("run", str(out), "--steps", "1", "--verify", timeout=CLI_TIMEOUT)
+    run = pipecc_here("run", str(out), "--steps", "1", "--verify")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gradients match the single-process run" in run.stdout
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import pipecc
 from pipecc.errors import PipeccError
-from helpers import run_pipecc
+from helpers import pipecc_here
 
 LM_FILE = '''\
 import torch
@@ -183,11 +183,11 @@ def test_transformer_encoder_lm_cli_verify(in_forward, tmp_path):
     path = tmp_path / "lm.py"
     path.write_text(LM_FILE.format(in_forward=in_forward))
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(path), "--devices", "4xcpu", "--batch-size", "8", "-m", "2",
-                      "--replicas", "2", "-o", str(out), timeout=600)
+    done = pipecc_here("compile", str(path), "--devices", "4xcpu", "--batch-size", "8", "-m", "2",
+                       "--replicas", "2", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "x 2 replicas" in done.stdout and "2 micro-batches" in done.stdout, done.stdout
-    run = run_pipecc("run", str(out), "--steps", "1", "--verify", timeout=900)
+    run = pipecc_here("run", str(out), "--steps", "1", "--verify")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gradients match the single-process run" in run.stdout
     assert "dropout off in both runs" in run.stdout

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import PIPECC, copy_folder, free_port, rehash
+from helpers import PIPECC, copy_folder, free_port, pipecc_here, rehash
 from helpers import run_pipecc as pipecc
 from pipecc import cli
 from pipecc.runtime import dist
@@ -98,7 +98,7 @@ def test_mlp_runs_and_verifies(mlp_run: subprocess.CompletedProcess) -> None:
 
 @pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_gpt_runs_and_verifies(gpt_out: Path) -> None:
-    result = pipecc("run", str(gpt_out), "--steps", "2", "--verify", "--timeout", "30")
+    result = pipecc_here("run", str(gpt_out), "--steps", "2", "--verify", "--timeout", "30")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = re.search(r"^verify: outputs, loss and (\d+) gradients match", result.stdout, re.MULTILINE)
     assert found and int(found.group(1)) >= 20, result.stdout  # every parameter (tensor) of the model
@@ -115,7 +115,7 @@ def test_verify_catches_a_planted_bug(mlp_out: Path, tmp_path: Path) -> None:
     assert n == 1, "the generated last stage no longer ends in `return (x,)`"
     last.write_text(source)
     rehash(out)  # re-recorded: an edit alone is refused by hash before --verify (test_trust)
-    result = pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "30")
+    result = pipecc_here("run", str(out), "--steps", "1", "--verify", "--timeout", "30")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr[-3000:]  # the ranks' own lines and torchrun's report are held back
@@ -262,7 +262,7 @@ def test_hung_rank_is_named_and_the_run_ends_within_the_timeout(mlp_out: Path, t
 def test_checkpoint_kill_and_resume_is_bitwise(mlp_out: Path, tmp_path: Path) -> None:
     """16 Adam steps straight == checkpoints every 4, everything SIGKILLed after one, --resume."""
     common = ["--steps", "16", "--optimizer", "adam", "--timeout", "30"]
-    straight = pipecc("run", str(mlp_out), *common, "--checkpoint-dir", str(tmp_path / "straight"))
+    straight = pipecc_here("run", str(mlp_out), *common, "--checkpoint-dir", str(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert f"checkpoint: step 16 saved in {tmp_path / 'straight' / 'step_16'}" in straight.stdout
 
@@ -281,7 +281,7 @@ def test_checkpoint_kill_and_resume_is_bitwise(mlp_out: Path, tmp_path: Path) ->
     step = json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"]
     assert step in (4, 8, 12)
 
-    resumed = pipecc("run", str(slow), *common, *ckpt, "--resume")
+    resumed = pipecc_here("run", str(slow), *common, *ckpt, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {tmp_path / 'ckpt' / f'step_{step}'}: step {step} of --steps 16" in resumed.stdout
     done = [int(i) for i, _, _ in STEP.findall(resumed.stdout)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import MLP_TINY, ROOT, rehash
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here as pipecc  # in this process: only torchrun and its ranks start
 from pipecc import cli
 from pipecc.backends.fpga import toolchain_problem
 from pipecc.runtime import dist

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import compile_mlp, copy_folder, run_cli
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here as pipecc  # in this process: only torchrun and its ranks start
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.timing import run_document

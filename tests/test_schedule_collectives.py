@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import MLP_TINY, model_args, run_cli, run_pipecc
+from helpers import MLP_TINY, model_args, pipecc_here, run_cli
 from pipecc import cli
 from pipecc.ir.schedule import (Action, ActionKind, ScheduleError, format, forward_only, gradient_reduce,
                                 interleaved_1f1b, lower, one_f_one_b, parse, validate, weight_refresh,
@@ -153,7 +153,7 @@ def test_the_runtime_takes_reduce_from_the_file(replicated, tmp_path) -> None:
     moved = "\n".join(f"rank {r}: " + " ".join(str(a) for a in row) for r, row in enumerate(rows))
     assert moved != format(schedule)
     (folder / "schedule.txt").write_text(moved + "\n")
-    run = run_pipecc("run", str(folder), "--steps", "1", "--verify", "--timeout", "60")
+    run = pipecc_here("run", str(folder), "--steps", "1", "--verify", "--timeout", "60")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "verify: outputs, loss and 12 gradients match the single-process run" in run.stdout + run.stderr
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compile_mlp, run_cli, run_pipecc
+from helpers import compile_mlp, pipecc_here, run_cli
 from pipecc.techniques import schedule_of
 from pipecc.ir.schedule.text import format, parse
 from pipecc.report.compiled import load_compiled, summary_json, timeline_of
@@ -58,7 +58,7 @@ def test_the_compiled_folder_carries_its_schedule(compiled: Path) -> None:
 
 def test_run_executes_the_folders_schedule_txt(folder: Path) -> None:
     (folder / "schedule.txt").write_text(SWAPPED, encoding="utf-8")
-    done = run_pipecc("run", str(folder), "--steps", "2", "--verify", "--json", "--timeout", "30")
+    done = pipecc_here("run", str(folder), "--steps", "2", "--verify", "--json", "--timeout", "30")
     assert done.returncode == 0, done.stderr
     assert "verify: outputs, loss and" in done.stderr
     ranks = {s["index"]: s["rank"] for s in json.loads(done.stdout)["stages"]}
@@ -68,8 +68,8 @@ def test_run_executes_the_folders_schedule_txt(folder: Path) -> None:
     assert {e["rank"] for e in events if e["stage"] == 0} == {1}
     assert {e["kind"] for e in events} >= {"F", "B"}
     # --schedule builds one from the plan instead: stage s on rank s
-    again = run_pipecc("run", str(folder), "--steps", "1", "--schedule", "1f1b", "--json", "--timeout", "30",
-                       "--warmup-steps", "0")
+    again = pipecc_here("run", str(folder), "--steps", "1", "--schedule", "1f1b", "--json", "--timeout", "30",
+                        "--warmup-steps", "0")
     assert again.returncode == 0, again.stderr
     assert {s["index"]: s["rank"] for s in json.loads(again.stdout)["stages"]} == {0: 0, 1: 1}
 

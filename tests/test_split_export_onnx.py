@@ -5,8 +5,6 @@ weights, and named refusals for the forms that do not split."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import ROOT, zoo_module
+from helpers import pipecc_here, zoo_module
 from pipecc import driver
 from pipecc.backends.torch.codegen import load_stage, write_stage
 from pipecc.backends.torch.stages import cut_stages
@@ -332,9 +330,8 @@ def test_plan_splits_the_dominant_layer_in_every_frontend(dominant) -> None:
 @pytest.mark.parametrize("frontend", ["export", "onnx"])
 def test_pipecc_plan_cli_splits(frontend: str, dominant) -> None:
     extra = ["--model-arg=traceable=0"] if frontend == "export" else []
-    r = subprocess.run([sys.executable, "-m", "pipecc.cli", "plan", str(dominant[frontend]),
-                        "-b", "256", "--devices", "2xcpu", "--replicas", "1", "--json", *extra],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = pipecc_here("plan", str(dominant[frontend]), "-b", "256", "--devices", "2xcpu", "--replicas", "1", "--json",
+                    *extra)
     assert r.returncode == 0, r.stderr
     split = json.loads(r.stdout)["split_layers"]
     assert [s["node"] for s in split] == [BIG[frontend]]

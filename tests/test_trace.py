@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import compile_mlp as compile_tiny_mlp, run_cli
-from helpers import run_pipecc as pipecc
+from helpers import pipecc_here as pipecc  # in this process: only torchrun and its ranks start
 from pipecc.ir.schedule.text import parse
 from pipecc.runtime import dist
 from pipecc.runtime.trace import COMM_TID, STEP_TID, chrome_trace

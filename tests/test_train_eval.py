@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pipecc
-from helpers import ROOT, rehash, run_pipecc
+from helpers import ROOT, pipecc_here, rehash
 from pipecc import cli
 from pipecc.runtime import dist
 from pipecc.runtime.determinism import Deterministic
@@ -179,7 +179,7 @@ def gpt_out(tmp_path_factory) -> Path:
 
 def test_hf_gpt2_run_verify_torchrun(gpt_out: Path) -> None:
     """The README's path on an HF model: `pipecc run --verify` under torchrun, train mode."""
-    result = run_pipecc("run", str(gpt_out), "--steps", "1", "--verify", "--timeout", "60", timeout=300)
+    result = pipecc_here("run", str(gpt_out), "--steps", "1", "--verify", "--timeout", "60")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = VERDICT.search(result.stdout)
     assert found and int(found.group(1)) > 20, result.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, model_args, pipecc_here, run_pipecc
+from helpers import ROOT, model_args, pipecc_here
 
 pytest.importorskip("sklearn")
 pytestmark = [pytest.mark.xdist_group("train_real"), pytest.mark.slow]
@@ -52,13 +52,13 @@ def _train(tmp: Path, name: str, args: dict, batch: int, steps: int, lr: float, 
                          *compile_flags)
     assert result.returncode == 0, result.stderr
     ckpt = tmp / "ckpt"
-    result = run_pipecc("run", str(out), "--steps", str(steps), "--optimizer", "adamw", "--lr", repr(lr), "--json",
-                        "--checkpoint-dir", str(ckpt), timeout=600)
+    result = pipecc_here("run", str(out), "--steps", str(steps), "--optimizer", "adamw", "--lr", repr(lr), "--json",
+                         "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr[-3000:]
     history = json.loads(result.stdout)["history"]
     assert [h["step"] for h in history] == list(range(steps))
     weights = tmp / "trained.safetensors"
-    assert run_pipecc("export-checkpoint", str(ckpt), str(weights), "-q").returncode == 0
+    assert pipecc_here("export-checkpoint", str(ckpt), str(weights), "-q").returncode == 0
     from safetensors.torch import load_file
     return out, [h["loss"] for h in history], load_file(str(weights))
 

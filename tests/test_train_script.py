@@ -373,8 +373,8 @@ def test_pipecc_run_draws_train_data_and_equals_one_process(work):
     out = work / "two"
     if not out.exists():
         out = _compile(work, "two", "--devices", "2xcpu", "-m", "4", "--schedule", "1f1b")
-    result = run_pipecc("run", str(out), "--epochs", "3", "--optimizer", "adamw", "--lr", "1e-2",
-                        "--clip-grad-norm", "1.0", "--json", "--eval-every", "10", timeout=300)
+    result = pipecc_here("run", str(out), "--epochs", "3", "--optimizer", "adamw", "--lr", "1e-2",
+                         "--clip-grad-norm", "1.0", "--json", "--eval-every", "10")
     assert result.returncode == 0, result.stderr
     got = _history(result.stdout)
     m = _load(work / "model.py")
@@ -428,8 +428,7 @@ def test_bad_train_data_is_one_line_naming_the_step_and_keeps_checkpoints(work, 
                          "--use-all-devices", "-m", "2", "-o", str(out), "-q")
     assert result.returncode == 0, result.stderr
     ckpt = tmp_path / "ckpt"
-    result = run_pipecc("run", str(out), "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                        timeout=300)
+    result = pipecc_here("run", str(out), "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
     assert result.returncode == 1
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("pipecc: error:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -442,16 +441,16 @@ def test_run_data_usage_errors(work, tmp_path):
     out = work / "two"
     if not out.exists():
         out = _compile(work, "two", "--devices", "2xcpu", "-m", "4", "--schedule", "1f1b")
-    result = run_pipecc("run", str(out), "--steps", "3", "--epochs", "1")
+    result = pipecc_here("run", str(out), "--steps", "3", "--epochs", "1")
     assert result.returncode == 2 and "give --steps N or --epochs E, not both" in result.stderr
     # a model file without train_data: --epochs is refused, and a plain run says it repeats one batch
     (tmp_path / "plain.py").write_text(MODEL.split("def dataset")[0])
     plain = tmp_path / "plain"
     assert pipecc_here("compile", str(tmp_path / "plain.py"), "-b", "32", "--devices", "2xcpu", "--replicas", "1",
                        "--use-all-devices", "-m", "2", "-o", str(plain), "-q").returncode == 0
-    result = run_pipecc("run", str(plain), "--epochs", "1")
+    result = pipecc_here("run", str(plain), "--epochs", "1")
     assert result.returncode == 1 and "--epochs counts passes over train_data" in result.stderr
-    result = run_pipecc("run", str(plain), "--steps", "2")
+    result = pipecc_here("run", str(plain), "--steps", "2")
     assert result.returncode == 0 and "every step repeats its example batch" in result.stdout
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, rehash, run_cli, run_pipecc
+from helpers import ROOT, pipecc_here, rehash, run_cli
 
 from pipecc import driver, tuning
 from pipecc.errors import PipeccError
@@ -208,6 +208,6 @@ def test_tune_mlp_on_two_cpus(tmp_path, capsys, monkeypatch) -> None:
     assert plan["decisions"][0].startswith("tuned: measured fastest of")
     assert any("failed" in d for d in plan["decisions"] if d.startswith("tuned: candidate 2"))
     assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("pipecc-tune-*")) == before  # cleaned up
-    ran = run_pipecc("run", str(out), "--steps", "1", "--verify", timeout=300)
+    ran = pipecc_here("run", str(out), "--steps", "1", "--verify")
     assert ran.returncode == 0, ran.stderr
     assert "match the single-process run" in ran.stdout + ran.stderr

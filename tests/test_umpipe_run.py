@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP_TINY, run_cli
-from helpers import run_pipecc as pipecc
+from helpers import MLP_TINY, pipecc_here, run_cli
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule import (
     Action,
@@ -345,7 +344,7 @@ def test_compiled_folder_records_the_sizes(unequal_out: Path) -> None:
 
 @pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)
 def test_torchrun_unequal_folder_verifies(unequal_out: Path) -> None:
-    result = pipecc("run", str(unequal_out), "--verify", "--steps", "2")
+    result = pipecc_here("run", str(unequal_out), "--verify", "--steps", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "verify: outputs, loss and 6 gradients match the single-process run" in result.stdout
     assert "step 1: loss" in result.stdout

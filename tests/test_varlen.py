@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, run_cli, run_pipecc
+from helpers import ROOT, pipecc_here, run_cli
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime.lengths import Lengths, mark_dynamic, parse_declaration, parse_run, run_lengths
 from pipecc.runtime.ports import Port, StagePorts
@@ -25,7 +25,6 @@ GPT = [str(ROOT / "models" / "gpt.py"), "-b", "4", "--model-arg", "n_layer=2", "
        "--model-arg", "n_embd=32", "--model-arg", "vocab_size=101", "--model-arg", "block_size=64",
        "--model-arg", "seq_len=16"]
 PLAN = ["--devices", "2xcpu", "--replicas", "1", "--use-all-devices", "-m", "2"]
-RUN_TIMEOUT = 600.0  # seconds: torchrun with two ranks on a busy machine
 
 HF_GPT2 = '''\
 """A Hugging Face GPT-2 at the real suite's small config (random weights), at any seq_len."""
@@ -236,8 +235,8 @@ def test_compile_refuses_what_cannot_vary(source, flags, says, tmp_path, capsys)
 @pytest.fixture(scope="module")
 def gpt_folder(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("varlen") / "gpt"
-    done = run_pipecc("compile", *GPT, *PLAN, "--symbol", "S=0:1", "--length", "S=8:0.5,20:0.3,48:0.2",
-                      "-o", str(out), timeout=RUN_TIMEOUT)
+    done = pipecc_here("compile", *GPT, *PLAN, "--symbol", "S=0:1", "--length", "S=8:0.5,20:0.3,48:0.2",
+                       "-o", str(out))
     assert done.returncode == 0, done.stderr
     return out
 
@@ -248,8 +247,7 @@ def test_gpt_runs_and_verifies_three_lengths(gpt_folder):
     assert marker["lengths"]["max"] == 48 and marker["lengths"]["values"] == [8, 20, 48]
     ports = json.loads((gpt_folder / "stage_1" / "ports.json").read_text())
     assert ports["receives"][0]["shape"][1] == 48  # planned (and sized) at the maximum
-    done = run_pipecc("run", str(gpt_folder), "--length", "S=8,48,20", "--verify", "--steps", "4",
-                      timeout=RUN_TIMEOUT)
+    done = pipecc_here("run", str(gpt_folder), "--length", "S=8,48,20", "--verify", "--steps", "4")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [ln for ln in lines if ln.startswith("verify at")] == ["verify at S=8:", "verify at S=48:",
@@ -262,7 +260,7 @@ def test_gpt_runs_and_verifies_three_lengths(gpt_folder):
 def test_gpt_refuses_a_length_outside_the_range(gpt_folder, tmp_path):
     ckpt = tmp_path / "ckpt"
     for length, says in (("S=49", "S=49 is above the maximum 48"), ("S=7", "S=7 is below the minimum 8")):
-        done = run_pipecc("run", str(gpt_folder), "--length", length, "--checkpoint-dir", str(ckpt))
+        done = pipecc_here("run", str(gpt_folder), "--length", length, "--checkpoint-dir", str(ckpt))
         assert done.returncode == 1 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1
         assert not ckpt.exists()  # nothing written
 
@@ -305,11 +303,10 @@ def test_hugging_face_gpt2_runs_and_verifies_three_lengths(tmp_path):
     model = tmp_path / "hf_gpt2.py"
     model.write_text(HF_GPT2)
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(model), "-b", "4", *PLAN, "--symbol", "S=0:1", "--length", "S=8..32",
-                      "-o", str(out), timeout=RUN_TIMEOUT)
+    done = pipecc_here("compile", str(model), "-b", "4", *PLAN, "--symbol", "S=0:1", "--length", "S=8..32",
+                       "-o", str(out))
     assert done.returncode == 0, done.stderr
-    done = run_pipecc("run", str(out), "--length", "S=8,32,13", "--verify", "--steps", "3",
-                      timeout=RUN_TIMEOUT)
+    done = pipecc_here("run", str(out), "--length", "S=8,32,13", "--verify", "--steps", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [ln for ln in lines if ln.startswith("verify at")] == ["verify at S=8:", "verify at S=32:",

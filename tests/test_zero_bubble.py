@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MLP_TINY, ROOT, model_args, pipecc_here, run_cli, run_pipecc, zoo_module, zoo_path
+from helpers import MLP_TINY, ROOT, model_args, pipecc_here, run_cli, zoo_module, zoo_path
 from pipecc import driver
 from pipecc.errors import UsageError
 from pipecc.ir.graph import META_COST, META_NAME
@@ -233,7 +233,7 @@ def zb_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
                            "--schedule", "zb-h1", "-m", "4", "-o", str(out), "-q",
                            *[x for kv in model_args(MLP_TINY) for x in ("--model-arg", kv)])
     assert compiled.returncode == 0, compiled.stderr
-    return out, run_pipecc("run", str(out), "--steps", "2", "--verify", "--json", "--timeout", "30")
+    return out, pipecc_here("run", str(out), "--steps", "2", "--verify", "--json", "--timeout", "30")
 
 
 @pytest.mark.slow  # a torchrun launch of several processes (make test-fast leaves it out)

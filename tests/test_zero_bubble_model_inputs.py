@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import pipecc_here, run_pipecc
+from helpers import pipecc_here
 from pipecc import driver
 from pipecc.backends.torch.stages import cut_stages, ports_json
 from pipecc.runtime.engine import PipelineRuntime, RunConfig
@@ -171,6 +171,6 @@ def test_pipecc_run_verifies_zb_h1_of_an_encoder_decoder(tmp_path: Path) -> None
     assert compiled.returncode == 0, compiled.stderr
     later = json.loads((out / "stage_1" / "ports.json").read_text())["receives"]
     assert "tgt" in {p["name"] for p in later}
-    done = run_pipecc("run", str(out), "--steps", "1", "--verify", "--timeout", "60", timeout=240)
+    done = pipecc_here("run", str(out), "--steps", "1", "--verify", "--timeout", "60")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gradients match the single-process run" in done.stdout, done.stdout

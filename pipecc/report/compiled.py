@@ -28,14 +28,12 @@ from pipecc.ir.plan import Plan, cost_basis
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, timeline_json
-from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage,
-                                   device_capacities, first_last, memory_kind, recompute_line)
+from pipecc.report.figures import bottleneck_note, bottleneck_stage, device_capacities, first_last, memory_kind
 from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, seconds_in_text, shapes_text,
                                      text_table, wrap)
-from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text
+from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text, technique_lines
 from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.folder_data import plan_problem, read_typed_plan
-from pipecc.techniques.bpipe.report import bpipe_lines
 
 __all__ = ["INSPECT_FORMAT", "Compiled", "damaged", "load_compiled", "plan_problem", "read_plan", "stage_json",
            "stage_text", "summary_json", "summary_text", "timeline_of"]
@@ -296,11 +294,8 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
                      "iteration at most (each stage's gradients in its replica group)")
     for sl in plan.split_layers:
         lines.append(f"split layer     {sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
-    if recompute_line(plan):
-        lines.append(recompute_line(plan))
-    lines += bipartition_lines(plan)
-    shown_bpipe = bpipe_lines(plan, verbose)
-    lines += shown_bpipe
+    shown, said = technique_lines(plan, verbose)
+    lines += shown
     for b in plan.baselines:
         ratio = b["bottleneck_s"] / plan.lower_bound_s if plan.lower_bound_s > 0 else float("inf")
         lines.append(f"baseline        {b['name']}: {seconds(b['bottleneck_s'])}, ratio {ratio:.3f}"
@@ -309,7 +304,7 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
                          for part in (wrap(line, indent=16) if "\n" not in line and len(line) > WIDTH else [line])]
     lines += ["", _ascii_timeline(timeline_of(c))]
     if verbose:
-        decisions = [d for d in plan.decisions if not (shown_bpipe and d.startswith("BPipe"))]  # said above
+        decisions = [d for d in plan.decisions if not d.startswith(said)]  # said above
         lines += ["", "decisions:"] + [part for d in decisions for part in wrap(f"  {seconds_in_text(d)}")]
     lines += ["", f"details of one stage: pipecc inspect {c.path} --stage I"
               + ("" if c.graph else "  (this folder has no graph.json: recompile for node details)")]

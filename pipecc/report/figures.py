@@ -61,35 +61,3 @@ def _capacity(memory_bytes: float, fpga: Any) -> float:
 def first_last(nodes: list[str]) -> tuple[str, str]:
     """A stage's first and last node names, ("-", "-") for a stage without nodes."""
     return (nodes[0], nodes[-1]) if nodes else ("-", "-")
-
-
-def recompute_line(plan: Plan) -> str:
-    """Which stages recompute their activations ("" when none does)."""
-    marked = [str(s.index) for s in plan.stages if s.recompute]
-    if not marked:
-        return ""
-    which = "every stage" if len(marked) == len(plan.stages) else \
-        f"stage{'s' if len(marked) > 1 else ''} {', '.join(marked)}"
-    return (f"recompute       {which} (activations re-created in backward: bwd includes one "
-            "more forward, memory holds the received inputs)")
-
-
-def bipartition_lines(plan: Plan) -> list[str]:
-    """Text lines for a plan with separate forward/backward cuts (Bi-Partition): the cut pair
-    in units and, per stage, its forward and backward node ranges; [] without."""
-    if not plan.is_bipartition():
-        return []
-    info = plan.bipartition
-    cuts = ""
-    if info is not None and info.fwd_bounds:
-        cuts = (f"FP cuts {list(info.fwd_bounds[1:-1])}, BP cuts {list(info.bwd_bounds or ())[1:-1]} "
-                "(in units); ")
-    out = [f"Bi-Partition    {cuts}mode {plan.bipartition_mode}: a segment between two cuts runs "
-           f"forward on one stage, backward on its neighbour; {plan.weight_sync_bytes} bytes of "
-           "replica refresh per iteration"]
-    for s in plan.stages:
-        f0, f1 = first_last(s.nodes)
-        b0, b1 = first_last(s.backward_nodes or s.nodes)
-        extra = f", sends {s.extra_send_bytes} B of segment stash per micro-batch" if s.extra_send_bytes else ""
-        out.append(f"  stage {s.index}: forward {f0} .. {f1}, backward {b0} .. {b1}{extra}")
-    return out

@@ -23,10 +23,11 @@ from pipecc.ir.schedule.registry import ZERO_BUBBLE
 from pipecc.report.artifacts import MODEL_INPUT, graph_json, timeline_for, timeline_json
 from pipecc.report.compiled import load_compiled, timeline_of
 from pipecc.report.dot import dot_text, graphviz_svg
-from pipecc.report.figures import (BOTTLENECK_WITH_COMM, bipartition_lines, bottleneck_note, bottleneck_stage,
-                                   cost_basis, device_capacities, first_last)
+from pipecc.report.figures import (BOTTLENECK_WITH_COMM, bottleneck_note, bottleneck_stage, cost_basis,
+                                   device_capacities, first_last)
 from pipecc.report.formatting import count, human, seconds
 from pipecc.report.text import ratio_note
+from pipecc.techniques.bipartition.report import bipartition_lines
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
                                esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
                                stage_time_svg)

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from pipecc.ir.plan import Plan
-from pipecc.report.figures import (bipartition_lines, bottleneck_note, bottleneck_stage, cost_basis,
-                                   first_last, recompute_line)
+from pipecc.report.figures import bottleneck_note, bottleneck_stage, cost_basis, first_last
 from pipecc.report.formatting import count, fit_table, human, seconds, seconds_in_text, text_table, wrap
-from pipecc.techniques.bpipe.report import bpipe_lines
+from pipecc.techniques import parts as technique_parts
+
+
+def technique_lines(plan: Plan, verbose: bool = False) -> tuple[list[str], tuple[str, ...]]:
+    """Every technique's lines in a plan's summary (its package's report part: ``lines(plan,
+    verbose)``, in `pipecc.techniques.TECHNIQUES` order), and the prefixes of the planner's
+    decision lines they already say (a part's ``DECISIONS``), which a verbose summary skips."""
+    out: list[str] = []
+    said: list[str] = []
+    for part in technique_parts("report"):
+        shown = part.lines(plan, verbose)
+        out += shown
+        if shown and getattr(part, "DECISIONS", None):
+            said.append(part.DECISIONS)
+    return out, tuple(said)
 
 
 def replica_group(plan: Plan, stage) -> str:
@@ -96,11 +109,8 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                            "with its last backward)")
     for sl in plan.split_layers:
         lines += _labelled("split layer", f"{sl.node} into {sl.parts} shards {sl.sizes} (dim {sl.dim})")
-    if recompute_line(plan):
-        lines += wrap(recompute_line(plan), indent=16)
-    lines += [part for line in bipartition_lines(plan) for part in wrap(line, indent=16)]
-    shown_bpipe = bpipe_lines(plan, verbose)
-    lines += [part for line in shown_bpipe for part in wrap(line, indent=16)]
+    shown, said = technique_lines(plan, verbose)
+    lines += [part for line in shown for part in wrap(line, indent=16)]
     if any(d.get("kind") == "fpga" for d in plan.devices):  # any FPGA device, with a stage or not
         lines += _labelled("FPGA stages", f"{plan.options.get('fpga_number', 'float')}, timed by the "
                            "FPGA model of estimates.json; memory is on-chip BRAM")
@@ -113,8 +123,8 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                                   + ("" if b.get("fits_memory", True) else " (exceeds memory)")]
                                  for b in plan.baselines]))
     if verbose:
-        # NOTE: the BPipe line above is the planner's BPipe decision: not printed twice
-        decisions = [d for d in plan.decisions if not (shown_bpipe and d.startswith("BPipe"))]
+        # NOTE: a technique's lines above may be the planner's decision: not printed twice
+        decisions = [d for d in plan.decisions if not d.startswith(said)]
         lines += ["", "decisions:"] + [part for d in decisions for part in wrap(f"  {seconds_in_text(d)}")]
         lines += [part for line in alternative_lines(plan) for part in wrap(line)]
     return "\n".join(lines)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pipecc.ir.plan import Plan
 
-__all__ = ["bpipe_lines"]
+__all__ = ["DECISIONS", "bpipe_lines", "lines"]
+
+DECISIONS = "BPipe"  # the planner's decision lines its lines already say (verbose summaries skip them)
 
 
 def bpipe_lines(plan: Plan, verbose: bool = False) -> list[str]:
@@ -27,3 +29,8 @@ def bpipe_lines(plan: Plan, verbose: bool = False) -> list[str]:
         lines.append("  memory        " + ", ".join(f"{k}: {human(b, 'B')} -> {human(a, 'B')}"
                                                   for k, (b, a) in enumerate(zip(before, after))))
     return lines
+
+
+def lines(plan: Plan, verbose: bool = False) -> list[str]:
+    """The technique's lines in a plan's summary (`pipecc.techniques.parts("report")`)."""
+    return bpipe_lines(plan, verbose)

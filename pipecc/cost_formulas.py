@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from pipecc.cost_saved import flatten_args
 from pipecc.ir.graph import META_KIND, META_OP, META_PARAMS, META_VALUE, Dim, TensorInfo, tensors_in
 
 # FLOPs per output element of non-matmul work (forward). Sources: the usual counting
@@ -335,7 +336,7 @@ def operands(node: fx.Node, gm: fx.GraphModule, data: set[fx.Node] | None = None
     ordered = []
     weights: set[int] = set()
     for a in list(node.args) + list(node.kwargs.values()):
-        for leaf in _flatten(a):
+        for leaf in flatten_args(a):
             if isinstance(leaf, fx.Node):
                 got = list(tensors_in(leaf.meta.get(META_VALUE)))
                 ordered.extend(got)
@@ -350,17 +351,6 @@ def operands(node: fx.Node, gm: fx.GraphModule, data: set[fx.Node] | None = None
     output = list(tensors_in(node.meta.get(META_VALUE)))
     return Operands(node.meta[META_OP], node.meta[META_KIND], inputs, params, output, module, node,
                      frozenset(weights))
-
-
-def _flatten(a: Any):
-    if isinstance(a, (list, tuple)):
-        for x in a:
-            yield from _flatten(x)
-    elif isinstance(a, dict):
-        for x in a.values():
-            yield from _flatten(x)
-    else:
-        yield a
 
 
 def attention_memory(o: Operands, stash: Any, bwd: Any, bwd_mm: Any, flash: bool) -> tuple[Any, Any, Any]:

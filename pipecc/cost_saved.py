@@ -109,19 +109,20 @@ class Saves:
 def operands(node: fx.Node) -> list[tuple[fx.Node, TensorInfo]]:
     """The node's tensor operands in argument order, each with the fx node producing it."""
     out = []
-    for a in _flatten(list(node.args) + list(node.kwargs.values())):
+    for a in flatten_args(list(node.args) + list(node.kwargs.values())):
         if isinstance(a, fx.Node):
             out.extend((a, t) for t in tensors_in(a.meta.get(META_VALUE)))
     return out
 
 
-def _flatten(a: Any) -> Iterator[Any]:
+def flatten_args(a: Any) -> Iterator[Any]:
+    """The leaves of a node's (nested list, tuple or dict) arguments."""
     if isinstance(a, (list, tuple)):
         for x in a:
-            yield from _flatten(x)
+            yield from flatten_args(x)
     elif isinstance(a, dict):
         for x in a.values():
-            yield from _flatten(x)
+            yield from flatten_args(x)
     else:
         yield a
 
@@ -383,5 +384,5 @@ def kept_roots(nodes: list[fx.Node], alias: dict[fx.Node, bool]) -> set[fx.Node]
     return kept
 
 
-__all__ = ["BYTES_ONLY_SHAPE_OPS", "META_KEPT", "META_SAVES", "Saves", "alias_map", "aliases",
+__all__ = ["BYTES_ONLY_SHAPE_OPS", "META_KEPT", "META_SAVES", "Saves", "alias_map", "aliases", "flatten_args",
            "dropout_p", "is_view_node", "kept_roots", "operands", "root", "saves"]

@@ -119,6 +119,12 @@ def _swap_ports(out: Path) -> None:
     b.write_text(text)
 
 
+def _plan(out: Path, **changes) -> None:
+    plan = json.loads((out / "plan.json").read_text())
+    plan.update(changes)
+    (out / "plan.json").write_text(json.dumps(plan, indent=1))
+
+
 def _deep_plan(out: Path) -> None:
     (out / "plan.json").write_text("[" * 100000 + "]" * 100000)
 
@@ -135,6 +141,9 @@ CASES += [
          r"pipecc.json: microbatches 3 does not divide batch_size 8"),
     Case("pipecc.json replicas it was not compiled with", lambda o: _marker(o, replicas=2), (), 1,
          r"replicas is 2, but the folder was compiled with 1 \(plan.json\)"),
+    # issue 32: pipecc.json's micro-batch count is the fact; plan.json's copy must agree
+    Case("plan.json micro-batches edited", lambda o: _plan(o, microbatches=8), (), 1,
+         r"pipecc.json: microbatches is \d+, but the folder was compiled with 8 \(plan.json\); it was edited"),
     Case("pipecc.json devices []", lambda o: _marker(o, devices=[]), (), 1,
          r"devices is \[\], not the list of the plan's devices"),
     Case("pipecc.json version 99", lambda o: _marker(o, version=99), (), 1,

@@ -12,7 +12,8 @@ hooks around a step, in that order:
     run(action, training)            an action of one of its `kinds`
     capture(stage, mb, module)       a context F runs in (None: none), e.g. saved-tensor hooks
     backward_done(stage, mb)         after B of (stage, mb)
-    after(action, releases)          after each action; `releases`: the sends it lets go of
+    after(action, releases)          after each action; True when it keeps `releases` (the sends the
+                                     action proves complete) to release itself, else the engine does
     leftover                         what it still holds after the row (a schedule's bug)
     finish_step(trace)               after the row, before the caller's optimizer step
     after_optimizer_step()           after the caller's optimizer step
@@ -65,8 +66,8 @@ class Handler:
     def backward_done(self, stage: int, microbatch: int) -> None:
         pass
 
-    def after(self, action: Action, releases: list[Action]) -> None:
-        pass
+    def after(self, action: Action, releases: list[Action]) -> bool:
+        return False
 
     @property
     def leftover(self) -> list:

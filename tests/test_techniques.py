@@ -215,3 +215,50 @@ def test_every_technique_lowers_and_leaves_a_plan_without_it_alone() -> None:
     used.replicas = 2
     matrix.place(used)
     assert techniques.replicas.lower(used, base) != base  # REDUCE actions added
+
+
+def _lowered(plan: Plan, order: tuple) -> Any:
+    from pipecc.ir.schedule.registry import VIRTUAL, schedule_for
+    n = len(plan.stages)
+    v = max(plan.virtual_stages, 1) if plan.schedule in VIRTUAL else 1
+    schedule = schedule_for(plan.schedule, n, plan.microbatches, num_ranks=n // v)
+    for technique in order:
+        schedule = technique.lower(plan, schedule)
+    return schedule
+
+
+def test_lowering_is_ordered_by_the_packages_phases() -> None:
+    """LOWERING comes from each package's `LOWERS` (by `PHASES`, then TECHNIQUES order), and gives
+    the schedules the hand-written order gave before (zero-bubble, recompute, UMPIPE, BPipe,
+    replicas, Bi-Partition) on every plan of the matrix: each technique alone and every pair."""
+    assert all(t.LOWERS in techniques.PHASES for t in techniques.TECHNIQUES)
+    phases = [techniques.PHASES.index(t.LOWERS) for t in techniques.LOWERING]
+    assert phases == sorted(phases)
+    t = techniques
+    before = (t.zero_bubble, t.recompute, t.umpipe, t.bpipe, t.replicas, t.bipartition)
+    names = list(matrix.TURN_ON)
+    for a in names:
+        for b in names:
+            plan = matrix.with_on(a) if a == b else matrix.with_on(a, b)
+            try:
+                want = _lowered(plan, before)
+            except ValueError:
+                continue  # not buildable either way (a refused pair)
+            assert _lowered(plan, techniques.LOWERING) == want, (a, b)
+
+
+def test_techniques_of_one_phase_commute_or_never_meet() -> None:
+    """Two techniques whose `lower` shares a phase (not "unchanged"): on the matrix's plan with
+    both on, a rule refuses the plan, or their lowerings in either order give one schedule."""
+    by_name = {t.NAME: t for t in techniques.TECHNIQUES}
+    for a in techniques.TECHNIQUES:
+        for b in techniques.TECHNIQUES:
+            if a is b or a.LOWERS != b.LOWERS or a.LOWERS == "unchanged":
+                continue
+            for order in ((a.NAME, b.NAME), (b.NAME, a.NAME)):
+                plan = matrix.with_on(*order)
+                if not (a.uses(plan) and b.uses(plan)):
+                    continue
+                assert techniques.requires(plan) is not None or (
+                    _lowered(plan, (a, b)) == _lowered(plan, (b, a))), order
+    assert by_name["replicas"].LOWERS == by_name["Bi-Partition"].LOWERS == "collectives"

@@ -13,6 +13,8 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
                                         `pipecc.cli.args` adds to the plan commands
     uses(plan) -> bool                  whether `plan` applies the technique
     requires(plan, caps) -> str | None  None: admissible; else one line naming the problem and the fix
+    LOWERS                              the phase of the lowering its `lower` belongs to
+                                        (`PHASES`: "unchanged", "rows", "transfers", "collectives")
     lower(plan, schedule)               the schedule transform it applies (`schedule` itself
                                         when the plan does not use it)
     at_run(kind, world, m, stages_per_rank, sizes, balancing)   (optional) its rule again on a
@@ -25,7 +27,8 @@ the runtime's handlers, `codegen*` the torch backend's code, `report*` its repor
 other module is IR like the rule. Over all techniques:
 
     requires(plan, caps)                the first reason of any technique `plan` uses
-    lower(plan, schedule)               every technique's `lower`, in LOWERING order
+    lower(plan, schedule)               every technique's `lower`, in LOWERING order (by
+                                        `PHASES`, then `TECHNIQUES` order)
     schedule_of(plan)                   the plan's final action list: its base schedule by name,
                                         lowered (what compile writes as OUT/schedule.txt)
 
@@ -58,13 +61,23 @@ from pipecc.ir.plan import Plan, StagePlan
 from pipecc.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
 from pipecc.techniques.capabilities import COMPILED, DROP_IN, Capabilities
 
-__all__ = ["LOWERING", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "parts", "requires",
+__all__ = ["LOWERING", "PHASES", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "parts", "requires",
            "schedule_of", "sketch"]
 
 TECHNIQUES = (umpipe, bpipe, bipartition, recompute, replicas, zero_bubble)
-# the order the schedule transforms apply: UMPIPE rebuilds the base rows over its chunks, BPipe
-# inserts its transfers into 1F1B's rows, then the collectives go after the compute they follow
-LOWERING = (zero_bubble, recompute, umpipe, bpipe, replicas, bipartition)
+
+# The phases of the lowering, in the order they apply; each technique names its own (`LOWERS`):
+# "unchanged" its `lower` is the identity (recomputation changes what a B runs, zero-bubble is its
+# generator); "rows" it rebuilds the base schedule's compute rows from the plan (UMPIPE's chunks:
+# first, since it builds from the schedule's name and drops what came before); "transfers" it
+# inserts point-to-point actions into those rows (BPipe's stash transfers); "collectives" it adds
+# actions across the copies of a stage after the compute they follow (the replicas' REDUCE,
+# Bi-Partition's REFRESH). Within a phase, `TECHNIQUES` order: two techniques of one phase either
+# never both change an admissible plan's schedule or commute (REDUCE follows a stage's last
+# gradient action, REFRESH its last F; `tests/test_techniques.py` checks every such pair).
+PHASES = ("unchanged", "rows", "transfers", "collectives")
+# the order the schedule transforms apply: by phase, then `TECHNIQUES` order (a stable sort)
+LOWERING = tuple(sorted(TECHNIQUES, key=lambda technique: PHASES.index(technique.LOWERS)))
 
 
 def parts(layer: str) -> list[ModuleType]:

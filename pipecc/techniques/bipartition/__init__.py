@@ -27,6 +27,7 @@ from pipecc.techniques.facts import bipartition_on, recomputing, stages_per_devi
 NAME = "Bi-Partition"
 TAG = "separate forward/backward cuts (Bi-Partition)"
 OFF = "--bipartition off"
+LOWERS = "collectives"  # `lower` adds REFRESH after the compute it follows
 OPTIONS = (Option("--bipartition", "bipartition", "off", "auto|off",
                   "Bi-Partition: separate forward and backward cuts (a layer's forward on "
                   "one device, its backward on the next; its saved tensors and weights travel). "

@@ -35,6 +35,7 @@ from pipecc.techniques.facts import bipartition_on, stages_per_device, training,
 NAME = "BPipe"
 TAG = "activation balancing (BPipe)"
 OFF = "--activation-balancing off"
+LOWERS = "transfers"  # `lower` inserts the stash transfers into 1F1B's rows
 OPTIONS = (Option("--activation-balancing", "activation_balancing", "auto", "auto|on|off",
                   "BPipe: under 1F1B, stage s sends stashed activations to stage p-1-s and "
                   "takes them back before their backward, to spend the freed memory on a larger "

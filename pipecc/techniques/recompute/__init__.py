@@ -16,6 +16,7 @@ from pipecc.techniques.facts import recomputing, training
 NAME = "recompute"
 TAG = "activation recomputation"
 OFF = "--recompute auto or none"
+LOWERS = "unchanged"  # `lower` is the identity: recomputation changes what a B runs
 OPTIONS = (Option("--recompute", "recompute", "none", "auto|on|off",
                   "activation recomputation (torch.utils.checkpoint per stage): off (default), "
                   "on (every stage) or auto (only the stages that need it to fit memory); "

@@ -18,6 +18,7 @@ from pipecc.techniques import capabilities as cap
 NAME = "replicas"
 TAG = "replica groups (PP x DP)"
 OFF = "--replicas 1"
+LOWERS = "collectives"  # `lower` adds REDUCE after each stage's last gradient action
 
 
 def uses(plan: Plan) -> bool:

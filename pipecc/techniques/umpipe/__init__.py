@@ -26,6 +26,7 @@ from pipecc.techniques.facts import recomputing, stages_per_device, training, un
 NAME = "UMPIPE"
 TAG = "unequal micro-batches (UMPIPE)"
 OFF = "--microbatch-sizes equal"
+LOWERS = "rows"  # `lower` rebuilds the base schedule's rows over each stage's chunks
 
 
 def parse_sizes(text: str) -> list[int]:

@@ -14,6 +14,7 @@ from pipecc.techniques import capabilities as cap
 NAME = "zero-bubble"
 TAG = "the zero-bubble schedule"
 OFF = "--schedule 1f1b"
+LOWERS = "unchanged"  # `lower` is the identity: zb-h1 is its generator
 
 
 def uses(plan: Plan) -> bool:

@@ -14,7 +14,7 @@ DEMO_MODEL := models/gpt.py -b 8 --model-arg n_layer=4 --model-arg n_head=4 \
 
 # NOTE: no `pip -q`: the first install downloads torch for minutes, and a silent terminal
 # looks hung; pip's own progress (one line per package, a bar per download) shows instead.
-$(STAMP): pyproject.toml setup.cfg constraints.txt
+$(STAMP): pyproject.toml setup.cfg setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "== installing pipecc and its pinned dependencies into $(VENV) (first time: a few minutes; torch and its CUDA libraries are ~3 GB, ~6 GB installed)"
 	$(PY) -m pip install --disable-pip-version-check --progress-bar on -c constraints.txt -e '.[test]'

@@ -1,4 +1,4 @@
-"""`PlanOptions`: every planning option, its default and its check, in one place.
+"""`PlanOptions`: every planning option, its default and its check.
 
 The command line (`pipecc.cli.plan.options_from_args` converts the parsed flags once),
 `pipecc.driver.plan` (its keywords are these fields, `PlanOptions.of`) and `pipecc.compile`
@@ -16,29 +16,39 @@ devices when they are predicted faster unless `--use-all-devices`).
 What needs the model is resolved by the driver: `batch_size=None` is the graph's example
 batch, and a `microbatch_sizes` list fixes the schedule, replicas and micro-batch count
 (`techniques.umpipe.plan.base_options`).
+
+A technique's switches are its package's (`pipecc.techniques.<name>.OPTIONS`, one
+`techniques.options.Option` each): `PlanOptions` is `Options`, the fields every plan has, with
+one field per switch added (`dataclasses.make_dataclass`; the field's name is the option's
+`dest`, its type `type`, its default `planner_default`), so adding a technique adds none here.
+A switch's value is checked against its `choices`, and a technique's checks across options
+are its package's `options_problem(options)` (None, or the one line the error says).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pipecc.ir.precision import PRECISIONS
 from pipecc.errors import UsageError
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
+from pipecc.techniques import TECHNIQUES
+from pipecc.techniques.options import Option
 
-__all__ = ["ACTIVATION_BALANCING", "BIPARTITION", "RECOMPUTE", "PlanOptions"]
+__all__ = ["Options", "PlanOptions"]
 
-RECOMPUTE = ("none", "full", "auto")          # techniques.recompute.search
-ACTIVATION_BALANCING = ("auto", "on", "off")  # techniques.bpipe.search
-BIPARTITION = ("off", "auto")                 # techniques.bipartition.plan
+
+def switches() -> list[Option]:
+    """Every technique's switches (`OPTIONS`), in `TECHNIQUES` order: `PlanOptions`' own fields."""
+    return [option for technique in TECHNIQUES for option in getattr(technique, "OPTIONS", ())]
 
 
 @dataclass
-class PlanOptions:
-    """What the planner may choose and how it costs the model (module docstring)."""
+class Options:
+    """The options every plan has, without the techniques' switches: `PlanOptions` adds those
+    (module docstring); build a `PlanOptions`, not one of these."""
 
     batch_size: int | None = None     # None: the graph's example batch (the driver resolves it)
     microbatches: int | str = "auto"  # M or "auto"
@@ -59,13 +69,9 @@ class PlanOptions:
     profile: Any = None               # measured costs (a `pipecc profile` file, its dict or Profile)
     calibrate: Any = None             # a `pipecc run --json` document (file, dict or Calibration): measured
                                       # stage times mapped back onto the nodes (pipecc.targets.calibrated)
-    recompute: str = "none"           # activation recomputation: none, full or auto (techniques.recompute.search)
     replicas: int | str = 1           # PP x DP degree: N or "auto" (techniques.replicas.search)
-    microbatch_sizes: str | Sequence[int] = "equal"  # UMPIPE: equal, auto or S1,S2,... (techniques.umpipe.plan)
     umpipe_budget_s: float = 10.0     # UMPIPE's search budget under microbatch_sizes="auto"
-    bipartition: str = "off"          # separate FP/BP cuts: off or auto (techniques.bipartition.plan)
     bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
-    activation_balancing: str = "off"  # BPipe: auto, on or off (pipecc.techniques.bpipe.search)
     flash_attention: bool = False     # cost fused attention as flash attention runs it (cost.annotate)
     # False: a plan on fewer of the devices (one, when pipelining does not pay) is a candidate
     # (`passes.device_count`); True: every device gets a stage (or a replica)
@@ -75,22 +81,20 @@ class PlanOptions:
         if self.schedule != "auto" and self.schedule not in TRAINING_SCHEDULES:
             raise UsageError(f"--schedule {self.schedule!r}: choose auto, {', '.join(TRAINING_SCHEDULES[:-1])} or "
                              f"{TRAINING_SCHEDULES[-1]}")
-        if self.recompute not in RECOMPUTE:
-            raise UsageError(f"--recompute {self.recompute!r}: choose none, full or auto")
-        if self.activation_balancing == "on" and self.microbatch_sizes not in ("equal", "auto"):
-            raise UsageError("--activation-balancing on needs equal micro-batches: drop --microbatch-sizes")
+        for option in switches():
+            why = option.problem(getattr(self, option.dest))
+            if why is not None:
+                raise UsageError(why)
         if self.replicas != "auto" and (isinstance(self.replicas, bool) or not isinstance(self.replicas, int)
                                         or self.replicas < 1):
             raise UsageError(f"--replicas {self.replicas!r}: use auto or a positive integer")
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision!r}: choose {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}")
-        if self.precision != "fp32" and self.bipartition != "off":
-            raise UsageError(f"--precision {self.precision} does not run Bi-Partition pipelines yet: "
-                             "drop --bipartition, or plan in fp32")
-        if self.bipartition not in BIPARTITION:
-            raise UsageError(f"--bipartition {self.bipartition!r}: choose off or auto")
-        if self.activation_balancing not in ACTIVATION_BALANCING:
-            raise UsageError(f"--activation-balancing {self.activation_balancing!r}: choose auto, on or off")
+        for technique in TECHNIQUES:  # its checks across options, once every value is one it takes
+            check = getattr(technique, "options_problem", None)
+            why = check(self) if check is not None else None
+            if why is not None:
+                raise UsageError(why)
         if self.fpga_number is not None:
             from pipecc.targets.fpga_model import parse_number  # NOTE: imports torch
             parse_number(self.fpga_number)  # a bad format is an error even without FPGA devices
@@ -111,3 +115,12 @@ class PlanOptions:
             raise UsageError(f"unknown plan option {unknown[0]!r}; the plan options are "
                              f"{', '.join(sorted(known))}")
         return dataclasses.replace(options, **fields) if options is not None else cls(**fields)
+
+
+# What the planner may choose and how it costs the model: `Options` and every technique's switch
+# (module docstring). Its fields, as the Python API takes them: `dataclasses.fields(PlanOptions)`.
+PlanOptions = dataclasses.make_dataclass(
+    "PlanOptions", [(o.dest, o.type, dataclasses.field(default=o.planner_default)) for o in switches()],
+    bases=(Options,), namespace={"__doc__": "What the planner may choose and how it costs the model "
+                                            "(`passes.plan_options` docstring)."})
+PlanOptions.__module__ = __name__

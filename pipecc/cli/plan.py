@@ -69,16 +69,15 @@ def options_from_args(args: argparse.Namespace, profile: Any = None, calibrate: 
     """The command line's plan options as one `PlanOptions` (where they are checked), from the
     flags of `add_plan_args` (`pipecc plan`, `pipecc compile`); `profile` as `check_plan_args`
     loaded it, `calibrate` as `check_calibrate` did."""
-    from pipecc.passes.plan_options import PlanOptions
+    from pipecc.passes.plan_options import PlanOptions, switches
     return PlanOptions(microbatches=args.microbatches, schedule=args.schedule, coarse=args.coarse,
                        choose_order=args.choose_order, split_layers=not args.no_split_layers,
                        compare=getattr(args, "compare", False), training=not args.inference,
-                       recompute=args.recompute, fpga_number=args.fpga_number, profile=profile,
-                       replicas=args.replicas, microbatch_sizes=args.microbatch_sizes,
-                       bipartition=args.bipartition, activation_balancing=args.activation_balancing,
+                       fpga_number=args.fpga_number, profile=profile, replicas=args.replicas,
                        flash_attention=args.flash_attention, calibrate=calibrate,
                        precision=getattr(args, "precision", "fp32"),
-                       use_all_devices=getattr(args, "use_all_devices", False))
+                       use_all_devices=getattr(args, "use_all_devices", False),
+                       **{option.dest: getattr(args, option.dest) for option in switches()})
 
 
 def plan_from_args(args: argparse.Namespace):

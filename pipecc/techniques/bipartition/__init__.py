@@ -17,6 +17,8 @@ to refuse (it does not move the segments' stashes), not this one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
@@ -33,13 +35,22 @@ OPTIONS = (Option("--bipartition", "bipartition", "off", "auto|off",
                   "one device, its backward on the next; its saved tensors and weights travel). "
                   "off (default); auto: search them around the chosen cuts (training, 1f1b or "
                   "gpipe, replicas 1) and keep them only if the simulated iteration is faster",
-                  words={"auto": "auto", "off": "off"}),)
+                  words={"auto": "auto", "off": "off"}, choices=("off", "auto")),)
 SCHEDULES = ("1f1b", "gpipe")
 MODES = ("", "ship", "recompute")
 
 
 def uses(plan: Plan) -> bool:
     return bipartition_on(plan)
+
+
+def options_problem(options: Any) -> str | None:
+    """Why the planner's options (`passes.plan_options.PlanOptions`) cannot ask for Bi-Partition
+    (one line with the fix), or None."""
+    if options.precision != "fp32" and options.bipartition != "off":
+        return (f"--precision {options.precision} does not run Bi-Partition pipelines yet: "
+                "drop --bipartition, or plan in fp32")
+    return None
 
 
 def requires(plan: Plan, caps: cap.Capabilities) -> str | None:

@@ -41,7 +41,8 @@ OPTIONS = (Option("--activation-balancing", "activation_balancing", "auto", "aut
                   "takes them back before their backward, to spend the freed memory on a larger "
                   "micro-batch or no recomputation. auto (default): only where pipecc's estimate "
                   "predicts a speed-up; on: always (1f1b, replicas 1); off: never",
-                  words={"auto": "auto", "on": "on", "off": "off"}),)
+                  words={"auto": "auto", "on": "on", "off": "off"}, api_default="off",
+                  choices=("auto", "on", "off")),)
 
 
 def without_fix(why: str) -> str:
@@ -52,6 +53,14 @@ def without_fix(why: str) -> str:
 
 def uses(plan: Plan) -> bool:
     return bool(plan.activation_balancing)
+
+
+def options_problem(options: Any) -> str | None:
+    """Why the planner's options (`passes.plan_options.PlanOptions`) cannot ask for BPipe (one
+    line with the fix), or None."""
+    if options.activation_balancing == "on" and options.microbatch_sizes not in ("equal", "auto"):
+        return "--activation-balancing on needs equal micro-batches: drop --microbatch-sizes"
+    return None
 
 
 def pairs_problem(pairs: Sequence[Any], p: int) -> str | None:

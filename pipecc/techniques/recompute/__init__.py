@@ -21,7 +21,8 @@ OPTIONS = (Option("--recompute", "recompute", "none", "auto|on|off",
                   "activation recomputation (torch.utils.checkpoint per stage): off (default), "
                   "on (every stage) or auto (only the stages that need it to fit memory); "
                   "old spellings none|full still work",
-                  words={"auto": "auto", "on": "full", "off": "none"}, old={"none": "none", "full": "full"}),)
+                  words={"auto": "auto", "on": "full", "off": "none"}, old={"none": "none", "full": "full"},
+                  choices=("none", "full", "auto")),)
 
 
 def uses(plan: Plan) -> bool:

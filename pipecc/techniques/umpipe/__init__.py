@@ -44,7 +44,8 @@ OPTIONS = (Option("--microbatch-sizes", "microbatch_sizes", "equal", "auto|off|S
                   "1f1b, search each stage's own sizes (genetic search, at most 10 s) and keep "
                   "them if faster; S1,S2,...: these sizes (summing to the batch size) on every "
                   "stage, under gpipe (or --schedule 1f1b) with replicas 1 (old spelling of off: equal)",
-                  words={"auto": "auto", "off": "equal"}, old={"equal": "equal"}, parse=parse_sizes),)
+                  words={"auto": "auto", "off": "equal"}, old={"equal": "equal"}, parse=parse_sizes,
+                  type=str | Sequence[int]),)
 
 
 def uses(plan: Plan) -> bool:

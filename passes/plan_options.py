@@ -20,7 +20,9 @@ batch, and a `microbatch_sizes` list fixes the schedule, replicas and micro-batc
 A technique's switches are its package's (`pipecc.techniques.<name>.OPTIONS`, one
 `techniques.options.Option` each): `PlanOptions` is `Options`, the fields every plan has, with
 one field per switch added (`dataclasses.make_dataclass`; the field's name is the option's
-`dest`, its type `type`, its default `planner_default`), so adding a technique adds none here.
+`dest`, its type `type`, its default `planner_default`) and one per planner field it has
+without a switch (`SETTINGS`, `techniques.options.Setting`: UMPIPE's search budget,
+Bi-Partition's window), so adding a technique adds no field here.
 A switch's value is checked against its `choices`, and a technique's checks across options
 are its package's `options_problem(options)` (None, or the one line the error says).
 """
@@ -35,7 +37,7 @@ from pipecc.ir.precision import PRECISIONS
 from pipecc.errors import UsageError
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 from pipecc.techniques import TECHNIQUES
-from pipecc.techniques.options import Option
+from pipecc.techniques.options import Option, Setting
 
 __all__ = ["Options", "PlanOptions"]
 
@@ -43,6 +45,11 @@ __all__ = ["Options", "PlanOptions"]
 def switches() -> list[Option]:
     """Every technique's switches (`OPTIONS`), in `TECHNIQUES` order: `PlanOptions`' own fields."""
     return [option for technique in TECHNIQUES for option in getattr(technique, "OPTIONS", ())]
+
+
+def settings() -> list[Setting]:
+    """Every technique's planner fields without a switch (`SETTINGS`), in `TECHNIQUES` order."""
+    return [setting for technique in TECHNIQUES for setting in getattr(technique, "SETTINGS", ())]
 
 
 @dataclass
@@ -70,8 +77,6 @@ class Options:
     calibrate: Any = None             # a `pipecc run --json` document (file, dict or Calibration): measured
                                       # stage times mapped back onto the nodes (pipecc.targets.calibrated)
     replicas: int | str = 1           # PP x DP degree: N or "auto" (techniques.replicas.search)
-    umpipe_budget_s: float = 10.0     # UMPIPE's search budget under microbatch_sizes="auto"
-    bipartition_window: int = 8       # units each cut may move from the single cut (PAPERS-SPEC §3.4)
     flash_attention: bool = False     # cost fused attention as flash attention runs it (cost.annotate)
     # False: a plan on fewer of the devices (one, when pipelining does not pay) is a candidate
     # (`passes.device_count`); True: every device gets a stage (or a replica)
@@ -120,7 +125,8 @@ class Options:
 # What the planner may choose and how it costs the model: `Options` and every technique's switch
 # (module docstring). Its fields, as the Python API takes them: `dataclasses.fields(PlanOptions)`.
 PlanOptions = dataclasses.make_dataclass(
-    "PlanOptions", [(o.dest, o.type, dataclasses.field(default=o.planner_default)) for o in switches()],
+    "PlanOptions", [*((o.dest, o.type, dataclasses.field(default=o.planner_default)) for o in switches()),
+                    *((s.dest, s.type, dataclasses.field(default=s.default)) for s in settings())],
     bases=(Options,), namespace={"__doc__": "What the planner may choose and how it costs the model "
                                             "(`passes.plan_options` docstring)."})
 PlanOptions.__module__ = __name__

@@ -1,6 +1,9 @@
 """The paper techniques, one package each: `pipecc/techniques/<name>/` holds everything of a
 technique (its rule, its planner search, its schedule transform, its runtime handlers, its
-generated code), and the one line that registers it is its place in `TECHNIQUES` below.
+generated code), and the one line that registers it is its place in `TECHNIQUES` below: the
+lowering's order (`LOWERING`, from each package's `LOWERS`), the planner's fields
+(`passes.plan_options.PlanOptions`, from `OPTIONS` and `SETTINGS`), the command line's switches
+and the installed packages (setup.py finds them) all come from the package.
 
 A package's `__init__` is its rule: pure functions over plan fields (onnx-ir's `requires`),
 where the technique can run, asked alike by the planner, the plan verifier
@@ -10,7 +13,12 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
 
     NAME, TAG, OFF                      how people, its refusals and their fixes name it
     OPTIONS                             its command-line switches (`options.Option`), which
-                                        `pipecc.cli.args` adds to the plan commands
+                                        `pipecc.cli.args` adds to the plan commands and
+                                        `passes.plan_options.PlanOptions` makes fields of
+    SETTINGS                            (optional) its planner fields without a switch
+                                        (`options.Setting`)
+    options_problem(options) -> str | None   (optional) its checks across the planner's
+                                        options: None, or the one line of the UsageError
     uses(plan) -> bool                  whether `plan` applies the technique
     requires(plan, caps) -> str | None  None: admissible; else one line naming the problem and the fix
     LOWERS                              the phase of the lowering its `lower` belongs to

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["Option", "SAME"]
+__all__ = ["Option", "SAME", "Setting"]
 
 
 class _Same:
@@ -65,3 +65,13 @@ class Option:
         if self.parse is not None:
             return self.parse(text)
         raise ValueError(f"invalid choice: {text!r} (choose from {', '.join(self.words)})")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A technique's planner field without a command-line switch (the Python API's keyword
+    only), as its package declares it (``SETTINGS``): a field of `passes.plan_options.PlanOptions`."""
+    dest: str                          # "umpipe_budget_s"
+    type: Any
+    default: Any
+    help: str

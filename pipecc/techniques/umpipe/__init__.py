@@ -20,7 +20,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import UNEVEN
 from pipecc.techniques import capabilities as cap
-from pipecc.techniques.options import Option
+from pipecc.techniques.options import Option, Setting
 from pipecc.techniques.facts import recomputing, stages_per_device, training, unequal
 
 NAME = "UMPIPE"
@@ -46,6 +46,7 @@ OPTIONS = (Option("--microbatch-sizes", "microbatch_sizes", "equal", "auto|off|S
                   "stage, under gpipe (or --schedule 1f1b) with replicas 1 (old spelling of off: equal)",
                   words={"auto": "auto", "off": "equal"}, old={"equal": "equal"}, parse=parse_sizes,
                   type=str | Sequence[int]),)
+SETTINGS = (Setting("umpipe_budget_s", float, 10.0, "UMPIPE's search budget (s) under microbatch_sizes=\"auto\""),)
 
 
 def uses(plan: Plan) -> bool:

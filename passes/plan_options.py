@@ -18,7 +18,7 @@ batch, and a `microbatch_sizes` list fixes the schedule, replicas and micro-batc
 (`techniques.umpipe.plan.base_options`).
 
 A technique's switches are its package's (`pipecc.techniques.<name>.OPTIONS`, one
-`techniques.options.Option` each): `PlanOptions` is `Options`, the fields every plan has, with
+`techniques.options.Option` each): `PlanOptions` is `BaseOptions`, the fields every plan has, with
 one field per switch added (`dataclasses.make_dataclass`; the field's name is the option's
 `dest`, its type `type`, its default `planner_default`) and one per planner field it has
 without a switch (`SETTINGS`, `techniques.options.Setting`: UMPIPE's search budget,
@@ -39,7 +39,7 @@ from pipecc.ir.schedule.registry import TRAINING_SCHEDULES
 from pipecc.techniques import TECHNIQUES
 from pipecc.techniques.options import Option, Setting
 
-__all__ = ["Options", "PlanOptions"]
+__all__ = ["BaseOptions", "PlanOptions"]
 
 
 def switches() -> list[Option]:
@@ -53,7 +53,7 @@ def settings() -> list[Setting]:
 
 
 @dataclass
-class Options:
+class BaseOptions:
     """The options every plan has, without the techniques' switches: `PlanOptions` adds those
     (module docstring); build a `PlanOptions`, not one of these."""
 
@@ -122,11 +122,11 @@ class Options:
         return dataclasses.replace(options, **fields) if options is not None else cls(**fields)
 
 
-# What the planner may choose and how it costs the model: `Options` and every technique's switch
+# What the planner may choose and how it costs the model: `BaseOptions`, every technique's switch and setting
 # (module docstring). Its fields, as the Python API takes them: `dataclasses.fields(PlanOptions)`.
 PlanOptions = dataclasses.make_dataclass(
     "PlanOptions", [*((o.dest, o.type, dataclasses.field(default=o.planner_default)) for o in switches()),
                     *((s.dest, s.type, dataclasses.field(default=s.default)) for s in settings())],
-    bases=(Options,), namespace={"__doc__": "What the planner may choose and how it costs the model "
+    bases=(BaseOptions,), namespace={"__doc__": "What the planner may choose and how it costs the model "
                                             "(`passes.plan_options` docstring)."})
 PlanOptions.__module__ = __name__

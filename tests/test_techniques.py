@@ -262,3 +262,15 @@ def test_techniques_of_one_phase_commute_or_never_meet() -> None:
                 assert techniques.requires(plan) is not None or (
                     _lowered(plan, (a, b)) == _lowered(plan, (b, a))), order
     assert by_name["replicas"].LOWERS == by_name["Bi-Partition"].LOWERS == "collectives"
+
+
+def test_plan_options_fields_are_the_packages_switches_and_settings() -> None:
+    """`PlanOptions` is `BaseOptions` plus a field per technique switch (`OPTIONS`: its `dest`,
+    with the Python API's default) and per technique setting (`SETTINGS`)."""
+    from pipecc.passes.plan_options import BaseOptions, PlanOptions
+    fields = {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+    base = {f.name for f in dataclasses.fields(BaseOptions)}
+    declared = {o.dest: o.planner_default for t in techniques.TECHNIQUES for o in getattr(t, "OPTIONS", ())}
+    declared |= {s.dest: s.default for t in techniques.TECHNIQUES for s in getattr(t, "SETTINGS", ())}
+    assert {k: v for k, v in fields.items() if k not in base} == declared
+    assert PlanOptions().activation_balancing == "off" and techniques.bpipe.OPTIONS[0].default == "auto"

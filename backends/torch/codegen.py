@@ -17,10 +17,13 @@ path: `render.FunctionImports` says how, and the rule for the model file's own).
   * class attributes `PARAM_NAMES` (attribute -> qualified name in the original model's
     state_dict, for parameters and buffers), `PARAM_ALIASES` (further names of a tied tensor) and
     `SHARDS` (attribute -> (original name, dim, start, size) for a split layer's weight slice).
-  * a stage that recomputes its activations (the plan's `StagePlan.recompute`) has its
+  * a stage that recomputes its activations (the plan's `StagePlan.recompute`) is written with
+    recomputation's forward wrapper (`pipecc.techniques.recompute.codegen.CHECKPOINTED`): its
     straight-line code in `stage_forward`, and `forward` runs it under
-    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: backward keeps only the
-    stage's inputs and re-runs `stage_forward`, with the RNG state restored (same dropout masks).
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. A forward wrapper (a
+    technique's codegen part) gives `body` (the straight-line code's method name, kept free),
+    `imports` (lines after torch's), `header` (lines of the header docstring) and
+    `forward(signature, arg_names)` (the class's `forward`, which calls `body`).
 
 Every identifier is derived through `names.Identifiers`; untrusted names appear only inside
 string literals (`ascii()`) and escaped comment/docstring text (see `names.py`).
@@ -47,6 +50,7 @@ from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo, tensors_in
 from pipecc.runtime.local import load_stage  # noqa: F401  (re-exported: the loader lives in the runtime)
+from pipecc.techniques.recompute.codegen import CHECKPOINTED
 
 
 @dataclass
@@ -116,8 +120,8 @@ class _Emitter:
 
     def __init__(self, stage: Stage, recompute: bool = False) -> None:
         self.stage = stage
-        self.recompute = recompute
-        self.attrs = Identifiers(set(dir(nn.Module)) | RESERVED | ({_BODY} if recompute else set()))
+        self.wrapper = CHECKPOINTED if recompute else None  # the forward wrapper (module docstring)
+        self.attrs = Identifiers(set(dir(nn.Module)) | RESERVED | ({self.wrapper.body} if self.wrapper else set()))
         self.locals = Identifiers(set(RESERVED))
         self.init: list[str] = []
         self.body: list[str] = []
@@ -303,7 +307,7 @@ class _Emitter:
     # -- assembly
     def assemble(self, cls: str, header: str) -> str:
         lines = [header, "", "import torch", "import torch.nn.functional as F"]
-        lines += ["import torch.utils.checkpoint"] if self.recompute else []
+        lines += list(self.wrapper.imports) if self.wrapper else []
         lines += [f"import {m}" for m in sorted(self.imports - {"onnx_ops"})]
         if "onnx_ops" in self.imports:
             lines.append("from pipecc.frontend import onnx_ops  # torch implementations of ONNX operators")
@@ -314,20 +318,11 @@ class _Emitter:
         lines += ["", "    def __init__(self) -> None:", "        super().__init__()"]
         lines += [f"        {line}" for line in self.init]
         signature = ', '.join(['self'] + self.args)
-        if self.recompute:
-            call = ", ".join([f"self.{_BODY}"] + self.arg_names + ["use_reentrant=False"])
-            lines += ["", f"    def forward({signature}) -> tuple:",
-                      "        # Activation recomputation (pipecc --recompute): backward keeps only this",
-                      "        # stage's inputs and re-runs stage_forward to rebuild its activations, one",
-                      "        # more forward for less memory; checkpoint restores the RNG state for the",
-                      "        # re-run, so dropout draws the same masks.",
-                      f"        return torch.utils.checkpoint.checkpoint({call})"]
-        lines += ["", f"    def {_BODY if self.recompute else 'forward'}({signature}) -> tuple:"]
+        if self.wrapper:
+            lines += ["", *self.wrapper.forward(signature, self.arg_names)]
+        lines += ["", f"    def {self.wrapper.body if self.wrapper else 'forward'}({signature}) -> tuple:"]
         lines += [f"        {line}" for line in self.body]
         return "\n".join(lines) + "\n"
-
-
-_BODY = "stage_forward"  # a recomputed stage's straight-line code, run under checkpoint
 
 
 def _clone(var: str, port: Port) -> str:
@@ -404,8 +399,8 @@ def _header(stage: Stage, emitter: _Emitter, model_name: str, index: int, device
     if any(line.startswith("del ") for line in emitter.body):
         lines += ["", "`del` lines release values no later line reads (what autograd keeps stays), as the",
                   "plan's peak memory counts them."]
-    if emitter.recompute:
-        lines += ["", "Recomputes its activations in backward (torch.utils.checkpoint; pipecc --recompute)."]
+    if emitter.wrapper:
+        lines += list(emitter.wrapper.header)
     lines += ["", "Weights: weights.safetensors beside this file, keyed by attribute name. PARAM_NAMES",
               "maps each attribute to its name in the original model's state_dict.", '"""']
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from typing import Any
 
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
+from pipecc.report.text import technique_answer
 
 GRAPH_FORMAT = "pipecc-graph"
 FORMAT_VERSION = 1
@@ -106,33 +107,7 @@ def timeline_json(timeline: Any) -> dict[str, Any]:
                         "peer": e.peer} for e in timeline.events]}
 
 
-def _uneven_timeline(plan: Plan, schedule: Schedule) -> Any:
-    """UMPIPE: gpipe row order over the plan's per-stage sizes, with the per-chunk seconds the
-    planner predicted with (`plan.umpipe_chunk_costs`); a plan without them (written
-    by hand) gets the stage figures scaled linearly in the chunk size."""
-    from pipecc.passes.simulate import StageCosts, simulate
-
-    sizes = plan.microbatch_sizes or []
-    saved = plan.umpipe_chunk_costs
-    if saved:
-        costs = StageCosts(**{k: v for k, v in saved.items() if k != "stage_figures_microbatch"})
-        if "tail_s" not in saved:  # NOTE: plans before the one cost model saved no tails
-            costs.tail_s = _step_tail(plan, schedule)
-    else:
-        per = max(plan.batch_size // max(plan.microbatches, 1), 1)
-        n = len(plan.stages)
-        send = [s.comm_s / 4 for s in plan.stages]  # NOTE: a rough split of 2*recv + 2*send
-        costs = StageCosts(
-            [[s.forward_s * b / per for b in sizes[k]] for k, s in enumerate(plan.stages)],
-            [[s.backward_s * b / per for b in sizes[k]] for k, s in enumerate(plan.stages)],
-            [[send[k] * b / per if k < n - 1 else 0.0 for b in sizes[k]] for k in range(n)],
-            [[send[k] * b / per if k > 0 else 0.0 for b in sizes[max(k - 1, 0)]] for k in range(n)],
-            [[0.0] * len(sizes[k]) for k in range(n)], [0.0] * n)
-        costs.tail_s = _step_tail(plan, schedule)
-    return simulate(schedule, costs)
-
-
-def _step_tail(plan: Plan, schedule: Schedule) -> list[float] | None:
+def step_tail(plan: Plan, schedule: Schedule) -> list[float] | None:
     """[rank] the per-iteration fixed seconds of its stages (`StagePlan.step_s`) after its last
     action, as the planner simulated them; None when all are 0 (older plans)."""
     tail = [0.0] * schedule.num_ranks
@@ -156,8 +131,9 @@ def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
 
     # the simulator charges REDUCE and REFRESH as costs (allreduce_s, the tail), not as actions
     schedule = without_collectives(schedule_of(plan) if schedule is None else schedule)
-    if plan.microbatch_sizes:
-        return _uneven_timeline(plan, schedule)
+    own = technique_answer("timeline", plan, schedule)  # a technique that prices its actions itself (UMPIPE)
+    if own is not None:
+        return own
     n, m = len(plan.stages), plan.microbatches
     send, prev = [], 0.0
     for k, s in enumerate(plan.stages):
@@ -168,7 +144,7 @@ def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
                                  [s.backward_s for s in plan.stages], send, [0.0] + send[:-1],
                                  backward_weight_s=[s.backward_weight_s for s in plan.stages],
                                  split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
-    costs.tail_s = _step_tail(plan, schedule)
+    costs.tail_s = step_tail(plan, schedule)
     saved = plan.bipartition_costs if plan.is_bipartition() else None
     if saved is not None:  # Bi-Partition: the two directions differ; the planner saved both, and the tail
         costs.send_forward_s = [[float(t)] * m for t in saved.send_forward_s]

@@ -31,7 +31,7 @@ from pipecc.report.artifacts import FORMAT_VERSION, MODEL_INPUT, timeline_for, t
 from pipecc.report.figures import bottleneck_note, bottleneck_stage, device_capacities, first_last, memory_kind
 from pipecc.report.formatting import (WIDTH, count, fit_table, human, seconds, seconds_in_text, shapes_text,
                                      text_table, wrap)
-from pipecc.report.text import ratio_note, replica_group, replica_rows, sizes_text, technique_lines
+from pipecc.report.text import ratio_note, replica_group, replica_rows, technique_answer, technique_lines
 from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.folder_data import plan_problem, read_typed_plan
 
@@ -264,19 +264,17 @@ def summary_text(c: Compiled, verbose: bool = False) -> str:
                      human(s["recv_bytes"], "B"), human(s["send_bytes"], "B"),
                      ", ".join(s["split_layers"]) or "-"])
     mb = data["microbatch_size"]
+    split = technique_answer("batch_split", plan, "inspect")  # UMPIPE's unequal micro-batches
     lines = [
         f"{c.path}: {plan.model}, {count(len(plan.stages), 'stage')} on {count(len(plan.devices), 'device')}",
         f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages} stages per device)"
                                        if plan.virtual_stages > 1 else "")
-        + (f", unequal micro-batches per stage: {sizes_text(plan)} (batch {plan.batch_size}); "
-           f"figures per micro-batch of "
-           f"{(plan.umpipe_chunk_costs or {}).get('stage_figures_microbatch', '?')}"
-           if plan.microbatch_sizes else
+        + (split if split is not None else
            f", {count(c.microbatches, 'micro-batch')} of {mb} (batch {plan.batch_size}); ")
         + (f"{plan.replicas} replicas per stage, each on {replica_rows(mb, plan.replicas)} samples of "
            "every micro-batch; figures per replica and micro-batch"
            + (" (the largest slice)" if mb % plan.replicas else "") if plan.replicas > 1
-           else "" if plan.microbatch_sizes else "figures per micro-batch"),
+           else "" if split is not None else "figures per micro-batch"),
         "",
         fit_table(["stage", "device", "nodes", "#", "fwd FLOPs", "params", "fwd", "bwd", "comm",
                    "peak mem / capacity", "in", "out", "split-layer shards"], rows, moved=[2, 10, 11, 12],

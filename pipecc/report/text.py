@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipecc.ir.plan import Plan
 from pipecc.report.figures import bottleneck_note, bottleneck_stage, cost_basis, first_last
 from pipecc.report.formatting import count, fit_table, human, seconds, seconds_in_text, text_table, wrap
@@ -22,6 +24,23 @@ def technique_lines(plan: Plan, verbose: bool = False) -> tuple[list[str], tuple
     return out, tuple(said)
 
 
+def technique_answer(hook: str, *args: Any) -> Any:
+    """The first answer other than None of the techniques' report parts that define the
+    optional `hook` (e.g. `pipecc.techniques.umpipe.report`'s: ``batch_split``, ``timeline``),
+    in `pipecc.techniques.TECHNIQUES` order; None when none answers."""
+    for part in technique_parts("report"):
+        answer = getattr(part, hook)(*args) if hasattr(part, hook) else None
+        if answer is not None:
+            return answer
+    return None
+
+
+def technique_labelled(plan: Plan) -> list[tuple[str, str]]:
+    """Every technique's (label, text) lines after `pipecc plan`'s "times" line (a report
+    part's optional ``labelled(plan)``)."""
+    return [line for part in technique_parts("report") if hasattr(part, "labelled") for line in part.labelled(plan)]
+
+
 def replica_group(plan: Plan, stage) -> str:
     """`a100` or, for a replicated stage, `2x a100 [devices 0-1]` (its replica group)."""
     group = plan.stage_devices(stage)
@@ -32,12 +51,6 @@ def replica_group(plan: Plan, stage) -> str:
     what = f"{len(group)}x {names[0]}" if len(kinds) == 1 else "+".join(names)
     return f"{what} [devices {group[0]}-{group[-1]}]"
 
-
-def sizes_text(plan: Plan) -> str:
-    """UMPIPE's per-stage micro-batch sizes, `stage 0 [4, 4], stage 1 [8]` ("" without)."""
-    if not plan.microbatch_sizes:
-        return ""
-    return ", ".join(f"stage {k} {list(row)}" for k, row in enumerate(plan.microbatch_sizes))
 
 
 
@@ -76,10 +89,10 @@ def _labelled(label: str, text: str) -> list[str]:
 
 
 def plan_table(plan: Plan, verbose: bool = False) -> str:
+    split = technique_answer("batch_split", plan, "plan")  # UMPIPE's unequal micro-batches
     lines = [
         *wrap(f"{plan.model}: batch {plan.batch_size}, "
-              + (f"unequal micro-batches per stage (UMPIPE): {sizes_text(plan)}, " if plan.microbatch_sizes
-                 else f"{count(plan.microbatches, 'micro-batch')}, ")
+              + (split if split is not None else f"{count(plan.microbatches, 'micro-batch')}, ")
               + f"schedule {plan.schedule}" + (f" (v={plan.virtual_stages})" if plan.virtual_stages > 1 else "")
               + (f", {plan.replicas} replicas per stage (each on "
                  f"{replica_rows(plan.batch_size // plan.microbatches, plan.replicas)} of every micro-batch's "
@@ -98,11 +111,8 @@ def plan_table(plan: Plan, verbose: bool = False) -> str:
                    f"{plan.bubble_fraction:.1%}"),
         *_labelled("times", f"predicted from {cost_basis(plan)}"),
     ]
-    if plan.microbatch_sizes:
-        per = (plan.umpipe_chunk_costs or {}).get("stage_figures_microbatch")
-        lines += _labelled("micro-batches", "unequal per stage (UMPIPE, gpipe order, forward and backward "
-                           "alike); the iteration predicted from per-chunk costs with per-call overhead"
-                           + (f"; stage figures above at {per} samples" if per else ""))
+    for label, said_here in technique_labelled(plan):
+        lines += _labelled(label, said_here)
     if plan.replicas > 1:
         lines += _labelled("all-reduce", f"{seconds(max(s.allreduce_s for s in plan.stages))} per "
                            "iteration at most (a stage's gradients in its replica group, overlapped "

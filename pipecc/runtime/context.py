@@ -1,6 +1,6 @@
 """What a rank's stage runners and action handlers are given instead of the runtime: a
 ``RankContext`` (frozen: who the rank is, the schedule it runs, where and in what precision, its
-mailbox and its inbox for re-sliced chunks) and, in it, the ``RankState`` that changes between and
+mailbox and the techniques' handlers) and, in it, the ``RankState`` that changes between and
 during steps (the wire, the step's split batch and target, what the runtime's caller sets).
 
 ``PipelineRuntime`` (``pipecc.runtime.engine``) builds one context per rank and hands it to each
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipecc.ir.schedule.actions import Action, Schedule
+from pipecc.runtime.handlers import Handler
 from pipecc.techniques.replicas.runtime import Replicas
-from pipecc.techniques.umpipe.runtime import Reslicer
 from pipecc.runtime.wire import Wire, peer_rank
 
 if TYPE_CHECKING:  # NOTE: typing only; the runtime sets the timer
@@ -76,7 +76,9 @@ class RankContext:
     replicas: Replicas
     loss_fn: Callable | None
     mailbox: Mailbox
-    reslice: Reslicer  # unequal micro-batches' inbox
+    # the techniques' handlers (`pipecc.runtime.handlers`), which the stage runners ask; NOTE: the
+    # engine fills the list once the runners they are built from exist
+    handlers: list[Handler]
     state: RankState
 
     @property

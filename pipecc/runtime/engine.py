@@ -76,14 +76,11 @@ from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only
 from pipecc.ir.schedule.validate import validate
 from pipecc.runtime import rank_checkpoint, teardown, wire
-from pipecc.techniques.bipartition.runtime import (BipartitionRunner, check_runs, is_worker,
-                                                 replica_stages)
 from pipecc.runtime.context import Mailbox, RankContext, RankState, Shared
-from pipecc.runtime.handlers import Handler, RankParts, captured
+from pipecc.runtime.handlers import Handler, RankParts, captured, setup
 from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
 from pipecc.techniques.replicas.runtime import Replicas
-from pipecc.techniques.umpipe.runtime import Reslicer, check_sizes
 from pipecc.runtime.stage_runner import StageRunner
 from pipecc.techniques import TECHNIQUES, parts as technique_parts
 from pipecc.runtime.trace import TraceRecorder
@@ -237,11 +234,8 @@ class PipelineRuntime:
         schedule = build_schedule(config.schedule, world, config.microbatches, len(modules),
                                   config.microbatch_sizes, config.activation_balancing)
         replicas = replicas or Replicas()
-        if schedule.microbatch_sizes is not None:
-            if replicas.count > 1:
-                raise PipeccError("unequal micro-batch sizes cannot run with replicated stages (--replicas > 1); "
-                                  "compile with --replicas 1 or equal micro-batches")
-            check_sizes(schedule.microbatch_sizes, schedule.num_stages, stage_ports[0].batch_size)
+        runtime_parts = technique_parts("runtime")  # each technique's share of the rank (`pipecc.runtime.handlers`)
+        setup(runtime_parts, "check", schedule, modules, stage_ports, replicas)  # what the rank cannot run
         global_rank, global_world = replicas.rank_of(rank), world * replicas.count
         if global_world > 1:
             init_distributed(config)
@@ -252,7 +246,6 @@ class PipelineRuntime:
         if len(stage_ids) != len(modules):
             raise PipeccError(f"rank {rank} holds stages {stage_ids} in this schedule but got "
                               f"{len(modules)} modules")
-        self._reslice = Reslicer(schedule, stage_ids, stage_ports)  # unequal sizes' inbox
         for module in modules:
             module.to(device)
         if world > 1 and backend == "nccl":
@@ -264,20 +257,20 @@ class PipelineRuntime:
         self._mailbox = Mailbox()
         self._peak_stash = 0  # most microbatches stashed at once during the last step
         self.trace: TraceRecorder | None = None  # set (and timer set to it): pipecc run --trace
-        if any(is_worker(module) for module in modules):
-            check_runs(schedule, replicas.count)  # Bi-Partition
         # the collectives, added by compile's lowering to a schedule built here by name or from text;
         # a lowered one (the folder's schedule.txt) is itself, executed as written
-        schedule = lower(schedule, replicas=replicas.count, refresh_stages=replica_stages(stage_ids, modules))
+        lowering = {k: v for extra in setup(runtime_parts, "lowering", stage_ids, modules) for k, v in extra.items()}
+        schedule = lower(schedule, replicas=replicas.count, **lowering)
+        # each technique's handler, in TECHNIQUES order: built below, once the runners exist
+        self._techniques: list[Handler] = []
         self._ctx = RankContext(rank, global_rank, tuple(stage_ids), schedule, device, amp_dtype, replicas,
-                                loss_fn, self._mailbox, self._reslice, self._state)
+                                loss_fn, self._mailbox, self._techniques, self._state)
         self._runners: list[StageRunner] = [
-            (BipartitionRunner if is_worker(module) else StageRunner)(self.ctx, s, module, ports)
+            _runner_class(runtime_parts, module)(self.ctx, s, module, ports)
             for s, module, ports in zip(stage_ids, modules, stage_ports)]
         self._messages = Messages(self.ctx, self.runner)
-        # each technique's share of the rank (`pipecc.runtime.handlers`), in TECHNIQUES order
         parts = RankParts(self.ctx, self.runner, self._runners, config.timeout_s, backend == "nccl")
-        self._techniques: list[Handler] = [part.handler(parts) for part in technique_parts("runtime")]
+        self._techniques.extend(part.handler(parts) for part in runtime_parts)
         self._handlers: dict[ActionKind, Callable[[Action, bool], None]] = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
@@ -510,6 +503,11 @@ class PipelineRuntime:
             parts = [split(t) for t in target]
             return [type(target)(p[i] for p in parts) for i in range(chunks)]
         return [target] * chunks
+
+
+def _runner_class(runtime_parts: Sequence[Any], module: nn.Module) -> type[StageRunner]:
+    """The runner of a stage module: a technique's (its runtime part's ``stage_runner``), else ``StageRunner``."""
+    return next((cls for cls in setup(runtime_parts, "stage_runner", module) if cls is not None), StageRunner)
 
 
 # ---------------------------------------------------------------------------- process group

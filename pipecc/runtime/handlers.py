@@ -19,7 +19,27 @@ hooks around a step, in that order:
     after_optimizer_step()           after the caller's optimizer step
     forget_groups()                  process groups destroyed: drop references to them
 
+and the stage runners (`pipecc.runtime.stage_runner`, which find the handlers in their
+`RankContext.handlers`) ask them, the first answer other than None counting (`first_answer`):
+
+    forward_leaves(stage, mb, training)   F's input leaves of (stage, mb) when the technique
+                                     supplies them (UMPIPE's re-sliced chunks), else None
+    input_grads(stage, mb)           after B of (stage, mb): [(upstream chunk, its input
+                                     gradients), ...] when the technique decides what is handed
+                                     down (UMPIPE's completed chunks), else None
+
 Every hook does nothing by default, so a handler writes only the ones it needs.
+
+Before the rank's context and runners exist, the engine asks the runtime part's module-level
+functions, each optional, in `TECHNIQUES` order (`setup`):
+
+    check(schedule, modules, ports, replicas)   refuse what the rank cannot run (one-line
+                                     PipeccError); before the process group is joined
+    lowering(stage_ids, modules) -> dict        keyword arguments the technique adds to the
+                                     rank's `pipecc.ir.schedule.lower` (Bi-Partition's
+                                     `refresh_stages`)
+    stage_runner(module) -> type | None         the `StageRunner` class that runs a stage
+                                     module of the technique's (Bi-Partition's workers), else None
 """
 
 from __future__ import annotations
@@ -27,11 +47,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 
-__all__ = ["Handler", "RankParts", "captured"]
+__all__ = ["Handler", "RankParts", "captured", "first_answer", "setup"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,26 @@ class Handler:
 
     def forget_groups(self) -> None:
         pass
+
+    def forward_leaves(self, stage: int, microbatch: int, training: bool) -> list[Any] | None:
+        return None
+
+    def input_grads(self, stage: int, microbatch: int) -> list[tuple[int, list]] | None:
+        return None
+
+
+def first_answer(handlers: Sequence[Handler], hook: str, *args: Any) -> Any:
+    """The first answer other than None of the handlers' `hook` on `args`, or None."""
+    for handler in handlers:
+        answer = getattr(handler, hook)(*args)
+        if answer is not None:
+            return answer
+    return None
+
+
+def setup(parts: Sequence[ModuleType], hook: str, *args: Any) -> list[Any]:
+    """The answers of every runtime part that defines the module-level `hook`, in order."""
+    return [getattr(part, hook)(*args) for part in parts if hasattr(part, hook)]
 
 
 def captured(handlers: Sequence[Handler], stage: int, microbatch: int,

@@ -12,10 +12,12 @@ neighbour's values are put straight into the inbox, detached, as a receive would
 Technique hooks, each with its own module: BPipe's capture of an evicted micro-batch's saved
 activations (``capture`` from ``pipecc.techniques.bpipe.runtime``, given to ``forward`` by the
 executor, which also tells BPipe when B is done), Bi-Partition's programs (a
-``pipecc.techniques.bipartition.runtime.BipartitionRunner`` overrides the computation and the ports
-its messages carry), the zero-bubble I and W (``pipecc.techniques.zero_bubble.runtime.ZeroBubble``, which
-uses ``output_grads`` and ``hand_down``), unequal micro-batches' re-slicing
-(``pipecc.techniques.umpipe.runtime.Reslicer``).
+``pipecc.techniques.bipartition.runtime.BipartitionRunner``, the runtime part's ``stage_runner``,
+overrides the computation and the ports its messages carry), the zero-bubble I and W
+(``pipecc.techniques.zero_bubble.runtime.ZeroBubble``, which uses ``output_grads`` and
+``hand_down``), unequal micro-batches' re-slicing (``pipecc.techniques.umpipe.runtime``, whose
+handler answers ``forward_leaves`` and ``input_grads``: the runner asks the rank's handlers,
+``RankContext.handlers``, through ``pipecc.runtime.handlers.first_answer``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.context import Mailbox, RankContext
+from pipecc.runtime.handlers import first_answer
 from pipecc.runtime.ports import Port, StagePorts, as_tuple, flatten, split_sizes, unflatten
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, split_words, step_factors, weight
 
@@ -78,13 +81,14 @@ class StageRunner:
     # -- F -----------------------------------------------------------------------------------
 
     def input_leaves(self, mb: int, training: bool) -> list[Any]:
-        """F's input: stage 0's split batch, the re-sliced upstream chunks (unequal sizes) or
-        what the inbox holds."""
+        """F's input: stage 0's split batch, a technique's (the re-sliced upstream chunks of
+        unequal sizes) or what the inbox holds."""
         ctx = self.ctx
         if self.first:
             return ctx.state.inputs[mb]
-        if ctx.reslice.active(self.stage):
-            return ctx.reslice.forward_leaves(self.stage, mb, ctx.mailbox.inbox, training)
+        leaves = first_answer(ctx.handlers, "forward_leaves", self.stage, mb, training)
+        if leaves is not None:
+            return leaves
         return ctx.mailbox.inbox.pop(("F", self.stage, mb))
 
     def compute(self, mb: int, leaves: list[Any], training: bool,
@@ -232,9 +236,9 @@ class StageRunner:
             torch.autograd.backward(roots, grads)
         if self.first:
             return
-        if self.ctx.reslice.active(self.stage):  # unequal sizes: the upstream chunks whose gradient is complete
-            ready = self.ctx.reslice.backward_done(self.stage, mb)
-        else:
+        # a technique's (unequal sizes: the upstream chunks whose gradient is complete), else this chunk's
+        ready = first_answer(self.ctx.handlers, "input_grads", self.stage, mb)
+        if ready is None:
             ready = [(mb, [x.grad if x.grad is not None else torch.zeros_like(x)
                            for x, p in zip(in_leaves, self.ports.in_leaves) if p.carries_grad])]
         for j, input_grads in ready:

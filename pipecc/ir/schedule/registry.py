@@ -148,13 +148,14 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
         from pipecc.techniques.umpipe.schedule import gpipe_uneven, one_f_one_b_uneven
         schedule = gpipe_uneven(sizes, ranks) if name == "gpipe" else one_f_one_b_uneven(sizes)
     else:
-        if thresholds is not None and (name != "1f1b" or virtual != 1):
-            raise ValueError(f"BPipe inserts its transfers into 1f1b with one stage per rank, not {name!r} "
-                             f"with {virtual} stages per rank")
-        schedule = add_send_recv(compute_by_name(name, ranks, num_microbatches, virtual))
         if thresholds is not None:
             # NOTE: lazy: importing BPipe's package runs pipecc.techniques, whose rules import this package
-            from pipecc.techniques.bpipe.schedule import bpipe
+            from pipecc.techniques.bpipe.schedule import bpipe, placement_problem
+            if placement_problem(name, virtual, False) is not None:  # BPipe's rule
+                raise ValueError(f"BPipe inserts its transfers into 1f1b with one stage per rank, not {name!r} "
+                                 f"with {virtual} stages per rank")
+        schedule = add_send_recv(compute_by_name(name, ranks, num_microbatches, virtual))
+        if thresholds is not None:
             schedule = bpipe(schedule, thresholds, policy)
     validate(schedule)
     return schedule

@@ -35,7 +35,8 @@ from pipecc.techniques.bipartition.runtime_segments import BipartitionWorker, Wo
 from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["BipartitionRunner", "WeightRefresh", "handler", "check_runs", "is_worker", "replica_stages"]
+__all__ = ["BipartitionRunner", "WeightRefresh", "check", "check_runs", "handler", "is_worker", "lowering",
+           "replica_stages", "stage_runner"]
 
 
 def is_worker(module: torch.nn.Module) -> bool:
@@ -62,6 +63,22 @@ def check_runs(schedule: Schedule, replicas: int) -> None:
                           "compile it again without those")
     if any(a.kind in (ActionKind.I, ActionKind.W) for row in schedule.actions for a in row):
         raise PipeccError("a Bi-Partition pipeline cannot run a zero-bubble schedule; use 1f1b or gpipe")
+
+
+def check(schedule: Schedule, modules: Sequence[torch.nn.Module], ports: Sequence[StagePorts], replicas: Any) -> None:
+    """`check_runs` on a rank holding Bi-Partition workers (`pipecc.runtime.handlers`' ``check``)."""
+    if any(is_worker(module) for module in modules):
+        check_runs(schedule, replicas.count)
+
+
+def lowering(stage_ids: Sequence[int], modules: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """The rank's REFRESH stages for ``pipecc.ir.schedule.lower`` (`pipecc.runtime.handlers`' ``lowering``)."""
+    return {"refresh_stages": replica_stages(stage_ids, modules)}
+
+
+def stage_runner(module: torch.nn.Module) -> type[StageRunner] | None:
+    """A worker's runner (`pipecc.runtime.handlers`' ``stage_runner``), else None."""
+    return BipartitionRunner if is_worker(module) else None
 
 
 class BipartitionRunner(StageRunner):

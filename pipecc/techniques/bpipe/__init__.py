@@ -28,7 +28,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.techniques import capabilities as cap
-from pipecc.techniques.bpipe.schedule import BPIPE_POLICIES as POLICIES, bpipe
+from pipecc.techniques.bpipe.schedule import BPIPE_POLICIES as POLICIES, bpipe, placement_problem
 from pipecc.techniques.options import Option
 from pipecc.techniques.facts import bipartition_on, stages_per_device, training, unequal
 
@@ -118,9 +118,10 @@ def at_run(kind: str | Schedule, world: int, microbatches: int, stages_per_rank:
         thresholds(balancing, kind.num_stages)
         return None
     ks, policy = thresholds(balancing, world * stages_per_rank)
-    if kind != "1f1b" or stages_per_rank != 1 or sizes is not None:
-        what = f"schedule {kind!r}" if kind != "1f1b" else (
-            f"{stages_per_rank} stages per rank" if stages_per_rank != 1 else "unequal micro-batch sizes")
+    problem = placement_problem(kind, stages_per_rank, sizes is not None)
+    if problem is not None:
+        what = {"schedule": f"schedule {kind!r}", "stages": f"{stages_per_rank} stages per rank",
+                "sizes": "unequal micro-batch sizes"}[problem]
         raise UsageError(f"{TAG} runs under the 1f1b schedule with one stage per rank, "
                          f"not {what}; drop --schedule or compile with {OFF}")
     from pipecc.ir.schedule.registry import schedule_for
@@ -136,11 +137,12 @@ def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     rules hold whether or not the plan has pairs yet (the planner asks before it makes them)."""
     if not training(plan):
         return f"{TAG} needs a training plan (a forward-only one stashes no activations); use {OFF}"
-    if plan.schedule != "1f1b":
+    problem = placement_problem(plan.schedule, stages_per_device(plan), unequal(plan))
+    if problem == "schedule":
         return f"{TAG} pairs stages under the 1f1b schedule only, not {plan.schedule}: use --schedule 1f1b, or {OFF}"
-    if stages_per_device(plan) != 1:
+    if problem == "stages":
         return f"{TAG} needs one stage per device, not {stages_per_device(plan)}: use --schedule 1f1b, or {OFF}"
-    if unequal(plan):
+    if problem == "sizes":
         return f"{TAG} needs equal micro-batches, the plan has unequal ones: use --microbatch-sizes equal, or {OFF}"
     where = caps.first_lacking(plan, cap.SAVED_TENSOR_STASH)
     if where is not None:

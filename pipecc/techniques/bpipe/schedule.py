@@ -2,7 +2,10 @@
 inserts the stash transfers (SEND_S, RECV_S, SEND_R, RECV_R) between each evictor ``s`` and its
 acceptor ``p-1-s`` into 1F1B; ``Schedule.stash_profile`` counts an evicted stash on the acceptor.
 ``pipecc.ir.schedule.registry.schedule_for`` builds it from a plan's thresholds, BPipe's ``lower``
-from the plan. IR: imports only the schedule IR.
+from the plan. ``placement_problem`` is BPipe's rule of where the transfers go (1f1b, one stage
+per pipeline rank, equal micro-batches), asked by its ``requires`` (a plan), its ``at_run`` (a
+run's ``--schedule``) and the registry (``schedule_for`` with thresholds). IR: imports only the
+schedule IR.
 """
 
 from __future__ import annotations
@@ -13,10 +16,24 @@ from pipecc.ir.schedule.actions import _B, _F, Action, ActionKind, Schedule
 from pipecc.ir.schedule.generators import one_f_one_b
 from pipecc.ir.schedule.progress import advance
 
-__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs"]
+__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "placement_problem"]
 
 
 BPIPE_POLICIES = ("jit", "eager")
+
+
+def placement_problem(schedule: str, stages_per_rank: int, unequal: bool) -> str | None:
+    """BPipe's one placement rule: its transfers go into the 1f1b schedule with one stage per
+    pipeline rank and equal micro-batches. The first part a placement breaks, "schedule" (not
+    1f1b), "stages" (`stages_per_rank` other than 1) or "sizes" (`unequal` micro-batches), for
+    its caller to word the refusal; None when it keeps the rule."""
+    if schedule != "1f1b":
+        return "schedule"
+    if stages_per_rank != 1:
+        return "stages"
+    if unequal:
+        return "sizes"
+    return None
 
 
 def bpipe_pairs(num_stages: int) -> list[tuple[int, int]]:

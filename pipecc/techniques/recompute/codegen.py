@@ -1,12 +1,41 @@
-"""Activation recomputation in the torch backend's drop-in module (`pipelined_module`): a stage
-module wrapped to run under torch.utils.checkpoint, as a recomputing stage's generated stage.py
-does (`backends.torch.codegen`)."""
+"""Activation recomputation in the torch backend: a recomputing stage's generated stage.py
+(`CHECKPOINTED`, the forward wrapper `backends.torch.codegen` writes the stage with) and, in the
+drop-in module (`pipelined_module`), a stage module wrapped to run under torch.utils.checkpoint
+the same way (`Recomputed`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["Recomputed"]
+__all__ = ["CHECKPOINTED", "CheckpointedForward", "Recomputed"]
+
+
+class CheckpointedForward:
+    """A stage's forward run under torch.utils.checkpoint, as the generated code writes it: its
+    straight-line code in `body` (`stage_forward`), and `forward` calling it under
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: backward keeps only the
+    stage's inputs and re-runs `stage_forward`, with the RNG state restored (same dropout masks).
+    The torch backend's forward-wrapper hook (`backends.torch.codegen`: `body`, `imports`,
+    `header`, `forward`)."""
+
+    body = "stage_forward"  # the straight-line code's method (an attribute name kept free)
+    imports = ("import torch.utils.checkpoint",)
+    header = ("", "Recomputes its activations in backward (torch.utils.checkpoint; pipecc --recompute).")
+
+    def forward(self, signature: str, arg_names: Sequence[str]) -> list[str]:
+        """The class's `forward`, indented as a method: `body` under checkpoint."""
+        call = ", ".join([f"self.{self.body}", *arg_names, "use_reentrant=False"])
+        return [f"    def forward({signature}) -> tuple:",
+                "        # Activation recomputation (pipecc --recompute): backward keeps only this",
+                "        # stage's inputs and re-runs stage_forward to rebuild its activations, one",
+                "        # more forward for less memory; checkpoint restores the RNG state for the",
+                "        # re-run, so dropout draws the same masks.",
+                f"        return torch.utils.checkpoint.checkpoint({call})"]
+
+
+CHECKPOINTED = CheckpointedForward()
 
 
 class Recomputed(torch.nn.Module):

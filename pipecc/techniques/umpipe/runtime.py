@@ -37,7 +37,18 @@ from pipecc.ir.schedule.chunks import chunk_bounds, overlapping
 from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.ports import StagePorts
 
-__all__ = ["Reslicer", "check_sizes", "folder_sizes", "handler"]
+__all__ = ["Reslicer", "check", "check_sizes", "folder_sizes", "handler"]
+
+
+def check(schedule: Schedule, modules: Sequence[Any], ports: Sequence[StagePorts], replicas: Any) -> None:
+    """What a rank cannot run with unequal sizes (`pipecc.runtime.handlers`' ``check``): replicated
+    stages, and sizes that do not fit the stages' batch (``check_sizes``)."""
+    if schedule.microbatch_sizes is None:
+        return
+    if replicas.count > 1:
+        raise PipeccError("unequal micro-batch sizes cannot run with replicated stages (--replicas > 1); "
+                          "compile with --replicas 1 or equal micro-batches")
+    check_sizes(schedule.microbatch_sizes, schedule.num_stages, ports[0].batch_size)
 
 
 def check_sizes(sizes: Sequence[Sequence[int]], num_stages: int, batch: int | None) -> None:
@@ -162,14 +173,29 @@ def folder_sizes(meta: dict[str, Any] | None, microbatches: int | None) -> list[
 
 
 class _Reslicing(Handler):
-    """UMPIPE's share of the rank (`pipecc.runtime.handlers`): the context's re-slicing inbox
-    (`RankContext.reslice`, which the messages fill) reset before a step, checked after it."""
+    """UMPIPE's share of the rank (`pipecc.runtime.handlers`): the rank's re-slicing inbox, which
+    gives the stage runners F's input leaves and B's completed upstream chunks, reset before a
+    step, checked after it."""
 
-    def __init__(self, reslice: Reslicer) -> None:
+    def __init__(self, reslice: Reslicer, mailbox: Any) -> None:
         self.reslice = reslice
+        # the rank's `pipecc.runtime.context.Mailbox` (not imported: pipecc.runtime.folder imports this
+        # module), whose inbox the messages fill
+        self.mailbox = mailbox
 
     def reset(self, schedule: Any, row: Any, training: bool) -> None:
         self.reslice.reset()
+
+    def forward_leaves(self, stage: int, microbatch: int, training: bool) -> list[Any] | None:
+        if not self.reslice.active(stage):
+            return None
+        return self.reslice.forward_leaves(stage, microbatch, self.mailbox.inbox, training)
+
+    def input_grads(self, stage: int, microbatch: int) -> list[tuple[int, list]] | None:
+        """Unequal sizes: the upstream chunks whose gradient is complete."""
+        if not self.reslice.active(stage):
+            return None
+        return self.reslice.backward_done(stage, microbatch)
 
     @property
     def leftover(self) -> list:
@@ -177,4 +203,6 @@ class _Reslicing(Handler):
 
 
 def handler(parts: RankParts) -> Handler:
-    return _Reslicing(parts.ctx.reslice)
+    ctx = parts.ctx
+    ports = [parts.runner(s).ports for s in ctx.stage_ids]
+    return _Reslicing(Reslicer(ctx.schedule, ctx.stage_ids, ports), ctx.mailbox)

@@ -433,8 +433,12 @@ class CompiledFolder:
 
     @cached_property
     def plan(self) -> dict[str, Any]:
-        """``plan.json`` as plain JSON ({} when missing, not a regular file or unreadable)."""
-        return plan_json(self.path)
+        """``plan.json`` as plain JSON ({} when missing, not a regular file or unreadable): the
+        one read ``checked_plan`` makes, or where that refuses the file, ``plan_json``'s."""
+        try:
+            return self.checked_plan
+        except PipeccError:
+            return plan_json(self.path)
 
     @cached_property
     def checked_plan(self) -> dict[str, Any]:

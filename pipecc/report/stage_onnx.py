@@ -89,24 +89,15 @@ class TensorStage(nn.Module):
 
 
 # ----------------------------------------------------------------------------- stage inputs
-def trusted_model_source(out: str | Path) -> tuple[Path | None, bytes | str]:
-    """The model file's hashed bytes, checked as ``pipecc run`` checks them (``pipecc.runtime.trust``).
-
-    Raises a one-line ``PipeccError`` when the folder's ``model_path`` is there but is not the file
-    it was compiled from (or the folder recorded no hash): ``inspect --onnx`` runs the folder's
-    code, so it refuses what ``run`` refuses. (None, why) when there is no ``.py`` model file.
-    """
-    from pipecc.runtime.folder import CompiledFolder
-    return CompiledFolder.read(out).model_source()
-
-
 def model_inputs(folder: CompiledFolder, batch: int, seed: int = 0) -> dict[str, Any]:
     """Port name -> value of the model's inputs at `batch`, from the model file when it exists
     (``folder``: the ``CompiledFolder``, its marker read once by the caller)."""
     out, marker = folder.path, folder.marker
     ports = json.loads((out / "stage_0" / "ports.json").read_text(encoding="utf-8"))
     specs = sorted(ports.get("model_inputs") or marker.get("model_inputs") or [], key=lambda d: d["index"])
-    path, source = folder.model_source()  # checked as ``trusted_model_source`` checks it
+    # the model file's hashed bytes, checked as `pipecc run` checks them (`CompiledFolder.model_source`:
+    # a model_path that is not the file compiled is one line; `inspect --onnx` runs the folder's code)
+    path, source = folder.model_source()
     if path is not None and isinstance(source, bytes):
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file
         module = import_model_file(path, source)  # the bytes hashed, compiled from memory

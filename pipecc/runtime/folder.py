@@ -48,6 +48,7 @@ torch only when a checker needs it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ __all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MAR
 
 MARKER = "pipecc.json"
 PLAN = "plan.json"
-MARKER_VERSION = 1  # backends.torch.compile's FORMAT_VERSION: the layout this runtime reads
+MARKER_VERSION = 1  # the layout this runtime reads; the compile writes it (backends.torch.compile.FORMAT_VERSION)
 DEFAULT_MICROBATCHES = 4  # neither pipecc.json nor plan.json says (compile always writes both)
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_PRECISION = "fp32"
@@ -501,9 +502,16 @@ class CompiledFolder:
     @cached_property
     def typed_plan(self) -> Any:
         """``plan.json`` as a ``pipecc.ir.plan.Plan`` (a PipeccError when missing or not a plan;
-        ``show`` also checks its figures: ``folder_data.plan_problem``)."""
+        ``show`` also checks its figures: ``folder_data.plan_problem``). Built from ``plan``'s one
+        read of the file when that read it; else read here, for ``read_typed_plan``'s message."""
         from pipecc.runtime.folder_data import read_typed_plan
-        return read_typed_plan(self.path)
+        data = None
+        if (self.path / PLAN).is_file():
+            try:
+                data = copy.deepcopy(self.checked_plan)  # NOTE: a copy: Plan.from_json may keep its parts
+            except PipeccError:
+                data = None
+        return read_typed_plan(self.path, data)
 
     @cached_property
     def stage_ports(self) -> list[dict[str, Any]]:

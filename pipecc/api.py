@@ -118,9 +118,9 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
         raise PipeccError(Mixing(**{k: str(v) for k, v in found.items()}).message(split))
     if any(p.is_dir() for p in Path(out_dir).glob("stage_*/hls")):
         from pipecc.backends.fpga.pipeline import load_mixed
-        module = load_mixed(out_dir, devices=devices, microbatches=microbatches)
-    else:
-        module = local.load(out_dir, devices=devices, microbatches=microbatches)
+        module = load_mixed(out_dir, devices=devices, microbatches=microbatches, folder=folder)
+    else:  # the folder opened above (None: the loader opens it and says what is wrong with it)
+        module = local.load(out_dir, devices=devices, microbatches=microbatches, folder=folder)
     # for inspection: pm.plan.stages (the loaders above opened the folder, so `folder` is that one)
     module.plan = (folder or CompiledFolder.read(out_dir)).typed_plan  # type: ignore[assignment]
     return module

@@ -137,7 +137,7 @@ def build(stage_dir: str | Path) -> Build:
              "bridge": stage_dir / "tb" / f"{top}_bridge.cpp",
              "tb": stage_dir / "tb" / f"{top}_tb.cpp"}
     digest = hashlib.sha256(" ".join([str(cxx), str(ap)] + CXXFLAGS).encode())
-    from pipecc.runtime.folder_sums import read_checked
+    from pipecc.runtime.folder import read_checked
     for path in sorted(p for d in ("firmware", "tb", "csim_include")
                        for p in (stage_dir / d).glob("*.*")):
         # a compiled folder's sources are the ones its compile recorded (pipecc.runtime.folder_sums)

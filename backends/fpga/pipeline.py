@@ -39,7 +39,6 @@ from .codegen import write_fpga_stage
 from .module import FpgaStageModule
 
 HLS_DIR = "hls"            # stage_<i>/hls/: the stage's HLS project
-MARKER = "pipecc.json"
 
 
 def _port_label(port: Any) -> str:
@@ -157,13 +156,11 @@ def compile_fpga_stages(folder: str | Path, graph: Any, plan: Any, stages: Seque
         meta = json.loads((hls / "stage.json").read_text())
         info[str(i)] = {"card": card, "number": meta["number"], "hls": f"stage_{i}/{HLS_DIR}",
                         "top": meta["top"]}
-    marker = folder / MARKER
-    if marker.is_file():
-        data = json.loads(marker.read_text(encoding="utf-8"))
-        data.update(inference_only=True, fpga_stages=info,
-                    inference_only_reason="FPGA stages have no backward pass (forward-only "
-                    "C simulation); run the pipeline under torch.no_grad()")
-        marker.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    from pipecc.runtime.folder import MARKER, update_marker  # the marker's one form
+    if (folder / MARKER).is_file():
+        update_marker(folder, dict(inference_only=True, fpga_stages=info,
+                                   inference_only_reason="FPGA stages have no backward pass (forward-only "
+                                   "C simulation); run the pipeline under torch.no_grad()"))
     return sorted(cards)
 
 
@@ -243,21 +240,22 @@ class _Cleanup:
 
 
 def load_mixed(out_dir: str | Path, *, devices: Sequence[Any] | None = None,
-               microbatches: int | None = None, threaded: bool = False) -> Any:
+               microbatches: int | None = None, threaded: bool = False, folder: Any = None) -> Any:
     """`pipecc.load` for a compiled folder with `stage_<i>/hls/`: those stages run through
-    the C simulation (built with g++ on first use, cached in `hls/csim_build/`)."""
+    the C simulation (built with g++ on first use, cached in `hls/csim_build/`). `folder`: the
+    `CompiledFolder` already opened (`pipecc.load`'s), not read again."""
     from pipecc.runtime.local import PipelinedModule
     from pipecc.runtime.stagefile import assemble_owner, load_stage
 
     out = Path(out_dir)
     from pipecc.runtime.folder import CompiledFolder
-    # checked, the torch stage code and weights recorded by hash; a library caller's words when there is none
-    folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)")
-    marker = folder.marker
+    if folder is None:  # checked, the torch code and weights recorded by hash; a library caller's words when none
+        folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` "
+                                          "(no readable pipecc.json)")
     from pipecc.runtime.folder_sums import check, read_regular, recorded_files
     for rel in recorded_files(out):  # the HLS projects too, before any is copied or built
         if "/hls/" in f"/{rel}":
-            check(out, rel, read_regular(out / rel), marker.get("sha256"))
+            check(out, rel, read_regular(out / rel), folder.sums)
     loaded = [load_stage(out / f"stage_{i}") for i in range(folder.num_stages)]
     torch_modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     owner = assemble_owner(torch_modules)  # every stage's weights, FPGA stages' too

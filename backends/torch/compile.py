@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -79,14 +78,14 @@ from pipecc.runtime.local import PipelinedModule
 from pipecc.runtime.ports import split_sizes
 from pipecc.techniques.umpipe.runtime import check_sizes
 from pipecc.techniques.recompute.codegen import Recomputed
+from pipecc.runtime.folder import MARKER_VERSION, CompiledFolder, update_marker, write_marker
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.trust import file_sha256
 from pipecc.runtime.atomic import (HOST, NAME_MAX, STALE_AFTER_S, TEMP_NAME, TEMP_TAG, entries,  # noqa: F401 (re-exported)
                                    make_parents, same_file, short_name, temp_prefix, temp_status, umask_modes)
 
 FORMAT = "pipecc-compile"
-FORMAT_VERSION = 1
-MARKER = "pipecc.json"
+FORMAT_VERSION = MARKER_VERSION  # the one layout the runtime reads (pipecc.runtime.folder)
 # NOTE: `pipecc run` imports the model file only when its hash is this one (pipecc.runtime.trust)
 MODEL_HASH = "model_sha256"
 
@@ -190,7 +189,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               MODEL_HASH: _sha256(plan.model_path)}
     if plan.options.get("lengths"):  # a declared length range (pipecc.varlen): `pipecc run --length`
         marker["lengths"] = {k: v for k, v in plan.options["lengths"].items() if k != "table"}
-    (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+    write_marker(tmp, marker)
     try:
         schedule = schedule_of(plan)
     except ValueError as e:
@@ -314,19 +313,17 @@ def _why(exc: OSError) -> str:
 
 def _read_marker(out: Path) -> dict | None:
     """OUT/pipecc.json when it is a pipecc compile marker, else None (not pipecc's folder)."""
-    from pipecc.runtime.folder_sums import read_marker
-    marker = read_marker(out)  # a regular file, size-capped (a FIFO there is not read)
-    return marker if marker is not None and marker.get("format") == FORMAT else None
+    previous = CompiledFolder.peek(out)  # a regular file, size-capped (a FIFO there is not read)
+    return previous.marker if previous is not None and previous.marker.get("format") == FORMAT else None
 
 
 def _add_manifest(tmp: Path) -> None:
     """Record in the marker every file this compile wrote: a later compile replaces only those."""
     from pipecc.runtime import folder_sums
-    marker = json.loads((tmp / MARKER).read_text(encoding="utf-8"))
-    marker[folder_sums.KEY] = folder_sums.record(tmp)  # checked at every load (the runtime's folder_sums)
-    marker["files"] = sorted(rel for rel, kind in entries(tmp) if kind != "dir")
-    marker["files_mac"] = sign(tmp, marker["files"])  # the evidence a recompile checks (manifest.py)
-    (tmp / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+    sums = folder_sums.record(tmp)  # checked at every load (the runtime's folder_sums)
+    files = sorted(rel for rel, kind in entries(tmp) if kind != "dir")
+    # files_mac: the evidence a recompile checks (manifest.py)
+    update_marker(tmp, {folder_sums.KEY: sums, "files": files, "files_mac": sign(tmp, files)})
 
 
 @dataclass

@@ -194,13 +194,14 @@ def _export_onnx(args: argparse.Namespace, compiled: Any) -> int:
     from pipecc import progress
     from pipecc.errors import PipeccError
     from pipecc.report.formatting import terminal_text
-    from pipecc.report.stage_onnx import check_destination, check_stages, trusted_model_source
+    from pipecc.report.stage_onnx import check_destination, check_stages
 
     n = len(compiled.plan.stages)
     if args.stage is not None and args.stage >= n:
         raise PipeccError(f"--stage {args.stage}: {compiled.path} has stages 0..{n - 1}")
     stages = [args.stage] if args.stage is not None else list(range(n))
-    trusted_model_source(compiled.path)  # before any of the folder's code runs: refused as `run` refuses it
+    # the model file's hash, before any of the folder's code runs: a changed one is refused as `run` refuses it
+    compiled.folder.model_source()
     check_destination(args.onnx)
     results = []
     with progress.step("exporting stages to ONNX", total=len(stages)) as step:

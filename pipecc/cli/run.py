@@ -216,7 +216,7 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out).resolve()
     if not out.is_dir():
         raise PipeccError(f"{args.out} is not a folder; give the OUT of `pipecc compile ... -o OUT`")
-    from pipecc.runtime.folder import CompiledFolder, read_json
+    from pipecc.runtime.folder import CompiledFolder
     folder = CompiledFolder.open(out)  # an edited field is one line here, not a traceback in a rank
     num_stages = folder.num_stages
     missing = [f"stage_{i}" for i in range(num_stages) if not (out / f"stage_{i}" / "ports.json").is_file()]
@@ -230,10 +230,10 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
     compiled = folder.schedule_file()
     # the ranks run the folder's schedule.txt; --schedule or --microbatches build one by name
     use_file = args.schedule is None and args.microbatches is None
-    plan = read_json(out / "plan.json", "a plan") if (out / "plan.json").exists() else {}
+    folder.checked_plan  # noqa: B018 -- plan.json read strictly now: a damaged one is one line here
     forward = folder.forward_only(args.schedule, args.optimizer, args.lr)
     schedule = "inference" if forward else args.schedule or folder.schedule
-    virtual = int(plan.get("virtual_stages") or 1) if schedule in VIRTUAL else 1
+    virtual = folder.virtual_stages if schedule in VIRTUAL else 1
     if use_file:
         virtual = num_stages // compiled.num_ranks  # read_schedule_file: its stages are the folder's
     if virtual < 1 or num_stages % virtual:

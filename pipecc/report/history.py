@@ -27,7 +27,6 @@ the JSON view; null without ``--memory``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import statistics
@@ -170,10 +169,10 @@ def _memory(where: str, data: dict[str, Any]) -> dict[str, Any] | None:
 
 def check_folder(run: dict[str, Any], out: str | Path) -> None:
     """Refuse a run of another plan than ``OUT/plan.json`` (both sha256s known and different)."""
+    from pipecc.runtime.folder import plan_sha256
     ran = (run["plan"] or {}).get("sha256")
-    try:
-        here = hashlib.sha256((Path(out) / "plan.json").read_bytes()).hexdigest()
-    except OSError:
+    here = plan_sha256(Path(out))
+    if here is None:
         return
     if isinstance(ran, str) and ran and ran != here:
         raise PipeccError(f"--run {run['path']} is a run of another plan than {out}'s (plan.json sha256 {ran[:12]}, "

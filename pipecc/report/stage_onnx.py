@@ -25,12 +25,15 @@ import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
+
+if TYPE_CHECKING:
+    from pipecc.runtime.folder import CompiledFolder
 
 RTOL = 1e-4
 ATOL = 1e-5             # plus ATOL_REL * max |torch output|
@@ -86,29 +89,15 @@ class TensorStage(nn.Module):
 
 
 # ----------------------------------------------------------------------------- stage inputs
-def _marker(out: Path) -> dict[str, Any]:
-    from pipecc.runtime.folder import CompiledFolder
-    return CompiledFolder.read(out).marker
-
-
-def trusted_model_source(out: str | Path, marker: dict[str, Any] | None = None) -> tuple[Path | None, bytes | str]:
-    """The model file's hashed bytes, checked as ``pipecc run`` checks them (``pipecc.runtime.trust``).
-
-    Raises a one-line ``PipeccError`` when the folder's ``model_path`` is there but is not the file
-    it was compiled from (or the folder recorded no hash): ``inspect --onnx`` runs the folder's
-    code, so it refuses what ``run`` refuses. (None, why) when there is no ``.py`` model file.
-    """
-    from pipecc.runtime.folder import CompiledFolder
-    return CompiledFolder(Path(out), _marker(Path(out)) if marker is None else marker).model_source()
-
-
-def model_inputs(out: str | Path, batch: int, seed: int = 0) -> dict[str, Any]:
-    """Port name -> value of the model's inputs at `batch`, from the model file when it exists."""
-    out = Path(out)
-    marker = _marker(out)
+def model_inputs(folder: CompiledFolder, batch: int, seed: int = 0) -> dict[str, Any]:
+    """Port name -> value of the model's inputs at `batch`, from the model file when it exists
+    (``folder``: the ``CompiledFolder``, its marker read once by the caller)."""
+    out, marker = folder.path, folder.marker
     ports = json.loads((out / "stage_0" / "ports.json").read_text(encoding="utf-8"))
     specs = sorted(ports.get("model_inputs") or marker.get("model_inputs") or [], key=lambda d: d["index"])
-    path, source = trusted_model_source(out, marker)
+    # the model file's hashed bytes, checked as `pipecc run` checks them (`CompiledFolder.model_source`:
+    # a model_path that is not the file compiled is one line; `inspect --onnx` runs the folder's code)
+    path, source = folder.model_source()
     if path is not None and isinstance(source, bytes):
         from pipecc.frontend.modelfile import _call_with_accepted, import_model_file
         module = import_model_file(path, source)  # the bytes hashed, compiled from memory
@@ -138,15 +127,14 @@ def stage_modules_and_inputs(out: str | Path, upto: int | None = None) -> list[t
     from pipecc.runtime.folder_sums import require
     from pipecc.runtime.stagefile import load_stage
     out = Path(out)
-    marker = _marker(out)
-    require(out, marker)  # the stage code run below, checked by hash (pipecc.runtime.folder_sums)
-    folder = CompiledFolder(out, marker)
+    folder = CompiledFolder.read(out)
+    require(out, folder.marker)  # the stage code run below, checked by hash (pipecc.runtime.folder_sums)
     n = folder.num_stages
     last = n - 1 if upto is None else upto
     if not 0 <= last < n:
         raise PipeccError(f"stage {upto}: {out} has stages 0..{n - 1}")
     batch = max(folder.batch_size // folder.microbatches, 1)  # one micro-batch
-    env = model_inputs(out, batch)
+    env = model_inputs(folder, batch)
     result = []
     with torch.no_grad():
         for i in range(last + 1):

@@ -1,9 +1,11 @@
 """The compiled folder (``pipecc compile -o OUT``), read once and asked by everyone.
 
 ``CompiledFolder.open(OUT)`` reads ``OUT/pipecc.json`` (the marker: a regular file, size-capped,
-one-line errors naming the fix) and checks its fields (``stagefile.check_marker``: the recorded
-hashes, the format version, counts that are positive whole numbers, the devices, the fields
-plan.json repeats). What the launcher (``pipecc run``), every rank (``pipecc.runtime.rank``),
+one-line errors naming the fix) and checks its fields (``check_marker``: the recorded hashes,
+the format version, counts that are positive whole numbers, the devices, the fields plan.json
+repeats). This module is the one parser of a compiled folder's ``pipecc.json``, ``plan.json``
+and ``schedule.txt`` (through ``folder_data`` and ``schedule_file``, its helpers); nobody else
+opens them. What the launcher (``pipecc run``), every rank (``pipecc.runtime.rank``),
 ``pipecc.load`` and ``pipecc.distributed.load`` ask of a folder is answered here, each fact in
 one place with its one default:
 
@@ -17,7 +19,15 @@ one place with its one default:
     fpga_stages, never_trains, why  inference-only folders, and why they are
     forward_only(schedule, ...)     whether a run does forward passes only (refusing training asks)
     lengths, plan, schedule_file    the declared length range, plan.json, schedule.txt (lazily)
-    model_source()                  the model file, when its bytes hash to the recorded sha256
+    checked_plan, virtual_stages    plan.json read strictly (`pipecc run`), its virtual stages
+    plan_sha256, given_devices      plan.json's hash (a run names its plan); the compile's devices
+    model_path, model_source()      the model file, and its bytes when they hash to the recorded sha256
+
+``CompiledFolder.peek(OUT)`` reads the marker only to look (None when there is none it can
+read: what a command reads, a compile's previous OUT, a run's document). ``read_checked(path)``
+gives a stage file's bytes checked against the folder's recorded sha256. ``write_marker`` and
+``update_marker`` are the one form the compile writes the marker in (into its temporary folder,
+which replaces OUT whole: ``pipecc.backends.torch.compile``; the FPGA backend adds its fields).
 
 Compile writes the micro-batch count three times: pipecc.json's ``microbatches``, plan.json's and
 schedule.txt's (its actions' micro-batches). pipecc.json's is the fact every reader asks for here
@@ -38,6 +48,8 @@ torch only when a checker needs it.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -45,11 +57,16 @@ from pathlib import Path
 from typing import Any
 
 from pipecc.errors import PipeccError, UsageError
+from pipecc.runtime import folder_sums
+from pipecc.runtime.folder_sums import MARKER_MAX_BYTES, RECOMPILE, read_regular
 
-__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "CompiledFolder",
-           "find_stage_dirs", "plan_json", "read_json", "stage_devices"]
+__all__ = ["DEFAULT_MICROBATCHES", "DEFAULT_PRECISION", "DEFAULT_SCHEDULE", "MARKER", "MARKER_VERSION",
+           "CompiledFolder", "check_marker", "find_stage_dirs", "plan_json", "plan_sha256", "read_checked",
+           "read_json", "stage_devices", "update_marker", "write_marker"]
 
 MARKER = "pipecc.json"
+PLAN = "plan.json"
+MARKER_VERSION = 1  # the layout this runtime reads; the compile writes it (backends.torch.compile.FORMAT_VERSION)
 DEFAULT_MICROBATCHES = 4  # neither pipecc.json nor plan.json says (compile always writes both)
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_PRECISION = "fp32"
@@ -58,7 +75,6 @@ DEFAULT_PRECISION = "fp32"
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """``path`` (pipecc.json or plan.json) parsed as a JSON object, refused in one line: not a
     regular file, missing, not JSON, nested too deeply, not an object."""
-    from pipecc.runtime.folder_sums import MARKER_MAX_BYTES, read_regular
     if path.exists() and not path.is_file():  # a FIFO or a device: reading it could hang
         raise PipeccError(f"{path} is not a regular file; compile again")
     try:
@@ -78,7 +94,7 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 def plan_json(out: Path) -> dict[str, Any]:
     """``out/plan.json`` as plain JSON ({} when missing, not a regular file or unreadable: what
     reads it for predictions then has none; ``pipecc inspect`` refuses it: ``CompiledFolder.typed_plan``)."""
-    path = Path(out) / "plan.json"
+    path = Path(out) / PLAN
     if not path.is_file():  # a FIFO there would hang the read
         return {}
     try:
@@ -86,6 +102,76 @@ def plan_json(out: Path) -> dict[str, Any]:
     except (OSError, ValueError, RecursionError):
         return {}
     return plan if isinstance(plan, dict) else {}
+
+
+def plan_sha256(out: Path) -> str | None:
+    """The sha256 of ``out/plan.json``'s bytes (None when it cannot be read): what names the plan
+    a run ran (``pipecc.runtime.timing.plan_identity``; ``inspect --run`` compares them)."""
+    try:
+        return hashlib.sha256((Path(out) / PLAN).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def read_checked(path: str | Path) -> bytes:
+    """The bytes of a compiled folder's file (inside a ``stage_<i>/``), read once and checked
+    against the sha256 its ``pipecc.json`` records (``folder_sums.check``); a file outside a
+    stage folder, or of a folder recording none, is read unchecked."""
+    path = Path(path)
+    data = read_regular(path)
+    where = folder_sums.locate(path)
+    if where is not None:
+        folder = CompiledFolder.peek(where[0])
+        folder_sums.check(where[0], where[1], data, folder.sums if folder is not None else None)
+    return data
+
+
+def write_marker(out: Path, marker: dict[str, Any]) -> None:
+    """Write ``marker`` as ``out/pipecc.json``, in the one form the compile writes it. ``out`` is a
+    folder being compiled (its temporary folder, which replaces OUT whole, so each file in it is
+    written plainly: ``pipecc.backends.torch.compile.write_output``)."""
+    (Path(out) / MARKER).write_text(json.dumps(marker, indent=1, default=str), encoding="utf-8")
+
+
+def update_marker(out: Path, fields: dict[str, Any]) -> None:
+    """Add ``fields`` to the ``pipecc.json`` of ``out``, a folder being compiled (``write_marker``)."""
+    marker = CompiledFolder.read(out).marker
+    marker.update(fields)
+    write_marker(out, marker)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_marker(out: str | Path, marker: dict[str, Any] | None) -> None:
+    """The fields of ``OUT/pipecc.json`` a run is built from, checked before anything starts:
+    an edited marker (``"num_stages": "2"``, a batch of 0, micro-batches that do not divide it,
+    no devices, another format version) would otherwise fail later, in some rank, with a
+    traceback. One line naming the field; nothing is run. (Counts that plan.json repeats, such as
+    ``replicas`` the plan was not made with: ``CompiledFolder.check_copies``, after this.)"""
+    if marker is None:
+        return
+    folder_sums.require(out, marker)  # the code and weights a run loads, recorded by hash
+    path = Path(out) / MARKER
+
+    def bad(what: str) -> PipeccError:
+        return PipeccError(f"{path}: {what}; it was edited or is damaged: {RECOMPILE}")
+    version = marker.get("version", MARKER_VERSION)
+    if version != MARKER_VERSION:
+        raise PipeccError(f"{path} is format version {version!r}, this pipecc reads version "
+                          f"{MARKER_VERSION}; {RECOMPILE} with this pipecc")
+    for key in ("num_stages", "batch_size", "microbatches", "replicas"):
+        if key in marker and marker[key] is not None and not _count(marker[key]):
+            raise bad(f"{key} is {marker[key]!r}, not a positive whole number")
+    batch, m = marker.get("batch_size"), marker.get("microbatches")
+    if batch and m and not marker.get("microbatch_sizes") and batch % m:
+        raise bad(f"microbatches {m} does not divide batch_size {batch}")
+    devices = marker.get("devices")
+    if "devices" in marker and (not isinstance(devices, list) or not devices
+                                or not all(isinstance(d, dict) for d in devices)):
+        raise bad(f"devices is {devices!r}, not the list of the plan's devices")
+    # the counts plan.json repeats are checked against these by CompiledFolder.check_copies
 
 
 def find_stage_dirs(out: Path) -> list[Path]:
@@ -114,7 +200,6 @@ class CompiledFolder:
         if missing is not None and not (out / MARKER).exists():
             raise PipeccError(missing)
         marker = cls.read(out).marker
-        from pipecc.runtime.stagefile import check_marker  # NOTE: lazy, as torch is: `pipecc --help` stays fast
         check_marker(out, marker)  # an edited field is one line here, not a traceback in a rank
         folder = cls(out, marker)
         folder.check_copies()
@@ -148,6 +233,18 @@ class CompiledFolder:
         """``path``'s marker read, not checked: for readers that show a folder rather than run it."""
         out = Path(path)
         return cls(out, read_json(out / MARKER, "a pipecc marker"))
+
+    @classmethod
+    def peek(cls, path: str | Path) -> CompiledFolder | None:
+        """``path``'s marker as data, not checked, or None when it has none this can read (absent,
+        not a regular file, larger than pipecc writes, not a JSON object): for readers that only
+        look (what a command reads, a compile's previous OUT, a run's document)."""
+        out = Path(path)
+        try:
+            data = json.loads(read_regular(out / MARKER, MARKER_MAX_BYTES).decode("utf-8"))
+        except (PipeccError, ValueError, RecursionError):
+            return None
+        return cls(out, data) if isinstance(data, dict) else None
 
     @classmethod
     def find(cls, path: str | Path) -> CompiledFolder | None:
@@ -194,7 +291,6 @@ class CompiledFolder:
         """The counts plan.json repeats (``replicas``, ``batch_size``, ``microbatches``) agree with
         pipecc.json's, the facts: a hand-edited copy is one line, before anything runs or is
         drawn. A folder whose marker lacks a count (older) is not compared on it."""
-        from pipecc.runtime.folder_sums import RECOMPILE
         plan = self.plan
         for key in ("replicas", "batch_size", "microbatches"):
             if key in self.marker and key in plan and self.marker[key] != plan[key]:
@@ -338,14 +434,62 @@ class CompiledFolder:
 
     @cached_property
     def plan(self) -> dict[str, Any]:
-        """``plan.json`` as plain JSON ({} when missing, not a regular file or unreadable)."""
-        return plan_json(self.path)
+        """``plan.json`` as plain JSON ({} when missing, not a regular file or unreadable): the
+        one read ``checked_plan`` makes, or where that refuses the file, ``plan_json``'s."""
+        try:
+            return self.checked_plan
+        except PipeccError:
+            return plan_json(self.path)
+
+    @cached_property
+    def checked_plan(self) -> dict[str, Any]:
+        """``plan.json`` as plain JSON read strictly, as ``pipecc run`` reads it: {} when there is
+        none, a one-line PipeccError when it is there but not a JSON object (``read_json``)."""
+        path = self.path / PLAN
+        return read_json(path, "a plan") if path.exists() else {}
+
+    @property
+    def virtual_stages(self) -> int:
+        """The stages each rank holds under an interleaved schedule: ``checked_plan``'s
+        ``virtual_stages`` (1 when absent)."""
+        return int(self.checked_plan.get("virtual_stages") or 1)
+
+    @property
+    def plan_sha256(self) -> str | None:
+        """The sha256 of ``plan.json`` (None when it cannot be read; ``plan_sha256``)."""
+        return plan_sha256(self.path)
+
+    def given_devices(self, devices: list[Any]) -> list[Any]:
+        """``devices`` given one per device of the compile's ``--devices`` for a plan that uses
+        fewer (plan.json's ``options.devices_given``; ``passes.device_count``): each stage's own,
+        by its device's ``given_index``. Any other count (or a plan.json without them) is
+        ``devices`` as given, for the caller to refuse."""
+        plan = self.plan
+        try:
+            if int(plan.get("options", {}).get("devices_given", 0)) != len(devices):
+                return devices
+            return [devices[int(plan["devices"][int(s["device"])]["given_index"])]
+                    for s in plan["stages"]][:self.num_stages]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return devices
 
     def schedule_file(self, num_stages: int | None = None) -> Any:
         """``schedule.txt``, parsed and checked against the folder (``pipecc.runtime.schedule_file``:
         its stages, and its micro-batches against ``microbatches``' pipecc.json)."""
         from pipecc.runtime.schedule_file import read_schedule_file
         return read_schedule_file(self.path, self.num_stages if num_stages is None else num_stages, self.marker)
+
+    @property
+    def model_path(self) -> str | None:
+        """The model file the folder was compiled from (``model_path``; None when it names none)."""
+        path = self.marker.get("model_path")
+        return path if isinstance(path, str) and path else None
+
+    @property
+    def sums(self) -> dict[str, Any] | None:
+        """The recorded sha256 of the stage code and weights (``folder_sums``; None when none)."""
+        sums = self.marker.get(folder_sums.KEY)
+        return sums if isinstance(sums, dict) else None
 
     def model_source(self) -> tuple[Path | None, bytes | str]:
         """(the model file, its bytes) when they hash to pipecc.json's ``model_sha256``, else (None,
@@ -358,9 +502,16 @@ class CompiledFolder:
     @cached_property
     def typed_plan(self) -> Any:
         """``plan.json`` as a ``pipecc.ir.plan.Plan`` (a PipeccError when missing or not a plan;
-        ``show`` also checks its figures: ``folder_data.plan_problem``)."""
+        ``show`` also checks its figures: ``folder_data.plan_problem``). Built from ``plan``'s one
+        read of the file when that read it; else read here, for ``read_typed_plan``'s message."""
         from pipecc.runtime.folder_data import read_typed_plan
-        return read_typed_plan(self.path)
+        data = None
+        if (self.path / PLAN).is_file():
+            try:
+                data = copy.deepcopy(self.checked_plan)  # NOTE: a copy: Plan.from_json may keep its parts
+            except PipeccError:
+                data = None
+        return read_typed_plan(self.path, data)
 
     @cached_property
     def stage_ports(self) -> list[dict[str, Any]]:

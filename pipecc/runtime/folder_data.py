@@ -39,12 +39,13 @@ def read_data(path: Path, what: str) -> Any:
                           "the folder again") from None
 
 
-def read_typed_plan(out: str | Path) -> Plan:
+def read_typed_plan(out: str | Path, data: Any = None) -> Plan:
     """OUT/plan.json as a Plan; a missing, unreadable or malformed file is a PipeccError (its
-    figures are not checked: see `plan_problem`)."""
+    figures are not checked: see `plan_problem`). ``data``: the file already parsed
+    (``CompiledFolder.typed_plan``), else read here."""
     path = Path(out)
     try:
-        return Plan.from_json(read_data(path / "plan.json", "plan"))
+        return Plan.from_json(read_data(path / "plan.json", "plan") if data is None else data)
     except (TypeError, KeyError, AttributeError, ValueError) as exc:
         raise PipeccError(f"{path}/plan.json does not match this pipecc's plan format ({exc})") from None
 

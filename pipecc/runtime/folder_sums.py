@@ -15,11 +15,11 @@ What the hashes prove is that the folder is the one the compile wrote, as long a
 ``pipecc.json`` is: whoever can edit the folder can edit the record too (a compiled folder is
 code: run only folders you trust; docs/safety.md).
 
-Imports hashlib, json and ``pipecc.errors`` only."""
+The marker itself is read by ``pipecc.runtime.folder`` (the one reader of a compiled folder),
+which hands the record here. Imports hashlib and ``pipecc.errors`` only."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -82,15 +82,6 @@ def read_regular(path: Path, limit: int | None = None) -> bytes:
         return fh.read()
 
 
-def read_marker(root: Path) -> dict[str, Any] | None:
-    """``root/pipecc.json`` parsed (a regular file, size-capped), or None when absent or unreadable."""
-    try:
-        data = json.loads(read_regular(root / MARKER, MARKER_MAX_BYTES).decode("utf-8"))
-    except (PipeccError, ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def require(root: str | Path, marker: dict[str, Any] | None) -> None:
     """Refuse, in one line, a folder whose ``pipecc.json`` records no sha256 of its code and
     weights, and one whose ``run_stage.py`` is not the one recorded (the run starts it)."""
@@ -103,16 +94,14 @@ def require(root: str | Path, marker: dict[str, Any] | None) -> None:
         check(root, "run_stage.py", read_regular(root / "run_stage.py"), sums)
 
 
-def check(root: Path, rel: str, data: bytes, sums: dict[str, Any] | None = None) -> None:
+def check(root: Path, rel: str, data: bytes, sums: dict[str, Any] | None) -> None:
     """Refuse ``data`` (the bytes read from ``root/rel``) unless its sha256 is the one recorded.
-    ``sums``: the record (default: read from ``root/pipecc.json``). A folder recording no sums is
-    not checked here: the run's entry points refused it (``require``); a compile loads its own
-    stages before it records them."""
-    if sums is None:
-        marker = read_marker(root)
-        sums = (marker or {}).get(KEY)
-        if not isinstance(sums, dict):
-            return
+    ``sums``: the record (``pipecc.json``'s, as ``pipecc.runtime.folder`` reads it; each stage
+    file's through ``folder.read_checked``). A folder recording no sums (None) is not checked
+    here: the run's entry points refused it (``require``); a compile loads its own stages before
+    it records them."""
+    if not isinstance(sums, dict):
+        return
     want = sums.get(rel)
     if want is None:
         raise PipeccError(f"{root / rel} is not among the files {root / MARKER} records; it was added or "
@@ -130,14 +119,3 @@ def locate(path: Path) -> tuple[Path, str] | None:
             root = parent.parent
             return root, PurePosixPath(*path.relative_to(root).parts).as_posix()
     return None
-
-
-def read_checked(path: str | Path) -> bytes:
-    """The bytes of a compiled folder's file, read once and checked against the record."""
-    path = Path(path)
-    data = read_regular(path)
-    where = locate(path)
-    if where is not None:
-        check(where[0], where[1], data)
-    return data
-

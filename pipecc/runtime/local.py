@@ -33,7 +33,6 @@ runtime never imports the compiler.
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.folder import CompiledFolder
 from pipecc.runtime.ports import as_output_type, build_output, split_batch
 from pipecc.techniques.bipartition.runtime_segments import share_replicas
 from pipecc.runtime.stagefile import assemble_owner, load_stage, persistent_buffer
@@ -309,34 +309,22 @@ def merge_outputs(outputs: list[Any]) -> Any:
 
 
 def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = None,
-         microbatches: int | None = None) -> PipelinedModule:
+         microbatches: int | None = None, folder: CompiledFolder | None = None) -> PipelinedModule:
     """A PipelinedModule over the stages of a compiled folder (`pipecc compile -o OUT`).
 
     Its tensors are the saved ones, under the original model's state_dict names. Stages run on
-    `devices` (default: all on CPU) with `microbatches` (default: the plan's).
+    `devices` (default: all on CPU) with `microbatches` (default: the plan's). ``folder``: the
+    folder already opened (``CompiledFolder.open``, as ``pipecc.load`` does), not read again.
     """
     out = Path(out_dir)
-    from pipecc.runtime.folder import CompiledFolder
-    # checked, the stage code and weights recorded by hash; a library caller's words when there is none
-    folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` (no readable pipecc.json)")
+    if folder is None:  # checked, the code and weights recorded by hash; a library caller's words when none
+        folder = CompiledFolder.open(out, f"{out} is not a folder written by `pipecc compile` "
+                                          "(no readable pipecc.json)")
     loaded = [load_stage(out / f"stage_{i}") for i in range(folder.num_stages)]
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
     share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve
     m = microbatches if microbatches is not None else folder.microbatches
     if devices is not None and len(devices) != len(modules):
-        devices = _given_devices(out, list(devices), len(modules))
+        devices = folder.given_devices(list(devices))  # one per device of the compile's --devices
     return PipelinedModule(modules, ports, owner=assemble_owner(modules), microbatches=m, devices=devices,
                            precision=folder.precision)
-
-
-def _given_devices(out: Path, devices: list[Any], stages: int) -> list[Any]:
-    """`devices` given one per device of the compile's `--devices` for a plan that uses fewer
-    (plan.json's `options.devices_given`; `passes.device_count`): each stage's own, by its
-    device's `given_index`. Any other count is left for PipelinedModule to refuse."""
-    try:
-        plan = json.loads((out / "plan.json").read_text(encoding="utf-8"))
-        if int(plan.get("options", {}).get("devices_given", 0)) != len(devices):
-            return devices
-        return [devices[int(plan["devices"][int(s["device"])]["given_index"])] for s in plan["stages"]][:stages]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return devices

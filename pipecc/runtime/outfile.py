@@ -219,15 +219,9 @@ def _write_into(target: Target, produce: Callable, shown: str) -> None:
 
 def compiled_inputs(out: str | os.PathLike) -> list[str]:
     """What a command reading the compiled folder ``out`` reads: the folder and the model file
-    its ``pipecc.json`` names (read as a small regular file only; a damaged marker adds none)."""
-    import json
-    found = [str(out)]
-    marker = Path(out) / "pipecc.json"
-    try:
-        if marker.is_file() and marker.stat().st_size < (16 << 20):
-            model = json.loads(marker.read_text(encoding="utf-8")).get("model_path")
-            if isinstance(model, str) and model:
-                found.append(model)
-    except (OSError, ValueError, AttributeError, RecursionError):
-        pass
-    return found
+    its ``pipecc.json`` names (``CompiledFolder.peek``: a regular file, size-capped; a damaged
+    marker adds none)."""
+    from pipecc.runtime.folder import CompiledFolder
+    folder = CompiledFolder.peek(out)
+    model = folder.model_path if folder is not None else None
+    return [str(out), model] if model else [str(out)]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
-from pipecc.runtime import folder_sums
+from pipecc.runtime.folder import read_checked
 
 RECOMPILE = "compile the folder again"  # the fix for a damaged folder
 
@@ -46,7 +46,7 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     """(module, ports) from a compiled stage folder; the module's weights are the saved ones."""
     folder = Path(stage_dir)
     try:
-        ports = json.loads(folder_sums.read_checked(folder / "ports.json").decode("utf-8"))
+        ports = json.loads(read_checked(folder / "ports.json").decode("utf-8"))
     except ValueError as exc:
         raise PipeccError(f"{folder}: cannot read ports.json ({exc}); is this a pipecc stage folder?") from None
     if not isinstance(ports, dict):
@@ -67,7 +67,7 @@ def _build(folder: Path, file: str, class_name: str) -> nn.Module:
     path = folder / file
     if not path.exists():
         raise PipeccError(f"{folder}: no {file}; {RECOMPILE}")
-    data = folder_sums.read_checked(path)
+    data = read_checked(path)
     source = types.ModuleType(name)
     source.__file__ = str(path)  # tracebacks, inspect.getsource and torch's source lookups
     sys.modules[name] = source  # so inspect/torch tooling can find the class's module
@@ -130,7 +130,7 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
     from safetensors.torch import load
 
     check_weights_file(path)
-    data = folder_sums.read_checked(path)  # the bytes hashed are the bytes loaded
+    data = read_checked(path)  # the bytes hashed are the bytes loaded
     try:
         tensors = load(data)
     except Exception as e:
@@ -147,43 +147,6 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
                 raise PipeccError(f"{path}: {key!r} has shape {tuple(value.shape)}, the module "
                                   f"expects {tuple(expected[key].shape)}; {RECOMPILE}")
             expected[key].copy_(value)
-
-
-MARKER_VERSION = 1  # backends.torch.compile's FORMAT_VERSION: the layout this runtime reads
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def check_marker(out: str | Path, marker: dict[str, Any] | None) -> None:
-    """The fields of ``OUT/pipecc.json`` a run is built from, checked before anything starts:
-    an edited marker (``"num_stages": "2"``, a batch of 0, micro-batches that do not divide it,
-    no devices, another format version) would otherwise fail later, in some rank, with a
-    traceback. One line naming the field; nothing is run. (Counts that plan.json repeats, such as
-    ``replicas`` the plan was not made with: ``CompiledFolder.check_copies``, after this.)"""
-    if marker is None:
-        return
-    folder_sums.require(out, marker)  # the code and weights a run loads, recorded by hash
-    path = Path(out) / "pipecc.json"
-
-    def bad(what: str) -> PipeccError:
-        return PipeccError(f"{path}: {what}; it was edited or is damaged: {RECOMPILE}")
-    version = marker.get("version", MARKER_VERSION)
-    if version != MARKER_VERSION:
-        raise PipeccError(f"{path} is format version {version!r}, this pipecc reads version "
-                          f"{MARKER_VERSION}; {RECOMPILE} with this pipecc")
-    for key in ("num_stages", "batch_size", "microbatches", "replicas"):
-        if key in marker and marker[key] is not None and not _count(marker[key]):
-            raise bad(f"{key} is {marker[key]!r}, not a positive whole number")
-    batch, m = marker.get("batch_size"), marker.get("microbatches")
-    if batch and m and not marker.get("microbatch_sizes") and batch % m:
-        raise bad(f"microbatches {m} does not divide batch_size {batch}")
-    devices = marker.get("devices")
-    if "devices" in marker and (not isinstance(devices, list) or not devices
-                                or not all(isinstance(d, dict) for d in devices)):
-        raise bad(f"devices is {devices!r}, not the list of the plan's devices")
-    # the counts plan.json repeats are checked against these by CompiledFolder.check_copies
 
 
 def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[dict[str, Any]]:

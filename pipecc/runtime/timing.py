@@ -65,7 +65,6 @@ chunks of any stage.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
@@ -203,13 +202,9 @@ def plan_identity(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     if not plan:
         return None
     from pipecc.runtime.folder import CompiledFolder
-    from pipecc.runtime.folder_sums import read_marker
-    marker = read_marker(out) or {}  # a regular file, size-capped; {} when unreadable
-    folder = CompiledFolder(out, marker)  # the folder's facts (micro-batches: pipecc.json's, which plan.json repeats)
-    try:
-        digest: str | None = hashlib.sha256((out / "plan.json").read_bytes()).hexdigest()
-    except OSError:
-        digest = None
+    # the folder's facts (micro-batches: pipecc.json's, which plan.json repeats); {} when unreadable
+    folder = CompiledFolder.peek(out) or CompiledFolder(Path(out), {})
+    marker, digest = folder.marker, folder.plan_sha256
     stages = []
     for st in plan.get("stages") or []:
         if not isinstance(st, dict):

@@ -1,12 +1,16 @@
 """Bi-Partition's report lines (`pipecc plan`, `pipecc inspect`, the HTML report): the cut pair
-and each stage's forward and backward node ranges."""
+and each stage's forward and backward node ranges; and its timeline costs (`timeline_costs`,
+asked by `pipecc.report.artifacts.timeline_for`): the two directions' transfers and the tail."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
 from pipecc.report.figures import first_last
 
-__all__ = ["bipartition_lines", "lines"]
+__all__ = ["bipartition_lines", "lines", "timeline_costs"]
 
 
 def bipartition_lines(plan: Plan) -> list[str]:
@@ -33,3 +37,15 @@ def bipartition_lines(plan: Plan) -> list[str]:
 def lines(plan: Plan, verbose: bool = False) -> list[str]:
     """The technique's lines in a plan's summary (`pipecc.techniques.parts("report")`)."""
     return bipartition_lines(plan)
+
+
+def timeline_costs(plan: Plan, schedule: Schedule, costs: Any) -> Any:
+    """The simulator's `StageCosts` for the timeline: the two directions' transfers differ, so
+    the planner saved both, and the tail (`plan.bipartition_costs`); `costs` unchanged without."""
+    saved = plan.bipartition_costs if plan.is_bipartition() else None
+    if saved is not None:
+        m = plan.microbatches
+        costs.send_forward_s = [[float(t)] * m for t in saved.send_forward_s]
+        costs.send_backward_s = [[float(t)] * m for t in saved.send_backward_s]
+        costs.tail_s = [float(t) for t in saved.tail_s] or None
+    return costs

@@ -49,6 +49,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from pipecc.backends.torch.compile import check_output_folder
     from pipecc.report.figures import cost_basis
     from pipecc.report.formatting import count, seconds, seconds_in_text, terminal_text, wrap
+    from pipecc.techniques import parts as technique_parts
     check_output_folder(args.output, args.force)  # now, not after minutes of analysis
     _check_dumps_outside(args)
     args.compare = True  # the report shows the baselines' figures
@@ -77,12 +78,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         if report.is_file():
             opener = "open" if sys.platform == "darwin" else "xdg-open"  # NOTE: `open` on Linux is openvt
             print(terminal_text(f"report: {report} (`{opener} {report}` or any browser)"))
-        if plan.is_bipartition():
-            segments = [(f, b) for kind, f, b, _ in plan.bipartition_pieces() if kind == "segment"]
-            where = ", ".join(f"forward on {f} / backward on {b}" for f, b in segments)
-            print(terminal_text(f"Bi-Partition (ship): {len(segments)} segment(s) ({where}); each stage_<i>/ "
-                                "holds its core and segment_<b>.py files, the forward worker a replica "
-                                "refreshed after every step"))
+        for part in technique_parts("report"):  # a technique's words on what it shipped (Bi-Partition's segments)
+            for line in part.compiled_lines(plan) if hasattr(part, "compiled_lines") else []:
+                print(terminal_text(line))
         for line in done.notes:
             if not line.startswith("warning:"):
                 print(terminal_text(line))

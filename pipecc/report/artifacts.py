@@ -15,6 +15,7 @@ from typing import Any
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.report.text import technique_answer
+from pipecc.techniques import parts as technique_parts
 
 GRAPH_FORMAT = "pipecc-graph"
 FORMAT_VERSION = 1
@@ -145,15 +146,10 @@ def timeline_for(plan: Plan, schedule: Schedule | None = None) -> Any:
                                  backward_weight_s=[s.backward_weight_s for s in plan.stages],
                                  split_cost=SPLIT_BACKWARD_COST if plan.schedule in ZERO_BUBBLE else 1.0)
     costs.tail_s = step_tail(plan, schedule)
-    saved = plan.bipartition_costs if plan.is_bipartition() else None
-    if saved is not None:  # Bi-Partition: the two directions differ; the planner saved both, and the tail
-        costs.send_forward_s = [[float(t)] * m for t in saved.send_forward_s]
-        costs.send_backward_s = [[float(t)] * m for t in saved.send_backward_s]
-        costs.tail_s = [float(t) for t in saved.tail_s] or None
-    if plan.activation_balancing:  # BPipe: its stash transfers, as the planner timed them
-        costs.stash_transfer_s = [[float(x)] * m for x in plan.estimate.get("stash_transfer_s", [0.0] * n)]
-    if plan.replicas > 1:  # replica groups: each rank's gradient all-reduce, as the planner has it
-        costs.allreduce_s = [0.0] * schedule.num_ranks
-        for k, s in enumerate(plan.stages):
-            costs.allreduce_s[schedule.stage_to_rank[k]] += s.allreduce_s
+    # each technique's own costs (Bi-Partition's two directions and tail, BPipe's stash transfers,
+    # the replicas' all-reduce): a report part's `timeline_costs`, in TECHNIQUES order (they set
+    # different fields, so the order cannot change the timeline)
+    for part in technique_parts("report"):
+        if hasattr(part, "timeline_costs"):
+            costs = part.timeline_costs(plan, schedule, costs)
     return simulate(schedule, costs)

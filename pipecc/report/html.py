@@ -27,7 +27,7 @@ from pipecc.report.figures import (BOTTLENECK_WITH_COMM, bottleneck_note, bottle
                                    device_capacities, first_last)
 from pipecc.report.formatting import count, human, seconds
 from pipecc.report.text import ratio_note
-from pipecc.techniques.bipartition.report import bipartition_lines
+from pipecc.techniques import parts as technique_parts
 from pipecc.report.svg import (ALLREDUCE, B_COLORS, COMM_B, COMM_C, COMM_F, F_COLORS, W_COLORS, balance_svg,
                                esc, gantt_svg, memory_svg, pipeline_ranks, stage_flow_svg, stage_label,
                                stage_time_svg)
@@ -166,14 +166,10 @@ def baselines_table_html(plan: Plan) -> str:
             "<th>ratio to bound</th><th>vs pipecc</th><th>fits memory</th></tr>" + body + "</table>")
 
 
-def bipartition_html(plan: Plan) -> str:
-    """Bi-Partition's cut pair and each stage's forward/backward range ("" without)."""
-    lines = bipartition_lines(plan)
-    if not lines:
-        return ""
-    items = "".join(f"<li>{esc(x.strip())}</li>" for x in lines[1:])
-    return (f'<h3>Forward/backward cuts (Bi-Partition)</h3><p class="note">'
-            f'{esc(lines[0].removeprefix("Bi-Partition").strip())}</p><ul>{items}</ul>')
+def technique_html(plan: Plan) -> str:
+    """Every technique's section (a report part's optional ``html(plan)``, in `TECHNIQUES` order:
+    Bi-Partition's cut pair and each stage's forward/backward range)."""
+    return "".join(part.html(plan) for part in technique_parts("report") if hasattr(part, "html"))
 
 
 def decisions_html(plan: Plan) -> str:
@@ -352,7 +348,7 @@ bottleneck ({esc(seconds(plan.bottleneck_s))}) is shorter: {esc(bottleneck_note(
 each device under 90% of its memory.</p></div></div>
 {stage_table_html(plan, capacities)}
 {f"<ul>{splits}</ul>" if splits else ""}
-{bipartition_html(plan)}
+{technique_html(plan)}
 
 <h2>Balance against baseline partitions</h2>
 {balance}

@@ -63,10 +63,11 @@ from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
 from pipecc.runtime import teardown, wire
-from pipecc.techniques.bipartition.runtime import is_worker
 from pipecc.runtime.engine import PRECISIONS, PipelineRuntime
+from pipecc.runtime.handlers import setup
 from pipecc.runtime.loss_reduction import MEAN, MEAN_LOSS, SUM, analyse, split_words, weight
 from pipecc.runtime.ports import StagePorts, as_tuple, build_output, flatten, unflatten
+from pipecc.techniques import parts as technique_parts
 from pipecc.techniques.replicas.runtime import replica_inputs, replica_target, replica_unslice
 from pipecc.runtime.rundata import TiedGradients
 
@@ -169,9 +170,8 @@ class DistributedPipeline:
         self._refresh_due = False  # Bi-Partition: replicas to refresh before the weights are read again
         self.refresh_after_step = False  # pipecc run: after_optimizer_step() follows every step itself
         self.last_loss: float | None = None  # the last step's loss as the last stage computed it (None elsewhere)
-        if run.config.precision is not None and any(is_worker(m) for m in run.modules):
-            raise PipeccError("mixed precision does not run Bi-Partition pipelines yet; load it in float32 "
-                              "(precision=None) or compile without --bipartition")
+        # what a technique's stages cannot run under autocast (Bi-Partition's workers)
+        setup(technique_parts("runtime"), "check_precision", run.config.precision, run.modules)
 
     # -- what this rank holds ------------------------------------------------------------------
 

@@ -40,6 +40,13 @@ functions, each optional, in `TECHNIQUES` order (`setup`):
                                      `refresh_stages`)
     stage_runner(module) -> type | None         the `StageRunner` class that runs a stage
                                      module of the technique's (Bi-Partition's workers), else None
+
+and, once the rank's runtime is built, `pipecc.runtime.distributed.DistributedPipeline`
+(`pipecc.load`'s pipeline) asks:
+
+    check_precision(precision, modules)         refuse mixed precision (`RunConfig.precision`,
+                                     not None) on a rank whose stage modules cannot run under it
+                                     (Bi-Partition's workers; one-line PipeccError)
 """
 
 from __future__ import annotations

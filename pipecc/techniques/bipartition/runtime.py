@@ -35,7 +35,7 @@ from pipecc.techniques.bipartition.runtime_segments import BipartitionWorker, Wo
 from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["BipartitionRunner", "WeightRefresh", "check", "check_runs", "handler", "is_worker", "lowering",
+__all__ = ["BipartitionRunner", "WeightRefresh", "check", "check_precision", "check_runs", "handler", "is_worker", "lowering",
            "replica_stages", "stage_runner"]
 
 
@@ -69,6 +69,14 @@ def check(schedule: Schedule, modules: Sequence[torch.nn.Module], ports: Sequenc
     """`check_runs` on a rank holding Bi-Partition workers (`pipecc.runtime.handlers`' ``check``)."""
     if any(is_worker(module) for module in modules):
         check_runs(schedule, replicas.count)
+
+
+def check_precision(precision: str | None, modules: Sequence[torch.nn.Module]) -> None:
+    """Refuse mixed precision on a rank holding Bi-Partition workers (`pipecc.runtime.handlers`'
+    ``check_precision``): their programs run in float32."""
+    if precision is not None and any(is_worker(m) for m in modules):
+        raise PipeccError("mixed precision does not run Bi-Partition pipelines yet; load it in float32 "
+                          "(precision=None) or compile without --bipartition")
 
 
 def lowering(stage_ids: Sequence[int], modules: Sequence[torch.nn.Module]) -> dict[str, Any]:

@@ -1,11 +1,16 @@
 """BPipe's report lines (`pipecc plan`, `pipecc inspect`): its pairs, each stage's peak memory
-before and after, or why the planner did not use it, from the plan's BPipe estimate."""
+before and after, or why the planner did not use it, from the plan's BPipe estimate; and its
+timeline costs (`timeline_costs`, asked by `pipecc.report.artifacts.timeline_for`): the stash
+transfers."""
 
 from __future__ import annotations
 
-from pipecc.ir.plan import Plan
+from typing import Any
 
-__all__ = ["DECISIONS", "bpipe_lines", "lines"]
+from pipecc.ir.plan import Plan
+from pipecc.ir.schedule.actions import Schedule
+
+__all__ = ["DECISIONS", "bpipe_lines", "lines", "timeline_costs"]
 
 DECISIONS = "BPipe"  # the planner's decision lines its lines already say (verbose summaries skip them)
 
@@ -34,3 +39,12 @@ def bpipe_lines(plan: Plan, verbose: bool = False) -> list[str]:
 def lines(plan: Plan, verbose: bool = False) -> list[str]:
     """The technique's lines in a plan's summary (`pipecc.techniques.parts("report")`)."""
     return bpipe_lines(plan, verbose)
+
+
+def timeline_costs(plan: Plan, schedule: Schedule, costs: Any) -> Any:
+    """The simulator's `StageCosts` for the timeline: its stash transfers, as the planner timed
+    them (the estimate's `stash_transfer_s`); `costs` unchanged without activation balancing."""
+    if plan.activation_balancing:
+        n, m = len(plan.stages), plan.microbatches
+        costs.stash_transfer_s = [[float(x)] * m for x in plan.estimate.get("stash_transfer_s", [0.0] * n)]
+    return costs

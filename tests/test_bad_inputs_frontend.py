@@ -389,3 +389,45 @@ def test_the_time_limit_never_raises_inside_torchs_dispatch(monkeypatch) -> None
                     if len(dropped) > 1:
                         raise
     assert dropped[0] == "_OverTime" and len(dropped) == 2
+
+
+def test_the_time_limit_never_cuts_an_import_or_a_torch_override_short(monkeypatch, tmp_path: Path) -> None:
+    """A raise inside an import leaves a partly initialised module in sys.modules (every later
+    compile in the process then failed on `torch._dynamo`: "partially initialized module"), and
+    one inside a torch op's `__torch_function__` crossed C++ frames and aborted the process
+    (SIGABRT under load): the timer waits for a later tick outside both."""
+    import importlib
+    import sys
+    import time
+
+    from pipecc.errors import PipeccError
+    from pipecc.frontend import modelfile
+    monkeypatch.setenv(modelfile.TIME_LIMIT_ENV, "0.2")
+    (tmp_path / "slow_import_mod.py").write_text(
+        "import time\nstart = time.monotonic()\nwhile time.monotonic() - start < 0.6:\n    pass\nCOMPLETE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PipeccError, match="importing block did not return within 0.2 s"):
+        with modelfile.deadline("importing block"):
+            importlib.import_module("slow_import_mod")  # past the limit: nothing raised inside it
+            while True:  # the next tick lands here
+                time.sleep(0.01)
+    assert sys.modules["slow_import_mod"].COMPLETE
+    del sys.modules["slow_import_mod"]
+
+    class Slow(torch.overrides.TorchFunctionMode):
+        done = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+            start = time.monotonic()
+            while time.monotonic() - start < 0.3:  # past the limit inside the override
+                pass
+            Slow.done += 1
+            return func(*args, **(kwargs or {}))
+
+    with pytest.raises(PipeccError, match="override block did not return within 0.2 s"):
+        with modelfile.deadline("override block"):
+            with Slow():
+                torch.ones(2).add(1)
+            while True:
+                time.sleep(0.01)
+    assert Slow.done >= 2  # both ops' overrides ran to their end

@@ -123,6 +123,22 @@ def time_limit_s() -> float:
 RETRY_S = 0.5  # the timer fires again this often after the limit until the block has ended
 _held = 0  # > 0: inside torch's C++ dispatch (fake tensors), where the timer must not raise
 _expired = False  # the timer has fired in this block: a hold raises when it ends
+# Python code that C++ or the import system called, where a raise does harm: an import cut
+# short leaves a partly initialised module in sys.modules (every later compile in the process
+# fails on `torch._dynamo`), and a raise inside a torch op's Python override can cross C++
+# frames that cannot unwind it (SIGABRT). The timer raises on its next tick instead.
+_UNSAFE_NAMES = frozenset({"__torch_function__", "__torch_dispatch__"})
+
+
+def _may_raise_in(frame: Any) -> bool:
+    """Whether the timer may raise in `frame` (the code it interrupted): not while any frame
+    of the stack is an import or a torch op's Python override (`_UNSAFE_NAMES`)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _UNSAFE_NAMES or code.co_filename.startswith("<frozen importlib"):
+            return False
+        frame = frame.f_back
+    return True
 
 
 @contextlib.contextmanager
@@ -157,7 +173,9 @@ def deadline(what: str) -> Iterator[None]:
         def over(signum: int, frame: Any) -> None:
             global _expired
             _expired = True
-            if not _held:  # held (inside torch's dispatch): raised when the hold ends
+            # held (inside torch's dispatch): raised when the hold ends; an import or a torch
+            # op's override (`_may_raise_in`): raised on a later tick, every RETRY_S
+            if not _held and _may_raise_in(frame):
                 raise _OverTime()
         previous = signal.signal(signal.SIGALRM, over)
         # then again every RETRY_S: a raise that lands in a callback Python ignores (a weakref's,

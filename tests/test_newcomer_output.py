@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import pipecc
-from helpers import run_cli, run_pipecc
+from helpers import pipecc_here, run_cli
 from pipecc import driver
 from pipecc.report.figures import cost_basis
 from pipecc.report.formatting import WIDTH, seconds_in_text, wrap
@@ -217,10 +217,10 @@ def test_device_note_for_a_gpu_folder_on_the_cpu() -> None:
 @pytest.mark.slow
 def test_a_folder_planned_for_gpus_says_it_runs_on_the_cpu(tmp_path) -> None:
     out = tmp_path / "out"
-    done = run_pipecc("compile", str(_mlp_file(tmp_path)), "-b", "8", "--devices", "2xa100", "--replicas", "1",
-                      "--use-all-devices", "-o", str(out), "-q")
+    done = pipecc_here("compile", str(_mlp_file(tmp_path)), "-b", "8", "--devices", "2xa100", "--replicas", "1",
+                       "--use-all-devices", "-o", str(out), "-q")
     assert done.returncode == 0, done.stderr
-    done = run_pipecc("run", str(out), "--steps", "1", timeout=600)
+    done = pipecc_here("run", str(out), "--steps", "1")  # in this process: torchrun is the launch
     assert done.returncode == 0, done.stdout + done.stderr
     if torch.cuda.is_available():  # a GPU machine runs it on the GPUs: no note
         assert "planned for" not in done.stdout

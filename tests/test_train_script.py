@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, pipecc_here, run_pipecc
+from helpers import ROOT, pipecc_here
 
 pytestmark = pytest.mark.xdist_group("train_script")
 
@@ -454,7 +454,7 @@ def test_run_data_usage_errors(work, tmp_path):
     assert result.returncode == 0 and "every step repeats its example batch" in result.stdout
 
 
-def test_the_readme_training_script_runs_as_written(tmp_path):
+def test_the_readme_training_script_runs_as_written(tmp_path, monkeypatch):
     """The README's train.py, copied as it is, under torchrun on 2 CPU processes next to the
     README's model file compiled into `out`: it trains and the loss falls."""
     import re
@@ -464,8 +464,9 @@ def test_the_readme_training_script_runs_as_written(tmp_path):
     script = re.search(r"```python\n(# train\.py.*?)```", readme, re.S).group(1)
     (tmp_path / "mymodel.py").write_text(model)
     (tmp_path / "train.py").write_text(script)
-    result = run_pipecc("compile", "mymodel.py", "-b", "32", "--devices", "2xcpu", "--replicas", "1",
-                        "--use-all-devices", "-o", "out", "-q", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # the README's command, from the folder of its files, in this process
+    result = pipecc_here("compile", "mymodel.py", "-b", "32", "--devices", "2xcpu", "--replicas", "1",
+                         "--use-all-devices", "-o", "out", "-q")
     assert result.returncode == 0, result.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

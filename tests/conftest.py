@@ -1,6 +1,7 @@
 """Test configuration: tests import `helpers` from this folder; hypothesis runs derandomized
 in CI (CI=true), so a landing never depends on which random examples a run happened to draw
 (locally the examples vary from run to run and keep finding new cases)."""
+import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def pytest_configure(config) -> None:
     import compileall
     for name in PACKAGES:
         compileall.compile_dir(str(ROOT / name), quiet=2)
+    name_group_record(config)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -63,6 +65,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
     items[:] = slow_first(items)
+    record_groups(config, items)
 
 
 def slow_first(items: list) -> list:
@@ -84,6 +87,72 @@ def slow_first(items: list) -> list:
     return sorted(items, key=lambda item: (-weight[path(item)], order[path(item)]))
 
 
+
+
+# ---------------------------------------------------------------------------- xdist groups
+# pytest-xdist 3.8 puts a test in its `xdist_group` by appending "@GROUP" to `item._nodeid`;
+# pytest 9 derives `nodeid` from `item._id` and ignores that attribute, so under pytest 9
+# `--dist loadgroup` ran every test on its own, in collection order (a group's module
+# fixtures, torchrun launches among them, built again on the second worker; the groups' long
+# tests last). The workers write each grouped test's group (xdist's name: the sorted mark
+# names joined by "_") to a file the controller named; the controller's scheduler reads it.
+GROUPS_ENV = "PIPECC_TEST_XDIST_GROUPS"
+
+
+def _is_xdist_controller(config) -> bool:
+    return (not hasattr(config, "workerinput") and config.pluginmanager.has_plugin("xdist")
+            and config.getoption("dist", "no") == "loadgroup")
+
+
+def record_groups(config, items) -> None:
+    """On an xdist worker: each grouped test's group, into the controller's record."""
+    path = os.environ.get(GROUPS_ENV)
+    if not hasattr(config, "workerinput") or not path:
+        return
+    groups = {}
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        if names:
+            groups[item.nodeid] = "_".join(sorted(names))
+    tmp = f"{path}.{config.workerinput['workerid']}"
+    Path(tmp).write_text(json.dumps(groups))
+    os.replace(tmp, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """LoadGroupScheduling whose groups come from the workers' record (see above)."""
+    if not _is_xdist_controller(config) or not os.environ.get(GROUPS_ENV):
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class RecordedGroups(LoadGroupScheduling):
+        _groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                source = Path(os.environ[GROUPS_ENV])
+                self._groups = json.loads(source.read_text()) if source.exists() else {}
+            return self._groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return RecordedGroups(config, log)
+
+
+def name_group_record(config) -> None:
+    """The controller names the group record before its workers start (they inherit it)."""
+    if _is_xdist_controller(config):
+        import tempfile
+        handle, name = tempfile.mkstemp(prefix="pipecc-test-groups-", suffix=".json")
+        os.close(handle)
+        os.unlink(name)
+        os.environ[GROUPS_ENV] = name
+
+
+def pytest_unconfigure(config) -> None:
+    path = os.environ.get(GROUPS_ENV)
+    if path and _is_xdist_controller(config):
+        Path(path).unlink(missing_ok=True)
 
 
 # The bad-input suite (one-line errors, nothing left behind): its files, the category each tries.

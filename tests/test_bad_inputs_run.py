@@ -400,7 +400,8 @@ def test_a_stopped_agent_ends_the_run_and_leaves_nothing(mlp_out: Path, steps: s
             break
     tree = ProcessTree(proc.pid)
     tree.refresh()
-    agent = min(tree.known)  # pipecc's only child, started before the workers
+    # pipecc's only child, started before the workers: the earliest start (pids wrap, so not the smallest pid)
+    agent = min(tree.known, key=lambda pid: int(tree.known[pid]))
     os.kill(agent, signal.SIGSTOP)
     _, err = proc.communicate(timeout=HANG_GUARD_S)
     done = "while its workers ran" if steps != "2" else "after its workers ended"

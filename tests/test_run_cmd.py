@@ -218,7 +218,8 @@ def test_killed_agent_stops_its_workers(mlp_out: Path) -> None:
     proc = start("run", str(mlp_out), "--steps", "1000000", "--timeout", str(FALLBACK_S))
     wait_for_line(proc, r"^step 0: loss")  # a log keeps step 0 (then every ceil(steps / 20)-th)
     tree = tree_of(proc)
-    agent = min(tree.known)  # NOTE: pipecc's only child, started before the workers
+    # pipecc's only child, started before the workers: the earliest start (pids wrap, so not the smallest pid)
+    agent = min(tree.known, key=lambda pid: int(tree.known[pid]))
     assert "torch.distributed.run" in Path(f"/proc/{agent}/cmdline").read_text()
     os.kill(agent, signal.SIGKILL)
     # the workers would train on (a million steps) without their lifeline: ending at all, with

@@ -419,7 +419,7 @@ def test_the_time_limit_never_cuts_an_import_or_a_torch_override_short(monkeypat
 
         def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
             start = time.monotonic()
-            while time.monotonic() - start < 0.3:  # past the limit inside the override
+            while time.monotonic() - start < 0.6:  # past the limit inside the override
                 pass
             Slow.done += 1
             return func(*args, **(kwargs or {}))
@@ -427,7 +427,7 @@ def test_the_time_limit_never_cuts_an_import_or_a_torch_override_short(monkeypat
     with pytest.raises(PipeccError, match="override block did not return within 0.2 s"):
         with modelfile.deadline("override block"):
             with Slow():
-                torch.ones(2).add(1)
+                torch.ones(2)
             while True:
                 time.sleep(0.01)
-    assert Slow.done >= 2  # both ops' overrides ran to their end
+    assert Slow.done == 1  # the op's override ran to its end

@@ -26,7 +26,7 @@ import numpy as np
 from pipecc.ir.plan import Plan, StagePlan
 from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.passes import baselines as base_rules
-from pipecc.techniques.bpipe import search as bpipe_pass
+from pipecc import techniques
 from pipecc.techniques.replicas import search as rep
 from pipecc.passes.bound import lower_bound as partition_lower_bound
 from pipecc.passes.plan_candidate import Candidate
@@ -42,7 +42,7 @@ __all__ = ["SearchRecord", "baselines", "lower_bound", "piece_fixed", "shape_bou
 @dataclass
 class SearchRecord:
     """What the search found besides the candidate it writes: every feasible candidate (best
-    first), the BPipe estimate and decision lines (`pipecc.techniques.bpipe.search.apply`)."""
+    first), the BPipe estimate and decision lines (`pipecc.techniques.bpipe.search.after_search`)."""
 
     results: list[Candidate] = field(default_factory=list)
     estimate: dict[str, Any] = field(default_factory=dict)
@@ -229,6 +229,11 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
                          f"the {opt.precision} peak (pipecc.cost_precision)")
     if bool(cand.thresholds) == bool(search.estimate.get("used")):  # BPipe used or not, and why
         decisions += search.bpipe_notes
+    fields: dict[str, Any] = {}
+    for search_part in techniques.parts("search"):  # a technique's own plan fields (BPipe's pairs)
+        plan_fields = getattr(search_part, "plan_fields", None)
+        if plan_fields is not None:
+            fields.update(plan_fields(cand))
     return Plan(
         model=ev.graph.model_name, batch_size=opt.batch_size,
         microbatches=cand.microbatches, schedule=cand.schedule,
@@ -239,7 +244,7 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
         lower_bound_s=float(lb), lower_bound_compute_s=float(lb_compute),
         predicted_iteration_s=float(cand.timeline.iteration_s),
         bubble_fraction=float(cand.timeline.bubble_fraction), dtype=opt.compute_dtype,
-        activation_balancing=bpipe_pass.plan_fields(cand), estimate=dict(search.estimate),
+        estimate=dict(search.estimate),
         virtual_stages=cand.virtual, decisions=decisions, alternatives=lost, replicas=d,
         baselines=baselines(ev, cand) if opt.compare else [],
         options={"coarse": opt.coarse, "choose_order": opt.choose_order,
@@ -247,4 +252,5 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
                  "activation_balancing": opt.activation_balancing,
                  "flash_attention": opt.flash_attention, "precision": opt.precision,
                  "replicas_requested": opt.replicas,
-                 **{k: x for c in tables.costs for k, x in c.plan_options().items()}})
+                 **{k: x for c in tables.costs for k, x in c.plan_options().items()}},
+        **fields)

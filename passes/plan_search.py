@@ -5,6 +5,14 @@
     recompute pass's mode ─► BPipe weighed against the best (pipecc.techniques.bpipe.search) ─► the fastest
     that fits memory ─► Plan (passes.plan_emit)
 
+The techniques' searches join it through their `search` parts' optional hooks
+(`pipecc.techniques` protocol), each called in `TECHNIQUES` order, never by name:
+`before_search(ev)` before any candidate (BPipe's mode checks), `candidate(ev, schedule, m, d)`
+for each (the first that returns one; else the evaluator's plain candidate: recomputation's
+modes), `after_search(ev, results, ms)` on the ranked results (BPipe weighed against them),
+`nothing_fits(ev, schedule, m, reason, d)` on the reason when none fits (recomputation's fix).
+The replica groups (`techniques.replicas.search`) are the search's own dimension, d.
+
 Layer splitting (`passes.split_search`), unequal micro-batches (`techniques.umpipe.plan`) and
 separate forward/backward cuts (`techniques.bipartition.plan`) run after it, on its plan, as the
 driver's later steps. `Planner` holds one search's state (its candidates, best first, and the
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -32,8 +40,6 @@ from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import TRAINING_SCHEDULES, VIRTUAL, ZERO_BUBBLE
 from pipecc.techniques import capabilities as caps
-from pipecc.techniques.bpipe import search as bpipe_pass
-from pipecc.techniques.recompute import search as recompute_pass
 from pipecc.techniques.replicas import search as rep
 from pipecc.passes.partition import InfeasibleError, partition
 from pipecc.targets.timing import CANNOT_RUN_S
@@ -65,6 +71,11 @@ def stage_seconds(cand: Candidate) -> list[float]:
     """[stage] forward + backward seconds of `cand`'s stages on their devices."""
     b, fwd, bwd = cand.part.bounds, np.asarray(cand.problem.fwd), np.asarray(cand.problem.bwd)
     return [float(fwd[k, b[k]:b[k + 1]].sum() + bwd[k, b[k]:b[k + 1]].sum()) for k in range(len(b) - 1)]
+
+
+def _hooks(name: str) -> list[Callable[..., Any]]:
+    """Every technique's `search` hook `name` (module docstring), in `TECHNIQUES` order."""
+    return [hook for part in techniques.parts("search") if (hook := getattr(part, name, None)) is not None]
 
 
 def _rank_key(c: Candidate) -> tuple[bool, float, int, int]:
@@ -129,9 +140,8 @@ class Planner:
             return [("inference", m, d) for m in ms for d in degrees(m)]
         scheds = TRAINING_SCHEDULES if opt.schedule == "auto" else (opt.schedule,)
 
-        def refused(s: str) -> str | None:  # the zero-bubble rule on these devices
-            draft = techniques.sketch(schedule=s, devices=devices)
-            return techniques.zero_bubble.requires(draft, techniques.COMPILED)
+        def refused(s: str) -> str | None:  # the zero-bubble rule on these devices (the one the sketch uses)
+            return techniques.requires(techniques.sketch(schedule=s, devices=devices), techniques.COMPILED)
         if opt.schedule in ZERO_BUBBLE and refused(opt.schedule):
             raise UsageError(f"--schedule {opt.schedule}: {refused(opt.schedule)}")
         # auto: a zero-bubble schedule these devices cannot run is no candidate
@@ -153,7 +163,8 @@ class Planner:
 
     def run(self) -> tuple[Plan, Candidate]:
         ev = self.evaluator
-        bpipe_pass.check(ev)
+        for before in _hooks("before_search"):
+            before(ev)
         results: list[Candidate] = []
         lost: list[dict[str, Any]] = []
         tried = self.candidates()
@@ -161,20 +172,26 @@ class Planner:
             tried = [c for c in tried if c[0] == "1f1b"] or tried
         for schedule, m, d in tried:
             try:
-                cand = recompute_pass.evaluate_candidate(ev, schedule, m, d)
+                cand = self.evaluate(schedule, m, d)
                 results.append(self.spread(cand) or cand)
             except InfeasibleError as exc:
                 lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
                              "reason": str(exc)})
         results.sort(key=_rank_key)  # a negligible stage ranks last (module docstring)
         ms = sorted({(m, d) for s, m, d in tried if s == "1f1b" and self.p // d > 1})  # BPipe's (m, replicas)
-        results, notes, estimate = bpipe_pass.apply(ev, results, ms)
+        notes: list[str] = []
+        estimate: dict[str, Any] = {}
+        for after in _hooks("after_search"):
+            results, said, found = after(ev, results, ms)
+            notes += said
+            estimate.update(found)
         self.record = SearchRecord(results, estimate, notes)
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
-            if lost:  # would recomputing activations fit it? (only with --recompute none)
-                reason = recompute_pass.hint(ev, lost[0]["schedule"], lost[0]["microbatches"], reason,
-                                             lost[0].get("replicas", 1))
+            if lost:  # a technique's way out, e.g. would recomputing activations fit it?
+                for nothing_fits in _hooks("nothing_fits"):
+                    reason = nothing_fits(ev, lost[0]["schedule"], lost[0]["microbatches"], reason,
+                                          lost[0].get("replicas", 1))
             if "on-chip BRAM" in reason:
                 reason += ("; an FPGA stage keeps its weights on chip: let pipecc place it "
                            "(--choose-order) or use a narrower --fpga-number such as ap_fixed<16,6>")
@@ -183,6 +200,16 @@ class Planner:
         self.infeasible = lost
         best = results[0]
         return self.to_plan(best), best
+
+    def evaluate(self, schedule: str, m: int, d: int) -> Candidate:
+        """The candidate (schedule, m, d replicas): the first technique's `candidate` hook that
+        gives one (module docstring), else the evaluator's plain candidate. InfeasibleError
+        when nothing fits."""
+        for candidate in _hooks("candidate"):
+            cand = candidate(self.evaluator, schedule, m, d)
+            if cand is not None:
+                return cand
+        return self.evaluator.evaluate(schedule, m, d=d)
 
     def to_plan(self, cand: Candidate) -> Plan:
         """The Plan of `cand`, with why every other candidate lost (`alternatives`)."""

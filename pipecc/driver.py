@@ -266,22 +266,17 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
                     cluster: Cluster) -> tuple[PlanOptions, Cluster]:
     """`options` as the planner reads them, and the cluster it plans on: the batch size the
     graph's when None; a `microbatch_sizes` list parsed and checked, fixing the base plan's
-    schedule, replicas and micro-batch count (`techniques.umpipe.plan.base_options`); a profile
+    schedule, replicas and micro-batch count (each technique's `plan` part's optional
+    `base_options(options, batch)`, in `TECHNIQUES` order: UMPIPE's); a profile
     loaded, checked against the model and devices, its links measured (`use_profile`); a
     calibration run loaded and checked alike (`use_calibration`)."""
     graph = analysis.graph if isinstance(analysis, Analysis) else analysis
     batch = options.batch_size or graph.batch_size
-    sizes: Any = options.microbatch_sizes
     fixed: dict[str, Any] = {}
-    if isinstance(sizes, str) and sizes not in ("auto", "equal"):
-        from pipecc.techniques.umpipe.plan import parse_option
-        sizes = parse_option(sizes)
-    if not isinstance(sizes, str):
-        from pipecc.techniques.umpipe import plan as umpipe_plan
-        sizes = [int(b) for b in sizes]
-        schedule, replicas, microbatches = umpipe_plan.base_options(
-            sizes, options.schedule, options.replicas, options.microbatches, options.training, batch)
-        fixed = dict(schedule=schedule, replicas=replicas, microbatches=microbatches)
+    for part in techniques.parts("plan"):  # the fields a technique's options fix
+        base_options = getattr(part, "base_options", None)
+        if base_options is not None:
+            fixed.update(base_options(options, batch))
     profile = options.profile
     if profile is not None:  # checked against the model and devices; its links measured
         from pipecc.targets.profiled import use_profile
@@ -290,8 +285,7 @@ def resolve_options(options: PlanOptions, analysis: Analysis | AnnotatedGraph,
     if calibrate is not None:  # a run of this model on these devices (pipecc.targets.calibrated)
         from pipecc.targets.calibrated import use_calibration
         calibrate = use_calibration(calibrate, analysis, cluster, profile)
-    return PlanOptions.of(options, batch_size=batch, microbatch_sizes=sizes, profile=profile,
-                          calibrate=calibrate, **fixed), cluster
+    return PlanOptions.of(options, batch_size=batch, profile=profile, calibrate=calibrate, **fixed), cluster
 
 
 def plan(analysis: Analysis | AnnotatedGraph, devices: Any, options: PlanOptions | None = None, *,

@@ -40,6 +40,15 @@ other module is IR like the rule. Over all techniques:
     schedule_of(plan)                   the plan's final action list: its base schedule by name,
                                         lowered (what compile writes as OUT/schedule.txt)
 
+A part's optional hooks, asked of every technique's part in `TECHNIQUES` order (never by name):
+
+    search.before_search(ev)            before the balance search's candidates (BPipe's mode checks)
+    search.candidate(ev, schedule, m, d)   a candidate of the search, or None (recomputation's modes)
+    search.after_search(ev, results, ms)   (results, notes, estimate): the ranked results weighed (BPipe)
+    search.nothing_fits(ev, schedule, m, reason, d)   why nothing fits, with its fix (recomputation)
+    search.plan_fields(cand) -> dict    its `Plan` fields of the chosen candidate (BPipe's pairs)
+    plan.base_options(options, batch) -> dict   the planner's options its switches fix (UMPIPE's)
+
 | module | technique | what it asks of the plan |
 |---|---|---|
 | `bpipe` | activation balancing (BPipe) | 1f1b, one stage per pipeline rank (replica groups and recomputation compose), equal micro-batches, stash-keeping devices, no Bi-Partition, a process per rank; well-formed pairs |

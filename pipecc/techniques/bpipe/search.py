@@ -75,8 +75,9 @@ def _sketch(ev: Evaluator) -> Plan:
                              recompute=opt.recompute == "full")
 
 
-def check(ev: Evaluator) -> None:
-    """UsageError (one line) for a mode that is unknown, or "on" with options out of scope."""
+def before_search(ev: Evaluator) -> None:
+    """The planner's hook before its search (`passes.plan_search`): UsageError (one line) for
+    a mode that is unknown, or "on" with options out of scope."""
     mode = ev.options.activation_balancing
     if mode not in MODES:
         raise UsageError(f"--activation-balancing {mode!r}: choose auto, on or off")
@@ -305,9 +306,10 @@ def _fewer(ev: Evaluator, m: int, forced: bool, d: int, cand: Candidate) -> Cand
     return fewer if fewer.timeline.iteration_s <= cand.timeline.iteration_s else cand
 
 
-def apply(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int, int]]
-          ) -> tuple[list[Candidate], list[str], dict[str, Any]]:
-    """Weigh BPipe against `results` (the search without it, best first; may be empty): returns
+def after_search(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int, int]]
+                 ) -> tuple[list[Candidate], list[str], dict[str, Any]]:
+    """The planner's hook after its search (`passes.plan_search`): weigh BPipe against `results`
+    (the search without it, best first; may be empty): returns
     the results with the BPipe candidate first when it is used, the decision lines and the
     estimate (PAPERS-SPEC.md 2.7; {} with mode "off"). `ms`: the micro-batch counts to try,
     each m or (m, d replicas)."""
@@ -378,9 +380,10 @@ def apply(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int,
     return results, [f"BPipe not used: {ratio} ({reason}; {detail})"], estimate
 
 
-def plan_fields(cand: Candidate) -> list[dict[str, Any]]:
-    """`Plan.activation_balancing` of a candidate (its thresholds)."""
+def plan_fields(cand: Candidate) -> dict[str, Any]:
+    """The emitter's hook (`passes.plan_emit.to_plan`): `Plan.activation_balancing` of a
+    candidate (its thresholds)."""
     ks = getattr(cand, "thresholds", ()) or ()
     p = len(ks)
-    return [{"evictor": s, "acceptor": p - 1 - s, "threshold": int(k), "policy": POLICY}
-            for s, k in enumerate(ks) if k is not None]
+    return {"activation_balancing": [{"evictor": s, "acceptor": p - 1 - s, "threshold": int(k), "policy": POLICY}
+                                     for s, k in enumerate(ks) if k is not None]}

@@ -100,14 +100,15 @@ def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
     return None
 
 
-def evaluate_candidate(ev: Evaluator, schedule: str, m: int, d: int = 1) -> Candidate:
-    """The candidate (schedule, m, d replicas) under the options' recompute mode (module
-    docstring)."""
+def candidate(ev: Evaluator, schedule: str, m: int, d: int = 1) -> Candidate | None:
+    """The planner's hook for each candidate it tries (`passes.plan_search`): the candidate
+    (schedule, m, d replicas) under the options' recompute mode (module docstring); None with
+    "none" (the evaluator's plain candidate)."""
     check(ev)
     mode = ev.options.recompute
     n = ev.p // d * (ev.options.virtual_stages if schedule in VIRTUAL else 1)
     if mode == "none":
-        return ev.evaluate(schedule, m, d=d)
+        return None
     if mode == "full":
         cand = ev.evaluate(schedule, m, recompute=[True] * n, d=d)
         cand.notes.append("every stage recomputes its activations (--recompute full)")
@@ -115,9 +116,10 @@ def evaluate_candidate(ev: Evaluator, schedule: str, m: int, d: int = 1) -> Cand
     return _auto(ev, schedule, m, n, d)
 
 
-def hint(ev: Evaluator, schedule: str, m: int, reason: str, d: int = 1) -> str:
-    """`reason` (why (schedule, m) fits no memory) plus "or recompute activations" when the
-    mode is "none" and recomputing every stage that may would fit it."""
+def nothing_fits(ev: Evaluator, schedule: str, m: int, reason: str, d: int = 1) -> str:
+    """The planner's hook when no candidate fits (`passes.plan_search`): `reason` (why
+    (schedule, m) fits no memory) plus "or recompute activations" when the mode is "none" and
+    recomputing every stage that may would fit it."""
     if ev.options.recompute != "none" or not ev.options.training or "no split fits memory" not in reason:
         return reason
     n = ev.p // d * (ev.options.virtual_stages if schedule in VIRTUAL else 1)

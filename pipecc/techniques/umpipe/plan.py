@@ -193,8 +193,23 @@ def pricing(curves: umpipe.Curves, schedule: str) -> umpipe.GPipePricing | umpip
     return umpipe.GPipePricing(curves) if schedule == "gpipe" else umpipe.SimulatedPricing(curves, schedule)
 
 
-def base_options(sizes: Any, schedule: str, replicas: int | str, microbatches: int | str,
-                     training: bool, batch: int) -> tuple[str, int | str, int | str]:
+def base_options(options: Any, batch: int) -> dict[str, Any]:
+    """The driver's hook as it resolves the planner's options (`pipecc.driver.resolve_options`):
+    the fields a `--microbatch-sizes S1,S2,...` list fixes (the sizes parsed, the base plan's
+    schedule, replicas and micro-batch count: `_base`); none for "auto" and "equal"."""
+    sizes: Any = options.microbatch_sizes
+    if isinstance(sizes, str) and sizes not in ("auto", "equal"):
+        sizes = parse_option(sizes)
+    if isinstance(sizes, str):
+        return {}
+    sizes = [int(b) for b in sizes]
+    schedule, replicas, microbatches = _base(
+        sizes, options.schedule, options.replicas, options.microbatches, options.training, batch)
+    return dict(microbatch_sizes=sizes, schedule=schedule, replicas=replicas, microbatches=microbatches)
+
+
+def _base(sizes: Any, schedule: str, replicas: int | str, microbatches: int | str,
+          training: bool, batch: int) -> tuple[str, int | str, int | str]:
     """(schedule, replicas, microbatches) for the base plan of `--microbatch-sizes S1,S2,...`
     (gpipe unless 1f1b is asked for); one-line usage errors for what cannot take it."""
     text = ",".join(map(str, sizes))

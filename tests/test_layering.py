@@ -236,3 +236,65 @@ def test_the_rule_checker_finds_a_copied_rule(tmp_path: Path) -> None:
     assert [t for t in _strings(ast.parse(f.read_text())) if "activation balancing (BPipe)" in t] == [
         "activation balancing (BPipe) runs "]
     assert technique_tags()["bpipe"] == "activation balancing (BPipe)"
+
+
+# What pipecc/runtime and pipecc/ir may import of a technique by name: the capabilities, and the
+# replica groups (`techniques.replicas.runtime.Replicas` and its helpers), which are every rank's
+# structure (a group of one without the technique). The protocol itself (`pipecc.techniques`:
+# `parts`, `TECHNIQUES`) is not a technique; the rest of a technique they reach through
+# `parts(layer)` and a hook's name (`getattr(part, "hook", None)`).
+SHARED_MAY_NAME = ("capabilities", "replicas")
+
+
+def _dynamic_imports(tree: ast.AST) -> set[str]:
+    """The modules a file imports by a literal name through ``importlib.import_module`` or
+    ``__import__`` (a name computed at run time, as `parts` builds its own, is not read)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) in ("import_module",
+                                                                                             "__import__"):
+                out.add(node.args[0].value)
+    return out
+
+
+def technique_names(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The `pipecc/techniques/<name>` modules and packages `module` imports by name, anywhere in
+    the file (function-level imports and literal importlib calls included)."""
+    dynamic = {hit for name in _dynamic_imports(ast.parse(path.read_text())) if (hit := _resolve(name, known))}
+    return {t.split(".")[2] for t in imports_of(module, path, known) | dynamic
+            if t.startswith("pipecc.techniques.")}
+
+
+def test_the_technique_name_checker_finds_lazy_and_dynamic_imports(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("import importlib\nfrom pipecc import techniques\n"
+                 "def f():\n    from pipecc.techniques.bpipe.schedule import bpipe\n"
+                 "    importlib.import_module('pipecc.techniques.umpipe.runtime')\n"
+                 "    importlib.import_module('pipecc.techniques')\n")
+    known = {"pipecc.techniques": f, "pipecc.techniques.bpipe.schedule": f, "pipecc.techniques.umpipe.runtime": f,
+             "pipecc.ir.m": f}
+    assert technique_names("pipecc.ir.m", f, known) == {"bpipe", "umpipe"}
+
+
+def test_runtime_and_ir_name_no_technique() -> None:
+    """pipecc/runtime and pipecc/ir (not the techniques' parts) import no technique by name but
+    `SHARED_MAY_NAME`: the folder loader, the engine, the messages and the schedule registry call
+    a technique's part through `parts(layer)` and an optional hook's name.
+
+    The schedule registry keeps one lazy import, through importlib, of the protocol
+    (`pipecc.ir.schedule.registry._technique_hook`: `importlib.import_module("pipecc.techniques")`,
+    then `parts("schedule")`): the techniques' rules import the registry (`UNEVEN`, `schedule_for`),
+    so a written import of `pipecc.techniques` there would be the cycle registry -> pipecc.techniques
+    -> its rules -> registry that `test_no_import_cycles` refuses. It runs when a schedule is built,
+    after every module involved has loaded (importing a technique's schedule module by name, as the
+    registry did before, ran the same rules through the package's `__init__`)."""
+    known = modules()
+    bad = sorted(f"{m} imports pipecc.techniques.{name}" for m, path in known.items()
+                 if m.startswith(("pipecc.runtime.", "pipecc.ir.")) or m in ("pipecc.runtime", "pipecc.ir")
+                 for name in technique_names(m, path, known) if name not in SHARED_MAY_NAME)
+    assert not bad, bad
+    registry = known["pipecc.ir.schedule.registry"]
+    assert _dynamic_imports(ast.parse(registry.read_text())) == {"pipecc.techniques"}

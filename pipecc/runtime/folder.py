@@ -185,6 +185,14 @@ def find_stage_dirs(out: Path) -> list[Path]:
     return dirs
 
 
+def _technique_answer(hook: str, *args: Any) -> Any:
+    """What the techniques' runtime parts answer of the folder (``pipecc.runtime.handlers``' loader hooks)."""
+    # NOTE: lazy, as torch is: the parts import the runtime's torch modules, a folder's facts do not
+    from pipecc.runtime.handlers import part_answer
+    from pipecc.techniques import parts
+    return part_answer(parts("runtime"), hook, *args)
+
+
 @dataclass(frozen=True)
 class CompiledFolder:
     """A compiled folder and its ``pipecc.json`` (``marker``), checked by ``open``."""
@@ -365,15 +373,15 @@ class CompiledFolder:
         return self.sizes_for(None)
 
     def sizes_for(self, asked: int | None) -> list[list[int]] | None:
-        """``microbatch_sizes``, refusing an ``asked`` ``--microbatches`` when the folder has them."""
-        from pipecc.techniques.umpipe.runtime import folder_sizes
-        return folder_sizes(self.marker, asked)
+        """``microbatch_sizes``, refusing an ``asked`` ``--microbatches`` when the folder has them
+        (the techniques' runtime parts' ``folder_sizes``: UMPIPE's)."""
+        return _technique_answer("folder_sizes", self.marker, asked)
 
     @property
     def activation_balancing(self) -> list[dict] | None:
-        """BPipe's pairs (``activation_balancing``; None when off)."""
-        from pipecc.techniques.bpipe.runtime_stash import folder_balancing
-        return folder_balancing(self.marker)
+        """BPipe's pairs (``activation_balancing``; None when off: the techniques' runtime parts'
+        ``folder_balancing``)."""
+        return _technique_answer("folder_balancing", self.marker)
 
     @property
     def lengths(self) -> Any:

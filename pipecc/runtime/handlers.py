@@ -47,6 +47,21 @@ and, once the rank's runtime is built, `pipecc.runtime.distributed.DistributedPi
     check_precision(precision, modules)         refuse mixed precision (`RunConfig.precision`,
                                      not None) on a rank whose stage modules cannot run under it
                                      (Bi-Partition's workers; one-line PipeccError)
+
+The compiled-folder loader asks the runtime part, each optional (`part_answer`: the first
+answer other than None; `setup`: every part's):
+
+    folder_sizes(meta, asked) -> sizes | None   the folder's per-stage micro-batch sizes from its
+                                     pipecc.json (`meta`), refusing an `asked` --microbatches
+                                     (UMPIPE's; `pipecc.runtime.folder.CompiledFolder.sizes_for`)
+    folder_balancing(meta) -> pairs | None      the folder's stash pairs (BPipe's;
+                                     `CompiledFolder.activation_balancing`)
+    load_stage(folder, module, ports) -> module | None   the stage module of the technique's
+                                     built around the generated `module` of a stage folder whose
+                                     `ports` ask for it (Bi-Partition's workers:
+                                     `pipecc.runtime.stagefile.load_stage`), else None
+    one_process(modules)             before `pipecc.load` runs the loaded stage modules in one
+                                     process (Bi-Partition: each replica becomes its owner's module)
 """
 
 from __future__ import annotations
@@ -59,7 +74,7 @@ from typing import Any
 
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 
-__all__ = ["Handler", "RankParts", "captured", "first_answer", "setup"]
+__all__ = ["Handler", "RankParts", "captured", "first_answer", "part_answer", "setup"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,16 @@ def first_answer(handlers: Sequence[Handler], hook: str, *args: Any) -> Any:
 def setup(parts: Sequence[ModuleType], hook: str, *args: Any) -> list[Any]:
     """The answers of every runtime part that defines the module-level `hook`, in order."""
     return [getattr(part, hook)(*args) for part in parts if hasattr(part, hook)]
+
+
+def part_answer(parts: Sequence[ModuleType], hook: str, *args: Any) -> Any:
+    """The first answer other than None of the runtime parts that define the module-level `hook`, or None."""
+    for part in parts:
+        ask = getattr(part, hook, None)
+        answer = None if ask is None else ask(*args)
+        if answer is not None:
+            return answer
+    return None
 
 
 def captured(handlers: Sequence[Handler], stage: int, microbatch: int,

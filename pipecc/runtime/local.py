@@ -42,9 +42,10 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.folder import CompiledFolder
+from pipecc.runtime.handlers import setup
 from pipecc.runtime.ports import as_output_type, build_output, split_batch
-from pipecc.techniques.bipartition.runtime_segments import share_replicas
 from pipecc.runtime.stagefile import assemble_owner, load_stage, persistent_buffer
+from pipecc.techniques import parts as technique_parts
 
 __all__ = ["PipelinedModule", "load", "load_stage"]
 
@@ -322,7 +323,7 @@ def load(out_dir: str | Path, *, devices: Sequence[str | torch.device] | None = 
                                           "(no readable pipecc.json)")
     loaded = [load_stage(out / f"stage_{i}") for i in range(folder.num_stages)]
     modules, ports = [m for m, _ in loaded], [p for _, p in loaded]
-    share_replicas(modules)  # Bi-Partition: one process needs no replica, the owner's weights serve
+    setup(technique_parts("runtime"), "one_process", modules)  # Bi-Partition: the owners' weights serve the replicas
     m = microbatches if microbatches is not None else folder.microbatches
     if devices is not None and len(devices) != len(modules):
         devices = folder.given_devices(list(devices))  # one per device of the compile's --devices

@@ -28,16 +28,18 @@ from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.runtime.context import RankContext
 from pipecc.runtime.ports import Port, describe
-from pipecc.techniques.bipartition.runtime_segments import SAVED
 from pipecc.runtime.wire import decode_object, encode_object, fingerprint, pack_tensors, packed_layout, packed_views
 
 if TYPE_CHECKING:  # NOTE: typing only; the runtime gives the runners
     from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["MAX_PORTS", "Messages", "message_tag"]
+__all__ = ["MAX_PORTS", "Messages", "SAVED", "message_tag"]
 
 MAX_PORTS = 1024  # values crossing one stage boundary
+# a tensor a stage runner sends after its ports (a Bi-Partition worker's segments' saved tensors): the
+# wire's view of it (sent by shape, received into buffers); a message with one goes as one packed payload
+SAVED = Port("saved", "tensor")
 SHAPES = 5  # the tag direction of a variable-length message's shape header (``tag``)
 
 

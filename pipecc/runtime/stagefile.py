@@ -14,8 +14,11 @@ model under their original qualified names (each generated class maps attribute 
 `check_folder` checks a folder before a run without executing any of its code (a compiled folder
 is code, like a pickle: `stage.py` runs when a stage loads; only run folders you trust).
 
-This module imports torch, safetensors, `pipecc.errors` and `pipecc.runtime` only — never the
-compiler.
+A technique's stage module around the generated one (a Bi-Partition worker's core and segments)
+is its runtime part's ``load_stage`` (``pipecc.runtime.handlers``' loader hooks).
+
+This module imports torch, safetensors, `pipecc.errors`, `pipecc.runtime` and the techniques'
+runtime parts only — never the compiler.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from torch import nn
 
 from pipecc.errors import PipeccError
 from pipecc.runtime.folder import read_checked
+from pipecc.runtime.handlers import part_answer
+from pipecc.techniques import parts as technique_parts
 
 RECOMPILE = "compile the folder again"  # the fix for a damaged folder
 
 
-def _gist(error: BaseException) -> str:
+def gist(error: BaseException) -> str:
     """``TypeName: first line of the message``."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
@@ -51,14 +56,14 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise PipeccError(f"{folder}: cannot read ports.json ({exc}); is this a pipecc stage folder?") from None
     if not isinstance(ports, dict):
         raise PipeccError(f"{folder / 'ports.json'} is not a port spec; {RECOMPILE}")
-    module = _build(folder, "stage.py", str(ports.get("class", f"Stage{ports.get('stage')}")))
+    module = build_module(folder, "stage.py", str(ports.get("class", f"Stage{ports.get('stage')}")))
     load_weights(module, folder / "weights.safetensors")
-    if isinstance(ports.get("bipartition"), dict):  # a Bi-Partition worker: core + segments
-        module = _load_worker(folder, module, ports)
-    return module, ports
+    # a technique's stage module around the generated one (Bi-Partition's workers: core + segments)
+    built = part_answer(technique_parts("runtime"), "load_stage", folder, module, ports)
+    return (module if built is None else built), ports
 
 
-def _build(folder: Path, file: str, class_name: str) -> nn.Module:
+def build_module(folder: Path, file: str, class_name: str) -> nn.Module:
     """An instance of ``class_name`` from the generated ``folder/file``: its bytes read once,
     checked against the sha256 the compile recorded (``pipecc.runtime.folder_sums``) and compiled
     from memory, never through the import system (no ``__pycache__`` bytecode runs in place of
@@ -81,33 +86,8 @@ def _build(folder: Path, file: str, class_name: str) -> nn.Module:
     except PipeccError:
         raise
     except (Exception, SystemExit) as e:  # generated code that was edited, or needs another environment
-        raise PipeccError(f"{folder / file} fails to import ({_gist(e)}); it was changed after compile or "
+        raise PipeccError(f"{folder / file} fails to import ({gist(e)}); it was changed after compile or "
                           f"needs another environment: {RECOMPILE}") from e
-
-
-def _load_worker(folder: Path, core: nn.Module, ports: dict[str, Any]) -> nn.Module:
-    """A Bi-Partition worker (``pipecc.techniques.bipartition.runtime_segments``): its core and its segments' modules,
-    owned or replica; ``PARAM_NAMES`` names the core's and the owned segments' tensors, ``SHARDS``
-    their split layers' slices (a slice of a split layer may sit in a core or in a segment)."""
-    from pipecc.techniques.bipartition.runtime_segments import worker_class
-
-    worker = int(ports.get("stage", 0))
-    names = {f"core.{a}": n for a, n in getattr(type(core), "PARAM_NAMES", {}).items()}
-    shards = {f"core.{a}": v for a, v in getattr(type(core), "SHARDS", {}).items()}
-    segments = []
-    try:
-        for info in ports["bipartition"]["segments"]:
-            module = _build(folder, str(info["file"]), str(info["class"]))
-            load_weights(module, folder / str(info["weights"]))
-            segments.append((info, module))
-            if int(info["bp_worker"]) == worker:  # the owner's tensors are the model's
-                names.update({f"segment_{int(info['boundary'])}.{a}": n
-                              for a, n in getattr(type(module), "PARAM_NAMES", {}).items()})
-                shards.update({f"segment_{int(info['boundary'])}.{a}": v
-                               for a, v in getattr(type(module), "SHARDS", {}).items()})
-    except (KeyError, TypeError, ValueError) as e:
-        raise PipeccError(f"{folder / 'ports.json'}: bad bipartition section ({_gist(e)}); {RECOMPILE}") from None
-    return worker_class(names, shards)(core, segments, ports, worker)
 
 
 def check_weights_file(path: str | Path) -> None:
@@ -121,7 +101,7 @@ def check_weights_file(path: str | Path) -> None:
     except FileNotFoundError:
         raise PipeccError(f"{path} is missing; {RECOMPILE}") from None
     except Exception as e:  # safetensors' SafetensorError: corrupt or truncated
-        raise PipeccError(f"{path} is not a readable safetensors file ({_gist(e)}): it is corrupt or "
+        raise PipeccError(f"{path} is not a readable safetensors file ({gist(e)}): it is corrupt or "
                           f"truncated; {RECOMPILE}") from None
 
 
@@ -134,7 +114,7 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
     try:
         tensors = load(data)
     except Exception as e:
-        raise PipeccError(f"{path} cannot be read ({_gist(e)}); {RECOMPILE}") from None
+        raise PipeccError(f"{path} cannot be read ({gist(e)}); {RECOMPILE}") from None
     expected = dict(module.named_parameters(remove_duplicate=False))
     expected.update(module.named_buffers(remove_duplicate=False))
     missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
@@ -179,7 +159,7 @@ def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[d
         except PipeccError as e:
             raise PipeccError(f"{path}: {e}; {RECOMPILE}") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            raise PipeccError(f"{path} is not a valid port spec ({_gist(e)}); {RECOMPILE}") from None
+            raise PipeccError(f"{path} is not a valid port spec ({gist(e)}); {RECOMPILE}") from None
         if files and not (folder / "stage.py").is_file():
             raise PipeccError(f"{folder / 'stage.py'} is missing; {RECOMPILE}")
         if files:

@@ -28,6 +28,13 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
     at_run(kind, world, m, stages_per_rank, sizes, balancing)   (optional) its rule again on a
                                         run's own placement, and the schedule it builds by name
                                         (`pipecc.runtime.engine.build_schedule`), or None
+    runtime.folder_sizes(meta, asked)   (optional) a compiled folder's per-stage micro-batch sizes or None
+    runtime.folder_balancing(meta)      (optional) a compiled folder's stash pairs or None
+    runtime.load_stage(folder, module, ports)   (optional) its stage module around a loaded one, or None
+    runtime.one_process(modules)        (optional) before `pipecc.load` runs the stages in one process
+    schedule.sized_rows(name, sizes, ranks)     (optional) `schedule_for`'s rows for `microbatch_sizes`
+    schedule.thresholds_refusal(name, stages_per_rank)   (optional) why `bpipe_thresholds` cannot go in, or None
+    schedule.with_thresholds(schedule, thresholds, policy)   (optional) `schedule_for`'s `bpipe_thresholds` transform
 
 Its other modules are parts of other layers, named by the layer (`tests/test_layering.py`
 `layer_of` holds each to its layer's imports): `search*`/`plan*` planner passes, `runtime*`

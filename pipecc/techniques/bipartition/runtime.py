@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,12 +32,13 @@ from pipecc.runtime.context import RankContext
 from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.messages import message_tag
 from pipecc.runtime.ports import Port, StagePorts, unflatten
-from pipecc.techniques.bipartition.runtime_segments import BipartitionWorker, WorkerProgram
+from pipecc.techniques.bipartition.runtime_segments import BipartitionWorker, WorkerProgram, share_replicas, worker_class
 from pipecc.runtime.stage_runner import StageRunner
+from pipecc.runtime.stagefile import RECOMPILE, build_module, gist, load_weights
 
 
-__all__ = ["BipartitionRunner", "WeightRefresh", "check", "check_precision", "check_runs", "handler", "is_worker", "lowering",
-           "replica_stages", "stage_runner"]
+__all__ = ["BipartitionRunner", "WeightRefresh", "check", "check_precision", "check_runs", "handler", "is_worker",
+           "load_stage", "lowering", "one_process", "replica_stages", "stage_runner"]
 
 
 def is_worker(module: torch.nn.Module) -> bool:
@@ -82,6 +84,39 @@ def check_precision(precision: str | None, modules: Sequence[torch.nn.Module]) -
 def lowering(stage_ids: Sequence[int], modules: Sequence[torch.nn.Module]) -> dict[str, Any]:
     """The rank's REFRESH stages for ``pipecc.ir.schedule.lower`` (`pipecc.runtime.handlers`' ``lowering``)."""
     return {"refresh_stages": replica_stages(stage_ids, modules)}
+
+
+def load_stage(folder: Path, core: torch.nn.Module, ports: dict[str, Any]) -> torch.nn.Module | None:
+    """A Bi-Partition worker (``pipecc.techniques.bipartition.runtime_segments``) when the stage's
+    ``ports`` have a ``bipartition`` section, else None (`pipecc.runtime.handlers`' ``load_stage``):
+    its core and its segments' modules, owned or replica; ``PARAM_NAMES`` names the core's and the
+    owned segments' tensors, ``SHARDS`` their split layers' slices (a slice of a split layer may sit
+    in a core or in a segment)."""
+    if not isinstance(ports.get("bipartition"), dict):
+        return None
+    worker = int(ports.get("stage", 0))
+    names = {f"core.{a}": n for a, n in getattr(type(core), "PARAM_NAMES", {}).items()}
+    shards = {f"core.{a}": v for a, v in getattr(type(core), "SHARDS", {}).items()}
+    segments = []
+    try:
+        for info in ports["bipartition"]["segments"]:
+            module = build_module(folder, str(info["file"]), str(info["class"]))
+            load_weights(module, folder / str(info["weights"]))
+            segments.append((info, module))
+            if int(info["bp_worker"]) == worker:  # the owner's tensors are the model's
+                names.update({f"segment_{int(info['boundary'])}.{a}": n
+                              for a, n in getattr(type(module), "PARAM_NAMES", {}).items()})
+                shards.update({f"segment_{int(info['boundary'])}.{a}": v
+                               for a, v in getattr(type(module), "SHARDS", {}).items()})
+    except (KeyError, TypeError, ValueError) as e:
+        raise PipeccError(f"{folder / 'ports.json'}: bad bipartition section ({gist(e)}); {RECOMPILE}") from None
+    return worker_class(names, shards)(core, segments, ports, worker)
+
+
+def one_process(modules: Sequence[torch.nn.Module]) -> None:
+    """`pipecc.load`'s one process (`pipecc.runtime.handlers`' ``one_process``) needs no replica:
+    the owner's weights serve (``share_replicas``)."""
+    share_replicas(modules)
 
 
 def stage_runner(module: torch.nn.Module) -> type[StageRunner] | None:

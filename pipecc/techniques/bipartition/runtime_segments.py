@@ -55,10 +55,9 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.runtime.ports import Port, StagePorts, as_tuple
 
-__all__ = ["BipartitionWorker", "Graphs", "SAVED", "SegmentRunner", "WorkerProgram", "share_replicas", "trace_segment",
+__all__ = ["BipartitionWorker", "Graphs", "SegmentRunner", "WorkerProgram", "share_replicas", "trace_segment",
            "worker_class"]
 
-SAVED = Port("saved", "tensor")  # the wire's view of a saved tensor (sent by shape, received into buffers)
 Shape = tuple[int, ...]
 
 

@@ -57,7 +57,7 @@ from torch import nn
 from pipecc.errors import PipeccError
 from pipecc.runtime.wire import ALIGN, Wire, pack_tensors, packed_layout, packed_views  # ALIGN: where every storage starts
 
-__all__ = ["ALIGN", "Prefetch", "SavedTensors", "folder_balancing", "layout",
+__all__ = ["ALIGN", "Prefetch", "SavedTensors", "layout",
            "module_storages", "pack_stash", "recv_packed", "recv_stash", "send_stash", "storage_key", "unpack_stash"]
 
 
@@ -284,15 +284,3 @@ def recv_stash(wire: Wire, peer: int, tag_of: Callable[[int], int], what: str,
 
 
 # ---------------------------------------------------------------------------- the folder's pairs
-
-
-def folder_balancing(meta: dict[str, Any] | None) -> list[dict] | None:
-    """A compiled folder's BPipe pairs (``pipecc.json``'s ``activation_balancing``; None when
-    absent or empty). Where they can run (1f1b, ...) is BPipe's rule, asked of the folder's plan
-    (``pipecc.runtime.admit``)."""
-    pairs = (meta or {}).get("activation_balancing")
-    if not pairs:
-        return None
-    if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
-        raise PipeccError(f"pipecc.json says activation_balancing {pairs!r}; compile again")
-    return pairs

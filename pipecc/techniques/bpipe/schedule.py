@@ -4,8 +4,8 @@ acceptor ``p-1-s`` into 1F1B; ``Schedule.stash_profile`` counts an evicted stash
 ``pipecc.ir.schedule.registry.schedule_for`` builds it from a plan's thresholds, BPipe's ``lower``
 from the plan. ``placement_problem`` is BPipe's rule of where the transfers go (1f1b, one stage
 per pipeline rank, equal micro-batches), asked by its ``requires`` (a plan), its ``at_run`` (a
-run's ``--schedule``) and the registry (``schedule_for`` with thresholds). IR: imports only the
-schedule IR.
+run's ``--schedule``) and the registry (``schedule_for`` with thresholds, through the schedule
+part's hooks ``thresholds_refusal`` and ``with_thresholds``). IR: imports only the schedule IR.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipecc.ir.schedule.actions import _B, _F, Action, ActionKind, Schedule
 from pipecc.ir.schedule.generators import one_f_one_b
 from pipecc.ir.schedule.progress import advance
 
-__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "placement_problem"]
+__all__ = ["BPIPE_POLICIES", "bpipe", "bpipe_pairs", "placement_problem", "thresholds_refusal", "with_thresholds"]
 
 
 BPIPE_POLICIES = ("jit", "eager")
@@ -34,6 +34,22 @@ def placement_problem(schedule: str, stages_per_rank: int, unequal: bool) -> str
     if unequal:
         return "sizes"
     return None
+
+
+def thresholds_refusal(schedule: str, stages_per_rank: int) -> str | None:
+    """The schedule part's hook for ``schedule_for(schedule, ..., bpipe_thresholds=...)``, asked
+    before the base schedule is built: its one-line refusal when ``placement_problem`` says the
+    transfers cannot go into it, else None."""
+    if placement_problem(schedule, stages_per_rank, False) is not None:
+        return (f"BPipe inserts its transfers into 1f1b with one stage per rank, not {schedule!r} "
+                f"with {stages_per_rank} stages per rank")
+    return None
+
+
+def with_thresholds(base: Schedule, thresholds: Sequence[int | None], policy: str) -> Schedule:
+    """The schedule part's hook for ``schedule_for(..., bpipe_thresholds=thresholds,
+    bpipe_policy=policy)``: ``bpipe(base, thresholds, policy)``."""
+    return bpipe(base, thresholds, policy)
 
 
 def bpipe_pairs(num_stages: int) -> list[tuple[int, int]]:

@@ -156,7 +156,8 @@ class Reslicer:
 
 def folder_sizes(meta: dict[str, Any] | None, microbatches: int | None) -> list[list[int]] | None:
     """A compiled folder's per-stage micro-batch sizes (``pipecc.json``'s ``microbatch_sizes``;
-    None: equal splits), refusing any ``--microbatches`` (``UsageError``)."""
+    None: equal splits), refusing any ``--microbatches`` (``UsageError``; `pipecc.runtime.handlers`'
+    ``folder_sizes``)."""
     sizes = (meta or {}).get("microbatch_sizes")
     if sizes is None:
         return None
@@ -179,8 +180,7 @@ class _Reslicing(Handler):
 
     def __init__(self, reslice: Reslicer, mailbox: Any) -> None:
         self.reslice = reslice
-        # the rank's `pipecc.runtime.context.Mailbox` (not imported: pipecc.runtime.folder imports this
-        # module), whose inbox the messages fill
+        # the rank's `pipecc.runtime.context.Mailbox`, whose inbox the messages fill
         self.mailbox = mailbox
 
     def reset(self, schedule: Any, row: Any, training: bool) -> None:

@@ -1,6 +1,7 @@
 """UMPIPE's row orders (PAPERS-SPEC.md section 1): GPipe and 1F1B with per-stage chunk sizes,
 ``gpipe_uneven`` and ``one_f_one_b_uneven``, which ``pipecc.ir.schedule.registry.schedule_for``
-builds for a plan's ``microbatch_sizes``. IR: pure functions over schedules.
+builds for a plan's ``microbatch_sizes`` (through ``sized_rows``, the schedule part's hook the
+registry asks). IR: pure functions over schedules.
 
 ``F(s, k)`` needs every chunk of ``s-1`` that overlaps chunk ``k``'s samples; ``B(s, k)`` (or
 ``I``) needs its own ``RECV_B(s, k)``. Both orders run each stage's forwards and its backwards
@@ -15,7 +16,14 @@ from pipecc.ir.schedule.actions import _B, _F, Action, Schedule
 from pipecc.ir.schedule.chunks import check_size_lists, overlapping
 from pipecc.ir.schedule.sendrecv import add_send_recv
 
-__all__ = ["gpipe_uneven", "one_f_one_b_uneven"]
+__all__ = ["gpipe_uneven", "one_f_one_b_uneven", "sized_rows"]
+
+
+def sized_rows(name: str, sizes: Sequence[Sequence[int]], num_ranks: int) -> Schedule:
+    """The schedule part's hook for ``schedule_for(name, ..., microbatch_sizes=sizes)`` (the
+    registry has checked `name` and the stage count): ``gpipe_uneven`` for gpipe,
+    ``one_f_one_b_uneven`` for 1f1b (one stage per rank), both lowered by ``add_send_recv``."""
+    return gpipe_uneven(sizes, num_ranks) if name == "gpipe" else one_f_one_b_uneven(sizes)
 
 
 def gpipe_uneven(sizes: Sequence[Sequence[int]], num_ranks: int | None = None) -> Schedule:

@@ -28,6 +28,7 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
     at_run(kind, world, m, stages_per_rank, sizes, balancing)   (optional) its rule again on a
                                         run's own placement, and the schedule it builds by name
                                         (`pipecc.runtime.engine.build_schedule`), or None
+    DATA                                (optional) its side data types in the plan (`Plan.data`; `pipecc.ir.plan_data`)
 
 Its other modules are parts of other layers, named by the layer (`tests/test_layering.py`
 `layer_of` holds each to its layer's imports): `search*`/`plan*` planner passes, `runtime*`

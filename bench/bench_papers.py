@@ -228,6 +228,7 @@ BI_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 def bipartition_rows(names: list[str], devices: list[str], batch: int) -> list[dict]:
     """One row per (model, devices): contenders (a)-(d) of the module docstring."""
     from pipecc import driver
+    from pipecc.techniques.bipartition.data import BipartitionSearch
     rows = []
     for name in names:
         path, args = BI_MODELS[name]
@@ -237,7 +238,7 @@ def bipartition_rows(names: list[str], devices: list[str], batch: int) -> list[d
             kw = dict(schedule="1f1b", replicas=1, microbatches="auto")
             bi, _ = driver.plan(analysis, dev, split_layers=False, bipartition="auto", **kw)
             split, _ = driver.plan(analysis, dev, split_layers=True, bipartition="off", **kw)
-            info = bi.bipartition
+            info = bi.data(BipartitionSearch)
             why = next((d for d in bi.decisions if d.startswith("Bi-Partition")), "")
             mb = batch // bi.microbatches
             rows.append({

@@ -9,6 +9,7 @@ import pytest
 from pipecc.errors import PipeccError
 from pipecc import techniques
 from pipecc.ir.plan import Plan, StagePlan
+from pipecc.techniques.bipartition.data import BipartitionCosts, BipartitionSearch
 
 
 def _plan(fwd: list[list[str]], bwd: list[list[str]]) -> Plan:
@@ -202,26 +203,26 @@ def lumpy():
 
 
 def test_the_search_record_stays_where_plan_json_had_it():
-    """`Plan.bipartition` and `Plan.bipartition_costs` are written inside `options`, before the
+    """Bi-Partition's plan data (`BipartitionSearch`, `BipartitionCosts`) is written inside `options`, before the
     options later steps add, so a plan.json reads back and writes out byte-identical; a record the
     fields cannot write back as read (hand-edited) stays an option."""
-    from pipecc.ir.plan import BipartitionCosts, BipartitionSearch
     plan = techniques.sketch(schedule="1f1b", devices=[{"kind": "cpu", "name": "cpu"}] * 2)
-    plan.bipartition = BipartitionSearch(
+    plan = plan.with_data(BipartitionSearch(
         used=True, window=8, mode="ship", single_iteration_s=1.0, single_bottleneck_s=0.5,
         recompute_bottleneck_s=None, recompute_iteration_s=1.0, best_ship_bottleneck_s=0.4, fwd_bounds=(0, 3, 6),
-        bwd_bounds=(0, 2, 6), iteration_s=0.9, bottleneck_s=0.4, stash_bytes=(64.0,), weight_sync_bytes=(32.0,))
-    plan.bipartition_costs = BipartitionCosts((0.1, 0.0), (0.0, 0.1), (0.2, 0.3))
+        bwd_bounds=(0, 2, 6), iteration_s=0.9, bottleneck_s=0.4, stash_bytes=(64.0,), weight_sync_bytes=(32.0,)),
+        BipartitionCosts((0.1, 0.0), (0.0, 0.1), (0.2, 0.3)))
     plan.options["devices_given"] = 3
     data = json.loads(plan.dumps())
     assert list(data["options"]) == ["training", "bipartition", "bipartition_costs", "devices_given"]
     assert "bipartition" not in data and data["options"]["bipartition"]["fwd_bounds"] == [0, 3, 6]
     again = Plan.from_json(json.loads(plan.dumps()))
-    assert (again.bipartition, again.bipartition_costs) == (plan.bipartition, plan.bipartition_costs)
+    assert (again.data(BipartitionSearch), again.data(BipartitionCosts)) == (
+        plan.data(BipartitionSearch), plan.data(BipartitionCosts))
     assert again.dumps() == plan.dumps() and "bipartition" not in again.options
     data["options"]["bipartition"]["edited"] = 1
     odd = Plan.from_json(json.loads(json.dumps(data)))
-    assert odd.bipartition is None and odd.options["bipartition"]["edited"] == 1
+    assert odd.data(BipartitionSearch) is None and odd.options["bipartition"]["edited"] == 1
     assert odd.dumps() == json.dumps(data, indent=1)
 
 
@@ -235,7 +236,7 @@ def test_auto_keeps_a_faster_cut_pair_and_fills_the_plan(lumpy):
     line = next(d for d in on.decisions if d.startswith("Bi-Partition"))
     assert "faster than the single cut (FP cuts" in line and "BP cuts" in line
     assert on.predicted_iteration_s < off.predicted_iteration_s
-    assert on.bipartition.single_iteration_s == pytest.approx(off.predicted_iteration_s)
+    assert on.data(BipartitionSearch).single_iteration_s == pytest.approx(off.predicted_iteration_s)
     # the proven bound covers cut pairs: never above the bi plan's bottleneck, never above off's
     assert on.lower_bound_s <= on.bottleneck_s and on.lower_bound_s <= off.lower_bound_s
     # forward ranges are a cover in graph order; backward ranges are the other cut

@@ -285,9 +285,10 @@ def test_planner_searches_cut_pairs_on_the_split_plan() -> None:
     split plan's own graph (before, only on the unsplit plan), and the rule admits the result."""
     from pipecc import driver
     from pipecc import techniques
+    from pipecc.techniques.bipartition.data import BipartitionSearch
     analysis = driver.analyze(WIDE_MLP[0], model_args=WIDE, batch_size=32)
     plan, graph = driver.plan(analysis, "2xcpu", microbatches=8, schedule="1f1b", replicas=1, bipartition="auto")
-    assert plan.split_layers and plan.bipartition is not None  # the split plan's own search ran
+    assert plan.split_layers and plan.data(BipartitionSearch) is not None  # the split plan's own search ran
     assert not any("not tried" in d for d in plan.decisions if "Bi-Partition" in d)
     segmented = _with_segment(plan)
     assert segmented.is_bipartition() and techniques.requires(segmented) is None

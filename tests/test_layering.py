@@ -9,6 +9,7 @@ hid before the re-layering)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,26 @@ def test_runtime_and_ir_name_no_technique() -> None:
     assert not bad, bad
     registry = known["pipecc.ir.schedule.registry"]
     assert _dynamic_imports(ast.parse(registry.read_text())) == {"pipecc.techniques"}
+
+
+def technique_data_types() -> dict[str, list[str]]:
+    """Technique module name -> the names of its plan data types (its rule's `DATA`)."""
+    out = {}
+    for path in sorted(TECHNIQUES_DIR.glob("*/__init__.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "DATA" for t in node.targets):
+                elements = getattr(node.value, "elts", [])
+                out[path.parent.name] = [e.id for e in elements if isinstance(e, ast.Name)]
+    return out
+
+
+def test_the_ir_names_no_technique_data_type() -> None:
+    """A technique's side data in the plan is its package's type (`pipecc.ir.plan_data`): no
+    module of pipecc/ir/ names one, so adding a technique's data never edits the IR."""
+    types = technique_data_types()
+    assert {"umpipe", "bipartition"} <= set(types) and all(types.values()), types
+    names = [name for kinds in types.values() for name in kinds]
+    bad = [f"{path.relative_to(ROOT)} names {name}"
+           for path in sorted((ROOT / "pipecc" / "ir").rglob("*.py"))
+           for name in names if re.search(rf"\b{name}\b", path.read_text())]
+    assert not bad, bad

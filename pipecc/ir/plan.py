@@ -7,11 +7,13 @@ whose human node names (`META_NAME`) the plan lists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO, TypedDict
+from typing import Any, TextIO, TypeVar
 
 from pipecc.errors import PipeccError
+from pipecc.ir import plan_data
 from pipecc.report.formatting import count, human, seconds, text_table, wrap
 
 
@@ -73,108 +75,7 @@ class SplitLayer:
     shards: list[str] = field(default_factory=list)  # names of the shard nodes
 
 
-class UmpipeSearch(TypedDict):
-    """UMPIPE's search under ``--microbatch-sizes auto`` (`pipecc.techniques.umpipe.plan.apply`):
-    the GA's ``generations``, ``seconds`` and why it ``stopped``, the best equal split's
-    predicted ``edp_s`` and its ``edp_sizes``, and per baseline ("local-greedy", "greedy-dp")
-    its ``{"sizes", "iteration_s"}``. plan.json: ``options["umpipe"]``."""
-
-    generations: int
-    seconds: float
-    stopped: str
-    edp_s: float
-    edp_sizes: list[int]
-    baselines: dict[str, dict[str, Any]]
-
-
-class UmpipeChunkCosts(TypedDict, total=False):
-    """The per-chunk seconds and bytes UMPIPE's prediction used (``StageCosts``'s fields,
-    ``x[stage][chunk]``; reports rebuild the timeline from them: `pipecc.report.artifacts`),
-    and the micro-batch the stage table's figures are at (``stage_figures_microbatch``: the
-    planner's equal one). ``tail_s`` is missing in plans written before the one cost model.
-    plan.json: ``options["umpipe_chunk_costs"]``."""
-
-    stage_figures_microbatch: int
-    forward_s: list[list[float]]
-    backward_s: list[list[float]]
-    send_forward_s: list[list[float]]
-    send_backward_s: list[list[float]]
-    activation_bytes: list[list[float]]
-    static_bytes: list[float]
-    tail_s: list[float] | None
-
-
-# Typed fields that plan.json keeps inside "options" (where they were written before they had
-# fields): field -> key. They follow the planner's options and precede what is added to them
-# after planning (`OPTIONS_AFTER_PLANNING`), in this order, so plan.json stays as it was.
-OPTIONS_FIELDS = {"umpipe_search": "umpipe", "umpipe_chunk_costs": "umpipe_chunk_costs"}
-OPTIONS_AFTER_PLANNING = ("devices_given", "lengths")
-
-
-@dataclass(frozen=True)
-class BipartitionSearch:
-    """What the Bi-Partition search weighed (`techniques.bipartition.plan.apply`), used or not:
-    its window (units each cut may move) and mode, the single cut's simulated iteration and
-    bottleneck, the best recomputing cut pair's (None: none fits) and the best shipping
-    bottleneck; with `used`, the cut pair kept (`fwd_bounds`/`bwd_bounds` in unit counts, 0 .. n),
-    its iteration and bottleneck, and per boundary its segment's stash and replica-refresh bytes.
-    plan.json's `options["bipartition"]`."""
-
-    used: bool
-    window: int
-    mode: str
-    single_iteration_s: float
-    single_bottleneck_s: float
-    recompute_bottleneck_s: float | None
-    recompute_iteration_s: float
-    best_ship_bottleneck_s: float
-    fwd_bounds: tuple[int, ...] | None = None
-    bwd_bounds: tuple[int, ...] | None = None
-    iteration_s: float | None = None
-    bottleneck_s: float | None = None
-    stash_bytes: tuple[float, ...] | None = None
-    weight_sync_bytes: tuple[float, ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object: every weighed figure, then the kept cut pair's when there is one."""
-        out = {k: getattr(self, k) for k in _SEARCH_KEYS}
-        for k in _CUT_KEYS:
-            value = getattr(self, k)
-            if value is not None:
-                out[k] = list(value) if isinstance(value, tuple) else value
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "BipartitionSearch":
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
-
-
-@dataclass(frozen=True)
-class BipartitionCosts:
-    """A Bi-Partition plan's per-stage seconds the report's timeline needs and the stage figures
-    cannot tell apart (`comm_s` sums both directions): the forward and backward message send
-    times and each worker's tail after its last action (optimizer step, replica refresh).
-    plan.json's `options["bipartition_costs"]`."""
-
-    send_forward_s: tuple[float, ...]
-    send_backward_s: tuple[float, ...]
-    tail_s: tuple[float, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"send_forward_s": list(self.send_forward_s), "send_backward_s": list(self.send_backward_s),
-                "tail_s": list(self.tail_s)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "BipartitionCosts":
-        return cls(**{k: tuple(v) for k, v in data.items()})
-
-
-_SEARCH_KEYS = ("used", "window", "mode", "single_iteration_s", "single_bottleneck_s", "recompute_bottleneck_s",
-                "recompute_iteration_s", "best_ship_bottleneck_s")
-_CUT_KEYS = ("fwd_bounds", "bwd_bounds", "iteration_s", "bottleneck_s", "stash_bytes", "weight_sync_bytes")
-# Bi-Partition's typed fields plan.json keeps inside `options` under their own names, after
-# UMPIPE's (`OPTIONS_FIELDS`; its step runs first): field name -> its type.
-_IN_OPTIONS: dict[str, Any] = {"bipartition": BipartitionSearch, "bipartition_costs": BipartitionCosts}
+T = TypeVar("T")
 
 
 @dataclass
@@ -232,15 +133,20 @@ class Plan:
     # not: baseline and bpipe {"microbatch_size", "recompute", "microbatches", "iteration_s",
     # "peak_memory_bytes"}, "speedup", "hidden_fraction", "reason"; {} when not evaluated
     estimate: dict[str, Any] = field(default_factory=dict)
-    # UMPIPE's side data (plan.json: inside "options", `OPTIONS_FIELDS`): its search's record
-    # under --microbatch-sizes auto, and the per-chunk costs of its prediction; None: none
-    umpipe_search: UmpipeSearch | None = None
-    umpipe_chunk_costs: UmpipeChunkCosts | None = None
-    # Bi-Partition's search record and, for a plan it cuts, the timeline's send and tail seconds
-    # (`techniques.bipartition.plan.apply`); None when it did not run. plan.json keeps them in
-    # `options` (`to_json`).
-    bipartition: BipartitionSearch | None = None
-    bipartition_costs: BipartitionCosts | None = None
+    # each technique's side data (its search's record, the figures its report rebuilds from),
+    # plan.json key -> its value, typed by the technique's package (`pipecc.ir.plan_data`; read
+    # with `data`, added with `with_data`); plan.json keeps it inside "options"
+    technique_data: dict[str, Any] = field(default_factory=dict)
+
+    def data(self, kind: type[T]) -> T | None:
+        """The plan's value of the technique data type `kind` (`pipecc.ir.plan_data`), or None."""
+        value = self.technique_data.get(kind.KEY)  # type: ignore[attr-defined]
+        return value if isinstance(value, kind) else None
+
+    def with_data(self, *values: Any) -> "Plan":
+        """A copy of the plan (`dataclasses.replace`: its lists shared) holding `values`, each in
+        place of the plan's value of its type."""
+        return dataclasses.replace(self, technique_data={**self.technique_data, **{v.KEY: v for v in values}})
 
     def bpipe_thresholds(self) -> list[int | None]:
         """Per stage, its BPipe threshold K (evictors) or None: `schedule.bpipe`'s argument."""
@@ -383,13 +289,9 @@ class Plan:
         return text
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        typed = {key: value for name, key in OPTIONS_FIELDS.items() if (value := data.pop(name)) is not None}
-        for k in _IN_OPTIONS:
-            data.pop(k)
-            if (v := getattr(self, k)) is not None:
-                typed[k] = v.to_json()
-        data["options"] = _with_typed(data["options"], typed)
+        data = asdict(dataclasses.replace(self, technique_data={}))
+        del data["technique_data"]
+        data["options"] = plan_data.merge(data["options"], self.technique_data)
         data["balance_ratio"] = self.balance_ratio
         data["balance_ratio_compute"] = self.balance_ratio_compute
         return data
@@ -402,34 +304,11 @@ class Plan:
         data = dict(data)
         data.pop("balance_ratio", None)
         data.pop("balance_ratio_compute", None)
-        options = dict(data.get("options") or {})
-        for name, key in OPTIONS_FIELDS.items():
-            data[name] = options.pop(key, None)
-        if "options" in data:
-            data["options"] = options
         data["stages"] = [StagePlan(**s) for s in data["stages"]]
         data["split_layers"] = [SplitLayer(**s) for s in data["split_layers"]]
-        if isinstance(data.get("options"), dict):
-            data["options"] = options = dict(data["options"])
-            for k, kind in _IN_OPTIONS.items():
-                raw = options.get(k)
-                try:
-                    typed = kind.from_json(raw) if isinstance(raw, dict) else None
-                except TypeError:
-                    typed = None
-                # NOTE: a value the field cannot write back as it reads (a hand-edited plan.json) stays an option
-                if typed is not None and json.dumps(typed.to_json()) == json.dumps(raw):
-                    data[k] = typed
-                    del options[k]
+        if "options" in data:
+            data["options"], data["technique_data"] = plan_data.split(data["options"] or {})
         return cls(**data)
-
-
-def _with_typed(options: dict[str, Any], typed: dict[str, Any]) -> dict[str, Any]:
-    """`options` with the typed fields' entries where plan.json has always had them: before
-    the first key added after planning, else last."""
-    after = next((i for i, k in enumerate(options) if k in OPTIONS_AFTER_PLANNING), len(options))
-    items = list(options.items())
-    return dict(items[:after] + list(typed.items()) + items[after:])
 
 
 def cost_basis(plan: Plan) -> str:

@@ -182,10 +182,16 @@ def summary_json(c: Compiled) -> dict[str, Any]:
             "split_layers": [vars(sl) for sl in plan.split_layers], "baselines": plan.baselines,
             "decisions": plan.decisions, "has_graph": c.graph is not None,
             "bipartition_mode": plan.bipartition_mode, "weight_sync_bytes": plan.weight_sync_bytes,
-            "bipartition": plan.bipartition.to_json() if plan.bipartition is not None else None,
+            "bipartition": _data_json(plan, "bipartition"),
             "lengths": plan.options.get("lengths"),
             "activation_balancing": plan.activation_balancing, "estimate": plan.estimate,
             "schedule_text": None if c.schedule is None else schedule_text(c.schedule)}
+
+
+def _data_json(plan: Plan, key: str) -> Any:
+    """The JSON of the plan's technique data under `key` (`pipecc.ir.plan_data`), or None."""
+    value = plan.technique_data.get(key)
+    return value.to_json() if value is not None else None
 
 
 def _stage_index(c: Compiled, stage: int) -> int:

@@ -35,6 +35,7 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
     schedule.sized_rows(name, sizes, ranks)     (optional) `schedule_for`'s rows for `microbatch_sizes`
     schedule.thresholds_refusal(name, stages_per_rank)   (optional) why `bpipe_thresholds` cannot go in, or None
     schedule.with_thresholds(schedule, thresholds, policy)   (optional) `schedule_for`'s `bpipe_thresholds` transform
+    DATA                                (optional) its side data types in the plan (`Plan.data`; `pipecc.ir.plan_data`)
 
 Its other modules are parts of other layers, named by the layer (`tests/test_layering.py`
 `layer_of` holds each to its layer's imports): `search*`/`plan*` planner passes, `runtime*`

@@ -24,6 +24,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.techniques import capabilities as cap
 from pipecc.techniques.options import Option, Setting
+from pipecc.techniques.bipartition.data import BipartitionCosts, BipartitionSearch
 from pipecc.techniques.facts import bipartition_on, recomputing, stages_per_device, training, unequal
 
 NAME = "Bi-Partition"
@@ -37,6 +38,7 @@ OPTIONS = (Option("--bipartition", "bipartition", "off", "auto|off",
                   "gpipe, replicas 1) and keep them only if the simulated iteration is faster",
                   words={"auto": "auto", "off": "off"}, choices=("off", "auto")),)
 SETTINGS = (Setting("bipartition_window", int, 8, "units each cut may move from the single cut (PAPERS-SPEC §3.4)"),)
+DATA = (BipartitionSearch, BipartitionCosts)  # its side data in the plan (`pipecc.ir.plan_data`)
 SCHEDULES = ("1f1b", "gpipe")
 MODES = ("", "ship", "recompute")
 

@@ -33,8 +33,9 @@ import torch.fx as fx
 from pipecc import cost_saved
 from pipecc import techniques
 from pipecc.ir.graph import META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
-from pipecc.ir.plan import BipartitionCosts, BipartitionSearch, Plan
+from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
+from pipecc.techniques.bipartition.data import BipartitionCosts, BipartitionSearch
 from pipecc.techniques.bipartition.search import BiPartition, bipartition, evaluate_bi
 from pipecc.passes.bound import lower_bound
 from pipecc.passes.contract import Contract, PlanContext, TechniqueStep
@@ -218,7 +219,7 @@ def _cuts(b: Sequence[int]) -> str:
 
 def describe(plan: Plan) -> str:
     """"FP cuts [..], BP cuts [..]" in unit counts, from the plan's search record ("" if none)."""
-    info = plan.bipartition
+    info = plan.data(BipartitionSearch)
     if info is None or not info.used:
         return ""
     return f"FP cuts {_cuts(info.fwd_bounds)}, BP cuts {_cuts(info.bwd_bounds)}"
@@ -269,24 +270,25 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
                    f"{base.bottleneck:.4g} s (a misplaced segment's forward runs twice)")
     except InfeasibleError:
         rc, rc_line = None, "recomputation: no cut pair fits memory"
-    plan.bipartition = BipartitionSearch(
+    search = BipartitionSearch(
         used=False, window=window, mode="ship", single_iteration_s=t_single.iteration_s,
         single_bottleneck_s=base.bottleneck, recompute_bottleneck_s=rc.bottleneck if rc else None,
         recompute_iteration_s=(_simulate(rc, prob, plan, step).iteration_s if rc is not None and rc.is_split
                                else t_single.iteration_s),
         best_ship_bottleneck_s=min([b.bottleneck for b, _, _ in tried], default=base.bottleneck))
+    plan = plan.with_data(search)
     tried.sort(key=lambda r: r[2].iteration_s)
     if not tried or tried[0][2].iteration_s >= t_single.iteration_s * (1 - 1e-9):
         plan.decisions.append(f"Bi-Partition not used: no FP/BP cut pair beats the single cut "
                               f"(window ±{window} units; {rc_line})")
         return plan
     bi, prob, tl = tried[0]
-    _fill(plan, bi, prob, tl, units, ev)
-    plan.bipartition = dataclasses.replace(
-        plan.bipartition, used=True, fwd_bounds=tuple(bi.fwd_bounds), bwd_bounds=tuple(bi.bwd_bounds),
+    costs = _fill(plan, bi, prob, tl, units, ev)
+    plan = plan.with_data(costs, dataclasses.replace(
+        search, used=True, fwd_bounds=tuple(bi.fwd_bounds), bwd_bounds=tuple(bi.bwd_bounds),
         iteration_s=tl.iteration_s, bottleneck_s=bi.bottleneck,
         stash_bytes=tuple(float(x) for x in bi.misplaced_stash_bytes),
-        weight_sync_bytes=tuple(float(x) for x in bi.weight_sync_bytes))
+        weight_sync_bytes=tuple(float(x) for x in bi.weight_sync_bytes)))
     plan.decisions.append(
         f"Bi-Partition: {t_single.iteration_s / tl.iteration_s:.3g}× faster than the single cut "
         f"({describe(plan)}, in units of the {units.n} in graph order): predicted {tl.iteration_s:.4g} s per iteration vs "
@@ -297,8 +299,9 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
 
 
 def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, units: Any,
-          ev: Evaluator) -> None:
-    """Write the cut pair into the plan (contract: nodes = FP range, backward_nodes = BP)."""
+          ev: Evaluator) -> BipartitionCosts:
+    """Write the cut pair into the plan (contract: nodes = FP range, backward_nodes = BP); the
+    timeline's seconds the stage figures cannot tell apart, for the plan's data."""
     a, c, p = bi.fwd_bounds, bi.bwd_bounds, len(plan.stages)
     fwd, bwd = np.asarray(prob.fwd, dtype=float), np.asarray(prob.bwd, dtype=float)
     order = [int(d.get("given_index", i)) for i, d in enumerate(plan.devices)]
@@ -335,7 +338,7 @@ def _fill(plan: Plan, bi: BiPartition, prob: PartitionProblem, tl: Timeline, uni
     plan.weight_sync_bytes = int(sum(bi.weight_sync_bytes))
     # NOTE: reports rebuild the timeline from the plan (`pipecc.report.artifacts.timeline_for`);
     # comm_s cannot tell the two directions apart here, so the seconds travel with the plan
-    plan.bipartition_costs = BipartitionCosts(
+    return BipartitionCosts(
         send_forward_s=tuple(row[0] for row in costs.send_forward_s),
         send_backward_s=tuple(row[0] for row in costs.send_backward_s),
         tail_s=tuple(costs.tail_s or []))

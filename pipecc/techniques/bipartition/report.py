@@ -16,6 +16,7 @@ from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.report.figures import first_last
 from pipecc.report.svg import esc
+from pipecc.techniques.bipartition.data import BipartitionCosts, BipartitionSearch
 
 __all__ = ["bipartition_lines", "compiled_lines", "html", "lines", "timeline_costs"]
 
@@ -25,7 +26,7 @@ def bipartition_lines(plan: Plan) -> list[str]:
     in units and, per stage, its forward and backward node ranges; [] without."""
     if not plan.is_bipartition():
         return []
-    info = plan.bipartition
+    info = plan.data(BipartitionSearch)
     cuts = ""
     if info is not None and info.fwd_bounds:
         cuts = (f"FP cuts {list(info.fwd_bounds[1:-1])}, BP cuts {list(info.bwd_bounds or ())[1:-1]} "
@@ -69,8 +70,8 @@ def compiled_lines(plan: Plan) -> list[str]:
 
 def timeline_costs(plan: Plan, schedule: Schedule, costs: Any) -> Any:
     """The simulator's `StageCosts` for the timeline: the two directions' transfers differ, so
-    the planner saved both, and the tail (`plan.bipartition_costs`); `costs` unchanged without."""
-    saved = plan.bipartition_costs if plan.is_bipartition() else None
+    the planner saved both, and the tail (`BipartitionCosts`); `costs` unchanged without."""
+    saved = plan.data(BipartitionCosts) if plan.is_bipartition() else None
     if saved is not None:
         m = plan.microbatches
         costs.send_forward_s = [[float(t)] * m for t in saved.send_forward_s]

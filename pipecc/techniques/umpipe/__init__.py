@@ -21,6 +21,7 @@ from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.registry import UNEVEN
 from pipecc.techniques import capabilities as cap
 from pipecc.techniques.options import Option, Setting
+from pipecc.techniques.umpipe.data import UmpipeChunkCosts, UmpipeSearch
 from pipecc.techniques.facts import recomputing, stages_per_device, training, unequal
 
 NAME = "UMPIPE"
@@ -47,6 +48,7 @@ OPTIONS = (Option("--microbatch-sizes", "microbatch_sizes", "equal", "auto|off|S
                   words={"auto": "auto", "off": "equal"}, old={"equal": "equal"}, parse=parse_sizes,
                   type=str | Sequence[int]),)
 SETTINGS = (Setting("umpipe_budget_s", float, 10.0, "UMPIPE's search budget (s) under microbatch_sizes=\"auto\""),)
+DATA = (UmpipeSearch, UmpipeChunkCosts)  # its side data in the plan (`pipecc.ir.plan_data`)
 
 
 def uses(plan: Plan) -> bool:

@@ -38,6 +38,7 @@ from pipecc import techniques
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.techniques.umpipe import search as umpipe
+from pipecc.techniques.umpipe.data import UmpipeChunkCosts, UmpipeSearch
 from pipecc.passes.contract import Contract, PlanContext, TechniqueStep
 from pipecc.passes.partition import cut_bytes
 from pipecc.passes.plan_evaluate import Evaluator
@@ -147,11 +148,10 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
             f"unequal micro-batches (UMPIPE): {_describe(sizes)}: predicted {res.T:.4g} s vs "
             f"{res.edp_T:.4g} s for the best equal split ({len(res.edp_sizes)} of "
             f"{res.edp_sizes[0]}; {res.gain:+.1%}); {base}")
-        plan.umpipe_search = {"generations": res.generations, "seconds": res.seconds,
-                              "stopped": res.stopped, "edp_s": res.edp_T,
-                              "edp_sizes": res.edp_sizes,
-                              "baselines": {k: {"sizes": v[0], "iteration_s": v[1]}
-                                            for k, v in res.baselines.items()}}
+        plan = plan.with_data(UmpipeSearch(
+            generations=res.generations, seconds=res.seconds, stopped=res.stopped, edp_s=res.edp_T,
+            edp_sizes=res.edp_sizes,
+            baselines={k: {"sizes": v[0], "iteration_s": v[1]} for k, v in res.baselines.items()}))
     else:
         check_given(mode, B)
         if len(set(mode)) == 1 and plan.microbatches == len(mode):
@@ -173,11 +173,11 @@ def apply(plan: Plan, ev: Evaluator, mode: str | list[int], *, budget_s: float =
     # NOTE: the stage table's forward_s/backward_s stay the planner's figures at its equal
     # micro-batch; the per-chunk seconds the prediction used travel with the plan (reports
     # rebuild the timeline from them: `pipecc.report.artifacts.timeline_for`)
-    plan.umpipe_chunk_costs = {
-        "stage_figures_microbatch": B // max(plan.microbatches, 1),
+    plan = plan.with_data(UmpipeChunkCosts(
+        stage_figures_microbatch=B // max(plan.microbatches, 1),
         **{k: getattr(costs, k) for k in ("forward_s", "backward_s", "send_forward_s",
                                           "send_backward_s", "activation_bytes", "static_bytes",
-                                          "tail_s")}}
+                                          "tail_s")}))
     plan.microbatch_sizes = [list(row) for row in sizes]
     plan.microbatches = len(sizes[0])
     plan.predicted_iteration_s = float(timeline.iteration_s)

@@ -17,6 +17,7 @@ from typing import Any
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.report.artifacts import step_tail
+from pipecc.techniques.umpipe.data import UmpipeChunkCosts
 
 __all__ = ["batch_split", "labelled", "lines", "sizes_text", "timeline"]
 
@@ -41,16 +42,22 @@ def batch_split(plan: Plan, view: str) -> str | None:
         return None
     if view == "plan":
         return f"unequal micro-batches per stage (UMPIPE): {sizes_text(plan)}, "
+    per = _figures_microbatch(plan)
     return (f", unequal micro-batches per stage: {sizes_text(plan)} (batch {plan.batch_size}); "
-            f"figures per micro-batch of "
-            f"{(plan.umpipe_chunk_costs or {}).get('stage_figures_microbatch', '?')}")
+            f"figures per micro-batch of {'?' if per is None else per}")
+
+
+def _figures_microbatch(plan: Plan) -> int | None:
+    """The micro-batch the stage table's figures are at (the planner's equal one), if saved."""
+    saved = plan.data(UmpipeChunkCosts)
+    return saved.stage_figures_microbatch if saved is not None else None
 
 
 def labelled(plan: Plan) -> list[tuple[str, str]]:
     """`pipecc plan`'s "micro-batches" line: how the iteration was predicted."""
     if not plan.microbatch_sizes:
         return []
-    per = (plan.umpipe_chunk_costs or {}).get("stage_figures_microbatch")
+    per = _figures_microbatch(plan)
     return [("micro-batches", "unequal per stage (UMPIPE, gpipe order, forward and backward "
              "alike); the iteration predicted from per-chunk costs with per-call overhead"
              + (f"; stage figures above at {per} samples" if per else ""))]
@@ -58,17 +65,17 @@ def labelled(plan: Plan) -> list[tuple[str, str]]:
 
 def timeline(plan: Plan, schedule: Schedule) -> Any:
     """The row order over the plan's per-stage sizes, with the per-chunk seconds the planner
-    predicted with (`plan.umpipe_chunk_costs`); a plan without them (written by hand) gets the
+    predicted with (`UmpipeChunkCosts`); a plan without them (written by hand) gets the
     stage figures scaled linearly in the chunk size. None with equal micro-batches."""
     from pipecc.passes.simulate import StageCosts, simulate
 
     if not plan.microbatch_sizes:
         return None
     sizes = plan.microbatch_sizes or []
-    saved = plan.umpipe_chunk_costs
-    if saved:
-        costs = StageCosts(**{k: v for k, v in saved.items() if k != "stage_figures_microbatch"})
-        if "tail_s" not in saved:  # NOTE: plans before the one cost model saved no tails
+    saved = plan.data(UmpipeChunkCosts)
+    if saved is not None:
+        costs = StageCosts(**saved.costs())
+        if not saved.has_tail:  # NOTE: plans before the one cost model saved no tails
             costs.tail_s = step_tail(plan, schedule)
     else:
         per = max(plan.batch_size // max(plan.microbatches, 1), 1)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from pipecc import techniques
 from pipecc.errors import PipeccError
-from pipecc.ir.graph import META_PARAMS, AnnotatedGraph
+from pipecc.ir.graph import META_PARAMS, AnnotatedGraph, training_batchnorm_names
 from pipecc.ir.plan import Plan
 from pipecc.techniques import capabilities as caps
 
@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from pipecc.backends.base import Backend
 
 __all__ = ["batchnorm_message", "batchnorm_note", "batchnorm_warning", "capabilities_of", "check_techniques",
-           "separable", "strict_batchnorm_message", "trainable"]
+           "graph_requires", "separable", "strict_batchnorm_message", "trainable"]
+
+PLANNER_PARTS = ("search", "plan")  # the layers of a technique's part that holds its `graph_requires`
 
 
 def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = False,
@@ -33,7 +35,6 @@ def batchnorm_note(graph: AnnotatedGraph, plan: Plan, *, current_mode: bool = Fa
     statistics is unaffected, as is ONNX BatchNormalization (inference-only). `pipecc run` trains in
     training mode; the drop-in runs modules in their current mode (`current_mode`: eval-mode ones do not count).
     """
-    from pipecc.techniques.recompute.search import training_batchnorm_names
     if plan.microbatches * replicas <= 1 or plan.schedule == "inference" or graph.source == "onnx":
         return None
     names = training_batchnorm_names(graph)
@@ -60,21 +61,36 @@ def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capab
     """A PipeccError (one line) for a plan a technique's rule refuses on these capabilities
     (`pipecc.techniques.requires`: BPipe, UMPIPE, Bi-Partition, recomputation, replica
     groups, zero-bubble; `pipecc plan` never makes one, an edited plan.json can), then the
-    rules that need the graph (BatchNorm in a recomputed stage or a Bi-Partition segment, tied
-    weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
+    rules that need the graph (`graph_requires`: BatchNorm in a recomputed stage or a Bi-Partition
+    segment, tied weights across pieces) and the replicas' slices of the batch. (The one-process drop-in
     module runs Bi-Partition's forward ranges as stages and lets autograd run every backward in
     place: the same numbers, no messages to ship.)"""
-    from pipecc.techniques.bipartition import plan as bipartition_plan
-    from pipecc.techniques.recompute import search as recompute
+    # NOTE: the replica groups are every plan's structure (a group of one without the technique,
+    # for which `replica_problem` says None), as in the runtime that asks it again with `-m N`
     from pipecc.techniques.replicas.runtime import replica_problem
-    why = techniques.requires(plan, capabilities) or recompute.graph_requires(graph, plan)
-    if why is None and techniques.bipartition.uses(plan):
-        why = bipartition_plan.graph_requires(graph, plan)
+    why = techniques.requires(plan, capabilities) or graph_requires(graph, plan)
     if why is None and isinstance(plan.replicas, int):
         why = replica_problem(plan.batch_size, plan.microbatches, plan.replicas)
         why = why and why.replace("use --microbatches", "plan with --microbatches")
     if why is not None:
         raise PipeccError(why)
+
+
+def graph_requires(graph: AnnotatedGraph, plan: Plan) -> str | None:
+    """The first reason of the rules that need the graph, or None: for each technique `plan` uses,
+    in `TECHNIQUES` order, its planner part's optional `graph_requires(graph, plan)` (a `search`
+    or `plan` part: beside the search, which asks it too)."""
+    # NOTE: Bi-Partition's (before recomputation's in TECHNIQUES) and recomputation's never both
+    # answer: Bi-Partition's `requires`, asked first, refuses a plan that also recomputes
+    holders = {part.__name__.rpartition(".")[0]: part for layer in PLANNER_PARTS
+               for part in techniques.parts(layer) if hasattr(part, "graph_requires")}
+    for technique in techniques.TECHNIQUES:
+        part = holders.get(technique.__name__)
+        if part is not None and technique.uses(plan):
+            why = part.graph_requires(graph, plan)
+            if why is not None:
+                return why
+    return None
 
 
 def capabilities_of(backends: Sequence[Backend], in_process: bool = False) -> caps.Capabilities:

@@ -420,7 +420,7 @@ def test_bpipe_rule_refuses_what_cannot_run(gpt_plan, change: dict, error: str) 
     folder's record of a plan without pairs is []."""
     import dataclasses
 
-    from pipecc.backends.torch.compile import check_activation_balancing
+    from pipecc.techniques.bpipe.codegen import check_activation_balancing
     from pipecc import techniques
     analysis, plan, graph = gpt_plan
     bad = dataclasses.replace(plan, **{"activation_balancing": PAIRS, **change})

@@ -184,6 +184,27 @@ def test_ir_imports_nothing_around_it() -> None:
     assert not bad, bad
 
 
+# A technique package the backends and the compile checks may import by name: the replica groups
+# are every plan's structure (a group of one without the technique; docs/techniques.md)
+STRUCTURAL_TECHNIQUES = ("replicas",)
+
+
+def test_backends_and_compile_checks_ask_techniques_through_the_protocol() -> None:
+    """No module of `backends/` nor `pipecc/compile_checks.py` imports a technique package
+    (`pipecc/techniques/<name>/`) or one of its parts by name: they iterate the protocol
+    (`pipecc.techniques.parts`, a part's optional hooks). `pipecc.techniques` itself and its
+    non-package modules (`capabilities`, ...) are no technique; the replicas are structural."""
+    packages = {p.parent.name for p in TECHNIQUES_DIR.glob("*/__init__.py")} - set(STRUCTURAL_TECHNIQUES)
+    assert {"bpipe", "bipartition", "recompute", "umpipe"} <= packages, packages
+    known = modules()
+    bad = sorted(f"{m} imports {t}" for m, path in known.items()
+                 if m.startswith("pipecc.backends.") or m == "pipecc.compile_checks"
+                 for t in imports_of(m, path, known)
+                 if t.split(".")[:2] == ["pipecc", "techniques"] and len(t.split(".")) > 2
+                 and t.split(".")[2] in packages)
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("module", sorted(modules()))
 def test_modules_stay_readable(module: str) -> None:
     path = modules()[module]

@@ -367,7 +367,7 @@ def test_run_refuses_overrides(unequal_out: Path, capsys, flags: list[str], erro
 
 
 def test_compile_refuses_what_cannot_run(mlp_plan, tmp_path: Path) -> None:
-    from backends.torch.compile import marker_sizes
+    from pipecc.techniques.umpipe.codegen import marker_sizes
     from pipecc import driver
     from pipecc import techniques
     analysis, plan, graph = mlp_plan

@@ -2,9 +2,10 @@
 
 Its files are the compiled folder itself (`write_output`: a readable `stage.py`, weights and
 ports for every stage, which the driver writes with every backend's writers), so it adds no
-writer; its only note is a Bi-Partition saved-tensor payload far from the plan's figure
-(`payload_notes`). Placement was already checked when the stages were cut (`cut_stages`), and
-`check` refuses in-place writes the stages cannot reproduce (`inplace.check_in_place`).
+writer; its notes are the techniques' (their codegen parts' `notes`: a Bi-Partition saved-tensor
+payload far from the plan's figure). Placement was already checked when the stages were cut
+(`cut_stages`), and `check` refuses in-place writes the stages cannot reproduce
+(`inplace.check_in_place`) and what only a technique's generated code shows (their `check`).
 Its drop-in module runs the stage GraphModules over the model's own parameters.
 """
 
@@ -17,12 +18,11 @@ from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
 from pipecc.backends.torch.compile import pipelined_module
+from pipecc.backends.torch.hooks import hooks
 from pipecc.backends.torch.inplace import check_in_place
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.techniques import capabilities as caps
-# NOTE: the module, not its names: it imports this package (its generated code's helpers) in turn
-from pipecc.techniques.bipartition import codegen as bipartition_codegen
 
 
 class TorchBackend(Backend):
@@ -34,9 +34,8 @@ class TorchBackend(Backend):
         # NOTE: the techniques' scope (replicas, Bi-Partition, ...) the driver asked already
         # (`pipecc.techniques.requires` with this backend's capabilities)
         check_in_place(graph, stages)  # in-place writes to received values the stages can make
-        pieces = bipartition_codegen.pieces_of(plan)
-        if pieces:
-            bipartition_codegen.cut_pieces(graph, pieces)  # the pieces' generated code: tied weights, tensor boundaries
+        for check in hooks("check"):  # a technique's generated code (Bi-Partition's pieces: tied weights, boundaries)
+            check(graph, plan)
         return None  # every graph node has a torch form; cut_stages checked the placement
 
     def writers(self, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
@@ -44,8 +43,9 @@ class TorchBackend(Backend):
         return []
 
     def notes(self, plan: Plan, out: str | Path | None = None) -> list[str]:
-        # Bi-Partition: a traced saved-tensor payload far from the plan's figure (a note only)
-        return bipartition_codegen.payload_notes(plan, out) if out is not None else []
+        # a technique's words on what it wrote (Bi-Partition: a traced saved-tensor payload far
+        # from the plan's figure; a note only)
+        return [note for notes in hooks("notes") for note in notes(plan, out)] if out is not None else []
 
     def module(self, model: nn.Module, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
                target: Target) -> nn.Module:

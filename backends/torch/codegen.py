@@ -17,13 +17,13 @@ path: `render.FunctionImports` says how, and the rule for the model file's own).
   * class attributes `PARAM_NAMES` (attribute -> qualified name in the original model's
     state_dict, for parameters and buffers), `PARAM_ALIASES` (further names of a tied tensor) and
     `SHARDS` (attribute -> (original name, dim, start, size) for a split layer's weight slice).
-  * a stage that recomputes its activations (the plan's `StagePlan.recompute`) is written with
-    recomputation's forward wrapper (`pipecc.techniques.recompute.codegen.CHECKPOINTED`): its
-    straight-line code in `stage_forward`, and `forward` runs it under
-    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`. A forward wrapper (a
-    technique's codegen part) gives `body` (the straight-line code's method name, kept free),
-    `imports` (lines after torch's), `header` (lines of the header docstring) and
-    `forward(signature, arg_names)` (the class's `forward`, which calls `body`).
+  * a stage whose plan entry asks for it (`StagePlan.recompute`) is written with the forward
+    wrapper a technique's codegen part gives (its hook `forward_wrapper(planned)`; recomputation's:
+    its straight-line code in `stage_forward`, and `forward` runs it under
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`). A forward wrapper gives
+    `body` (the straight-line code's method name, kept free), `imports` (lines after torch's),
+    `header` (lines of the header docstring) and `forward(signature, arg_names)` (the class's
+    `forward`, which calls `body`).
 
 Every identifier is derived through `names.Identifiers`; untrusted names appear only inside
 string literals (`ascii()`) and escaped comment/docstring text (see `names.py`).
@@ -44,13 +44,14 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.backends.torch import lower_modules, render
+from pipecc.backends.torch.hooks import first_answer
 from pipecc.backends.torch.inplace import written_inputs
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
 from pipecc.errors import PipeccError
 from pipecc.ir.graph import META_NAME, META_OP, META_VALUE, ScalarInfo, TensorInfo, tensors_in
+from pipecc.ir.plan import StagePlan
 from pipecc.runtime.local import load_stage  # noqa: F401  (re-exported: the loader lives in the runtime)
-from pipecc.techniques.recompute.codegen import CHECKPOINTED
 
 
 @dataclass
@@ -75,11 +76,17 @@ def generate_stage(stage: Stage, model_name: str, stage_index: int | None = None
     """The source and tensors of a stage's module, class `Stage<index>` unless `class_name`
     (a Bi-Partition segment is a `Segment<boundary>`, `techniques.bipartition.codegen`)."""
     index = stage.index if stage_index is None else stage_index
-    emitter = _Emitter(stage, recompute)
+    emitter = _Emitter(stage, first_answer("forward_wrapper", written_as(int(index), recompute)))
     emitter.run()
     cls = class_name or f"Stage{int(index)}"
     header = _header(stage, emitter, model_name, index, device_desc, num_stages, title=class_name)
     return GeneratedStage(cls, emitter.assemble(cls, header), emitter.tensors)
+
+
+def written_as(index: int, recompute: bool = False) -> StagePlan:
+    """The plan entry the techniques' hooks read for stage `index` (`forward_wrapper`,
+    `wrap_module`): the flags its code depends on (`StagePlan.recompute`), nothing else."""
+    return StagePlan(index=index, device=-1, nodes=[], recompute=recompute)
 
 
 def save_weights(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -118,9 +125,9 @@ def write_stage(out_dir: str | Path, stage: Stage, *, model_name: str, num_stage
 class _Emitter:
     """Walks the stage graph once, collecting `__init__` lines, forward lines and tensors."""
 
-    def __init__(self, stage: Stage, recompute: bool = False) -> None:
+    def __init__(self, stage: Stage, wrapper: Any = None) -> None:
         self.stage = stage
-        self.wrapper = CHECKPOINTED if recompute else None  # the forward wrapper (module docstring)
+        self.wrapper = wrapper  # the forward wrapper, or None (module docstring)
         self.attrs = Identifiers(set(dir(nn.Module)) | RESERVED | ({self.wrapper.body} if self.wrapper else set()))
         self.locals = Identifiers(set(RESERVED))
         self.init: list[str] = []

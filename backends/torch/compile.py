@@ -5,20 +5,19 @@
     OUT/pipecc.json          marker: format version, model (and its file's sha256), schedule,
                              micro-batches, stages, "replicas" (PP x DP: devices per stage, each
                              replica loading the same stage_<i>/; `pipecc run` starts one rank
-                             per device), "microbatch_sizes" (UMPIPE: one size list per stage,
-                             null for equal splits; `marker_sizes`), "bipartition"
-                             ("ship" when the workers hold Bi-Partition segments, else "";
-                             `techniques.bipartition.codegen`), "activation_balancing" (BPipe: the
-                             plan's pairs, [] when off; `check_activation_balancing`) and the
-                             list of files written ("files")
+                             per device), each technique's entries (its codegen part's
+                             `marker_fields`: "microbatch_sizes", UMPIPE's size lists, null for
+                             equal splits; "bipartition", "ship" when the workers hold
+                             Bi-Partition segments, else ""; "activation_balancing", BPipe's
+                             pairs, [] when off) and the list of files written ("files")
     OUT/plan.json            the plan (`Plan.dumps()`)
     OUT/schedule.txt         the plan's validated action list in the schedule IR's text form
                              (`pipecc.techniques.schedule_of`, `pipecc.ir.schedule.format`): what
                              `pipecc run` parses, validates and executes (`SCHEDULE_FILE`)
     OUT/stage_<i>/stage.py   readable standalone nn.Module (see codegen.py)
     OUT/stage_<i>/weights.safetensors, OUT/stage_<i>/ports.json
-    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (techniques.bipartition.codegen;
-                             traced once here, `trace_segments`: one AOTAutograd cannot split is refused)
+    OUT/stage_<i>/segment_<b>.{py,safetensors}   Bi-Partition segments (its codegen part's
+                             `write_stages`; traced once there: one AOTAutograd cannot split is refused)
     OUT/run_stage.py         the entry torchrun starts: `torchrun --nproc-per-node P OUT/run_stage.py`
     + extra_files            e.g. report.html, written by the caller's generators
     + writers                callables given the temporary folder before the rename (e.g. the
@@ -56,14 +55,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from pipecc import progress
 
-from pipecc.techniques.bpipe.codegen import check_activation_balancing
-from pipecc.backends.torch.codegen import write_stage
+from pipecc.backends.torch.codegen import write_stage, written_as
+from pipecc.backends.torch.hooks import first_answer, hooks
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
 from pipecc.backends.torch.manifest import CACHE, LAYOUT, pipecc_wrote, sign  # noqa: F401 (CACHE, LAYOUT: re-exported)
 from pipecc.backends.torch.stages import Stage, plan_as_cut, ports_json
@@ -71,13 +70,8 @@ from pipecc.errors import PipeccError
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
 from pipecc.techniques import schedule_of
-# NOTE: the module, not its names: it imports this package (its generated code's helpers) in turn
-from pipecc.techniques.bipartition import codegen as bipartition_codegen
 from pipecc.ir.schedule.text import format as schedule_text
 from pipecc.runtime.local import PipelinedModule
-from pipecc.runtime.ports import split_sizes
-from pipecc.techniques.umpipe.runtime import check_sizes
-from pipecc.techniques.recompute.codegen import Recomputed
 from pipecc.runtime.folder import MARKER_VERSION, CompiledFolder, update_marker, write_marker
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.trust import file_sha256
@@ -168,9 +162,9 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
         raise PipeccError(f"the plan has {len(plan.stages)} stages but {n} were cut")
     # NOTE: the techniques' scope the driver asked before any stage was cut
     # (`pipecc.techniques.requires`); here only what the folder records is derived
-    sizes = marker_sizes(plan)
-    pieces = bipartition_codegen.pieces_of(plan)
-    balancing = check_activation_balancing(plan)
+    fields: dict[str, Any] = {}
+    for marker_fields in hooks("marker_fields"):  # each technique's entries, checked (UMPIPE's sizes, ...)
+        fields.update(marker_fields(plan))
     (tmp / "plan.json").write_text(plan_as_cut(plan, graph).dumps(), encoding="utf-8")  # the stage.py's nodes
     # NOTE: first, so that a stage calling a model-file function loads here too (segment tracing):
     # it finds the model file through the marker (pipecc.runtime.modelfuncs)
@@ -178,15 +172,18 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
               "model_path": plan.model_path, "model_args": plan.model_args,
               "batch_size": plan.batch_size, "microbatches": plan.microbatches,
               "schedule": plan.schedule, "num_stages": n, "devices": plan.devices,
-              "replicas": plan.replicas, "microbatch_sizes": sizes, "bipartition": "ship" if pieces else "",
+              "replicas": plan.replicas, "microbatch_sizes": None, "bipartition": None,
               "precision": plan.options.get("precision", "fp32"),
-              "activation_balancing": balancing,
+              "activation_balancing": None,
               "source": graph.source, "torch": torch.__version__,
               "batch_mixing": _mixing(graph),
               "loss_reduction": _loss_reduction(graph),
               "model_inputs": stages[0].model_inputs if stages else [],
               "model_output": stages[-1].model_output if stages else None,
               MODEL_HASH: _sha256(plan.model_path)}
+    # NOTE: the techniques' entries take the places pipecc.json has always had them (`update`
+    # keeps a key's place: the file reads as before); a new technique's follow the rest
+    marker.update(fields)
     if plan.options.get("lengths"):  # a declared length range (pipecc.varlen): `pipecc run --length`
         marker["lengths"] = {k: v for k, v in plan.options["lengths"].items() if k != "table"}
     write_marker(tmp, marker)
@@ -195,10 +192,11 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     except ValueError as e:
         raise PipeccError(f"the plan's schedule cannot be built: {getattr(e, 'summary', e)}; plan again") from None
     (tmp / SCHEDULE_FILE).write_text(schedule_text(schedule) + "\n", encoding="utf-8")
-    if pieces:  # Bi-Partition: cores and segments per worker (techniques.bipartition.codegen)
-        bipartition_codegen.write_workers(tmp, graph, plan, stages, pieces, lambda d: _device_desc(plan, d))
+    # a technique that writes the stage folders itself (Bi-Partition: cores and segments per worker)
+    written = any(write_stages(tmp, graph, plan, stages, lambda d: _device_desc(plan, d))
+                  for write_stages in hooks("write_stages"))
     for stage, planned in zip(stages, plan.stages):
-        if pieces:
+        if written:
             break
         write_stage(tmp / f"stage_{stage.index}", stage, model_name=graph.model_name, num_stages=n,
                     device_desc=_device_desc(plan, planned.device), recompute=planned.recompute)
@@ -210,21 +208,6 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
             path.write_bytes(content)
         else:
             path.write_text(content, encoding="utf-8")
-
-
-def marker_sizes(plan: Plan) -> list[list[int]] | None:
-    """The plan's per-stage micro-batch sizes (UMPIPE) as `pipecc.json` records them: None when
-    absent or every stage splits the batch equally (`split_sizes`, as the runtime does without
-    sizes); lists the runtime cannot slice (`pipecc.techniques.umpipe.runtime.check_sizes`) refused."""
-    sizes = getattr(plan, "microbatch_sizes", None)
-    if sizes is None:
-        return None
-    sizes = [list(row) for row in sizes]
-    check_sizes(sizes, len(plan.stages), plan.batch_size)
-    if plan.microbatches <= plan.batch_size and all(
-            row == split_sizes(plan.batch_size, plan.microbatches) for row in sizes):
-        return None
-    return sizes
 
 
 def _sha256(path: str) -> str | None:
@@ -460,13 +443,15 @@ def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microba
                      devices: Sequence[str | torch.device] | None = None,
                      recompute: Sequence[bool] = (), precision: str = "fp32") -> PipelinedModule:
     """The drop-in module over `stages` cut from `model`'s own graph (parameters shared);
-    stage k runs under activation recomputation when `recompute[k]` (as its stage.py does), and
-    under torch.autocast with a mixed `precision` (the plan's)."""
+    stage k runs as the techniques' hooks wrap it for its plan entry (`wrap_module`: under
+    activation recomputation when `recompute[k]`, as its stage.py does), and under
+    torch.autocast with a mixed `precision` (the plan's)."""
     ports = [ports_json(s, len(stages)) for s in stages]
     modules: list[torch.nn.Module] = []
     for k, s in enumerate(stages):
         written = written_inputs(s.gm)
         module = ClonesInputs(s.gm, written) if written else s.gm
-        modules.append(Recomputed(module) if k < len(recompute) and recompute[k] else module)
+        wrapped = first_answer("wrap_module", module, written_as(k, recompute[k])) if k < len(recompute) else None
+        modules.append(module if wrapped is None else wrapped)
     return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices,
                            precision=precision)

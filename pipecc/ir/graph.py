@@ -122,6 +122,26 @@ class AnnotatedGraph:
         return {n.meta[META_NAME]: n for n in self.gm.graph.nodes if META_NAME in n.meta}
 
 
+BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                            "_native_batch_norm_legit_functional", "_batch_norm_with_update"})
+
+
+def training_batchnorm_names(graph: AnnotatedGraph) -> list[str]:
+    """Human names of the BatchNorm nodes that normalise with batch statistics (training mode,
+    or no running statistics), in graph order: a split batch changes their statistics, and
+    recomputing them updates running statistics twice."""
+    names = []
+    for node in graph.gm.graph.nodes:
+        if node.meta.get(META_OP) not in BATCH_NORM_OPS or node.op not in ("call_module", "call_function"):
+            continue
+        if node.op == "call_function":  # F.batch_norm / aten.batch_norm: training is arg 5
+            training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
+            if training is False:  # eval-mode statistics, fixed when traced
+                continue
+        names.append(str(node.meta.get(META_NAME, node.name)))
+    return names
+
+
 class IRError(AssertionError):
     """The IR broke an invariant: a bug in a pass, not a user error."""
 

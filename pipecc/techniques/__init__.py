@@ -40,7 +40,17 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
 Its other modules are parts of other layers, named by the layer (`tests/test_layering.py`
 `layer_of` holds each to its layer's imports): `search*`/`plan*` planner passes, `runtime*`
 the runtime's handlers, `codegen*` the torch backend's code, `report*` its report lines; any
-other module is IR like the rule. Over all techniques:
+other module is IR like the rule. A part's optional hooks, asked by role (`getattr`), in `TECHNIQUES` order:
+
+    graph_requires(graph, plan) -> str | None   (`search`/`plan` part) its rule's part that needs the graph
+    marker_fields(plan) -> dict                 (`codegen`) its entries of OUT/pipecc.json, checked
+    check(graph, plan)                          (`codegen`) a PipeccError for what only its generated code shows
+    write_stages(tmp, graph, plan, stages, device_desc) -> bool   (`codegen`) True: it wrote the stage folders
+    notes(plan, out) -> list[str]               (`codegen`) its notes on the compiled folder `out`
+    forward_wrapper(planned) -> wrapper | None  (`codegen`) the forward wrapper of a stage.py (`StagePlan`)
+    wrap_module(module, planned) -> nn.Module | None   (`codegen`) the drop-in module's stage for `planned`
+
+Over all techniques:
 
     requires(plan, caps)                the first reason of any technique `plan` uses
     lower(plan, schedule)               every technique's `lower`, in LOWERING order (by

@@ -34,7 +34,8 @@ compares them with the plan's `extra_send_bytes` (a note beyond ±25 %, never a 
 about a second for the first segment (torch's AOTAutograd import), well under a second for each
 further segment and shape on CPU, and the segment's weights copied once more in memory.
 
-Where Bi-Partition can run is one rule (`pipecc.techniques.bipartition.requires`, and the
+The torch backend asks this module through its hooks (`marker_fields`, `check`, `write_stages`,
+`notes`). Where Bi-Partition can run is one rule (`pipecc.techniques.bipartition.requires`, and the
 graph's part `techniques.bipartition.plan.graph_requires`: the loss, BatchNorm or a non-tensor value
 in a segment, tied weights), asked by the driver before compile. Refused here in one line,
 nothing written, is what only the generated code shows (`cut_pieces`, `trace_segments`): tied
@@ -72,6 +73,35 @@ def pieces_of(plan: Plan) -> list[tuple[str, int, int, list[str]]]:
     scope was asked before (`pipecc.techniques.bipartition.requires`, and the graph's part,
     `techniques.bipartition.plan.graph_requires`); what remains here is the generated code's."""
     return plan.bipartition_pieces() if uses_bipartition(plan) else []
+
+
+def marker_fields(plan: Plan) -> dict[str, Any]:
+    """The technique's entries of the compiled folder's marker (the torch backend's hook):
+    "bipartition", "ship" when the workers hold Bi-Partition segments, else ""."""
+    return {"bipartition": "ship" if pieces_of(plan) else ""}
+
+
+def check(graph: AnnotatedGraph, plan: Plan) -> None:
+    """What only the pieces' generated code shows, refused in one line (the torch backend's
+    hook, before anything is written): tied weights, non-tensor or tuple boundaries (`cut_pieces`)."""
+    pieces = pieces_of(plan)
+    if pieces:
+        cut_pieces(graph, pieces)
+
+
+def write_stages(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Stage], device_desc: Any) -> bool:
+    """Every worker's folder when the plan has pieces (`write_workers`; the torch backend's hook):
+    True, else False (nothing written: the backend writes each stage's folder)."""
+    pieces = pieces_of(plan)
+    if not pieces:
+        return False
+    write_workers(tmp, graph, plan, stages, pieces, device_desc)
+    return True
+
+
+def notes(plan: Plan, out: str | Path) -> list[str]:
+    """The compiled folder `out`'s notes (the torch backend's hook): `payload_notes`."""
+    return payload_notes(plan, out)
 
 
 def cut_pieces(graph: AnnotatedGraph, pieces: Sequence[tuple[str, int, int, list[str]]]) -> list[Stage]:

@@ -1,7 +1,10 @@
 """The compiled folder's BPipe record: the plan's stage pairs, with the schedule the runtime
-(`pipecc.techniques.bpipe.runtime_stash`, `pipecc.techniques.bpipe.schedule`) will build from them validated."""
+(`pipecc.techniques.bpipe.runtime_stash`, `pipecc.techniques.bpipe.schedule`) will build from
+them validated (`marker_fields`, the torch backend's hook)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from pipecc.errors import PipeccError
 from pipecc.ir.plan import Plan
@@ -25,3 +28,9 @@ def check_activation_balancing(plan: Plan) -> list[dict]:
         raise PipeccError(f"activation balancing {pairs}: {getattr(e, 'summary', e)}; "
                           "plan with --activation-balancing off") from None
     return pairs
+
+
+def marker_fields(plan: Plan) -> dict[str, Any]:
+    """The technique's entries of the compiled folder's marker (the torch backend's hook):
+    "activation_balancing", the plan's pairs ([] when off; `check_activation_balancing`)."""
+    return {"activation_balancing": check_activation_balancing(plan)}

@@ -1,7 +1,8 @@
 """Activation recomputation in the torch backend: a recomputing stage's generated stage.py
 (`CHECKPOINTED`, the forward wrapper `backends.torch.codegen` writes the stage with) and, in the
 drop-in module (`pipelined_module`), a stage module wrapped to run under torch.utils.checkpoint
-the same way (`Recomputed`)."""
+the same way (`Recomputed`). The torch backend asks them through its hooks, `forward_wrapper`
+and `wrap_module`, with the stage's plan entry."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CHECKPOINTED", "CheckpointedForward", "Recomputed"]
+from pipecc.ir.plan import StagePlan
+
+__all__ = ["CHECKPOINTED", "CheckpointedForward", "Recomputed", "forward_wrapper", "wrap_module"]
 
 
 class CheckpointedForward:
@@ -49,3 +52,15 @@ class Recomputed(torch.nn.Module):
     def forward(self, *args: object) -> tuple:
         from torch.utils.checkpoint import checkpoint
         return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def forward_wrapper(planned: StagePlan) -> CheckpointedForward | None:
+    """The forward wrapper a stage's stage.py is written with (the torch backend's hook):
+    `CHECKPOINTED` for a stage that recomputes its activations, else None."""
+    return CHECKPOINTED if planned.recompute else None
+
+
+def wrap_module(module: torch.nn.Module, planned: StagePlan) -> torch.nn.Module | None:
+    """The drop-in module's stage (the torch backend's hook): `module` run under checkpoint
+    (`Recomputed`) for a stage that recomputes its activations, else None (`module` as it is)."""
+    return Recomputed(module) if planned.recompute else None

@@ -33,7 +33,7 @@ from typing import Sequence
 
 from pipecc.errors import UsageError
 from pipecc import techniques
-from pipecc.ir.graph import META_NAME, META_OP, AnnotatedGraph
+from pipecc.ir.graph import AnnotatedGraph, training_batchnorm_names
 from pipecc.ir.schedule.registry import VIRTUAL
 from pipecc.ir.plan import Plan
 from pipecc.techniques import capabilities as caps
@@ -43,24 +43,6 @@ from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.techniques.replicas.search import slice_size
 
 MODES = ("none", "full", "auto")
-
-BATCH_NORM_OPS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-                            "_native_batch_norm_legit_functional", "_batch_norm_with_update"})
-
-
-def training_batchnorm_names(graph: AnnotatedGraph) -> list[str]:
-    """Human names of the BatchNorm nodes that normalise with batch statistics (training mode,
-    or no running statistics), in graph order: recomputing them updates running statistics twice."""
-    names = []
-    for node in graph.gm.graph.nodes:
-        if node.meta.get(META_OP) not in BATCH_NORM_OPS or node.op not in ("call_module", "call_function"):
-            continue
-        if node.op == "call_function":  # F.batch_norm / aten.batch_norm: training is arg 5
-            training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else None)
-            if training is False:  # eval-mode statistics, fixed when traced
-                continue
-        names.append(str(node.meta.get(META_NAME, node.name)))
-    return names
 
 
 def check(ev: Evaluator) -> None:

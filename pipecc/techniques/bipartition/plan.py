@@ -32,7 +32,8 @@ import torch.fx as fx
 
 from pipecc import cost_saved
 from pipecc import techniques
-from pipecc.ir.graph import META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
+from pipecc.ir.graph import (META_COST, META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in,
+                             training_batchnorm_names)
 from pipecc.ir.plan import Plan
 from pipecc.ir.schedule.registry import schedule_for
 from pipecc.techniques.bipartition.data import BipartitionCosts, BipartitionSearch
@@ -41,7 +42,6 @@ from pipecc.passes.bound import lower_bound
 from pipecc.passes.contract import Contract, PlanContext, TechniqueStep
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
-from pipecc.techniques.recompute.search import training_batchnorm_names
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
 from pipecc.techniques.umpipe.plan import _unit_bounds
 

@@ -15,8 +15,9 @@ listed device; the others stay idle), `options["devices_given"]` the count given
 decision line says how many devices it uses and why.
 
 Not tried (the plan over all devices is kept as it is): explicit replica counts above one,
-explicit per-stage micro-batch sizes, `--activation-balancing on`, and more than
-`MAX_DEVICES` devices (the first three each ask for a pipeline
+what a technique's options ask for (its `search` part's `all_devices(options)` hook: explicit
+per-stage micro-batch sizes, `--activation-balancing on`), and more than
+`MAX_DEVICES` devices (the first two each ask for a pipeline
 over the devices as given). With a `--profile`, the balance search on k devices reads its
 curves and measured links as the plan over all does.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from pipecc import techniques
 from pipecc.passes.plan_search import negligible_stages
 from pipecc.report.formatting import count
 
@@ -40,8 +42,8 @@ def applies(options: Any, p: int) -> bool:
     """Whether fewer than the `p` devices may be planned on (module docstring)."""
     return bool(1 < p <= MAX_DEVICES and not options.use_all_devices
                 and (options.replicas == "auto" or options.replicas == 1)
-                and options.microbatch_sizes in ("equal", "auto", "off")
-                and options.activation_balancing != "on")
+                and not any(asks(options) for part in techniques.parts("search")
+                            if (asks := getattr(part, "all_devices", None)) is not None))
 
 
 def subsets(cluster: Any) -> list[tuple[list[int], Any]]:

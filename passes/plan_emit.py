@@ -42,11 +42,12 @@ __all__ = ["SearchRecord", "baselines", "lower_bound", "piece_fixed", "shape_bou
 @dataclass
 class SearchRecord:
     """What the search found besides the candidate it writes: every feasible candidate (best
-    first), the BPipe estimate and decision lines (`pipecc.techniques.bpipe.search.after_search`)."""
+    first), the techniques' estimate (`Plan.estimate`: BPipe's) and each technique's decision
+    lines, by its search part's module name (their `after_search` hooks, `passes.plan_search`)."""
 
     results: list[Candidate] = field(default_factory=list)
     estimate: dict[str, Any] = field(default_factory=dict)
-    bpipe_notes: list[str] = field(default_factory=list)
+    notes: dict[str, list[str]] = field(default_factory=dict)
 
 
 def lower_bound(ev: Evaluator, cand: Candidate, comm: bool = True) -> float:
@@ -227,9 +228,11 @@ def to_plan(ev: Evaluator, cand: Candidate, lost: list[dict[str, Any]],
                          "activations counted in the dtype autocast gives them, messages in "
                          f"{opt.precision}, weights, gradients and optimizer state in float32, GPU time at "
                          f"the {opt.precision} peak (pipecc.cost_precision)")
-    if bool(cand.thresholds) == bool(search.estimate.get("used")):  # BPipe used or not, and why
-        decisions += search.bpipe_notes
     fields: dict[str, Any] = {}
+    for search_part in techniques.parts("search"):
+        said = search.notes.get(search_part.__name__, [])
+        lines = getattr(search_part, "decision_lines", None)  # those of `cand` (BPipe: used or not, and why)
+        decisions += lines(cand, said, search.estimate) if lines is not None else said
     for search_part in techniques.parts("search"):  # a technique's own plan fields (BPipe's pairs)
         plan_fields = getattr(search_part, "plan_fields", None)
         if plan_fields is not None:

@@ -7,9 +7,11 @@
 
 The techniques' searches join it through their `search` parts' optional hooks
 (`pipecc.techniques` protocol), each called in `TECHNIQUES` order, never by name:
-`before_search(ev)` before any candidate (BPipe's mode checks), `candidate(ev, schedule, m, d)`
+`before_search(ev)` before any candidate (BPipe's mode checks), `schedules(options, names)` on
+the schedules to try (BPipe forced keeps 1f1b), `candidate(ev, schedule, m, d)`
 for each (the first that returns one; else the evaluator's plain candidate: recomputation's
-modes), `after_search(ev, results, ms)` on the ranked results (BPipe weighed against them),
+modes), `after_search(ev, results, tried)` on the ranked results (BPipe weighed against them;
+its decision lines kept per technique in `SearchRecord.notes`),
 `nothing_fits(ev, schedule, m, reason, d)` on the reason when none fits (recomputation's fix).
 The replica groups (`techniques.replicas.search`) are the search's own dimension, d.
 
@@ -168,8 +170,10 @@ class Planner:
         results: list[Candidate] = []
         lost: list[dict[str, Any]] = []
         tried = self.candidates()
-        if self.options.activation_balancing == "on":  # BPipe forced: 1F1B only
-            tried = [c for c in tried if c[0] == "1f1b"] or tried
+        names = list(dict.fromkeys(s for s, m, d in tried))
+        for keep in _hooks("schedules"):  # a technique that needs some schedules (BPipe forced: 1f1b)
+            names = keep(self.options, names)
+        tried = [c for c in tried if c[0] in names]
         for schedule, m, d in tried:
             try:
                 cand = self.evaluate(schedule, m, d)
@@ -178,13 +182,13 @@ class Planner:
                 lost.append({"schedule": schedule, "microbatches": m, "replicas": d,
                              "reason": str(exc)})
         results.sort(key=_rank_key)  # a negligible stage ranks last (module docstring)
-        ms = sorted({(m, d) for s, m, d in tried if s == "1f1b" and self.p // d > 1})  # BPipe's (m, replicas)
-        notes: list[str] = []
+        notes: dict[str, list[str]] = {}
         estimate: dict[str, Any] = {}
-        for after in _hooks("after_search"):
-            results, said, found = after(ev, results, ms)
-            notes += said
-            estimate.update(found)
+        for part in techniques.parts("search"):
+            after = getattr(part, "after_search", None)
+            if after is not None:
+                results, notes[part.__name__], found = after(ev, results, tried)
+                estimate.update(found)
         self.record = SearchRecord(results, estimate, notes)
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"

@@ -20,7 +20,9 @@ SHARED = sorted((ROOT / "passes").rglob("*.py")) + [ROOT / "pipecc" / "driver.py
 # hook -> the techniques whose part gives it (the protocol docstring of `pipecc.techniques`)
 HOOKS = {("search", "before_search"): ["bpipe"], ("search", "candidate"): ["recompute"],
          ("search", "after_search"): ["bpipe"], ("search", "nothing_fits"): ["recompute"],
-         ("search", "plan_fields"): ["bpipe"], ("plan", "base_options"): ["umpipe"]}
+         ("search", "plan_fields"): ["bpipe"], ("plan", "base_options"): ["umpipe"],
+         ("search", "schedules"): ["bpipe"], ("search", "decision_lines"): ["bpipe"],
+         ("search", "all_devices"): ["umpipe", "bpipe"]}
 
 
 def technique_names_used(source: str) -> list[tuple[int, str]]:

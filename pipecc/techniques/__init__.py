@@ -62,10 +62,13 @@ A part's optional hooks, asked of every technique's part in `TECHNIQUES` order (
 
     search.before_search(ev)            before the balance search's candidates (BPipe's mode checks)
     search.candidate(ev, schedule, m, d)   a candidate of the search, or None (recomputation's modes)
-    search.after_search(ev, results, ms)   (results, notes, estimate): the ranked results weighed (BPipe)
+    search.after_search(ev, results, tried)   (results, notes, estimate): the ranked results weighed (BPipe)
     search.nothing_fits(ev, schedule, m, reason, d)   why nothing fits, with its fix (recomputation)
     search.plan_fields(cand) -> dict    its `Plan` fields of the chosen candidate (BPipe's pairs)
     plan.base_options(options, batch) -> dict   the planner's options its switches fix (UMPIPE's)
+    search.schedules(options, names) -> names   the schedules the search may try (BPipe forced: 1f1b)
+    search.decision_lines(cand, notes, estimate)   of its `after_search` notes, those of the plan's candidate (BPipe)
+    search.all_devices(options) -> bool   its options ask for every device given (`passes.device_count`)
 
 | module | technique | what it asks of the plan |
 |---|---|---|

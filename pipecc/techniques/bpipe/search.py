@@ -306,13 +306,28 @@ def _fewer(ev: Evaluator, m: int, forced: bool, d: int, cand: Candidate) -> Cand
     return fewer if fewer.timeline.iteration_s <= cand.timeline.iteration_s else cand
 
 
-def after_search(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tuple[int, int]]
+def schedules(options: Any, names: Sequence[str]) -> list[str]:
+    """The planner's hook on the schedules its search would try (`passes.plan_search`): with
+    `--activation-balancing on` only 1f1b (BPipe's schedule), where 1f1b is among `names`."""
+    if options.activation_balancing == "on" and "1f1b" in names:
+        return ["1f1b"]
+    return list(names)
+
+
+def all_devices(options: Any) -> bool:
+    """The planner's hook on `fewer devices` (`passes.device_count.applies`): `--activation-balancing
+    on` asks for a pipeline over the devices as given."""
+    return bool(options.activation_balancing == "on")
+
+
+def after_search(ev: Evaluator, results: list[Candidate], tried: Sequence[tuple[str, int, int]]
                  ) -> tuple[list[Candidate], list[str], dict[str, Any]]:
     """The planner's hook after its search (`passes.plan_search`): weigh BPipe against `results`
     (the search without it, best first; may be empty): returns
     the results with the BPipe candidate first when it is used, the decision lines and the
-    estimate (PAPERS-SPEC.md 2.7; {} with mode "off"). `ms`: the micro-batch counts to try,
-    each m or (m, d replicas)."""
+    estimate (PAPERS-SPEC.md 2.7; {} with mode "off"). `tried`: the (schedule, m, d replicas)
+    the search tried; BPipe tries each (m, d) of 1f1b with more than one pipeline rank."""
+    ms = sorted({(m, d) for s, m, d in tried if s == "1f1b" and ev.p // d > 1})
     mode = ev.options.activation_balancing
     if mode == "off":
         return results, [], {}
@@ -321,7 +336,7 @@ def after_search(ev: Evaluator, results: list[Candidate], ms: Sequence[int | tup
         why = why if mode == "on" else techniques.bpipe.without_fix(why)
         return results, [f"BPipe (activation balancing) not considered: {why}"], {"used": False, "reason": why}
     tried, lost = [], []
-    for m, d in [x if isinstance(x, tuple) else (x, 1) for x in ms]:
+    for m, d in ms:
         try:
             tried.append(_with_recompute(ev, m, d, mode == "on", results))
         except InfeasibleError as exc:
@@ -387,3 +402,11 @@ def plan_fields(cand: Candidate) -> dict[str, Any]:
     p = len(ks)
     return {"activation_balancing": [{"evictor": s, "acceptor": p - 1 - s, "threshold": int(k), "policy": POLICY}
                                      for s, k in enumerate(ks) if k is not None]}
+
+
+def decision_lines(cand: Candidate, notes: list[str], estimate: dict[str, Any]) -> list[str]:
+    """The emitter's hook (`passes.plan_emit.to_plan`): BPipe's `notes` (from `after_search`:
+    used or not, and why) when they speak of `cand`: it moves stashes (its thresholds) exactly
+    when the estimate says BPipe is used (the planner writes other candidates too: the driver's
+    contenders, `pipecc tune`'s)."""
+    return notes if bool(cand.thresholds) == bool(estimate.get("used")) else []

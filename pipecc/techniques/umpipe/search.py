@@ -54,6 +54,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -533,3 +534,10 @@ def search(curves: Curves, *, quantum: int | None = None, population: int = 64,
     result.fits = curves.cap is None or all(
         m <= c for m, c in zip(price.memory(sizes), curves.cap))
     return result
+
+
+def all_devices(options: Any) -> bool:
+    """The planner's hook on `fewer devices` (`passes.device_count.applies`): explicit
+    per-stage micro-batch sizes (`--microbatch-sizes S1,S2,...`) ask for a pipeline over the
+    devices as given."""
+    return options.microbatch_sizes not in ("equal", "auto", "off")

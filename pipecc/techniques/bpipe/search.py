@@ -256,7 +256,7 @@ def _with_recompute(ev: Evaluator, m: int, d: int, forced: bool, results: Sequen
     stashes only its inputs, which the runtime keeps for its input gradients anyway, so it has
     nothing to evict (`evaluate_candidate` leaves it out of the pairs). InfeasibleError when
     none fits."""
-    from pipecc.techniques.recompute.search import training_batchnorm_names
+    from pipecc.ir.graph import training_batchnorm_names
     mode, p = ev.options.recompute, ev.p // d
     if mode == "none":
         return evaluate_candidate(ev, m, forced, d)

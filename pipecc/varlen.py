@@ -31,6 +31,7 @@ from pipecc.errors import PipeccError, UsageError
 from pipecc.frontend.modelfile import _call_with_accepted, import_model_file
 from pipecc.frontend.torch_capture import SymbolSpec
 from pipecc.ir.plan import Plan
+from pipecc.techniques import TECHNIQUES
 from pipecc.runtime.lengths import LENGTH_ARG, Lengths, parse_declaration
 
 __all__ = ["check_options", "declare", "length_table", "parse"]
@@ -55,11 +56,9 @@ def parse(items: Sequence[str] | None, symbols: Sequence[SymbolSpec]) -> Lengths
 def check_options(options: Any, cluster: Any, lengths: Lengths) -> None:
     """The plan features whose folders fix one shape, refused with a declared length."""
     where = f"--length {lengths.declared()}"
-    fixed = [(options.microbatch_sizes != "equal", "--microbatch-sizes (unequal micro-batches)"),
-             (options.bipartition != "off", "--bipartition"),
-             (options.activation_balancing == "on", "--activation-balancing on")]
-    for asked, flag in fixed:
-        if asked:
+    for technique in TECHNIQUES:  # its switches that fix one shape (its `one_shape`), in TECHNIQUES order
+        flag = getattr(technique, "one_shape", lambda _: None)(options)
+        if flag is not None:
             raise UsageError(f"{where}: {flag} is planned for one length; leave it out with --length")
     if any(dev.kind == "fpga" for dev in cluster.devices):
         raise UsageError(f"{where}: FPGA stages are built for one shape; plan variable lengths on CPUs and GPUs")

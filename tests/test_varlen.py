@@ -11,6 +11,7 @@ and the refusals, in process.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,23 @@ def test_compile_refuses_a_bad_declaration(flags, code, says, tmp_path, capsys):
     rc, _, err = run_cli(["compile", *GPT, *plan, *flags, "-o", str(out)], capsys)
     assert rc == code and says in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("options, flag", [
+    (dict(microbatch_sizes=[3, 5]), "--microbatch-sizes (unequal micro-batches)"),
+    (dict(microbatch_sizes="auto"), "--microbatch-sizes (unequal micro-batches)"),
+    (dict(activation_balancing="on"), "--activation-balancing on"),
+    (dict(bipartition="auto"), "--bipartition"),
+])
+def test_each_switch_that_fixes_one_shape_is_refused_with_a_length(options, flag):
+    """Each technique names its own switch (its rule's `one_shape`); the defaults pass."""
+    from types import SimpleNamespace
+    from pipecc import varlen
+    from pipecc.passes.plan_options import PlanOptions
+    lengths, cluster = parse_declaration("S=8..32"), SimpleNamespace(devices=[])
+    varlen.check_options(PlanOptions(), cluster, lengths)
+    with pytest.raises(UsageError, match=rf"^--length S=8\.\.32: {re.escape(flag)} is planned for one length"):
+        varlen.check_options(PlanOptions(**options), cluster, lengths)
 
 
 @pytest.mark.parametrize("source, flags, says", [

@@ -19,6 +19,8 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
                                         (`options.Setting`)
     options_problem(options) -> str | None   (optional) its checks across the planner's
                                         options: None, or the one line of the UsageError
+    one_shape(options) -> str | None   (optional) its switch that plans a folder for one input shape
+                                        (refused with `--length`: `pipecc.varlen.check_options`)
     uses(plan) -> bool                  whether `plan` applies the technique
     requires(plan, caps) -> str | None  None: admissible; else one line naming the problem and the fix
     LOWERS                              the phase of the lowering its `lower` belongs to

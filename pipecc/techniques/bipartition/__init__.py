@@ -56,6 +56,12 @@ def options_problem(options: Any) -> str | None:
     return None
 
 
+def one_shape(options: Any) -> str | None:
+    """The switch that plans its folder for one input shape (`pipecc.varlen.check_options` refuses
+    it with `--length`), or None."""
+    return "--bipartition" if options.bipartition != "off" else None
+
+
 def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     """Why separate forward/backward cuts cannot run in `plan` on `caps` (one line with the
     fix), or None; the context rules hold whether or not the plan has such cuts yet."""

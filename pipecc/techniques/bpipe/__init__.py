@@ -63,6 +63,12 @@ def options_problem(options: Any) -> str | None:
     return None
 
 
+def one_shape(options: Any) -> str | None:
+    """The switch that plans its folder for one input shape (`pipecc.varlen.check_options` refuses
+    it with `--length`), or None."""
+    return "--activation-balancing on" if options.activation_balancing == "on" else None
+
+
 def pairs_problem(pairs: Sequence[Any], p: int) -> str | None:
     """Why `pairs` (`Plan.activation_balancing`) is not a pairing of `p` stages the schedule can
     build, or None."""

@@ -55,6 +55,12 @@ def uses(plan: Plan) -> bool:
     return unequal(plan)
 
 
+def one_shape(options: Any) -> str | None:
+    """The switch that plans its folder for one input shape (`pipecc.varlen.check_options` refuses
+    it with `--length`), or None."""
+    return "--microbatch-sizes (unequal micro-batches)" if options.microbatch_sizes != "equal" else None
+
+
 def requires(plan: Plan, caps: cap.Capabilities) -> str | None:
     """Why unequal micro-batches cannot run in `plan` on `caps` (one line with the fix), or
     None; the context rules hold whether or not the plan has sizes yet."""

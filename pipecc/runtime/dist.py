@@ -274,7 +274,8 @@ def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     """The body of ``main``: load this rank's share of the folder (``load_rank``), then run the
     training loop (``train``) or the forward passes; ``--json``'s document goes to ``stdout``
     (default: ``sys.stdout``)."""
-    run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
+    with gcpause.paused():  # the model file's imports (torchvision, transformers, ...): pipecc.runtime.gcpause
+        run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
     try:
         if run.forward:
             return _run_forward(args, run.folder, run.stage_dirs, run.specs, run.data, run.modules, run.ports,

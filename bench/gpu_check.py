@@ -160,8 +160,11 @@ class Check:
             result = {"ok": False, "error": f"{type(e).__name__}: {first}"[:500]}
             self.log(f"{section}/{name}: traceback", traceback.format_exc())
         result["wall_s"] = round(time.monotonic() - t0, 2)
-        gc.collect()  # the step's models and pipelines: one GPU holds one step's at a time
         if torch.cuda.is_available():
+            # the step's models and pipelines: one GPU holds one step's at a time. NOTE: not on a
+            # CPU-only machine, where nothing waits for that memory and each full collection of a
+            # process holding torch, sympy and fx costs ~0.2-0.5 s (20 sub-steps: seconds of --small)
+            gc.collect()
             torch.cuda.empty_cache()
         rows[name] = result
         self.failures += result["ok"] is False

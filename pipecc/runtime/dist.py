@@ -36,8 +36,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-from torch import nn
+from pipecc.runtime import gcpause
+
+_GC = gcpause.pause()  # NOTE: no collector passes over torch's import (pipecc.runtime.gcpause)
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from pipecc.errors import PipeccError, UsageError, printable
 from pipecc.ir.schedule.registry import SCHEDULES
@@ -53,6 +56,8 @@ from pipecc.runtime.rundata import RunData
 from pipecc.runtime.timing import ActionTimer, gather, plan_identity, read_plan, run_document
 from pipecc.runtime.trace import TraceRecorder
 from pipecc.runtime.verify import PeerFailed, Verifier, verify_chained
+
+gcpause.resume(_GC)
 
 __all__ = ["RankRun", "check_options", "load_rank", "main", "run_compiled", "train"]
 
@@ -259,16 +264,18 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 def _make_optimizer(kind: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
     if not params:
         return None
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
+    with gcpause.paused():  # the first optimizer imports torch._dynamo (pipecc.runtime.gcpause)
+        if kind == "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
 
 
 def run_compiled(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     """The body of ``main``: load this rank's share of the folder (``load_rank``), then run the
     training loop (``train``) or the forward passes; ``--json``'s document goes to ``stdout``
     (default: ``sys.stdout``)."""
-    run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
+    with gcpause.paused():  # the model file's imports (torchvision, transformers, ...): pipecc.runtime.gcpause
+        run = load_rank(args)  # NOTE: holds the checkpoint lock until this returns
     try:
         if run.forward:
             return _run_forward(args, run.folder, run.stage_dirs, run.specs, run.data, run.modules, run.ports,

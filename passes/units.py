@@ -53,6 +53,20 @@ class Units:
     def n(self) -> int:
         return len(self.names)
 
+    def stage_bounds(self, stages: Sequence) -> list[int]:
+        """Unit index bounds of `stages` (a plan's `StagePlan`s, whose nodes are whole units, in
+        order): ValueError when they are not runs of units covering every unit."""
+        unit_of = {name: u for u, names in enumerate(self.names) for name in names}
+        bounds = [0]
+        for s in stages:
+            us = sorted({unit_of[n] for n in s.nodes if n in unit_of})
+            if not us or us[0] != bounds[-1] or us[-1] - us[0] + 1 != len(us):
+                raise ValueError(f"stage {s.index}'s nodes are not a run of units after unit {bounds[-1]}")
+            bounds.append(us[-1] + 1)
+        if bounds[-1] != self.n:
+            raise ValueError(f"the plan's stages cover {bounds[-1]} of {self.n} units")
+        return bounds
+
 
 # concatenations, whose backward gives each input a view of one gradient (`_w_keeps`)
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.ops.aten.cat.default,

@@ -23,7 +23,7 @@ from pipecc.passes.partition import PartitionProblem, evaluate, partition
 from pipecc.passes.plan_options import PlanOptions
 from pipecc.passes.plan_search import Planner
 from pipecc.passes.simulate import simulate
-from pipecc.techniques.umpipe.plan import _unit_bounds, curves_for_plan
+from pipecc.techniques.umpipe.plan import curves_for_plan
 from pipecc.report.artifacts import timeline_for
 from pipecc.runtime.timing import run_document
 from pipecc.targets import fixed_costs
@@ -57,7 +57,7 @@ def _costed(analysis, devices: str, **fields):
     order = tuple(int(x["given_index"]) for x in plan.devices) if d == 1 else tuple(range(ev.p))
     recompute = [s.recompute for s in plan.stages] if any(s.recompute for s in plan.stages) else None
     prob = ev.problem(units, mb, plan.schedule, m, order, v, recompute, d)
-    part = evaluate(prob, _unit_bounds(units, plan))
+    part = evaluate(prob, units.stage_bounds(plan.stages))
     allreduce = rep.stage_allreduce_s(ev.tables, units, part.bounds, order, d) if d > 1 else None
     return plan, ev, part, prob, order, allreduce
 

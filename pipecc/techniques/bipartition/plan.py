@@ -43,7 +43,6 @@ from pipecc.passes.contract import Contract, PlanContext, TechniqueStep
 from pipecc.passes.partition import InfeasibleError, PartitionProblem, evaluate
 from pipecc.passes.plan_evaluate import Evaluator
 from pipecc.passes.simulate import StageCosts, Timeline, simulate
-from pipecc.techniques.umpipe.plan import _unit_bounds
 
 __all__ = ["STEP", "graph_requires", "segment_blockers", "shared_weights", "apply", "describe", "step", "WINDOW"]
 
@@ -233,7 +232,7 @@ def apply(plan: Plan, ev: Evaluator, graph: AnnotatedGraph, *, window: int = WIN
     plan = copy.deepcopy(plan)
     mb = plan.batch_size // plan.microbatches
     units = ev.builder.at(mb)
-    bounds = _unit_bounds(units, plan)
+    bounds = units.stage_bounds(plan.stages)
     prob = _problem(ev, plan, units, mb, graph)
     blockers = segment_blockers(graph)
     no_segment = [any(n in blockers for n in group) for group in units.names]

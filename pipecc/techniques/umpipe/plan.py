@@ -69,27 +69,13 @@ def check_given(sizes: Sequence[int], batch: int) -> None:
         raise UsageError(f"--microbatch-sizes {text} sums to {sum(sizes)}, not the batch size {batch}")
 
 
-def _unit_bounds(units: Any, plan: Plan) -> list[int]:
-    """Unit index bounds of the plan's stages (their nodes are whole units, in order)."""
-    unit_of = {name: u for u, names in enumerate(units.names) for name in names}
-    bounds = [0]
-    for s in plan.stages:
-        us = sorted({unit_of[n] for n in s.nodes if n in unit_of})
-        if not us or us[0] != bounds[-1] or us[-1] - us[0] + 1 != len(us):
-            raise ValueError(f"stage {s.index}'s nodes are not a run of units after unit {bounds[-1]}")
-        bounds.append(us[-1] + 1)
-    if bounds[-1] != units.n:
-        raise ValueError(f"the plan's stages cover {bounds[-1]} of {units.n} units")
-    return bounds
-
-
 def curves_for_plan(ev: Evaluator, plan: Plan) -> umpipe.Curves:
     """f_s(b), g_s(b), link times and memory of the plan's stages for b = 1..B (module
     docstring). `ev` must be built on the plan's graph (after layer splitting)."""
     B, p = plan.batch_size, len(plan.stages)
     order = [d.get("given_index", i) for i, d in enumerate(plan.devices)]
     devs = [order[s.device] for s in plan.stages]
-    bounds = _unit_bounds(ev.builder.at(1), plan)
+    bounds = ev.builder.at(1).stage_bounds(plan.stages)
     tables = ev.tables
     fixed = [tables.stage_fixed(d) for d in devs]  # per chunk, whatever it holds
     f, g = np.zeros((p, B + 1)), np.zeros((p, B + 1))

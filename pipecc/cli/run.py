@@ -268,8 +268,7 @@ def _check_run(args: argparse.Namespace, folder: CompiledFolder, specs: list[dic
     """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
     micro-batches against the batch, the schedule (a name, or the folder's parsed schedule.txt),
     --verify's model file, the model file's hash, the checkpoint options."""
-    from pipecc.runtime.rank import check_options
-    from pipecc.runtime.engine import build_schedule
+    from pipecc.runtime.launch_checks import build_schedule, check_options  # torch-free, as the ranks' own
     from pipecc.runtime.lengths import run_lengths
     from pipecc.runtime.trust import model_file
 

@@ -224,7 +224,7 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
         missing.insert(0, "run_stage.py")
     if missing:
         raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
-    from pipecc.runtime.stagefile import check_folder  # NOTE: lazy, as torch is: `pipecc --help` stays fast
+    from pipecc.runtime.folder_check import check_folder  # NOTE: lazy: `pipecc --help` stays fast
 
     specs = check_folder(out, num_stages)  # runs none of the folder's code
     compiled = folder.schedule_file()

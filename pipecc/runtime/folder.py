@@ -319,8 +319,9 @@ class CompiledFolder:
         a run then draws its data at the model file's own ``example_inputs`` default)."""
         if self.batch_size:
             return self.batch_size
+        from pipecc.runtime.dtypes import dtype_name
         from pipecc.runtime.ports import StagePorts
-        return int(StagePorts.from_json(specs[0]).batch_size or 0)
+        return int(StagePorts.from_json(specs[0], dtype_name).batch_size or 0)  # dtypes by name: no torch
 
     @property
     def replicas(self) -> int:

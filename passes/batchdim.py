@@ -45,7 +45,8 @@ from pipecc.passes.batchdim_ops import (
     _LOSSES, _MOVES, _PADS, _PER_SAMPLE_MODULES, _PER_SAMPLE, _REDUCTIONS, _SHAPE_READS, _VIEWS, _arg,
     _factor, _flat, _is_index_use, _region_writes)
 # the walk's state and the facts it follows across nodes (views, routing); its finding
-from pipecc.passes.batchdim_track import BatchTracker, Mixing, _Found
+from pipecc.passes.batchdim_mixing import Mixing, pieces  # torch-free: `pipecc run` refuses with them
+from pipecc.passes.batchdim_track import BatchTracker, _Found
 
 META_MIXING = "pipecc.batch_mixing"  # graph module meta: find_mixing's finding, for the folder
 
@@ -63,14 +64,6 @@ def find_mixing(graph: AnnotatedGraph, *, training: bool = True) -> Mixing | Non
     except _Found as found:
         return found.mixing
     return None
-
-
-def pieces(microbatches: int, replicas: int = 1) -> str:
-    """How a plan splits the batch, in words ("2 micro-batches and 2 replicas"); "" when it
-    does not (one micro-batch, no replicas: nothing to refuse)."""
-    parts = [f"{microbatches} micro-batches"] if microbatches > 1 else []
-    parts += [f"{replicas} replicas"] if replicas > 1 else []
-    return " and ".join(parts)
 
 
 # ----------------------------------------------------------------------------- the walk

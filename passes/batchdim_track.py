@@ -7,30 +7,15 @@ whole batch and put back). A node the walk cannot follow ends it with its `Mixin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from pipecc.ir.graph import META_NAME, META_VALUE, AnnotatedGraph, TensorInfo, tensors_in
+from pipecc.passes.batchdim_mixing import Mixing
 from pipecc.passes.batchdim_ops import (Layout, _DATA_FREE, _ELEMENTWISE, _MOVES, _arg, _at, _batch_at,
                                         _batchnorm_owners, _factor, _leads, _order, _sizes)
-
-
-@dataclass(frozen=True)
-class Mixing:
-    """The first node that would compute something else over micro-batches, and why."""
-
-    node: str          # its human name (META_NAME)
-    why: str           # what it does to the batch, in a phrase
-    fix: str = ""      # a way out besides microbatches=1, or ""
-
-    def message(self, pieces: str) -> str:
-        """One line: the node, what it does, and the fix (`pieces`: "2 micro-batches")."""
-        extra = f", or {self.fix}" if self.fix else ""
-        return (f"node {self.node} {self.why}, so splitting the batch into {pieces} would change "
-                f"the model's results; use microbatches=1 (-m 1) with no replicas{extra}")
 
 
 class _Found(Exception):

@@ -106,7 +106,7 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
     plan.json (a `pipecc.ir.plan.Plan`), as for `pipecc.compile`."""
     from pathlib import Path
 
-    from pipecc.passes.batchdim import Mixing, pieces
+    from pipecc.passes.batchdim_mixing import Mixing, pieces
     from pipecc.runtime.folder import CompiledFolder
     folder = None
     try:  # a model whose nodes mix samples (found at compile): no split batch here either

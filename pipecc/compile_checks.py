@@ -67,7 +67,7 @@ def check_techniques(graph: AnnotatedGraph, plan: Plan, capabilities: caps.Capab
     place: the same numbers, no messages to ship.)"""
     # NOTE: the replica groups are every plan's structure (a group of one without the technique,
     # for which `replica_problem` says None), as in the runtime that asks it again with `-m N`
-    from pipecc.techniques.replicas.runtime import replica_problem
+    from pipecc.techniques.replicas.rows import replica_problem
     why = techniques.requires(plan, capabilities) or graph_requires(graph, plan)
     if why is None and isinstance(plan.replicas, int):
         why = replica_problem(plan.batch_size, plan.microbatches, plan.replicas)

@@ -224,7 +224,7 @@ def launch_plan(args: argparse.Namespace) -> dict[str, Any]:
         missing.insert(0, "run_stage.py")
     if missing:
         raise PipeccError(f"{args.out} is incomplete (missing {', '.join(missing[:3])}); compile again")
-    from pipecc.runtime.stagefile import check_folder  # NOTE: lazy, as torch is: `pipecc --help` stays fast
+    from pipecc.runtime.folder_check import check_folder  # NOTE: lazy: `pipecc --help` stays fast
 
     specs = check_folder(out, num_stages)  # runs none of the folder's code
     compiled = folder.schedule_file()
@@ -268,8 +268,7 @@ def _check_run(args: argparse.Namespace, folder: CompiledFolder, specs: list[dic
     """What every rank would check (and fail at, each printing a line) checked once, before torchrun:
     micro-batches against the batch, the schedule (a name, or the folder's parsed schedule.txt),
     --verify's model file, the model file's hash, the checkpoint options."""
-    from pipecc.runtime.rank import check_options
-    from pipecc.runtime.engine import build_schedule
+    from pipecc.runtime.launch_checks import build_schedule, check_options  # torch-free, as the ranks' own
     from pipecc.runtime.lengths import run_lengths
     from pipecc.runtime.trust import model_file
 
@@ -290,8 +289,8 @@ def _check_run(args: argparse.Namespace, folder: CompiledFolder, specs: list[dic
 def _check_separable(marker: dict[str, Any], m: int, replicas: int) -> None:
     """A run that splits the batch of a model whose nodes mix samples (pipecc.json's
     ``batch_mixing``, found at compile): refused in one line naming the node."""
-    from pipecc.passes.batchdim import Mixing, pieces
-    from pipecc.runtime.loss_reduction import check_run
+    from pipecc.passes.batchdim_mixing import Mixing, pieces
+    from pipecc.runtime.loss_kinds import check_run
     check_run(marker, m, replicas)  # a loss_fn that mixes samples (found at compile)
     found, split = marker.get("batch_mixing"), pieces(m, replicas)
     if isinstance(found, dict) and split:

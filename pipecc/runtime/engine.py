@@ -71,10 +71,7 @@ from torch import nn
 from pipecc.errors import PipeccError, UsageError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 from pipecc.ir.schedule.lower import lower
-from pipecc.ir.schedule.registry import SCHEDULES, VIRTUAL, schedule_for
-from pipecc.ir.schedule.text import ScheduleError, parse
 from pipecc.ir.schedule.transforms import forward_only
-from pipecc.ir.schedule.validate import validate
 from pipecc.runtime import rank_checkpoint, teardown, wire
 from pipecc.runtime.context import Mailbox, RankContext, RankState, Shared
 from pipecc.runtime.handlers import Handler, RankParts, captured, setup
@@ -82,8 +79,10 @@ from pipecc.runtime.messages import Messages
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, microbatch_extents, split_batch, unflatten
 from pipecc.techniques.replicas.runtime import Replicas
 from pipecc.runtime.stage_runner import StageRunner
-from pipecc.techniques import TECHNIQUES, parts as technique_parts
+from pipecc.techniques import parts as technique_parts
 from pipecc.runtime.trace import TraceRecorder
+# torch-free, so `pipecc run`'s launcher builds the same schedule before any process starts
+from pipecc.runtime.launch_checks import build_schedule  # noqa: F401
 from pipecc.runtime.wire import Wire, check_fifo, directed_groups
 
 __all__ = ["PRECISIONS", "PipelineRuntime", "RunConfig", "build_schedule", "init_distributed"]
@@ -116,66 +115,11 @@ class RunConfig:
     precision: str | None = None
 
 
-def build_schedule(kind: str | Schedule, world: int, microbatches: int, stages_per_rank: int = 1,
-                   sizes: Sequence[Sequence[int]] | None = None,
-                   balancing: Sequence[dict] | None = None) -> Schedule:
-    """The validated schedule for ``world`` ranks; ``kind`` is a ``Schedule`` (a compiled
-    folder's ``schedule.txt``, parsed), a name or the schedule's text form.
-
-    A name is built by ``pipecc.ir.schedule.schedule_for``, the same function the planner and
-    compile use. ``sizes`` (unequal micro-batches, one list per stage): "gpipe" and "1f1b" run
-    them (``gpipe_uneven``, ``one_f_one_b_uneven``), and ``microbatches`` is ignored (the longest
-    list counts).
-    ``balancing`` (BPipe pairs, ``pipecc.techniques.bpipe.thresholds``): only "1f1b" with one stage per rank runs
-    them, as ``bpipe(one_f_one_b(world, m), thresholds, policy)``."""
-    for technique in TECHNIQUES:  # their rules again on this run's placement (`at_run`)
-        at_run = getattr(technique, "at_run", None)
-        built = at_run(kind, world, microbatches, stages_per_rank, sizes, balancing) if at_run else None
-        if built is not None:
-            return built
-    if isinstance(kind, Schedule):
-        return _checked(kind, world)
-    if kind.lstrip().startswith(("rank ", "sizes:", "partner:")):
-        schedule = parse(kind)
-        if schedule.microbatch_sizes is not None:  # NOTE: the engine checks its sizes against the ports
-            return _checked(schedule, world)
-    elif kind not in SCHEDULES:
-        raise UsageError(f"unknown schedule {kind!r}; choose from {', '.join(SCHEDULES)} or give schedule text")
-    elif kind not in VIRTUAL and stages_per_rank != 1:
-        raise PipeccError(f"schedule {kind!r} puts one stage on each rank, got {stages_per_rank} per rank; "
-                          f"use --schedule {' or '.join(VIRTUAL)}")
-    else:
-        try:
-            schedule = schedule_for(kind, world * stages_per_rank, microbatches, num_ranks=world)
-        except ScheduleError as e:
-            raise PipeccError(f"invalid schedule: {e.summary}") from None
-        except ValueError as e:
-            if kind not in VIRTUAL:
-                raise  # NOTE: as before; only interleaved's stage-count errors are reported as usage problems
-            raise PipeccError(str(e)) from None
-    schedule = _checked(schedule, world)
-    if schedule.num_microbatches != microbatches:
-        raise PipeccError(f"schedule has {schedule.num_ranks} ranks and {schedule.num_microbatches} microbatches, "
-                          f"the run {world} and {microbatches}")
-    return schedule
-
-
 def _name(schedule: str | Schedule) -> str:
     """How an error message names a run's schedule: its name, or "(given as text)"."""
     if isinstance(schedule, Schedule) or schedule.lstrip().startswith(("rank ", "sizes:", "partner:")):
         return "(given as text)"
     return repr(schedule)
-
-
-def _checked(schedule: Schedule, world: int) -> Schedule:
-    """``schedule`` once it validates and has ``world`` ranks (one-line PipeccError otherwise)."""
-    try:
-        validate(schedule)
-    except ScheduleError as e:
-        raise PipeccError(f"invalid schedule: {e.summary}") from None
-    if schedule.num_ranks != world:
-        raise PipeccError(f"schedule has {schedule.num_ranks} ranks, the run {world}")
-    return schedule
 
 
 # ---------------------------------------------------------------------------- runtime

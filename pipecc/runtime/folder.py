@@ -186,11 +186,11 @@ def find_stage_dirs(out: Path) -> list[Path]:
 
 
 def _technique_answer(hook: str, *args: Any) -> Any:
-    """What the techniques' runtime parts answer of the folder (``pipecc.runtime.handlers``' loader hooks)."""
-    # NOTE: lazy, as torch is: the parts import the runtime's torch modules, a folder's facts do not
+    """What the techniques' folder parts answer of the folder (``pipecc.techniques``' ``folder.*``
+    hooks; torch-free, as `pipecc run`'s launcher needs: their runtime parts import torch)."""
     from pipecc.runtime.handlers import part_answer
     from pipecc.techniques import parts
-    return part_answer(parts("runtime"), hook, *args)
+    return part_answer(parts("folder"), hook, *args)
 
 
 @dataclass(frozen=True)
@@ -319,8 +319,9 @@ class CompiledFolder:
         a run then draws its data at the model file's own ``example_inputs`` default)."""
         if self.batch_size:
             return self.batch_size
+        from pipecc.runtime.dtypes import dtype_name
         from pipecc.runtime.ports import StagePorts
-        return int(StagePorts.from_json(specs[0]).batch_size or 0)
+        return int(StagePorts.from_json(specs[0], dtype_name).batch_size or 0)  # dtypes by name: no torch
 
     @property
     def replicas(self) -> int:
@@ -374,12 +375,12 @@ class CompiledFolder:
 
     def sizes_for(self, asked: int | None) -> list[list[int]] | None:
         """``microbatch_sizes``, refusing an ``asked`` ``--microbatches`` when the folder has them
-        (the techniques' runtime parts' ``folder_sizes``: UMPIPE's)."""
+        (the techniques' folder parts' ``folder_sizes``: UMPIPE's)."""
         return _technique_answer("folder_sizes", self.marker, asked)
 
     @property
     def activation_balancing(self) -> list[dict] | None:
-        """BPipe's pairs (``activation_balancing``; None when off: the techniques' runtime parts'
+        """BPipe's pairs (``activation_balancing``; None when off: the techniques' folder parts'
         ``folder_balancing``)."""
         return _technique_answer("folder_balancing", self.marker)
 

@@ -49,13 +49,9 @@ and, once the rank's runtime is built, `pipecc.runtime.distributed.DistributedPi
                                      (Bi-Partition's workers; one-line PipeccError)
 
 The compiled-folder loader asks the runtime part, each optional (`part_answer`: the first
-answer other than None; `setup`: every part's):
-
-    folder_sizes(meta, asked) -> sizes | None   the folder's per-stage micro-batch sizes from its
-                                     pipecc.json (`meta`), refusing an `asked` --microbatches
-                                     (UMPIPE's; `pipecc.runtime.folder.CompiledFolder.sizes_for`)
-    folder_balancing(meta) -> pairs | None      the folder's stash pairs (BPipe's;
-                                     `CompiledFolder.activation_balancing`)
+answer other than None; `setup`: every part's); the folder's facts in pipecc.json
+(``folder_sizes``, ``folder_balancing``) are the techniques' torch-free ``folder`` parts'
+(`pipecc.runtime.folder.CompiledFolder.sizes_for`, `CompiledFolder.activation_balancing`):
     load_stage(folder, module, ports) -> module | None   the stage module of the technique's
                                      built around the generated `module` of a stage folder whose
                                      `ports` ask for it (Bi-Partition's workers:

@@ -20,26 +20,33 @@ None/bool/int/float/str, torch.dtype, torch.device and lists, tuples, dicts of t
 int keys survive); checkpoints also hold tensors, stored beside the JSON.
 
 The micro-batch split (``split_sizes``, ``split_batch``) and the output tree (``build_output``)
-are shared with the one-process runtime, ``pipecc.runtime.local``. Imports torch and
-``pipecc.errors`` only (and, to rebuild a model's own output class, that class's module).
+are shared with the one-process runtime, ``pipecc.runtime.local``. Imports ``pipecc.errors`` and
+``pipecc.runtime.dtypes`` only, and torch where a function needs it (and, to rebuild a model's
+own output class, that class's module): ``StagePorts.from_json(spec, dtype_name)`` parses a
+``ports.json`` without torch, its dtypes by name, as `pipecc run`'s launcher checks a folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipecc.errors import PipeccError
+from pipecc.runtime.dtypes import torch_dtype
+
+if TYPE_CHECKING:  # NOTE: torch where a function needs it: the launcher parses ports.json without it
+    import torch
 
 __all__ = [
     "Port",
     "StagePorts",
+    "boundary_digest",
     "as_output_type",
     "as_tuple",
     "build_output",
@@ -85,18 +92,21 @@ class Port:
     dynamic: tuple[int, ...] = ()
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], name: str | None = None) -> Port:
+    def from_json(cls, d: dict[str, Any], name: str | None = None,
+                  dtype_of: Callable[[str], Any] = torch_dtype) -> Port:
+        """The port ``d`` describes; ``dtype_of`` resolves its dtype's name (None: no dtype):
+        ``torch.dtype``s, or ``pipecc.runtime.dtypes.dtype_name``'s names without torch."""
         name = str(d.get("name", name))
         kind = d.get("kind", "tensor")
         if kind == "tuple":
-            return cls(name, kind, items=tuple(cls.from_json(item, f"{name}.{i}")
+            return cls(name, kind, items=tuple(cls.from_json(item, f"{name}.{i}", dtype_of)
                                                for i, item in enumerate(d.get("items", ()))))
         if kind == "object":
             return cls(name, kind)
         if kind != "tensor":
             raise PipeccError(f"port {name!r}: kind must be 'tensor', 'object' or 'tuple', got {kind!r}")
-        dtype = getattr(torch, str(d.get("dtype", "float32")), None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = dtype_of(str(d.get("dtype", "float32")))
+        if dtype is None:
             raise PipeccError(f"port {name!r}: unknown dtype {d.get('dtype')!r}")
         shape = tuple(int(n) for n in d.get("shape", ()))
         batch_dim = d.get("batch_dim")
@@ -148,9 +158,10 @@ class StagePorts:
     sends: tuple[Port, ...]
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StagePorts:
-        return cls(tuple(Port.from_json(p, f"in{i}") for i, p in enumerate(d.get("receives", ()))),
-                   tuple(Port.from_json(p, f"out{i}") for i, p in enumerate(d.get("sends", ()))))
+    def from_json(cls, d: dict[str, Any], dtype_of: Callable[[str], Any] = torch_dtype) -> StagePorts:
+        """``dtype_of``: as ``Port.from_json``'s (``pipecc.runtime.dtypes.dtype_name``: no torch)."""
+        return cls(tuple(Port.from_json(p, f"in{i}", dtype_of) for i, p in enumerate(d.get("receives", ()))),
+                   tuple(Port.from_json(p, f"out{i}", dtype_of) for i, p in enumerate(d.get("sends", ()))))
 
     @property
     def in_leaves(self) -> list[Port]:
@@ -194,6 +205,7 @@ def microbatch_extents(extent: int, batch: int, m: int | Sequence[int], what: st
 def split_batch(value: torch.Tensor, m: int, dim: int = 0) -> list[torch.Tensor]:
     """``value`` cut into ``m`` micro-batches along ``dim`` (``torch.tensor_split``): parts of
     ``split_sizes`` rows when there are at least ``m``, else some parts are empty."""
+    import torch
     return list(torch.tensor_split(value, m, dim=dim))
 
 
@@ -235,6 +247,13 @@ def describe(port: Port) -> str:
     return "object" if port.kind == "object" else f"{str(port.dtype).removeprefix('torch.')}{list(port.shape)}"
 
 
+def boundary_digest(leaves: Sequence[Port]) -> bytes:
+    """32 bytes identifying a boundary: names, kinds, shapes, dtypes, gradient flags, batch dims
+    (the same for torch dtypes and `pipecc.runtime.dtypes` names; `wire.fingerprint` sends it)."""
+    text = json.dumps([(p.name, describe(p), p.requires_grad, p.batch_dim) for p in leaves])
+    return hashlib.sha256(text.encode()).digest()
+
+
 # ---------------------------------------------------------------------------- JSON values
 
 
@@ -244,6 +263,7 @@ def to_json(value: Any, tensors: dict[str, torch.Tensor] | None = None, path: st
     Tensors are moved into ``tensors`` under ``path`` and replaced by ``{"__tensor__": path}``;
     without ``tensors`` a tensor is an error (object ports carry no tensors).
     """
+    import torch
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
@@ -269,6 +289,7 @@ def to_json(value: Any, tensors: dict[str, torch.Tensor] | None = None, path: st
 
 def from_json(value: Any, tensors: dict[str, torch.Tensor] | None = None, device: torch.device | None = None) -> Any:
     """``to_json``'s inverse; a ``torch.device`` becomes ``device`` when given (the receiver's own)."""
+    import torch
     if isinstance(value, list):
         return [from_json(v, tensors, device) for v in value]
     if isinstance(value, dict):

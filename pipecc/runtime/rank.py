@@ -21,20 +21,17 @@ from typing import Any
 from torch import nn
 
 from pipecc.errors import PipeccError, UsageError
-from pipecc.runtime.admit import check_folder_plan
-from pipecc.runtime.checkpoints import LATEST, check_resume, read_latest, run_options
 from pipecc.runtime.ckptlock import LOCK_ENV, CheckpointLock
-from pipecc.runtime.engine import RunConfig, build_schedule, init_distributed
+from pipecc.runtime.engine import RunConfig, init_distributed
 from pipecc.runtime.folder import CompiledFolder, find_stage_dirs
 from pipecc.runtime.lengths import Lengths, mark_dynamic, run_lengths
 from pipecc.runtime.schedule_file import SCHEDULE_FILE
 from pipecc.runtime.ports import StagePorts, as_tuple, flatten, unflatten
-from pipecc.techniques.replicas.runtime import (Replicas, loss_share, replica_inputs, replica_ports, replica_problem,
+from pipecc.techniques.replicas.runtime import (Replicas, loss_share, replica_inputs, replica_ports,
                                      replica_target)
 from pipecc.runtime.rundata import RunData
 from pipecc.runtime.stagefile import check_folder
-from pipecc.runtime.trace import check_trace_path
-from pipecc.runtime.trust import verify_problem
+from pipecc.runtime.launch_checks import build_schedule, check_options  # torch-free: the launcher runs them too
 
 __all__ = ["RankRun", "check_options", "folder_has_sizes", "load_rank"]
 
@@ -239,74 +236,3 @@ def _replica_data(data: RunData, specs: list[dict[str, Any]], m: int, replicas: 
     rows = tuple(unflatten(replica_inputs(leaves, dims, m, replicas.count, replicas.index, replicas.batch),
                            first.receives))
     return rows, replica_target(data.target, m, replicas.count, replicas.index, replicas.batch)
-
-
-def check_options(args: argparse.Namespace, folder: CompiledFolder, forward: bool, m: int, batch: int,
-                  why: str, one_process: bool = False) -> None:
-    """Refuse, before any process group exists, what the run could only fail at later (one line).
-
-    ``pipecc run`` makes the same checks before it starts torchrun (``pipecc.cli.run``); the
-    techniques' rules on the folder's plan are ``pipecc.runtime.admit``'s. ``one_process`` (no
-    torchrun): activation balancing is off, so any ``--schedule`` BPipe refuses goes."""
-    folder.sizes_for(args.microbatches)
-    folder.activation_balancing  # noqa: B018  (refuses pairs that are not pipecc's)
-    check_folder_plan(folder.marker, folder.plan, args.schedule, one_process=one_process)
-    if batch and m > batch:
-        raise UsageError(f"--microbatches {m} is more than the batch of {batch} rows this folder was compiled "
-                         f"for; give --microbatches {batch} or fewer")
-    problem = replica_problem(batch, m, folder.replicas)
-    if problem:
-        raise UsageError(f"--microbatches {m}: {problem}")
-    if args.verify and not args.verify_stages_only:
-        problem = verify_problem(folder.marker, args.out)
-        if problem:
-            raise PipeccError(problem)
-    ckpt = [flag for flag, given in (("--checkpoint-every", args.checkpoint_every is not None),
-                                     ("--resume", args.resume)) if given]
-    if args.checkpoint_dir is None and ckpt:
-        raise UsageError(f"{' and '.join(ckpt)} need{'s' if len(ckpt) == 1 else ''} --checkpoint-dir DIR")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
-    warmup = getattr(args, "warmup_steps", 1)
-    if warmup < 0:
-        raise UsageError(f"--warmup-steps must be >= 0, got {warmup}")
-    if getattr(args, "trace", None) is not None:
-        if args.steps < 1:
-            raise UsageError("--trace records the run's steps: give --steps 1 or more")
-        if os.environ.get("RANK", "0") == "0":  # the rank that writes it
-            check_trace_path(args.trace, args)
-    epochs = getattr(args, "epochs", None)
-    for flag, value in (("--epochs", epochs), ("--eval-every", getattr(args, "eval_every", None))):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-    clip = getattr(args, "clip_grad_norm", None)
-    if clip is not None and not clip > 0:
-        raise UsageError(f"--clip-grad-norm must be a positive number, got {clip}")
-    if getattr(args, "precision", None) not in (None, "fp32") and (args.verify or args.verify_stages_only):
-        raise UsageError(f"--verify compares float32 runs; run it without --precision {args.precision} first")
-    if forward and any(v is not None for v in (epochs, clip, getattr(args, "eval_every", None))):
-        raise UsageError(f"{args.out} runs forward passes only ({why}): --epochs, --clip-grad-norm and --eval-every "
-                         "are for training")
-    if getattr(args, "memory", False) and not getattr(args, "json", False):
-        raise UsageError("--memory adds the measured peak memory to --json's document: give --json too")
-    if getattr(args, "json", False) and epochs is None and args.steps <= warmup:
-        raise UsageError(f"--json reports the steps after the {warmup} warm-up step{'s' if warmup != 1 else ''}: "
-                         f"give --steps {warmup + 1} or more (or fewer --warmup-steps)")
-    if args.checkpoint_dir is None:
-        return
-    if forward:
-        raise UsageError(f"{args.out} runs forward passes only ({why}): there is no training state to checkpoint")
-    if args.resume and (args.verify or args.verify_stages_only):
-        raise UsageError("--verify checks the first step from the compiled weights; it cannot be combined "
-                         "with --resume")
-    latest = read_latest(Path(args.checkpoint_dir))
-    if latest is None and args.resume:
-        raise PipeccError(f"--resume: {args.checkpoint_dir} holds no checkpoint (no {LATEST}); run without --resume "
-                          "to start one")
-    if latest is not None and not args.resume:
-        raise PipeccError(f"{args.checkpoint_dir} already holds a checkpoint (step {latest['step']}): give --resume "
-                          "to continue from it, or another --checkpoint-dir to start over")
-    if latest is not None:  # the options it was trained with, --steps against its step (refusals only here)
-        check_resume(latest, run_options(args.optimizer, args.lr, args.seed, m), args.steps, Path(args.checkpoint_dir))
-
-

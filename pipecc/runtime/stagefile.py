@@ -11,7 +11,7 @@ model under their original qualified names (each generated class maps attribute 
     sets the attribute to `full.narrow(dim, start, size)` on the stage's device), so gradients
     and optimizer steps act on the one full parameter.
 
-`check_folder` checks a folder before a run without executing any of its code (a compiled folder
+`check_folder` (`pipecc.runtime.folder_check`, torch-free) checks a folder before a run without executing any of its code (a compiled folder
 is code, like a pickle: `stage.py` runs when a stage loads; only run folders you trust).
 
 A technique's stage module around the generated one (a Bi-Partition worker's core and segments)
@@ -34,17 +34,12 @@ import torch
 from torch import nn
 
 from pipecc.errors import PipeccError
+# a folder checked without running its code, or torch (`pipecc run`'s launcher): re-exported here
+from pipecc.runtime.folder_check import RECOMPILE, check_folder, check_weights_file, gist  # noqa: F401
 from pipecc.runtime.folder import read_checked
 from pipecc.runtime.handlers import part_answer
 from pipecc.techniques import parts as technique_parts
 
-RECOMPILE = "compile the folder again"  # the fix for a damaged folder
-
-
-def gist(error: BaseException) -> str:
-    """``TypeName: first line of the message``."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
@@ -90,21 +85,6 @@ def build_module(folder: Path, file: str, class_name: str) -> nn.Module:
                           f"needs another environment: {RECOMPILE}") from e
 
 
-def check_weights_file(path: str | Path) -> None:
-    """Raise a one-line ``PipeccError`` unless ``path`` is a readable safetensors file (its
-    header is parsed and must cover the file: truncation is caught, flipped data bytes are not)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except FileNotFoundError:
-        raise PipeccError(f"{path} is missing; {RECOMPILE}") from None
-    except Exception as e:  # safetensors' SafetensorError: corrupt or truncated
-        raise PipeccError(f"{path} is not a readable safetensors file ({gist(e)}): it is corrupt or "
-                          f"truncated; {RECOMPILE}") from None
-
-
 def load_weights(module: nn.Module, path: str | Path) -> None:
     """Copy a safetensors file into `module`'s parameters and buffers (every one, by state key)."""
     from safetensors.torch import load
@@ -127,58 +107,6 @@ def load_weights(module: nn.Module, path: str | Path) -> None:
                 raise PipeccError(f"{path}: {key!r} has shape {tuple(value.shape)}, the module "
                                   f"expects {tuple(expected[key].shape)}; {RECOMPILE}")
             expected[key].copy_(value)
-
-
-def check_folder(out: str | Path, num_stages: int, files: bool = True) -> list[dict[str, Any]]:
-    """Every stage's ``ports.json`` (parsed, ready for ``StagePorts``), after checking what can be
-    checked without running any of the folder's code: each ``ports.json`` parses, every stage
-    receives what the stage before it sends and (``files``) each ``stage.py`` is there and each
-    ``weights.safetensors`` is readable. One-line ``PipeccError``s naming the file and the fix."""
-    from pipecc.runtime.ports import StagePorts
-    from pipecc.runtime.wire import fingerprint
-
-    out = Path(out)
-    specs, parsed = [], []
-    for i in range(num_stages):
-        folder = out / f"stage_{i}"
-        path = folder / "ports.json"
-        try:
-            spec = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise PipeccError(f"cannot read {path} ({e.strerror or e}); {RECOMPILE}") from None
-        except ValueError as e:
-            raise PipeccError(f"{path} is not valid JSON ({e}); {RECOMPILE}") from None
-        except RecursionError:
-            raise PipeccError(f"{path} nests too deeply to read; {RECOMPILE}") from None
-        try:
-            if not isinstance(spec, dict):
-                raise TypeError(f"a JSON {type(spec).__name__}, not an object")
-            if spec.get("stage", i) != i:  # two stages' ports.json swapped, or one copied over another
-                raise PipeccError(f"it says stage {spec['stage']!r} but is stage_{i}'s")
-            parsed.append(StagePorts.from_json(spec))
-        except PipeccError as e:
-            raise PipeccError(f"{path}: {e}; {RECOMPILE}") from None
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            raise PipeccError(f"{path} is not a valid port spec ({gist(e)}); {RECOMPILE}") from None
-        if files and not (folder / "stage.py").is_file():
-            raise PipeccError(f"{folder / 'stage.py'} is missing; {RECOMPILE}")
-        if files:
-            check_weights_file(folder / "weights.safetensors")
-        specs.append(spec)
-    for k in range(1, num_stages):
-        sent, received = parsed[k - 1].out_leaves, parsed[k].in_leaves
-        if not bool((fingerprint(sent) == fingerprint(received)).all()):
-            raise PipeccError(f"{out / f'stage_{k}' / 'ports.json'} does not fit {out / f'stage_{k - 1}' / 'ports.json'}"
-                              f" (stage {k} receives {_ports_text(received)}, stage {k - 1} sends "
-                              f"{_ports_text(sent)}): one was changed after compile; {RECOMPILE}")
-    return specs
-
-
-def _ports_text(leaves: Sequence[Any]) -> str:
-    from pipecc.runtime.ports import describe
-
-    text = ", ".join(f"{p.name}:{describe(p)}" for p in leaves[:4])
-    return f"({text}{', ...' if len(leaves) > 4 else ''})"
 
 
 # ----------------------------------------------------------------------------- original names

@@ -43,7 +43,6 @@ file beside it, then a rename): a run that fails leaves no trace file. The docum
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipecc.errors import PipeccError
+from pipecc.runtime.launch_checks import check_trace_path  # noqa: F401  (torch-free: the launcher checks it)
 from pipecc.ir.schedule.actions import Action, ActionKind
 
 __all__ = ["COMM_TID", "FORMAT", "STEP_TID", "TraceRecorder", "check_trace_path", "chrome_trace"]
@@ -64,27 +63,6 @@ COMM_TID, STEP_TID = 1000, 1001  # the tracks besides the stages' own
 _COMPUTE = frozenset(k for k in ActionKind if k.is_compute)
 _SENDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
 _RECVS = frozenset((ActionKind.RECV_F, ActionKind.RECV_B))
-
-
-def check_trace_path(path: str | os.PathLike, args: Any = None) -> Path:
-    """``--trace PATH`` resolved, once it can be written by the one output-file rule
-    (``pipecc.runtime.outfile``: never the compiled folder's files, its model file or the
-    checkpoint folder's, a file pipecc did not write only with ``--force``; a character device
-    or a read pipe written into); a one-line PipeccError otherwise. Checked before any process
-    starts, so a bad path costs no run. ``args``: the run's arguments (out, checkpoint_dir, force)."""
-    from pipecc.runtime import outfile
-    inputs: list[Any] = []
-    if args is not None and getattr(args, "out", None) is not None:
-        inputs = [*outfile.compiled_inputs(args.out), getattr(args, "checkpoint_dir", None)]
-    target = outfile.check(path, "--trace", inputs, bool(getattr(args, "force", False)))
-    p = target.real
-    if target.kind in ("device", "fifo"):
-        return p
-    if not p.parent.is_dir():
-        raise PipeccError(f"--trace {path}: folder {p.parent} does not exist; create it or trace elsewhere")
-    if not os.access(p.parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise PipeccError(f"--trace {path}: cannot write in {p.parent}; give a writable path")
-    return p
 
 
 class TraceRecorder:

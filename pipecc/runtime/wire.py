@@ -42,7 +42,6 @@ Imports torch, ``pipecc.ir.schedule``, ``pipecc.errors`` and ``pipecc.runtime.po
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -55,7 +54,7 @@ import torch.distributed as dist
 
 from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
-from pipecc.runtime.ports import Port, describe, from_json, to_json
+from pipecc.runtime.ports import Port, boundary_digest, from_json, to_json
 
 __all__ = [
     "ALIGN",
@@ -321,6 +320,5 @@ def decode_object(payload: torch.Tensor, device: torch.device) -> Any:
 
 
 def fingerprint(leaves: Sequence[Port]) -> torch.Tensor:
-    """32 bytes identifying a boundary: names, kinds, shapes, dtypes, gradient flags, batch dims."""
-    text = json.dumps([(p.name, describe(p), p.requires_grad, p.batch_dim) for p in leaves])
-    return torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
+    """32 bytes identifying a boundary (``ports.boundary_digest``) as a tensor, to exchange."""
+    return torch.frombuffer(bytearray(boundary_digest(leaves)), dtype=torch.uint8)

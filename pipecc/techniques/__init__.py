@@ -30,8 +30,9 @@ every consumer iterates (`TECHNIQUES`, `LOWERING`):
     at_run(kind, world, m, stages_per_rank, sizes, balancing)   (optional) its rule again on a
                                         run's own placement, and the schedule it builds by name
                                         (`pipecc.runtime.engine.build_schedule`), or None
-    runtime.folder_sizes(meta, asked)   (optional) a compiled folder's per-stage micro-batch sizes or None
-    runtime.folder_balancing(meta)      (optional) a compiled folder's stash pairs or None
+    folder.folder_sizes(meta, asked)    (optional) a compiled folder's per-stage micro-batch sizes or None
+    folder.folder_balancing(meta)       (optional) a compiled folder's stash pairs or None
+                                        (`folder`: IR like the rule, torch-free for `pipecc run`'s launcher)
     runtime.load_stage(folder, module, ports)   (optional) its stage module around a loaded one, or None
     runtime.one_process(modules)        (optional) before `pipecc.load` runs the stages in one process
     schedule.sized_rows(name, sizes, ranks)     (optional) `schedule_for`'s rows for `microbatch_sizes`

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,19 +35,7 @@ if TYPE_CHECKING:  # NOTE: typing only; the runtime gives the runners
     from pipecc.runtime.stage_runner import StageRunner
 
 
-__all__ = ["StashMoves", "folder_balancing", "handler"]
-
-
-def folder_balancing(meta: dict[str, Any] | None) -> list[dict] | None:
-    """A compiled folder's BPipe pairs (``pipecc.json``'s ``activation_balancing``; None when
-    absent or empty: `pipecc.runtime.handlers`' ``folder_balancing``). Where they can run (1f1b,
-    ...) is BPipe's rule, asked of the folder's plan (``pipecc.runtime.admit``)."""
-    pairs = (meta or {}).get("activation_balancing")
-    if not pairs:
-        return None
-    if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
-        raise PipeccError(f"pipecc.json says activation_balancing {pairs!r}; compile again")
-    return pairs
+__all__ = ["StashMoves", "handler"]
 
 
 class StashMoves(Handler):

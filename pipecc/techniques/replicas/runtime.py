@@ -54,6 +54,7 @@ from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import ActionKind
 from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.wire import wait_until
+from pipecc.techniques.replicas.rows import replica_problem  # noqa: F401  (torch-free: the launcher asks it)
 
 __all__ = ["GradientAllReduce", "ReduceActions", "Replicas", "handler", "loss_share", "replica_inputs", "replica_ports", "replica_problem",
            "replica_rows", "replica_slice", "replica_target", "slice_sizes"]
@@ -94,23 +95,6 @@ class Replicas:
             return cls()
         groups = {j: dist.new_group(list(range(j * count, (j + 1) * count))) for j in range(world // count)}
         return cls(count, global_rank % count, groups)
-
-
-def replica_problem(batch: int, microbatches: int, replicas: int) -> str | None:
-    """Why a batch of ``batch`` rows cannot run as ``microbatches`` micro-batches over
-    ``replicas`` replicas (None when it can: equal micro-batches of at least ``replicas`` rows)."""
-    if replicas <= 1 or not batch:
-        return None
-    if batch % microbatches == 0 and batch // microbatches >= replicas:
-        return None
-    fits = [k for k in range(1, batch // replicas + 1) if batch % k == 0]
-    use = f"use --microbatches {', '.join(map(str, fits[:8]))}" + (" ..." if len(fits) > 8 else "")
-    if batch % microbatches:
-        return (f"with {replicas} replicas per stage the batch of {batch} must split into {microbatches} equal "
-                f"micro-batches; {use}")
-    mb = batch // microbatches
-    return (f"{replicas} replicas leave a replica without rows: a micro-batch of {mb} splits over at most {mb} "
-            f"replica{'s' if mb > 1 else ''}; {use}")
 
 
 def slice_sizes(rows: int, replicas: int) -> list[int]:

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from pipecc.errors import PipeccError, UsageError
+from pipecc.errors import PipeccError
 from pipecc.ir.schedule.actions import Schedule
 from pipecc.ir.schedule.chunks import chunk_bounds, overlapping
 from pipecc.runtime.handlers import Handler, RankParts
 from pipecc.runtime.ports import StagePorts
 
-__all__ = ["Reslicer", "check", "check_sizes", "folder_sizes", "handler"]
+__all__ = ["Reslicer", "check", "check_sizes", "handler"]
 
 
 def check(schedule: Schedule, modules: Sequence[Any], ports: Sequence[StagePorts], replicas: Any) -> None:
@@ -152,25 +152,6 @@ class Reslicer:
                          for x, p in zip(leaves, self._ports[s].in_leaves) if p.carries_grad]
                 ready.append((j, grads))
         return ready
-
-
-def folder_sizes(meta: dict[str, Any] | None, microbatches: int | None) -> list[list[int]] | None:
-    """A compiled folder's per-stage micro-batch sizes (``pipecc.json``'s ``microbatch_sizes``;
-    None: equal splits), refusing any ``--microbatches`` (``UsageError``; `pipecc.runtime.handlers`'
-    ``folder_sizes``)."""
-    sizes = (meta or {}).get("microbatch_sizes")
-    if sizes is None:
-        return None
-    if not isinstance(sizes, list) or not all(
-            isinstance(row, list) and row and all(isinstance(b, int) and not isinstance(b, bool) and b > 0
-                                                  for b in row) for row in sizes):
-        raise PipeccError(f"pipecc.json says microbatch_sizes {sizes!r}; compile again")
-    shown = " | ".join(" ".join(map(str, row)) for row in sizes)
-    # NOTE: which schedules run them is UMPIPE's rule, asked of the folder's plan (pipecc.runtime.admit)
-    if microbatches is not None:
-        raise UsageError(f"--microbatches {microbatches}: this folder splits the batch unequally per stage "
-                         f"({shown}); drop --microbatches, or compile again with equal micro-batches")
-    return sizes
 
 
 class _Reslicing(Handler):

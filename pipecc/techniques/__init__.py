@@ -122,10 +122,11 @@ LOWERING = tuple(sorted(TECHNIQUES, key=lambda technique: PHASES.index(technique
 
 
 def parts(layer: str) -> list[ModuleType]:
-    """Every technique's part of `layer` (``pipecc.techniques.<name>.<layer>``: "plan" the
-    driver's step, "runtime" the engine's handlers), in `TECHNIQUES` order, where it has one.
-    Only that layer's caller asks (the driver for "plan", the engine for "runtime"): importing a
-    part follows the layering the import test holds it to."""
+    """Every technique's part of `layer` (``pipecc.techniques.<name>.<layer>``: "search" and
+    "plan" the planner's and the driver's, "codegen" the torch backend's, "runtime" the engine's
+    and the loader's, "folder" the launcher's (torch-free), "schedule" the registry's, "report"
+    the report's), in `TECHNIQUES` order, where it has one. Only that layer's callers ask:
+    importing a part follows the layering the import test holds it to."""
     out = []
     for technique in TECHNIQUES:
         name = f"{technique.__name__}.{layer}"

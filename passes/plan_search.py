@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -73,11 +73,6 @@ def stage_seconds(cand: Candidate) -> list[float]:
     """[stage] forward + backward seconds of `cand`'s stages on their devices."""
     b, fwd, bwd = cand.part.bounds, np.asarray(cand.problem.fwd), np.asarray(cand.problem.bwd)
     return [float(fwd[k, b[k]:b[k + 1]].sum() + bwd[k, b[k]:b[k + 1]].sum()) for k in range(len(b) - 1)]
-
-
-def _hooks(name: str) -> list[Callable[..., Any]]:
-    """Every technique's `search` hook `name` (module docstring), in `TECHNIQUES` order."""
-    return [hook for part in techniques.parts("search") if (hook := getattr(part, name, None)) is not None]
 
 
 def _rank_key(c: Candidate) -> tuple[bool, float, int, int]:
@@ -165,13 +160,13 @@ class Planner:
 
     def run(self) -> tuple[Plan, Candidate]:
         ev = self.evaluator
-        for before in _hooks("before_search"):
+        for before in techniques.hooks("search", "before_search"):
             before(ev)
         results: list[Candidate] = []
         lost: list[dict[str, Any]] = []
         tried = self.candidates()
         names = list(dict.fromkeys(s for s, m, d in tried))
-        for keep in _hooks("schedules"):  # a technique that needs some schedules (BPipe forced: 1f1b)
+        for keep in techniques.hooks("search", "schedules"):  # a technique that needs some schedules (BPipe forced: 1f1b)
             names = keep(self.options, names)
         tried = [c for c in tried if c[0] in names]
         for schedule, m, d in tried:
@@ -193,7 +188,7 @@ class Planner:
         if not results:
             reason = lost[0]["reason"] if lost else "no candidate"
             if lost:  # a technique's way out, e.g. would recomputing activations fit it?
-                for nothing_fits in _hooks("nothing_fits"):
+                for nothing_fits in techniques.hooks("search", "nothing_fits"):
                     reason = nothing_fits(ev, lost[0]["schedule"], lost[0]["microbatches"], reason,
                                           lost[0].get("replicas", 1))
             if "on-chip BRAM" in reason:
@@ -209,7 +204,7 @@ class Planner:
         """The candidate (schedule, m, d replicas): the first technique's `candidate` hook that
         gives one (module docstring), else the evaluator's plain candidate. InfeasibleError
         when nothing fits."""
-        for candidate in _hooks("candidate"):
+        for candidate in techniques.hooks("search", "candidate"):
             cand = candidate(self.evaluator, schedule, m, d)
             if cand is not None:
                 return cand

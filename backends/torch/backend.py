@@ -18,7 +18,7 @@ from torch import nn
 
 from pipecc.backends.base import Backend, Target, Writer
 from pipecc.backends.torch.compile import pipelined_module
-from pipecc.backends.torch.hooks import hooks
+from pipecc.techniques import hooks
 from pipecc.backends.torch.inplace import check_in_place
 from pipecc.ir.graph import AnnotatedGraph
 from pipecc.ir.plan import Plan
@@ -34,7 +34,7 @@ class TorchBackend(Backend):
         # NOTE: the techniques' scope (replicas, Bi-Partition, ...) the driver asked already
         # (`pipecc.techniques.requires` with this backend's capabilities)
         check_in_place(graph, stages)  # in-place writes to received values the stages can make
-        for check in hooks("check"):  # a technique's generated code (Bi-Partition's pieces: tied weights, boundaries)
+        for check in hooks("codegen", "check"):  # a technique's generated code (Bi-Partition's pieces: tied weights, boundaries)
             check(graph, plan)
         return None  # every graph node has a torch form; cut_stages checked the placement
 
@@ -45,7 +45,7 @@ class TorchBackend(Backend):
     def notes(self, plan: Plan, out: str | Path | None = None) -> list[str]:
         # a technique's words on what it wrote (Bi-Partition: a traced saved-tensor payload far
         # from the plan's figure; a note only)
-        return [note for notes in hooks("notes") for note in notes(plan, out)] if out is not None else []
+        return [note for notes in hooks("codegen", "notes") for note in notes(plan, out)] if out is not None else []
 
     def module(self, model: nn.Module, graph: AnnotatedGraph, plan: Plan, stages: Sequence[Any],
                target: Target) -> nn.Module:

@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipecc.backends.torch import lower_modules, render
-from pipecc.backends.torch.hooks import first_answer
+from pipecc.techniques import first_answer
 from pipecc.backends.torch.inplace import written_inputs
 from pipecc.backends.torch.names import RESERVED, Identifiers, is_plain_identifier, literal, text
 from pipecc.backends.torch.stages import Port, Stage, ports_json
@@ -76,7 +76,7 @@ def generate_stage(stage: Stage, model_name: str, stage_index: int | None = None
     """The source and tensors of a stage's module, class `Stage<index>` unless `class_name`
     (a Bi-Partition segment is a `Segment<boundary>`, `techniques.bipartition.codegen`)."""
     index = stage.index if stage_index is None else stage_index
-    emitter = _Emitter(stage, first_answer("forward_wrapper", written_as(int(index), recompute)))
+    emitter = _Emitter(stage, first_answer("codegen", "forward_wrapper", written_as(int(index), recompute)))
     emitter.run()
     cls = class_name or f"Stage{int(index)}"
     header = _header(stage, emitter, model_name, index, device_desc, num_stages, title=class_name)

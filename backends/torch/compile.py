@@ -62,7 +62,7 @@ import torch
 from pipecc import progress
 
 from pipecc.backends.torch.codegen import write_stage, written_as
-from pipecc.backends.torch.hooks import first_answer, hooks
+from pipecc.techniques import first_answer, hooks
 from pipecc.backends.torch.inplace import ClonesInputs, written_inputs
 from pipecc.backends.torch.manifest import CACHE, LAYOUT, pipecc_wrote, sign  # noqa: F401 (CACHE, LAYOUT: re-exported)
 from pipecc.backends.torch.stages import Stage, plan_as_cut, ports_json
@@ -163,7 +163,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     # NOTE: the techniques' scope the driver asked before any stage was cut
     # (`pipecc.techniques.requires`); here only what the folder records is derived
     fields: dict[str, Any] = {}
-    for marker_fields in hooks("marker_fields"):  # each technique's entries, checked (UMPIPE's sizes, ...)
+    for marker_fields in hooks("codegen", "marker_fields"):  # each technique's entries, checked (UMPIPE's sizes, ...)
         fields.update(marker_fields(plan))
     (tmp / "plan.json").write_text(plan_as_cut(plan, graph).dumps(), encoding="utf-8")  # the stage.py's nodes
     # NOTE: first, so that a stage calling a model-file function loads here too (segment tracing):
@@ -194,7 +194,7 @@ def _write_all(tmp: Path, graph: AnnotatedGraph, plan: Plan, stages: Sequence[St
     (tmp / SCHEDULE_FILE).write_text(schedule_text(schedule) + "\n", encoding="utf-8")
     # a technique that writes the stage folders itself (Bi-Partition: cores and segments per worker)
     written = any(write_stages(tmp, graph, plan, stages, lambda d: _device_desc(plan, d))
-                  for write_stages in hooks("write_stages"))
+                  for write_stages in hooks("codegen", "write_stages"))
     for stage, planned in zip(stages, plan.stages):
         if written:
             break
@@ -451,7 +451,7 @@ def pipelined_module(model: torch.nn.Module, stages: Sequence[Stage], *, microba
     for k, s in enumerate(stages):
         written = written_inputs(s.gm)
         module = ClonesInputs(s.gm, written) if written else s.gm
-        wrapped = first_answer("wrap_module", module, written_as(k, recompute[k])) if k < len(recompute) else None
+        wrapped = first_answer("codegen", "wrap_module", module, written_as(k, recompute[k])) if k < len(recompute) else None
         modules.append(module if wrapped is None else wrapped)
     return PipelinedModule(modules, ports, owner=model, microbatches=microbatches, devices=devices,
                            precision=precision)

@@ -7,7 +7,7 @@ from typing import Any
 from pipecc.ir.plan import Plan
 from pipecc.report.figures import bottleneck_note, bottleneck_stage, cost_basis, first_last
 from pipecc.report.formatting import count, fit_table, human, seconds, seconds_in_text, text_table, wrap
-from pipecc.techniques import parts as technique_parts
+from pipecc.techniques import first_answer, parts as technique_parts
 
 
 def technique_lines(plan: Plan, verbose: bool = False) -> tuple[list[str], tuple[str, ...]]:
@@ -28,11 +28,7 @@ def technique_answer(hook: str, *args: Any) -> Any:
     """The first answer other than None of the techniques' report parts that define the
     optional `hook` (e.g. `pipecc.techniques.umpipe.report`'s: ``batch_split``, ``timeline``),
     in `pipecc.techniques.TECHNIQUES` order; None when none answers."""
-    for part in technique_parts("report"):
-        answer = getattr(part, hook)(*args) if hasattr(part, hook) else None
-        if answer is not None:
-            return answer
-    return None
+    return first_answer("report", hook, *args)
 
 
 def technique_labelled(plan: Plan) -> list[tuple[str, str]]:

@@ -188,9 +188,8 @@ def find_stage_dirs(out: Path) -> list[Path]:
 def _technique_answer(hook: str, *args: Any) -> Any:
     """What the techniques' folder parts answer of the folder (``pipecc.techniques``' ``folder.*``
     hooks; torch-free, as `pipecc run`'s launcher needs: their runtime parts import torch)."""
-    from pipecc.runtime.handlers import part_answer
-    from pipecc.techniques import parts
-    return part_answer(parts("folder"), hook, *args)
+    from pipecc.techniques import first_answer
+    return first_answer("folder", hook, *args)
 
 
 @dataclass(frozen=True)

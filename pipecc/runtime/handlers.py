@@ -48,7 +48,7 @@ and, once the rank's runtime is built, `pipecc.runtime.distributed.DistributedPi
                                      not None) on a rank whose stage modules cannot run under it
                                      (Bi-Partition's workers; one-line PipeccError)
 
-The compiled-folder loader asks the runtime part, each optional (`part_answer`: the first
+The compiled-folder loader asks the runtime part, each optional (`pipecc.techniques.first_answer`: the first
 answer other than None; `setup`: every part's); the folder's facts in pipecc.json
 (``folder_sizes``, ``folder_balancing``) are the techniques' torch-free ``folder`` parts'
 (`pipecc.runtime.folder.CompiledFolder.sizes_for`, `CompiledFolder.activation_balancing`):
@@ -70,7 +70,7 @@ from typing import Any
 
 from pipecc.ir.schedule.actions import Action, ActionKind, Schedule
 
-__all__ = ["Handler", "RankParts", "captured", "first_answer", "part_answer", "setup"]
+__all__ = ["Handler", "RankParts", "captured", "first_answer", "setup"]
 
 
 @dataclass(frozen=True)
@@ -141,15 +141,6 @@ def setup(parts: Sequence[ModuleType], hook: str, *args: Any) -> list[Any]:
     """The answers of every runtime part that defines the module-level `hook`, in order."""
     return [getattr(part, hook)(*args) for part in parts if hasattr(part, hook)]
 
-
-def part_answer(parts: Sequence[ModuleType], hook: str, *args: Any) -> Any:
-    """The first answer other than None of the runtime parts that define the module-level `hook`, or None."""
-    for part in parts:
-        ask = getattr(part, hook, None)
-        answer = None if ask is None else ask(*args)
-        if answer is not None:
-            return answer
-    return None
 
 
 def captured(handlers: Sequence[Handler], stage: int, microbatch: int,

@@ -37,8 +37,7 @@ from pipecc.errors import PipeccError
 # a folder checked without running its code, or torch (`pipecc run`'s launcher): re-exported here
 from pipecc.runtime.folder_check import RECOMPILE, check_folder, check_weights_file, gist  # noqa: F401
 from pipecc.runtime.folder import read_checked
-from pipecc.runtime.handlers import part_answer
-from pipecc.techniques import parts as technique_parts
+from pipecc.techniques import first_answer
 
 
 
@@ -54,7 +53,7 @@ def load_stage(stage_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     module = build_module(folder, "stage.py", str(ports.get("class", f"Stage{ports.get('stage')}")))
     load_weights(module, folder / "weights.safetensors")
     # a technique's stage module around the generated one (Bi-Partition's workers: core + segments)
-    built = part_answer(technique_parts("runtime"), "load_stage", folder, module, ports)
+    built = first_answer("runtime", "load_stage", folder, module, ports)
     return (module if built is None else built), ports
 
 

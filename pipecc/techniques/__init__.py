@@ -102,7 +102,8 @@ from pipecc.ir.plan import Plan, StagePlan
 from pipecc.techniques import bipartition, bpipe, recompute, replicas, umpipe, zero_bubble
 from pipecc.techniques.capabilities import COMPILED, DROP_IN, Capabilities
 
-__all__ = ["LOWERING", "PHASES", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "lower", "parts", "requires",
+__all__ = ["LOWERING", "PHASES", "TECHNIQUES", "Capabilities", "COMPILED", "DROP_IN", "first_answer", "hooks", "lower",
+           "parts", "requires",
            "schedule_of", "sketch"]
 
 TECHNIQUES = (umpipe, bpipe, bipartition, recompute, replicas, zero_bubble)
@@ -133,6 +134,21 @@ def parts(layer: str) -> list[ModuleType]:
         if importlib.util.find_spec(name) is not None:
             out.append(importlib.import_module(name))
     return out
+
+
+def hooks(layer: str, name: str) -> list[Any]:
+    """The optional hook `name` of every technique's part of `layer` that defines it, in
+    `TECHNIQUES` order: how a shared module asks a technique, never by its name."""
+    return [hook for part in parts(layer) if (hook := getattr(part, name, None)) is not None]
+
+
+def first_answer(layer: str, name: str, *args: Any) -> Any:
+    """The first answer other than None of the hooks `name` of `layer`'s parts (`hooks`), or None."""
+    for hook in hooks(layer, name):
+        answer = hook(*args)
+        if answer is not None:
+            return answer
+    return None
 
 
 def requires(plan: Plan, caps: Capabilities = COMPILED) -> str | None:

@@ -45,12 +45,12 @@ from pipecc.passes.batchdim_ops import (
     _LOSSES, _MOVES, _PADS, _PER_SAMPLE_MODULES, _PER_SAMPLE, _REDUCTIONS, _SHAPE_READS, _VIEWS, _arg,
     _factor, _flat, _is_index_use, _region_writes)
 # the walk's state and the facts it follows across nodes (views, routing); its finding
-from pipecc.passes.batchdim_mixing import Mixing, pieces  # torch-free: `pipecc run` refuses with them
+from pipecc.passes.batchdim_mixing import Mixing  # torch-free: `pipecc run` refuses with them
 from pipecc.passes.batchdim_track import BatchTracker, _Found
 
 META_MIXING = "pipecc.batch_mixing"  # graph module meta: find_mixing's finding, for the folder
 
-__all__ = ["META_MIXING", "Mixing", "find_mixing", "pieces"]
+__all__ = ["META_MIXING", "Mixing", "find_mixing"]
 
 
 def find_mixing(graph: AnnotatedGraph, *, training: bool = True) -> Mixing | None:

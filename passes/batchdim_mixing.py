@@ -1,13 +1,14 @@
 """The batch walk's finding (``Mixing``: the first node that would compute something else over
-micro-batches) and how a run splits the batch in words (``pieces``), without torch or sympy:
-``pipecc run``'s launcher refuses a folder's recorded ``batch_mixing`` with them before any
-process starts. The walk itself is ``pipecc.passes.batchdim`` (which re-exports both)."""
+micro-batches), without torch or sympy: ``pipecc run``'s launcher refuses a folder's recorded
+``batch_mixing`` with it (and ``pipecc.runtime.loss_kinds.split_words``, how the run splits the
+batch in words) before any process starts. The walk itself is ``pipecc.passes.batchdim`` (which
+re-exports it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Mixing", "pieces"]
+__all__ = ["Mixing"]
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,3 @@ class Mixing:
         return (f"node {self.node} {self.why}, so splitting the batch into {pieces} would change "
                 f"the model's results; use microbatches=1 (-m 1) with no replicas{extra}")
 
-
-def pieces(microbatches: int, replicas: int = 1) -> str:
-    """How a plan splits the batch, in words ("2 micro-batches and 2 replicas"); "" when it
-    does not (one micro-batch, no replicas: nothing to refuse)."""
-    parts = [f"{microbatches} micro-batches"] if microbatches > 1 else []
-    parts += [f"{replicas} replicas"] if replicas > 1 else []
-    return " and ".join(parts)

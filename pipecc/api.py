@@ -106,12 +106,13 @@ def load(out_dir: Any, *, devices: Sequence[str | torch.device] | None = None,
     plan.json (a `pipecc.ir.plan.Plan`), as for `pipecc.compile`."""
     from pathlib import Path
 
-    from pipecc.passes.batchdim_mixing import Mixing, pieces
+    from pipecc.passes.batchdim_mixing import Mixing
+    from pipecc.runtime.loss_kinds import split_words
     from pipecc.runtime.folder import CompiledFolder
     folder = None
     try:  # a model whose nodes mix samples (found at compile): no split batch here either
         folder = CompiledFolder.open(out_dir)
-        found, split = folder.marker.get("batch_mixing"), pieces(folder.run_microbatches(microbatches))
+        found, split = folder.marker.get("batch_mixing"), split_words(folder.run_microbatches(microbatches))
     except PipeccError:  # the loader below says what is wrong with the folder
         found, split = None, ""
     if isinstance(found, dict) and split and set(found) <= {"node", "why", "fix"}:

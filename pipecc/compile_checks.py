@@ -125,11 +125,12 @@ def separable(graph: AnnotatedGraph, plan: Plan, replicas: int) -> None:
     mix samples (`pipecc.passes.batchdim`); the finding is kept for the compiled folder
     (`pipecc.json`'s `batch_mixing`: `pipecc run -m N` asks it again)."""
     from pipecc.passes import batchdim
+    from pipecc.runtime.loss_kinds import split_words
     found = batchdim.find_mixing(graph, training=plan.schedule != "inference")
     graph.gm.meta[batchdim.META_MIXING] = found
-    pieces = batchdim.pieces(plan.microbatches, replicas)
-    if found is not None and pieces:
-        raise PipeccError(found.message(pieces))
+    split = split_words(plan.microbatches, replicas)
+    if found is not None and split:
+        raise PipeccError(found.message(split))
 
 
 def strict_batchnorm_message(note: str, replicas: int = 1) -> str:

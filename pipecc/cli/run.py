@@ -289,10 +289,10 @@ def _check_run(args: argparse.Namespace, folder: CompiledFolder, specs: list[dic
 def _check_separable(marker: dict[str, Any], m: int, replicas: int) -> None:
     """A run that splits the batch of a model whose nodes mix samples (pipecc.json's
     ``batch_mixing``, found at compile): refused in one line naming the node."""
-    from pipecc.passes.batchdim_mixing import Mixing, pieces
-    from pipecc.runtime.loss_kinds import check_run
+    from pipecc.passes.batchdim_mixing import Mixing
+    from pipecc.runtime.loss_kinds import check_run, split_words
     check_run(marker, m, replicas)  # a loss_fn that mixes samples (found at compile)
-    found, split = marker.get("batch_mixing"), pieces(m, replicas)
+    found, split = marker.get("batch_mixing"), split_words(m, replicas)
     if isinstance(found, dict) and split:
         try:
             mixing = Mixing(**{k: str(v) for k, v in found.items()})
